@@ -1,0 +1,43 @@
+# Hora's entry points. `make demo` and `make test` do all the set-up a fresh machine needs
+# (PyTorch 2.11.0 for libtorch, cached outside the checkout; see scripts/setup-libtorch.sh).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+
+# Puts libtorch where torch-sys finds it (and prints nothing else).
+TORCH_ENV := eval "$$(scripts/setup-libtorch.sh --print-env)"
+NEXTEST_PROFILE ?= $(if $(CI),ci,default)
+
+.PHONY: demo test bench lint deps-check setup
+
+## Set up libtorch (idempotent; seconds once installed).
+setup:
+	@scripts/setup-libtorch.sh
+
+## One federated round through the shared pipeline (seal, open, validate, fold, publish).
+demo:
+	cargo run --release --example averaging
+
+## Every test, then the dependency policy. The binaries and examples are built first: the
+## cross-process tests in tests/ run them.
+test:
+	@$(TORCH_ENV); \
+	cargo build --workspace --bins --examples; \
+	if cargo nextest --version >/dev/null 2>&1; then \
+		cargo nextest run --workspace --all-targets --profile $(NEXTEST_PROFILE); \
+	else \
+		cargo test --workspace --all-targets; \
+	fi
+	@scripts/check-deps.sh
+
+## Benchmarks that print ratios against baselines measured in the same run.
+bench:
+	cargo bench -p hora-common --bench kernel
+	cargo bench -p hora-common --bench envelope
+
+## Formatting and clippy, warnings as errors.
+lint:
+	cargo fmt --all -- --check
+	@$(TORCH_ENV); cargo clippy --workspace --all-targets -- -D warnings
+
+deps-check:
+	@scripts/check-deps.sh

@@ -1,0 +1,1 @@
+//! Hora umbrella package.
