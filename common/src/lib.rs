@@ -1,0 +1,23 @@
+//! hora-common: what the Hora server, the client SDK and the synchronous allreduce mode share.
+//!
+//! - [`model`]: the model format — named f32 tensors in one flat buffer, safetensors in and out
+//!   (f16/bf16 widened), a SHA-256 digest, validation against a [`model::ModelSpec`], and size
+//!   limits checked before anything is allocated.
+//! - [`envelope`]: how a client's delta travels — sealed to the round's X25519 key (HKDF-SHA256,
+//!   AES-256-GCM) and bound to task, round, client and base model.
+//! - [`kernel`]: the averaging kernel — a running weighted sum (`add`, `merge`, `finish`) on the
+//!   CPU at memory bandwidth. Its libtorch backend is the sibling crate `hora-common-tch`
+//!   (`common/tch/`), so that the server, which depends on this crate, never links libtorch.
+//! - [`wire`]: the JSON types of the client (`/v1`) and admin (`/admin/v1`) APIs.
+//!
+//! A round on the server reads top to bottom through these: an upload is [`envelope::open`]ed,
+//! parsed with [`model::Model::from_safetensors`] under the task's [`model::ModelSpec::limits`],
+//! checked with [`model::ModelSpec::check`] and [`model::Model::check_finite`], and folded with
+//! [`kernel::WeightedSum::add`]; the round's result is [`kernel::WeightedSum::finish`].
+
+pub mod envelope;
+pub mod kernel;
+pub mod model;
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
+pub mod wire;

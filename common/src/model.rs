@@ -1,0 +1,945 @@
+//! The model format: named tensors held as one flat `f32` buffer, read from and written to
+//! safetensors, identified by a SHA-256 digest and validated against a [`ModelSpec`].
+//!
+//! Why one flat buffer: every consumer of a model in Hora works on all of its parameters at once.
+//! The averaging kernel folds an update into a running sum element by element, the envelope seals
+//! the bytes of a whole delta, and the allreduce ring fuses tensors into large buffers anyway. With
+//! the tensors laid end to end (sorted by name, so one spec always gives one layout) each of those
+//! is a single pass over a slice, and two models with the same spec line up element for element.
+//!
+//! Input from outside (an upload, a file an operator names) is untrusted. [`Model::from_safetensors`]
+//! checks every size against [`Limits`] *before* it allocates: the header length, the tensor count,
+//! each tensor's rank and element count, and the total, all with checked arithmetic.
+//!
+//! Storage dtypes: f32 is read as is; f16 and bf16 are widened to f32 on load. Models are written
+//! as f32. The dtype a tensor had on the wire is kept in [`TensorInfo::dtype`] so a spec can insist
+//! on it.
+
+use std::fmt;
+use std::path::Path;
+
+use ring::digest;
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+#[cfg(not(target_endian = "little"))]
+compile_error!(
+    "hora-common assumes a little-endian target (safetensors stores little-endian data)"
+);
+
+/// The storage type of a tensor on the wire. In memory every tensor is f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    /// Bytes per element on the wire.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    fn from_safetensors(dtype: StDtype) -> Option<Self> {
+        match dtype {
+            StDtype::F32 => Some(DType::F32),
+            StDtype::F16 => Some(DType::F16),
+            StDtype::BF16 => Some(DType::BF16),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        })
+    }
+}
+
+/// Name, shape and wire dtype of one tensor: what a task promises its models look like.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+impl TensorSpec {
+    /// Number of elements (the product of the shape; 1 for a scalar).
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The tensors of a model, sorted by name with unique names. Two models with equal specs have
+/// the same flat layout.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "Vec<TensorSpec>", into = "Vec<TensorSpec>")]
+pub struct ModelSpec {
+    tensors: Vec<TensorSpec>,
+}
+
+impl ModelSpec {
+    /// Builds a spec, sorting by name. Fails on duplicate names or an element count that
+    /// overflows `usize`.
+    pub fn new(mut tensors: Vec<TensorSpec>) -> Result<Self, ModelError> {
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        for pair in tensors.windows(2) {
+            if pair[0].name == pair[1].name {
+                return Err(ModelError::DuplicateTensor(pair[0].name.clone()));
+            }
+        }
+        let mut total = 0usize;
+        for t in &tensors {
+            let n = checked_numel(&t.shape).ok_or_else(|| ModelError::TooLarge {
+                what: format!("tensor `{}`", t.name),
+                limit: usize::MAX as u64,
+            })?;
+            total = total.checked_add(n).ok_or_else(|| ModelError::TooLarge {
+                what: "model".into(),
+                limit: usize::MAX as u64,
+            })?;
+        }
+        Ok(ModelSpec { tensors })
+    }
+
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    /// Total number of parameters.
+    pub fn numel(&self) -> usize {
+        self.tensors.iter().map(TensorSpec::numel).sum()
+    }
+
+    /// Bytes the tensor data takes on the wire in the spec's dtypes.
+    pub fn wire_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| t.numel() as u64 * t.dtype.size() as u64)
+            .sum()
+    }
+
+    /// Checks that `model` has exactly this spec's tensors, shapes and dtypes.
+    pub fn check(&self, model: &Model) -> Result<(), ModelError> {
+        let mut theirs = model.tensors.iter().peekable();
+        for ours in &self.tensors {
+            // Both lists are sorted by name: walk them together.
+            if let Some(t) = theirs.peek().filter(|t| t.name < ours.name) {
+                return Err(ModelError::UnexpectedTensor(t.name.clone()));
+            }
+            match theirs.next_if(|t| t.name == ours.name) {
+                None => return Err(ModelError::MissingTensor(ours.name.clone())),
+                Some(t) if t.shape != ours.shape => {
+                    return Err(ModelError::ShapeMismatch {
+                        tensor: ours.name.clone(),
+                        expected: ours.shape.clone(),
+                        found: t.shape.clone(),
+                    })
+                }
+                Some(t) if t.dtype != ours.dtype => {
+                    return Err(ModelError::DTypeMismatch {
+                        tensor: ours.name.clone(),
+                        expected: ours.dtype,
+                        found: t.dtype,
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        match theirs.next() {
+            Some(extra) => Err(ModelError::UnexpectedTensor(extra.name.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Limits that admit this spec's models and nothing much larger: what a server applies to
+    /// uploads for a task.
+    pub fn limits(&self) -> Limits {
+        let header_allowance = 4096 + 256 * self.tensors.len() as u64;
+        Limits {
+            max_bytes: 8 + header_allowance + self.wire_bytes(),
+            max_header_bytes: header_allowance,
+            max_tensors: self.tensors.len(),
+            max_elements: self.numel() as u64,
+            max_rank: self
+                .tensors
+                .iter()
+                .map(|t| t.shape.len())
+                .max()
+                .unwrap_or(0),
+        }
+    }
+}
+
+impl TryFrom<Vec<TensorSpec>> for ModelSpec {
+    type Error = ModelError;
+    fn try_from(tensors: Vec<TensorSpec>) -> Result<Self, ModelError> {
+        ModelSpec::new(tensors)
+    }
+}
+
+impl From<ModelSpec> for Vec<TensorSpec> {
+    fn from(spec: ModelSpec) -> Self {
+        spec.tensors
+    }
+}
+
+/// Size limits applied to a model read from outside, all checked before allocating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Whole safetensors file or body, header included.
+    pub max_bytes: u64,
+    /// The JSON header.
+    pub max_header_bytes: u64,
+    pub max_tensors: usize,
+    /// Total elements over all tensors.
+    pub max_elements: u64,
+    pub max_rank: usize,
+}
+
+impl Default for Limits {
+    /// Generous limits for models an operator supplies: 8 GiB, a million tensors, 2^31 elements.
+    fn default() -> Self {
+        Limits {
+            max_bytes: 8 << 30,
+            max_header_bytes: 64 << 20,
+            max_tensors: 1 << 20,
+            max_elements: 1 << 31,
+            max_rank: 8,
+        }
+    }
+}
+
+/// Where one tensor sits in a [`Model`]'s flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// The dtype the tensor had where it was read from (f32 for models built in memory).
+    pub dtype: DType,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// Named f32 tensors laid end to end in one buffer, sorted by name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Model {
+    tensors: Vec<TensorInfo>,
+    data: Vec<f32>,
+}
+
+impl Model {
+    /// A model of zeros with `spec`'s layout.
+    pub fn zeros(spec: &ModelSpec) -> Self {
+        Model {
+            tensors: spec_layout(spec),
+            data: vec![0.0; spec.numel()],
+        }
+    }
+
+    /// Builds a model from `(name, shape, values)` triples (stored as f32).
+    pub fn from_tensors<I, S>(tensors: I) -> Result<Self, ModelError>
+    where
+        I: IntoIterator<Item = (S, Vec<usize>, Vec<f32>)>,
+        S: Into<String>,
+    {
+        let mut items: Vec<(String, Vec<usize>, Vec<f32>)> = tensors
+            .into_iter()
+            .map(|(n, s, v)| (n.into(), s, v))
+            .collect();
+        items.sort_by(|a, b| a.0.cmp(&b.0));
+        let spec = ModelSpec::new(
+            items
+                .iter()
+                .map(|(name, shape, _)| TensorSpec {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    dtype: DType::F32,
+                })
+                .collect(),
+        )?;
+        for (name, shape, values) in &items {
+            let expected = shape.iter().product::<usize>();
+            if values.len() != expected {
+                return Err(ModelError::Malformed(format!(
+                    "tensor `{name}` has shape {shape:?} ({expected} elements) but {} values",
+                    values.len()
+                )));
+            }
+        }
+        let mut model = Model::zeros(&spec);
+        for ((_, _, values), info) in items.iter().zip(&model.tensors) {
+            model.data[info.offset..info.offset + info.len].copy_from_slice(values);
+        }
+        Ok(model)
+    }
+
+    /// Wraps a flat buffer laid out as `spec` says.
+    pub fn from_flat(spec: &ModelSpec, data: Vec<f32>) -> Result<Self, ModelError> {
+        if data.len() != spec.numel() {
+            return Err(ModelError::Malformed(format!(
+                "flat buffer has {} values but the spec has {}",
+                data.len(),
+                spec.numel()
+            )));
+        }
+        Ok(Model {
+            tensors: spec_layout(spec),
+            data,
+        })
+    }
+
+    /// The spec this model satisfies (names, shapes and the dtypes it was read with).
+    pub fn spec(&self) -> ModelSpec {
+        ModelSpec {
+            tensors: self
+                .tensors
+                .iter()
+                .map(|t| TensorSpec {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    dtype: t.dtype,
+                })
+                .collect(),
+        }
+    }
+
+    /// Whether `self` and `other` have the same names and shapes (dtypes aside), so their flat
+    /// buffers line up element for element.
+    pub fn same_layout(&self, spec: &ModelSpec) -> bool {
+        self.tensors.len() == spec.tensors.len()
+            && self
+                .tensors
+                .iter()
+                .zip(&spec.tensors)
+                .all(|(a, b)| a.name == b.name && a.shape == b.shape)
+    }
+
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// The values of tensor `name`, if there is one.
+    pub fn tensor(&self, name: &str) -> Option<&[f32]> {
+        let i = self
+            .tensors
+            .binary_search_by(|t| t.name.as_str().cmp(name))
+            .ok()?;
+        let t = &self.tensors[i];
+        Some(&self.data[t.offset..t.offset + t.len])
+    }
+
+    /// All parameters, tensor after tensor in name order.
+    pub fn data(&self) -> &[f32] {
+        &self.data
+    }
+
+    pub fn data_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+
+    pub fn into_data(self) -> Vec<f32> {
+        self.data
+    }
+
+    /// Total number of parameters.
+    pub fn numel(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Fails on the first NaN or infinity, naming the tensor and the element.
+    pub fn check_finite(&self) -> Result<(), ModelError> {
+        // Cheap scan first (vectorises); locate the culprit only when there is one.
+        if self.data.iter().all(|v| v.is_finite()) {
+            return Ok(());
+        }
+        for t in &self.tensors {
+            let values = &self.data[t.offset..t.offset + t.len];
+            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+                return Err(ModelError::NonFinite {
+                    tensor: t.name.clone(),
+                    index,
+                    value: values[index],
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// SHA-256 over a canonical encoding of names, shapes and values: equal models have equal
+    /// digests however their files were laid out.
+    pub fn digest(&self) -> ModelDigest {
+        let mut ctx = digest::Context::new(&digest::SHA256);
+        ctx.update(b"hora-model-v1\0");
+        ctx.update(&(self.tensors.len() as u64).to_le_bytes());
+        for t in &self.tensors {
+            ctx.update(&(t.name.len() as u64).to_le_bytes());
+            ctx.update(t.name.as_bytes());
+            ctx.update(&(t.shape.len() as u64).to_le_bytes());
+            for d in &t.shape {
+                ctx.update(&(*d as u64).to_le_bytes());
+            }
+            ctx.update(f32_bytes(&self.data[t.offset..t.offset + t.len]));
+        }
+        let mut out = [0u8; 32];
+        out.copy_from_slice(ctx.finish().as_ref());
+        ModelDigest(out)
+    }
+
+    /// Parses safetensors bytes, checking `limits` before allocating. f16/bf16 are widened.
+    pub fn from_safetensors(bytes: &[u8], limits: &Limits) -> Result<Self, ModelError> {
+        if bytes.len() as u64 > limits.max_bytes {
+            return Err(ModelError::TooLarge {
+                what: "model file".into(),
+                limit: limits.max_bytes,
+            });
+        }
+        let header_len = bytes
+            .get(..8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .ok_or_else(|| {
+                ModelError::Malformed("shorter than the 8-byte safetensors header length".into())
+            })?;
+        if header_len > limits.max_header_bytes {
+            return Err(ModelError::TooLarge {
+                what: "safetensors header".into(),
+                limit: limits.max_header_bytes,
+            });
+        }
+        if header_len > bytes.len() as u64 - 8 {
+            return Err(ModelError::Malformed(format!(
+                "header claims {header_len} bytes but only {} follow",
+                bytes.len() - 8
+            )));
+        }
+        let st =
+            SafeTensors::deserialize(bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
+        if st.len() > limits.max_tensors {
+            return Err(ModelError::TooLarge {
+                what: format!("tensor count ({})", st.len()),
+                limit: limits.max_tensors as u64,
+            });
+        }
+
+        // Check every tensor's metadata and the total before allocating the buffer.
+        let mut metas = Vec::with_capacity(st.len());
+        let mut total: u64 = 0;
+        for (name, view) in st.iter() {
+            let dtype = DType::from_safetensors(view.dtype()).ok_or_else(|| {
+                ModelError::UnsupportedDType {
+                    tensor: name.to_string(),
+                    dtype: format!("{:?}", view.dtype()),
+                }
+            })?;
+            if view.shape().len() > limits.max_rank {
+                return Err(ModelError::TooLarge {
+                    what: format!("rank of tensor `{name}` ({})", view.shape().len()),
+                    limit: limits.max_rank as u64,
+                });
+            }
+            let numel = checked_numel(view.shape()).ok_or_else(|| ModelError::TooLarge {
+                what: format!("tensor `{name}`"),
+                limit: limits.max_elements,
+            })?;
+            total = total
+                .checked_add(numel as u64)
+                .filter(|t| *t <= limits.max_elements)
+                .ok_or_else(|| ModelError::TooLarge {
+                    what: "total element count".into(),
+                    limit: limits.max_elements,
+                })?;
+            if view.data().len() != numel * dtype.size() {
+                return Err(ModelError::Malformed(format!(
+                    "tensor `{name}`: {} data bytes for shape {:?} of {dtype}",
+                    view.data().len(),
+                    view.shape()
+                )));
+            }
+            metas.push((name.to_string(), view.shape().to_vec(), dtype, view));
+        }
+        metas.sort_by(|a, b| a.0.cmp(&b.0));
+
+        let tensors = layout(metas.iter().map(|(n, s, d, _)| (n.clone(), s.clone(), *d)));
+        let mut data = Vec::with_capacity(total as usize);
+        for (_, _, dtype, view) in &metas {
+            widen_into(*dtype, view.data(), &mut data);
+        }
+        Ok(Model { tensors, data })
+    }
+
+    /// Reads a safetensors file, checking its size against `limits` before reading it.
+    pub fn read_file(path: &Path, limits: &Limits) -> Result<Self, ModelError> {
+        let io = |source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let len = std::fs::metadata(path).map_err(io)?.len();
+        if len > limits.max_bytes {
+            return Err(ModelError::TooLarge {
+                what: format!("model file {}", path.display()),
+                limit: limits.max_bytes,
+            });
+        }
+        let bytes = std::fs::read(path).map_err(io)?;
+        Model::from_safetensors(&bytes, limits).map_err(|e| e.in_file(path))
+    }
+
+    /// Serialises as safetensors (f32, little-endian).
+    pub fn to_safetensors(&self) -> Vec<u8> {
+        let views = self.tensors.iter().map(|t| {
+            let bytes = f32_bytes(&self.data[t.offset..t.offset + t.len]);
+            let view = TensorView::new(StDtype::F32, t.shape.clone(), bytes)
+                .expect("layout matches data by construction");
+            (t.name.as_str(), view)
+        });
+        safetensors::serialize(views, None).expect("serialising in-memory f32 tensors cannot fail")
+    }
+
+    /// Writes the safetensors serialisation to `path` (not atomically; the server's store does that).
+    pub fn write_file(&self, path: &Path) -> Result<(), ModelError> {
+        std::fs::write(path, self.to_safetensors()).map_err(|source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+}
+
+/// SHA-256 of a model's canonical encoding; shown and serialised as lowercase hex.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ModelDigest(pub [u8; 32]);
+
+impl ModelDigest {
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    pub fn from_hex(s: &str) -> Result<Self, ModelError> {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out)
+            .map_err(|_| ModelError::Malformed(format!("`{s}` is not a 64-digit hex digest")))?;
+        Ok(ModelDigest(out))
+    }
+}
+
+impl fmt::Display for ModelDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl fmt::Debug for ModelDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ModelDigest({})", self.to_hex())
+    }
+}
+
+impl Serialize for ModelDigest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for ModelDigest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ModelDigest::from_hex(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// What can be wrong with a model.
+#[derive(Debug, Error)]
+pub enum ModelError {
+    #[error("malformed safetensors: {0}")]
+    Malformed(String),
+    #[error("{what} exceeds the limit of {limit}")]
+    TooLarge { what: String, limit: u64 },
+    #[error("tensor `{tensor}` has dtype {dtype}; only f32, f16 and bf16 are supported")]
+    UnsupportedDType { tensor: String, dtype: String },
+    #[error("tensor `{0}` appears twice")]
+    DuplicateTensor(String),
+    #[error("tensor `{0}` is missing")]
+    MissingTensor(String),
+    #[error("tensor `{0}` is not part of the model")]
+    UnexpectedTensor(String),
+    #[error("tensor `{tensor}` has shape {found:?}, expected {expected:?}")]
+    ShapeMismatch {
+        tensor: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("tensor `{tensor}` has dtype {found}, expected {expected}")]
+    DTypeMismatch {
+        tensor: String,
+        expected: DType,
+        found: DType,
+    },
+    #[error("tensor `{tensor}` holds a non-finite value ({value}) at element {index}")]
+    NonFinite {
+        tensor: String,
+        index: usize,
+        value: f32,
+    },
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    InFile {
+        path: String,
+        source: Box<ModelError>,
+    },
+}
+
+impl ModelError {
+    fn in_file(self, path: &Path) -> Self {
+        ModelError::InFile {
+            path: path.display().to_string(),
+            source: Box::new(self),
+        }
+    }
+}
+
+fn spec_layout(spec: &ModelSpec) -> Vec<TensorInfo> {
+    layout(
+        spec.tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone(), t.dtype)),
+    )
+}
+
+/// Offsets for tensors given in name order.
+fn layout(tensors: impl Iterator<Item = (String, Vec<usize>, DType)>) -> Vec<TensorInfo> {
+    let mut offset = 0;
+    tensors
+        .map(|(name, shape, dtype)| {
+            let len = shape.iter().product();
+            let info = TensorInfo {
+                name,
+                shape,
+                dtype,
+                offset,
+                len,
+            };
+            offset += len;
+            info
+        })
+        .collect()
+}
+
+fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+}
+
+/// The little-endian bytes of an f32 slice (the target is little-endian: see the top of the file).
+pub(crate) fn f32_bytes(values: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(values)
+}
+
+fn widen_into(dtype: DType, bytes: &[u8], out: &mut Vec<f32>) {
+    match dtype {
+        DType::F32 => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        ),
+        DType::F16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        ),
+        DType::BF16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Model {
+        Model::from_tensors([
+            (
+                "layer.weight",
+                vec![2, 3],
+                vec![1.0, -2.0, 3.5, 0.25, 1e-8, -7.0],
+            ),
+            ("layer.bias", vec![2], vec![0.5, -0.5]),
+            ("scale", vec![], vec![3.0]),
+        ])
+        .unwrap()
+    }
+
+    fn raw_safetensors(tensors: &[(&str, StDtype, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+        let views: Vec<_> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize(views, None).unwrap()
+    }
+
+    #[test]
+    fn layout_is_sorted_by_name_and_flat() {
+        let m = sample();
+        let names: Vec<_> = m.tensors().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["layer.bias", "layer.weight", "scale"]);
+        assert_eq!(
+            m.data(),
+            &[0.5, -0.5, 1.0, -2.0, 3.5, 0.25, 1e-8, -7.0, 3.0]
+        );
+        assert_eq!(m.tensor("scale"), Some(&[3.0][..]));
+        assert_eq!(m.tensor("nope"), None);
+    }
+
+    #[test]
+    fn safetensors_round_trip_preserves_values_and_digest() {
+        let m = sample();
+        let bytes = m.to_safetensors();
+        let back = Model::from_safetensors(&bytes, &Limits::default()).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(back.digest(), m.digest());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        m.write_file(&path).unwrap();
+        assert_eq!(Model::read_file(&path, &Limits::default()).unwrap(), m);
+    }
+
+    #[test]
+    fn digest_depends_on_values_names_and_shapes() {
+        let m = sample();
+        let mut changed = m.clone();
+        changed.data_mut()[4] = 0.26;
+        assert_ne!(changed.digest(), m.digest());
+        let renamed = Model::from_tensors([("a", vec![2], vec![1.0, 2.0])]).unwrap();
+        let renamed2 = Model::from_tensors([("b", vec![2], vec![1.0, 2.0])]).unwrap();
+        assert_ne!(renamed.digest(), renamed2.digest());
+        let reshaped = Model::from_tensors([("a", vec![2, 1], vec![1.0, 2.0])]).unwrap();
+        assert_ne!(renamed.digest(), reshaped.digest());
+        let hex = m.digest().to_hex();
+        assert_eq!(ModelDigest::from_hex(&hex).unwrap(), m.digest());
+        assert_eq!(
+            serde_json::to_string(&m.digest()).unwrap(),
+            format!("\"{hex}\"")
+        );
+    }
+
+    #[test]
+    fn f16_and_bf16_are_widened() {
+        let vals = [1.5f32, -0.25, 65504.0];
+        let f16: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let bf16: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        let bytes = raw_safetensors(&[
+            ("h", StDtype::F16, vec![3], f16),
+            ("b", StDtype::BF16, vec![3], bf16),
+        ]);
+        let m = Model::from_safetensors(&bytes, &Limits::default()).unwrap();
+        assert_eq!(m.tensor("h").unwrap(), &vals);
+        assert_eq!(m.tensor("b").unwrap(), &[1.5, -0.25, 65536.0]); // bf16 rounds 65504 up
+        assert_eq!(m.tensors()[1].dtype, DType::F16);
+    }
+
+    #[test]
+    fn rejects_malformed_input() {
+        let lim = Limits::default();
+        assert!(matches!(
+            Model::from_safetensors(b"", &lim),
+            Err(ModelError::Malformed(_))
+        ));
+        assert!(matches!(
+            Model::from_safetensors(&[1, 2, 3], &lim),
+            Err(ModelError::Malformed(_))
+        ));
+        // A header length pointing past the end.
+        let mut bytes = 1000u64.to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{}");
+        assert!(matches!(
+            Model::from_safetensors(&bytes, &lim),
+            Err(ModelError::Malformed(_))
+        ));
+        // Garbage JSON.
+        let mut bytes = 4u64.to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{{{{");
+        assert!(matches!(
+            Model::from_safetensors(&bytes, &lim),
+            Err(ModelError::Malformed(_))
+        ));
+        // Truncated data section.
+        let good = sample().to_safetensors();
+        let cut = &good[..good.len() - 3];
+        assert!(matches!(
+            Model::from_safetensors(cut, &lim),
+            Err(ModelError::Malformed(_))
+        ));
+        // Unsupported dtype.
+        let ints = raw_safetensors(&[("i", StDtype::I32, vec![1], vec![0; 4])]);
+        assert!(matches!(
+            Model::from_safetensors(&ints, &lim),
+            Err(ModelError::UnsupportedDType { .. })
+        ));
+    }
+
+    #[test]
+    fn rejects_oversized_input_before_allocating() {
+        let good = sample().to_safetensors();
+        let tight = |f: fn(&mut Limits)| {
+            let mut l = Limits::default();
+            f(&mut l);
+            Model::from_safetensors(&good, &l)
+        };
+        assert!(matches!(
+            tight(|l| l.max_bytes = 10),
+            Err(ModelError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            tight(|l| l.max_header_bytes = 10),
+            Err(ModelError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            tight(|l| l.max_tensors = 2),
+            Err(ModelError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            tight(|l| l.max_elements = 8),
+            Err(ModelError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            tight(|l| l.max_rank = 1),
+            Err(ModelError::TooLarge { .. })
+        ));
+        // A header that claims an absurd length is refused without reading further.
+        let mut huge = u64::MAX.to_le_bytes().to_vec();
+        huge.extend_from_slice(b"{}");
+        assert!(matches!(
+            Model::from_safetensors(&huge, &Limits::default()),
+            Err(ModelError::TooLarge { .. })
+        ));
+        // A file larger than the limit is refused before it is read.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.safetensors");
+        std::fs::write(&path, &good).unwrap();
+        let l = Limits {
+            max_bytes: 16,
+            ..Limits::default()
+        };
+        let err = Model::read_file(&path, &l).unwrap_err();
+        assert!(err.to_string().contains("big.safetensors"), "{err}");
+    }
+
+    #[test]
+    fn spec_check_names_what_is_wrong() {
+        let m = sample();
+        let spec = m.spec();
+        spec.check(&m).unwrap();
+        assert_eq!(spec.limits().max_elements, 9);
+        assert!(Model::from_safetensors(&m.to_safetensors(), &spec.limits()).is_ok());
+
+        let missing = Model::from_tensors([
+            ("layer.bias", vec![2], vec![0.0; 2]),
+            ("scale", vec![], vec![1.0]),
+        ])
+        .unwrap();
+        assert!(
+            matches!(spec.check(&missing), Err(ModelError::MissingTensor(n)) if n == "layer.weight")
+        );
+
+        let extra = Model::from_tensors([
+            ("layer.weight", vec![2, 3], vec![0.0; 6]),
+            ("layer.bias", vec![2], vec![0.0; 2]),
+            ("scale", vec![], vec![1.0]),
+            ("zzz", vec![1], vec![1.0]),
+        ])
+        .unwrap();
+        assert!(matches!(spec.check(&extra), Err(ModelError::UnexpectedTensor(n)) if n == "zzz"));
+        let early_extra = Model::from_tensors([
+            ("a", vec![1], vec![1.0]),
+            ("layer.weight", vec![2, 3], vec![0.0; 6]),
+            ("layer.bias", vec![2], vec![0.0; 2]),
+            ("scale", vec![], vec![1.0]),
+        ])
+        .unwrap();
+        assert!(
+            matches!(spec.check(&early_extra), Err(ModelError::UnexpectedTensor(n)) if n == "a")
+        );
+
+        let reshaped = Model::from_tensors([
+            ("layer.weight", vec![3, 2], vec![0.0; 6]),
+            ("layer.bias", vec![2], vec![0.0; 2]),
+            ("scale", vec![], vec![1.0]),
+        ])
+        .unwrap();
+        assert!(matches!(
+            spec.check(&reshaped),
+            Err(ModelError::ShapeMismatch { .. })
+        ));
+
+        let f16 = half::f16::from_f32(1.0).to_le_bytes().repeat(2);
+        let f32b: Vec<u8> = [0f32; 6].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bytes = raw_safetensors(&[
+            ("layer.weight", StDtype::F32, vec![2, 3], f32b),
+            ("layer.bias", StDtype::F16, vec![2], f16),
+            ("scale", StDtype::F32, vec![], 1f32.to_le_bytes().to_vec()),
+        ]);
+        let half_bias = Model::from_safetensors(&bytes, &Limits::default()).unwrap();
+        assert!(matches!(
+            spec.check(&half_bias),
+            Err(ModelError::DTypeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn non_finite_values_are_located() {
+        let mut m = sample();
+        m.check_finite().unwrap();
+        m.data_mut()[5] = f32::NAN;
+        match m.check_finite() {
+            Err(ModelError::NonFinite { tensor, index, .. }) => {
+                assert_eq!((tensor.as_str(), index), ("layer.weight", 3))
+            }
+            other => panic!("expected NonFinite, got {other:?}"),
+        }
+        m.data_mut()[5] = 0.0;
+        m.data_mut()[8] = f32::NEG_INFINITY;
+        assert!(
+            matches!(m.check_finite(), Err(ModelError::NonFinite { tensor, .. }) if tensor == "scale")
+        );
+    }
+
+    #[test]
+    fn spec_rejects_duplicates_and_round_trips_as_json() {
+        let t = TensorSpec {
+            name: "w".into(),
+            shape: vec![2],
+            dtype: DType::F32,
+        };
+        assert!(matches!(
+            ModelSpec::new(vec![t.clone(), t.clone()]),
+            Err(ModelError::DuplicateTensor(_))
+        ));
+        let spec = sample().spec();
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(serde_json::from_str::<ModelSpec>(&json).unwrap(), spec);
+        let dup = format!("[{0},{0}]", serde_json::to_string(&t).unwrap());
+        assert!(serde_json::from_str::<ModelSpec>(&dup).is_err());
+        assert!(Model::from_tensors([("w", vec![3], vec![1.0])]).is_err());
+    }
+}
