@@ -1,0 +1,303 @@
+//! The averaging kernel: a running weighted sum over a model's parameters.
+//!
+//! Everything that averages in Hora goes through it: the server folds each client's delta into
+//! the round's sum the moment it arrives (so memory is O(model), never O(clients × model)),
+//! partial sums from shards or hierarchical aggregators combine with [`WeightedSum::merge`], and
+//! the allreduce ring reduces its chunks with the same operations.
+//!
+//! Three operations: [`WeightedSum::add`] folds `weight × update` into the sum,
+//! [`WeightedSum::merge`] adds another partial sum, [`WeightedSum::finish`] divides by the total
+//! weight. The sum is kept in **f64**: a running f32 sum of a thousand updates drifts by a few
+//! 1e-6 relative (error grows like √n·ε₃₂), while f64 keeps the result within f32 rounding of the
+//! exact weighted mean. It costs bandwidth (20 bytes moved per parameter and update instead of 12)
+//! and is what makes the result independent of arrival order to the last f32 bit in practice.
+//!
+//! Backends: this module is the CPU one — one pass over flat buffers, split into fixed chunks
+//! that rayon spreads over the cores for large models, with no allocation per `add`; it runs at
+//! memory bandwidth (see `benches/kernel.rs`). The libtorch backend, `hora_common_tch`, runs the
+//! same arithmetic on any tch device, CUDA included. It is a crate of its own rather than a cargo
+//! feature of this one because Cargo unifies features across a workspace build: a feature that
+//! the client switched on would link libtorch into the server whenever both are built together.
+//!
+//! The kernel does not validate values: callers check updates (finite, right spec) before folding.
+
+use rayon::prelude::*;
+use thiserror::Error;
+
+use crate::model::{Model, ModelSpec};
+
+/// Elements per parallel task: 32 Ki f32 + 32 Ki f64 = 384 KiB, about an L2's worth.
+const CHUNK: usize = 1 << 15;
+/// Below this many elements one thread is faster than waking the pool.
+const PARALLEL_MIN: usize = 1 << 17;
+
+/// Why a fold was refused. The sum is unchanged when any of these is returned.
+#[derive(Debug, Error, PartialEq)]
+pub enum KernelError {
+    #[error("weight {0} is not a positive finite number")]
+    BadWeight(f64),
+    #[error("update does not match the model: {0}")]
+    LayoutMismatch(String),
+    #[error("nothing to average: no update has been added")]
+    Empty,
+    /// A backend (libtorch) failed; the message is the backend's.
+    #[error("{0}")]
+    Backend(String),
+}
+
+/// A running weighted sum over the parameters of one model spec, accumulated in f64.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightedSum {
+    spec: ModelSpec,
+    sum: Vec<f64>,
+    total_weight: f64,
+    updates: u64,
+}
+
+impl WeightedSum {
+    /// An empty sum for models of `spec` (allocates the f64 accumulator once).
+    pub fn new(spec: ModelSpec) -> Self {
+        let sum = vec![0.0; spec.numel()];
+        WeightedSum {
+            spec,
+            sum,
+            total_weight: 0.0,
+            updates: 0,
+        }
+    }
+
+    /// Rebuilds a sum from its parts (a checkpoint).
+    pub fn from_parts(
+        spec: ModelSpec,
+        sum: Vec<f64>,
+        total_weight: f64,
+        updates: u64,
+    ) -> Result<Self, KernelError> {
+        if sum.len() != spec.numel() {
+            return Err(KernelError::LayoutMismatch(format!(
+                "{} accumulated values for a spec of {} parameters",
+                sum.len(),
+                spec.numel()
+            )));
+        }
+        if !(total_weight.is_finite() && total_weight >= 0.0) {
+            return Err(KernelError::BadWeight(total_weight));
+        }
+        Ok(WeightedSum {
+            spec,
+            sum,
+            total_weight,
+            updates,
+        })
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Σ weight × update, element by element.
+    pub fn sum(&self) -> &[f64] {
+        &self.sum
+    }
+
+    pub fn total_weight(&self) -> f64 {
+        self.total_weight
+    }
+
+    /// Number of updates folded in (merges included).
+    pub fn updates(&self) -> u64 {
+        self.updates
+    }
+
+    /// Folds `weight × update` into the sum. `update` must have this sum's spec (names and shapes).
+    pub fn add(&mut self, weight: f64, update: &Model) -> Result<(), KernelError> {
+        if !update.same_layout(&self.spec) {
+            return Err(KernelError::LayoutMismatch(
+                "tensor names or shapes differ from the spec".into(),
+            ));
+        }
+        self.add_flat(weight, update.data())
+    }
+
+    /// Folds `weight × update` where `update` is a flat buffer in the spec's layout.
+    pub fn add_flat(&mut self, weight: f64, update: &[f32]) -> Result<(), KernelError> {
+        check_weight(weight)?;
+        if update.len() != self.sum.len() {
+            return Err(KernelError::LayoutMismatch(format!(
+                "{} values for a model of {} parameters",
+                update.len(),
+                self.sum.len()
+            )));
+        }
+        zip_apply(&mut self.sum, update, |s, u| *s += weight * f64::from(u));
+        self.total_weight += weight;
+        self.updates += 1;
+        Ok(())
+    }
+
+    /// Adds another partial sum over the same spec: `merge` of partial sums equals one sum.
+    pub fn merge(&mut self, other: &WeightedSum) -> Result<(), KernelError> {
+        if other.spec != self.spec {
+            return Err(KernelError::LayoutMismatch(
+                "partial sums are over different specs".into(),
+            ));
+        }
+        zip_apply(&mut self.sum, &other.sum, |s, o| *s += o);
+        self.total_weight += other.total_weight;
+        self.updates += other.updates;
+        Ok(())
+    }
+
+    /// The weighted mean, Σ wᵢ·uᵢ / Σ wᵢ, as a model of the spec.
+    pub fn finish(&self) -> Result<Model, KernelError> {
+        if self.updates == 0 || self.total_weight <= 0.0 {
+            return Err(KernelError::Empty);
+        }
+        let mut model = Model::zeros(&self.spec);
+        let total = self.total_weight;
+        zip_apply_into(model.data_mut(), &self.sum, |m, s| *m = (s / total) as f32);
+        Ok(model)
+    }
+}
+
+/// Weights are positive finite numbers (example counts, or 1 for a plain mean). Shared by the
+/// backends so they refuse the same things.
+pub fn check_weight(weight: f64) -> Result<(), KernelError> {
+    if weight.is_finite() && weight > 0.0 {
+        Ok(())
+    } else {
+        Err(KernelError::BadWeight(weight))
+    }
+}
+
+/// `f(dst[i], src[i])` for every i, chunked over rayon's pool when the buffers are large. The
+/// per-chunk loop is a plain zip that LLVM vectorises.
+fn zip_apply<S: Copy + Send + Sync>(dst: &mut [f64], src: &[S], f: impl Fn(&mut f64, S) + Sync) {
+    debug_assert_eq!(dst.len(), src.len());
+    let chunk = |d: &mut [f64], s: &[S]| d.iter_mut().zip(s).for_each(|(d, s)| f(d, *s));
+    if dst.len() < PARALLEL_MIN {
+        chunk(dst, src);
+    } else {
+        dst.par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .for_each(|(d, s)| chunk(d, s));
+    }
+}
+
+/// Like [`zip_apply`] for an f32 destination.
+fn zip_apply_into(dst: &mut [f32], src: &[f64], f: impl Fn(&mut f32, f64) + Sync) {
+    debug_assert_eq!(dst.len(), src.len());
+    let chunk = |d: &mut [f32], s: &[f64]| d.iter_mut().zip(s).for_each(|(d, s)| f(d, *s));
+    if dst.len() < PARALLEL_MIN {
+        chunk(dst, src);
+    } else {
+        dst.par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .for_each(|(d, s)| chunk(d, s));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{max_relative_error, reference, spec, updates};
+    use proptest::prelude::*;
+
+    #[test]
+    fn matches_f64_reference_for_1000_updates() {
+        // Large enough to take the parallel path, small enough to stay quick.
+        let spec = spec(&[PARALLEL_MIN + 1234, 3, 1]);
+        let ups = updates(&spec, 1000, 1);
+        let mut sum = WeightedSum::new(spec);
+        for (w, m) in &ups {
+            sum.add(*w, m).unwrap();
+        }
+        assert_eq!(sum.updates(), 1000);
+        let err = max_relative_error(sum.finish().unwrap().data(), &reference(&ups));
+        assert!(err < 1e-6, "max relative error {err:e}");
+    }
+
+    #[test]
+    fn refusals_leave_the_sum_unchanged() {
+        let s = spec(&[4]);
+        let mut sum = WeightedSum::new(s.clone());
+        assert_eq!(sum.finish(), Err(KernelError::Empty));
+        let m = Model::from_flat(&s, vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+        sum.add(2.0, &m).unwrap();
+        let before = sum.clone();
+        for w in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(
+                matches!(sum.add(w, &m), Err(KernelError::BadWeight(_))),
+                "weight {w}"
+            );
+        }
+        assert!(matches!(
+            sum.add_flat(1.0, &[1.0; 3]),
+            Err(KernelError::LayoutMismatch(_))
+        ));
+        let other = Model::from_flat(&spec(&[2, 2]), vec![0.0; 4]).unwrap();
+        assert!(matches!(
+            sum.add(1.0, &other),
+            Err(KernelError::LayoutMismatch(_))
+        ));
+        assert!(matches!(
+            sum.merge(&WeightedSum::new(spec(&[2, 2]))),
+            Err(KernelError::LayoutMismatch(_))
+        ));
+        assert_eq!(sum, before);
+        assert_eq!(sum.finish().unwrap().data(), &[1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn from_parts_round_trips_and_checks_sizes() {
+        let s = spec(&[3]);
+        let mut sum = WeightedSum::new(s.clone());
+        sum.add_flat(3.0, &[1.0, 2.0, 3.0]).unwrap();
+        let back = WeightedSum::from_parts(
+            s.clone(),
+            sum.sum().to_vec(),
+            sum.total_weight(),
+            sum.updates(),
+        )
+        .unwrap();
+        assert_eq!(back, sum);
+        assert!(WeightedSum::from_parts(s.clone(), vec![0.0; 2], 1.0, 1).is_err());
+        assert!(WeightedSum::from_parts(s, vec![0.0; 3], f64::NAN, 1).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Splitting the updates into partial sums in any way and merging them gives one sum.
+        #[test]
+        fn merge_of_partial_sums_equals_one_sum(
+            sizes in prop::collection::vec(1usize..300, 1..4),
+            seed in any::<u64>(),
+            count in 1usize..40,
+            cuts in prop::collection::vec(0usize..40, 0..5),
+        ) {
+            let spec = spec(&sizes);
+            let ups = updates(&spec, count, seed);
+            let mut whole = WeightedSum::new(spec.clone());
+            for (w, m) in &ups { whole.add(*w, m).unwrap(); }
+
+            let mut bounds: Vec<usize> = cuts.into_iter().map(|c| c % (count + 1)).collect();
+            bounds.extend([0, count]);
+            bounds.sort_unstable();
+            let mut merged = WeightedSum::new(spec.clone());
+            for part in bounds.windows(2) {
+                let mut partial = WeightedSum::new(spec.clone());
+                for (w, m) in &ups[part[0]..part[1]] { partial.add(*w, m).unwrap(); }
+                merged.merge(&partial).unwrap();
+            }
+            prop_assert_eq!(merged.updates(), whole.updates());
+            prop_assert!((merged.total_weight() - whole.total_weight()).abs() <= 1e-9 * whole.total_weight());
+            for (a, b) in merged.sum().iter().zip(whole.sum()) {
+                prop_assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "{} vs {}", a, b);
+            }
+            let (a, b) = (merged.finish().unwrap(), whole.finish().unwrap());
+            for (x, y) in a.data().iter().zip(b.data()) {
+                prop_assert!((x - y).abs() <= 2.0 * f32::EPSILON * y.abs(), "{} vs {}", x, y);
+            }
+        }
+    }
+}
