@@ -1,0 +1,357 @@
+//! Wire types of the v1 HTTP APIs: the client API under `/v1/…` and the admin API under
+//! `/admin/v1/…`, serialised as JSON (model bytes travel as safetensors, deltas as sealed
+//! envelopes; both are raw bodies, not JSON).
+//!
+//! Requests reject unknown fields, so a misspelt option is an error rather than a silent default;
+//! responses accept them, so an older client keeps working against a newer server. Every error
+//! answer has the body [`ApiError`].
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::envelope::RoundPublicKey;
+use crate::model::{ModelDigest, ModelSpec};
+
+/// Path prefix of the client API.
+pub const CLIENT_API: &str = "/v1";
+/// Path prefix of the admin API.
+pub const ADMIN_API: &str = "/admin/v1";
+
+/// The body of every 4xx/5xx answer: a stable machine-readable `code` and a sentence for people.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiError {
+    /// e.g. `unauthorized`, `round_closed`, `shape_mismatch`, `payload_too_large`.
+    pub code: String,
+    pub message: String,
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.message, self.code)
+    }
+}
+
+/// A task or client identifier: 1–64 of `[A-Za-z0-9_.-]`, so it is safe in paths, file names and
+/// logs.
+pub fn valid_id(id: &str) -> bool {
+    (1..=64).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tasks (admin API)
+
+/// The model a task trains.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ModelKind {
+    /// A model built into the client (`logreg`, `mlp`, `cnn`), with its architecture parameters.
+    Builtin {
+        name: String,
+        #[serde(default)]
+        params: serde_json::Map<String, serde_json::Value>,
+    },
+    /// A TorchScript module the server hands out with the weights (its digest, hex SHA-256).
+    TorchScript { module_digest: String },
+}
+
+/// How the round's updates become the next global model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(tag = "name", rename_all = "snake_case", deny_unknown_fields)]
+pub enum StrategyConfig {
+    /// FedAvg: the mean of the deltas weighted by example counts, added to the global model.
+    #[default]
+    FedAvg,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "name", rename_all = "snake_case", deny_unknown_fields)]
+pub enum OptimizerConfig {
+    Sgd {
+        #[serde(default)]
+        momentum: f64,
+    },
+    Adam,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig::Sgd { momentum: 0.0 }
+    }
+}
+
+/// What a client does when the round deadline arrives while it is still training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DeadlinePolicy {
+    /// Stop training and upload what it has.
+    #[default]
+    UploadPartial,
+    /// Abandon the round.
+    Skip,
+}
+
+/// Local training configuration handed to clients with each round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingConfig {
+    #[serde(default = "defaults::epochs")]
+    pub epochs: u32,
+    #[serde(default = "defaults::batch_size")]
+    pub batch_size: u32,
+    #[serde(default = "defaults::learning_rate")]
+    pub learning_rate: f64,
+    #[serde(default)]
+    pub optimizer: OptimizerConfig,
+    /// FedProx's proximal coefficient μ (loss + μ/2·‖w − w_global‖²); 0 is plain FedAvg.
+    #[serde(default)]
+    pub proximal_mu: f64,
+    #[serde(default)]
+    pub on_deadline: DeadlinePolicy,
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        TrainingConfig {
+            epochs: defaults::epochs(),
+            batch_size: defaults::batch_size(),
+            learning_rate: defaults::learning_rate(),
+            optimizer: OptimizerConfig::default(),
+            proximal_mu: 0.0,
+            on_deadline: DeadlinePolicy::default(),
+        }
+    }
+}
+
+/// `POST /admin/v1/tasks` (JSON part; the initial weights are uploaded as safetensors).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTask {
+    pub id: String,
+    pub model: ModelKind,
+    #[serde(default)]
+    pub strategy: StrategyConfig,
+    pub rounds: u64,
+    pub min_clients: u32,
+    pub target_clients: u32,
+    /// Extra clients selected beyond `target_clients`, as a fraction, to absorb stragglers.
+    #[serde(default)]
+    pub over_selection: f64,
+    pub round_deadline_secs: u64,
+    #[serde(default)]
+    pub training: TrainingConfig,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskState {
+    Running,
+    Paused,
+    Stopped,
+    Finished,
+}
+
+/// A task as the admin API reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskInfo {
+    pub config: CreateTask,
+    pub state: TaskState,
+    pub spec: ModelSpec,
+    /// The round now open or collecting (0 before the first).
+    pub current_round: u64,
+    pub global_model: ModelDigest,
+}
+
+/// One finished (or abandoned) round, for the admin's history.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundRecord {
+    pub round: u64,
+    pub outcome: RoundOutcome,
+    pub participants: Vec<String>,
+    pub dropped: Vec<String>,
+    pub examples: u64,
+    /// Example-weighted mean of the clients' reported metrics.
+    pub metrics: Metrics,
+    pub duration_ms: u64,
+    /// The global model the round published (absent if it was abandoned).
+    pub model: Option<ModelDigest>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum RoundOutcome {
+    Published,
+    /// Closed without enough updates; the round is retried.
+    Abandoned {
+        reason: String,
+    },
+}
+
+/// `POST /admin/v1/enrolments` → a one-time token a client exchanges for credentials.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnrolmentToken {
+    pub token: String,
+    pub expires_unix_ms: u64,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clients (client API)
+
+/// `POST /v1/enrol`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnrolRequest {
+    pub token: String,
+    /// A label for operators (host name, site); not an identity.
+    #[serde(default)]
+    pub label: Option<String>,
+}
+
+/// The client's credentials: shown once; the server keeps only a hash of the secret.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Credentials {
+    pub client_id: String,
+    pub secret: String,
+}
+
+/// `GET /v1/tasks/{task}/poll`: what the client should do now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PollResponse {
+    pub task: String,
+    pub state: TaskState,
+    /// Present when a round is open for this client.
+    pub round: Option<RoundOffer>,
+    /// When to poll again if no round is offered (pace steering, jittered by the server).
+    pub retry_after_ms: u64,
+}
+
+/// A round this client is selected for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundOffer {
+    pub round: u64,
+    /// Digest of the global model to train from (also its ETag).
+    pub model: ModelDigest,
+    /// The round key deltas are sealed to.
+    pub round_key: RoundPublicKey,
+    pub deadline_unix_ms: u64,
+    pub training: TrainingConfig,
+}
+
+/// Training metrics a client reports with its update.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Metrics {
+    pub loss: Option<f64>,
+    pub accuracy: Option<f64>,
+}
+
+/// Sent alongside a sealed delta (`POST /v1/tasks/{task}/rounds/{round}/update`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateMeta {
+    pub num_examples: u64,
+    #[serde(default)]
+    pub metrics: Metrics,
+}
+
+/// The server's acknowledgement: the update is durable and counted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateReceipt {
+    pub round: u64,
+    /// Updates the round has accepted so far, this one included.
+    pub accepted: u32,
+}
+
+mod defaults {
+    pub fn epochs() -> u32 {
+        1
+    }
+    pub fn batch_size() -> u32 {
+        32
+    }
+    pub fn learning_rate() -> f64 {
+        0.01
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_task_applies_defaults_and_rejects_typos() {
+        let json = r#"{"id":"mnist","model":{"kind":"builtin","name":"mlp"},"rounds":20,
+            "min_clients":2,"target_clients":10,"round_deadline_secs":60}"#;
+        let task: CreateTask = serde_json::from_str(json).unwrap();
+        assert_eq!(task.strategy, StrategyConfig::FedAvg);
+        assert_eq!(task.training, TrainingConfig::default());
+        assert_eq!(
+            task.training.optimizer,
+            OptimizerConfig::Sgd { momentum: 0.0 }
+        );
+        let back: CreateTask =
+            serde_json::from_str(&serde_json::to_string(&task).unwrap()).unwrap();
+        assert_eq!(back, task);
+
+        let typo = json.replace("\"rounds\"", "\"roundz\"");
+        let err = serde_json::from_str::<CreateTask>(&typo)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("roundz"), "{err}");
+        let bad_opt = json.replace(
+            "\"round_deadline_secs\":60",
+            r#""round_deadline_secs":60,"training":{"optimizer":{"name":"lbfgs"}}"#,
+        );
+        assert!(serde_json::from_str::<CreateTask>(&bad_opt).is_err());
+    }
+
+    #[test]
+    fn poll_response_round_trips() {
+        let key = crate::envelope::RoundSecretKey::generate()
+            .unwrap()
+            .public_key();
+        let poll = PollResponse {
+            task: "t".into(),
+            state: TaskState::Running,
+            round: Some(RoundOffer {
+                round: 4,
+                model: ModelDigest([9; 32]),
+                round_key: key,
+                deadline_unix_ms: 1_700_000_000_000,
+                training: TrainingConfig {
+                    optimizer: OptimizerConfig::Adam,
+                    ..Default::default()
+                },
+            }),
+            retry_after_ms: 250,
+        };
+        let json = serde_json::to_string(&poll).unwrap();
+        assert!(
+            json.contains(r#""state":"running""#) && json.contains(r#""name":"adam""#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<PollResponse>(&json).unwrap(), poll);
+    }
+
+    #[test]
+    fn ids_are_restricted() {
+        assert!(valid_id("mnist-v2.1_a"));
+        for bad in ["", "a/b", "..\\x", "a b", &"x".repeat(65), "é"] {
+            assert!(!valid_id(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn round_outcome_is_tagged() {
+        let r = RoundOutcome::Abandoned {
+            reason: "2 of 3 required updates".into(),
+        };
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"status":"abandoned","reason":"2 of 3 required updates"}"#
+        );
+    }
+}
