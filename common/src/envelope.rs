@@ -83,6 +83,14 @@ impl std::fmt::Debug for RoundPublicKey {
     }
 }
 
+impl utoipa::PartialSchema for RoundPublicKey {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        crate::model::hex_schema("X25519 public key of the round, 64 hex digits")
+    }
+}
+
+impl utoipa::ToSchema for RoundPublicKey {}
+
 impl Serialize for RoundPublicKey {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&hex::encode(self.0))

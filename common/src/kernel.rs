@@ -24,7 +24,7 @@
 use rayon::prelude::*;
 use thiserror::Error;
 
-use crate::model::{Model, ModelSpec};
+use crate::model::{f32_le, widen_half, DType, Model, ModelSpec, ModelView};
 
 /// Elements per parallel task: 32 Ki f32 + 32 Ki f64 = 384 KiB, about an L2's worth.
 const CHUNK: usize = 1 << 15;
@@ -135,6 +135,41 @@ impl WeightedSum {
         Ok(())
     }
 
+    /// Folds `weight × update` straight from safetensors bytes (f32, or f16/bf16 widened on the
+    /// fly): the server's upload path, which never materialises the update as a [`Model`].
+    pub fn add_view(&mut self, weight: f64, update: &ModelView<'_>) -> Result<(), KernelError> {
+        check_weight(weight)?;
+        let theirs = update.tensors();
+        let ours = self.spec.tensors();
+        if theirs.len() != ours.len()
+            || theirs
+                .iter()
+                .zip(ours)
+                .any(|(t, o)| t.name != o.name || t.shape != o.shape)
+        {
+            return Err(KernelError::LayoutMismatch(
+                "tensor names or shapes differ from the spec".into(),
+            ));
+        }
+        let mut offset = 0;
+        for t in theirs {
+            let n = t.numel();
+            let sum = &mut self.sum[offset..offset + n];
+            offset += n;
+            match t.dtype {
+                DType::F32 => {
+                    zip_apply_bytes::<4>(sum, t.data, |s, b| *s += weight * f64::from(f32_le(b)))
+                }
+                dtype => zip_apply_bytes::<2>(sum, t.data, |s, b| {
+                    *s += weight * f64::from(widen_half(dtype, [b[0], b[1]]))
+                }),
+            }
+        }
+        self.total_weight += weight;
+        self.updates += 1;
+        Ok(())
+    }
+
     /// Adds another partial sum over the same spec: `merge` of partial sums equals one sum.
     pub fn merge(&mut self, other: &WeightedSum) -> Result<(), KernelError> {
         if other.spec != self.spec {
@@ -184,6 +219,27 @@ fn zip_apply<S: Copy + Send + Sync>(dst: &mut [f64], src: &[S], f: impl Fn(&mut 
     }
 }
 
+/// Like [`zip_apply`] with the source given as raw little-endian elements of `W` bytes each.
+fn zip_apply_bytes<const W: usize>(
+    dst: &mut [f64],
+    src: &[u8],
+    f: impl Fn(&mut f64, &[u8]) + Sync,
+) {
+    debug_assert_eq!(dst.len() * W, src.len());
+    let chunk = |d: &mut [f64], s: &[u8]| {
+        d.iter_mut()
+            .zip(s.chunks_exact(W))
+            .for_each(|(d, s)| f(d, s))
+    };
+    if dst.len() < PARALLEL_MIN {
+        chunk(dst, src);
+    } else {
+        dst.par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK * W))
+            .for_each(|(d, s)| chunk(d, s));
+    }
+}
+
 /// Like [`zip_apply`] for an f32 destination.
 fn zip_apply_into(dst: &mut [f32], src: &[f64], f: impl Fn(&mut f32, f64) + Sync) {
     debug_assert_eq!(dst.len(), src.len());
@@ -200,6 +256,7 @@ fn zip_apply_into(dst: &mut [f32], src: &[f64], f: impl Fn(&mut f32, f64) + Sync
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Limits;
     use crate::testing::{max_relative_error, reference, spec, updates};
     use proptest::prelude::*;
 
@@ -215,6 +272,49 @@ mod tests {
         assert_eq!(sum.updates(), 1000);
         let err = max_relative_error(sum.finish().unwrap().data(), &reference(&ups));
         assert!(err < 1e-6, "max relative error {err:e}");
+    }
+
+    #[test]
+    fn folding_from_bytes_equals_folding_models() {
+        let big = spec(&[PARALLEL_MIN + 5, 7]);
+        let ups = updates(&big, 5, 11);
+        let (mut a, mut b) = (WeightedSum::new(big.clone()), WeightedSum::new(big.clone()));
+        for (w, m) in &ups {
+            a.add(*w, m).unwrap();
+            let bytes = m.to_safetensors();
+            b.add_view(*w, &ModelView::parse(&bytes, &big.limits()).unwrap())
+                .unwrap();
+        }
+        assert_eq!(a, b);
+        // f16 on the wire is widened on the fly.
+        let half: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let view_bytes = safetensors::serialize(
+            [(
+                "t0",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F16, vec![2], &half)
+                    .unwrap(),
+            )],
+            None,
+        )
+        .unwrap();
+        let s2 = spec(&[2]);
+        let mut c = WeightedSum::new(s2);
+        c.add_view(
+            2.0,
+            &ModelView::parse(&view_bytes, &Limits::default()).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(c.sum(), &[3.0, -4.0]);
+        let wrong = Model::from_tensors([("x", vec![2], vec![0.0; 2])])
+            .unwrap()
+            .to_safetensors();
+        assert!(matches!(
+            c.add_view(1.0, &ModelView::parse(&wrong, &Limits::default()).unwrap()),
+            Err(KernelError::LayoutMismatch(_))
+        ));
     }
 
     #[test]

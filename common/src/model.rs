@@ -29,7 +29,7 @@ compile_error!(
 );
 
 /// The storage type of a tensor on the wire. In memory every tensor is f32.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,
@@ -67,7 +67,7 @@ impl fmt::Display for DType {
 }
 
 /// Name, shape and wire dtype of one tensor: what a task promises its models look like.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TensorSpec {
     pub name: String,
     pub shape: Vec<usize>,
@@ -132,7 +132,13 @@ impl ModelSpec {
 
     /// Checks that `model` has exactly this spec's tensors, shapes and dtypes.
     pub fn check(&self, model: &Model) -> Result<(), ModelError> {
-        let mut theirs = model.tensors.iter().peekable();
+        self.check_spec(&model.spec())
+    }
+
+    /// Checks that a model described by `found` has exactly this spec's tensors, shapes and
+    /// dtypes, naming the first difference.
+    pub fn check_spec(&self, found: &ModelSpec) -> Result<(), ModelError> {
+        let mut theirs = found.tensors.iter().peekable();
         for ours in &self.tensors {
             // Both lists are sorted by name: walk them together.
             if let Some(t) = theirs.peek().filter(|t| t.name < ours.name) {
@@ -181,6 +187,17 @@ impl ModelSpec {
         }
     }
 }
+
+impl utoipa::PartialSchema for ModelSpec {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::schema::ArrayBuilder::new()
+            .items(<TensorSpec as utoipa::PartialSchema>::schema())
+            .description(Some("The model's tensors, sorted by name, names unique"))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for ModelSpec {}
 
 impl TryFrom<Vec<TensorSpec>> for ModelSpec {
     type Error = ModelError;
@@ -399,6 +416,87 @@ impl Model {
 
     /// Parses safetensors bytes, checking `limits` before allocating. f16/bf16 are widened.
     pub fn from_safetensors(bytes: &[u8], limits: &Limits) -> Result<Self, ModelError> {
+        Ok(ModelView::parse(bytes, limits)?.to_model())
+    }
+
+    /// Reads a safetensors file, checking its size against `limits` before reading it.
+    pub fn read_file(path: &Path, limits: &Limits) -> Result<Self, ModelError> {
+        let io = |source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let len = std::fs::metadata(path).map_err(io)?.len();
+        if len > limits.max_bytes {
+            return Err(ModelError::TooLarge {
+                what: format!("model file {}", path.display()),
+                limit: limits.max_bytes,
+            });
+        }
+        let bytes = std::fs::read(path).map_err(io)?;
+        Model::from_safetensors(&bytes, limits).map_err(|e| e.in_file(path))
+    }
+
+    /// Serialises as safetensors (f32, little-endian).
+    pub fn to_safetensors(&self) -> Vec<u8> {
+        let views = self.tensors.iter().map(|t| {
+            let bytes = f32_bytes(&self.data[t.offset..t.offset + t.len]);
+            let view = TensorView::new(StDtype::F32, t.shape.clone(), bytes)
+                .expect("layout matches data by construction");
+            (t.name.as_str(), view)
+        });
+        safetensors::serialize(views, None).expect("serialising in-memory f32 tensors cannot fail")
+    }
+
+    /// Writes the safetensors serialisation to `path` (not atomically; the server's store does that).
+    pub fn write_file(&self, path: &Path) -> Result<(), ModelError> {
+        std::fs::write(path, self.to_safetensors()).map_err(|source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+}
+
+/// One tensor of a [`ModelView`]: its metadata and its raw little-endian bytes.
+#[derive(Debug, Clone)]
+pub struct TensorBytes<'a> {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub data: &'a [u8],
+}
+
+impl TensorBytes<'_> {
+    pub fn numel(&self) -> usize {
+        self.data.len() / self.dtype.size()
+    }
+
+    /// The values widened to f32, in order.
+    pub fn values(&self) -> impl Iterator<Item = f32> + '_ {
+        let (f32s, halves) = match self.dtype {
+            DType::F32 => (Some(self.data.chunks_exact(4).map(f32_le)), None),
+            DType::F16 | DType::BF16 => (None, Some(self.data.chunks_exact(2))),
+        };
+        let dtype = self.dtype;
+        f32s.into_iter().flatten().chain(
+            halves
+                .into_iter()
+                .flatten()
+                .map(move |b| widen_half(dtype, [b[0], b[1]])),
+        )
+    }
+}
+
+/// A safetensors buffer parsed and checked but not copied: what the server validates and folds
+/// a decrypted upload from, so an upload never costs a second model-sized buffer.
+#[derive(Debug, Clone)]
+pub struct ModelView<'a> {
+    tensors: Vec<TensorBytes<'a>>,
+}
+
+impl<'a> ModelView<'a> {
+    /// Parses safetensors bytes, checking every size against `limits` (with checked arithmetic)
+    /// before anything proportional to them is allocated.
+    pub fn parse(bytes: &'a [u8], limits: &Limits) -> Result<Self, ModelError> {
         if bytes.len() as u64 > limits.max_bytes {
             return Err(ModelError::TooLarge {
                 what: "model file".into(),
@@ -466,52 +564,75 @@ impl Model {
                     view.shape()
                 )));
             }
-            metas.push((name.to_string(), view.shape().to_vec(), dtype, view));
-        }
-        metas.sort_by(|a, b| a.0.cmp(&b.0));
-
-        let tensors = layout(metas.iter().map(|(n, s, d, _)| (n.clone(), s.clone(), *d)));
-        let mut data = Vec::with_capacity(total as usize);
-        for (_, _, dtype, view) in &metas {
-            widen_into(*dtype, view.data(), &mut data);
-        }
-        Ok(Model { tensors, data })
-    }
-
-    /// Reads a safetensors file, checking its size against `limits` before reading it.
-    pub fn read_file(path: &Path, limits: &Limits) -> Result<Self, ModelError> {
-        let io = |source| ModelError::Io {
-            path: path.display().to_string(),
-            source,
-        };
-        let len = std::fs::metadata(path).map_err(io)?.len();
-        if len > limits.max_bytes {
-            return Err(ModelError::TooLarge {
-                what: format!("model file {}", path.display()),
-                limit: limits.max_bytes,
+            metas.push(TensorBytes {
+                name: name.to_string(),
+                shape: view.shape().to_vec(),
+                dtype,
+                data: view.data(),
             });
         }
-        let bytes = std::fs::read(path).map_err(io)?;
-        Model::from_safetensors(&bytes, limits).map_err(|e| e.in_file(path))
+        metas.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(ModelView { tensors: metas })
     }
 
-    /// Serialises as safetensors (f32, little-endian).
-    pub fn to_safetensors(&self) -> Vec<u8> {
-        let views = self.tensors.iter().map(|t| {
-            let bytes = f32_bytes(&self.data[t.offset..t.offset + t.len]);
-            let view = TensorView::new(StDtype::F32, t.shape.clone(), bytes)
-                .expect("layout matches data by construction");
-            (t.name.as_str(), view)
-        });
-        safetensors::serialize(views, None).expect("serialising in-memory f32 tensors cannot fail")
+    /// Tensors in name order.
+    pub fn tensors(&self) -> &[TensorBytes<'a>] {
+        &self.tensors
     }
 
-    /// Writes the safetensors serialisation to `path` (not atomically; the server's store does that).
-    pub fn write_file(&self, path: &Path) -> Result<(), ModelError> {
-        std::fs::write(path, self.to_safetensors()).map_err(|source| ModelError::Io {
-            path: path.display().to_string(),
-            source,
-        })
+    pub fn numel(&self) -> usize {
+        self.tensors.iter().map(TensorBytes::numel).sum()
+    }
+
+    /// Names, shapes and wire dtypes.
+    pub fn spec(&self) -> ModelSpec {
+        ModelSpec {
+            tensors: self
+                .tensors
+                .iter()
+                .map(|t| TensorSpec {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                    dtype: t.dtype,
+                })
+                .collect(),
+        }
+    }
+
+    /// Fails on the first NaN or infinity, naming the tensor and the element.
+    pub fn check_finite(&self) -> Result<(), ModelError> {
+        for t in &self.tensors {
+            // Fast scan first (vectorises); locate the culprit only when there is one.
+            let all_finite = match t.dtype {
+                DType::F32 => t.data.chunks_exact(4).all(|b| f32_le(b).is_finite()),
+                DType::F16 | DType::BF16 => t.values().all(f32::is_finite),
+            };
+            if all_finite {
+                continue;
+            }
+            if let Some((index, value)) = t.values().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(ModelError::NonFinite {
+                    tensor: t.name.clone(),
+                    index,
+                    value,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies into an owned [`Model`] (f16/bf16 widened).
+    pub fn to_model(&self) -> Model {
+        let tensors = layout(
+            self.tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone(), t.dtype)),
+        );
+        let mut data = Vec::with_capacity(self.numel());
+        for t in &self.tensors {
+            data.extend(t.values());
+        }
+        Model { tensors, data }
     }
 }
 
@@ -542,6 +663,25 @@ impl fmt::Debug for ModelDigest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "ModelDigest({})", self.to_hex())
     }
+}
+
+impl utoipa::PartialSchema for ModelDigest {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        hex_schema("SHA-256 digest of a model's canonical encoding, 64 lowercase hex digits")
+    }
+}
+
+impl utoipa::ToSchema for ModelDigest {}
+
+/// The OpenAPI schema of a 32-byte value written as 64 hex digits.
+pub(crate) fn hex_schema(
+    description: &str,
+) -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .pattern(Some("^[0-9a-f]{64}$"))
+        .description(Some(description))
+        .into()
 }
 
 impl Serialize for ModelDigest {
@@ -647,23 +787,17 @@ pub(crate) fn f32_bytes(values: &[f32]) -> &[u8] {
     bytemuck::cast_slice(values)
 }
 
-fn widen_into(dtype: DType, bytes: &[u8], out: &mut Vec<f32>) {
+/// An f32 from the first four little-endian bytes of `b`.
+#[inline]
+pub(crate) fn f32_le(b: &[u8]) -> f32 {
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+#[inline]
+pub(crate) fn widen_half(dtype: DType, b: [u8; 2]) -> f32 {
     match dtype {
-        DType::F32 => out.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        ),
-        DType::F16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
-        ),
-        DType::BF16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-        ),
+        DType::BF16 => half::bf16::from_le_bytes(b).to_f32(),
+        _ => half::f16::from_le_bytes(b).to_f32(),
     }
 }
 

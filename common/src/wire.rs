@@ -9,6 +9,7 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::envelope::RoundPublicKey;
 use crate::model::{ModelDigest, ModelSpec};
@@ -19,7 +20,7 @@ pub const CLIENT_API: &str = "/v1";
 pub const ADMIN_API: &str = "/admin/v1";
 
 /// The body of every 4xx/5xx answer: a stable machine-readable `code` and a sentence for people.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ApiError {
     /// e.g. `unauthorized`, `round_closed`, `shape_mismatch`, `payload_too_large`.
     pub code: String,
@@ -45,13 +46,14 @@ pub fn valid_id(id: &str) -> bool {
 // Tasks (admin API)
 
 /// The model a task trains.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ModelKind {
     /// A model built into the client (`logreg`, `mlp`, `cnn`), with its architecture parameters.
     Builtin {
         name: String,
         #[serde(default)]
+        #[schema(value_type = Object)]
         params: serde_json::Map<String, serde_json::Value>,
     },
     /// A TorchScript module the server hands out with the weights (its digest, hex SHA-256).
@@ -59,7 +61,7 @@ pub enum ModelKind {
 }
 
 /// How the round's updates become the next global model.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, ToSchema)]
 #[serde(tag = "name", rename_all = "snake_case", deny_unknown_fields)]
 pub enum StrategyConfig {
     /// FedAvg: the mean of the deltas weighted by example counts, added to the global model.
@@ -67,7 +69,7 @@ pub enum StrategyConfig {
     FedAvg,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "name", rename_all = "snake_case", deny_unknown_fields)]
 pub enum OptimizerConfig {
     Sgd {
@@ -84,7 +86,7 @@ impl Default for OptimizerConfig {
 }
 
 /// What a client does when the round deadline arrives while it is still training.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DeadlinePolicy {
     /// Stop training and upload what it has.
@@ -95,7 +97,7 @@ pub enum DeadlinePolicy {
 }
 
 /// Local training configuration handed to clients with each round.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TrainingConfig {
     #[serde(default = "defaults::epochs")]
@@ -127,10 +129,12 @@ impl Default for TrainingConfig {
 }
 
 /// `POST /admin/v1/tasks` (JSON part; the initial weights are uploaded as safetensors).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateTask {
     pub id: String,
+    /// Digest of the initial weights, uploaded first with `POST /admin/v1/models`.
+    pub initial_model: ModelDigest,
     pub model: ModelKind,
     #[serde(default)]
     pub strategy: StrategyConfig,
@@ -145,7 +149,7 @@ pub struct CreateTask {
     pub training: TrainingConfig,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum TaskState {
     Running,
@@ -155,20 +159,64 @@ pub enum TaskState {
 }
 
 /// A task as the admin API reports it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct TaskInfo {
     pub config: CreateTask,
     pub state: TaskState,
     pub spec: ModelSpec,
-    /// The round now open or collecting (0 before the first).
-    pub current_round: u64,
+    /// Rounds published so far.
+    pub published_rounds: u64,
     pub global_model: ModelDigest,
+    pub open_round: Option<OpenRoundStatus>,
+}
+
+/// The round a task has open.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct OpenRoundStatus {
+    pub round: u64,
+    /// Retries of this round after abandoned attempts (0 for the first).
+    pub attempt: u32,
+    pub selected: u32,
+    pub accepted: u32,
+    pub deadline_unix_ms: u64,
+}
+
+/// `POST /admin/v1/models` → the stored model's digest and spec.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ModelUploaded {
+    pub digest: ModelDigest,
+    pub spec: ModelSpec,
+}
+
+/// `POST /admin/v1/modules` → the TorchScript module's digest (hex SHA-256).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ModuleUploaded {
+    pub digest: String,
+}
+
+/// `POST /admin/v1/enrolments`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CreateEnrolment {
+    /// How long the token stays valid (default one day).
+    #[serde(default)]
+    pub ttl_secs: Option<u64>,
+}
+
+/// An enrolled client, for the admin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ClientInfo {
+    pub client_id: String,
+    pub label: Option<String>,
+    pub enrolled_unix_ms: u64,
+    pub revoked: bool,
 }
 
 /// One finished (or abandoned) round, for the admin's history.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct RoundRecord {
     pub round: u64,
+    pub attempt: u32,
     pub outcome: RoundOutcome,
     pub participants: Vec<String>,
     pub dropped: Vec<String>,
@@ -180,7 +228,7 @@ pub struct RoundRecord {
     pub model: Option<ModelDigest>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum RoundOutcome {
     Published,
@@ -191,7 +239,7 @@ pub enum RoundOutcome {
 }
 
 /// `POST /admin/v1/enrolments` → a one-time token a client exchanges for credentials.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct EnrolmentToken {
     pub token: String,
     pub expires_unix_ms: u64,
@@ -201,7 +249,7 @@ pub struct EnrolmentToken {
 // Clients (client API)
 
 /// `POST /v1/enrol`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EnrolRequest {
     pub token: String,
@@ -211,25 +259,37 @@ pub struct EnrolRequest {
 }
 
 /// The client's credentials: shown once; the server keeps only a hash of the secret.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Credentials {
     pub client_id: String,
     pub secret: String,
 }
 
-/// `GET /v1/tasks/{task}/poll`: what the client should do now.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// `GET /v1/tasks/{task}/poll?after=N&wait_ms=W`: the task's state, answered as soon as a round
+/// later than `after` is open (or the task stops), else after `wait_ms` (a long poll).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct PollResponse {
     pub task: String,
     pub state: TaskState,
-    /// Present when a round is open for this client.
-    pub round: Option<RoundOffer>,
-    /// When to poll again if no round is offered (pace steering, jittered by the server).
+    /// The round open now, if any.
+    pub open_round: Option<u64>,
+    /// Whether this client is selected for that round already.
+    pub selected: bool,
+    /// Whether this client has already contributed to that round.
+    pub contributed: bool,
+    /// When to come back if there is nothing to do (pace steering, jittered).
+    pub retry_after_ms: u64,
+}
+
+/// `POST /v1/tasks/{task}/join`: an offer, or when to come back.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct JoinResponse {
+    pub offer: Option<RoundOffer>,
     pub retry_after_ms: u64,
 }
 
 /// A round this client is selected for.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct RoundOffer {
     pub round: u64,
     /// Digest of the global model to train from (also its ETag).
@@ -241,7 +301,7 @@ pub struct RoundOffer {
 }
 
 /// Training metrics a client reports with its update.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Metrics {
     pub loss: Option<f64>,
@@ -249,7 +309,7 @@ pub struct Metrics {
 }
 
 /// Sent alongside a sealed delta (`POST /v1/tasks/{task}/rounds/{round}/update`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UpdateMeta {
     pub num_examples: u64,
@@ -258,7 +318,7 @@ pub struct UpdateMeta {
 }
 
 /// The server's acknowledgement: the update is durable and counted.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct UpdateReceipt {
     pub round: u64,
     /// Updates the round has accepted so far, this one included.
@@ -283,7 +343,8 @@ mod tests {
 
     #[test]
     fn create_task_applies_defaults_and_rejects_typos() {
-        let json = r#"{"id":"mnist","model":{"kind":"builtin","name":"mlp"},"rounds":20,
+        let json = r#"{"id":"mnist","initial_model":"0000000000000000000000000000000000000000000000000000000000000000",
+            "model":{"kind":"builtin","name":"mlp"},"rounds":20,
             "min_clients":2,"target_clients":10,"round_deadline_secs":60}"#;
         let task: CreateTask = serde_json::from_str(json).unwrap();
         assert_eq!(task.strategy, StrategyConfig::FedAvg);
@@ -309,14 +370,12 @@ mod tests {
     }
 
     #[test]
-    fn poll_response_round_trips() {
+    fn join_response_round_trips() {
         let key = crate::envelope::RoundSecretKey::generate()
             .unwrap()
             .public_key();
-        let poll = PollResponse {
-            task: "t".into(),
-            state: TaskState::Running,
-            round: Some(RoundOffer {
+        let poll = JoinResponse {
+            offer: Some(RoundOffer {
                 round: 4,
                 model: ModelDigest([9; 32]),
                 round_key: key,
@@ -329,11 +388,8 @@ mod tests {
             retry_after_ms: 250,
         };
         let json = serde_json::to_string(&poll).unwrap();
-        assert!(
-            json.contains(r#""state":"running""#) && json.contains(r#""name":"adam""#),
-            "{json}"
-        );
-        assert_eq!(serde_json::from_str::<PollResponse>(&json).unwrap(), poll);
+        assert!(json.contains(r#""name":"adam""#), "{json}");
+        assert_eq!(serde_json::from_str::<JoinResponse>(&json).unwrap(), poll);
     }
 
     #[test]
