@@ -1,0 +1,226 @@
+//! `hora-server admin …`: everything the admin API does, from the command line. Prints JSON
+//! answers; errors carry the server's `ApiError` message.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use hora_common::wire::{ApiError, CreateEnrolment, CreateTask};
+use reqwest::Method;
+
+#[derive(Debug, Args)]
+pub struct AdminArgs {
+    /// Server base URL.
+    #[arg(long, env = "HORA_URL", default_value = "https://127.0.0.1:8443")]
+    pub url: String,
+    /// CA certificate to trust (the development CA is <data dir>/certs/ca.pem).
+    #[arg(long, env = "HORA_CA")]
+    pub ca: PathBuf,
+    /// Admin bearer token.
+    #[arg(long, env = "HORA_ADMIN_TOKEN", hide_env_values = true)]
+    pub token: String,
+    #[command(subcommand)]
+    pub command: AdminCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AdminCommand {
+    /// Upload initial weights (safetensors); prints their digest and spec.
+    UploadModel {
+        file: PathBuf,
+    },
+    /// Upload a TorchScript module; prints its digest.
+    UploadModule {
+        file: PathBuf,
+    },
+    /// Create a task from a JSON file (see CreateTask in GET /openapi.json).
+    CreateTask {
+        file: PathBuf,
+    },
+    /// List tasks.
+    Tasks,
+    /// Show one task.
+    Task {
+        task: String,
+    },
+    Pause {
+        task: String,
+    },
+    Resume {
+        task: String,
+    },
+    Stop {
+        task: String,
+    },
+    /// Round history of a task.
+    Rounds {
+        task: String,
+    },
+    /// Download the model a round published (0: the initial model).
+    DownloadModel {
+        task: String,
+        round: u64,
+        #[arg(short, long)]
+        output: PathBuf,
+    },
+    /// Make a one-time enrolment token.
+    Enrol {
+        #[arg(long)]
+        ttl_secs: Option<u64>,
+    },
+    /// List clients.
+    Clients,
+    /// Revoke a client's credentials.
+    Revoke {
+        client: String,
+    },
+}
+
+pub struct AdminClient {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+}
+
+impl AdminClient {
+    pub fn new(url: &str, ca: &std::path::Path, token: &str) -> Result<Self> {
+        Ok(AdminClient {
+            http: crate::tls::https_client(ca, None)?,
+            base: url.trim_end_matches('/').to_string(),
+            token: token.to_string(),
+        })
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<reqwest::Body>,
+        json: Option<serde_json::Value>,
+    ) -> Result<reqwest::Response> {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(&self.token);
+        if let Some(b) = body {
+            req = req.body(b);
+        }
+        if let Some(j) = json {
+            req = req.json(&j);
+        }
+        let resp = req
+            .send()
+            .await
+            .with_context(|| format!("connecting to {}", self.base))?;
+        if !resp.status().is_success() {
+            let status = resp.status();
+            let text = resp.text().await.unwrap_or_default();
+            match serde_json::from_str::<ApiError>(&text) {
+                Ok(e) => bail!("{status}: {}", e.message),
+                Err(_) => bail!("{status}: {text}"),
+            }
+        }
+        Ok(resp)
+    }
+
+    pub async fn json(
+        &self,
+        method: Method,
+        path: &str,
+        json: Option<serde_json::Value>,
+    ) -> Result<serde_json::Value> {
+        Ok(self.send(method, path, None, json).await?.json().await?)
+    }
+
+    pub async fn upload(&self, path: &str, bytes: Vec<u8>) -> Result<serde_json::Value> {
+        Ok(self
+            .send(Method::POST, path, Some(bytes.into()), None)
+            .await?
+            .json()
+            .await?)
+    }
+
+    pub async fn bytes(&self, path: &str) -> Result<Vec<u8>> {
+        Ok(self
+            .send(Method::GET, path, None, None)
+            .await?
+            .bytes()
+            .await?
+            .to_vec())
+    }
+}
+
+pub async fn run(args: AdminArgs) -> Result<()> {
+    let c = AdminClient::new(&args.url, &args.ca, &args.token)?;
+    let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let out = match args.command {
+        AdminCommand::UploadModel { file } => c.upload("/admin/v1/models", read(&file)?).await?,
+        AdminCommand::UploadModule { file } => c.upload("/admin/v1/modules", read(&file)?).await?,
+        AdminCommand::CreateTask { file } => {
+            let task: CreateTask = serde_json::from_slice(&read(&file)?)
+                .with_context(|| format!("{} is not a valid task definition", file.display()))?;
+            c.json(
+                Method::POST,
+                "/admin/v1/tasks",
+                Some(serde_json::to_value(task)?),
+            )
+            .await?
+        }
+        AdminCommand::Tasks => c.json(Method::GET, "/admin/v1/tasks", None).await?,
+        AdminCommand::Task { task } => {
+            c.json(Method::GET, &format!("/admin/v1/tasks/{task}"), None)
+                .await?
+        }
+        AdminCommand::Pause { task } => {
+            c.json(Method::POST, &format!("/admin/v1/tasks/{task}/pause"), None)
+                .await?
+        }
+        AdminCommand::Resume { task } => {
+            c.json(
+                Method::POST,
+                &format!("/admin/v1/tasks/{task}/resume"),
+                None,
+            )
+            .await?
+        }
+        AdminCommand::Stop { task } => {
+            c.json(Method::POST, &format!("/admin/v1/tasks/{task}/stop"), None)
+                .await?
+        }
+        AdminCommand::Rounds { task } => {
+            c.json(Method::GET, &format!("/admin/v1/tasks/{task}/rounds"), None)
+                .await?
+        }
+        AdminCommand::DownloadModel {
+            task,
+            round,
+            output,
+        } => {
+            let bytes = c
+                .bytes(&format!("/admin/v1/tasks/{task}/rounds/{round}/model"))
+                .await?;
+            std::fs::write(&output, &bytes)
+                .with_context(|| format!("writing {}", output.display()))?;
+            serde_json::json!({ "written": output.display().to_string(), "bytes": bytes.len() })
+        }
+        AdminCommand::Enrol { ttl_secs } => {
+            c.json(
+                Method::POST,
+                "/admin/v1/enrolments",
+                Some(serde_json::to_value(CreateEnrolment { ttl_secs })?),
+            )
+            .await?
+        }
+        AdminCommand::Clients => c.json(Method::GET, "/admin/v1/clients", None).await?,
+        AdminCommand::Revoke { client } => {
+            c.json(
+                Method::POST,
+                &format!("/admin/v1/clients/{client}/revoke"),
+                None,
+            )
+            .await?
+        }
+    };
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}

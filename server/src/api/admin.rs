@@ -1,0 +1,258 @@
+//! The admin API (`/admin/v1`, bearer admin token): models and modules, tasks and their
+//! lifecycle, round history and models, enrolment tokens, clients.
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use hora_common::model::{Limits, Model};
+use hora_common::wire::{
+    ApiError, ClientInfo, CreateEnrolment, CreateTask, EnrolmentToken, ModelUploaded,
+    ModuleUploaded, RoundRecord, TaskInfo, TaskState,
+};
+
+use super::client::model_response;
+use super::{read_body, AdminAuth, ApiJson, Shared};
+use crate::auth;
+use crate::coordinator::now_ms;
+use crate::error::ServerError;
+use crate::store::EnrolmentRecord;
+
+pub fn routes() -> axum::Router<Shared> {
+    Router::new()
+        .route("/admin/v1/models", post(upload_model))
+        .route("/admin/v1/modules", post(upload_module))
+        .route("/admin/v1/tasks", post(create_task).get(list_tasks))
+        .route("/admin/v1/tasks/{task}", get(get_task))
+        .route("/admin/v1/tasks/{task}/pause", post(pause))
+        .route("/admin/v1/tasks/{task}/resume", post(resume))
+        .route("/admin/v1/tasks/{task}/stop", post(stop))
+        .route("/admin/v1/tasks/{task}/rounds", get(rounds))
+        .route(
+            "/admin/v1/tasks/{task}/rounds/{round}/model",
+            get(round_model),
+        )
+        .route("/admin/v1/enrolments", post(create_enrolment))
+        .route("/admin/v1/clients", get(list_clients))
+        .route("/admin/v1/clients/{client}/revoke", post(revoke_client))
+}
+
+#[utoipa::path(post, path = "/admin/v1/models", tag = "admin", security(("admin_token" = [])),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "safetensors (f32, f16 or bf16)"),
+    responses((status = 201, body = ModelUploaded), (status = 400, body = ApiError), (status = 401, body = ApiError), (status = 413, body = ApiError)))]
+pub async fn upload_model(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<ModelUploaded>), ServerError> {
+    let bytes = read_body(&headers, body, state.limits.max_model_bytes).await?;
+    let store = state.coordinator.clone();
+    tokio::task::spawn_blocking(move || {
+        let limits = Limits {
+            max_bytes: state.limits.max_model_bytes,
+            ..Limits::default()
+        };
+        let model = Model::from_safetensors(&bytes, &limits)
+            .map_err(|e| ServerError::BadRequest(e.to_string()))?;
+        model
+            .check_finite()
+            .map_err(|e| ServerError::BadRequest(e.to_string()))?;
+        let digest = store.store().put_model(&model)?;
+        Ok((
+            StatusCode::CREATED,
+            Json(ModelUploaded {
+                digest,
+                spec: model.spec(),
+            }),
+        ))
+    })
+    .await
+    .map_err(ServerError::internal)?
+}
+
+#[utoipa::path(post, path = "/admin/v1/modules", tag = "admin", security(("admin_token" = [])),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "a TorchScript module (torch.jit.save)"),
+    responses((status = 201, body = ModuleUploaded), (status = 401, body = ApiError), (status = 413, body = ApiError)))]
+pub async fn upload_module(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<ModuleUploaded>), ServerError> {
+    let bytes = read_body(&headers, body, state.limits.max_model_bytes).await?;
+    // TorchScript archives are zip files.
+    if !bytes.starts_with(b"PK\x03\x04") {
+        return Err(ServerError::BadRequest(
+            "not a TorchScript module (expected the zip archive torch.jit.save writes)".into(),
+        ));
+    }
+    let digest = state.coordinator.store().put_module(&bytes)?;
+    Ok((StatusCode::CREATED, Json(ModuleUploaded { digest })))
+}
+
+#[utoipa::path(post, path = "/admin/v1/tasks", tag = "admin", security(("admin_token" = [])), request_body = CreateTask,
+    responses((status = 201, body = TaskInfo), (status = 400, body = ApiError), (status = 401, body = ApiError), (status = 409, body = ApiError)))]
+pub async fn create_task(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    ApiJson(config): ApiJson<CreateTask>,
+) -> Result<(StatusCode, Json<TaskInfo>), ServerError> {
+    let coordinator = state.coordinator.clone();
+    let info = tokio::task::spawn_blocking(move || coordinator.create_task(config))
+        .await
+        .map_err(ServerError::internal)??;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+#[utoipa::path(get, path = "/admin/v1/tasks", tag = "admin", security(("admin_token" = [])),
+    responses((status = 200, body = Vec<TaskInfo>), (status = 401, body = ApiError)))]
+pub async fn list_tasks(State(state): State<Shared>, _a: AdminAuth) -> Json<Vec<TaskInfo>> {
+    Json(state.coordinator.list())
+}
+
+#[utoipa::path(get, path = "/admin/v1/tasks/{task}", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
+    responses((status = 200, body = TaskInfo), (status = 401, body = ApiError), (status = 404, body = ApiError)))]
+pub async fn get_task(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    Path(task): Path<String>,
+) -> Result<Json<TaskInfo>, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    Ok(Json(state.coordinator.info(&task)))
+}
+
+async fn set_state(
+    state: Shared,
+    task: String,
+    to: TaskState,
+) -> Result<Json<TaskInfo>, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    Ok(Json(state.coordinator.set_state(task, to).await?))
+}
+
+#[utoipa::path(post, path = "/admin/v1/tasks/{task}/pause", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
+    responses((status = 200, body = TaskInfo, description = "joins wait; uploads to the open round are still taken"), (status = 404, body = ApiError), (status = 409, body = ApiError)))]
+pub async fn pause(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    Path(task): Path<String>,
+) -> Result<Json<TaskInfo>, ServerError> {
+    set_state(state, task, TaskState::Paused).await
+}
+
+#[utoipa::path(post, path = "/admin/v1/tasks/{task}/resume", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
+    responses((status = 200, body = TaskInfo), (status = 404, body = ApiError), (status = 409, body = ApiError)))]
+pub async fn resume(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    Path(task): Path<String>,
+) -> Result<Json<TaskInfo>, ServerError> {
+    set_state(state, task, TaskState::Running).await
+}
+
+#[utoipa::path(post, path = "/admin/v1/tasks/{task}/stop", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
+    responses((status = 200, body = TaskInfo, description = "the open round is abandoned; the task ends"), (status = 404, body = ApiError), (status = 409, body = ApiError)))]
+pub async fn stop(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    Path(task): Path<String>,
+) -> Result<Json<TaskInfo>, ServerError> {
+    set_state(state, task, TaskState::Stopped).await
+}
+
+#[utoipa::path(get, path = "/admin/v1/tasks/{task}/rounds", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
+    responses((status = 200, body = Vec<RoundRecord>), (status = 404, body = ApiError)))]
+pub async fn rounds(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    Path(task): Path<String>,
+) -> Result<Json<Vec<RoundRecord>>, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    Ok(Json(state.coordinator.history(&task)?))
+}
+
+#[utoipa::path(get, path = "/admin/v1/tasks/{task}/rounds/{round}/model", tag = "admin", security(("admin_token" = [])),
+    params(("task" = String, Path), ("round" = u64, Path, description = "0 for the initial model")),
+    responses((status = 200, description = "safetensors"), (status = 404, body = ApiError)))]
+pub async fn round_model(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    Path((task, round)): Path<(String, u64)>,
+    headers: HeaderMap,
+) -> Result<Response, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    let digest = state.coordinator.round_model(&task, round)?;
+    model_response(&state, digest, &headers).await
+}
+
+#[utoipa::path(post, path = "/admin/v1/enrolments", tag = "admin", security(("admin_token" = [])), request_body = CreateEnrolment,
+    responses((status = 201, body = EnrolmentToken), (status = 401, body = ApiError)))]
+pub async fn create_enrolment(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    ApiJson(req): ApiJson<CreateEnrolment>,
+) -> Result<(StatusCode, Json<EnrolmentToken>), ServerError> {
+    let ttl = req.ttl_secs.unwrap_or(86_400).clamp(1, 365 * 86_400);
+    let token = auth::new_secret()?;
+    let expires_unix_ms = now_ms() + ttl * 1000;
+    let store = state.coordinator.store();
+    store.put_enrolment(
+        &auth::hash_secret(&token),
+        &EnrolmentRecord { expires_unix_ms },
+    )?;
+    store.flush()?;
+    Ok((
+        StatusCode::CREATED,
+        Json(EnrolmentToken {
+            token,
+            expires_unix_ms,
+        }),
+    ))
+}
+
+fn client_info(id: String, c: crate::store::ClientRecord) -> ClientInfo {
+    ClientInfo {
+        client_id: id,
+        label: c.label,
+        enrolled_unix_ms: c.enrolled_unix_ms,
+        revoked: c.revoked,
+    }
+}
+
+#[utoipa::path(get, path = "/admin/v1/clients", tag = "admin", security(("admin_token" = [])),
+    responses((status = 200, body = Vec<ClientInfo>), (status = 401, body = ApiError)))]
+pub async fn list_clients(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+) -> Result<Json<Vec<ClientInfo>>, ServerError> {
+    Ok(Json(
+        state
+            .coordinator
+            .store()
+            .clients()?
+            .into_iter()
+            .map(|(id, c)| client_info(id, c))
+            .collect(),
+    ))
+}
+
+#[utoipa::path(post, path = "/admin/v1/clients/{client}/revoke", tag = "admin", security(("admin_token" = [])), params(("client" = String, Path)),
+    responses((status = 200, body = ClientInfo), (status = 404, body = ApiError)))]
+pub async fn revoke_client(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    Path(client): Path<String>,
+) -> Result<Json<ClientInfo>, ServerError> {
+    let store = state.coordinator.store();
+    let mut record = store
+        .client(&client)?
+        .ok_or_else(|| ServerError::NotFound(format!("no client `{client}`")))?;
+    record.revoked = true;
+    store.put_client(&client, &record)?;
+    store.flush()?;
+    tracing::info!(client = %client, "client revoked");
+    Ok(Json(client_info(client, record)))
+}

@@ -1,0 +1,229 @@
+//! The client API (`/v1`): enrol, poll (long poll), join a round, download the model (and the
+//! TorchScript module), upload a sealed update.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use hora_common::wire::{
+    ApiError, Credentials, EnrolRequest, JoinResponse, PollResponse, UpdateMeta, UpdateReceipt,
+};
+use serde::Deserialize;
+
+use super::{binary, not_modified, read_body, ApiJson, ClientAuth, Shared};
+use crate::auth;
+use crate::coordinator::{now_ms, upload_limit};
+use crate::error::ServerError;
+use crate::store::ClientRecord;
+
+/// Header carrying an update's [`UpdateMeta`] as JSON (the body is the sealed envelope).
+pub const UPDATE_META_HEADER: &str = "x-hora-update";
+
+pub fn routes() -> axum::Router<Shared> {
+    Router::new()
+        .route("/v1/enrol", post(enrol))
+        .route("/v1/tasks/{task}/poll", get(poll))
+        .route("/v1/tasks/{task}/join", post(join))
+        .route("/v1/tasks/{task}/model", get(model))
+        .route("/v1/tasks/{task}/module", get(module))
+        .route("/v1/tasks/{task}/rounds/{round}/update", post(update))
+}
+
+#[utoipa::path(post, path = "/v1/enrol", tag = "client", request_body = EnrolRequest,
+    responses((status = 200, body = Credentials), (status = 401, body = ApiError, description = "unknown, used or expired token")))]
+pub async fn enrol(
+    State(state): State<Shared>,
+    ApiJson(req): ApiJson<EnrolRequest>,
+) -> Result<Json<Credentials>, ServerError> {
+    let store = state.coordinator.store();
+    let record = store
+        .take_enrolment(&auth::hash_secret(&req.token))?
+        .ok_or_else(|| {
+            ServerError::Unauthorized(
+                "unknown or already used enrolment token: ask the operator for a new one".into(),
+            )
+        })?;
+    if record.expires_unix_ms < now_ms() {
+        return Err(ServerError::Unauthorized(
+            "the enrolment token has expired: ask the operator for a new one".into(),
+        ));
+    }
+    if req.label.as_ref().is_some_and(|l| l.len() > 256) {
+        return Err(ServerError::BadRequest(
+            "label must be at most 256 bytes".into(),
+        ));
+    }
+    let client_id = format!("c-{}", &auth::new_secret()?[..16]);
+    let secret = auth::new_secret()?;
+    store.put_client(
+        &client_id,
+        &ClientRecord {
+            secret_hash: auth::hash_secret(&secret),
+            label: req.label,
+            enrolled_unix_ms: now_ms(),
+            revoked: false,
+        },
+    )?;
+    store.flush()?;
+    tracing::info!(client = %client_id, "client enrolled");
+    Ok(Json(Credentials { client_id, secret }))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct PollQuery {
+    /// Answer as soon as a round later than this one is open.
+    after: Option<u64>,
+    /// How long to hold the request open (capped by the server, 30 s by default).
+    #[serde(default)]
+    wait_ms: u64,
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{task}/poll", tag = "client", params(("task" = String, Path), PollQuery),
+    security(("client_credentials" = [])),
+    responses((status = 200, body = PollResponse), (status = 401, body = ApiError), (status = 404, body = ApiError)))]
+pub async fn poll(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path(task): Path<String>,
+    Query(q): Query<PollQuery>,
+) -> Result<Json<PollResponse>, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    Ok(Json(
+        state
+            .coordinator
+            .poll(task, &auth.id, q.after, Duration::from_millis(q.wait_ms))
+            .await,
+    ))
+}
+
+#[utoipa::path(post, path = "/v1/tasks/{task}/join", tag = "client", params(("task" = String, Path)),
+    security(("client_credentials" = [])),
+    responses((status = 200, body = JoinResponse, description = "an offer, or when to come back"), (status = 404, body = ApiError), (status = 409, body = ApiError)))]
+pub async fn join(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path(task): Path<String>,
+) -> Result<Json<JoinResponse>, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    Ok(Json(state.coordinator.join(&task, &auth.id)?))
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{task}/model", tag = "client", params(("task" = String, Path)),
+    security(("client_credentials" = [])),
+    responses((status = 200, description = "the global model (safetensors); ETag is its digest"), (status = 304, description = "unchanged"), (status = 404, body = ApiError)))]
+pub async fn model(
+    State(state): State<Shared>,
+    _auth: ClientAuth,
+    Path(task): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    model_response(&state, task.global_model(), &headers).await
+}
+
+pub(crate) async fn model_response(
+    state: &Shared,
+    digest: hora_common::model::ModelDigest,
+    headers: &HeaderMap,
+) -> Result<Response, ServerError> {
+    let etag = digest.to_hex();
+    if not_modified(headers, &etag) {
+        return Ok(StatusCode::NOT_MODIFIED.into_response());
+    }
+    let bytes = tokio::fs::read(state.coordinator.store().model_path(&digest))
+        .await
+        .map_err(ServerError::internal)?;
+    Ok(binary(bytes, &etag))
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{task}/module", tag = "client", params(("task" = String, Path)),
+    security(("client_credentials" = [])),
+    responses((status = 200, description = "the task's TorchScript module"), (status = 404, body = ApiError)))]
+pub async fn module(
+    State(state): State<Shared>,
+    _auth: ClientAuth,
+    Path(task): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    let digest = task.module_digest().ok_or_else(|| {
+        ServerError::NotFound(format!(
+            "task `{}` uses a built-in model, not a TorchScript module",
+            task.id
+        ))
+    })?;
+    if not_modified(&headers, &digest) {
+        return Ok(StatusCode::NOT_MODIFIED.into_response());
+    }
+    let bytes = tokio::fs::read(state.coordinator.store().module_path(&digest))
+        .await
+        .map_err(ServerError::internal)?;
+    Ok(binary(bytes, &digest))
+}
+
+#[utoipa::path(post, path = "/v1/tasks/{task}/rounds/{round}/update", tag = "client",
+    params(("task" = String, Path), ("round" = u64, Path), ("x-hora-update" = String, Header, description = "UpdateMeta as JSON")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "the sealed envelope of the safetensors delta"),
+    security(("client_credentials" = [])),
+    responses(
+        (status = 200, body = UpdateReceipt, description = "folded and durable"),
+        (status = 400, body = ApiError, description = "bad envelope, names, shapes, dtypes or values"),
+        (status = 401, body = ApiError), (status = 404, body = ApiError),
+        (status = 409, body = ApiError, description = "wrong, closed or abandoned round; not selected; already uploaded"),
+        (status = 411, body = ApiError), (status = 413, body = ApiError)))]
+pub async fn update(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path((task, round)): Path<(String, u64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<UpdateReceipt>, ServerError> {
+    let result: Result<UpdateReceipt, ServerError> = async {
+        let task = state.coordinator.task(&task)?;
+        let meta: UpdateMeta = headers
+            .get(UPDATE_META_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| {
+                ServerError::BadRequest(format!(
+                    "missing the `{UPDATE_META_HEADER}` header (UpdateMeta as JSON)"
+                ))
+            })
+            .and_then(|v| {
+                serde_json::from_str(v).map_err(|e| {
+                    ServerError::BadRequest(format!("malformed `{UPDATE_META_HEADER}` header: {e}"))
+                })
+            })?;
+        // Cheap checks before the body is read at all.
+        state.coordinator.check_upload(&task, &auth.id, round)?;
+        let limit = upload_limit(&task.spec());
+        let permit = state
+            .ingest
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(ServerError::internal)?;
+        let body = read_body(&headers, body, limit).await?;
+        let len = body.len() as u64;
+        let receipt = state
+            .coordinator
+            .upload(task, auth.id.clone(), round, meta, body, permit)
+            .await?;
+        state.coordinator.metrics.upload_bytes.inc_by(len);
+        Ok(receipt)
+    }
+    .await;
+    match &result {
+        Ok(_) => {
+            state.coordinator.metrics.uploads_accepted.inc();
+        }
+        Err(e) => {
+            state.coordinator.metrics.upload_rejected(e.code());
+            tracing::info!(client = %auth.id, round, code = e.code(), error = %e, "update refused");
+        }
+    }
+    result.map(Json)
+}

@@ -1,0 +1,271 @@
+//! The HTTP surface: the client API (`/v1`, [`client`]), the admin API (`/admin/v1`, [`admin`]),
+//! and the operational routes (`/healthz`, `/metrics`, `/openapi.json`).
+//!
+//! Every handler returns `Result<_, ServerError>`, so every refusal is a 4xx with an
+//! `ApiError` JSON body. Bodies are size-checked from `Content-Length` before they are read, and
+//! read into a buffer of exactly that size.
+
+pub mod admin;
+pub mod client;
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::http::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use hora_common::wire::ApiError;
+use http_body_util::BodyExt;
+use serde::de::DeserializeOwned;
+use tokio::sync::Semaphore;
+use utoipa::OpenApi;
+
+use crate::auth;
+use crate::coordinator::Coordinator;
+use crate::error::ServerError;
+
+/// Limits on what the HTTP layer accepts.
+#[derive(Debug, Clone)]
+pub struct HttpLimits {
+    /// JSON bodies.
+    pub max_json_bytes: usize,
+    /// Models and TorchScript modules uploaded by the admin.
+    pub max_model_bytes: u64,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            max_json_bytes: 1 << 20,
+            max_model_bytes: 4 << 30,
+        }
+    }
+}
+
+pub struct AppState {
+    pub coordinator: Arc<Coordinator>,
+    pub admin_token_hash: String,
+    pub limits: HttpLimits,
+    /// Update bodies being read and folded at once: bounds memory whatever the client count.
+    pub ingest: Arc<Semaphore>,
+}
+
+pub type Shared = Arc<AppState>;
+
+/// Proof that the request carries the admin token.
+pub struct AdminAuth;
+
+impl FromRequestParts<Shared> for AdminAuth {
+    type Rejection = ServerError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &Shared) -> Result<Self, ServerError> {
+        let token = auth::bearer(parts.headers.get(AUTHORIZATION))?;
+        if auth::verify_secret(token, &state.admin_token_hash) {
+            return Ok(AdminAuth);
+        }
+        if authenticate_client(state, token).is_ok() {
+            return Err(ServerError::Forbidden(
+                "client credentials cannot use the admin API".into(),
+            ));
+        }
+        Err(ServerError::Unauthorized("invalid admin token".into()))
+    }
+}
+
+/// An authenticated, enrolled, unrevoked client.
+pub struct ClientAuth {
+    pub id: String,
+}
+
+fn authenticate_client(state: &Shared, token: &str) -> Result<String, ServerError> {
+    let (id, secret) = auth::client_token(token)?;
+    let invalid = || {
+        ServerError::Unauthorized(
+            "invalid client credentials: enrol again or check the stored credentials".into(),
+        )
+    };
+    let record = state.coordinator.store().client(id)?.ok_or_else(invalid)?;
+    if !auth::verify_secret(secret, &record.secret_hash) {
+        return Err(invalid());
+    }
+    if record.revoked {
+        return Err(ServerError::Unauthorized(format!(
+            "client `{id}` has been revoked by the operator"
+        )));
+    }
+    Ok(id.to_string())
+}
+
+impl FromRequestParts<Shared> for ClientAuth {
+    type Rejection = ServerError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &Shared) -> Result<Self, ServerError> {
+        let token = auth::bearer(parts.headers.get(AUTHORIZATION))?;
+        authenticate_client(state, token).map(|id| ClientAuth { id })
+    }
+}
+
+/// `axum::Json` whose rejections are `ApiError` bodies.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = ServerError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ServerError> {
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+            Err(JsonRejection::MissingJsonContentType(_)) => Err(ServerError::BadRequest(
+                "send the body as JSON with `Content-Type: application/json`".into(),
+            )),
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Err(ServerError::PayloadTooLarge { got: 0, limit: 0 })
+            }
+            Err(e) => Err(ServerError::BadRequest(format!(
+                "malformed JSON body: {}",
+                e.body_text()
+            ))),
+        }
+    }
+}
+
+/// Reads a body of at most `limit` bytes into a buffer of exactly its declared length. Refuses
+/// (413) from the `Content-Length` header alone, before reading anything.
+pub async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+) -> Result<Vec<u8>, ServerError> {
+    let declared: u64 = headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .ok_or(ServerError::LengthRequired)?;
+    if declared > limit {
+        return Err(ServerError::PayloadTooLarge {
+            got: declared,
+            limit,
+        });
+    }
+    let mut buf = Vec::with_capacity(declared as usize);
+    let mut body = body;
+    while let Some(frame) = body.frame().await {
+        let frame =
+            frame.map_err(|e| ServerError::BadRequest(format!("reading the body failed: {e}")))?;
+        if let Ok(data) = frame.into_data() {
+            if buf.len() + data.len() > declared as usize {
+                return Err(ServerError::BadRequest(
+                    "body is longer than its Content-Length".into(),
+                ));
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    if buf.len() as u64 != declared {
+        return Err(ServerError::BadRequest(format!(
+            "body ended after {} of {declared} bytes",
+            buf.len()
+        )));
+    }
+    Ok(buf)
+}
+
+/// A safetensors (or other binary) response with the digest as strong ETag.
+pub fn binary(bytes: Vec<u8>, etag: &str) -> Response {
+    (
+        [
+            (CONTENT_TYPE, "application/octet-stream".to_string()),
+            (axum::http::header::ETAG, format!("\"{etag}\"")),
+        ],
+        bytes,
+    )
+        .into_response()
+}
+
+/// Whether the request's `If-None-Match` names `etag`.
+pub fn not_modified(headers: &HeaderMap, etag: &str) -> bool {
+    headers
+        .get(axum::http::header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(',')
+                .any(|t| t.trim().trim_start_matches("W/").trim_matches('"') == etag)
+        })
+}
+
+#[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "The server is up", body = String)))]
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format", body = String)))]
+async fn metrics(State(state): State<Shared>) -> Response {
+    (
+        [(
+            CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.coordinator.metrics.render(),
+    )
+        .into_response()
+}
+
+#[utoipa::path(get, path = "/openapi.json", tag = "ops", responses((status = 200, description = "This document")))]
+async fn openapi() -> Response {
+    axum::Json(ApiDoc::openapi()).into_response()
+}
+
+async fn fallback() -> ServerError {
+    ServerError::NotFound("no such route: see GET /openapi.json".into())
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Hora", description = "Federated learning server: client API (/v1) and admin API (/admin/v1)"),
+    paths(
+        healthz, metrics, openapi,
+        client::enrol, client::poll, client::join, client::model, client::module, client::update,
+        admin::upload_model, admin::upload_module, admin::create_task, admin::list_tasks, admin::get_task,
+        admin::pause, admin::resume, admin::stop, admin::rounds, admin::round_model,
+        admin::create_enrolment, admin::list_clients, admin::revoke_client,
+    ),
+    components(schemas(ApiError)),
+    modifiers(&BearerAuth),
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "admin_token",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        components.add_security_scheme(
+            "client_credentials",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+pub fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .merge(client::routes())
+        .merge(admin::routes())
+        .fallback(fallback)
+        // Bodies are bounded per route (read_body, ApiJson's limit below).
+        .layer(axum::extract::DefaultBodyLimit::max(
+            state.limits.max_json_bytes,
+        ))
+        .with_state(state)
+}

@@ -1,0 +1,1068 @@
+//! The coordinator: tasks, their rounds, and everything that moves a round along.
+//!
+//! A round is **open** from the moment the previous one is published: clients join it (the first
+//! `target × (1 + over_selection)` are selected; others are told when to come back) and upload
+//! sealed deltas, each folded into the round's running sum at once (**collecting**). When the
+//! target number of updates is in, or the deadline passes with at least `min_clients`, it is
+//! **aggregated** by the task's strategy and the new global model is **published**; with fewer
+//! than `min_clients` at the deadline the attempt is abandoned (the reason goes into the round
+//! history) and the round is retried with a fresh key.
+//!
+//! Durability is a group commit. A folded update is *pending* until a checkpoint that contains
+//! it is durable: the committer, woken by the first pending update, writes the sum (atomic file,
+//! fsync, rename) and then the round's sled record listing its contributors, flushes, and only
+//! then are those uploads acknowledged. A crash loses only unacknowledged uploads, which clients
+//! retry; the restarted round resumes from the last checkpoint, so the published model is the
+//! same as without the crash. Writes are O(model) per commit, not per upload.
+//!
+//! Locks: a round's accumulator lock may be taken while holding nothing, and the task's record
+//! and round slots may be taken while holding it — never the other way round.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use hora_common::envelope::{self, Binding, RoundSecretKey};
+use hora_common::kernel::WeightedSum;
+use hora_common::model::{ModelDigest, ModelSpec, ModelView};
+use hora_common::wire::{
+    self, Metrics, OpenRoundStatus, RoundOffer, RoundOutcome, RoundRecord, TaskInfo, TaskState,
+    UpdateMeta,
+};
+use rand::Rng;
+use tokio::sync::{watch, Notify};
+
+use crate::error::ServerError;
+use crate::metrics::ServerMetrics;
+use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord, Store, TaskRecord};
+use crate::strategy;
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Tunables of the coordinator.
+#[derive(Debug, Clone)]
+pub struct CoordinatorConfig {
+    /// How long the committer waits after the first pending update for more to join the commit.
+    pub commit_window: Duration,
+    /// The longest a long poll is held open.
+    pub max_poll_wait: Duration,
+}
+
+impl Default for CoordinatorConfig {
+    fn default() -> Self {
+        CoordinatorConfig {
+            commit_window: Duration::from_millis(2),
+            max_poll_wait: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What waiting uploads learn about their round.
+#[derive(Debug, Clone, PartialEq)]
+enum Durability {
+    /// The first `n` contributions are durable.
+    Upto(usize),
+    /// The attempt was abandoned: nothing of it counts.
+    Abandoned(String),
+}
+
+struct Accumulator {
+    sum: WeightedSum,
+    selected: BTreeSet<String>,
+    /// Every accepted contribution, the durable ones first.
+    contributions: Vec<Contribution>,
+    durable: usize,
+    closing: bool,
+    checkpoint_file: Option<String>,
+    checkpoints: u64,
+}
+
+pub struct Round {
+    pub number: u64,
+    pub attempt: u32,
+    key: RoundSecretKey,
+    pub base: ModelDigest,
+    opened_unix_ms: u64,
+    opened: Instant,
+    deadline_unix_ms: std::sync::atomic::AtomicU64,
+    acc: Mutex<Accumulator>,
+    durability: watch::Sender<Durability>,
+}
+
+impl Round {
+    fn deadline(&self) -> u64 {
+        self.deadline_unix_ms
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn record(&self, acc: &Accumulator) -> OpenRoundRecord {
+        OpenRoundRecord {
+            round: self.number,
+            attempt: self.attempt,
+            secret: hex::encode(*self.key.to_bytes()),
+            base_model: self.base,
+            opened_unix_ms: self.opened_unix_ms,
+            deadline_unix_ms: self.deadline(),
+            selected: acc.selected.iter().cloned().collect(),
+            checkpoint: acc.checkpoint_file.clone().map(|file| CheckpointRecord {
+                file,
+                contributions: acc.contributions[..acc.durable].to_vec(),
+                total_weight: acc.sum.total_weight(),
+            }),
+        }
+    }
+}
+
+pub struct Task {
+    pub id: String,
+    record: Mutex<TaskRecord>,
+    round: Mutex<Option<Arc<Round>>>,
+    changed: watch::Sender<u64>,
+}
+
+impl Task {
+    fn record(&self) -> TaskRecord {
+        self.record.lock().expect("task lock").clone()
+    }
+
+    fn current(&self) -> Option<Arc<Round>> {
+        self.round.lock().expect("round slot").clone()
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v += 1);
+    }
+}
+
+pub struct Coordinator {
+    store: Arc<Store>,
+    tasks: RwLock<HashMap<String, Arc<Task>>>,
+    config: CoordinatorConfig,
+    commit_wanted: Notify,
+    pub metrics: Arc<ServerMetrics>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock()
+        .expect("a coordinator lock was poisoned by an earlier panic")
+}
+
+impl Coordinator {
+    /// Loads every task and resumes open rounds from their last checkpoints.
+    pub fn open(
+        store: Arc<Store>,
+        config: CoordinatorConfig,
+        metrics: Arc<ServerMetrics>,
+    ) -> Result<Arc<Self>, ServerError> {
+        let coordinator = Arc::new(Coordinator {
+            store,
+            tasks: RwLock::new(HashMap::new()),
+            config,
+            commit_wanted: Notify::new(),
+            metrics,
+        });
+        for (id, record) in coordinator.store.tasks()? {
+            let round = match coordinator.store.open_round(&id)? {
+                Some(open) => Some(coordinator.resume_round(&record, open)?),
+                None if matches!(record.state, TaskState::Running | TaskState::Paused)
+                    && record.published < record.config.rounds =>
+                {
+                    Some(coordinator.new_round(&id, &record, record.published + 1, 0)?)
+                }
+                None => None,
+            };
+            if let Some(r) = &round {
+                tracing::info!(task = %id, round = r.number, attempt = r.attempt, accepted = lock(&r.acc).durable, "resumed open round");
+            }
+            let task = Arc::new(Task {
+                id: id.clone(),
+                record: Mutex::new(record),
+                round: Mutex::new(round),
+                changed: watch::channel(0).0,
+            });
+            coordinator
+                .tasks
+                .write()
+                .expect("tasks lock")
+                .insert(id, task);
+        }
+        Ok(coordinator)
+    }
+
+    /// Starts the background work: the group committer and the round deadlines.
+    pub fn start(self: &Arc<Self>) {
+        let me = self.clone();
+        tokio::spawn(async move { me.committer().await });
+        for task in self.tasks.read().expect("tasks lock").values() {
+            if let Some(round) = task.current() {
+                self.watch_deadline(task.clone(), round);
+            }
+        }
+    }
+
+    fn resume_round(
+        &self,
+        record: &TaskRecord,
+        open: OpenRoundRecord,
+    ) -> Result<Arc<Round>, ServerError> {
+        let mut secret = [0u8; 32];
+        hex::decode_to_slice(&open.secret, &mut secret)
+            .map_err(|_| ServerError::internal("corrupt round secret"))?;
+        let (sum, contributions, checkpoint_file) = match open.checkpoint {
+            Some(c) => {
+                let values = self.store.read_checkpoint(&c.file, record.spec.numel())?;
+                let n = c.contributions.len() as u64;
+                let sum = WeightedSum::from_parts(record.spec.clone(), values, c.total_weight, n)
+                    .map_err(ServerError::internal)?;
+                (sum, c.contributions, Some(c.file))
+            }
+            None => (WeightedSum::new(record.spec.clone()), Vec::new(), None),
+        };
+        let durable = contributions.len();
+        Ok(Arc::new(Round {
+            number: open.round,
+            attempt: open.attempt,
+            key: RoundSecretKey::from_bytes(secret),
+            base: open.base_model,
+            opened_unix_ms: open.opened_unix_ms,
+            opened: Instant::now(),
+            deadline_unix_ms: open.deadline_unix_ms.into(),
+            acc: Mutex::new(Accumulator {
+                sum,
+                selected: open.selected.into_iter().collect(),
+                contributions,
+                durable,
+                closing: false,
+                checkpoints: 0,
+                checkpoint_file,
+            }),
+            durability: watch::channel(Durability::Upto(durable)).0,
+        }))
+    }
+
+    /// A fresh round (or a retry of an abandoned one), persisted before anyone sees it.
+    fn new_round(
+        &self,
+        task_id: &str,
+        record: &TaskRecord,
+        number: u64,
+        attempt: u32,
+    ) -> Result<Arc<Round>, ServerError> {
+        let round = self.fresh_round(record, number, attempt)?;
+        self.store
+            .put_open_round(task_id, &round.record(&lock(&round.acc)))?;
+        self.store.flush()?;
+        Ok(round)
+    }
+
+    fn fresh_round(
+        &self,
+        record: &TaskRecord,
+        number: u64,
+        attempt: u32,
+    ) -> Result<Arc<Round>, ServerError> {
+        let now = now_ms();
+        Ok(Arc::new(Round {
+            number,
+            attempt,
+            key: RoundSecretKey::generate().map_err(ServerError::internal)?,
+            base: record.global_model,
+            opened_unix_ms: now,
+            opened: Instant::now(),
+            deadline_unix_ms: (now + record.config.round_deadline_secs * 1000).into(),
+            acc: Mutex::new(Accumulator {
+                sum: WeightedSum::new(record.spec.clone()),
+                selected: BTreeSet::new(),
+                contributions: Vec::new(),
+                durable: 0,
+                closing: false,
+                checkpoint_file: None,
+                checkpoints: 0,
+            }),
+            durability: watch::channel(Durability::Upto(0)).0,
+        }))
+    }
+
+    pub fn task(&self, id: &str) -> Result<Arc<Task>, ServerError> {
+        self.tasks
+            .read()
+            .expect("tasks lock")
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ServerError::NotFound(format!("no task `{id}`")))
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    // -- admin ------------------------------------------------------------------------------
+
+    pub fn create_task(
+        self: &Arc<Self>,
+        config: wire::CreateTask,
+    ) -> Result<TaskInfo, ServerError> {
+        validate_task(&config)?;
+        let initial = self.store.read_model(&config.initial_model).map_err(|_| {
+            ServerError::BadRequest(format!(
+                "no uploaded model with digest {}: upload it first with POST /admin/v1/models",
+                config.initial_model
+            ))
+        })?;
+        if let wire::ModelKind::TorchScript { module_digest } = &config.model {
+            if !self.store.module_path(module_digest).exists() {
+                return Err(ServerError::BadRequest(format!("no uploaded TorchScript module {module_digest}: upload it first with POST /admin/v1/modules")));
+            }
+        }
+        let id = config.id.clone();
+        let record = TaskRecord {
+            spec: initial.spec(),
+            state: TaskState::Running,
+            published: 0,
+            global_model: config.initial_model,
+            created_unix_ms: now_ms(),
+            config,
+        };
+        let mut tasks = self.tasks.write().expect("tasks lock");
+        if tasks.contains_key(&id) || !self.store.create_task(&id, &record)? {
+            return Err(ServerError::conflict(
+                "task_exists",
+                format!("task `{id}` exists already"),
+            ));
+        }
+        let round = self.new_round(&id, &record, 1, 0)?;
+        let task = Arc::new(Task {
+            id: id.clone(),
+            record: Mutex::new(record),
+            round: Mutex::new(Some(round.clone())),
+            changed: watch::channel(0).0,
+        });
+        tasks.insert(id.clone(), task.clone());
+        drop(tasks);
+        self.watch_deadline(task.clone(), round);
+        tracing::info!(task = %id, "task created");
+        Ok(self.info(&task))
+    }
+
+    pub fn list(&self) -> Vec<TaskInfo> {
+        let tasks: Vec<_> = self
+            .tasks
+            .read()
+            .expect("tasks lock")
+            .values()
+            .cloned()
+            .collect();
+        let mut infos: Vec<_> = tasks.iter().map(|t| self.info(t)).collect();
+        infos.sort_by(|a, b| a.config.id.cmp(&b.config.id));
+        infos
+    }
+
+    pub fn info(&self, task: &Task) -> TaskInfo {
+        let record = task.record();
+        let open_round = task.current().map(|r| {
+            let acc = lock(&r.acc);
+            OpenRoundStatus {
+                round: r.number,
+                attempt: r.attempt,
+                selected: acc.selected.len() as u32,
+                accepted: acc.contributions.len() as u32,
+                deadline_unix_ms: r.deadline(),
+            }
+        });
+        TaskInfo {
+            config: record.config,
+            state: record.state,
+            spec: record.spec,
+            published_rounds: record.published,
+            global_model: record.global_model,
+            open_round,
+        }
+    }
+
+    /// Pause, resume or stop.
+    pub async fn set_state(
+        self: &Arc<Self>,
+        task: Arc<Task>,
+        to: TaskState,
+    ) -> Result<TaskInfo, ServerError> {
+        let from = task.record().state;
+        match (from, to) {
+            (TaskState::Stopped | TaskState::Finished, _) => {
+                return Err(ServerError::conflict(
+                    "task_ended",
+                    format!("task `{}` is {:?} and cannot change state", task.id, from)
+                        .to_lowercase(),
+                ))
+            }
+            (a, b) if a == b => return Ok(self.info(&task)),
+            _ => {}
+        }
+        {
+            let mut record = lock(&task.record);
+            record.state = to;
+            self.store.put_task(&task.id, &record)?;
+            self.store.flush()?;
+        }
+        tracing::info!(task = %task.id, state = ?to, "task state changed");
+        match to {
+            TaskState::Stopped => {
+                if let Some(round) = task.current() {
+                    let me = self.clone();
+                    let t = task.clone();
+                    tokio::task::spawn_blocking(move || {
+                        me.close_round(&t, &round, Some("task stopped"))
+                    })
+                    .await
+                    .map_err(ServerError::internal)??;
+                }
+            }
+            TaskState::Running => {
+                // A resumed round gets a whole deadline again, and closes at once if it is full.
+                if let Some(round) = task.current() {
+                    let deadline = now_ms() + task.record().config.round_deadline_secs * 1000;
+                    round
+                        .deadline_unix_ms
+                        .store(deadline, std::sync::atomic::Ordering::SeqCst);
+                    self.watch_deadline(task.clone(), round.clone());
+                    self.close_if_full(&task, &round);
+                }
+            }
+            _ => {}
+        }
+        task.bump();
+        Ok(self.info(&task))
+    }
+
+    pub fn history(&self, task: &Task) -> Result<Vec<RoundRecord>, ServerError> {
+        Ok(self.store.history(&task.id)?)
+    }
+
+    /// The model digest published by round `round` (0: the initial model).
+    pub fn round_model(&self, task: &Task, round: u64) -> Result<ModelDigest, ServerError> {
+        let record = task.record();
+        if round == 0 {
+            return Ok(record.config.initial_model);
+        }
+        self.history(task)?
+            .into_iter()
+            .find(|r| r.round == round && r.model.is_some())
+            .and_then(|r| r.model)
+            .ok_or_else(|| {
+                ServerError::NotFound(format!(
+                    "task `{}` has not published round {round}",
+                    task.id
+                ))
+            })
+    }
+
+    // -- clients ----------------------------------------------------------------------------
+
+    fn retry_after(&self, task: &Task) -> u64 {
+        let base = task
+            .current()
+            .map(|r| r.deadline().saturating_sub(now_ms()))
+            .unwrap_or(5_000)
+            .clamp(500, 60_000);
+        // Jitter spreads reconnects so a federation never comes back as one herd.
+        rand::rng().random_range(base / 2..=base)
+    }
+
+    /// The task's state for `client`; waits up to `wait` for a round later than `after`.
+    pub async fn poll(
+        &self,
+        task: Arc<Task>,
+        client: &str,
+        after: Option<u64>,
+        wait: Duration,
+    ) -> wire::PollResponse {
+        let mut changed = task.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + wait.min(self.config.max_poll_wait);
+        loop {
+            let state = task.record().state;
+            let round = task.current();
+            let ready = state != TaskState::Running
+                || round
+                    .as_ref()
+                    .is_some_and(|r| after.is_none_or(|a| r.number > a));
+            if ready || tokio::time::Instant::now() >= deadline {
+                let (selected, contributed) = round
+                    .as_ref()
+                    .map(|r| {
+                        let acc = lock(&r.acc);
+                        (
+                            acc.selected.contains(client),
+                            acc.contributions.iter().any(|c| c.client == client),
+                        )
+                    })
+                    .unwrap_or((false, false));
+                return wire::PollResponse {
+                    task: task.id.clone(),
+                    state,
+                    open_round: round.map(|r| r.number),
+                    selected,
+                    contributed,
+                    retry_after_ms: self.retry_after(&task),
+                };
+            }
+            if tokio::time::timeout_at(deadline, changed.changed())
+                .await
+                .is_err()
+            {
+                continue; // timed out: answer with what there is
+            }
+        }
+    }
+
+    /// Selects `client` for the open round if there is room.
+    pub fn join(&self, task: &Task, client: &str) -> Result<wire::JoinResponse, ServerError> {
+        let record = task.record();
+        match record.state {
+            TaskState::Running => {}
+            TaskState::Paused => {
+                return Ok(wire::JoinResponse {
+                    offer: None,
+                    retry_after_ms: self.retry_after(task),
+                })
+            }
+            s => {
+                return Err(ServerError::conflict(
+                    "task_ended",
+                    format!("task `{}` is {}", task.id, format!("{s:?}").to_lowercase()),
+                ))
+            }
+        }
+        let Some(round) = task.current() else {
+            return Ok(wire::JoinResponse {
+                offer: None,
+                retry_after_ms: self.retry_after(task),
+            });
+        };
+        let capacity = (f64::from(record.config.target_clients)
+            * (1.0 + record.config.over_selection))
+            .ceil() as usize;
+        {
+            let mut acc = lock(&round.acc);
+            if acc.contributions.iter().any(|c| c.client == client) {
+                return Err(ServerError::conflict(
+                    "already_contributed",
+                    format!(
+                        "client `{client}` has already uploaded its update for round {}",
+                        round.number
+                    ),
+                ));
+            }
+            if !acc.selected.contains(client) {
+                if acc.closing || acc.selected.len() >= capacity {
+                    return Ok(wire::JoinResponse {
+                        offer: None,
+                        retry_after_ms: self.retry_after(task),
+                    });
+                }
+                acc.selected.insert(client.to_string());
+                // Selection survives a restart on a best-effort basis (the next commit or close
+                // flushes it); a client that loses it simply joins again.
+                let rec = round.record(&acc);
+                self.store.put_open_round(&task.id, &rec)?;
+            }
+        }
+        task.bump();
+        Ok(wire::JoinResponse {
+            offer: Some(RoundOffer {
+                round: round.number,
+                model: round.base,
+                round_key: round.key.public_key(),
+                deadline_unix_ms: round.deadline(),
+                training: record.config.training.clone(),
+            }),
+            retry_after_ms: 0,
+        })
+    }
+
+    /// The upload path: checks the round, opens the envelope, validates, folds, and returns
+    /// once the update is durable. `body` is the sealed envelope, decrypted in place.
+    /// `permit` (an ingest slot) is released as soon as the update is folded, before the wait
+    /// for durability, so the next body can be read meanwhile.
+    pub async fn upload(
+        self: &Arc<Self>,
+        task: Arc<Task>,
+        client: String,
+        round_number: u64,
+        meta: UpdateMeta,
+        mut body: Vec<u8>,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<wire::UpdateReceipt, ServerError> {
+        let round = self.check_upload(&task, &client, round_number)?;
+        if meta.num_examples == 0 {
+            return Err(ServerError::InvalidUpdate(
+                "num_examples must be at least 1".into(),
+            ));
+        }
+        for (name, v) in [
+            ("loss", meta.metrics.loss),
+            ("accuracy", meta.metrics.accuracy),
+        ] {
+            if v.is_some_and(|v| !v.is_finite()) {
+                return Err(ServerError::InvalidUpdate(format!(
+                    "metric `{name}` must be a finite number"
+                )));
+            }
+        }
+        let spec = task.record().spec;
+        let me = self.clone();
+        let (round, index) = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
+            let started = Instant::now();
+            let binding = Binding {
+                task: &task.id,
+                round: round.number,
+                client: &client,
+                base_model: &round.base,
+            };
+            let plaintext = envelope::open(&mut body, &round.key, &binding)
+                .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
+            let view = ModelView::parse(plaintext, &spec.limits())
+                .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
+            spec.check_spec(&view.spec())
+                .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
+            view.check_finite()
+                .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
+            let index = {
+                let mut acc = lock(&round.acc);
+                // Re-check under the lock: the round may have closed, or a duplicate raced us.
+                if acc.closing {
+                    return Err(ServerError::conflict(
+                        "round_closed",
+                        format!(
+                            "round {} closed while the update was being checked",
+                            round.number
+                        ),
+                    ));
+                }
+                if acc.contributions.iter().any(|c| c.client == client) {
+                    return Err(ServerError::conflict(
+                        "already_contributed",
+                        format!(
+                            "client `{client}` has already uploaded its update for round {}",
+                            round.number
+                        ),
+                    ));
+                }
+                acc.sum
+                    .add_view(meta.num_examples as f64, &view)
+                    .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
+                acc.contributions.push(Contribution {
+                    client,
+                    examples: meta.num_examples,
+                    metrics: meta.metrics,
+                });
+                acc.contributions.len() - 1
+            };
+            me.metrics
+                .ingest_seconds
+                .observe(started.elapsed().as_secs_f64());
+            me.close_if_full(&task, &round);
+            Ok((round, index))
+        })
+        .await
+        .map_err(ServerError::internal)??;
+        drop(permit);
+        self.commit_wanted.notify_one();
+
+        // Acknowledge only once a commit (or the publication) that contains it is durable.
+        let mut durability = round.durability.subscribe();
+        let outcome = durability
+            .wait_for(|d| match d {
+                Durability::Upto(n) => *n > index,
+                Durability::Abandoned(_) => true,
+            })
+            .await
+            .map(|d| d.clone())
+            .map_err(|_| {
+                ServerError::Unavailable("the server is shutting down; retry the upload".into())
+            })?;
+        match outcome {
+            Durability::Upto(_) => Ok(wire::UpdateReceipt {
+                round: round.number,
+                accepted: index as u32 + 1,
+            }),
+            Durability::Abandoned(reason) => Err(ServerError::conflict(
+                "round_abandoned",
+                format!(
+                    "round {} was abandoned ({reason}); poll for the retry",
+                    round.number
+                ),
+            )),
+        }
+    }
+
+    /// The checks an upload must pass before its body is worth reading.
+    pub fn check_upload(
+        &self,
+        task: &Task,
+        client: &str,
+        round_number: u64,
+    ) -> Result<Arc<Round>, ServerError> {
+        let state = task.record().state;
+        if matches!(state, TaskState::Stopped | TaskState::Finished) {
+            return Err(ServerError::conflict(
+                "round_closed",
+                format!(
+                    "task `{}` is {} and takes no more updates",
+                    task.id,
+                    format!("{state:?}").to_lowercase()
+                ),
+            ));
+        }
+        let round = task
+            .current()
+            .ok_or_else(|| ServerError::conflict("round_closed", "no round is open"))?;
+        if round_number != round.number {
+            let code = if round_number < round.number {
+                "round_closed"
+            } else {
+                "wrong_round"
+            };
+            return Err(ServerError::conflict(
+                code,
+                format!(
+                    "round {round_number} is not open; the open round is {}",
+                    round.number
+                ),
+            ));
+        }
+        let acc = lock(&round.acc);
+        if acc.closing {
+            return Err(ServerError::conflict(
+                "round_closed",
+                format!("round {} is closing", round.number),
+            ));
+        }
+        if !acc.selected.contains(client) {
+            return Err(ServerError::conflict(
+                "not_selected",
+                format!(
+                    "client `{client}` is not selected for round {}: join it first",
+                    round.number
+                ),
+            ));
+        }
+        if acc.contributions.iter().any(|c| c.client == client) {
+            return Err(ServerError::conflict(
+                "already_contributed",
+                format!(
+                    "client `{client}` has already uploaded its update for round {}",
+                    round.number
+                ),
+            ));
+        }
+        Ok(round.clone())
+    }
+
+    fn close_if_full(self: &Arc<Self>, task: &Arc<Task>, round: &Arc<Round>) {
+        let record = task.record();
+        if record.state != TaskState::Running
+            || lock(&round.acc).contributions.len() < record.config.target_clients as usize
+        {
+            return;
+        }
+        let (me, task, round) = (self.clone(), task.clone(), round.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = me.close_round(&task, &round, None) {
+                tracing::error!(task = %task.id, round = round.number, error = %e, "closing the round failed");
+            }
+        });
+    }
+
+    fn watch_deadline(self: &Arc<Self>, task: Arc<Task>, round: Arc<Round>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let wait = round.deadline().saturating_sub(now_ms());
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+                let current = task.current();
+                if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &round))
+                    || lock(&round.acc).closing
+                {
+                    return; // closed or replaced meanwhile
+                }
+                if round.deadline() > now_ms() {
+                    continue; // moved (resume)
+                }
+                if task.record().state != TaskState::Running {
+                    return; // paused: resume restarts the clock
+                }
+                let (me2, task2, round2) = (me.clone(), task.clone(), round.clone());
+                let _ = tokio::task::spawn_blocking(move || {
+                    if let Err(e) = me2.close_round(&task2, &round2, None) {
+                        tracing::error!(task = %task2.id, error = %e, "closing the round at its deadline failed");
+                    }
+                })
+                .await;
+                return;
+            }
+        });
+    }
+
+    /// Group commit: whenever uploads are pending, wait a short window for more, then write one
+    /// checkpoint per round that has any.
+    async fn committer(self: Arc<Self>) {
+        loop {
+            self.commit_wanted.notified().await;
+            tokio::time::sleep(self.config.commit_window).await;
+            let tasks: Vec<_> = self
+                .tasks
+                .read()
+                .expect("tasks lock")
+                .values()
+                .cloned()
+                .collect();
+            for task in tasks {
+                let Some(round) = task.current() else {
+                    continue;
+                };
+                let me = self.clone();
+                let result =
+                    tokio::task::spawn_blocking(move || me.checkpoint(&task, &round)).await;
+                if let Ok(Err(e)) | Err(e) = result.map_err(ServerError::internal) {
+                    tracing::error!(error = %e, "checkpoint failed; uploads stay unacknowledged and will be retried");
+                }
+            }
+        }
+    }
+
+    fn checkpoint(&self, task: &Task, round: &Round) -> Result<(), ServerError> {
+        let mut acc = lock(&round.acc);
+        if acc.closing || acc.durable == acc.contributions.len() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        acc.checkpoints += 1;
+        let file = format!(
+            "{}-r{}-a{}-{}-{}.ckpt",
+            task.id,
+            round.number,
+            round.attempt,
+            now_ms(),
+            acc.checkpoints
+        );
+        self.store.write_checkpoint(&file, acc.sum.sum())?;
+        let old = acc.checkpoint_file.replace(file);
+        let pending = acc.durable;
+        acc.durable = acc.contributions.len();
+        let record = round.record(&acc);
+        let written = self
+            .store
+            .put_open_round(&task.id, &record)
+            .and_then(|_| self.store.flush());
+        if let Err(e) = written {
+            // Roll back: these uploads are not durable yet.
+            acc.durable = pending;
+            if let Some(new) = std::mem::replace(&mut acc.checkpoint_file, old) {
+                self.store.remove_checkpoint(&new);
+            }
+            return Err(e.into());
+        }
+        if let Some(old) = old {
+            self.store.remove_checkpoint(&old);
+        }
+        round.durability.send_replace(Durability::Upto(acc.durable));
+        tracing::debug!(task = %task.id, round = round.number, durable = acc.durable, ms = started.elapsed().as_millis() as u64, "checkpoint");
+        Ok(())
+    }
+
+    /// Closes `round`: publishes it when it has enough updates (and `abandon` is None), else
+    /// abandons it; then opens the next round or the retry. Blocking (file and database I/O).
+    fn close_round(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        round: &Arc<Round>,
+        abandon: Option<&str>,
+    ) -> Result<(), ServerError> {
+        let mut acc = lock(&round.acc);
+        if acc.closing {
+            return Ok(());
+        }
+        acc.closing = true;
+        let started = Instant::now();
+        let mut record = task.record();
+        let n = acc.contributions.len();
+        let participants: Vec<String> =
+            acc.contributions.iter().map(|c| c.client.clone()).collect();
+        let dropped: Vec<String> = acc
+            .selected
+            .iter()
+            .filter(|c| !participants.contains(c))
+            .cloned()
+            .collect();
+        let examples: u64 = acc.contributions.iter().map(|c| c.examples).sum();
+        let metrics = weighted_metrics(&acc.contributions);
+        let reason = match abandon {
+            Some(r) => Some(r.to_string()),
+            None if n < record.config.min_clients as usize => Some(format!(
+                "{n} of the required {} updates by the deadline",
+                record.config.min_clients
+            )),
+            None => None,
+        };
+
+        let result = (|| -> Result<(RoundRecord, Option<Arc<Round>>), ServerError> {
+            let outcome_model = match &reason {
+                None => {
+                    let mut global = self.store.read_model(&round.base)?;
+                    strategy::from_config(&record.config.strategy)
+                        .aggregate(&mut global, &acc.sum)
+                        .map_err(ServerError::internal)?;
+                    let digest = self.store.put_model(&global)?;
+                    record.published += 1;
+                    record.global_model = digest;
+                    if record.published >= record.config.rounds {
+                        record.state = TaskState::Finished;
+                    }
+                    Some(digest)
+                }
+                Some(_) => None,
+            };
+            let history = RoundRecord {
+                round: round.number,
+                attempt: round.attempt,
+                outcome: match &reason {
+                    None => RoundOutcome::Published,
+                    Some(r) => RoundOutcome::Abandoned { reason: r.clone() },
+                },
+                participants: participants.clone(),
+                dropped: dropped.clone(),
+                examples,
+                metrics,
+                duration_ms: round.opened.elapsed().as_millis() as u64,
+                model: outcome_model,
+            };
+            let next = match record.state {
+                TaskState::Running | TaskState::Paused => Some(match &reason {
+                    None => self.fresh_round(&record, round.number + 1, 0)?,
+                    Some(_) => self.fresh_round(&record, round.number, round.attempt + 1)?,
+                }),
+                _ => None,
+            };
+            let next_record = next.as_ref().map(|r| r.record(&lock(&r.acc)));
+            self.store.finish_round(
+                &task.id,
+                &record,
+                &history,
+                round.attempt,
+                next_record.as_ref(),
+            )?;
+            self.store.flush()?;
+            Ok((history, next))
+        })();
+
+        let (history, next) = match result {
+            Ok(v) => v,
+            Err(e) => {
+                // Nothing was published: keep collecting and let the deadline try again.
+                acc.closing = false;
+                return Err(e);
+            }
+        };
+        if let Some(file) = acc.checkpoint_file.take() {
+            self.store.remove_checkpoint(&file);
+        }
+        match &reason {
+            None => {
+                round.durability.send_replace(Durability::Upto(n));
+                self.metrics
+                    .round_published(&task.id, started.elapsed().as_secs_f64());
+                tracing::info!(task = %task.id, round = round.number, updates = n, examples, loss = ?history.metrics.loss, model = %history.model.map(|d| d.to_hex()[..12].to_string()).unwrap_or_default(), "round published");
+            }
+            Some(r) => {
+                round
+                    .durability
+                    .send_replace(Durability::Abandoned(r.clone()));
+                self.metrics.round_abandoned(&task.id);
+                tracing::warn!(task = %task.id, round = round.number, attempt = round.attempt, reason = %r, "round abandoned");
+            }
+        }
+        drop(acc);
+        *lock(&task.record) = record;
+        *lock(&task.round) = next.clone();
+        task.bump();
+        if let Some(next) = next {
+            // Runs on one of the runtime's blocking threads, which can spawn.
+            self.watch_deadline(task.clone(), next);
+        }
+        Ok(())
+    }
+}
+
+fn weighted_metrics(contributions: &[Contribution]) -> Metrics {
+    let mean = |get: fn(&Metrics) -> Option<f64>| {
+        let (mut num, mut den) = (0.0, 0.0);
+        for c in contributions {
+            if let Some(v) = get(&c.metrics) {
+                num += v * c.examples as f64;
+                den += c.examples as f64;
+            }
+        }
+        (den > 0.0).then(|| num / den)
+    };
+    Metrics {
+        loss: mean(|m| m.loss),
+        accuracy: mean(|m| m.accuracy),
+    }
+}
+
+fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
+    let bad = |m: String| Err(ServerError::BadRequest(m));
+    if !wire::valid_id(&c.id) {
+        return bad(format!("task id `{}` must be 1-64 of [A-Za-z0-9_.-]", c.id));
+    }
+    if c.rounds == 0 {
+        return bad("rounds must be at least 1".into());
+    }
+    if c.min_clients == 0 || c.target_clients < c.min_clients {
+        return bad(format!(
+            "need 1 <= min_clients ({}) <= target_clients ({})",
+            c.min_clients, c.target_clients
+        ));
+    }
+    if !(0.0..=10.0).contains(&c.over_selection) {
+        return bad("over_selection must be between 0 and 10".into());
+    }
+    if c.round_deadline_secs == 0 || c.round_deadline_secs > 7 * 86_400 {
+        return bad("round_deadline_secs must be between 1 and 604800".into());
+    }
+    let t = &c.training;
+    if t.epochs == 0
+        || t.batch_size == 0
+        || !(t.learning_rate.is_finite() && t.learning_rate > 0.0)
+        || !(t.proximal_mu.is_finite() && t.proximal_mu >= 0.0)
+    {
+        return bad("training needs epochs >= 1, batch_size >= 1, a positive learning_rate and proximal_mu >= 0".into());
+    }
+    Ok(())
+}
+
+/// The spec of a task, for the upload route's size limit.
+pub fn upload_limit(spec: &ModelSpec) -> u64 {
+    spec.limits().max_bytes + envelope::OVERHEAD as u64
+}
+
+impl Task {
+    pub fn spec(&self) -> ModelSpec {
+        self.record().spec
+    }
+
+    pub fn module_digest(&self) -> Option<String> {
+        match self.record().config.model {
+            wire::ModelKind::TorchScript { module_digest } => Some(module_digest),
+            wire::ModelKind::Builtin { .. } => None,
+        }
+    }
+
+    pub fn global_model(&self) -> ModelDigest {
+        self.record().global_model
+    }
+}

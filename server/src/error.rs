@@ -1,0 +1,100 @@
+//! Every refusal the server makes, as one type: each variant knows its HTTP status and its stable
+//! machine-readable code, and renders as `hora_common::wire::ApiError` JSON. Handlers return
+//! `Result<_, ServerError>`; nothing from outside can make the server panic.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use hora_common::wire::ApiError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    InvalidUpdate(String),
+    #[error("missing or malformed credentials: send `Authorization: Bearer <token>`")]
+    MissingCredentials,
+    #[error("{0}")]
+    Unauthorized(String),
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// Wrong, closed or abandoned round; duplicate upload; task not running.
+    #[error("{message}")]
+    Conflict { code: &'static str, message: String },
+    #[error("body of {got} bytes exceeds the limit of {limit} bytes for this route")]
+    PayloadTooLarge { got: u64, limit: u64 },
+    #[error("a Content-Length header is required for uploads")]
+    LengthRequired,
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ServerError {
+    pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
+        ServerError::Conflict {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn internal(e: impl std::fmt::Display) -> Self {
+        ServerError::Internal(e.to_string())
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ServerError::BadRequest(_) | ServerError::InvalidUpdate(_) => StatusCode::BAD_REQUEST,
+            ServerError::MissingCredentials | ServerError::Unauthorized(_) => {
+                StatusCode::UNAUTHORIZED
+            }
+            ServerError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ServerError::NotFound(_) => StatusCode::NOT_FOUND,
+            ServerError::Conflict { .. } => StatusCode::CONFLICT,
+            ServerError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ServerError::LengthRequired => StatusCode::LENGTH_REQUIRED,
+            ServerError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ServerError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The stable code clients and metrics use.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServerError::BadRequest(_) => "bad_request",
+            ServerError::InvalidUpdate(_) => "invalid_update",
+            ServerError::MissingCredentials => "missing_credentials",
+            ServerError::Unauthorized(_) => "unauthorized",
+            ServerError::Forbidden(_) => "forbidden",
+            ServerError::NotFound(_) => "not_found",
+            ServerError::Conflict { code, .. } => code,
+            ServerError::PayloadTooLarge { .. } => "payload_too_large",
+            ServerError::LengthRequired => "length_required",
+            ServerError::Unavailable(_) => "unavailable",
+            ServerError::Internal(_) => "internal",
+        }
+    }
+}
+
+impl IntoResponse for ServerError {
+    fn into_response(self) -> Response {
+        if let ServerError::Internal(e) = &self {
+            tracing::error!(error = %e, "internal error");
+        }
+        let body = ApiError {
+            code: self.code().to_string(),
+            message: self.to_string(),
+        };
+        (self.status(), Json(body)).into_response()
+    }
+}
+
+impl From<crate::store::StoreError> for ServerError {
+    fn from(e: crate::store::StoreError) -> Self {
+        ServerError::Internal(e.to_string())
+    }
+}

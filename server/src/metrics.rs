@@ -1,0 +1,111 @@
+//! Prometheus metrics (`GET /metrics`): rounds published and abandoned, uploads accepted and
+//! rejected by reason, bytes received, ingest and aggregation latency.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TaskLabel {
+    pub task: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+pub struct ServerMetrics {
+    registry: Registry,
+    rounds_published: Family<TaskLabel, Counter>,
+    rounds_abandoned: Family<TaskLabel, Counter>,
+    pub uploads_accepted: Counter,
+    uploads_rejected: Family<ReasonLabel, Counter>,
+    pub upload_bytes: Counter,
+    pub ingest_seconds: Histogram,
+    aggregation_seconds: Histogram,
+}
+
+impl Default for ServerMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("hora");
+        let m = ServerMetrics {
+            rounds_published: Family::default(),
+            rounds_abandoned: Family::default(),
+            uploads_accepted: Counter::default(),
+            uploads_rejected: Family::default(),
+            upload_bytes: Counter::default(),
+            ingest_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
+            aggregation_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "rounds_published",
+            "Rounds published",
+            m.rounds_published.clone(),
+        );
+        registry.register(
+            "rounds_abandoned",
+            "Round attempts abandoned",
+            m.rounds_abandoned.clone(),
+        );
+        registry.register(
+            "uploads_accepted",
+            "Updates accepted and durable",
+            m.uploads_accepted.clone(),
+        );
+        registry.register(
+            "uploads_rejected",
+            "Updates refused, by reason",
+            m.uploads_rejected.clone(),
+        );
+        registry.register(
+            "upload_bytes",
+            "Bytes of sealed updates received",
+            m.upload_bytes.clone(),
+        );
+        registry.register(
+            "ingest_seconds",
+            "Open + validate + fold time of one update",
+            m.ingest_seconds.clone(),
+        );
+        registry.register(
+            "aggregation_seconds",
+            "Time to aggregate and publish a round",
+            m.aggregation_seconds.clone(),
+        );
+        ServerMetrics { registry, ..m }
+    }
+}
+
+impl ServerMetrics {
+    pub fn round_published(&self, task: &str, seconds: f64) {
+        self.rounds_published
+            .get_or_create(&TaskLabel { task: task.into() })
+            .inc();
+        self.aggregation_seconds.observe(seconds);
+    }
+
+    pub fn round_abandoned(&self, task: &str) {
+        self.rounds_abandoned
+            .get_or_create(&TaskLabel { task: task.into() })
+            .inc();
+    }
+
+    pub fn upload_rejected(&self, reason: &str) {
+        self.uploads_rejected
+            .get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}

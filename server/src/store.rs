@@ -1,0 +1,499 @@
+//! Durable state under one data directory.
+//!
+//! ```text
+//! <data>/db/                      sled: tasks, open rounds, round history, clients, enrolments, meta
+//! <data>/blobs/models/<hex>.safetensors   global models, content-addressed by model digest
+//! <data>/blobs/modules/<hex>.pt           TorchScript modules, by SHA-256 of their bytes
+//! <data>/checkpoints/<task>-r<round>-a<attempt>-<seq>.ckpt   round accumulators (f64 sums)
+//! ```
+//!
+//! Files are written atomically: a temporary file in the same directory, fsync, rename, fsync of
+//! the directory; only then is the sled record that refers to them written and flushed. So a
+//! record never points at a torn file, and a crash leaves at worst an unreferenced file, which
+//! [`Store::sweep_orphans`] removes at start. Records are JSON (small, and readable when an
+//! operator has to look). Nothing here ever holds a client's individual update: checkpoints are
+//! sums of several.
+
+use std::fs::{self, File};
+use std::io::{BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use hora_common::model::{Limits, Model, ModelDigest, ModelSpec};
+use hora_common::wire::{CreateTask, Metrics, RoundRecord, TaskState};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database: {0}")]
+    Db(#[from] sled::Error),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("corrupt record {key}: {reason}")]
+    Corrupt { key: String, reason: String },
+    #[error("model blob: {0}")]
+    Model(#[from] hora_common::model::ModelError),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// A task as stored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TaskRecord {
+    pub config: CreateTask,
+    pub spec: ModelSpec,
+    pub state: TaskState,
+    /// Rounds published so far; the open round is `published + 1`.
+    pub published: u64,
+    pub global_model: ModelDigest,
+    pub created_unix_ms: u64,
+}
+
+/// One accepted update, as the round's records keep it (never the update itself).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Contribution {
+    pub client: String,
+    pub examples: u64,
+    pub metrics: Metrics,
+}
+
+/// The durable part of a round's accumulator.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    pub file: String,
+    pub contributions: Vec<Contribution>,
+    pub total_weight: f64,
+}
+
+/// The round a task has open, enough to resume it after a crash.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OpenRoundRecord {
+    pub round: u64,
+    pub attempt: u32,
+    /// The round's X25519 secret (hex). Deleted with this record when the round closes.
+    pub secret: String,
+    pub base_model: ModelDigest,
+    pub opened_unix_ms: u64,
+    pub deadline_unix_ms: u64,
+    pub selected: Vec<String>,
+    pub checkpoint: Option<CheckpointRecord>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClientRecord {
+    pub secret_hash: String,
+    pub label: Option<String>,
+    pub enrolled_unix_ms: u64,
+    pub revoked: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EnrolmentRecord {
+    pub expires_unix_ms: u64,
+}
+
+pub struct Store {
+    dir: PathBuf,
+    db: sled::Db,
+    tasks: sled::Tree,
+    open_rounds: sled::Tree,
+    history: sled::Tree,
+    clients: sled::Tree,
+    enrolments: sled::Tree,
+    meta: sled::Tree,
+}
+
+fn get<T: DeserializeOwned>(tree: &sled::Tree, key: &str) -> Result<Option<T>, StoreError> {
+    match tree.get(key)? {
+        None => Ok(None),
+        Some(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| StoreError::Corrupt {
+                key: key.to_string(),
+                reason: e.to_string(),
+            }),
+    }
+}
+
+fn all<T: DeserializeOwned>(
+    iter: impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+) -> Result<Vec<(String, T)>, StoreError> {
+    iter.map(|kv| {
+        let (k, v) = kv?;
+        let key = String::from_utf8_lossy(&k).into_owned();
+        let value = serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt {
+            key: key.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok((key, value))
+    })
+    .collect()
+}
+
+fn json<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("records serialise")
+}
+
+/// History keys sort by round then attempt.
+fn history_key(task: &str, round: u64, attempt: u32) -> String {
+    format!("{task}\0{round:020}\0{attempt:010}")
+}
+
+impl Store {
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        for sub in ["blobs/models", "blobs/modules", "checkpoints"] {
+            fs::create_dir_all(dir.join(sub)).map_err(io(dir))?;
+        }
+        let db = sled::Config::new().path(dir.join("db")).open()?;
+        Ok(Store {
+            dir: dir.to_path_buf(),
+            tasks: db.open_tree("tasks")?,
+            open_rounds: db.open_tree("open_rounds")?,
+            history: db.open_tree("history")?,
+            clients: db.open_tree("clients")?,
+            enrolments: db.open_tree("enrolments")?,
+            meta: db.open_tree("meta")?,
+            db,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Makes everything written so far durable.
+    pub fn flush(&self) -> Result<(), StoreError> {
+        self.db.flush()?;
+        Ok(())
+    }
+
+    // -- tasks ------------------------------------------------------------------------------
+
+    pub fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+        get(&self.tasks, id)
+    }
+
+    pub fn tasks(&self) -> Result<Vec<(String, TaskRecord)>, StoreError> {
+        all(self.tasks.iter())
+    }
+
+    /// Creates a task if the id is free; false if it exists.
+    pub fn create_task(&self, id: &str, task: &TaskRecord) -> Result<bool, StoreError> {
+        let created = self
+            .tasks
+            .compare_and_swap(id, None as Option<&[u8]>, Some(json(task)))?
+            .is_ok();
+        Ok(created)
+    }
+
+    pub fn put_task(&self, id: &str, task: &TaskRecord) -> Result<(), StoreError> {
+        self.tasks.insert(id, json(task))?;
+        Ok(())
+    }
+
+    // -- rounds -----------------------------------------------------------------------------
+
+    pub fn open_round(&self, task: &str) -> Result<Option<OpenRoundRecord>, StoreError> {
+        get(&self.open_rounds, task)
+    }
+
+    pub fn put_open_round(&self, task: &str, round: &OpenRoundRecord) -> Result<(), StoreError> {
+        self.open_rounds.insert(task, json(round))?;
+        Ok(())
+    }
+
+    /// Records a finished round and moves the task on, in one transaction: either all of it is
+    /// durable after the next flush or none of it.
+    pub fn finish_round(
+        &self,
+        task_id: &str,
+        task: &TaskRecord,
+        record: &RoundRecord,
+        attempt: u32,
+        next: Option<&OpenRoundRecord>,
+    ) -> Result<(), StoreError> {
+        use sled::Transactional;
+        (&self.tasks, &self.open_rounds, &self.history)
+            .transaction(|(tasks, open, history)| {
+                tasks.insert(task_id, json(task))?;
+                history.insert(
+                    history_key(task_id, record.round, attempt).as_bytes(),
+                    json(record),
+                )?;
+                match next {
+                    Some(n) => open.insert(task_id, json(n))?,
+                    None => open.remove(task_id)?,
+                };
+                Ok(())
+            })
+            .map_err(|e: sled::transaction::TransactionError<()>| match e {
+                sled::transaction::TransactionError::Storage(e) => StoreError::Db(e),
+                sled::transaction::TransactionError::Abort(()) => StoreError::Corrupt {
+                    key: task_id.into(),
+                    reason: "transaction aborted".into(),
+                },
+            })?;
+        Ok(())
+    }
+
+    pub fn history(&self, task: &str) -> Result<Vec<RoundRecord>, StoreError> {
+        let prefix = format!("{task}\0");
+        Ok(all(self.history.scan_prefix(prefix))?
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect())
+    }
+
+    // -- clients and enrolment --------------------------------------------------------------
+
+    pub fn client(&self, id: &str) -> Result<Option<ClientRecord>, StoreError> {
+        get(&self.clients, id)
+    }
+
+    pub fn clients(&self) -> Result<Vec<(String, ClientRecord)>, StoreError> {
+        all(self.clients.iter())
+    }
+
+    pub fn put_client(&self, id: &str, c: &ClientRecord) -> Result<(), StoreError> {
+        self.clients.insert(id, json(c))?;
+        Ok(())
+    }
+
+    pub fn put_enrolment(&self, token_hash: &str, e: &EnrolmentRecord) -> Result<(), StoreError> {
+        self.enrolments.insert(token_hash, json(e))?;
+        Ok(())
+    }
+
+    /// Removes and returns an enrolment: a token works once.
+    pub fn take_enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError> {
+        match self.enrolments.remove(token_hash)? {
+            None => Ok(None),
+            Some(v) => serde_json::from_slice(&v)
+                .map(Some)
+                .map_err(|e| StoreError::Corrupt {
+                    key: "enrolment".into(),
+                    reason: e.to_string(),
+                }),
+        }
+    }
+
+    pub fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
+        get(&self.meta, key)
+    }
+
+    pub fn put_meta(&self, key: &str, value: &str) -> Result<(), StoreError> {
+        self.meta.insert(key, json(&value))?;
+        Ok(())
+    }
+
+    // -- blobs ------------------------------------------------------------------------------
+
+    pub fn model_path(&self, digest: &ModelDigest) -> PathBuf {
+        self.dir
+            .join("blobs/models")
+            .join(format!("{}.safetensors", digest.to_hex()))
+    }
+
+    pub fn module_path(&self, hex_digest: &str) -> PathBuf {
+        self.dir
+            .join("blobs/modules")
+            .join(format!("{hex_digest}.pt"))
+    }
+
+    pub fn checkpoint_path(&self, file: &str) -> PathBuf {
+        self.dir.join("checkpoints").join(file)
+    }
+
+    /// Stores a model under its digest (a no-op if it is there already).
+    pub fn put_model(&self, model: &Model) -> Result<ModelDigest, StoreError> {
+        let digest = model.digest();
+        let path = self.model_path(&digest);
+        if !path.exists() {
+            write_atomic(&path, |w| w.write_all(&model.to_safetensors()))?;
+        }
+        Ok(digest)
+    }
+
+    pub fn read_model(&self, digest: &ModelDigest) -> Result<Model, StoreError> {
+        Ok(Model::read_file(
+            &self.model_path(digest),
+            &Limits::default(),
+        )?)
+    }
+
+    /// Stores a TorchScript module under the hex SHA-256 of its bytes.
+    pub fn put_module(&self, bytes: &[u8]) -> Result<String, StoreError> {
+        let hex_digest = hex::encode(ring::digest::digest(&ring::digest::SHA256, bytes));
+        let path = self.module_path(&hex_digest);
+        if !path.exists() {
+            write_atomic(&path, |w| w.write_all(bytes))?;
+        }
+        Ok(hex_digest)
+    }
+
+    /// Writes an accumulator checkpoint (the f64 sum, little-endian) atomically.
+    pub fn write_checkpoint(&self, file: &str, sum: &[f64]) -> Result<(), StoreError> {
+        write_atomic(&self.checkpoint_path(file), |w| {
+            w.write_all(b"HORACKP1")?;
+            w.write_all(&(sum.len() as u64).to_le_bytes())?;
+            for chunk in sum.chunks(1 << 16) {
+                let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
+                w.write_all(&bytes)?;
+            }
+            Ok(())
+        })
+    }
+
+    pub fn read_checkpoint(&self, file: &str, expected_len: usize) -> Result<Vec<f64>, StoreError> {
+        let path = self.checkpoint_path(file);
+        let mut f = File::open(&path).map_err(io(&path))?;
+        let mut header = [0u8; 16];
+        f.read_exact(&mut header).map_err(io(&path))?;
+        let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
+        if &header[..8] != b"HORACKP1" || len != expected_len as u64 {
+            return Err(StoreError::Corrupt {
+                key: file.into(),
+                reason: format!("expected {expected_len} values, header says {len}"),
+            });
+        }
+        let mut bytes = Vec::with_capacity(expected_len * 8);
+        f.read_to_end(&mut bytes).map_err(io(&path))?;
+        if bytes.len() != expected_len * 8 {
+            return Err(StoreError::Corrupt {
+                key: file.into(),
+                reason: "truncated".into(),
+            });
+        }
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect())
+    }
+
+    pub fn remove_checkpoint(&self, file: &str) {
+        let _ = fs::remove_file(self.checkpoint_path(file));
+    }
+
+    /// Deletes temporary files and blobs no record refers to. Run at start, before serving.
+    pub fn sweep_orphans(&self) -> Result<usize, StoreError> {
+        let mut models = std::collections::HashSet::new();
+        let mut modules = std::collections::HashSet::new();
+        let mut checkpoints = std::collections::HashSet::new();
+        for (id, task) in self.tasks()? {
+            models.insert(format!("{}.safetensors", task.global_model.to_hex()));
+            if let hora_common::wire::ModelKind::TorchScript { module_digest } = &task.config.model
+            {
+                modules.insert(format!("{module_digest}.pt"));
+            }
+            for r in self.history(&id)? {
+                if let Some(d) = r.model {
+                    models.insert(format!("{}.safetensors", d.to_hex()));
+                }
+            }
+            if let Some(open) = self.open_round(&id)? {
+                if let Some(c) = open.checkpoint {
+                    checkpoints.insert(c.file);
+                }
+            }
+        }
+        // Models uploaded by an admin but not (yet) used by a task are kept for a day.
+        let fresh = |p: &Path| {
+            fs::metadata(p)
+                .and_then(|m| m.modified())
+                .map(|t| t.elapsed().map(|e| e.as_secs() < 86_400).unwrap_or(true))
+                .unwrap_or(false)
+        };
+        let mut removed = 0;
+        for (sub, keep, keep_fresh) in [
+            ("blobs/models", &models, true),
+            ("blobs/modules", &modules, true),
+            ("checkpoints", &checkpoints, false),
+        ] {
+            let dir = self.dir.join(sub);
+            for entry in fs::read_dir(&dir).map_err(io(&dir))? {
+                let path = entry.map_err(io(&dir))?.path();
+                let name = path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .unwrap_or_default()
+                    .to_string();
+                let temp = name.starts_with(".tmp-");
+                if temp || (!keep.contains(&name) && !(keep_fresh && fresh(&path))) {
+                    fs::remove_file(&path).map_err(io(&path))?;
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
+    }
+}
+
+/// Writes `path` atomically: temp file, fsync, rename, fsync of the directory.
+pub fn write_atomic(
+    path: &Path,
+    fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
+) -> Result<(), StoreError> {
+    let dir = path.parent().expect("blob paths have a parent");
+    let tmp = dir.join(format!(
+        ".tmp-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    let result = (|| {
+        let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        fill(&mut w)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        File::open(dir)?.sync_all()
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map_err(io(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blobs_and_checkpoints_round_trip_and_orphans_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let model = Model::from_tensors([("w", vec![3], vec![1.0, 2.0, 3.0])]).unwrap();
+        let d = store.put_model(&model).unwrap();
+        assert_eq!(store.read_model(&d).unwrap(), model);
+        store
+            .write_checkpoint("t-r1-a0-1.ckpt", &[1.5, -2.0, 1e300])
+            .unwrap();
+        assert_eq!(
+            store.read_checkpoint("t-r1-a0-1.ckpt", 3).unwrap(),
+            vec![1.5, -2.0, 1e300]
+        );
+        assert!(store.read_checkpoint("t-r1-a0-1.ckpt", 4).is_err());
+        fs::write(dir.path().join("checkpoints/.tmp-1-2"), b"torn").unwrap();
+        // Unreferenced checkpoint and temp file go; the fresh unreferenced model stays.
+        assert_eq!(store.sweep_orphans().unwrap(), 2);
+        assert!(store.model_path(&d).exists());
+        assert!(!store.checkpoint_path("t-r1-a0-1.ckpt").exists());
+    }
+
+    #[test]
+    fn enrolment_tokens_work_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        store
+            .put_enrolment("h", &EnrolmentRecord { expires_unix_ms: 5 })
+            .unwrap();
+        assert!(store.take_enrolment("h").unwrap().is_some());
+        assert!(store.take_enrolment("h").unwrap().is_none());
+    }
+}
