@@ -425,7 +425,8 @@ impl Store {
                     .unwrap_or_default()
                     .to_string();
                 let temp = name.starts_with(".tmp-");
-                if temp || (!keep.contains(&name) && !(keep_fresh && fresh(&path))) {
+                let kept = keep.contains(&name) || (keep_fresh && fresh(&path));
+                if temp || !kept {
                     fs::remove_file(&path).map_err(io(&path))?;
                     removed += 1;
                 }

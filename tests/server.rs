@@ -1,0 +1,597 @@
+//! The real `hora-server` binary on loopback with real TLS: rounds with sealed uploads, a
+//! SIGKILL in the middle of a round, bad input of every kind, and the operational routes.
+
+mod support;
+
+use std::time::Duration;
+
+use hora_common::model::Model;
+use hora_common::wire::{PollResponse, RoundOutcome, RoundRecord, TaskInfo, TaskState};
+use reqwest::{Method, StatusCode};
+use support::*;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rounds_publish_the_example_weighted_average() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    let initial = small_model();
+    let digest = admin.upload_model(&initial).await;
+    let info = admin.create_task(&task("mnist", digest, 3, 2, 4, 60)).await;
+    assert_eq!(info.open_round.as_ref().map(|r| r.round), Some(1));
+
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(admin.enrol().await);
+    }
+    let mut expected = initial.clone();
+    for round in 1..=3u64 {
+        let mut updates = Vec::new();
+        for (i, c) in clients.iter().enumerate() {
+            let offer = c.join("mnist").await;
+            assert_eq!(offer.round, round);
+            let (global, etag) = c.global("mnist").await;
+            assert_eq!(global, expected, "clients train from the published model");
+            assert_eq!(etag, offer.model.to_hex());
+            let examples = 10 + 25 * i as u64 + round;
+            let d = delta(&global, round * 100 + i as u64);
+            let receipt = c.upload("mnist", &offer, examples, &d).await;
+            assert_eq!(receipt.accepted, i as u32 + 1);
+            updates.push((examples, d));
+        }
+        expected = fedavg(&expected, &updates);
+        let published = admin.round_model("mnist", round).await;
+        assert_close(&published, &expected);
+        expected = published;
+    }
+
+    let info: TaskInfo = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/mnist"))
+        .await;
+    assert_eq!(
+        (info.state, info.published_rounds, info.open_round),
+        (TaskState::Finished, 3, None)
+    );
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/mnist/rounds"))
+        .await;
+    assert_eq!(history.len(), 3);
+    assert!(history.iter().all(|r| r.outcome == RoundOutcome::Published
+        && r.participants.len() == 4
+        && r.dropped.is_empty()));
+    assert_eq!(
+        history[0].examples,
+        (0..4).map(|i| 11 + 25 * i).sum::<u64>()
+    );
+    assert!((history[0].metrics.accuracy.unwrap() - 0.75).abs() < 1e-12);
+
+    // The model is cached by digest: a conditional GET is answered 304.
+    let c = &clients[0];
+    let resp = c
+        .api
+        .request(Method::GET, "/v1/tasks/mnist/model")
+        .header(
+            "if-none-match",
+            format!("\"{}\"", info.global_model.to_hex()),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::NOT_MODIFIED);
+
+    // The server binary does not link libtorch.
+    let bin = std::fs::read(binary("hora-server")).unwrap();
+    assert!(
+        !bin.windows(11).any(|w| w == b"libtorch_cp"),
+        "hora-server links libtorch"
+    );
+}
+
+/// Runs one round of four uploads; with `crash`, SIGKILLs the server after the first two are
+/// acknowledged and finishes the round on a restarted server. Returns the published model.
+async fn one_round(crash: bool) -> Model {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    let initial = small_model();
+    let digest = admin.upload_model(&initial).await;
+    admin.create_task(&task("t", digest, 1, 4, 4, 600)).await;
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(admin.enrol().await);
+    }
+    for i in 0..clients.len() {
+        if crash && i == 2 {
+            server.kill();
+            server = Server::start(dir.path());
+            for c in &mut clients {
+                c.api.url = server.url.clone();
+            }
+        }
+        let c = &clients[i];
+        let offer = c.join("t").await;
+        c.upload("t", &offer, 7 + i as u64 * 3, &delta(&initial, i as u64))
+            .await;
+    }
+    let admin = server.api(ADMIN_TOKEN);
+    let info: TaskInfo = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/t"))
+        .await;
+    assert_eq!(info.state, TaskState::Finished);
+    admin.round_model("t", 1).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sigkill_mid_round_loses_no_acknowledged_upload() {
+    let (uncrashed, crashed) = (one_round(false).await, one_round(true).await);
+    // Same uploads in the same order: the very same model, bit for bit.
+    assert_eq!(crashed.digest(), uncrashed.digest());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_input_gets_a_clear_refusal_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    let initial = small_model();
+    let digest = admin.upload_model(&initial).await;
+    admin.create_task(&task("t", digest, 2, 1, 3, 600)).await;
+    let (a, b, c) = (
+        admin.enrol().await,
+        admin.enrol().await,
+        admin.enrol().await,
+    );
+
+    // Credentials.
+    let anon = admin.with_token("");
+    anon.refused(
+        anon.request(Method::GET, "/admin/v1/tasks"),
+        StatusCode::UNAUTHORIZED,
+        "missing_credentials",
+    )
+    .await;
+    let wrong = admin.with_token("not-the-token");
+    wrong
+        .refused(
+            wrong.request(Method::GET, "/admin/v1/tasks"),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        )
+        .await;
+    a.api
+        .refused(
+            a.api.request(Method::GET, "/admin/v1/tasks"),
+            StatusCode::FORBIDDEN,
+            "forbidden",
+        )
+        .await;
+    let forged = a.api.with_token(&format!("{}.{}", a.id, "0".repeat(64)));
+    forged
+        .refused(
+            forged.request(Method::POST, "/v1/tasks/t/join"),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        )
+        .await;
+    let token: serde_json::Value = admin
+        .ok(admin
+            .request(Method::POST, "/admin/v1/enrolments")
+            .json(&serde_json::json!({})))
+        .await;
+    anon.ok::<serde_json::Value>(
+        anon.request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({"token": token["token"]})),
+    )
+    .await;
+    anon.refused(
+        anon.request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({"token": token["token"]})),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    )
+    .await;
+
+    // Malformed JSON, unknown task.
+    admin
+        .refused(
+            admin
+                .request(Method::POST, "/admin/v1/tasks")
+                .header("content-type", "application/json")
+                .body("{\"id\": "),
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        )
+        .await;
+    a.api
+        .refused(
+            a.api.request(Method::POST, "/v1/tasks/nope/join"),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        )
+        .await;
+
+    let offer = a.join("t").await;
+    let good = delta(&initial, 1);
+    let upload = |client: &Client, body: Vec<u8>| client.upload_request("t", offer.round, 5, body);
+
+    // Wrong names, shapes, dtypes; NaN and Inf.
+    let renamed = Model::from_tensors(
+        initial
+            .tensors()
+            .iter()
+            .map(|t| (format!("x.{}", t.name), t.shape.clone(), vec![0.0; t.len])),
+    )
+    .unwrap();
+    let mut reshaped_parts: Vec<_> = initial
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone(), vec![0.0f32; t.len]))
+        .collect();
+    let matrix = reshaped_parts.iter().position(|p| p.1.len() == 2).unwrap();
+    reshaped_parts[matrix].1 = vec![reshaped_parts[matrix].1.iter().product()];
+    let reshaped = Model::from_tensors(reshaped_parts).unwrap();
+    let mut nan = good.clone();
+    nan.data_mut()[3] = f32::NAN;
+    let mut inf = good.clone();
+    inf.data_mut()[100] = f32::INFINITY;
+    for (what, model) in [
+        ("names", renamed),
+        ("shapes", reshaped),
+        ("nan", nan),
+        ("inf", inf),
+    ] {
+        let msg = a
+            .api
+            .refused(
+                upload(&a, a.seal("t", &offer, &model)),
+                StatusCode::BAD_REQUEST,
+                "invalid_update",
+            )
+            .await;
+        eprintln!("{what}: {msg}");
+    }
+    let half = {
+        // The same tensors stored as f16 on the wire: the task's spec says f32.
+        let views: Vec<(String, Vec<usize>, Vec<u8>)> = initial
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone(), vec![0u8; t.len * 2]))
+            .collect();
+        let st: Vec<_> = views
+            .iter()
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F16, s.clone(), b)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize(st, None).unwrap()
+    };
+    let binding = hora_common::envelope::Binding {
+        task: "t",
+        round: offer.round,
+        client: &a.id,
+        base_model: &offer.model,
+    };
+    let sealed_half = hora_common::envelope::seal(&half, &offer.round_key, &binding).unwrap();
+    let msg = a
+        .api
+        .refused(
+            upload(&a, sealed_half),
+            StatusCode::BAD_REQUEST,
+            "invalid_update",
+        )
+        .await;
+    assert!(msg.contains("dtype"), "{msg}");
+
+    // Tampered and truncated envelopes; an envelope sealed by another client.
+    let mut tampered = a.seal("t", &offer, &good);
+    let mid = tampered.len() / 2;
+    tampered[mid] ^= 0x40;
+    a.api
+        .refused(
+            upload(&a, tampered),
+            StatusCode::BAD_REQUEST,
+            "invalid_update",
+        )
+        .await;
+    let mut truncated = a.seal("t", &offer, &good);
+    truncated.truncate(truncated.len() - 20);
+    a.api
+        .refused(
+            upload(&a, truncated),
+            StatusCode::BAD_REQUEST,
+            "invalid_update",
+        )
+        .await;
+    b.join("t").await;
+    a.api
+        .refused(
+            upload(&b, a.seal("t", &offer, &good)),
+            StatusCode::BAD_REQUEST,
+            "invalid_update",
+        )
+        .await;
+
+    // Oversized: refused from Content-Length alone, without reading the body.
+    let limit = hora_server::coordinator::upload_limit(&initial.spec());
+    let endless = futures_stream(limit + 1);
+    let req = a
+        .api
+        .request(Method::POST, "/v1/tasks/t/rounds/1/update")
+        .header("x-hora-update", "{\"num_examples\":1}")
+        .header("content-length", (limit + 1).to_string())
+        .body(reqwest::Body::wrap_stream(endless));
+    let refused = tokio::time::timeout(
+        Duration::from_secs(20),
+        a.api
+            .refused(req, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+    )
+    .await;
+    assert!(refused.is_ok(), "a 413 must come before the body is read");
+
+    // Not selected, wrong round, then the good upload, its replay, and a closed round.
+    c.api
+        .refused(
+            upload(&c, c.seal("t", &offer, &good)),
+            StatusCode::CONFLICT,
+            "not_selected",
+        )
+        .await;
+    a.api
+        .refused(
+            a.upload_request("t", 2, 5, a.seal("t", &offer, &good)),
+            StatusCode::CONFLICT,
+            "wrong_round",
+        )
+        .await;
+    a.api
+        .refused(
+            a.upload_request("t", 1, 0, a.seal("t", &offer, &good)),
+            StatusCode::BAD_REQUEST,
+            "invalid_update",
+        )
+        .await;
+    let accepted = a.seal("t", &offer, &good);
+    a.api
+        .ok::<serde_json::Value>(upload(&a, accepted.clone()))
+        .await;
+    a.api
+        .refused(
+            upload(&a, accepted.clone()),
+            StatusCode::CONFLICT,
+            "already_contributed",
+        )
+        .await;
+
+    // Nothing refused above disturbed the round: it holds exactly a's update.
+    let info: TaskInfo = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/t"))
+        .await;
+    assert_eq!(info.open_round.as_ref().map(|r| r.accepted), Some(1));
+    let offer_b = b.join("t").await;
+    let d_b = delta(&initial, 2);
+    b.upload("t", &offer_b, 15, &d_b).await;
+    c.join("t").await;
+    let d_c = delta(&initial, 3);
+    let offer_c = c.join("t").await;
+    c.upload("t", &offer_c, 30, &d_c).await;
+    let published = admin.round_model("t", 1).await;
+    assert_close(
+        &published,
+        &fedavg(&initial, &[(5, good), (15, d_b), (30, d_c)]),
+    );
+
+    // Round 1 is closed now; its envelope replayed into round 2 fails authentication.
+    a.api
+        .refused(
+            upload(&a, accepted.clone()),
+            StatusCode::CONFLICT,
+            "round_closed",
+        )
+        .await;
+    a.join("t").await;
+    a.api
+        .refused(
+            a.upload_request("t", 2, 5, accepted),
+            StatusCode::BAD_REQUEST,
+            "invalid_update",
+        )
+        .await;
+}
+
+/// A body stream that sends one chunk and then never finishes.
+fn futures_stream(
+    _declared: u64,
+) -> impl futures_core::Stream<Item = Result<Vec<u8>, std::io::Error>> + Send + 'static {
+    struct Endless(bool);
+    impl futures_core::Stream for Endless {
+        type Item = Result<Vec<u8>, std::io::Error>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            if self.0 {
+                std::task::Poll::Pending
+            } else {
+                self.0 = true;
+                std::task::Poll::Ready(Some(Ok(vec![0u8; 65536])))
+            }
+        }
+    }
+    Endless(false)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn operations_routes_and_long_poll() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    let anon = admin.with_token("");
+    let health = anon.request(Method::GET, "/healthz").send().await.unwrap();
+    assert_eq!(
+        (health.status(), health.text().await.unwrap()),
+        (StatusCode::OK, "ok".to_string())
+    );
+
+    let doc: serde_json::Value = anon.ok(anon.request(Method::GET, "/openapi.json")).await;
+    let paths = doc["paths"].as_object().unwrap();
+    for p in [
+        "/v1/enrol",
+        "/v1/tasks/{task}/poll",
+        "/v1/tasks/{task}/join",
+        "/v1/tasks/{task}/model",
+        "/v1/tasks/{task}/module",
+        "/v1/tasks/{task}/rounds/{round}/update",
+        "/admin/v1/models",
+        "/admin/v1/modules",
+        "/admin/v1/tasks",
+        "/admin/v1/tasks/{task}",
+        "/admin/v1/tasks/{task}/pause",
+        "/admin/v1/tasks/{task}/resume",
+        "/admin/v1/tasks/{task}/stop",
+        "/admin/v1/tasks/{task}/rounds",
+        "/admin/v1/tasks/{task}/rounds/{round}/model",
+        "/admin/v1/enrolments",
+        "/admin/v1/clients",
+        "/admin/v1/clients/{client}/revoke",
+        "/healthz",
+        "/metrics",
+        "/openapi.json",
+    ] {
+        assert!(paths.contains_key(p), "openapi.json lacks {p}");
+    }
+
+    let initial = small_model();
+    let digest = admin.upload_model(&initial).await;
+    admin.create_task(&task("lp", digest, 2, 1, 1, 600)).await;
+    let a = admin.enrol().await;
+    let b = admin.enrol().await;
+    // b long-polls for a round after 1; a's upload publishes round 1 and opens round 2.
+    let poll_b = {
+        let api = b.api.clone();
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let p: PollResponse = api
+                .ok(api.request(Method::GET, "/v1/tasks/lp/poll?after=1&wait_ms=20000"))
+                .await;
+            (p, started.elapsed())
+        })
+    };
+    let offer = a.join("lp").await;
+    a.upload("lp", &offer, 3, &delta(&initial, 9)).await;
+    let (p, waited) = poll_b.await.unwrap();
+    assert_eq!(p.open_round, Some(2));
+    assert!(
+        waited < Duration::from_secs(15),
+        "the long poll must be answered when the round opens"
+    );
+
+    // Pause, resume, revoke.
+    let paused: TaskInfo = admin
+        .ok(admin.request(Method::POST, "/admin/v1/tasks/lp/pause"))
+        .await;
+    assert_eq!(paused.state, TaskState::Paused);
+    let j: hora_common::wire::JoinResponse = b
+        .api
+        .ok(b.api.request(Method::POST, "/v1/tasks/lp/join"))
+        .await;
+    assert!(j.offer.is_none() && j.retry_after_ms > 0);
+    let resumed: TaskInfo = admin
+        .ok(admin.request(Method::POST, "/admin/v1/tasks/lp/resume"))
+        .await;
+    assert_eq!(resumed.state, TaskState::Running);
+    admin
+        .ok::<serde_json::Value>(
+            admin.request(Method::POST, &format!("/admin/v1/clients/{}/revoke", b.id)),
+        )
+        .await;
+    b.api
+        .refused(
+            b.api.request(Method::POST, "/v1/tasks/lp/join"),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        )
+        .await;
+    let stopped: TaskInfo = admin
+        .ok(admin.request(Method::POST, "/admin/v1/tasks/lp/stop"))
+        .await;
+    assert_eq!(
+        (stopped.state, stopped.open_round),
+        (TaskState::Stopped, None)
+    );
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/lp/rounds"))
+        .await;
+    assert!(
+        matches!(&history.last().unwrap().outcome, RoundOutcome::Abandoned { reason } if reason == "task stopped")
+    );
+
+    let metrics = anon
+        .request(Method::GET, "/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for m in [
+        "hora_rounds_published_total",
+        "hora_uploads_accepted_total",
+        "hora_upload_bytes_total",
+        "hora_ingest_seconds",
+        "hora_aggregation_seconds",
+    ] {
+        assert!(metrics.contains(m), "/metrics lacks {m}:\n{metrics}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_round_short_of_min_clients_at_its_deadline_is_abandoned_and_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    let initial = small_model();
+    let digest = admin.upload_model(&initial).await;
+    admin.create_task(&task("d", digest, 1, 2, 3, 1)).await;
+    let a = admin.enrol().await;
+    let offer = a.join("d").await;
+    a.upload("d", &offer, 4, &delta(&initial, 1)).await;
+    // Wait (bounded) for the deadline to pass and the attempt to be recorded.
+    let mut history: Vec<RoundRecord> = Vec::new();
+    for _ in 0..100 {
+        history = admin
+            .ok(admin.request(Method::GET, "/admin/v1/tasks/d/rounds"))
+            .await;
+        if !history.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    match &history
+        .first()
+        .expect("the round was not closed at its deadline")
+        .outcome
+    {
+        RoundOutcome::Abandoned { reason } => {
+            assert!(reason.contains("1 of the required 2"), "{reason}")
+        }
+        other => panic!("expected an abandoned round, got {other:?}"),
+    }
+    assert_eq!(history[0].participants, vec![a.id.clone()]);
+    let info: TaskInfo = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/d"))
+        .await;
+    let open = info.open_round.unwrap();
+    // Retried as the same round under a new attempt (more may have lapsed meanwhile), empty.
+    assert_eq!(
+        (open.round, open.accepted, info.published_rounds),
+        (1, 0, 0)
+    );
+    assert!(open.attempt >= 1);
+    // The abandoned attempt's envelope does not open under the retry's key.
+    let retry = a.join("d").await;
+    assert_ne!(retry.round_key, offer.round_key);
+}

@@ -1,0 +1,365 @@
+//! Test harness: the real `hora-server` binary on loopback with real TLS and a real sled data
+//! directory, and a test client that enrols, joins, seals and uploads real deltas.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use hora_common::envelope::{self, Binding};
+use hora_common::model::{Model, ModelDigest};
+use hora_common::wire::{
+    ApiError, CreateTask, Credentials, JoinResponse, ModelKind, RoundOffer, StrategyConfig,
+    TaskInfo, TrainingConfig, UpdateMeta, UpdateReceipt,
+};
+use reqwest::{Method, StatusCode};
+
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+
+/// `target/<profile>/<name>`, next to this test's `deps/` directory.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let path = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>/deps")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first (cargo build --workspace --bins, or make test)",
+        path.display()
+    );
+    path
+}
+
+/// A running server process. Killed (by its own pid) when dropped.
+pub struct Server {
+    child: Child,
+    pub url: String,
+    pub ca: PathBuf,
+    pub data_dir: PathBuf,
+}
+
+impl Server {
+    pub fn start(data_dir: &Path) -> Server {
+        let mut child = Command::new(binary("hora-server"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-token",
+                ADMIN_TOKEN,
+                "--data-dir",
+            ])
+            .arg(data_dir)
+            .env("HORA_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start hora-server");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut url = None;
+        for line in BufReader::new(stdout).lines() {
+            let line = line.expect("server stdout");
+            if let Some(u) = line.strip_prefix("hora-server listening on ") {
+                url = Some(u.trim().to_string());
+                break;
+            }
+        }
+        let url = url.expect("the server exited before listening");
+        Server {
+            child,
+            url,
+            ca: data_dir.join("certs/ca.pem"),
+            data_dir: data_dir.to_path_buf(),
+        }
+    }
+
+    /// SIGKILL: no shutdown of any kind.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn api(&self, token: &str) -> Api {
+        Api {
+            http: hora_server::tls::https_client(&self.ca, None).expect("https client"),
+            url: self.url.clone(),
+            token: token.to_string(),
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An HTTP client with one bearer token.
+#[derive(Clone)]
+pub struct Api {
+    pub http: reqwest::Client,
+    pub url: String,
+    pub token: String,
+}
+
+impl Api {
+    pub fn with_token(&self, token: &str) -> Api {
+        Api {
+            token: token.to_string(),
+            ..self.clone()
+        }
+    }
+
+    pub fn request(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
+        let req = self
+            .http
+            .request(method, format!("{}{path}", self.url))
+            .timeout(Duration::from_secs(60));
+        if self.token.is_empty() {
+            req
+        } else {
+            req.bearer_auth(&self.token)
+        }
+    }
+
+    /// Sends and decodes a success body, panicking with the server's error otherwise.
+    pub async fn ok<T: serde::de::DeserializeOwned>(&self, req: reqwest::RequestBuilder) -> T {
+        let resp = req.send().await.expect("request");
+        let status = resp.status();
+        let text = resp.text().await.expect("body");
+        assert!(status.is_success(), "{status}: {text}");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("decoding {text}: {e}"))
+    }
+
+    /// Sends and expects a refusal with `status` and error `code`; returns the message.
+    pub async fn refused(
+        &self,
+        req: reqwest::RequestBuilder,
+        status: StatusCode,
+        code: &str,
+    ) -> String {
+        let resp = req.send().await.expect("request");
+        let got = resp.status();
+        let text = resp.text().await.expect("body");
+        let err: ApiError = serde_json::from_str(&text)
+            .unwrap_or_else(|_| panic!("{got}: not an ApiError body: {text}"));
+        assert_eq!((got, err.code.as_str()), (status, code), "{}", err.message);
+        assert!(!err.message.is_empty());
+        err.message
+    }
+
+    pub async fn upload_model(&self, model: &Model) -> ModelDigest {
+        let v: serde_json::Value = self
+            .ok(self
+                .request(Method::POST, "/admin/v1/models")
+                .body(model.to_safetensors()))
+            .await;
+        serde_json::from_value(v["digest"].clone()).expect("digest")
+    }
+
+    pub async fn create_task(&self, task: &CreateTask) -> TaskInfo {
+        self.ok(self.request(Method::POST, "/admin/v1/tasks").json(task))
+            .await
+    }
+
+    pub async fn round_model(&self, task: &str, round: u64) -> Model {
+        let resp = self
+            .request(
+                Method::GET,
+                &format!("/admin/v1/tasks/{task}/rounds/{round}/model"),
+            )
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(resp.status(), StatusCode::OK);
+        Model::from_safetensors(&resp.bytes().await.expect("body"), &Default::default())
+            .expect("model")
+    }
+
+    /// Enrols a new client through a fresh one-time token.
+    pub async fn enrol(&self) -> Client {
+        let token: serde_json::Value = self
+            .ok(self
+                .request(Method::POST, "/admin/v1/enrolments")
+                .json(&serde_json::json!({})))
+            .await;
+        let creds: Credentials = self
+            .ok(self
+                .with_token("")
+                .request(Method::POST, "/v1/enrol")
+                .json(&serde_json::json!({"token": token["token"]})))
+            .await;
+        Client {
+            api: self.with_token(&format!("{}.{}", creds.client_id, creds.secret)),
+            id: creds.client_id,
+        }
+    }
+}
+
+pub fn task(
+    id: &str,
+    initial: ModelDigest,
+    rounds: u64,
+    min: u32,
+    target: u32,
+    deadline_secs: u64,
+) -> CreateTask {
+    CreateTask {
+        id: id.into(),
+        initial_model: initial,
+        model: ModelKind::Builtin {
+            name: "mlp".into(),
+            params: Default::default(),
+        },
+        strategy: StrategyConfig::FedAvg,
+        rounds,
+        min_clients: min,
+        target_clients: target,
+        over_selection: 0.0,
+        round_deadline_secs: deadline_secs,
+        training: TrainingConfig::default(),
+    }
+}
+
+/// An enrolled client.
+pub struct Client {
+    pub api: Api,
+    pub id: String,
+}
+
+impl Client {
+    pub async fn join(&self, task: &str) -> RoundOffer {
+        let j: JoinResponse = self
+            .api
+            .ok(self
+                .api
+                .request(Method::POST, &format!("/v1/tasks/{task}/join")))
+            .await;
+        j.offer.expect("selected")
+    }
+
+    pub async fn global(&self, task: &str) -> (Model, String) {
+        let resp = self
+            .api
+            .request(Method::GET, &format!("/v1/tasks/{task}/model"))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(resp.status(), StatusCode::OK);
+        let etag = resp.headers()["etag"]
+            .to_str()
+            .expect("etag")
+            .trim_matches('"')
+            .to_string();
+        (
+            Model::from_safetensors(&resp.bytes().await.expect("body"), &Default::default())
+                .expect("model"),
+            etag,
+        )
+    }
+
+    pub fn seal(&self, task: &str, offer: &RoundOffer, delta: &Model) -> Vec<u8> {
+        let binding = Binding {
+            task,
+            round: offer.round,
+            client: &self.id,
+            base_model: &offer.model,
+        };
+        envelope::seal(&delta.to_safetensors(), &offer.round_key, &binding).expect("seal")
+    }
+
+    pub fn upload_request(
+        &self,
+        task: &str,
+        round: u64,
+        examples: u64,
+        body: Vec<u8>,
+    ) -> reqwest::RequestBuilder {
+        let meta = UpdateMeta {
+            num_examples: examples,
+            metrics: hora_common::wire::Metrics {
+                loss: Some(0.5),
+                accuracy: Some(0.75),
+            },
+        };
+        self.api
+            .request(
+                Method::POST,
+                &format!("/v1/tasks/{task}/rounds/{round}/update"),
+            )
+            .header("x-hora-update", serde_json::to_string(&meta).expect("json"))
+            .body(body)
+    }
+
+    pub async fn upload(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+        examples: u64,
+        delta: &Model,
+    ) -> UpdateReceipt {
+        let body = self.seal(task, offer, delta);
+        self.api
+            .ok(self.upload_request(task, offer.round, examples, body))
+            .await
+    }
+}
+
+/// A deterministic pseudo-random delta for `client` in `round` (xorshift; no shared state).
+pub fn delta(like: &Model, seed: u64) -> Model {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut m = Model::zeros(&like.spec());
+    for v in m.data_mut() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        *v = ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
+    }
+    m
+}
+
+/// global + Σ nᵢ·δᵢ / Σ nᵢ, computed independently in f64.
+pub fn fedavg(global: &Model, updates: &[(u64, Model)]) -> Model {
+    let total: f64 = updates.iter().map(|(n, _)| *n as f64).sum();
+    let mut out = global.clone();
+    for (i, g) in out.data_mut().iter_mut().enumerate() {
+        let s: f64 = updates
+            .iter()
+            .map(|(n, d)| *n as f64 * f64::from(d.data()[i]))
+            .sum();
+        *g = (f64::from(*g) + s / total) as f32;
+    }
+    out
+}
+
+pub fn small_model() -> Model {
+    Model::from_tensors([
+        (
+            "fc1.weight",
+            vec![16, 8],
+            (0..128).map(|i| (i as f32 * 0.37).sin() * 0.1).collect(),
+        ),
+        ("fc1.bias", vec![16], vec![0.01; 16]),
+        (
+            "fc2.weight",
+            vec![4, 16],
+            (0..64).map(|i| (i as f32 * 0.11).cos() * 0.1).collect(),
+        ),
+        ("fc2.bias", vec![4], vec![0.0; 4]),
+    ])
+    .expect("model")
+}
+
+pub fn assert_close(got: &Model, want: &Model) {
+    assert_eq!(got.spec(), want.spec());
+    for (i, (g, w)) in got.data().iter().zip(want.data()).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
+            "element {i}: got {g}, want {w}"
+        );
+    }
+}
