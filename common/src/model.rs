@@ -397,21 +397,13 @@ impl Model {
     /// SHA-256 over a canonical encoding of names, shapes and values: equal models have equal
     /// digests however their files were laid out.
     pub fn digest(&self) -> ModelDigest {
-        let mut ctx = digest::Context::new(&digest::SHA256);
-        ctx.update(b"hora-model-v1\0");
-        ctx.update(&(self.tensors.len() as u64).to_le_bytes());
-        for t in &self.tensors {
-            ctx.update(&(t.name.len() as u64).to_le_bytes());
-            ctx.update(t.name.as_bytes());
-            ctx.update(&(t.shape.len() as u64).to_le_bytes());
-            for d in &t.shape {
-                ctx.update(&(*d as u64).to_le_bytes());
-            }
-            ctx.update(f32_bytes(&self.data[t.offset..t.offset + t.len]));
-        }
-        let mut out = [0u8; 32];
-        out.copy_from_slice(ctx.finish().as_ref());
-        ModelDigest(out)
+        canonical_digest(self.tensors.iter().map(|t| {
+            (
+                t.name.as_str(),
+                t.shape.as_slice(),
+                f32_bytes(&self.data[t.offset..t.offset + t.len]),
+            )
+        }))
     }
 
     /// Parses safetensors bytes, checking `limits` before allocating. f16/bf16 are widened.
@@ -621,6 +613,31 @@ impl<'a> ModelView<'a> {
         Ok(())
     }
 
+    /// The same digest as [`Model::digest`] of the model this view holds, without copying it.
+    /// Only for all-f32 views (what Hora writes); `None` otherwise.
+    pub fn digest(&self) -> Option<ModelDigest> {
+        self.tensors.iter().all(|t| t.dtype == DType::F32).then(|| {
+            canonical_digest(
+                self.tensors
+                    .iter()
+                    .map(|t| (t.name.as_str(), t.shape.as_slice(), t.data)),
+            )
+        })
+    }
+
+    /// Where each tensor's data lies in the buffer the view was parsed from, as byte ranges:
+    /// for updating a safetensors buffer in place (its header stays valid).
+    pub fn byte_ranges(&self, buffer: &[u8]) -> Vec<std::ops::Range<usize>> {
+        let base = buffer.as_ptr() as usize;
+        self.tensors
+            .iter()
+            .map(|t| {
+                let start = t.data.as_ptr() as usize - base;
+                start..start + t.data.len()
+            })
+            .collect()
+    }
+
     /// Copies into an owned [`Model`] (f16/bf16 widened).
     pub fn to_model(&self) -> Model {
         let tensors = layout(
@@ -751,6 +768,28 @@ impl ModelError {
     }
 }
 
+/// SHA-256 over "hora-model-v1", the tensor count, and for each tensor in name order its name,
+/// shape and little-endian f32 data, every variable-length field length-prefixed.
+fn canonical_digest<'a>(
+    tensors: impl ExactSizeIterator<Item = (&'a str, &'a [usize], &'a [u8])>,
+) -> ModelDigest {
+    let mut ctx = digest::Context::new(&digest::SHA256);
+    ctx.update(b"hora-model-v1\0");
+    ctx.update(&(tensors.len() as u64).to_le_bytes());
+    for (name, shape, data) in tensors {
+        ctx.update(&(name.len() as u64).to_le_bytes());
+        ctx.update(name.as_bytes());
+        ctx.update(&(shape.len() as u64).to_le_bytes());
+        for d in shape {
+            ctx.update(&(*d as u64).to_le_bytes());
+        }
+        ctx.update(data);
+    }
+    let mut out = [0u8; 32];
+    out.copy_from_slice(ctx.finish().as_ref());
+    ModelDigest(out)
+}
+
 fn spec_layout(spec: &ModelSpec) -> Vec<TensorInfo> {
     layout(
         spec.tensors
@@ -869,6 +908,28 @@ mod tests {
             serde_json::to_string(&m.digest()).unwrap(),
             format!("\"{hex}\"")
         );
+    }
+
+    #[test]
+    fn a_view_has_the_digest_of_its_model_and_can_be_updated_in_place() {
+        let m = sample();
+        let mut bytes = m.to_safetensors();
+        let view = ModelView::parse(&bytes, &Limits::default()).unwrap();
+        assert_eq!(view.digest(), Some(m.digest()));
+        let ranges = view.byte_ranges(&bytes);
+        assert_eq!(ranges.len(), 3);
+        // Double every value in place: the header stays valid and the digest follows.
+        for r in ranges {
+            for chunk in bytes[r].chunks_exact_mut(4) {
+                let v = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]) * 2.0;
+                chunk.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        let mut doubled = m.clone();
+        doubled.data_mut().iter_mut().for_each(|v| *v *= 2.0);
+        let view = ModelView::parse(&bytes, &Limits::default()).unwrap();
+        assert_eq!(view.digest(), Some(doubled.digest()));
+        assert_eq!(view.to_model(), doubled);
     }
 
     #[test]

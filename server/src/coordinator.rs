@@ -912,11 +912,14 @@ impl Coordinator {
         let result = (|| -> Result<(RoundRecord, Option<Arc<Round>>), ServerError> {
             let outcome_model = match &reason {
                 None => {
-                    let mut global = self.store.read_model(&round.base)?;
-                    strategy::from_config(&record.config.strategy)
-                        .aggregate(&mut global, &acc.sum)
-                        .map_err(ServerError::internal)?;
-                    let digest = self.store.put_model(&global)?;
+                    // The new global model is computed in the old one's file bytes, in place.
+                    let mut bytes = self.store.model_bytes(&round.base)?;
+                    let strategy = strategy::from_config(&record.config.strategy);
+                    let digest =
+                        strategy::aggregate_in_place(strategy.as_ref(), &mut bytes, &acc.sum)
+                            .map_err(ServerError::internal)?;
+                    self.store.put_model_bytes(&digest, &bytes)?;
+                    drop(bytes);
                     record.published += 1;
                     record.global_model = digest;
                     if record.published >= record.config.rounds {

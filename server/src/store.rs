@@ -314,11 +314,27 @@ impl Store {
     /// Stores a model under its digest (a no-op if it is there already).
     pub fn put_model(&self, model: &Model) -> Result<ModelDigest, StoreError> {
         let digest = model.digest();
-        let path = self.model_path(&digest);
-        if !path.exists() {
-            write_atomic(&path, |w| w.write_all(&model.to_safetensors()))?;
-        }
+        self.put_model_bytes(&digest, &model.to_safetensors())?;
         Ok(digest)
+    }
+
+    /// Stores f32 safetensors bytes whose digest the caller computed.
+    pub fn put_model_bytes(
+        &self,
+        digest: &ModelDigest,
+        safetensors: &[u8],
+    ) -> Result<(), StoreError> {
+        let path = self.model_path(digest);
+        if !path.exists() {
+            write_atomic(&path, |w| w.write_all(safetensors))?;
+        }
+        Ok(())
+    }
+
+    /// The stored safetensors bytes of a model.
+    pub fn model_bytes(&self, digest: &ModelDigest) -> Result<Vec<u8>, StoreError> {
+        let path = self.model_path(digest);
+        fs::read(&path).map_err(io(&path))
     }
 
     pub fn read_model(&self, digest: &ModelDigest) -> Result<Model, StoreError> {
@@ -363,18 +379,29 @@ impl Store {
                 reason: format!("expected {expected_len} values, header says {len}"),
             });
         }
-        let mut bytes = Vec::with_capacity(expected_len * 8);
-        f.read_to_end(&mut bytes).map_err(io(&path))?;
-        if bytes.len() != expected_len * 8 {
+        // Read in pieces: the sum is the largest thing the server holds; never hold it twice.
+        let mut values = Vec::with_capacity(expected_len);
+        let mut buf = vec![0u8; 1 << 20];
+        while values.len() < expected_len {
+            let want = ((expected_len - values.len()) * 8).min(buf.len());
+            f.read_exact(&mut buf[..want])
+                .map_err(|_| StoreError::Corrupt {
+                    key: file.into(),
+                    reason: "truncated".into(),
+                })?;
+            values.extend(
+                buf[..want]
+                    .chunks_exact(8)
+                    .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))),
+            );
+        }
+        if f.read(&mut buf[..1]).map_err(io(&path))? != 0 {
             return Err(StoreError::Corrupt {
                 key: file.into(),
-                reason: "truncated".into(),
+                reason: "trailing bytes".into(),
             });
         }
-        Ok(bytes
-            .chunks_exact(8)
-            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
-            .collect())
+        Ok(values)
     }
 
     pub fn remove_checkpoint(&self, file: &str) {

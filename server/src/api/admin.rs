@@ -7,7 +7,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use hora_common::model::{Limits, Model};
+use hora_common::model::{Limits, ModelView};
 use hora_common::wire::{
     ApiError, ClientInfo, CreateEnrolment, CreateTask, EnrolmentToken, ModelUploaded,
     ModuleUploaded, RoundRecord, TaskInfo, TaskState,
@@ -55,19 +55,24 @@ pub async fn upload_model(
             max_bytes: state.limits.max_model_bytes,
             ..Limits::default()
         };
-        let model = Model::from_safetensors(&bytes, &limits)
+        let view = ModelView::parse(&bytes, &limits)
             .map_err(|e| ServerError::BadRequest(e.to_string()))?;
-        model
-            .check_finite()
+        view.check_finite()
             .map_err(|e| ServerError::BadRequest(e.to_string()))?;
-        let digest = store.store().put_model(&model)?;
-        Ok((
-            StatusCode::CREATED,
-            Json(ModelUploaded {
-                digest,
-                spec: model.spec(),
-            }),
-        ))
+        // f32 files are stored as sent (no copy); f16/bf16 are widened to f32 once, here.
+        let (digest, spec) = match view.digest() {
+            Some(digest) => {
+                let spec = view.spec();
+                drop(view);
+                store.store().put_model_bytes(&digest, &bytes)?;
+                (digest, spec)
+            }
+            None => {
+                let model = view.to_model();
+                (store.store().put_model(&model)?, model.spec())
+            }
+        };
+        Ok((StatusCode::CREATED, Json(ModelUploaded { digest, spec })))
     })
     .await
     .map_err(ServerError::internal)?

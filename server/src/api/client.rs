@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
+use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE, ETAG};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -134,10 +135,21 @@ pub(crate) async fn model_response(
     if not_modified(headers, &etag) {
         return Ok(StatusCode::NOT_MODIFIED.into_response());
     }
-    let bytes = tokio::fs::read(state.coordinator.store().model_path(&digest))
+    // Streamed from the blob file: concurrent downloads cost a buffer each, not a model each.
+    let file = tokio::fs::File::open(state.coordinator.store().model_path(&digest))
         .await
         .map_err(ServerError::internal)?;
-    Ok(binary(bytes, &etag))
+    let len = file.metadata().await.map_err(ServerError::internal)?.len();
+    let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(file, 256 << 10));
+    Ok((
+        [
+            (CONTENT_TYPE, "application/octet-stream".to_string()),
+            (ETAG, format!("\"{etag}\"")),
+            (CONTENT_LENGTH, len.to_string()),
+        ],
+        body,
+    )
+        .into_response())
 }
 
 #[utoipa::path(get, path = "/v1/tasks/{task}/module", tag = "client", params(("task" = String, Path)),
