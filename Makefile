@@ -31,8 +31,11 @@ test:
 
 ## Benchmarks that print ratios against baselines measured in the same run.
 bench:
+	cargo build --release -p hora-server
 	cargo bench -p hora-common --bench kernel
 	cargo bench -p hora-common --bench envelope
+	cargo bench -p hora-server --bench ingest
+	cargo bench -p hora --bench server_memory
 
 ## Formatting and clippy, warnings as errors.
 lint:

@@ -595,3 +595,169 @@ async fn a_round_short_of_min_clients_at_its_deadline_is_abandoned_and_retried()
     let retry = a.join("d").await;
     assert_ne!(retry.round_key, offer.round_key);
 }
+
+/// Runs `hora-server admin … <args>` against `server` and returns its JSON output.
+fn admin_cli(server: &Server, args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(binary("hora-server"))
+        .args([
+            "admin",
+            "--url",
+            &server.url,
+            "--token",
+            ADMIN_TOKEN,
+            "--ca",
+        ])
+        .arg(&server.ca)
+        .args(args)
+        .output()
+        .expect("run hora-server admin");
+    assert!(
+        out.status.success(),
+        "admin {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "admin {args:?}: {e}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_cli_drives_a_task_from_model_upload_to_published_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let initial = small_model();
+    let model_file = dir.path().join("initial.safetensors");
+    initial.write_file(&model_file).unwrap();
+    let uploaded = admin_cli(&server, &["upload-model", model_file.to_str().unwrap()]);
+    assert_eq!(
+        uploaded["digest"],
+        serde_json::json!(initial.digest().to_hex())
+    );
+    let task_file = dir.path().join("task.json");
+    std::fs::write(
+        &task_file,
+        serde_json::to_vec(&task("cli", initial.digest(), 1, 1, 1, 600)).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        admin_cli(&server, &["create-task", task_file.to_str().unwrap()])["state"],
+        "running"
+    );
+    assert_eq!(admin_cli(&server, &["tasks"]).as_array().unwrap().len(), 1);
+    assert_eq!(admin_cli(&server, &["pause", "cli"])["state"], "paused");
+    assert_eq!(admin_cli(&server, &["resume", "cli"])["state"], "running");
+
+    // A client enrols with a token the CLI made, and finishes the round.
+    let token = admin_cli(&server, &["enrol", "--ttl-secs", "60"]);
+    let anon = server.api("");
+    let creds: hora_common::wire::Credentials = anon
+        .ok(anon
+            .request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({"token": token["token"]})))
+        .await;
+    let client = Client {
+        api: anon.with_token(&format!("{}.{}", creds.client_id, creds.secret)),
+        id: creds.client_id.clone(),
+    };
+    let offer = client.join("cli").await;
+    let d = delta(&initial, 4);
+    client.upload("cli", &offer, 12, &d).await;
+
+    assert_eq!(admin_cli(&server, &["task", "cli"])["state"], "finished");
+    assert_eq!(
+        admin_cli(&server, &["rounds", "cli"])[0]["participants"],
+        serde_json::json!([creds.client_id])
+    );
+    let out = dir.path().join("round1.safetensors");
+    admin_cli(
+        &server,
+        &["download-model", "cli", "1", "-o", out.to_str().unwrap()],
+    );
+    assert_close(
+        &Model::read_file(&out, &Default::default()).unwrap(),
+        &fedavg(&initial, &[(12, d)]),
+    );
+    assert_eq!(
+        admin_cli(&server, &["clients"]).as_array().unwrap().len(),
+        1
+    );
+    assert_eq!(
+        admin_cli(&server, &["revoke", &creds.client_id])["revoked"],
+        true
+    );
+    // Errors come back as the server's message and a non-zero exit.
+    let out = std::process::Command::new(binary("hora-server"))
+        .args([
+            "admin",
+            "--url",
+            &server.url,
+            "--token",
+            ADMIN_TOKEN,
+            "--ca",
+        ])
+        .arg(&server.ca)
+        .args(["stop", "cli"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("409") && stderr.contains("finished"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mutual_tls_refuses_clients_without_a_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let out = std::process::Command::new(binary("hora-server"))
+        .args(["certs", "--client", "worker-1", "--dir"])
+        .arg(&certs)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ca = certs.join("ca.pem");
+    let server = Server::start_with(
+        &dir.path().join("data"),
+        &[
+            "--tls-cert",
+            certs.join("server.pem").to_str().unwrap(),
+            "--tls-key",
+            certs.join("server-key.pem").to_str().unwrap(),
+            "--client-ca",
+            ca.to_str().unwrap(),
+        ],
+    );
+    let without = hora_server::tls::https_client(&ca, None).unwrap();
+    assert!(
+        without
+            .get(format!("{}/healthz", server.url))
+            .send()
+            .await
+            .is_err(),
+        "a client without a certificate must be refused"
+    );
+    let identity = hora_server::tls::CertPaths {
+        cert: certs.join("worker-1.pem"),
+        key: certs.join("worker-1-key.pem"),
+    };
+    let with = hora_server::tls::https_client(&ca, Some(&identity)).unwrap();
+    let resp = with
+        .get(format!("{}/healthz", server.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(
+        resp.version(),
+        reqwest::Version::HTTP_2,
+        "HTTP/2 is negotiated by ALPN"
+    );
+}

@@ -622,14 +622,7 @@ impl Coordinator {
                 client: &client,
                 base_model: &round.base,
             };
-            let plaintext = envelope::open(&mut body, &round.key, &binding)
-                .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
-            let view = ModelView::parse(plaintext, &spec.limits())
-                .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
-            spec.check_spec(&view.spec())
-                .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
-            view.check_finite()
-                .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
+            let view = open_update(&mut body, &round.key, &binding, &spec)?;
             let index = {
                 let mut acc = lock(&round.acc);
                 // Re-check under the lock: the round may have closed, or a duplicate raced us.
@@ -810,9 +803,14 @@ impl Coordinator {
     /// Group commit: whenever uploads are pending, wait a short window for more, then write one
     /// checkpoint per round that has any.
     async fn committer(self: Arc<Self>) {
+        // Checkpoints are spaced by at least the time the last one took: while one is written
+        // uploads queue behind the accumulator lock, and between two of them several uploads
+        // fold, so one checkpoint covers many uploads when the model is large.
+        let mut last = Duration::ZERO;
         loop {
             self.commit_wanted.notified().await;
-            tokio::time::sleep(self.config.commit_window).await;
+            tokio::time::sleep(self.config.commit_window.max(last)).await;
+            let started = Instant::now();
             let tasks: Vec<_> = self
                 .tasks
                 .read()
@@ -831,6 +829,7 @@ impl Coordinator {
                     tracing::error!(error = %e, "checkpoint failed; uploads stay unacknowledged and will be retried");
                 }
             }
+            last = started.elapsed();
         }
     }
 
@@ -998,6 +997,23 @@ impl Coordinator {
         }
         Ok(())
     }
+}
+
+/// The upload path's checks, in order: open the envelope in place (authenticity and binding),
+/// parse the safetensors under the spec's limits, check names, shapes and dtypes against the
+/// spec, and check every value is finite. What comes back can be folded as it is.
+pub fn open_update<'a>(
+    body: &'a mut [u8],
+    key: &RoundSecretKey,
+    binding: &Binding<'_>,
+    spec: &ModelSpec,
+) -> Result<ModelView<'a>, ServerError> {
+    let invalid = |e: &dyn std::fmt::Display| ServerError::InvalidUpdate(e.to_string());
+    let plaintext = envelope::open(body, key, binding).map_err(|e| invalid(&e))?;
+    let view = ModelView::parse(plaintext, &spec.limits()).map_err(|e| invalid(&e))?;
+    spec.check_spec(&view.spec()).map_err(|e| invalid(&e))?;
+    view.check_finite().map_err(|e| invalid(&e))?;
+    Ok(view)
 }
 
 fn weighted_metrics(contributions: &[Contribution]) -> Metrics {

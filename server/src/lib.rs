@@ -35,6 +35,9 @@ use anyhow::{Context, Result};
 use crate::config::ServeConfig;
 use crate::coordinator::{Coordinator, CoordinatorConfig};
 
+const HTTP2_STREAM_WINDOW: u32 = 128 << 10;
+const HTTP2_CONNECTION_WINDOW: u32 = 256 << 10;
+
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn serve(config: ServeConfig) -> Result<()> {
     let store =
@@ -123,12 +126,23 @@ pub async fn serve(config: ServeConfig) -> Result<()> {
 
     let handle = axum_server::Handle::new();
     tokio::spawn(shutdown::on_signal(handle.clone()));
-    let server = axum_server::bind_rustls(
+    let mut server = axum_server::bind_rustls(
         config.listen,
         axum_server::tls_rustls::RustlsConfig::from_config(Arc::new(tls_config)),
     )
-    .handle(handle.clone())
-    .serve(app.into_make_service());
+    .handle(handle.clone());
+    // HTTP/2 buffers up to the flow-control window of body data per stream that nobody reads
+    // yet. Uploads wait for an ingest slot before their body is read, so with many uploaders
+    // the windows, not the bodies, decide memory: keep them small (data then waits in kernel
+    // socket buffers and on the clients). 128 KiB still fills a loopback or LAN link; raise it
+    // for high-latency WAN clients at the cost of that much memory per waiting upload.
+    server
+        .http_builder()
+        .http2()
+        .initial_stream_window_size(HTTP2_STREAM_WINDOW)
+        .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
+        .max_concurrent_streams(64);
+    let server = server.serve(app.into_make_service());
     let announce = async {
         if let Some(addr) = handle.listening().await {
             // Tests and scripts read this line to learn the port (with --listen 127.0.0.1:0).

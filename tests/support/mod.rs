@@ -43,6 +43,11 @@ pub struct Server {
 
 impl Server {
     pub fn start(data_dir: &Path) -> Server {
+        Server::start_with(data_dir, &[])
+    }
+
+    /// Starts with extra `serve` flags.
+    pub fn start_with(data_dir: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(binary("hora-server"))
             .args([
                 "serve",
@@ -53,6 +58,7 @@ impl Server {
                 "--data-dir",
             ])
             .arg(data_dir)
+            .args(extra)
             .env("HORA_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -74,6 +80,10 @@ impl Server {
             ca: data_dir.join("certs/ca.pem"),
             data_dir: data_dir.to_path_buf(),
         }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// SIGKILL: no shutdown of any kind.
