@@ -79,7 +79,6 @@ struct Accumulator {
     durable: usize,
     closing: bool,
     checkpoint_file: Option<String>,
-    checkpoints: u64,
 }
 
 pub struct Round {
@@ -238,7 +237,6 @@ impl Coordinator {
                 contributions,
                 durable,
                 closing: false,
-                checkpoints: 0,
                 checkpoint_file,
             }),
             durability: watch::channel(Durability::Upto(durable)).0,
@@ -282,7 +280,6 @@ impl Coordinator {
                 durable: 0,
                 closing: false,
                 checkpoint_file: None,
-                checkpoints: 0,
             }),
             durability: watch::channel(Durability::Upto(0)).0,
         }))
@@ -839,16 +836,7 @@ impl Coordinator {
             return Ok(());
         }
         let started = Instant::now();
-        acc.checkpoints += 1;
-        let file = format!(
-            "{}-r{}-a{}-{}-{}.ckpt",
-            task.id,
-            round.number,
-            round.attempt,
-            now_ms(),
-            acc.checkpoints
-        );
-        self.store.write_checkpoint(&file, acc.sum.sum())?;
+        let file = self.store.write_checkpoint(acc.sum.sum())?;
         let old = acc.checkpoint_file.replace(file);
         let pending = acc.durable;
         acc.durable = acc.contributions.len();
@@ -860,12 +848,14 @@ impl Coordinator {
         if let Err(e) = written {
             // Roll back: these uploads are not durable yet.
             acc.durable = pending;
-            if let Some(new) = std::mem::replace(&mut acc.checkpoint_file, old) {
+            let new = std::mem::replace(&mut acc.checkpoint_file, old);
+            if let Some(new) = new.filter(|n| Some(n) != acc.checkpoint_file.as_ref()) {
                 self.store.remove_checkpoint(&new);
             }
             return Err(e.into());
         }
-        if let Some(old) = old {
+        // (Equal contents have equal names: never delete the file just written.)
+        if let Some(old) = old.filter(|o| Some(o) != acc.checkpoint_file.as_ref()) {
             self.store.remove_checkpoint(&old);
         }
         round.durability.send_replace(Durability::Upto(acc.durable));

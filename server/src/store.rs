@@ -354,17 +354,34 @@ impl Store {
         Ok(hex_digest)
     }
 
-    /// Writes an accumulator checkpoint (the f64 sum, little-endian) atomically.
-    pub fn write_checkpoint(&self, file: &str, sum: &[f64]) -> Result<(), StoreError> {
-        write_atomic(&self.checkpoint_path(file), |w| {
-            w.write_all(b"HORACKP1")?;
-            w.write_all(&(sum.len() as u64).to_le_bytes())?;
+    /// Writes an accumulator checkpoint (the f64 sum, little-endian) atomically, named by the
+    /// SHA-256 of its contents (hashed while writing); returns the file name.
+    pub fn write_checkpoint(&self, sum: &[f64]) -> Result<String, StoreError> {
+        let dir = self.dir.join("checkpoints");
+        let tmp_name = format!(".tmp-ckpt-{}-{}", std::process::id(), rand::random::<u64>());
+        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+        write_atomic(&dir.join(&tmp_name), |w| {
+            let mut put = |bytes: &[u8]| {
+                hash.update(bytes);
+                w.write_all(bytes)
+            };
+            put(b"HORACKP1")?;
+            put(&(sum.len() as u64).to_le_bytes())?;
+            let mut buf = Vec::with_capacity(8 << 16);
             for chunk in sum.chunks(1 << 16) {
-                let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
-                w.write_all(&bytes)?;
+                buf.clear();
+                buf.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+                put(&buf)?;
             }
             Ok(())
-        })
+        })?;
+        let name = format!("{}.ckpt", hex::encode(hash.finish()));
+        let path = dir.join(&name);
+        fs::rename(dir.join(&tmp_name), &path).map_err(io(&path))?;
+        File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(&dir))?;
+        Ok(name)
     }
 
     pub fn read_checkpoint(&self, file: &str, expected_len: usize) -> Result<Vec<f64>, StoreError> {
@@ -372,6 +389,8 @@ impl Store {
         let mut f = File::open(&path).map_err(io(&path))?;
         let mut header = [0u8; 16];
         f.read_exact(&mut header).map_err(io(&path))?;
+        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+        hash.update(&header);
         let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
         if &header[..8] != b"HORACKP1" || len != expected_len as u64 {
             return Err(StoreError::Corrupt {
@@ -389,6 +408,7 @@ impl Store {
                     key: file.into(),
                     reason: "truncated".into(),
                 })?;
+            hash.update(&buf[..want]);
             values.extend(
                 buf[..want]
                     .chunks_exact(8)
@@ -399,6 +419,12 @@ impl Store {
             return Err(StoreError::Corrupt {
                 key: file.into(),
                 reason: "trailing bytes".into(),
+            });
+        }
+        if format!("{}.ckpt", hex::encode(hash.finish())) != file {
+            return Err(StoreError::Corrupt {
+                key: file.into(),
+                reason: "contents do not match the checkpoint's content address".into(),
             });
         }
         Ok(values)
@@ -499,19 +525,26 @@ mod tests {
         let model = Model::from_tensors([("w", vec![3], vec![1.0, 2.0, 3.0])]).unwrap();
         let d = store.put_model(&model).unwrap();
         assert_eq!(store.read_model(&d).unwrap(), model);
-        store
-            .write_checkpoint("t-r1-a0-1.ckpt", &[1.5, -2.0, 1e300])
-            .unwrap();
+        let ckpt = store.write_checkpoint(&[1.5, -2.0, 1e300]).unwrap();
         assert_eq!(
-            store.read_checkpoint("t-r1-a0-1.ckpt", 3).unwrap(),
+            store.read_checkpoint(&ckpt, 3).unwrap(),
             vec![1.5, -2.0, 1e300]
         );
-        assert!(store.read_checkpoint("t-r1-a0-1.ckpt", 4).is_err());
+        assert!(store.read_checkpoint(&ckpt, 4).is_err());
+        // A flipped bit is caught by the content address.
+        let path = store.checkpoint_path(&ckpt);
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[20] ^= 1;
+        fs::write(&path, &bytes).unwrap();
+        assert!(matches!(
+            store.read_checkpoint(&ckpt, 3),
+            Err(StoreError::Corrupt { .. })
+        ));
         fs::write(dir.path().join("checkpoints/.tmp-1-2"), b"torn").unwrap();
         // Unreferenced checkpoint and temp file go; the fresh unreferenced model stays.
         assert_eq!(store.sweep_orphans().unwrap(), 2);
         assert!(store.model_path(&d).exists());
-        assert!(!store.checkpoint_path("t-r1-a0-1.ckpt").exists());
+        assert!(!store.checkpoint_path(&ckpt).exists());
     }
 
     #[test]
