@@ -190,7 +190,7 @@ impl WeightedSum {
         }
         let mut model = Model::zeros(&self.spec);
         let total = self.total_weight;
-        zip_apply_into(model.data_mut(), &self.sum, |m, s| *m = (s / total) as f32);
+        zip_apply(model.data_mut(), &self.sum, |m, s| *m = (s / total) as f32);
         Ok(model)
     }
 }
@@ -207,9 +207,13 @@ pub fn check_weight(weight: f64) -> Result<(), KernelError> {
 
 /// `f(dst[i], src[i])` for every i, chunked over rayon's pool when the buffers are large. The
 /// per-chunk loop is a plain zip that LLVM vectorises.
-fn zip_apply<S: Copy + Send + Sync>(dst: &mut [f64], src: &[S], f: impl Fn(&mut f64, S) + Sync) {
+fn zip_apply<D: Send, S: Copy + Send + Sync>(
+    dst: &mut [D],
+    src: &[S],
+    f: impl Fn(&mut D, S) + Sync,
+) {
     debug_assert_eq!(dst.len(), src.len());
-    let chunk = |d: &mut [f64], s: &[S]| d.iter_mut().zip(s).for_each(|(d, s)| f(d, *s));
+    let chunk = |d: &mut [D], s: &[S]| d.iter_mut().zip(s).for_each(|(d, s)| f(d, *s));
     if dst.len() < PARALLEL_MIN {
         chunk(dst, src);
     } else {
@@ -236,19 +240,6 @@ fn zip_apply_bytes<const W: usize>(
     } else {
         dst.par_chunks_mut(CHUNK)
             .zip(src.par_chunks(CHUNK * W))
-            .for_each(|(d, s)| chunk(d, s));
-    }
-}
-
-/// Like [`zip_apply`] for an f32 destination.
-fn zip_apply_into(dst: &mut [f32], src: &[f64], f: impl Fn(&mut f32, f64) + Sync) {
-    debug_assert_eq!(dst.len(), src.len());
-    let chunk = |d: &mut [f32], s: &[f64]| d.iter_mut().zip(s).for_each(|(d, s)| f(d, *s));
-    if dst.len() < PARALLEL_MIN {
-        chunk(dst, src);
-    } else {
-        dst.par_chunks_mut(CHUNK)
-            .zip(src.par_chunks(CHUNK))
             .for_each(|(d, s)| chunk(d, s));
     }
 }

@@ -545,13 +545,7 @@ impl Coordinator {
         {
             let mut acc = lock(&round.acc);
             if acc.contributions.iter().any(|c| c.client == client) {
-                return Err(ServerError::conflict(
-                    "already_contributed",
-                    format!(
-                        "client `{client}` has already uploaded its update for round {}",
-                        round.number
-                    ),
-                ));
+                return Err(already_contributed(client, round.number));
             }
             if !acc.selected.contains(client) {
                 if acc.closing || acc.selected.len() >= capacity {
@@ -633,13 +627,7 @@ impl Coordinator {
                     ));
                 }
                 if acc.contributions.iter().any(|c| c.client == client) {
-                    return Err(ServerError::conflict(
-                        "already_contributed",
-                        format!(
-                            "client `{client}` has already uploaded its update for round {}",
-                            round.number
-                        ),
-                    ));
+                    return Err(already_contributed(&client, round.number));
                 }
                 acc.sum
                     .add_view(meta.num_examples as f64, &view)
@@ -741,13 +729,7 @@ impl Coordinator {
             ));
         }
         if acc.contributions.iter().any(|c| c.client == client) {
-            return Err(ServerError::conflict(
-                "already_contributed",
-                format!(
-                    "client `{client}` has already uploaded its update for round {}",
-                    round.number
-                ),
-            ));
+            return Err(already_contributed(client, round.number));
         }
         Ok(round.clone())
     }
@@ -1004,6 +986,13 @@ pub fn open_update<'a>(
     spec.check_spec(&view.spec()).map_err(|e| invalid(&e))?;
     view.check_finite().map_err(|e| invalid(&e))?;
     Ok(view)
+}
+
+fn already_contributed(client: &str, round: u64) -> ServerError {
+    ServerError::conflict(
+        "already_contributed",
+        format!("client `{client}` has already uploaded its update for round {round}"),
+    )
 }
 
 fn weighted_metrics(contributions: &[Contribution]) -> Metrics {
