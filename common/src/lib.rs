@@ -8,6 +8,7 @@
 //! - [`kernel`]: the averaging kernel — a running weighted sum (`add`, `merge`, `finish`) on the
 //!   CPU at memory bandwidth. Its libtorch backend is the sibling crate `hora-common-tch`
 //!   (`common/tch/`), so that the server, which depends on this crate, never links libtorch.
+//! - [`tls`]: rustls with the ring provider: PEM reading and the client configuration.
 //! - [`wire`]: the JSON types of the client (`/v1`) and admin (`/admin/v1`) APIs.
 //!
 //! A round on the server reads top to bottom through these: an upload is [`envelope::open`]ed,
@@ -20,4 +21,5 @@ pub mod kernel;
 pub mod model;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
+pub mod tls;
 pub mod wire;

@@ -294,6 +294,8 @@ pub struct RoundOffer {
     pub round: u64,
     /// Digest of the global model to train from (also its ETag).
     pub model: ModelDigest,
+    /// What the weights are: a built-in architecture or the task's TorchScript module.
+    pub model_kind: ModelKind,
     /// The round key deltas are sealed to.
     pub round_key: RoundPublicKey,
     pub deadline_unix_ms: u64,
@@ -378,6 +380,10 @@ mod tests {
             offer: Some(RoundOffer {
                 round: 4,
                 model: ModelDigest([9; 32]),
+                model_kind: ModelKind::Builtin {
+                    name: "mlp".into(),
+                    params: Default::default(),
+                },
                 round_key: key,
                 deadline_unix_ms: 1_700_000_000_000,
                 training: TrainingConfig {

@@ -566,6 +566,7 @@ impl Coordinator {
             offer: Some(RoundOffer {
                 round: round.number,
                 model: round.base,
+                model_kind: record.config.model.clone(),
                 round_key: round.key.public_key(),
                 deadline_unix_ms: round.deadline(),
                 training: record.config.training.clone(),

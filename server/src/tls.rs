@@ -7,35 +7,26 @@
 //! Clients trust `ca.pem`. They are for one machine; real deployments bring their own.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+pub use hora_common::tls::client_config;
+use hora_common::tls::{alpn, provider, read_certs, read_key, roots};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
 };
-use rustls::crypto::ring as ring_provider;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
-use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls::ServerConfig;
 
 pub const CA_CERT: &str = "ca.pem";
 const CA_KEY: &str = "ca-key.pem";
 pub const SERVER_CERT: &str = "server.pem";
 pub const SERVER_KEY: &str = "server-key.pem";
 
-/// Paths of a certificate and its key.
-#[derive(Debug, Clone)]
-pub struct CertPaths {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-}
-
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(ring_provider::default_provider())
-}
+/// Paths of a certificate and its key (PEM).
+pub use hora_common::tls::Identity as CertPaths;
 
 fn write_private(path: &Path, contents: &str) -> Result<()> {
     use std::io::Write;
@@ -132,32 +123,10 @@ pub fn make_client_cert(dir: &Path, name: &str) -> Result<CertPaths> {
     Ok(paths)
 }
 
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
-    let certs: Vec<_> = CertificateDer::pem_file_iter(path)
-        .with_context(|| format!("reading certificates from {}", path.display()))?
-        .collect::<Result<_, _>>()
-        .with_context(|| format!("parsing certificates in {}", path.display()))?;
-    if certs.is_empty() {
-        bail!("{} holds no PEM certificate", path.display());
-    }
-    Ok(certs)
-}
-
-fn roots(ca: &Path) -> Result<RootCertStore> {
-    let mut roots = RootCertStore::empty();
-    for cert in read_certs(ca)? {
-        roots
-            .add(cert)
-            .with_context(|| format!("adding a CA certificate from {}", ca.display()))?;
-    }
-    Ok(roots)
-}
-
 /// The server's TLS configuration; with `client_ca`, clients must present a certificate it signed.
 pub fn server_config(paths: &CertPaths, client_ca: Option<&Path>) -> Result<ServerConfig> {
     let certs = read_certs(&paths.cert)?;
-    let key = PrivateKeyDer::from_pem_file(&paths.key)
-        .with_context(|| format!("reading the private key {}", paths.key.display()))?;
+    let key = read_key(&paths.key)?;
     let builder =
         ServerConfig::builder_with_provider(provider()).with_safe_default_protocol_versions()?;
     let builder = match client_ca {
@@ -171,23 +140,7 @@ pub fn server_config(paths: &CertPaths, client_ca: Option<&Path>) -> Result<Serv
     let mut config = builder
         .with_single_cert(certs, key)
         .context("the certificate and key do not match")?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(config)
-}
-
-/// A client TLS configuration trusting `ca` (and presenting `identity` for mutual TLS).
-pub fn client_config(ca: &Path, identity: Option<&CertPaths>) -> Result<ClientConfig> {
-    let builder = ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots(ca)?);
-    let mut config = match identity {
-        Some(id) => builder.with_client_auth_cert(
-            read_certs(&id.cert)?,
-            PrivateKeyDer::from_pem_file(&id.key)?,
-        )?,
-        None => builder.with_no_client_auth(),
-    };
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    config.alpn_protocols = alpn();
     Ok(config)
 }
 
