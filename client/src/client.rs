@@ -1,0 +1,537 @@
+//! The SDK's [`Client`]: one enrolled client of one server, and the round it takes part in.
+//!
+//! A round, top to bottom ([`Client::participate`]):
+//! 1. long-poll the task until a round is open that this client has not contributed to, and join
+//!    it (the server may say "not this one": the client waits for the next);
+//! 2. fetch the global model (from the cache when the digest is known) and, for TorchScript
+//!    tasks, the module;
+//! 3. train through the [`Trainer`] until its epochs are done or the deadline (less a margin for
+//!    the upload) arrives; the task's `on_deadline` says whether a partial update is sent;
+//! 4. `delta = local − global`, recorded on disk before it is sealed, so a client restarted now
+//!    uploads the same delta instead of training again;
+//! 5. seal the delta to the round key (bound to task, round, client and base model) and upload it
+//!    with its example count and metrics; retried on transient failures, and an
+//!    `already_contributed` answer to a retry means an earlier attempt got through.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use hora_common::envelope::{self, Binding};
+use hora_common::model::{Limits, Model, ModelDigest};
+use hora_common::tls::Identity;
+use hora_common::wire::{
+    Credentials, DeadlinePolicy, EnrolRequest, JoinResponse, Metrics, ModelKind, PollResponse,
+    RoundOffer, TaskState, UpdateMeta, UpdateReceipt,
+};
+use reqwest::Method;
+
+use crate::error::{ClientError, Result};
+use crate::state::{RoundState, StateDir};
+use crate::trainer::{Progress, TrainRequest, Trainer};
+use crate::transport::{check, Connection, RetryPolicy};
+
+/// Header carrying an update's [`UpdateMeta`] (the body is the sealed envelope).
+pub const UPDATE_META_HEADER: &str = "x-hora-update";
+
+/// Where and how a client connects.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// `https://host:port`.
+    pub server: String,
+    /// The CA certificate the server's certificate chains to.
+    pub ca: PathBuf,
+    /// A client certificate for servers that require mutual TLS.
+    pub identity: Option<Identity>,
+    /// Credentials, cached models and the round in progress.
+    pub state_dir: PathBuf,
+    /// Shown to operators (`hora-server admin clients`).
+    pub label: Option<String>,
+    pub retry: RetryPolicy,
+    /// How long one long poll may be held open.
+    pub poll_wait: Duration,
+    /// Refuse models larger than this before downloading them.
+    pub limits: Limits,
+}
+
+impl ClientConfig {
+    pub fn new(
+        server: impl Into<String>,
+        ca: impl Into<PathBuf>,
+        state_dir: impl Into<PathBuf>,
+    ) -> Self {
+        ClientConfig {
+            server: server.into(),
+            ca: ca.into(),
+            identity: None,
+            state_dir: state_dir.into(),
+            label: None,
+            retry: RetryPolicy::default(),
+            poll_wait: Duration::from_secs(30),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// How one round went for this client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoundReport {
+    pub round: u64,
+    pub outcome: RoundOutcome,
+    pub num_examples: u64,
+    pub metrics: Metrics,
+    pub train_time: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RoundOutcome {
+    /// The server acknowledged the update (`accepted` counts the round's updates so far, when
+    /// the acknowledgement reached us).
+    Uploaded { accepted: Option<u32> },
+    /// Resumed after a restart: the update trained before it was uploaded now.
+    Resumed { accepted: Option<u32> },
+    /// The deadline came first and the task says to skip.
+    Skipped,
+    /// The round closed before our update arrived (the server answered 409).
+    Missed { reason: String },
+}
+
+/// What [`Client::run`] did before the task ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSummary {
+    pub rounds: Vec<RoundReport>,
+    pub final_state: TaskState,
+}
+
+/// One enrolled client of one server.
+pub struct Client {
+    conn: Connection,
+    state: StateDir,
+    id: String,
+    config: ClientConfig,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Runs blocking work (training) without stalling the async runtime's other tasks.
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+impl Client {
+    /// Opens the state directory and authenticates: with the stored credentials when there are
+    /// some, else by enrolling with `enrolment_token` (and storing what the server returns).
+    pub async fn connect(config: ClientConfig, enrolment_token: Option<&str>) -> Result<Client> {
+        let state = StateDir::open(&config.state_dir)?;
+        let conn = Connection::new(
+            &config.server,
+            &config.ca,
+            config.identity.as_ref(),
+            config.retry,
+        )?;
+        let creds = match state.credentials()? {
+            Some(creds) => {
+                tracing::debug!(client = %creds.client_id, "using stored credentials");
+                creds
+            }
+            None => {
+                let token = enrolment_token.ok_or_else(|| ClientError::State {
+                    dir: config.state_dir.clone(),
+                    message: "holds no credentials and no enrolment token was given: pass --token (from `hora-server admin enrol`)".into(),
+                })?;
+                let request = EnrolRequest {
+                    token: token.to_string(),
+                    label: config.label.clone(),
+                };
+                let creds: Credentials = conn
+                    .json("enrolling", || {
+                        conn.request(Method::POST, "/v1/enrol", Duration::ZERO)
+                            .json(&request)
+                    })
+                    .await?;
+                state.save_credentials(&creds)?;
+                tracing::info!(client = %creds.client_id, "enrolled");
+                creds
+            }
+        };
+        Ok(Client {
+            conn: conn.with_token(format!("{}.{}", creds.client_id, creds.secret)),
+            state,
+            id: creds.client_id,
+            config,
+        })
+    }
+
+    /// This client's id (as the server and its operators know it).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn state(&self) -> &StateDir {
+        &self.state
+    }
+
+    /// The task's state; held open up to `wait` until a round later than `after` opens.
+    pub async fn poll(
+        &self,
+        task: &str,
+        after: Option<u64>,
+        wait: Duration,
+    ) -> Result<PollResponse> {
+        let mut path = format!("/v1/tasks/{task}/poll?wait_ms={}", wait.as_millis());
+        if let Some(a) = after {
+            path.push_str(&format!("&after={a}"));
+        }
+        self.conn
+            .json("polling", || self.conn.request(Method::GET, &path, wait))
+            .await
+    }
+
+    /// Asks to take part in the open round.
+    pub async fn join(&self, task: &str) -> Result<JoinResponse> {
+        let path = format!("/v1/tasks/{task}/join");
+        self.conn
+            .json("joining", || {
+                self.conn.request(Method::POST, &path, Duration::ZERO)
+            })
+            .await
+    }
+
+    /// The global model with `digest`: from the cache, else downloaded and verified.
+    pub async fn model(&self, task: &str, digest: &ModelDigest) -> Result<Model> {
+        if let Some(m) = self.state.cached_model(digest, &self.config.limits) {
+            return Ok(m);
+        }
+        let path = format!("/v1/tasks/{task}/model");
+        let bytes = self.download("downloading the model", &path).await?;
+        let model = Model::from_safetensors(&bytes, &self.config.limits)?;
+        let got = model.digest();
+        if got != *digest {
+            return Err(ClientError::Protocol(format!(
+                "the server sent model {} for a round that trains from {} (the round moved on; poll again)",
+                got.to_hex(),
+                digest.to_hex()
+            )));
+        }
+        self.state.cache_model(digest, &model)?;
+        Ok(model)
+    }
+
+    /// The task's TorchScript module (hex SHA-256 `digest`), downloaded once and verified.
+    pub async fn module(&self, task: &str, digest: &str) -> Result<PathBuf> {
+        let path = self.state.module_path(digest);
+        if path.exists() {
+            return Ok(path);
+        }
+        let bytes = self
+            .download(
+                "downloading the TorchScript module",
+                &format!("/v1/tasks/{task}/module"),
+            )
+            .await?;
+        let got = hex::encode(ring::digest::digest(&ring::digest::SHA256, &bytes));
+        if got != digest {
+            return Err(ClientError::Protocol(format!(
+                "the TorchScript module's SHA-256 is {got}, but the task names {digest}"
+            )));
+        }
+        self.state.save_module(digest, &bytes)
+    }
+
+    async fn download(&self, what: &str, path: &str) -> Result<Vec<u8>> {
+        let max = self.config.limits.max_bytes;
+        let (resp, _) = self
+            .conn
+            .send(what, || {
+                self.conn.request(Method::GET, path, Duration::ZERO)
+            })
+            .await?;
+        let resp = check(resp).await?;
+        if resp.content_length().is_some_and(|n| n > max) {
+            return Err(ClientError::Protocol(format!(
+                "{what}: {} bytes exceed the client's limit of {max} bytes",
+                resp.content_length().unwrap_or_default()
+            )));
+        }
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| ClientError::Protocol(format!("{what}: {e}")))?;
+        if bytes.len() as u64 > max {
+            return Err(ClientError::Protocol(format!(
+                "{what}: the answer exceeds the client's limit of {max} bytes"
+            )));
+        }
+        Ok(bytes.to_vec())
+    }
+
+    /// Seals `delta` to the round key and uploads it. `Ok(None)` means an earlier attempt of
+    /// this upload got through but its acknowledgement was lost.
+    pub async fn upload(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+        delta: &Model,
+        meta: &UpdateMeta,
+    ) -> Result<Option<UpdateReceipt>> {
+        let binding = Binding {
+            task,
+            round: offer.round,
+            client: &self.id,
+            base_model: &offer.model,
+        };
+        let sealed = envelope::seal(&delta.to_safetensors(), &offer.round_key, &binding)?;
+        let path = format!("/v1/tasks/{task}/rounds/{}/update", offer.round);
+        let meta = serde_json::to_string(meta).expect("metadata serialises");
+        let (resp, attempts) = self
+            .conn
+            .send("uploading the update", || {
+                self.conn
+                    .request(Method::POST, &path, Duration::ZERO)
+                    .header(UPDATE_META_HEADER, &meta)
+                    .body(sealed.clone())
+            })
+            .await?;
+        match check(resp).await {
+            Ok(resp) => {
+                let bytes = resp
+                    .bytes()
+                    .await
+                    .map_err(|e| ClientError::Protocol(format!("reading the receipt: {e}")))?;
+                serde_json::from_slice(&bytes)
+                    .map(Some)
+                    .map_err(|e| ClientError::Protocol(format!("decoding the receipt: {e}")))
+            }
+            Err(e) if attempts > 1 && e.code() == Some("already_contributed") => {
+                tracing::info!(
+                    round = offer.round,
+                    "an earlier upload attempt was acknowledged"
+                );
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits for a round this client can contribute to and contributes. `Ok(None)` when the
+    /// task has ended.
+    pub async fn participate<T: Trainer + ?Sized>(
+        &self,
+        task: &str,
+        trainer: &mut T,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<Option<RoundReport>> {
+        let mut after = None;
+        loop {
+            let poll = self.poll(task, after, self.config.poll_wait).await?;
+            match poll.state {
+                TaskState::Running => {}
+                TaskState::Paused => {
+                    tracing::info!("task `{task}` is paused; waiting");
+                    tokio::time::sleep(Duration::from_millis(poll.retry_after_ms)).await;
+                    continue;
+                }
+                TaskState::Finished | TaskState::Stopped => return Ok(None),
+            }
+            let Some(open) = poll.open_round else {
+                continue; // the long poll ran out with nothing open: poll again
+            };
+            if poll.contributed {
+                after = Some(open);
+                continue;
+            }
+            let join = match self.join(task).await {
+                Ok(j) => j,
+                Err(e) if e.code() == Some("task_ended") => return Ok(None),
+                Err(e) if e.code() == Some("already_contributed") => {
+                    after = Some(open);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            match join.offer {
+                Some(offer) => {
+                    return self
+                        .contribute(task, &offer, trainer, progress)
+                        .await
+                        .map(Some)
+                }
+                None => {
+                    tracing::debug!(round = open, "not selected; waiting for the next round");
+                    after = Some(open);
+                    tokio::time::sleep(Duration::from_millis(join.retry_after_ms.min(1_000))).await;
+                }
+            }
+        }
+    }
+
+    /// Trains on, seals and uploads for the round `offer` describes.
+    pub async fn contribute<T: Trainer + ?Sized>(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+        trainer: &mut T,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<RoundReport> {
+        let saved = self
+            .state
+            .round(task)?
+            .filter(|s| s.round == offer.round && s.base == offer.model && !s.uploaded);
+        let resumed =
+            saved.and_then(|s| Some((self.state.trained_delta(task, &self.config.limits)?, s)));
+        let started = Instant::now();
+        let (delta, record, resumed) = match resumed {
+            Some((delta, record)) => {
+                tracing::info!(
+                    round = offer.round,
+                    "resuming: uploading the update trained before the restart"
+                );
+                (delta, record, true)
+            }
+            None => {
+                let global = self.model(task, &offer.model).await?;
+                let module = match &offer.model_kind {
+                    ModelKind::TorchScript { module_digest } => {
+                        Some(self.module(task, module_digest).await?)
+                    }
+                    ModelKind::Builtin { .. } => None,
+                };
+                // Leave a tenth of the time (at most 5 s) for sealing and uploading.
+                let remaining =
+                    Duration::from_millis(offer.deadline_unix_ms.saturating_sub(now_ms()));
+                let deadline =
+                    Instant::now() + remaining - (remaining / 10).min(Duration::from_secs(5));
+                let request = TrainRequest {
+                    task,
+                    round: offer.round,
+                    config: &offer.training,
+                    model_kind: &offer.model_kind,
+                    module,
+                    deadline,
+                    progress,
+                };
+                let outcome = blocking(|| trainer.train(&global, request))?;
+                let report = |outcome: RoundOutcome| RoundReport {
+                    round: offer.round,
+                    outcome,
+                    num_examples: 0,
+                    metrics: Metrics::default(),
+                    train_time: started.elapsed(),
+                };
+                if outcome.stopped_early && offer.training.on_deadline == DeadlinePolicy::Skip {
+                    tracing::warn!(round = offer.round, "the deadline came before training finished; skipping the round as the task says");
+                    return Ok(report(RoundOutcome::Skipped));
+                }
+                if outcome.num_examples == 0 {
+                    tracing::warn!(
+                        round = offer.round,
+                        "no examples were trained on before the deadline; skipping the round"
+                    );
+                    return Ok(report(RoundOutcome::Skipped));
+                }
+                let delta = difference(&outcome.weights, &global)?;
+                let record = RoundState {
+                    round: offer.round,
+                    base: offer.model,
+                    num_examples: outcome.num_examples,
+                    metrics: outcome.metrics,
+                    uploaded: false,
+                };
+                self.state.save_trained(task, &record, &delta)?;
+                (delta, record, false)
+            }
+        };
+        let train_time = started.elapsed();
+        let meta = UpdateMeta {
+            num_examples: record.num_examples,
+            metrics: record.metrics,
+        };
+        let outcome = match self.upload(task, offer, &delta, &meta).await {
+            Ok(receipt) => {
+                self.state.mark_uploaded(task, &record)?;
+                let accepted = receipt.map(|r| r.accepted);
+                if resumed {
+                    RoundOutcome::Resumed { accepted }
+                } else {
+                    RoundOutcome::Uploaded { accepted }
+                }
+            }
+            Err(ClientError::Conflict { error })
+                if matches!(
+                    error.code.as_str(),
+                    "round_closed" | "round_abandoned" | "not_selected"
+                ) =>
+            {
+                RoundOutcome::Missed {
+                    reason: error.message,
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(RoundReport {
+            round: offer.round,
+            outcome,
+            num_examples: record.num_examples,
+            metrics: record.metrics,
+            train_time,
+        })
+    }
+
+    /// Takes part in rounds until the task ends (or `max_rounds` rounds were contributed to),
+    /// calling `on_round` after each. A missed round is reported and the client carries on;
+    /// every other refusal ends the run with its error.
+    pub async fn run<T: Trainer + ?Sized>(
+        &self,
+        task: &str,
+        trainer: &mut T,
+        max_rounds: Option<u64>,
+        progress: &mut (dyn FnMut(Progress) + Send),
+        on_round: &mut (dyn FnMut(&RoundReport) + Send),
+    ) -> Result<RunSummary> {
+        let mut rounds = Vec::new();
+        while max_rounds.is_none_or(|m| (rounds.len() as u64) < m) {
+            match self.participate(task, trainer, progress).await? {
+                Some(report) => {
+                    on_round(&report);
+                    rounds.push(report);
+                }
+                None => break,
+            }
+        }
+        let final_state = self.poll(task, None, Duration::ZERO).await?.state;
+        Ok(RunSummary {
+            rounds,
+            final_state,
+        })
+    }
+}
+
+/// `local − global`, checked to be finite and of the same layout.
+pub fn difference(local: &Model, global: &Model) -> Result<Model> {
+    if local.spec() != global.spec() {
+        return Err(ClientError::Training(format!(
+            "the trainer returned weights of another layout: {:?}, the task's model is {:?}",
+            local.spec(),
+            global.spec()
+        )));
+    }
+    let mut delta = local.clone();
+    for (d, g) in delta.data_mut().iter_mut().zip(global.data()) {
+        *d -= g;
+    }
+    delta.check_finite().map_err(|e| {
+        ClientError::Training(format!(
+            "the trained weights are not finite ({e}): lower the learning rate"
+        ))
+    })?;
+    Ok(delta)
+}

@@ -1,0 +1,91 @@
+//! What can go wrong on a client, as types a program can match on and sentences a person can act
+//! on. The server's 4xx answers are never retried blindly: each becomes a variant that says what
+//! the server refused and what to do about it. Transient failures (connection errors, timeouts,
+//! 5xx, 429) are retried by the transport and surface only as [`ClientError::Unavailable`] once the
+//! retry budget is spent.
+
+use std::path::PathBuf;
+
+use hora_common::wire::ApiError;
+use thiserror::Error;
+
+use crate::data::DataError;
+use crate::device::DeviceError;
+
+#[derive(Debug, Error)]
+pub enum ClientError {
+    /// 401/403: the credentials are missing, wrong or revoked, or the enrolment token is bad.
+    #[error("the server refused our credentials ({status} {}): {}; {}", .error.code, .error.message,
+        "enrol again with a fresh token from the operator (`hora-server admin enrol`), or check --state-dir")]
+    Unauthorized { status: u16, error: ApiError },
+    /// 404: the task (or its module) does not exist.
+    #[error("not found on the server: {}; check the task id (`hora-server admin tasks` lists them)", .error.message)]
+    NotFound { error: ApiError },
+    /// 409: the round moved on, we were not selected, or we already contributed.
+    #[error("the server refused the request as conflicting ({}): {}", .error.code, .error.message)]
+    Conflict { error: ApiError },
+    /// Any other 4xx: the request itself was wrong (a bug or a version mismatch).
+    #[error("the server rejected the request ({status} {}): {}", .error.code, .error.message)]
+    Rejected { status: u16, error: ApiError },
+    /// Transient failures that outlasted the retry budget.
+    #[error("the server at {url} is unreachable or failing after {attempts} attempts over {secs} s (last: {last}); check the URL, the network and the server's logs")]
+    Unavailable {
+        url: String,
+        attempts: u32,
+        secs: u64,
+        last: String,
+    },
+    #[error("TLS setup: {0}")]
+    Tls(#[from] hora_common::tls::TlsError),
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("client state in {}: {message}; move the directory aside to start afresh (the client will need a new enrolment token)", dir.display())]
+    State { dir: PathBuf, message: String },
+    #[error("the server sent an unusable answer: {0}")]
+    Protocol(String),
+    #[error("model: {0}")]
+    Model(#[from] hora_common::model::ModelError),
+    #[error("sealing the update: {0}")]
+    Envelope(#[from] hora_common::envelope::EnvelopeError),
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error("training: {0}")]
+    Training(String),
+    /// The task stopped or finished: nothing more to do.
+    #[error("task `{task}` is {state}")]
+    TaskEnded { task: String, state: String },
+}
+
+impl ClientError {
+    /// The server's error code, for refusals.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ClientError::Unauthorized { error, .. }
+            | ClientError::NotFound { error }
+            | ClientError::Conflict { error }
+            | ClientError::Rejected { error, .. } => Some(&error.code),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        ClientError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+impl From<tch::TchError> for ClientError {
+    fn from(e: tch::TchError) -> Self {
+        ClientError::Training(format!("libtorch: {e}"))
+    }
+}
+
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;

@@ -1,0 +1,276 @@
+//! What a client keeps on its own disk so that a restart picks up where it was: its credentials,
+//! the models and TorchScript modules it downloaded (by digest, so an unchanged model is never
+//! fetched twice), and the round it is in the middle of — the trained delta waiting to be
+//! uploaded, and whether the server acknowledged it.
+//!
+//! Every file is written to a temporary name, fsynced and renamed, so a client killed at any
+//! moment finds either the old file or the new one. Credentials and deltas are private to the
+//! user (0600). The delta never leaves the device except sealed to the round key.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use hora_common::model::{Limits, Model, ModelDigest};
+use hora_common::wire::{Credentials, Metrics};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ClientError, Result};
+
+const CREDENTIALS: &str = "credentials.json";
+/// Downloaded models kept besides the newest (older ones are removed).
+const MODELS_KEPT: usize = 2;
+
+/// A client's state directory.
+#[derive(Debug, Clone)]
+pub struct StateDir {
+    dir: PathBuf,
+}
+
+/// The round a client is in the middle of, for one task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundState {
+    pub round: u64,
+    /// The global model the delta was trained from.
+    pub base: ModelDigest,
+    pub num_examples: u64,
+    pub metrics: Metrics,
+    /// Set once the server acknowledged the upload.
+    pub uploaded: bool,
+}
+
+fn write_atomic(path: &Path, bytes: &[u8], private: bool) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    let result = (|| {
+        let mut opts = fs::OpenOptions::new();
+        opts.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        if private {
+            use std::os::unix::fs::OpenOptionsExt;
+            opts.mode(0o600);
+        }
+        let mut f = opts.open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        if let Some(parent) = path.parent() {
+            fs::File::open(parent)?.sync_all()?;
+        }
+        Ok(())
+    })();
+    result.map_err(|e| ClientError::io(path, e))
+}
+
+impl StateDir {
+    /// Opens (creating it if needed) the state directory `dir`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        for sub in ["", "models", "modules", "rounds"] {
+            let d = dir.join(sub);
+            fs::create_dir_all(&d).map_err(|e| ClientError::io(&d, e))?;
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+                .map_err(|e| ClientError::io(dir, e))?;
+        }
+        Ok(StateDir {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    fn corrupt(&self, what: &Path, e: impl std::fmt::Display) -> ClientError {
+        ClientError::State {
+            dir: self.dir.clone(),
+            message: format!("{} is unreadable: {e}", what.display()),
+        }
+    }
+
+    pub fn credentials(&self) -> Result<Option<Credentials>> {
+        let path = self.dir.join(CREDENTIALS);
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| self.corrupt(&path, e)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(ClientError::io(path, e)),
+        }
+    }
+
+    pub fn save_credentials(&self, creds: &Credentials) -> Result<()> {
+        let json = serde_json::to_vec_pretty(creds).expect("credentials serialise");
+        write_atomic(&self.dir.join(CREDENTIALS), &json, true)
+    }
+
+    fn model_path(&self, digest: &ModelDigest) -> PathBuf {
+        self.dir
+            .join("models")
+            .join(format!("{}.safetensors", digest.to_hex()))
+    }
+
+    /// The cached model with this digest, if there is one and it is intact.
+    pub fn cached_model(&self, digest: &ModelDigest, limits: &Limits) -> Option<Model> {
+        let path = self.model_path(digest);
+        let model = Model::read_file(&path, limits).ok()?;
+        if model.digest() == *digest {
+            Some(model)
+        } else {
+            let _ = fs::remove_file(&path);
+            None
+        }
+    }
+
+    /// Caches `model` (whose digest is `digest`) and drops all but the newest few others.
+    pub fn cache_model(&self, digest: &ModelDigest, model: &Model) -> Result<()> {
+        write_atomic(&self.model_path(digest), &model.to_safetensors(), false)?;
+        let dir = self.dir.join("models");
+        let mut others: Vec<(std::time::SystemTime, PathBuf)> = fs::read_dir(&dir)
+            .map_err(|e| ClientError::io(&dir, e))?
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path() != self.model_path(digest))
+            .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+            .collect();
+        others.sort();
+        let excess = others.len().saturating_sub(MODELS_KEPT - 1);
+        for (_, path) in others.into_iter().take(excess) {
+            let _ = fs::remove_file(path);
+        }
+        Ok(())
+    }
+
+    /// Where the TorchScript module with this digest (hex SHA-256) lives once downloaded.
+    pub fn module_path(&self, digest: &str) -> PathBuf {
+        self.dir.join("modules").join(format!("{digest}.pt"))
+    }
+
+    pub fn save_module(&self, digest: &str, bytes: &[u8]) -> Result<PathBuf> {
+        let path = self.module_path(digest);
+        write_atomic(&path, bytes, false)?;
+        Ok(path)
+    }
+
+    fn round_path(&self, task: &str) -> PathBuf {
+        self.dir.join("rounds").join(format!("{task}.json"))
+    }
+
+    fn delta_path(&self, task: &str) -> PathBuf {
+        self.dir
+            .join("rounds")
+            .join(format!("{task}.delta.safetensors"))
+    }
+
+    /// The round this client was last in for `task`.
+    pub fn round(&self, task: &str) -> Result<Option<RoundState>> {
+        let path = self.round_path(task);
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| self.corrupt(&path, e)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(ClientError::io(path, e)),
+        }
+    }
+
+    /// Records a trained, not yet uploaded delta (the delta first, then the record naming it).
+    pub fn save_trained(&self, task: &str, state: &RoundState, delta: &Model) -> Result<()> {
+        write_atomic(&self.delta_path(task), &delta.to_safetensors(), true)?;
+        self.save_round(task, state)
+    }
+
+    pub fn save_round(&self, task: &str, state: &RoundState) -> Result<()> {
+        let json = serde_json::to_vec_pretty(state).expect("round state serialises");
+        write_atomic(&self.round_path(task), &json, false)
+    }
+
+    /// The delta recorded by [`StateDir::save_trained`], if it is still there and readable.
+    pub fn trained_delta(&self, task: &str, limits: &Limits) -> Option<Model> {
+        Model::read_file(&self.delta_path(task), limits).ok()
+    }
+
+    /// Marks the round uploaded and removes its delta.
+    pub fn mark_uploaded(&self, task: &str, state: &RoundState) -> Result<()> {
+        self.save_round(
+            task,
+            &RoundState {
+                uploaded: true,
+                ..state.clone()
+            },
+        )?;
+        let _ = fs::remove_file(self.delta_path(task));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(v: f32) -> Model {
+        Model::from_tensors([("w", vec![2], vec![v, -v])]).unwrap()
+    }
+
+    #[test]
+    fn survives_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        assert_eq!(state.credentials().unwrap(), None);
+        let creds = Credentials {
+            client_id: "c-1".into(),
+            secret: "s".into(),
+        };
+        state.save_credentials(&creds).unwrap();
+        let m = model(1.0);
+        state.cache_model(&m.digest(), &m).unwrap();
+        let round = RoundState {
+            round: 3,
+            base: m.digest(),
+            num_examples: 12,
+            metrics: Metrics::default(),
+            uploaded: false,
+        };
+        state.save_trained("t", &round, &model(0.5)).unwrap();
+
+        let state = StateDir::open(dir.path()).unwrap();
+        assert_eq!(state.credentials().unwrap(), Some(creds));
+        let limits = Limits::default();
+        assert_eq!(state.cached_model(&m.digest(), &limits), Some(m.clone()));
+        assert_eq!(state.round("t").unwrap(), Some(round.clone()));
+        assert_eq!(state.trained_delta("t", &limits), Some(model(0.5)));
+        state.mark_uploaded("t", &round).unwrap();
+        assert!(state.round("t").unwrap().unwrap().uploaded);
+        assert_eq!(state.trained_delta("t", &limits), None);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(dir.path().join(CREDENTIALS))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o077, 0, "credentials are private");
+        }
+    }
+
+    #[test]
+    fn a_corrupt_cache_entry_is_a_miss_and_old_models_are_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        let limits = Limits::default();
+        let models: Vec<Model> = (0..4).map(|i| model(i as f32)).collect();
+        for m in &models {
+            state.cache_model(&m.digest(), m).unwrap();
+        }
+        let kept = fs::read_dir(dir.path().join("models")).unwrap().count();
+        assert_eq!(kept, MODELS_KEPT);
+        let newest = &models[3];
+        fs::write(state.model_path(&newest.digest()), b"garbage").unwrap();
+        assert_eq!(state.cached_model(&newest.digest(), &limits), None);
+
+        fs::write(dir.path().join(CREDENTIALS), b"{").unwrap();
+        let err = state.credentials().unwrap_err().to_string();
+        assert!(err.contains("credentials.json"), "{err}");
+    }
+}

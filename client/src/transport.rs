@@ -1,0 +1,256 @@
+//! HTTPS to the server: reqwest over hora-common's rustls configuration, with the retry rule the
+//! whole client follows. Connection failures, timeouts, 5xx and 429 are transient and retried with
+//! exponential backoff and full jitter (so a fleet that lost its server does not come back as one
+//! wave) until the retry budget is spent; every other answer is final, and a 4xx becomes a typed
+//! [`ClientError`] carrying the server's [`ApiError`].
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use hora_common::tls::{client_config, Identity};
+use hora_common::wire::ApiError;
+use rand::Rng;
+use reqwest::{Method, RequestBuilder, Response, StatusCode};
+
+use crate::error::{ClientError, Result};
+
+/// How transient failures are retried.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// The first backoff; each further one doubles, up to `max_delay`.
+    pub initial_delay: Duration,
+    pub max_delay: Duration,
+    /// Give up once this much time has passed since the first attempt.
+    pub budget: Duration,
+    /// Timeout of one request (long polls add their own wait to it).
+    pub request_timeout: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            initial_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(15),
+            budget: Duration::from_secs(600),
+            request_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The wait before retry number `attempt` (1-based): uniform in [0, min(max, initial·2^(n−1))].
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let cap = self
+            .initial_delay
+            .saturating_mul(1u32 << attempt.saturating_sub(1).min(20))
+            .min(self.max_delay);
+        cap.mul_f64(rand::rng().random::<f64>())
+    }
+}
+
+/// An authenticated connection to one server.
+#[derive(Clone, Debug)]
+pub struct Connection {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+    retry: RetryPolicy,
+}
+
+/// Whether an answer (or its absence) is worth another attempt.
+fn transient(status: StatusCode) -> bool {
+    status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS
+}
+
+impl Connection {
+    /// A connection to `server` (an `https://host:port` URL) trusting `ca`.
+    pub fn new(
+        server: &str,
+        ca: &Path,
+        identity: Option<&Identity>,
+        retry: RetryPolicy,
+    ) -> Result<Self> {
+        let base = server.trim_end_matches('/').to_string();
+        if !base.starts_with("https://") {
+            return Err(ClientError::Protocol(format!(
+                "server URL `{server}` must start with https:// (Hora always uses TLS)"
+            )));
+        }
+        let http = reqwest::Client::builder()
+            .use_preconfigured_tls(client_config(ca, identity)?)
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .map_err(|e| ClientError::Protocol(format!("building the HTTPS client: {e}")))?;
+        Ok(Connection {
+            http,
+            base,
+            token: None,
+            retry,
+        })
+    }
+
+    pub fn with_token(mut self, token: String) -> Self {
+        self.token = Some(token);
+        self
+    }
+
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
+    /// A request builder for `path` with credentials and the per-request timeout.
+    pub fn request(&self, method: Method, path: &str, extra_wait: Duration) -> RequestBuilder {
+        let req = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .timeout(self.retry.request_timeout + extra_wait);
+        match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        }
+    }
+
+    /// Sends what `make` builds until the answer is final: success or a non-transient status.
+    /// `on_retry` hears of each transient failure (for "retrying…" logs). Returns the final
+    /// answer and the number of attempts it took.
+    pub async fn send(
+        &self,
+        what: &str,
+        make: impl Fn() -> RequestBuilder,
+    ) -> Result<(Response, u32)> {
+        let start = Instant::now();
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            let last = match make().send().await {
+                Ok(resp) if !transient(resp.status()) => return Ok((resp, attempt)),
+                Ok(resp) => {
+                    let status = resp.status();
+                    let body = resp.text().await.unwrap_or_default();
+                    format!("{status}: {}", body.chars().take(200).collect::<String>())
+                }
+                Err(e) => error_chain(&e),
+            };
+            let delay = self.retry.backoff(attempt);
+            if start.elapsed() + delay > self.retry.budget {
+                return Err(ClientError::Unavailable {
+                    url: self.base.clone(),
+                    attempts: attempt,
+                    secs: start.elapsed().as_secs(),
+                    last,
+                });
+            }
+            tracing::warn!(
+                "{what}: {last}; retrying in {:.1} s (attempt {attempt})",
+                delay.as_secs_f64()
+            );
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// [`Connection::send`], then a 2xx body decoded as JSON (anything else becomes an error).
+    pub async fn json<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &str,
+        make: impl Fn() -> RequestBuilder,
+    ) -> Result<T> {
+        let (resp, _) = self.send(what, make).await?;
+        let resp = check(resp).await?;
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| ClientError::Protocol(format!("{what}: reading the answer: {e}")))?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ClientError::Protocol(format!("{what}: decoding the answer: {e}")))
+    }
+}
+
+/// A 2xx/3xx answer passes; a 4xx becomes the matching [`ClientError`].
+pub async fn check(resp: Response) -> Result<Response> {
+    let status = resp.status();
+    if status.is_success() || status.is_redirection() {
+        return Ok(resp);
+    }
+    let text = resp.text().await.unwrap_or_default();
+    let error = serde_json::from_str::<ApiError>(&text).unwrap_or_else(|_| ApiError {
+        code: "unknown".into(),
+        message: if text.is_empty() {
+            status.to_string()
+        } else {
+            text.chars().take(500).collect()
+        },
+    });
+    Err(match status {
+        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => ClientError::Unauthorized {
+            status: status.as_u16(),
+            error,
+        },
+        StatusCode::NOT_FOUND => ClientError::NotFound { error },
+        StatusCode::CONFLICT => ClientError::Conflict { error },
+        _ => ClientError::Rejected {
+            status: status.as_u16(),
+            error,
+        },
+    })
+}
+
+/// reqwest's error with its causes ("error sending request: connection refused").
+fn error_chain(e: &reqwest::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_capped_and_jittered() {
+        let p = RetryPolicy {
+            initial_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(1),
+            ..Default::default()
+        };
+        for attempt in 1..40 {
+            let cap = Duration::from_millis(100 * (1u64 << (attempt - 1).min(20))).min(p.max_delay);
+            let d = p.backoff(attempt);
+            assert!(d <= cap, "attempt {attempt}: {d:?} > {cap:?}");
+        }
+        // Jittered: 50 draws at the cap are not all equal.
+        let draws: Vec<_> = (0..50).map(|_| p.backoff(10)).collect();
+        assert!(draws.iter().any(|d| *d != draws[0]));
+    }
+
+    #[test]
+    fn only_failures_of_the_server_are_transient() {
+        for s in [500, 502, 503, 504, 429] {
+            assert!(transient(StatusCode::from_u16(s).unwrap()), "{s}");
+        }
+        for s in [200, 304, 400, 401, 403, 404, 409, 413] {
+            assert!(!transient(StatusCode::from_u16(s).unwrap()), "{s}");
+        }
+    }
+
+    #[test]
+    fn plain_http_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Connection::new(
+            "http://127.0.0.1:1",
+            &dir.path().join("ca.pem"),
+            None,
+            RetryPolicy::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("https://"), "{err}");
+    }
+}
