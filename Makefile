@@ -13,9 +13,13 @@ NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 setup:
 	@scripts/setup-libtorch.sh
 
-## One federated round through the shared pipeline (seal, open, validate, fold, publish).
+## The federated Synthetic(1,1) benchmark with real processes: a server, 10 clients, 20 rounds,
+## a per-round table and the centralised baseline. Leaves nothing running.
 demo:
-	cargo run --release --example averaging
+	@$(TORCH_ENV); \
+	cargo build --release -p hora-server -p hora-client --bins; \
+	cargo build --release --example federated; \
+	target/release/examples/federated
 
 ## Every test, then the dependency policy. The binaries and examples are built first: the
 ## cross-process tests in tests/ run them.
@@ -31,10 +35,12 @@ test:
 
 ## Benchmarks that print ratios against baselines measured in the same run.
 bench:
-	cargo build --release -p hora-server
-	cargo bench -p hora-common --bench kernel
-	cargo bench -p hora-common --bench envelope
-	cargo bench -p hora-server --bench ingest
+	@$(TORCH_ENV); \
+	cargo bench -p hora-client --bench training; \
+	cargo build --release -p hora-server; \
+	cargo bench -p hora-common --bench kernel; \
+	cargo bench -p hora-common --bench envelope; \
+	cargo bench -p hora-server --bench ingest; \
 	cargo bench -p hora --bench server_memory
 
 ## Formatting and clippy, warnings as errors.

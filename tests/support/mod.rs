@@ -48,11 +48,16 @@ impl Server {
 
     /// Starts with extra `serve` flags.
     pub fn start_with(data_dir: &Path, extra: &[&str]) -> Server {
+        Server::start_on(data_dir, "127.0.0.1:0", extra)
+    }
+
+    /// Starts listening on `listen` (a fixed port lets a restarted server keep its URL).
+    pub fn start_on(data_dir: &Path, listen: &str, extra: &[&str]) -> Server {
         let mut child = Command::new(binary("hora-server"))
             .args([
                 "serve",
                 "--listen",
-                "127.0.0.1:0",
+                listen,
                 "--admin-token",
                 ADMIN_TOKEN,
                 "--data-dir",
@@ -106,6 +111,14 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind an ephemeral port")
+        .port()
 }
 
 /// An HTTP client with one bearer token.

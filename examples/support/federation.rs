@@ -1,0 +1,265 @@
+//! What the examples share: a real `hora-server` process on loopback (embedded sled, development
+//! TLS made on the fly, in a temporary directory), the operator's side of the admin API, and
+//! `hora-client` processes. Every process is ours and is killed by its id when the federation
+//! is dropped, so an example leaves nothing running, however it ends.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use hora_common::model::{Limits, Model, ModelDigest};
+use hora_common::wire::{CreateTask, RoundOutcome, RoundRecord, TaskInfo};
+use reqwest::Method;
+
+const ADMIN_TOKEN: &str = "example-admin-token-4f1c2d";
+
+/// `target/<profile>/<name>`: the binaries next to this example's own directory.
+pub fn binary(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let path = exe
+        .parent()
+        .and_then(|examples| examples.parent())
+        .context("the example runs from target/<profile>/examples")?
+        .join(name);
+    if !path.exists() {
+        bail!(
+            "{} is missing: build it first (cargo build --release --bins, or make demo)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// A server, its operator, and the clients started against it.
+pub struct Federation {
+    server: Child,
+    pub url: String,
+    pub ca: PathBuf,
+    pub dir: tempfile::TempDir,
+    http: reqwest::Client,
+    clients: Vec<(String, Child)>,
+}
+
+impl Federation {
+    /// Starts `hora-server serve` on an ephemeral loopback port.
+    pub fn start() -> Result<Federation> {
+        let dir = tempfile::Builder::new().prefix("hora-example-").tempdir()?;
+        let mut server = Command::new(binary("hora-server")?)
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-token",
+                ADMIN_TOKEN,
+            ])
+            .arg("--data-dir")
+            .arg(dir.path().join("server"))
+            .env("HORA_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting hora-server")?;
+        let stdout = server.stdout.take().context("server stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let url = loop {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    if let Some(url) = line.strip_prefix("hora-server listening on ") {
+                        break url.trim().to_string();
+                    }
+                }
+                _ => {
+                    let _ = server.kill();
+                    bail!("hora-server exited before listening");
+                }
+            }
+        };
+        // Keep draining the server's stdout so it never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        let ca = dir.path().join("server/certs/ca.pem");
+        let http = reqwest::Client::builder()
+            .use_preconfigured_tls(hora_common::tls::client_config(&ca, None)?)
+            .build()?;
+        Ok(Federation {
+            server,
+            url,
+            ca,
+            dir,
+            http,
+            clients: Vec::new(),
+        })
+    }
+
+    fn admin(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, format!("{}/admin/v1{path}", self.url))
+            .bearer_auth(ADMIN_TOKEN)
+            .timeout(Duration::from_secs(60))
+    }
+
+    async fn send(&self, req: reqwest::RequestBuilder) -> Result<reqwest::Response> {
+        let resp = req.send().await?;
+        if !resp.status().is_success() {
+            bail!(
+                "{}: {}",
+                resp.status(),
+                resp.text().await.unwrap_or_default()
+            );
+        }
+        Ok(resp)
+    }
+
+    async fn json<T: serde::de::DeserializeOwned>(
+        &self,
+        req: reqwest::RequestBuilder,
+    ) -> Result<T> {
+        Ok(self.send(req).await?.json().await?)
+    }
+
+    pub async fn upload_model(&self, model: &Model) -> Result<ModelDigest> {
+        let v: serde_json::Value = self
+            .json(
+                self.admin(Method::POST, "/models")
+                    .body(model.to_safetensors()),
+            )
+            .await?;
+        Ok(serde_json::from_value(v["digest"].clone())?)
+    }
+
+    /// Uploads a TorchScript module; returns its digest (hex SHA-256).
+    pub async fn upload_module(&self, bytes: Vec<u8>) -> Result<String> {
+        let v: serde_json::Value = self
+            .json(self.admin(Method::POST, "/modules").body(bytes))
+            .await?;
+        v["digest"]
+            .as_str()
+            .map(str::to_string)
+            .context("module digest")
+    }
+
+    pub async fn create_task(&self, task: &CreateTask) -> Result<TaskInfo> {
+        self.json(self.admin(Method::POST, "/tasks").json(task))
+            .await
+    }
+
+    pub async fn task(&self, task: &str) -> Result<TaskInfo> {
+        self.json(self.admin(Method::GET, &format!("/tasks/{task}")))
+            .await
+    }
+
+    /// A one-time enrolment token.
+    pub async fn enrolment_token(&self) -> Result<String> {
+        let v: serde_json::Value = self
+            .json(
+                self.admin(Method::POST, "/enrolments")
+                    .json(&serde_json::json!({})),
+            )
+            .await?;
+        v["token"].as_str().map(str::to_string).context("token")
+    }
+
+    /// The published record of `round`, once there is one (abandoned attempts are retried by
+    /// the server, so they are waited through).
+    pub async fn wait_round(
+        &mut self,
+        task: &str,
+        round: u64,
+        timeout: Duration,
+    ) -> Result<RoundRecord> {
+        let start = Instant::now();
+        loop {
+            let history: Vec<RoundRecord> = self
+                .json(self.admin(Method::GET, &format!("/tasks/{task}/rounds")))
+                .await?;
+            if let Some(r) = history
+                .into_iter()
+                .find(|r| r.round == round && r.outcome == RoundOutcome::Published)
+            {
+                return Ok(r);
+            }
+            self.check_clients()?;
+            if start.elapsed() > timeout {
+                bail!("round {round} of `{task}` was not published within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn round_model(&self, task: &str, round: u64) -> Result<Model> {
+        let bytes = self
+            .send(self.admin(Method::GET, &format!("/tasks/{task}/rounds/{round}/model")))
+            .await?
+            .bytes()
+            .await?;
+        Ok(Model::from_safetensors(&bytes, &Limits::default())?)
+    }
+
+    /// Starts `hora-client train` with `args` (the server, CA, token and a state directory of
+    /// its own are added). Its output goes to `<dir>/<name>.log`.
+    pub fn spawn_client(&mut self, name: &str, token: &str, args: &[String]) -> Result<()> {
+        let log = std::fs::File::create(self.log_path(name))?;
+        let child = Command::new(binary("hora-client")?)
+            .arg("train")
+            .args(["--server", &self.url, "--token", token, "--no-progress"])
+            .arg("--ca")
+            .arg(&self.ca)
+            .arg("--state-dir")
+            .arg(self.dir.path().join(name))
+            .args(args)
+            .env("HORA_LOG", "warn")
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting hora-client")?;
+        self.clients.push((name.to_string(), child));
+        Ok(())
+    }
+
+    pub fn log_path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(format!("{name}.log"))
+    }
+
+    /// Fails if a client already exited unsuccessfully (with its log).
+    fn check_clients(&mut self) -> Result<()> {
+        for (name, child) in &mut self.clients {
+            if let Some(status) = child.try_wait()? {
+                if !status.success() {
+                    let log = std::fs::read_to_string(self.dir.path().join(format!("{name}.log")))
+                        .unwrap_or_default();
+                    bail!("client {name} failed ({status}):\n{log}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every client to exit (they do once the task ends) and checks they succeeded.
+    pub fn wait_clients(&mut self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        while self
+            .clients
+            .iter_mut()
+            .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
+        {
+            if start.elapsed() > timeout {
+                bail!("clients still running {timeout:?} after the task ended");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.check_clients()
+    }
+}
+
+impl Drop for Federation {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.clients {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
+}

@@ -1,0 +1,349 @@
+//! The client against the real server (loopback, real TLS, real sled): it survives a server
+//! restart in the middle of a round, retries while the server is down, resumes an update it
+//! trained before it was restarted, and stops with a clear message when the server refuses it.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use hora_client::data::synthetic::{self, SyntheticConfig};
+use hora_client::network::{Architecture, Network};
+use hora_client::state::RoundState;
+use hora_client::{
+    Client, ClientConfig, ClientError, RoundOutcome, SupervisedTrainer, TrainOutcome, TrainRequest,
+    Trainer,
+};
+use hora_common::model::Model;
+use hora_common::wire::{Metrics, RoundRecord, TaskInfo, TaskState, UpdateMeta};
+use reqwest::Method;
+use support::*;
+
+const IID: &str = "synthetic-iid:clients=2,seed=5";
+
+fn arch() -> Architecture {
+    Architecture::Logreg {
+        inputs: 60,
+        classes: 10,
+    }
+}
+
+/// A task training logistic regression on Synthetic-IID.
+async fn create_task(admin: &Api, id: &str, rounds: u64, min: u32, target: u32) -> Model {
+    let initial = Network::builtin(&arch(), tch::Device::Cpu)
+        .unwrap()
+        .weights()
+        .unwrap();
+    let digest = admin.upload_model(&initial).await;
+    let mut t = task(id, digest, rounds, min, target, 120);
+    t.model = arch().to_kind();
+    admin.create_task(&t).await;
+    initial
+}
+
+async fn token(admin: &Api) -> String {
+    let v: serde_json::Value = admin
+        .ok(admin
+            .request(Method::POST, "/admin/v1/enrolments")
+            .json(&serde_json::json!({})))
+        .await;
+    v["token"].as_str().unwrap().to_string()
+}
+
+/// `hora-client train` against `url`, on shard `k` of the Synthetic-IID data.
+fn client_command(url: &str, ca: &Path, state: &Path, task: &str, k: usize) -> Command {
+    let mut cmd = Command::new(binary("hora-client"));
+    cmd.args(["train", "--server", url, "--task", task, "--data", IID])
+        .args([
+            "--client-index",
+            &k.to_string(),
+            "--threads",
+            "1",
+            "--no-progress",
+        ])
+        .arg("--ca")
+        .arg(ca)
+        .arg("--state-dir")
+        .arg(state)
+        .env("HORA_LOG", "warn");
+    cmd
+}
+
+fn spawn(mut cmd: Command) -> Child {
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start hora-client")
+}
+
+fn finish(child: Child) -> Output {
+    let out = child.wait_with_output().expect("hora-client output");
+    assert!(
+        out.status.success(),
+        "hora-client failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+async fn task_info(admin: &Api, id: &str) -> TaskInfo {
+    admin
+        .ok(admin.request(Method::GET, &format!("/admin/v1/tasks/{id}")))
+        .await
+}
+
+async fn wait_for(what: &str, timeout: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !f().await {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_survives_a_server_restart_mid_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let server = Server::start_on(&dir.path().join("server"), &listen, &[]);
+    let (url, ca) = (server.url.clone(), server.ca.clone());
+    let admin = server.api(ADMIN_TOKEN);
+    create_task(&admin, "t", 3, 2, 2).await;
+    let (token_a, token_b) = (token(&admin).await, token(&admin).await);
+
+    let mut a = client_command(&url, &ca, &dir.path().join("a"), "t", 0);
+    a.args(["--token", &token_a]);
+    let a = spawn(a);
+    // A's round-1 update is acknowledged; the round waits for a second client.
+    wait_for("A's upload", Duration::from_secs(120), async || {
+        task_info(&admin, "t")
+            .await
+            .open_round
+            .is_some_and(|r| r.round == 1 && r.accepted == 1)
+    })
+    .await;
+    server.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let server = Server::start_on(&dir.path().join("server"), &listen, &[]);
+    let admin = server.api(ADMIN_TOKEN);
+
+    let mut b = client_command(&url, &ca, &dir.path().join("b"), "t", 1);
+    b.args(["--token", &token_b]);
+    let b = spawn(b);
+    let (out_a, out_b) = (finish(a), finish(b));
+    let info = task_info(&admin, "t").await;
+    assert_eq!(
+        (info.state, info.published_rounds),
+        (TaskState::Finished, 3)
+    );
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/t/rounds"))
+        .await;
+    assert!(history.iter().all(|r| r.participants.len() == 2));
+    for out in [&out_a, &out_b] {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        for round in 1..=3 {
+            assert_eq!(
+                stdout.matches(&format!("t round {round} ·")).count(),
+                1,
+                "round {round} once:\n{stdout}"
+            );
+        }
+        assert!(stdout.contains("the task is Finished"), "{stdout}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_retries_while_the_server_is_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let server = Server::start_on(&dir.path().join("server"), &listen, &[]);
+    let (url, ca) = (server.url.clone(), server.ca.clone());
+    let admin = server.api(ADMIN_TOKEN);
+    create_task(&admin, "t", 1, 1, 1).await;
+    let token = token(&admin).await;
+    server.kill();
+
+    // The client starts while nothing listens: its enrolment is refused at the TCP level and
+    // retried with backoff until the server is back.
+    let mut cmd = client_command(&url, &ca, &dir.path().join("c"), "t", 0);
+    cmd.args(["--token", &token]).env("HORA_LOG", "warn");
+    let child = spawn(cmd);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let server = Server::start_on(&dir.path().join("server"), &listen, &[]);
+    let out = finish(child);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("retrying in"), "{stderr}");
+    let info = task_info(&server.api(ADMIN_TOKEN), "t").await;
+    assert_eq!(
+        (info.state, info.published_rounds),
+        (TaskState::Finished, 1)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn refusals_stop_the_client_with_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+    let admin = server.api(ADMIN_TOKEN);
+    create_task(&admin, "t", 2, 1, 1).await;
+    let run = |state: &str, task: &str, extra: &[&str]| {
+        let mut cmd = client_command(&server.url, &server.ca, &dir.path().join(state), task, 0);
+        cmd.args(extra).env("HORA_RETRY_FOR", "5");
+        cmd.output().expect("run hora-client")
+    };
+    let expect = |out: &Output, needles: &[&str]| {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        for n in needles {
+            assert!(stderr.contains(n), "`{n}` missing from:\n{stderr}");
+        }
+    };
+
+    // 401: a made-up enrolment token.
+    let out = run("bad-token", "t", &["--token", "not-a-token"]);
+    expect(&out, &["refused our credentials", "401", "enrol again"]);
+    // 401: credentials of a client the operator revoked.
+    let out = run(
+        "revoked",
+        "t",
+        &["--token", &token(&admin).await, "--rounds", "1"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let clients: Vec<hora_common::wire::ClientInfo> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/clients"))
+        .await;
+    let id = &clients[0].client_id;
+    let _: serde_json::Value = admin
+        .ok(admin.request(Method::POST, &format!("/admin/v1/clients/{id}/revoke")))
+        .await;
+    let out = run("revoked", "t", &[]);
+    expect(&out, &["refused our credentials", "enrol again"]);
+    // 404: a task that does not exist.
+    let out = run("unknown-task", "nope", &["--token", &token(&admin).await]);
+    expect(&out, &["not found", "check the task id"]);
+    // No credentials and no token: told what to pass.
+    let out = run("empty", "t", &[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("pass --token"));
+}
+
+async fn sdk_client(server: &Server, admin: &Api, state: &Path) -> Client {
+    let config = ClientConfig::new(&server.url, &server.ca, state);
+    Client::connect(config, Some(&token(admin).await))
+        .await
+        .expect("enrol")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn conflicts_are_typed_and_a_late_update_is_a_missed_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+    let admin = server.api(ADMIN_TOKEN);
+    let initial = Network::builtin(&arch(), tch::Device::Cpu)
+        .unwrap()
+        .weights()
+        .unwrap();
+    let digest = admin.upload_model(&initial).await;
+    let mut t = task("t", digest, 3, 2, 2, 120);
+    t.model = arch().to_kind();
+    t.over_selection = 1.0; // four selected; the second update closes the round
+    admin.create_task(&t).await;
+    let early = sdk_client(&server, &admin, &dir.path().join("early")).await;
+    let second = sdk_client(&server, &admin, &dir.path().join("second")).await;
+    let late = sdk_client(&server, &admin, &dir.path().join("late")).await;
+    let late_offer = late.join("t").await.unwrap().offer.expect("selected");
+    let offer = early.join("t").await.unwrap().offer.expect("selected");
+    let second_offer = second.join("t").await.unwrap().offer.expect("selected");
+
+    let delta = Model::zeros(&initial.spec());
+    let meta = UpdateMeta {
+        num_examples: 10,
+        metrics: Metrics::default(),
+    };
+    let receipt = early.upload("t", &offer, &delta, &meta).await.unwrap();
+    assert_eq!(receipt.map(|r| r.accepted), Some(1));
+    // A replay of an acknowledged upload is a typed conflict, not retried.
+    let err = early.upload("t", &offer, &delta, &meta).await.unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Conflict { error } if error.code == "already_contributed"),
+        "{err}"
+    );
+    let receipt = second
+        .upload("t", &second_offer, &delta, &meta)
+        .await
+        .unwrap();
+    assert_eq!(receipt.map(|r| r.accepted), Some(2));
+    // The late client's round closed: the SDK reports a missed round and carries on.
+    let shard = synthetic::shard(
+        &"synthetic-iid:clients=2,seed=5"
+            .parse::<SyntheticConfig>()
+            .unwrap(),
+        0,
+    )
+    .unwrap();
+    let mut trainer = SupervisedTrainer::new(shard.train, None, tch::Device::Cpu).unwrap();
+    let report = late
+        .contribute("t", &late_offer, &mut trainer, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(
+        matches!(&report.outcome, RoundOutcome::Missed { reason } if reason.contains("round")),
+        "{report:?}"
+    );
+}
+
+/// A trainer that must not be called.
+struct MustNotTrain;
+
+impl Trainer for MustNotTrain {
+    fn train(&mut self, _: &Model, _: TrainRequest<'_>) -> hora_client::Result<TrainOutcome> {
+        panic!("the client trained again instead of resuming its saved update")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_client_uploads_the_update_it_trained_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+    let admin = server.api(ADMIN_TOKEN);
+    let initial = create_task(&admin, "t", 2, 1, 1).await;
+    let state = dir.path().join("client");
+    let client = sdk_client(&server, &admin, &state).await;
+    let offer = client.join("t").await.unwrap().offer.expect("selected");
+    // What a client killed between training and uploading leaves behind.
+    let delta = delta(&initial, 7);
+    let record = RoundState {
+        round: offer.round,
+        base: offer.model,
+        num_examples: 42,
+        metrics: Metrics::default(),
+        uploaded: false,
+    };
+    client.state().save_trained("t", &record, &delta).unwrap();
+    drop(client);
+
+    let config = ClientConfig::new(&server.url, &server.ca, &state);
+    let restarted = Client::connect(config, None)
+        .await
+        .expect("stored credentials");
+    let report = restarted
+        .participate("t", &mut MustNotTrain, &mut |_| {})
+        .await
+        .unwrap()
+        .expect("a round");
+    assert_eq!(report.outcome, RoundOutcome::Resumed { accepted: Some(1) });
+    assert_eq!(report.num_examples, 42);
+    // One client: the published model is the initial model plus exactly that delta.
+    assert_close(
+        &admin.round_model("t", 1).await,
+        &fedavg(&initial, &[(42, delta)]),
+    );
+    assert!(restarted.state().round("t").unwrap().unwrap().uploaded);
+}

@@ -1,0 +1,118 @@
+//! End to end with real processes and TLS: the `federated` example runs a real `hora-server`
+//! and ten `hora-client train` processes; the `torchscript` and `custom_trainer` examples train
+//! a TorchScript module (written by the installed PyTorch) and an SDK-defined model the same way.
+//! Each example is run as a process and its results are checked here.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// `target/<profile>/examples/<name>`, next to this test's own `deps/` directory.
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let path = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps")
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the examples first (cargo build --examples, or make test)",
+        path.display()
+    );
+    path
+}
+
+/// Runs an example to success and returns its stdout and the JSON of its `RESULT` line.
+fn run(name: &str, args: &[&str]) -> (String, serde_json::Value) {
+    let out = Command::new(example(name))
+        .args(args)
+        .output()
+        .expect("run the example");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{name} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let result = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .unwrap_or_else(|| panic!("no RESULT line:\n{stdout}"));
+    (
+        stdout.clone(),
+        serde_json::from_str(result).expect("RESULT json"),
+    )
+}
+
+fn curve(result: &serde_json::Value) -> Vec<f64> {
+    result["accuracy"]
+        .as_array()
+        .expect("accuracy curve")
+        .iter()
+        .map(|v| v.as_f64().expect("number"))
+        .collect()
+}
+
+#[test]
+fn synthetic_iid_federation_reaches_the_centralised_accuracy() {
+    let (stdout, result) = run("federated", &["--iid", "--rounds", "15", "--json"]);
+    println!("{stdout}");
+    let acc = curve(&result);
+    let centralized = result["centralized"].as_f64().expect("centralized");
+    assert_eq!(acc.len(), 16, "round 0 and 15 rounds");
+    let last = acc[15];
+    assert!(
+        last >= 0.95 * centralized,
+        "federated {last:.4} < 0.95 x centralised {centralized:.4}"
+    );
+    // Ten clients took part in every round.
+    let rows = stdout
+        .lines()
+        .filter(|l| l.split_whitespace().nth(1) == Some("10"))
+        .count();
+    assert_eq!(rows, 15, "{stdout}");
+}
+
+#[test]
+fn synthetic_non_iid_federation_learns_over_rounds() {
+    let (stdout, result) = run("federated", &["--rounds", "15", "--json"]);
+    println!("{stdout}");
+    let acc = curve(&result);
+    assert_eq!(acc.len(), 16);
+    assert!(
+        acc[15] > acc[0] + 0.2,
+        "accuracy {:.4} -> {:.4}: no clear rise over round 0",
+        acc[0],
+        acc[15]
+    );
+    // Mostly rising: the second half is better than the first.
+    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+    assert!(mean(&acc[8..]) > mean(&acc[1..8]), "{acc:?}");
+}
+
+#[test]
+fn a_torchscript_module_is_trained_federated() {
+    let (stdout, result) = run("torchscript", &[]);
+    println!("{stdout}");
+    let (before, after) = (
+        result["before"].as_f64().expect("before"),
+        result["after"].as_f64().expect("after"),
+    );
+    assert!(after > before + 0.3, "{before} -> {after}");
+}
+
+#[test]
+fn a_custom_trainer_recovers_the_line() {
+    let out = Command::new(example("custom_trainer"))
+        .output()
+        .expect("run the example");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("federated fit after 10 rounds"), "{stdout}");
+}
