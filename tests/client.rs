@@ -347,3 +347,63 @@ async fn a_restarted_client_uploads_the_update_it_trained_before() {
     );
     assert!(restarted.state().round("t").unwrap().unwrap().uploaded);
 }
+
+/// A trainer that runs out of time: it reports stopping early with whatever it has.
+struct OutOfTime;
+
+impl Trainer for OutOfTime {
+    fn train(&mut self, global: &Model, _: TrainRequest<'_>) -> hora_client::Result<TrainOutcome> {
+        let mut weights = global.clone();
+        weights.data_mut()[0] += 0.5;
+        Ok(TrainOutcome {
+            weights,
+            num_examples: 3,
+            metrics: Metrics::default(),
+            stopped_early: true,
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_deadline_policy_decides_whether_a_partial_update_is_sent() {
+    use hora_common::wire::DeadlinePolicy;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+    let admin = server.api(ADMIN_TOKEN);
+    let initial = Network::builtin(&arch(), tch::Device::Cpu)
+        .unwrap()
+        .weights()
+        .unwrap();
+    let digest = admin.upload_model(&initial).await;
+    for (id, policy) in [
+        ("skip", DeadlinePolicy::Skip),
+        ("partial", DeadlinePolicy::UploadPartial),
+    ] {
+        let mut t = task(id, digest, 1, 1, 1, 120);
+        t.model = arch().to_kind();
+        t.training.on_deadline = policy;
+        admin.create_task(&t).await;
+        let client = sdk_client(&server, &admin, &dir.path().join(id)).await;
+        let offer = client.join(id).await.unwrap().offer.expect("selected");
+        let report = client
+            .contribute(id, &offer, &mut OutOfTime, &mut |_| {})
+            .await
+            .unwrap();
+        let accepted = task_info(&admin, id).await.open_round.map(|r| r.accepted);
+        match policy {
+            DeadlinePolicy::Skip => {
+                assert_eq!(report.outcome, RoundOutcome::Skipped);
+                assert_eq!(accepted, Some(0), "nothing was uploaded");
+            }
+            DeadlinePolicy::UploadPartial => {
+                assert!(
+                    matches!(report.outcome, RoundOutcome::Uploaded { .. }),
+                    "{report:?}"
+                );
+                assert_eq!(report.num_examples, 3);
+                // The one update closed the task's only round.
+                assert_eq!(task_info(&admin, id).await.state, TaskState::Finished);
+            }
+        }
+    }
+}
