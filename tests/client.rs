@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -115,15 +116,24 @@ async fn a_client_survives_a_server_restart_mid_round() {
 
     let mut a = client_command(&url, &ca, &dir.path().join("a"), "t", 0);
     a.args(["--token", &token_a]);
-    let a = spawn(a);
-    // A's round-1 update is acknowledged; the round waits for a second client.
-    wait_for("A's upload", Duration::from_secs(120), async || {
-        task_info(&admin, "t")
-            .await
-            .open_round
-            .is_some_and(|r| r.round == 1 && r.accepted == 1)
-    })
-    .await;
+    let mut a = spawn(a);
+    // A prints its round line once the server acknowledged the update, i.e. once it is durable;
+    // the round then waits for a second client.
+    let (lines, a_lines) = std::sync::mpsc::channel();
+    let a_stdout = BufReader::new(a.stdout.take().unwrap());
+    let reader = std::thread::spawn(move || {
+        for line in a_stdout.lines().map_while(Result::ok) {
+            let _ = lines.send(line);
+        }
+    });
+    let first = a_lines
+        .recv_timeout(Duration::from_secs(120))
+        .expect("A's first round line");
+    assert!(first.contains("t round 1 ·"), "{first}");
+    assert_eq!(
+        task_info(&admin, "t").await.open_round.map(|r| r.round),
+        Some(1)
+    );
     server.kill();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let server = Server::start_on(&dir.path().join("server"), &listen, &[]);
@@ -132,7 +142,13 @@ async fn a_client_survives_a_server_restart_mid_round() {
     let mut b = client_command(&url, &ca, &dir.path().join("b"), "t", 1);
     b.args(["--token", &token_b]);
     let b = spawn(b);
-    let (out_a, out_b) = (finish(a), finish(b));
+    finish(a);
+    let out_b = finish(b);
+    reader.join().unwrap();
+    let a_stdout = std::iter::once(first)
+        .chain(a_lines.try_iter())
+        .collect::<Vec<_>>()
+        .join("\n");
     let info = task_info(&admin, "t").await;
     assert_eq!(
         (info.state, info.published_rounds),
@@ -142,8 +158,7 @@ async fn a_client_survives_a_server_restart_mid_round() {
         .ok(admin.request(Method::GET, "/admin/v1/tasks/t/rounds"))
         .await;
     assert!(history.iter().all(|r| r.participants.len() == 2));
-    for out in [&out_a, &out_b] {
-        let stdout = String::from_utf8_lossy(&out.stdout);
+    for stdout in [a_stdout, String::from_utf8_lossy(&out_b.stdout).to_string()] {
         for round in 1..=3 {
             assert_eq!(
                 stdout.matches(&format!("t round {round} ·")).count(),
@@ -262,7 +277,8 @@ async fn conflicts_are_typed_and_a_late_update_is_a_missed_round() {
     let offer = early.join("t").await.unwrap().offer.expect("selected");
     let second_offer = second.join("t").await.unwrap().offer.expect("selected");
 
-    let delta = Model::zeros(&initial.spec());
+    // Non-zero, so the published model moves on and the late client cannot even fetch its base.
+    let delta = delta(&initial, 3);
     let meta = UpdateMeta {
         num_examples: 10,
         metrics: Metrics::default(),
@@ -401,8 +417,11 @@ async fn the_deadline_policy_decides_whether_a_partial_update_is_sent() {
                     "{report:?}"
                 );
                 assert_eq!(report.num_examples, 3);
-                // The one update closed the task's only round.
-                assert_eq!(task_info(&admin, id).await.state, TaskState::Finished);
+                // The one update closes the task's only round.
+                wait_for("the task to finish", Duration::from_secs(30), async || {
+                    task_info(&admin, id).await.state == TaskState::Finished
+                })
+                .await;
             }
         }
     }

@@ -28,7 +28,7 @@ use reqwest::Method;
 use crate::error::{ClientError, Result};
 use crate::state::{RoundState, StateDir};
 use crate::trainer::{Progress, TrainRequest, Trainer};
-use crate::transport::{check, Connection, RetryPolicy};
+use crate::transport::{check, Connection, Idempotence, RetryPolicy};
 
 /// Header carrying an update's [`UpdateMeta`] (the body is the sealed envelope).
 pub const UPDATE_META_HEADER: &str = "x-hora-update";
@@ -153,7 +153,7 @@ impl Client {
                     label: config.label.clone(),
                 };
                 let creds: Credentials = conn
-                    .json("enrolling", || {
+                    .json_with("enrolling", Idempotence::OnlyIfUnsent, || {
                         conn.request(Method::POST, "/v1/enrol", Duration::ZERO)
                             .json(&request)
                     })
@@ -216,8 +216,8 @@ impl Client {
         let model = Model::from_safetensors(&bytes, &self.config.limits)?;
         let got = model.digest();
         if got != *digest {
-            return Err(ClientError::Protocol(format!(
-                "the server sent model {} for a round that trains from {} (the round moved on; poll again)",
+            return Err(ClientError::RoundMovedOn(format!(
+                "the global model is now {}, the round trained from {}",
                 got.to_hex(),
                 digest.to_hex()
             )));
@@ -228,6 +228,11 @@ impl Client {
 
     /// The task's TorchScript module (hex SHA-256 `digest`), downloaded once and verified.
     pub async fn module(&self, task: &str, digest: &str) -> Result<PathBuf> {
+        if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(ClientError::Protocol(format!(
+                "the task names module `{digest}`, which is not a hex SHA-256"
+            )));
+        }
         let path = self.state.module_path(digest);
         if path.exists() {
             return Ok(path);
@@ -330,7 +335,18 @@ impl Client {
         trainer: &mut T,
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> Result<Option<RoundReport>> {
-        let mut after = None;
+        self.participate_after(task, None, trainer, progress).await
+    }
+
+    /// [`Client::participate`] in a round later than `after` (the last one this client dealt
+    /// with: a skipped or missed round is not tried again).
+    pub async fn participate_after<T: Trainer + ?Sized>(
+        &self,
+        task: &str,
+        mut after: Option<u64>,
+        trainer: &mut T,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<Option<RoundReport>> {
         loop {
             let poll = self.poll(task, after, self.config.poll_wait).await?;
             match poll.state {
@@ -386,8 +402,14 @@ impl Client {
             .state
             .round(task)?
             .filter(|s| s.round == offer.round && s.base == offer.model && !s.uploaded);
-        let resumed =
-            saved.and_then(|s| Some((self.state.trained_delta(task, &self.config.limits)?, s)));
+        let resumed = saved
+            .and_then(|s| Some((self.state.trained_delta(task, &self.config.limits)?, s)))
+            .filter(|(delta, _)| {
+                // A delta the model's layout no longer fits would be refused after every restart.
+                self.state
+                    .cached_model(&offer.model, &self.config.limits)
+                    .is_none_or(|global| global.spec() == delta.spec())
+            });
         let started = Instant::now();
         let (delta, record, resumed) = match resumed {
             Some((delta, record)) => {
@@ -398,7 +420,19 @@ impl Client {
                 (delta, record, true)
             }
             None => {
-                let global = self.model(task, &offer.model).await?;
+                let global = match self.model(task, &offer.model).await {
+                    Ok(g) => g,
+                    Err(ClientError::RoundMovedOn(reason)) => {
+                        return Ok(RoundReport {
+                            round: offer.round,
+                            outcome: RoundOutcome::Missed { reason },
+                            num_examples: 0,
+                            metrics: Metrics::default(),
+                            train_time: started.elapsed(),
+                        })
+                    }
+                    Err(e) => return Err(e),
+                };
                 let module = match &offer.model_kind {
                     ModelKind::TorchScript { module_digest } => {
                         Some(self.module(task, module_digest).await?)
@@ -471,6 +505,8 @@ impl Client {
                     "round_closed" | "round_abandoned" | "not_selected"
                 ) =>
             {
+                // The update can never be accepted now: do not keep it, nor resume it.
+                self.state.clear_round(task)?;
                 RoundOutcome::Missed {
                     reason: error.message,
                 }
@@ -499,7 +535,11 @@ impl Client {
     ) -> Result<RunSummary> {
         let mut rounds = Vec::new();
         while max_rounds.is_none_or(|m| (rounds.len() as u64) < m) {
-            match self.participate(task, trainer, progress).await? {
+            let last = rounds.last().map(|r: &RoundReport| r.round);
+            match self
+                .participate_after(task, last, trainer, progress)
+                .await?
+            {
                 Some(report) => {
                     on_round(&report);
                     rounds.push(report);

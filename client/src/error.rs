@@ -57,6 +57,9 @@ pub enum ClientError {
     Device(#[from] DeviceError),
     #[error("training: {0}")]
     Training(String),
+    /// The round moved on while we were fetching its model.
+    #[error("the round moved on: {0}")]
+    RoundMovedOn(String),
     /// The task stopped or finished: nothing more to do.
     #[error("task `{task}` is {state}")]
     TaskEnded { task: String, state: String },

@@ -202,7 +202,9 @@ impl Network {
         let mut params = Vec::new();
         for (name, tensor) in module.named_parameters()? {
             // VarStore paths may not contain dots; the model keeps the module's own names.
-            let var = root.add(&name.replace('.', "__"), tensor, true);
+            // Parameters frozen in Python (requires_grad = False) stay frozen.
+            let trainable = tensor.requires_grad();
+            let var = root.add(&name.replace('.', "__"), tensor, trainable);
             params.push((name, var));
         }
         if params.is_empty() {

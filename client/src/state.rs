@@ -191,6 +191,18 @@ impl StateDir {
         Model::read_file(&self.delta_path(task), limits).ok()
     }
 
+    /// Forgets the round in progress (its update can no longer be accepted).
+    pub fn clear_round(&self, task: &str) -> Result<()> {
+        for path in [self.delta_path(task), self.round_path(task)] {
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(ClientError::io(path, e)),
+            }
+        }
+        Ok(())
+    }
+
     /// Marks the round uploaded and removes its delta.
     pub fn mark_uploaded(&self, task: &str, state: &RoundState) -> Result<()> {
         self.save_round(

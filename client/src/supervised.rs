@@ -16,7 +16,7 @@ use tch::{Device, Kind, Reduction, Tensor};
 
 use crate::data::Dataset;
 use crate::error::{ClientError, Result};
-use crate::network::Network;
+use crate::network::{Architecture, Network};
 use crate::trainer::{Evaluation, Progress, TrainOutcome, TrainRequest, Trainer};
 
 /// A dataset as tensors on a device: features `[N, sample_len]` (f32) and labels `[N]` (i64).
@@ -243,7 +243,19 @@ impl SupervisedTrainer {
     ) -> Result<&mut Prepared> {
         let stale = self.prepared.as_ref().is_none_or(|p| &p.kind != kind);
         if stale {
-            let net = Network::for_kind(kind, module, self.device)?;
+            check_data_fits(kind, &self.train)?;
+            let mut net = Network::for_kind(kind, module, self.device)?;
+            // One sample through the network: its output must have a logit per class.
+            let probe = DeviceData::new(&self.train.subset(&[0]), self.device)?;
+            let out = tch::no_grad(|| net.forward(&probe.features, false))?;
+            let width = out.size().get(1).copied().unwrap_or(0);
+            if out.dim() != 2 || width < self.train.num_classes as i64 {
+                return Err(ClientError::Training(format!(
+                    "the model maps a sample to shape {:?}, but the local data has {} classes: the task's model and this client's data do not match",
+                    out.size(),
+                    self.train.num_classes
+                )));
+            }
             let train = DeviceData::new(&self.train, self.device)?;
             let test = match &self.test {
                 Some(t) if !t.is_empty() => Some(DeviceData::new(t, self.device)?),
@@ -258,6 +270,29 @@ impl SupervisedTrainer {
         }
         Ok(self.prepared.as_mut().expect("prepared above"))
     }
+}
+
+/// A built-in architecture must read as many values per sample as the data has, and have a
+/// logit for every class (libtorch would otherwise abort mid-training).
+fn check_data_fits(kind: &ModelKind, data: &Dataset) -> Result<()> {
+    let ModelKind::Builtin { name, params } = kind else {
+        return Ok(()); // a TorchScript module is probed with one sample instead
+    };
+    let arch = Architecture::from_builtin(name, params)?;
+    let classes = match &arch {
+        Architecture::Logreg { classes, .. }
+        | Architecture::Mlp { classes, .. }
+        | Architecture::Cnn { classes, .. } => *classes,
+    };
+    if arch.input_len() != data.sample_len() || classes < data.num_classes {
+        return Err(ClientError::Training(format!(
+            "the task's `{name}` model reads {} values per sample into {classes} classes, but the local data has {} values per sample and {} classes: check --data against the task",
+            arch.input_len(),
+            data.sample_len(),
+            data.num_classes
+        )));
+    }
+    Ok(())
 }
 
 impl Trainer for SupervisedTrainer {
@@ -301,7 +336,6 @@ impl Trainer for SupervisedTrainer {
 mod tests {
     use super::*;
     use crate::data::synthetic::{self, SyntheticConfig};
-    use crate::network::Architecture;
 
     fn logreg() -> Network {
         let arch = Architecture::Logreg {
@@ -378,6 +412,36 @@ mod tests {
         .unwrap();
         assert!(report.stopped_early);
         assert_eq!((report.samples, report.epochs_completed), (0, 0));
+    }
+
+    #[test]
+    fn data_that_does_not_fit_the_model_is_refused_before_training() {
+        let shard = synthetic::shard(&SyntheticConfig::iid(2, 2), 0).unwrap();
+        let mut trainer = SupervisedTrainer::new(shard.train, None, Device::Cpu).unwrap();
+        let global = logreg().weights().unwrap();
+        for arch in [
+            Architecture::Logreg {
+                inputs: 784,
+                classes: 10,
+            },
+            Architecture::Logreg {
+                inputs: 60,
+                classes: 2,
+            },
+        ] {
+            let kind = arch.to_kind();
+            let request = TrainRequest {
+                task: "t",
+                round: 1,
+                config: &TrainingConfig::default(),
+                model_kind: &kind,
+                module: None,
+                deadline: Instant::now() + std::time::Duration::from_secs(60),
+                progress: &mut |_| {},
+            };
+            let err = trainer.train(&global, request).unwrap_err().to_string();
+            assert!(err.contains("check --data against the task"), "{err}");
+        }
     }
 
     #[test]

@@ -57,9 +57,35 @@ pub struct Connection {
     retry: RetryPolicy,
 }
 
-/// Whether an answer (or its absence) is worth another attempt.
+/// Whether an answer is worth another attempt.
 fn transient(status: StatusCode) -> bool {
     status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS
+}
+
+/// Whether a failure to get an answer is worth another attempt: a refused or dropped
+/// connection or a timeout is; a certificate the CA does not vouch for is not (retrying cannot
+/// fix it, and hanging for the whole retry budget would hide the cause).
+fn transient_error(e: &reqwest::Error, chain: &str) -> bool {
+    let tls = [
+        "certificate",
+        "Certificate",
+        "UnknownIssuer",
+        "InvalidCertificate",
+        "handshake",
+    ]
+    .iter()
+    .any(|needle| chain.contains(needle));
+    !tls && (e.is_connect() || e.is_timeout() || e.is_request() || e.is_body())
+}
+
+/// Whether a request may be sent again after a failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Idempotence {
+    /// Sending it twice does no harm (reads, joins, uploads: the server refuses a duplicate).
+    Idempotent,
+    /// It must not be repeated once it may have reached the server (enrolment consumes a
+    /// one-time token): only failures to connect are retried.
+    OnlyIfUnsent,
 }
 
 impl Connection {
@@ -122,18 +148,42 @@ impl Connection {
         what: &str,
         make: impl Fn() -> RequestBuilder,
     ) -> Result<(Response, u32)> {
+        self.send_with(what, Idempotence::Idempotent, make).await
+    }
+
+    /// [`Connection::send`] for requests of either [`Idempotence`].
+    pub async fn send_with(
+        &self,
+        what: &str,
+        idempotence: Idempotence,
+        make: impl Fn() -> RequestBuilder,
+    ) -> Result<(Response, u32)> {
         let start = Instant::now();
         let mut attempt = 0u32;
         loop {
             attempt += 1;
             let last = match make().send().await {
-                Ok(resp) if !transient(resp.status()) => return Ok((resp, attempt)),
+                Ok(resp)
+                    if !transient(resp.status()) || idempotence == Idempotence::OnlyIfUnsent =>
+                {
+                    return Ok((resp, attempt))
+                }
                 Ok(resp) => {
                     let status = resp.status();
                     let body = resp.text().await.unwrap_or_default();
                     format!("{status}: {}", body.chars().take(200).collect::<String>())
                 }
-                Err(e) => error_chain(&e),
+                Err(e) => {
+                    let chain = error_chain(&e);
+                    let retry = transient_error(&e, &chain)
+                        && (idempotence == Idempotence::Idempotent || e.is_connect());
+                    if !retry {
+                        return Err(ClientError::Protocol(format!(
+                            "{what}: {chain} (not retried: check --server, --ca and the network)"
+                        )));
+                    }
+                    chain
+                }
             };
             let delay = self.retry.backoff(attempt);
             if start.elapsed() + delay > self.retry.budget {
@@ -158,7 +208,17 @@ impl Connection {
         what: &str,
         make: impl Fn() -> RequestBuilder,
     ) -> Result<T> {
-        let (resp, _) = self.send(what, make).await?;
+        self.json_with(what, Idempotence::Idempotent, make).await
+    }
+
+    /// [`Connection::json`] for requests of either [`Idempotence`].
+    pub async fn json_with<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &str,
+        idempotence: Idempotence,
+        make: impl Fn() -> RequestBuilder,
+    ) -> Result<T> {
+        let (resp, _) = self.send_with(what, idempotence, make).await?;
         let resp = check(resp).await?;
         let bytes = resp
             .bytes()

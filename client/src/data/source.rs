@@ -27,7 +27,7 @@ impl FromStr for DataSource {
     type Err = DataError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.starts_with("synthetic") {
+        if s.starts_with("synthetic:") || s.starts_with("synthetic-iid:") {
             return Ok(DataSource::Synthetic(s.parse()?));
         }
         if let Some(dir) = s.strip_prefix("mnist:") {
