@@ -73,6 +73,9 @@ fn score(arch: &Architecture, model: &hora_common::model::Model, test: &DeviceDa
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    // The model is tiny: libtorch's intra-op threads cost more than they give, and the clients
+    // (one thread each) need the cores.
+    tch::set_num_threads(1);
     let started = Instant::now();
     let mut config = if args.iid {
         SyntheticConfig::iid(args.clients, args.seed)

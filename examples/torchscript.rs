@@ -41,6 +41,7 @@ struct Args {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    tch::set_num_threads(1); // a small model; the client processes need the cores
     let mut fed = Federation::start()?;
     let module = match args.module {
         Some(m) => m,

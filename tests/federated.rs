@@ -57,7 +57,21 @@ fn curve(result: &serde_json::Value) -> Vec<f64> {
 
 #[test]
 fn synthetic_iid_federation_reaches_the_centralised_accuracy() {
-    let (stdout, result) = run("federated", &["--iid", "--rounds", "15", "--json"]);
+    // Two local epochs at 0.02 (the demo uses five at 0.01): the same accuracy ratio over seeds
+    // 0-3 (0.96-0.98), at 40% of the centralised baseline's cost.
+    let (stdout, result) = run(
+        "federated",
+        &[
+            "--iid",
+            "--rounds",
+            "15",
+            "--epochs",
+            "2",
+            "--learning-rate",
+            "0.02",
+            "--json",
+        ],
+    );
     println!("{stdout}");
     let acc = curve(&result);
     let centralized = result["centralized"].as_f64().expect("centralized");
@@ -77,7 +91,18 @@ fn synthetic_iid_federation_reaches_the_centralised_accuracy() {
 
 #[test]
 fn synthetic_non_iid_federation_learns_over_rounds() {
-    let (stdout, result) = run("federated", &["--rounds", "15", "--json"]);
+    let (stdout, result) = run(
+        "federated",
+        &[
+            "--rounds",
+            "15",
+            "--epochs",
+            "2",
+            "--learning-rate",
+            "0.02",
+            "--json",
+        ],
+    );
     println!("{stdout}");
     let acc = curve(&result);
     assert_eq!(acc.len(), 16);
