@@ -127,25 +127,8 @@ async fn main() -> Result<()> {
         training: training.clone(),
     })
     .await?;
-    for k in 0..args.clients {
-        let token = fed.enrolment_token().await?;
-        let client_args = [
-            "--task",
-            task,
-            "--data",
-            &data,
-            "--client-index",
-            &k.to_string(),
-            "--threads",
-            "1",
-            "--device",
-            "cpu",
-            "--seed",
-            &k.to_string(),
-        ]
-        .map(String::from);
-        fed.spawn_client(&format!("client-{k}"), &token, &client_args)?;
-    }
+    fed.spawn_clients(task, &data, args.clients, &["--seed", "{k}"])
+        .await?;
     println!(
         "{} clients on {} ({} training and {} held-out samples in all; shard sizes {}..{}), \
          logistic regression, {} local epoch(s) of batch {} at lr {} ({})",

@@ -93,23 +93,7 @@ async fn main() -> Result<()> {
     let mut config = SyntheticConfig::iid(args.clients, 7);
     config.min_samples = 300;
     let data = config.to_string();
-    for k in 0..args.clients {
-        let token = fed.enrolment_token().await?;
-        let client_args = [
-            "--task",
-            task,
-            "--data",
-            &data,
-            "--client-index",
-            &k.to_string(),
-            "--threads",
-            "1",
-            "--device",
-            "cpu",
-        ]
-        .map(String::from);
-        fed.spawn_client(&format!("client-{k}"), &token, &client_args)?;
-    }
+    fed.spawn_clients(task, &data, args.clients, &[]).await?;
     let shards = synthetic::shards(&config)?;
     let test = Dataset::concat(&shards.iter().map(|s| &s.test).collect::<Vec<_>>())?;
     let test = DeviceData::new(&test, Device::Cpu)?;

@@ -32,15 +32,33 @@ fn arch() -> Architecture {
 
 /// A task training logistic regression on Synthetic-IID.
 async fn create_task(admin: &Api, id: &str, rounds: u64, min: u32, target: u32) -> Model {
+    let (initial, digest) = upload_initial(admin).await;
+    admin
+        .create_task(&logreg_task(id, digest, rounds, min, target))
+        .await;
+    initial
+}
+
+/// Fresh logistic-regression weights, uploaded.
+async fn upload_initial(admin: &Api) -> (Model, hora_common::model::ModelDigest) {
     let initial = Network::builtin(&arch(), tch::Device::Cpu)
         .unwrap()
         .weights()
         .unwrap();
     let digest = admin.upload_model(&initial).await;
+    (initial, digest)
+}
+
+fn logreg_task(
+    id: &str,
+    digest: hora_common::model::ModelDigest,
+    rounds: u64,
+    min: u32,
+    target: u32,
+) -> hora_common::wire::CreateTask {
     let mut t = task(id, digest, rounds, min, target, 120);
     t.model = arch().to_kind();
-    admin.create_task(&t).await;
-    initial
+    t
 }
 
 async fn token(admin: &Api) -> String {
@@ -261,13 +279,8 @@ async fn conflicts_are_typed_and_a_late_update_is_a_missed_round() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("server"));
     let admin = server.api(ADMIN_TOKEN);
-    let initial = Network::builtin(&arch(), tch::Device::Cpu)
-        .unwrap()
-        .weights()
-        .unwrap();
-    let digest = admin.upload_model(&initial).await;
-    let mut t = task("t", digest, 3, 2, 2, 120);
-    t.model = arch().to_kind();
+    let (initial, digest) = upload_initial(&admin).await;
+    let mut t = logreg_task("t", digest, 3, 2, 2);
     t.over_selection = 1.0; // four selected; the second update closes the round
     admin.create_task(&t).await;
     let early = sdk_client(&server, &admin, &dir.path().join("early")).await;
@@ -386,17 +399,12 @@ async fn the_deadline_policy_decides_whether_a_partial_update_is_sent() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("server"));
     let admin = server.api(ADMIN_TOKEN);
-    let initial = Network::builtin(&arch(), tch::Device::Cpu)
-        .unwrap()
-        .weights()
-        .unwrap();
-    let digest = admin.upload_model(&initial).await;
+    let (_, digest) = upload_initial(&admin).await;
     for (id, policy) in [
         ("skip", DeadlinePolicy::Skip),
         ("partial", DeadlinePolicy::UploadPartial),
     ] {
-        let mut t = task(id, digest, 1, 1, 1, 120);
-        t.model = arch().to_kind();
+        let mut t = logreg_task(id, digest, 1, 1, 1);
         t.training.on_deadline = policy;
         admin.create_task(&t).await;
         let client = sdk_client(&server, &admin, &dir.path().join(id)).await;

@@ -1,27 +1,14 @@
 //! The demo example as a real process: one federated round through the shared pipeline must
 //! fold ten sealed uploads, refuse four bad ones and publish the reference mean.
 
-use std::path::PathBuf;
 use std::process::Command;
 
-/// `target/<profile>/examples/<name>`, next to this test's own `deps/` directory.
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>/deps");
-    profile_dir.join("examples").join(name)
-}
+mod support;
+use support::example;
 
 #[test]
 fn demo_round_folds_good_uploads_and_refuses_bad_ones() {
     let path = example("averaging");
-    assert!(
-        path.exists(),
-        "{} is missing: build the examples first (cargo build --examples, or make test)",
-        path.display()
-    );
     let out = Command::new(&path)
         .output()
         .expect("run the averaging example");

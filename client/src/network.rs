@@ -101,6 +101,15 @@ impl Architecture {
         ModelKind::Builtin { name, params }
     }
 
+    /// Classes the network has a logit for.
+    pub fn classes(&self) -> usize {
+        match self {
+            Architecture::Logreg { classes, .. }
+            | Architecture::Mlp { classes, .. }
+            | Architecture::Cnn { classes, .. } => *classes,
+        }
+    }
+
     /// Values per sample the network reads.
     pub fn input_len(&self) -> usize {
         match self {

@@ -90,8 +90,8 @@ impl StateDir {
         }
     }
 
-    pub fn credentials(&self) -> Result<Option<Credentials>> {
-        let path = self.dir.join(CREDENTIALS);
+    /// A JSON file of the state, if it exists.
+    fn read_json<T: serde::de::DeserializeOwned>(&self, path: PathBuf) -> Result<Option<T>> {
         match fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes)
                 .map(Some)
@@ -99,6 +99,10 @@ impl StateDir {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(ClientError::io(path, e)),
         }
+    }
+
+    pub fn credentials(&self) -> Result<Option<Credentials>> {
+        self.read_json(self.dir.join(CREDENTIALS))
     }
 
     pub fn save_credentials(&self, creds: &Credentials) -> Result<()> {
@@ -165,14 +169,7 @@ impl StateDir {
 
     /// The round this client was last in for `task`.
     pub fn round(&self, task: &str) -> Result<Option<RoundState>> {
-        let path = self.round_path(task);
-        match fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|e| self.corrupt(&path, e)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(ClientError::io(path, e)),
-        }
+        self.read_json(self.round_path(task))
     }
 
     /// Records a trained, not yet uploaded delta (the delta first, then the record naming it).

@@ -279,11 +279,7 @@ fn check_data_fits(kind: &ModelKind, data: &Dataset) -> Result<()> {
         return Ok(()); // a TorchScript module is probed with one sample instead
     };
     let arch = Architecture::from_builtin(name, params)?;
-    let classes = match &arch {
-        Architecture::Logreg { classes, .. }
-        | Architecture::Mlp { classes, .. }
-        | Architecture::Cnn { classes, .. } => *classes,
-    };
+    let classes = arch.classes();
     if arch.input_len() != data.sample_len() || classes < data.num_classes {
         return Err(ClientError::Training(format!(
             "the task's `{name}` model reads {} values per sample into {classes} classes, but the local data has {} values per sample and {} classes: check --data against the task",

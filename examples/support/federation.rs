@@ -218,6 +218,38 @@ impl Federation {
         Ok(())
     }
 
+    /// Enrols and starts `clients` single-threaded CPU clients of `task`, client k training on
+    /// shard k of `data` (a synthetic source), plus `extra` arguments.
+    pub async fn spawn_clients(
+        &mut self,
+        task: &str,
+        data: &str,
+        clients: usize,
+        extra: &[&str],
+    ) -> Result<()> {
+        for k in 0..clients {
+            let token = self.enrolment_token().await?;
+            let index = k.to_string();
+            let mut args: Vec<String> = [
+                "--task",
+                task,
+                "--data",
+                data,
+                "--client-index",
+                &index,
+                "--threads",
+                "1",
+                "--device",
+                "cpu",
+            ]
+            .map(String::from)
+            .into();
+            args.extend(extra.iter().map(|a| a.replace("{k}", &index)));
+            self.spawn_client(&format!("client-{k}"), &token, &args)?;
+        }
+        Ok(())
+    }
+
     pub fn log_path(&self, name: &str) -> PathBuf {
         self.dir.path().join(format!("{name}.log"))
     }

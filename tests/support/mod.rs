@@ -33,6 +33,17 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// `target/<profile>/examples/<name>`, next to this test's own `deps/` directory.
+pub fn example(name: &str) -> PathBuf {
+    let path = binary("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the examples first (cargo build --examples, or make test)",
+        path.display()
+    );
+    path
+}
+
 /// A running server process. Killed (by its own pid) when dropped.
 pub struct Server {
     child: Child,
