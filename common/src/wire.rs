@@ -339,6 +339,65 @@ mod defaults {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Synchronous allreduce jobs (rendezvous)
+
+/// Create a synchronous allreduce job (admin API): a fixed-size world of workers that meet at
+/// `/v1/sync/{id}/join` and then talk to each other directly.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSyncJob {
+    pub id: String,
+    /// Number of workers (ranks 0..world_size).
+    pub world_size: u32,
+}
+
+/// A sync job as the admin API shows it. `token` is present only in the answer that created the
+/// job (it is shown once; only its hash is stored).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SyncJobInfo {
+    pub id: String,
+    pub world_size: u32,
+    /// The bearer token every worker of the job presents at `/v1/sync/{id}/join`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    /// Generations formed so far (a restarted job forms a new one).
+    pub generations: u64,
+    /// Workers waiting in the world being formed now.
+    pub waiting: u32,
+}
+
+/// A worker joins its job's rendezvous (bearer: the job token). The request is held until the
+/// world is complete (or `timeout_s` passes: 408 naming the ranks that did not join).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SyncJoinRequest {
+    /// `host:port` where this worker accepts its ring neighbour's connection.
+    pub address: String,
+    /// The rank given by the launcher (mpirun, Slurm, `--rank`); `None`: the server assigns one.
+    #[serde(default)]
+    pub rank: Option<u32>,
+    /// Must equal the job's world size (a misconfigured launcher is refused, not hung).
+    pub world_size: u32,
+    /// How long to wait for the others, in seconds (the server caps it).
+    #[serde(default)]
+    pub timeout_s: Option<u32>,
+}
+
+/// The complete world, the same for every worker of one generation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SyncWorld {
+    /// Counts the worlds this job has formed; a restart forms a new one.
+    pub generation: u64,
+    /// Random hex string shared by the members of this generation; workers check it when they
+    /// connect to each other, so a stray worker of another generation is refused.
+    pub session: String,
+    pub rank: u32,
+    pub world_size: u32,
+    /// Ring addresses by rank.
+    pub peers: Vec<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -417,3 +476,4 @@ mod tests {
         );
     }
 }
+
