@@ -33,6 +33,7 @@ pub mod network;
 pub mod state;
 pub mod supervised;
 pub mod trainer;
+pub mod sync;
 pub mod transport;
 
 pub use client::{Client, ClientConfig, RoundOutcome, RoundReport};

@@ -205,6 +205,50 @@ pub fn check_weight(weight: f64) -> Result<(), KernelError> {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Elementwise f32 operations of the collectives: the allreduce ring reduces each chunk it
+// receives with these, on the host, as the chunk arrives (the libtorch backend has the same
+// operations for tensors on any device).
+
+/// `dst[i] += src[i]`: one received chunk folded into this rank's partial sum.
+pub fn accumulate(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "accumulate: lengths differ");
+    zip_apply(dst, src, |d, s| *d += s);
+}
+
+/// `dst[i] *= factor`: the sum turned into a mean.
+pub fn scale(dst: &mut [f32], factor: f32) {
+    let chunk = |d: &mut [f32]| d.iter_mut().for_each(|d| *d *= factor);
+    if dst.len() < PARALLEL_MIN {
+        chunk(dst);
+    } else {
+        dst.par_chunks_mut(CHUNK).for_each(chunk);
+    }
+}
+
+/// Half-precision bits (IEEE binary16, as they travel on the wire) from f32 values.
+pub fn encode_f16(src: &[f32], dst: &mut [u16]) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+    assert_eq!(dst.len(), src.len(), "encode_f16: lengths differ");
+    dst.reinterpret_cast_mut::<half::f16>()
+        .convert_from_f32_slice(src);
+}
+
+/// f32 values from half-precision bits.
+pub fn decode_f16(src: &[u16], dst: &mut [f32]) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+    assert_eq!(dst.len(), src.len(), "decode_f16: lengths differ");
+    src.reinterpret_cast::<half::f16>().convert_to_f32_slice(dst);
+}
+
+/// Rounds every value to the nearest half-precision value (f16 compression on the wire: the
+/// rank that finished a chunk rounds its own copy too, so every rank ends with the same bits).
+pub fn round_to_f16(values: &mut [f32]) {
+    values
+        .iter_mut()
+        .for_each(|v| *v = half::f16::from_f32(*v).to_f32());
+}
+
 /// `f(dst[i], src[i])` for every i, chunked over rayon's pool when the buffers are large. The
 /// per-chunk loop is a plain zip that LLVM vectorises.
 fn zip_apply<D: Send, S: Copy + Send + Sync>(
@@ -250,6 +294,27 @@ mod tests {
     use crate::model::Limits;
     use crate::testing::{max_relative_error, reference, spec, updates};
     use proptest::prelude::*;
+
+    #[test]
+    fn collective_ops_sum_scale_and_round_trip_half_precision() {
+        let n = PARALLEL_MIN + 3; // the parallel path and a ragged tail
+        let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let b: Vec<f32> = (0..n).map(|i| (i % 13) as f32 - 1.25).collect();
+        let mut sum = a.clone();
+        accumulate(&mut sum, &b);
+        scale(&mut sum, 0.5);
+        for i in [0, 1, 4096, n - 1] {
+            assert_eq!(sum[i], (a[i] + b[i]) * 0.5, "element {i}");
+        }
+        let mut bits = vec![0u16; n];
+        encode_f16(&b, &mut bits);
+        let mut back = vec![0f32; n];
+        decode_f16(&bits, &mut back);
+        assert_eq!(back, b, "small integers and quarters are exact in f16");
+        let mut rounded = vec![1.0f32 / 3.0, 65504.0, 1e-8];
+        round_to_f16(&mut rounded);
+        assert_eq!(rounded, [0.333_251_95, 65504.0, 0.0]);
+    }
 
     #[test]
     fn matches_f64_reference_for_1000_updates() {

@@ -154,6 +154,114 @@ impl TchWeightedSum {
     }
 }
 
+/// The collectives' elementwise operations on a flat f32 tensor (a view into a fusion buffer) on
+/// any device. The allreduce ring's wire is host memory, so the received side of each operation
+/// is a host slice: f32 values, or half-precision bits when the wire is compressed.
+pub mod collective {
+    use half::slice::HalfBitsSliceExt;
+    use tch::{Device, Kind, Tensor};
+
+    use super::torch;
+    use hora_common::kernel::KernelError;
+
+    /// Values received from the wire, before they reach the tensor's device.
+    #[derive(Debug, Clone, Copy)]
+    pub enum Received<'a> {
+        F32(&'a [f32]),
+        /// IEEE binary16 bits.
+        F16(&'a [u16]),
+    }
+
+    impl Received<'_> {
+        fn len(&self) -> usize {
+            match self {
+                Received::F32(v) => v.len(),
+                Received::F16(v) => v.len(),
+            }
+        }
+
+        /// The values as an f32 tensor on `device` (half precision crosses to the device as
+        /// half and is widened there).
+        fn to_tensor(self, device: Device) -> Result<Tensor, KernelError> {
+            let t = match self {
+                Received::F32(v) => Tensor::f_from_slice(v).map_err(torch)?,
+                Received::F16(v) => Tensor::f_from_slice(v.reinterpret_cast::<half::f16>())
+                    .map_err(torch)?,
+            };
+            t.f_to_device(device)
+                .map_err(torch)?
+                .f_to_kind(Kind::Float)
+                .map_err(torch)
+        }
+    }
+
+    fn check(dst: &Tensor, len: usize) -> Result<(), KernelError> {
+        if dst.kind() != Kind::Float || dst.numel() != len {
+            return Err(KernelError::LayoutMismatch(format!(
+                "a {:?} tensor of {} elements cannot take {len} f32 values",
+                dst.kind(),
+                dst.numel()
+            )));
+        }
+        Ok(())
+    }
+
+    /// `dst += received`, on `dst`'s device.
+    pub fn accumulate(dst: &mut Tensor, received: Received<'_>) -> Result<(), KernelError> {
+        check(dst, received.len())?;
+        let _guard = tch::no_grad_guard();
+        let src = received.to_tensor(dst.device())?;
+        let _ = dst.f_add_(&src).map_err(torch)?;
+        Ok(())
+    }
+
+    /// `dst = received`, on `dst`'s device.
+    pub fn overwrite(dst: &mut Tensor, received: Received<'_>) -> Result<(), KernelError> {
+        check(dst, received.len())?;
+        let _guard = tch::no_grad_guard();
+        let src = received.to_tensor(dst.device())?;
+        dst.f_copy_(&src).map_err(torch)
+    }
+
+    /// `dst *= factor`, on `dst`'s device.
+    pub fn scale(dst: &mut Tensor, factor: f64) -> Result<(), KernelError> {
+        let _guard = tch::no_grad_guard();
+        let _ = dst.f_mul_scalar_(factor).map_err(torch)?;
+        Ok(())
+    }
+
+    /// Rounds every value to half precision and back (see `hora_common::kernel::round_to_f16`).
+    pub fn round_to_f16(dst: &mut Tensor) -> Result<(), KernelError> {
+        let _guard = tch::no_grad_guard();
+        let rounded = dst
+            .f_to_kind(Kind::Half)
+            .map_err(torch)?
+            .f_to_kind(Kind::Float)
+            .map_err(torch)?;
+        dst.f_copy_(&rounded).map_err(torch)
+    }
+
+    /// The tensor's values in host memory, as f32.
+    pub fn to_host(src: &Tensor, out: &mut [f32]) -> Result<(), KernelError> {
+        check(src, out.len())?;
+        let host = src.f_to_device(Device::Cpu).map_err(torch)?;
+        host.f_copy_data(out, out.len()).map_err(torch)
+    }
+
+    /// The tensor's values in host memory, as half-precision bits (narrowed on the device).
+    pub fn to_host_f16(src: &Tensor, out: &mut [u16]) -> Result<(), KernelError> {
+        check(src, out.len())?;
+        let host = src
+            .f_to_kind(Kind::Half)
+            .map_err(torch)?
+            .f_to_device(Device::Cpu)
+            .map_err(torch)?;
+        let n = out.len();
+        host.f_copy_data(out.reinterpret_cast_mut::<half::f16>(), n)
+            .map_err(torch)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
