@@ -32,8 +32,8 @@ pub mod error;
 pub mod network;
 pub mod state;
 pub mod supervised;
-pub mod trainer;
 pub mod sync;
+pub mod trainer;
 pub mod transport;
 
 pub use client::{Client, ClientConfig, RoundOutcome, RoundReport};

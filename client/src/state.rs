@@ -39,7 +39,7 @@ pub struct RoundState {
     pub uploaded: bool,
 }
 
-fn write_atomic(path: &Path, bytes: &[u8], private: bool) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8], private: bool) -> Result<()> {
     let tmp = path.with_extension("tmp");
     let result = (|| {
         let mut opts = fs::OpenOptions::new();

@@ -238,7 +238,8 @@ pub fn encode_f16(src: &[f32], dst: &mut [u16]) {
 pub fn decode_f16(src: &[u16], dst: &mut [f32]) {
     use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
     assert_eq!(dst.len(), src.len(), "decode_f16: lengths differ");
-    src.reinterpret_cast::<half::f16>().convert_to_f32_slice(dst);
+    src.reinterpret_cast::<half::f16>()
+        .convert_to_f32_slice(dst);
 }
 
 /// Rounds every value to the nearest half-precision value (f16 compression on the wire: the

@@ -133,29 +133,46 @@ mod tests {
         let slurm = LaunchRank::detect(
             None,
             None,
-            env(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1")]),
+            env(&[
+                ("SLURM_PROCID", "3"),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_LOCALID", "1"),
+            ]),
         )
         .unwrap();
         assert_eq!(
             (slurm.rank, slurm.world_size, slurm.local_rank, slurm.source),
             (Some(3), Some(8), Some(1), "slurm")
         );
-        let flags =
-            LaunchRank::detect(Some(1), Some(2), env(&[("SLURM_PROCID", "3")])).unwrap();
-        assert_eq!((flags.rank, flags.world_size, flags.source), (Some(1), Some(2), "flags"));
+        let flags = LaunchRank::detect(Some(1), Some(2), env(&[("SLURM_PROCID", "3")])).unwrap();
+        assert_eq!(
+            (flags.rank, flags.world_size, flags.source),
+            (Some(1), Some(2), "flags")
+        );
         let none = LaunchRank::detect(None, None, env(&[])).unwrap();
-        assert_eq!((none.rank, none.world_size, none.source), (None, None, "none"));
+        assert_eq!(
+            (none.rank, none.world_size, none.source),
+            (None, None, "none")
+        );
     }
 
     #[test]
     fn bad_launcher_values_are_explained() {
         for (vars, needle) in [
-            (vec![("SLURM_PROCID", "x"), ("SLURM_NTASKS", "2")], "SLURM_PROCID"),
-            (vec![("SLURM_PROCID", "2"), ("SLURM_NTASKS", "2")], "not below"),
+            (
+                vec![("SLURM_PROCID", "x"), ("SLURM_NTASKS", "2")],
+                "SLURM_PROCID",
+            ),
+            (
+                vec![("SLURM_PROCID", "2"), ("SLURM_NTASKS", "2")],
+                "not below",
+            ),
             (vec![("OMPI_COMM_WORLD_RANK", "0")], "without a world size"),
             (vec![("PMI_RANK", "0"), ("PMI_SIZE", "0")], "world size 0"),
         ] {
-            let err = LaunchRank::detect(None, None, env(&vars)).unwrap_err().to_string();
+            let err = LaunchRank::detect(None, None, env(&vars))
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(needle), "{err}");
         }
     }

@@ -129,12 +129,14 @@ impl Inbound {
     pub fn header(&mut self) -> Result<Header> {
         let mut h = [0u8; HEADER_LEN];
         self.stream.read_exact(&mut h).map_err(|e| self.failed(e))?;
-        let kind = Kind::from_u8(h[1]).filter(|_| h[0] == MAGIC).ok_or_else(|| {
-            SyncError::Protocol(format!(
-                "rank {} sent a malformed frame header (is it running the same Hora version?)",
-                self.peer
-            ))
-        })?;
+        let kind = Kind::from_u8(h[1])
+            .filter(|_| h[0] == MAGIC)
+            .ok_or_else(|| {
+                SyncError::Protocol(format!(
+                    "rank {} sent a malformed frame header (is it running the same Hora version?)",
+                    self.peer
+                ))
+            })?;
         let header = Header {
             kind,
             aux: u32::from_le_bytes([h[4], h[5], h[6], h[7]]),
@@ -281,9 +283,9 @@ fn connect_right(
     let addrs = resolve(address)?;
     let mut delay = Duration::from_millis(20);
     loop {
-        let attempt = addrs.iter().find_map(|a| {
-            TcpStream::connect_timeout(a, Duration::from_secs(5).min(timeout)).ok()
-        });
+        let attempt = addrs
+            .iter()
+            .find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(5).min(timeout)).ok());
         if let Some(stream) = attempt {
             tune(&stream, timeout).map_err(|e| SyncError::io("tuning the ring socket", e))?;
             let mut out = Outbound {
@@ -301,7 +303,9 @@ fn connect_right(
                 timeout,
             };
             let refused = |why: String| {
-                SyncError::Protocol(format!("rank {rank} at {address} refused this worker: {why}"))
+                SyncError::Protocol(format!(
+                    "rank {rank} at {address} refused this worker: {why}"
+                ))
             };
             let h = back.header().map_err(|e| match e {
                 SyncError::Mismatch(why) => refused(why),

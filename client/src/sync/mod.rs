@@ -23,24 +23,24 @@
 //! - [`checkpoint`] writes rank 0's checkpoints and finds the one to resume from;
 //! - [`worker`] is `hora-client sync`: the MLP trained on a sharded dataset.
 
-//pub mod checkpoint;
-//pub mod fusion;
+pub mod checkpoint;
+pub mod fusion;
 pub mod launch;
 pub mod link;
-//pub mod optimizer;
+pub mod optimizer;
 pub mod region;
 pub mod rendezvous;
 pub mod ring;
-//pub mod worker;
+pub mod worker;
 
 use std::io;
 
 use hora_common::kernel::KernelError;
 use thiserror::Error;
 
-//pub use fusion::Fusion;
+pub use fusion::Fusion;
 pub use launch::LaunchRank;
-//pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, SyncOptimizer};
+pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, SyncOptimizer};
 pub use rendezvous::World;
 pub use ring::{CommOptions, Communicator, Wire};
 
@@ -71,6 +71,9 @@ pub enum SyncError {
     Torch(#[from] tch::TchError),
     #[error("{0}")]
     Config(String),
+    /// Data, model or state-directory errors shared with the edge client.
+    #[error("{0}")]
+    Client(#[from] crate::error::ClientError),
     #[error("checkpoint: {0}")]
     Checkpoint(String),
     /// A collective failed earlier; the ring is no longer in a known state.

@@ -74,8 +74,7 @@ impl World {
     }
 
     fn from_wire(w: SyncWorld) -> Result<World> {
-        if w.world_size == 0 || w.rank >= w.world_size || w.peers.len() != w.world_size as usize
-        {
+        if w.world_size == 0 || w.rank >= w.world_size || w.peers.len() != w.world_size as usize {
             return Err(SyncError::Rendezvous(format!(
                 "the server answered an inconsistent world (rank {} of {}, {} addresses)",
                 w.rank,

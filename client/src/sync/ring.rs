@@ -28,8 +28,8 @@ use std::thread;
 use std::time::Duration;
 
 use super::link::{Kind, Links};
-use super::region::{Apply, Received, Region};
 pub use super::region::Wire;
+use super::region::{Apply, Received, Region};
 use super::rendezvous::World;
 use super::{Result, SyncError};
 
@@ -121,7 +121,10 @@ impl OpHeader {
                 if self.wire == 2 { "f16" } else { "f32" }
             ),
             OpKind::Broadcast => {
-                format!("broadcast of {} elements from rank {}", self.elements, self.root)
+                format!(
+                    "broadcast of {} elements from rank {}",
+                    self.elements, self.root
+                )
             }
             OpKind::Allgather => "allgather".to_string(),
         };
@@ -273,7 +276,10 @@ impl Communicator {
         let header = self.header(OpKind::Allgather, 0, 0, 0);
         let rank = self.world.rank as usize;
         self.run(header, |comm| {
-            let links = comm.links.as_mut().ok_or(SyncError::Config("no links".into()))?;
+            let links = comm
+                .links
+                .as_mut()
+                .ok_or(SyncError::Config("no links".into()))?;
             let mut all = vec![Vec::new(); n];
             all[rank] = mine.to_vec();
             let (inbound, outbound) = (&mut links.inbound, &mut links.outbound);
@@ -329,11 +335,7 @@ impl Communicator {
     }
 
     /// Agrees on the call with the neighbours, runs it, and poisons the ring on failure.
-    fn run<T>(
-        &mut self,
-        header: OpHeader,
-        body: impl FnOnce(&mut Self) -> Result<T>,
-    ) -> Result<T> {
+    fn run<T>(&mut self, header: OpHeader, body: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if let Some(why) = &self.poisoned {
             return Err(SyncError::Poisoned(why.clone()));
         }
@@ -346,7 +348,10 @@ impl Communicator {
 
     fn agree(&mut self, mine: &OpHeader) -> Result<()> {
         let rank = self.world.rank;
-        let links = self.links.as_mut().ok_or(SyncError::Config("no links".into()))?;
+        let links = self
+            .links
+            .as_mut()
+            .ok_or(SyncError::Config("no links".into()))?;
         links.outbound.send(Kind::Op, 0, &mine.encode())?;
         let h = links.inbound.header()?;
         if h.kind != Kind::Op {
@@ -404,7 +409,10 @@ impl Communicator {
         factor: Option<f32>,
     ) -> Result<()> {
         let piece = (self.options.sub_chunk_bytes / wire.width()).max(1);
-        let links = self.links.as_mut().ok_or(SyncError::Config("no links".into()))?;
+        let links = self
+            .links
+            .as_mut()
+            .ok_or(SyncError::Config("no links".into()))?;
         let mut pool = split_into_pieces(buf, plan, piece);
         let (inbound, outbound) = (&mut links.inbound, &mut links.outbound);
         thread::scope(|s| {
@@ -576,7 +584,7 @@ fn allreduce_plan(rank: usize, n: usize, len: usize) -> Plan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::sync::link::Links;
     use crate::sync::region::TensorRegion;
@@ -588,8 +596,9 @@ mod tests {
         options: CommOptions,
         f: impl Fn(&mut Communicator) -> T + Sync,
     ) -> Vec<T> {
-        let listeners: Vec<TcpListener> =
-            (0..n).map(|_| Links::listen("127.0.0.1:0").unwrap()).collect();
+        let listeners: Vec<TcpListener> = (0..n)
+            .map(|_| Links::listen("127.0.0.1:0").unwrap())
+            .collect();
         let peers: Vec<String> = listeners
             .iter()
             .map(|l| l.local_addr().unwrap().to_string())
@@ -658,7 +667,10 @@ mod tests {
                 let want = mean(n, len);
                 for (rank, got) in results.iter().enumerate() {
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "n={n} len={len} rank={rank} [{i}]: {g} vs {w}");
+                        assert!(
+                            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                            "n={n} len={len} rank={rank} [{i}]: {g} vs {w}"
+                        );
                     }
                     assert_eq!(got, &results[0], "every rank holds the same bits");
                 }
@@ -689,15 +701,27 @@ mod tests {
 
     #[test]
     fn broadcast_and_allgather() {
-        let results = with_world(4, CommOptions { sub_chunk_bytes: 100, ..Default::default() }, |comm| {
-            let mut buf = data(comm.rank(), 777);
-            comm.broadcast(&mut buf[..], 2, 0).unwrap();
-            let all = comm.allgather(format!("rank {}", comm.rank()).as_bytes()).unwrap();
-            (buf, all)
-        });
+        let results = with_world(
+            4,
+            CommOptions {
+                sub_chunk_bytes: 100,
+                ..Default::default()
+            },
+            |comm| {
+                let mut buf = data(comm.rank(), 777);
+                comm.broadcast(&mut buf[..], 2, 0).unwrap();
+                let all = comm
+                    .allgather(format!("rank {}", comm.rank()).as_bytes())
+                    .unwrap();
+                (buf, all)
+            },
+        );
         for (buf, all) in &results {
             assert_eq!(buf, &data(2, 777));
-            let names: Vec<String> = all.iter().map(|b| String::from_utf8(b.clone()).unwrap()).collect();
+            let names: Vec<String> = all
+                .iter()
+                .map(|b| String::from_utf8(b.clone()).unwrap())
+                .collect();
             assert_eq!(names, ["rank 0", "rank 1", "rank 2", "rank 3"]);
         }
     }
@@ -709,15 +733,26 @@ mod tests {
             devices.push(tch::Device::Cuda(0));
         }
         for device in devices {
-            let results = with_world(3, CommOptions { sub_chunk_bytes: 400, ..Default::default() }, |comm| {
-                let t = tch::Tensor::from_slice(&data(comm.rank(), 2500)).to_device(device);
-                comm.allreduce(TensorRegion::new(&t).unwrap(), Reduce::Average, 0).unwrap();
-                Vec::<f32>::try_from(&t.to_device(tch::Device::Cpu)).unwrap()
-            });
+            let results = with_world(
+                3,
+                CommOptions {
+                    sub_chunk_bytes: 400,
+                    ..Default::default()
+                },
+                |comm| {
+                    let t = tch::Tensor::from_slice(&data(comm.rank(), 2500)).to_device(device);
+                    comm.allreduce(TensorRegion::new(&t).unwrap(), Reduce::Average, 0)
+                        .unwrap();
+                    Vec::<f32>::try_from(&t.to_device(tch::Device::Cpu)).unwrap()
+                },
+            );
             let want = mean(3, 2500);
             for got in &results {
                 for (g, w) in got.iter().zip(&want) {
-                    assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{device:?}: {g} vs {w}");
+                    assert!(
+                        (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                        "{device:?}: {g} vs {w}"
+                    );
                 }
             }
         }
@@ -725,20 +760,34 @@ mod tests {
 
     #[test]
     fn mismatched_calls_fail_on_every_rank_instead_of_hanging() {
-        let results = with_world(3, CommOptions { timeout: Duration::from_secs(10), ..Default::default() }, |comm| {
-            let len = if comm.rank() == 1 { 101 } else { 100 };
-            let mut buf = vec![1f32; len];
-            let first = comm.allreduce(&mut buf[..], Reduce::Sum, 0).map_err(|e| e.to_string());
-            let second = comm.allreduce(&mut buf[..], Reduce::Sum, 0).map_err(|e| e.to_string());
-            (first, second)
-        });
+        let results = with_world(
+            3,
+            CommOptions {
+                timeout: Duration::from_secs(10),
+                ..Default::default()
+            },
+            |comm| {
+                let len = if comm.rank() == 1 { 101 } else { 100 };
+                let mut buf = vec![1f32; len];
+                let first = comm
+                    .allreduce(&mut buf[..], Reduce::Sum, 0)
+                    .map_err(|e| e.to_string());
+                let second = comm
+                    .allreduce(&mut buf[..], Reduce::Sum, 0)
+                    .map_err(|e| e.to_string());
+                (first, second)
+            },
+        );
         let mut explained = 0;
         for (first, second) in &results {
             let first = first.as_ref().unwrap_err();
             if first.contains("differs between ranks") && first.contains("101") {
                 explained += 1;
             }
-            assert!(second.as_ref().unwrap_err().contains("failed earlier"), "{second:?}");
+            assert!(
+                second.as_ref().unwrap_err().contains("failed earlier"),
+                "{second:?}"
+            );
         }
         assert!(explained >= 1, "{results:?}");
     }

@@ -185,8 +185,9 @@ pub mod collective {
         fn to_tensor(self, device: Device) -> Result<Tensor, KernelError> {
             let t = match self {
                 Received::F32(v) => Tensor::f_from_slice(v).map_err(torch)?,
-                Received::F16(v) => Tensor::f_from_slice(v.reinterpret_cast::<half::f16>())
-                    .map_err(torch)?,
+                Received::F16(v) => {
+                    Tensor::f_from_slice(v.reinterpret_cast::<half::f16>()).map_err(torch)?
+                }
             };
             t.f_to_device(device)
                 .map_err(torch)?
