@@ -7,6 +7,10 @@
 //! - `hora-client init`: initial weights for a task (a built-in architecture, or the parameters
 //!   of a TorchScript module), and the `model` JSON to create the task with.
 //!
+//! - `hora-client sync`: a datacenter worker of a synchronous allreduce job: meet the other
+//!   workers (at the server, or from `--peers`), then train a built-in model on this worker's
+//!   shard of the data, averaging gradients with the others every step over a TCP ring.
+//!
 //! Exit status: 0 when the task ended (or `--rounds` were done), 2 when the server refused us
 //! (credentials, unknown task, conflicts), 1 for everything else.
 
@@ -45,6 +49,151 @@ enum Command {
     Train(Box<TrainArgs>),
     /// Write a task's initial weights.
     Init(InitArgs),
+    /// Train in lock-step with the other workers of a sync job (ring allreduce).
+    Sync(Box<SyncArgs>),
+}
+
+/// `sync`'s options. Each is a flag, a `HORA_*` variable, or a key of the `--config` file.
+#[derive(Args, Deserialize, Default, Debug)]
+#[serde(default, deny_unknown_fields)]
+struct SyncArgs {
+    /// TOML file with any of these options (keys as the long flags, with underscores).
+    #[arg(long, env = "HORA_CONFIG")]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// The server to meet the other workers at, `https://host:port` (or give --peers).
+    #[arg(long, env = "HORA_SERVER", conflicts_with = "peers")]
+    server: Option<String>,
+    /// CA certificate the server's certificate chains to.
+    #[arg(long, env = "HORA_CA")]
+    ca: Option<PathBuf>,
+    /// Client certificate (PEM) for servers that require mutual TLS.
+    #[arg(long, env = "HORA_CLIENT_CERT", requires = "key")]
+    cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, env = "HORA_CLIENT_KEY", requires = "cert")]
+    key: Option<PathBuf>,
+    /// The sync job (`hora-server admin sync-create`).
+    #[arg(long, env = "HORA_JOB")]
+    job: Option<String>,
+    /// The job's token, printed when the job was created.
+    #[arg(long, env = "HORA_SYNC_TOKEN")]
+    token: Option<String>,
+    /// Instead of the server: every worker's ring address by rank, `host:port,host:port,…`.
+    #[arg(long, env = "HORA_PEERS", value_delimiter = ',')]
+    peers: Option<Vec<String>>,
+    /// This worker's rank [default: from mpirun or Slurm, else assigned by the server].
+    #[arg(long, env = "HORA_RANK")]
+    rank: Option<u32>,
+    /// Number of workers [default: from mpirun or Slurm, or the length of --peers].
+    #[arg(long, env = "HORA_WORLD_SIZE")]
+    world_size: Option<u32>,
+    /// Where to accept the ring neighbour's connection [default: 127.0.0.1:0].
+    #[arg(long, env = "HORA_LISTEN")]
+    listen: Option<String>,
+    /// The host the other workers reach this one at [default: the --listen address].
+    #[arg(long, env = "HORA_ADVERTISE")]
+    advertise: Option<String>,
+    /// Seconds a silent worker is given before the others stop and name it [default: 30].
+    #[arg(long, env = "HORA_TIMEOUT")]
+    timeout: Option<u64>,
+    /// Give up on an unreachable server after this many seconds of retries [default: 600].
+    #[arg(long, env = "HORA_RETRY_FOR")]
+    retry_for: Option<u64>,
+    /// Built-in architecture: logreg, mlp or cnn.
+    #[arg(long, env = "HORA_MODEL")]
+    model: Option<String>,
+    /// Its parameters as JSON, e.g. '{"inputs":784,"hidden":[200,200],"classes":10}'.
+    #[arg(long, env = "HORA_MODEL_PARAMS")]
+    params: Option<String>,
+    /// The training data (every worker reads it and trains on its slice of each global batch):
+    /// FILE.csv[?label=COLUMN], mnist:DIR or synthetic-iid:clients=1,seed=0.
+    #[arg(long, env = "HORA_DATA")]
+    data: Option<String>,
+    /// Fraction of CSV data held out for the accuracy rank 0 reports [default: 0.2].
+    #[arg(long, env = "HORA_HOLDOUT")]
+    holdout: Option<f64>,
+    /// Passes over the training data [default: 10].
+    #[arg(long, env = "HORA_EPOCHS")]
+    epochs: Option<u64>,
+    /// Samples per worker per pass; the global batch is world size × this [default: 32].
+    #[arg(long, env = "HORA_BATCH_SIZE")]
+    batch_size: Option<usize>,
+    /// Learning rate before scaling [default: 0.05].
+    #[arg(long, env = "HORA_LEARNING_RATE")]
+    learning_rate: Option<f64>,
+    /// linear (× world size, Horovod's rule) or none [default: linear].
+    #[arg(long, env = "HORA_LR_SCALING")]
+    lr_scaling: Option<String>,
+    /// sgd or adam [default: sgd].
+    #[arg(long, env = "HORA_OPTIMIZER")]
+    optimizer: Option<String>,
+    /// SGD momentum [default: 0.9].
+    #[arg(long, env = "HORA_MOMENTUM")]
+    momentum: Option<f64>,
+    /// L2 weight decay [default: 0].
+    #[arg(long, env = "HORA_WEIGHT_DECAY")]
+    weight_decay: Option<f64>,
+    /// Local passes whose gradients are accumulated before each allreduce [default: 1].
+    #[arg(long, env = "HORA_BACKWARD_PASSES_PER_STEP")]
+    backward_passes_per_step: Option<u32>,
+    /// Tensors are fused into buffers of up to this many MiB per allreduce [default: 64].
+    #[arg(long, env = "HORA_FUSION_MIB")]
+    fusion_mib: Option<usize>,
+    /// Pipelined pieces of this many KiB on the ring [default: 1024].
+    #[arg(long, env = "HORA_SUB_CHUNK_KIB")]
+    sub_chunk_kib: Option<usize>,
+    /// Send gradients as half precision (half the bytes; about 3 significant digits).
+    #[arg(long, env = "HORA_FP16")]
+    #[serde(default)]
+    fp16: bool,
+    /// Seed of the initialisation and of the shuffling (the same on every worker) [default: 0].
+    #[arg(long, env = "HORA_SEED")]
+    seed: Option<u64>,
+    /// auto (cuda:LOCAL_RANK when there are GPUs), cpu, cuda or cuda:N [default: auto].
+    #[arg(long, env = "HORA_DEVICE")]
+    device: Option<String>,
+    /// CPU threads for libtorch [default: libtorch's choice].
+    #[arg(long, env = "HORA_THREADS")]
+    threads: Option<i32>,
+    /// Rank 0 writes checkpoints here; a restarted job resumes from the newest.
+    #[arg(long, env = "HORA_CHECKPOINT_DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every this many steps as well as at each epoch's end [default: 0, epochs only].
+    #[arg(long, env = "HORA_CHECKPOINT_EVERY")]
+    checkpoint_every: Option<u64>,
+    /// Rank 0 writes the trained weights here (safetensors).
+    #[arg(long, env = "HORA_SAVE")]
+    save: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long, env = "HORA_NO_PROGRESS")]
+    #[serde(default)]
+    no_progress: bool,
+}
+
+impl SyncArgs {
+    /// Fills what neither a flag nor the environment set from the `--config` file.
+    fn merge_file(mut self) -> anyhow::Result<Self> {
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let file: SyncArgs =
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        macro_rules! fill {
+            ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = file.$f; } )* };
+        }
+        fill!(
+            server, ca, cert, key, job, token, peers, rank, world_size, listen, advertise, timeout,
+            retry_for, model, params, data, holdout, epochs, batch_size, learning_rate, lr_scaling,
+            optimizer, momentum, weight_decay, backward_passes_per_step, fusion_mib,
+            sub_chunk_kib, seed, device, threads, checkpoint_dir, checkpoint_every, save
+        );
+        self.fp16 |= file.fp16;
+        self.no_progress |= file.no_progress;
+        Ok(self)
+    }
 }
 
 /// `train`'s options. Each is a flag, a `HORA_*` variable, or a key of the `--config` file.
@@ -326,6 +475,160 @@ fn init(args: InitArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn sync(args: SyncArgs) -> anyhow::Result<()> {
+    use hora_client::sync::rendezvous::ServerRendezvous;
+    use hora_client::sync::worker::{self, Meeting, SyncTraining};
+    use hora_client::sync::{Algorithm, CommOptions, LaunchRank, LrScaling, Wire};
+
+    let args = args.merge_file()?;
+    let launch = LaunchRank::detect(args.rank, args.world_size, |k| std::env::var(k).ok())?;
+    let launch = LaunchRank {
+        world_size: launch
+            .world_size
+            .or(args.peers.as_ref().map(|p| p.len() as u32)),
+        ..launch
+    };
+    let device = match (args.device.as_deref().unwrap_or("auto"), launch.local_rank) {
+        ("auto", Some(local)) if tch::Cuda::device_count() > 0 => {
+            tch::Device::Cuda(local as usize % tch::Cuda::device_count() as usize)
+        }
+        (choice, _) => choice.parse::<DeviceChoice>()?.resolve()?,
+    };
+    if let Some(t) = args.threads {
+        tch::set_num_threads(t.max(1));
+    }
+    let name = required(args.model, "model")?;
+    let params: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(args.params.as_deref().unwrap_or("{}"))
+            .context("--params must be a JSON object")?;
+    let architecture = Architecture::from_builtin(&name, &params)?;
+    let optimizer = args.optimizer.as_deref().unwrap_or("sgd");
+    let weight_decay = args.weight_decay.unwrap_or(0.0);
+    let algorithm = match optimizer {
+        "sgd" => Algorithm::Sgd {
+            momentum: args.momentum.unwrap_or(0.9),
+            weight_decay,
+        },
+        "adam" => Algorithm::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay,
+        },
+        other => bail!("unknown optimizer `{other}`: use sgd or adam"),
+    };
+    let lr_scaling: LrScaling = args
+        .lr_scaling
+        .as_deref()
+        .unwrap_or("linear")
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    let training = SyncTraining {
+        architecture,
+        data: required(args.data, "data")?.parse()?,
+        holdout: args.holdout.unwrap_or(0.2),
+        epochs: args.epochs.unwrap_or(10),
+        batch_size: args.batch_size.unwrap_or(32),
+        learning_rate: args.learning_rate.unwrap_or(0.05),
+        lr_scaling,
+        algorithm,
+        backward_passes_per_step: args.backward_passes_per_step.unwrap_or(1),
+        seed: args.seed.unwrap_or(0),
+        device,
+        fusion_bytes: args.fusion_mib.unwrap_or(64) << 20,
+        checkpoint_dir: args.checkpoint_dir,
+        checkpoint_every: args.checkpoint_every.unwrap_or(0),
+        save: args.save,
+    };
+    let options = CommOptions {
+        sub_chunk_bytes: args.sub_chunk_kib.unwrap_or(1024).max(1) << 10,
+        wire: if args.fp16 { Wire::F16 } else { Wire::F32 },
+        timeout: Duration::from_secs(args.timeout.unwrap_or(30).max(1)),
+    };
+
+    let identity = match (args.cert, args.key) {
+        (Some(cert), Some(key)) => Some(Identity { cert, key }),
+        _ => None,
+    };
+    let (server, ca, job, token);
+    let meeting = match args.peers {
+        Some(peers) => Meeting::Peers(peers),
+        None => {
+            server = required(args.server, "server")?;
+            ca = required(args.ca, "ca")?;
+            job = required(args.job, "job")?;
+            token = required(args.token, "token")?;
+            Meeting::Server(ServerRendezvous {
+                server: &server,
+                ca: &ca,
+                identity: identity.as_ref(),
+                job: &job,
+                token: &token,
+                timeout: options.timeout,
+                retry_for: Duration::from_secs(args.retry_for.unwrap_or(600)),
+            })
+        }
+    };
+    let comm = worker::form_world(
+        meeting,
+        &launch,
+        args.listen.as_deref().unwrap_or("127.0.0.1:0"),
+        args.advertise.as_deref(),
+        options,
+    )?;
+    let (rank, size) = (comm.rank(), comm.size());
+    // Tests and scripts read this line.
+    println!(
+        "rank {rank} of {size} (rank from {}, device {device:?})",
+        launch.source
+    );
+
+    let bar = if args.no_progress || rank != 0 {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(0)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {eta}")
+            .expect("progress template")
+            .progress_chars("=> "),
+    );
+    let step_bar = bar.clone();
+    let mut on_step = move |step: u64, total: u64| {
+        step_bar.set_length(total);
+        step_bar.set_position(step);
+    };
+    let epoch_bar = bar.clone();
+    let mut on_epoch = |e: &worker::EpochReport| {
+        if rank == 0 {
+            let accuracy = e
+                .accuracy
+                .map(|a| format!(" · accuracy {a:.4}"))
+                .unwrap_or_default();
+            epoch_bar.suspend(|| {
+                println!(
+                    "epoch {}/{} · loss {:.4}{accuracy} · {} samples · {:.1} s",
+                    e.epoch,
+                    e.epochs,
+                    e.loss,
+                    e.samples,
+                    e.elapsed.as_secs_f64()
+                )
+            });
+        }
+    };
+    let report = worker::train(&training, comm, &mut on_step, &mut on_epoch)?;
+    bar.finish_and_clear();
+    if let Some(step) = report.resumed_from {
+        println!("resumed from step {step}");
+    }
+    println!(
+        "rank {rank} done: {} steps on {size} workers (learning rate {})",
+        report.steps, report.learning_rate
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -343,6 +646,7 @@ fn main() -> ExitCode {
             .context("starting the async runtime")
             .and_then(|rt| rt.block_on(train(*args))),
         Command::Init(args) => init(args),
+        Command::Sync(args) => sync(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

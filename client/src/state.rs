@@ -53,7 +53,13 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8], private: bool) -> Result<(
         f.write_all(bytes)?;
         f.sync_all()?;
         fs::rename(&tmp, path)?;
+        // A bare file name's parent is "": the current directory.
         if let Some(parent) = path.parent() {
+            let parent = if parent.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                parent
+            };
             fs::File::open(parent)?.sync_all()?;
         }
         Ok(())

@@ -30,7 +30,7 @@ const LAUNCHERS: [(&str, &str, &str, &str); 3] = [
 
 impl LaunchRank {
     /// Flags win; then the first launcher whose variables are set; then nothing (the server
-    /// assigns ranks). `env` looks a variable up (`std::env::var` in the binary, a map in tests).
+    /// assigns ranks). A rank without a world size is allowed: `--peers` gives the size. `env` looks a variable up (`std::env::var` in the binary, a map in tests).
     pub fn detect(
         flag_rank: Option<u32>,
         flag_world_size: Option<u32>,
@@ -87,13 +87,6 @@ impl LaunchRank {
                     found.source
                 )));
             }
-        }
-        if found.rank.is_some() && found.world_size.is_none() {
-            return Err(SyncError::Config(format!(
-                "a rank ({}) without a world size (from {}): give --world-size too",
-                found.rank.unwrap_or_default(),
-                found.source
-            )));
         }
         Ok(found)
     }
@@ -167,7 +160,6 @@ mod tests {
                 vec![("SLURM_PROCID", "2"), ("SLURM_NTASKS", "2")],
                 "not below",
             ),
-            (vec![("OMPI_COMM_WORLD_RANK", "0")], "without a world size"),
             (vec![("PMI_RANK", "0"), ("PMI_SIZE", "0")], "world size 0"),
         ] {
             let err = LaunchRank::detect(None, None, env(&vars))
