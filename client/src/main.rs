@@ -185,10 +185,39 @@ impl SyncArgs {
             ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = file.$f; } )* };
         }
         fill!(
-            server, ca, cert, key, job, token, peers, rank, world_size, listen, advertise, timeout,
-            retry_for, model, params, data, holdout, epochs, batch_size, learning_rate, lr_scaling,
-            optimizer, momentum, weight_decay, backward_passes_per_step, fusion_mib,
-            sub_chunk_kib, seed, device, threads, checkpoint_dir, checkpoint_every, save
+            server,
+            ca,
+            cert,
+            key,
+            job,
+            token,
+            peers,
+            rank,
+            world_size,
+            listen,
+            advertise,
+            timeout,
+            retry_for,
+            model,
+            params,
+            data,
+            holdout,
+            epochs,
+            batch_size,
+            learning_rate,
+            lr_scaling,
+            optimizer,
+            momentum,
+            weight_decay,
+            backward_passes_per_step,
+            fusion_mib,
+            sub_chunk_kib,
+            seed,
+            device,
+            threads,
+            checkpoint_dir,
+            checkpoint_every,
+            save
         );
         self.fp16 |= file.fp16;
         self.no_progress |= file.no_progress;

@@ -1,0 +1,401 @@
+//! The synchronous allreduce mode with real processes on loopback: collectives across 1–4
+//! worker processes for buffers from one element to 64 MiB, mismatched calls, training that
+//! matches one worker on the combined batch, a killed worker, ranks from mpirun's and Slurm's
+//! environment, rendezvous at the real server, and a job resumed from rank 0's checkpoint.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use hora_common::model::{Limits, Model};
+use support::*;
+
+/// Worker processes, killed by their own ids if a test fails before they exit.
+struct Workers(Vec<Child>);
+
+impl Workers {
+    /// Waits for every worker, at most `limit`; a worker still running then is a hang.
+    fn finish(mut self, limit: Duration) -> Vec<Output> {
+        let deadline = Instant::now() + limit;
+        while self
+            .0
+            .iter_mut()
+            .any(|c| c.try_wait().ok().flatten().is_none())
+        {
+            assert!(
+                Instant::now() < deadline,
+                "workers still running after {limit:?}: a collective hung"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::mem::take(&mut self.0)
+            .into_iter()
+            .map(|c| c.wait_with_output().expect("collect worker output"))
+            .collect()
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn(program: &Path, args: &[String], env: &[(&str, String)]) -> Child {
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env("HORA_LOG", "warn");
+    // A worker must not pick its rank up from the environment this test runs in.
+    for var in [
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "PMI_RANK",
+        "PMI_SIZE",
+    ] {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("start a worker")
+}
+
+fn peers(n: usize) -> String {
+    (0..n)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+/// `n` collective workers with `extra` flags, finished within `limit`.
+fn collective(n: usize, extra: &[&str], limit: Duration) -> Vec<Output> {
+    let peers = peers(n);
+    let workers = Workers(
+        (0..n)
+            .map(|rank| {
+                let mut args =
+                    strings(&["--check", "--peers", &peers, "--rank", &rank.to_string()]);
+                args.extend(strings(extra));
+                spawn(&example("collective"), &args, &[])
+            })
+            .collect(),
+    );
+    workers.finish(limit)
+}
+
+#[test]
+fn collectives_across_processes_equal_the_mean_for_1_to_4_workers_up_to_64_mib() {
+    // 16,777,216 f32 = 64 MiB; the odd sizes do not divide into 3 or 4 chunks.
+    let sizes = "1,2,3,7,1000,4099,1048577,16777216";
+    for n in 1..=4 {
+        let outputs = collective(n, &["--elements", sizes], Duration::from_secs(240));
+        for (rank, out) in outputs.iter().enumerate() {
+            let stdout = text(&out.stdout);
+            assert!(
+                out.status.success(),
+                "n={n} rank {rank}: {}\n{stdout}",
+                text(&out.stderr)
+            );
+            assert_eq!(
+                stdout.matches("ok elements=").count(),
+                8,
+                "n={n} rank {rank}: {stdout}"
+            );
+            assert!(
+                stdout.contains(&format!("ok elements=16777216 ranks={n}")),
+                "{stdout}"
+            );
+        }
+    }
+}
+
+#[test]
+fn half_precision_on_the_wire_stays_within_f16_rounding() {
+    let outputs = collective(
+        3,
+        &["--elements", "5,100003", "--fp16", "--sub-chunk-kib", "16"],
+        Duration::from_secs(120),
+    );
+    for out in &outputs {
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(text(&out.stdout).matches("ok elements=").count(), 2);
+    }
+}
+
+#[test]
+fn mismatched_calls_fail_every_worker_with_an_explanation() {
+    let start = Instant::now();
+    let outputs = collective(
+        3,
+        &[
+            "--elements",
+            "1000",
+            "--mismatch-rank",
+            "1",
+            "--timeout",
+            "10",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "failing took {:?}",
+        start.elapsed()
+    );
+    let mut explained = 0;
+    for out in &outputs {
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "a rank succeeded: {stderr}");
+        if stderr.contains("differs between ranks") && stderr.contains("1001 elements") {
+            explained += 1;
+        }
+    }
+    assert!(
+        explained >= 1,
+        "{:?}",
+        outputs.iter().map(|o| text(&o.stderr)).collect::<Vec<_>>()
+    );
+}
+
+const MLP: &str = r#"{"inputs":60,"hidden":[32],"classes":10}"#;
+const DATA: &str = "synthetic-iid:clients=1,seed=3,min_samples=4000,max_samples=4000";
+
+/// `hora-client sync` flags shared by the training tests.
+fn training(batch: usize, epochs: u64, save: &Path) -> Vec<String> {
+    strings(&[
+        "sync",
+        "--model",
+        "mlp",
+        "--params",
+        MLP,
+        "--data",
+        DATA,
+        "--epochs",
+        &epochs.to_string(),
+        "--batch-size",
+        &batch.to_string(),
+        "--learning-rate",
+        "0.05",
+        "--lr-scaling",
+        "none",
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0.9",
+        "--seed",
+        "1",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--save",
+        &save.display().to_string(),
+    ])
+}
+
+/// Runs `n` workers over `--peers` and returns their outputs.
+fn train_world(n: usize, mut args: Vec<String>) -> Vec<Output> {
+    let peers = peers(n);
+    args.extend(strings(&["--peers", &peers]));
+    let workers = Workers(
+        (0..n)
+            .map(|rank| {
+                let mut a = args.clone();
+                a.extend(strings(&["--rank", &rank.to_string()]));
+                spawn(&binary("hora-client"), &a, &[])
+            })
+            .collect(),
+    );
+    let outputs = workers.finish(Duration::from_secs(180));
+    for (rank, out) in outputs.iter().enumerate() {
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+    }
+    outputs
+}
+
+fn weights(path: &Path) -> Model {
+    Model::read_file(path, &Limits::default()).expect("read saved weights")
+}
+
+fn max_difference(a: &Model, b: &Model) -> f32 {
+    assert!(a.same_layout(&b.spec()));
+    a.data()
+        .iter()
+        .zip(b.data())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn two_workers_follow_one_worker_on_the_combined_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let [one, two, small]: [PathBuf; 3] =
+        ["one", "two", "small"].map(|n| dir.path().join(format!("{n}.safetensors")));
+    train_world(1, training(20, 2, &one));
+    let outputs = train_world(2, training(10, 2, &two));
+    // One worker with the per-worker batch follows another trajectory: the test can tell.
+    train_world(1, training(10, 2, &small));
+    let rank0 = text(&outputs[0].stdout);
+    assert!(rank0.contains("epoch 2/2"), "{rank0}");
+    let same = max_difference(&weights(&one), &weights(&two));
+    let other = max_difference(&weights(&one), &weights(&small));
+    assert!(
+        same < 1e-4,
+        "2 workers × batch 10 vs 1 worker × batch 20: max difference {same}"
+    );
+    assert!(
+        other > 1e-2,
+        "batch 10 vs batch 20 should differ clearly: {other}"
+    );
+}
+
+#[test]
+fn a_restarted_job_resumes_from_rank_0s_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (straight, resumed) = (
+        dir.path().join("straight.safetensors"),
+        dir.path().join("resumed.safetensors"),
+    );
+    let checkpoints = dir.path().join("checkpoints");
+    train_world(2, training(10, 4, &straight));
+    let mut first = training(10, 2, &resumed);
+    first.extend(strings(&[
+        "--checkpoint-dir",
+        &checkpoints.display().to_string(),
+    ]));
+    let out = train_world(2, first.clone());
+    assert!(
+        !text(&out[0].stdout).contains("resumed"),
+        "a fresh directory starts at step 0"
+    );
+    // The restart asks for 4 epochs: it resumes after the 2 it has and runs 2 more.
+    let mut second = training(10, 4, &resumed);
+    second.extend(strings(&[
+        "--checkpoint-dir",
+        &checkpoints.display().to_string(),
+    ]));
+    let out = train_world(2, second);
+    let rank0 = text(&out[0].stdout);
+    assert!(rank0.contains("resumed from step 320"), "{rank0}");
+    assert!(
+        !rank0.contains("epoch 1/4") && rank0.contains("epoch 3/4") && rank0.contains("epoch 4/4"),
+        "{rank0}"
+    );
+    let rank1 = text(&out[1].stdout);
+    assert!(
+        rank1.contains("resumed from step 320"),
+        "rank 1 learns the step from rank 0: {rank1}"
+    );
+    let difference = max_difference(&weights(&straight), &weights(&resumed));
+    assert!(
+        difference < 1e-6,
+        "resumed run differs from the uninterrupted one by {difference}"
+    );
+}
+
+#[test]
+fn killing_a_worker_stops_the_others_within_the_timeout_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let peers = peers(3);
+    let mut args = training(10, 1000, &dir.path().join("never.safetensors"));
+    args.extend(strings(&["--peers", &peers, "--timeout", "10"]));
+    let mut children: Vec<Child> = (0..3)
+        .map(|rank| {
+            let mut a = args.clone();
+            a.extend(strings(&["--rank", &rank.to_string()]));
+            spawn(&binary("hora-client"), &a, &[])
+        })
+        .collect();
+    // Wait until training is under way: rank 0 reports its first epoch.
+    let stdout = children[0].stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    let started = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("epoch 1/"));
+    assert!(started.is_some(), "rank 0 never finished an epoch");
+    let victim = children.remove(1);
+    let mut victim = Workers(vec![victim]);
+    victim.0[0].kill().expect("kill rank 1");
+    let killed = Instant::now();
+    let survivors = Workers(children).finish(Duration::from_secs(60));
+    assert!(
+        killed.elapsed() < Duration::from_secs(10),
+        "the others took {:?} to stop",
+        killed.elapsed()
+    );
+    for (out, rank) in survivors.iter().zip([0, 2]) {
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "rank {rank} exited successfully");
+        assert!(
+            stderr.contains("rank 1 "),
+            "rank {rank} does not name rank 1: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn ranks_come_from_slurm_and_mpirun_environments() {
+    for (rank_var, size_var, launcher) in [
+        ("SLURM_PROCID", "SLURM_NTASKS", "slurm"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpirun"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let peers = peers(2);
+        let mut args = training(10, 1, &dir.path().join("w.safetensors"));
+        args.extend(strings(&["--peers", &peers]));
+        // Started in reverse order: the rank is the launcher's, not the order of arrival.
+        let workers = Workers(
+            [1, 0]
+                .iter()
+                .map(|rank| {
+                    spawn(
+                        &binary("hora-client"),
+                        &args,
+                        &[(rank_var, rank.to_string()), (size_var, "2".into())],
+                    )
+                })
+                .collect(),
+        );
+        let outputs = workers.finish(Duration::from_secs(120));
+        for (out, rank) in outputs.iter().zip([1, 0]) {
+            let stdout = text(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{launcher} rank {rank}: {}",
+                text(&out.stderr)
+            );
+            assert!(
+                stdout.contains(&format!("rank {rank} of 2 (rank from {launcher}")),
+                "{launcher}: {stdout}"
+            );
+        }
+        assert!(
+            dir.path().join("w.safetensors").exists(),
+            "rank 0 saved the weights"
+        );
+    }
+}
