@@ -41,7 +41,9 @@ bench:
 	cargo bench -p hora-common --bench kernel; \
 	cargo bench -p hora-common --bench envelope; \
 	cargo bench -p hora-server --bench ingest; \
-	cargo bench -p hora --bench server_memory
+	cargo bench -p hora --bench server_memory; \
+	cargo build --release --example collective; \
+	cargo bench -p hora --bench allreduce
 
 ## Formatting and clippy, warnings as errors.
 lint:

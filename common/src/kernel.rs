@@ -210,20 +210,18 @@ pub fn check_weight(weight: f64) -> Result<(), KernelError> {
 // receives with these, on the host, as the chunk arrives (the libtorch backend has the same
 // operations for tensors on any device).
 
-/// `dst[i] += src[i]`: one received chunk folded into this rank's partial sum.
+/// `dst[i] += src[i]`: one received chunk folded into this rank's partial sum. On the calling
+/// thread only: the ring already runs one reducing thread per rank beside its sending thread,
+/// and spreading a piece over the pool would make them contend (with the other ranks on the
+/// same host too).
 pub fn accumulate(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len(), "accumulate: lengths differ");
-    zip_apply(dst, src, |d, s| *d += s);
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
 }
 
-/// `dst[i] *= factor`: the sum turned into a mean.
+/// `dst[i] *= factor`: the sum turned into a mean (on the calling thread, like [`accumulate`]).
 pub fn scale(dst: &mut [f32], factor: f32) {
-    let chunk = |d: &mut [f32]| d.iter_mut().for_each(|d| *d *= factor);
-    if dst.len() < PARALLEL_MIN {
-        chunk(dst);
-    } else {
-        dst.par_chunks_mut(CHUNK).for_each(chunk);
-    }
+    dst.iter_mut().for_each(|d| *d *= factor);
 }
 
 /// Half-precision bits (IEEE binary16, as they travel on the wire) from f32 values.

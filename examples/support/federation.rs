@@ -197,6 +197,35 @@ impl Federation {
         Ok(Model::from_safetensors(&bytes, &Limits::default())?)
     }
 
+    /// Creates a sync job of `world_size` workers; returns its token.
+    pub async fn create_sync_job(&self, id: &str, world_size: u32) -> Result<String> {
+        let job: hora_common::wire::SyncJobInfo =
+            self.json(self.admin(Method::POST, "/sync-jobs").json(
+                &hora_common::wire::CreateSyncJob {
+                    id: id.into(),
+                    world_size,
+                },
+            ))
+            .await?;
+        job.token
+            .context("the server did not return the job's token")
+    }
+
+    /// Starts `hora-client` with `args` as they are (e.g. `sync …`). Its output goes to
+    /// `<dir>/<name>.log`.
+    pub fn spawn_process(&mut self, name: &str, args: &[String]) -> Result<()> {
+        let log = std::fs::File::create(self.log_path(name))?;
+        let child = Command::new(binary("hora-client")?)
+            .args(args)
+            .env("HORA_LOG", "warn")
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting hora-client")?;
+        self.clients.push((name.to_string(), child));
+        Ok(())
+    }
+
     /// Starts `hora-client train` with `args` (the server, CA, token and a state directory of
     /// its own are added). Its output goes to `<dir>/<name>.log`.
     pub fn spawn_client(&mut self, name: &str, token: &str, args: &[String]) -> Result<()> {
@@ -266,6 +295,15 @@ impl Federation {
             }
         }
         Ok(())
+    }
+
+    /// Whether a client is still running (an error if one already failed).
+    pub fn clients_running(&mut self) -> Result<bool> {
+        self.check_clients()?;
+        Ok(self
+            .clients
+            .iter_mut()
+            .any(|(_, c)| matches!(c.try_wait(), Ok(None))))
     }
 
     /// Waits for every client to exit (they do once the task ends) and checks they succeeded.

@@ -62,6 +62,11 @@ pub trait Region: Send + Sized {
 
     fn apply(&mut self, apply: Apply, received: Received<'_>) -> Result<()>;
 
+    /// The piece's own bytes, to receive an overwrite into directly (host f32 on an f32 wire).
+    fn receive_bytes(&mut self, _wire: Wire) -> Option<&mut [u8]> {
+        None
+    }
+
     /// Scales by `factor` (sum → mean) and, for an f16 wire, rounds to f16 so every rank holds
     /// the same bits after the allgather.
     fn finish(&mut self, factor: Option<f32>, wire: Wire) -> Result<()>;
@@ -99,6 +104,10 @@ impl Region for &mut [f32] {
 
     fn wire_bytes(&self, wire: Wire) -> Option<&[u8]> {
         (wire == Wire::F32).then(|| bytemuck::cast_slice(&self[..]))
+    }
+
+    fn receive_bytes(&mut self, wire: Wire) -> Option<&mut [u8]> {
+        (wire == Wire::F32).then(|| bytemuck::cast_slice_mut(&mut self[..]))
     }
 
     fn apply(&mut self, apply: Apply, received: Received<'_>) -> Result<()> {

@@ -457,19 +457,30 @@ impl Communicator {
                         let mut region = take(&mut pool, &returned, p.start)?;
                         let n = p.len();
                         inbound.expect(Kind::Data, (n * wire.width()) as u64)?;
-                        let received = match wire {
-                            Wire::F32 => {
-                                f32s.resize(n, 0.0);
-                                inbound.payload(bytemuck::cast_slice_mut(&mut f32s[..]))?;
-                                Received::F32(&f32s)
-                            }
-                            Wire::F16 => {
-                                f16s.resize(n, 0);
-                                inbound.payload(bytemuck::cast_slice_mut(&mut f16s[..]))?;
-                                Received::F16(&f16s)
-                            }
-                        };
-                        region.apply(step.apply, received)?;
+                        // An overwrite lands in place when it can: no scratch copy.
+                        let in_place = step.apply == Apply::Overwrite
+                            && match region.receive_bytes(wire) {
+                                Some(bytes) => {
+                                    inbound.payload(bytes)?;
+                                    true
+                                }
+                                None => false,
+                            };
+                        if !in_place {
+                            let received = match wire {
+                                Wire::F32 => {
+                                    f32s.resize(n, 0.0);
+                                    inbound.payload(bytemuck::cast_slice_mut(&mut f32s[..]))?;
+                                    Received::F32(&f32s)
+                                }
+                                Wire::F16 => {
+                                    f16s.resize(n, 0);
+                                    inbound.payload(bytemuck::cast_slice_mut(&mut f16s[..]))?;
+                                    Received::F16(&f16s)
+                                }
+                            };
+                            region.apply(step.apply, received)?;
+                        }
                         if step.finish {
                             region.finish(factor, wire)?;
                         }

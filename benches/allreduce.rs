@@ -1,0 +1,114 @@
+//! Ring allreduce bus bandwidth next to torch.distributed's Gloo backend, on this machine, in one
+//! run: for world sizes 2 and 4 and buffers of 4, 64 and 256 MiB, both time back-to-back
+//! allreduces of f32 buffers between local processes over loopback TCP, and the table shows
+//! nccl-tests' bus bandwidth (algbw × 2(n−1)/n) of each and their ratio. Hora's half-precision
+//! wire is shown as a separate row (Gloo has no equivalent).
+//!
+//! `make bench` (it builds `examples/collective` in release first). `HORA_BENCH_RANKS=2,4`,
+//! `HORA_BENCH_MIB=4,64,256` and `HORA_BENCH_ITERATIONS=5` change the set-up.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::process::{Command, Stdio};
+
+use support::{example, free_port};
+
+fn env_list(name: &str, default: &str) -> Vec<usize> {
+    std::env::var(name)
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .filter_map(|v| v.trim().parse().ok())
+        .collect()
+}
+
+/// busbw (bytes/s) by buffer size, from JSON lines.
+fn parse(stdout: &[u8]) -> Vec<(usize, f64)> {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v["bytes"].as_u64()? as usize, v["busbw"].as_f64()?)))
+        .collect()
+}
+
+fn hora(n: usize, sizes: &str, iterations: usize, fp16: bool) -> Vec<(usize, f64)> {
+    let peers: Vec<String> = (0..n)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
+    let peers = peers.join(",");
+    let children: Vec<_> = (0..n)
+        .map(|rank| {
+            let mut cmd = Command::new(example("collective"));
+            cmd.args(["--bench", "--peers", &peers, "--rank", &rank.to_string()])
+                .args(["--bytes", sizes, "--iterations", &iterations.to_string()])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit());
+            if fp16 {
+                cmd.arg("--fp16");
+            }
+            cmd.spawn()
+                .expect("start examples/collective (make bench builds it)")
+        })
+        .collect();
+    let mut outputs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("collective worker"))
+        .collect();
+    assert!(
+        outputs.iter().all(|o| o.status.success()),
+        "a hora worker failed"
+    );
+    parse(&outputs.remove(0).stdout)
+}
+
+fn gloo(n: usize, sizes: &str, iterations: usize) -> Vec<(usize, f64)> {
+    let python = std::env::var("HORA_TORCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/gloo_allreduce.py");
+    let out = Command::new(python)
+        .args([script, &n.to_string(), sizes, &iterations.to_string(), "2"])
+        .arg(free_port().to_string())
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run the Gloo baseline (PyTorch from scripts/setup-libtorch.sh)");
+    assert!(out.status.success(), "the Gloo baseline failed");
+    parse(&out.stdout)
+}
+
+fn main() {
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    let ranks = env_list("HORA_BENCH_RANKS", "2,4");
+    let mib = env_list("HORA_BENCH_MIB", "4,64,256");
+    let iterations = env_list("HORA_BENCH_ITERATIONS", "5")[0].max(1);
+    let sizes = mib
+        .iter()
+        .map(|m| (m << 20).to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    println!("allreduce bus bandwidth (GB/s; nccl-tests busbw = algbw × 2(n−1)/n), {iterations} iterations after 2 warm-up, local processes over loopback");
+    println!(
+        "{:>5} {:>8} {:>10} {:>10} {:>12} {:>10}",
+        "ranks", "MiB", "hora", "gloo", "hora/gloo", "hora f16"
+    );
+    for &n in &ranks {
+        let ours = hora(n, &sizes, iterations, false);
+        let half = hora(n, &sizes, iterations, true);
+        let theirs = gloo(n, &sizes, iterations);
+        for (((bytes, h), (_, g)), (_, f)) in ours.iter().zip(&theirs).zip(&half) {
+            println!(
+                "{n:>5} {:>8} {:>10.2} {:>10.2} {:>12.2} {:>10.2}",
+                bytes >> 20,
+                h / 1e9,
+                g / 1e9,
+                h / g,
+                f / 1e9
+            );
+            println!(
+                "RESULT allreduce n={n} {}MiB busbw hora/gloo = {:.2}",
+                bytes >> 20,
+                h / g
+            );
+        }
+    }
+}
