@@ -110,9 +110,11 @@ pub async fn serve(config: ServeConfig) -> Result<()> {
             commit_window: config.commit_window(),
             ..Default::default()
         },
-        metrics,
+        metrics.clone(),
     )
     .map_err(|e| anyhow::anyhow!("loading state: {e}"))?;
+    let rendezvous =
+        rendezvous::Rendezvous::open(store.clone(), metrics).context("loading the sync jobs")?;
     coordinator.start();
     let state = Arc::new(api::AppState {
         coordinator,
@@ -124,6 +126,7 @@ pub async fn serve(config: ServeConfig) -> Result<()> {
         ingest: Arc::new(tokio::sync::Semaphore::new(
             config.max_concurrent_uploads.max(1),
         )),
+        rendezvous,
     });
     let app = api::router(state);
 
