@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use hora_common::wire::{ApiError, CreateEnrolment, CreateTask};
+use hora_common::wire::{ApiError, CreateEnrolment, CreateSyncJob, CreateTask};
 use reqwest::Method;
 
 #[derive(Debug, Args)]
@@ -74,6 +74,20 @@ pub enum AdminCommand {
     Revoke {
         client: String,
     },
+    /// Create a synchronous allreduce job; prints it with the token its workers present (shown
+    /// once).
+    SyncCreate {
+        id: String,
+        /// Number of workers (ranks 0..N).
+        #[arg(long)]
+        world_size: u32,
+    },
+    /// List sync jobs: world size, worlds formed, workers waiting now.
+    SyncJobs,
+    /// Delete a sync job (workers waiting in it are told so).
+    SyncDelete {
+        id: String,
+    },
 }
 
 pub struct AdminClient {
@@ -138,6 +152,12 @@ impl AdminClient {
             .await?
             .json()
             .await?)
+    }
+
+    /// Sends a request whose successful answer has no body.
+    pub async fn empty(&self, method: Method, path: &str) -> Result<()> {
+        self.send(method, path, None, None).await?;
+        Ok(())
     }
 
     pub async fn bytes(&self, path: &str) -> Result<Vec<u8>> {
@@ -219,6 +239,20 @@ pub async fn run(args: AdminArgs) -> Result<()> {
                 None,
             )
             .await?
+        }
+        AdminCommand::SyncCreate { id, world_size } => {
+            c.json(
+                Method::POST,
+                "/admin/v1/sync-jobs",
+                Some(serde_json::to_value(CreateSyncJob { id, world_size })?),
+            )
+            .await?
+        }
+        AdminCommand::SyncJobs => c.json(Method::GET, "/admin/v1/sync-jobs", None).await?,
+        AdminCommand::SyncDelete { id } => {
+            c.empty(Method::DELETE, &format!("/admin/v1/sync-jobs/{id}"))
+                .await?;
+            serde_json::json!({ "deleted": id })
         }
     };
     println!("{}", serde_json::to_string_pretty(&out)?);

@@ -11,6 +11,10 @@ use hora_common::wire::ApiError;
 pub enum ServerError {
     #[error("{0}")]
     BadRequest(String),
+    /// A 400 whose cause has its own stable code (for example `world_size_mismatch`), so a client
+    /// can tell a misconfiguration from a malformed request without parsing the message.
+    #[error("{message}")]
+    Invalid { code: &'static str, message: String },
     #[error("{0}")]
     InvalidUpdate(String),
     #[error("missing or malformed credentials: send `Authorization: Bearer <token>`")]
@@ -21,6 +25,12 @@ pub enum ServerError {
     Forbidden(String),
     #[error("{0}")]
     NotFound(String),
+    /// The thing existed but is gone for good (a sync job deleted while its workers waited).
+    #[error("{message}")]
+    Gone { code: &'static str, message: String },
+    /// A held request (a rendezvous) waited as long as it was allowed to.
+    #[error("{message}")]
+    Timeout { code: &'static str, message: String },
     /// Wrong, closed or abandoned round; duplicate upload; task not running.
     #[error("{message}")]
     Conflict { code: &'static str, message: String },
@@ -42,18 +52,29 @@ impl ServerError {
         }
     }
 
+    pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+        ServerError::Invalid {
+            code,
+            message: message.into(),
+        }
+    }
+
     pub fn internal(e: impl std::fmt::Display) -> Self {
         ServerError::Internal(e.to_string())
     }
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ServerError::BadRequest(_) | ServerError::InvalidUpdate(_) => StatusCode::BAD_REQUEST,
+            ServerError::BadRequest(_)
+            | ServerError::Invalid { .. }
+            | ServerError::InvalidUpdate(_) => StatusCode::BAD_REQUEST,
             ServerError::MissingCredentials | ServerError::Unauthorized(_) => {
                 StatusCode::UNAUTHORIZED
             }
             ServerError::Forbidden(_) => StatusCode::FORBIDDEN,
             ServerError::NotFound(_) => StatusCode::NOT_FOUND,
+            ServerError::Gone { .. } => StatusCode::GONE,
+            ServerError::Timeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ServerError::Conflict { .. } => StatusCode::CONFLICT,
             ServerError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ServerError::LengthRequired => StatusCode::LENGTH_REQUIRED,
@@ -66,11 +87,13 @@ impl ServerError {
     pub fn code(&self) -> &'static str {
         match self {
             ServerError::BadRequest(_) => "bad_request",
+            ServerError::Invalid { code, .. } => code,
             ServerError::InvalidUpdate(_) => "invalid_update",
             ServerError::MissingCredentials => "missing_credentials",
             ServerError::Unauthorized(_) => "unauthorized",
             ServerError::Forbidden(_) => "forbidden",
             ServerError::NotFound(_) => "not_found",
+            ServerError::Gone { code, .. } | ServerError::Timeout { code, .. } => code,
             ServerError::Conflict { code, .. } => code,
             ServerError::PayloadTooLarge { .. } => "payload_too_large",
             ServerError::LengthRequired => "length_required",

@@ -12,6 +12,8 @@
 //! - An upload: [`api::client`] authenticates ([`auth`]) and size-checks it, the coordinator opens
 //!   the envelope, validates and folds it (hora-common), and acknowledges it once a checkpoint
 //!   holding it is durable; [`strategy`] turns the round's sum into the next global model.
+//! - A sync job's workers: [`rendezvous`] holds each join until the job's world is complete, then
+//!   tells every worker its rank and its peers; the allreduce itself never touches the server.
 //! - [`config`] merges flags, environment and a TOML file; [`admin_cli`] is `hora-server admin`.
 //!
 //! The server never links libtorch: all its arithmetic is hora-common's CPU kernel.
@@ -23,6 +25,7 @@ pub mod config;
 pub mod coordinator;
 pub mod error;
 pub mod metrics;
+pub mod rendezvous;
 pub mod shutdown;
 pub mod store;
 pub mod strategy;
@@ -107,9 +110,11 @@ pub async fn serve(config: ServeConfig) -> Result<()> {
             commit_window: config.commit_window(),
             ..Default::default()
         },
-        metrics,
+        metrics.clone(),
     )
     .map_err(|e| anyhow::anyhow!("loading state: {e}"))?;
+    let rendezvous =
+        rendezvous::Rendezvous::open(store.clone(), metrics).context("loading the sync jobs")?;
     coordinator.start();
     let state = Arc::new(api::AppState {
         coordinator,
@@ -121,6 +126,7 @@ pub async fn serve(config: ServeConfig) -> Result<()> {
         ingest: Arc::new(tokio::sync::Semaphore::new(
             config.max_concurrent_uploads.max(1),
         )),
+        rendezvous,
     });
     let app = api::router(state);
 

@@ -1,5 +1,6 @@
 //! Prometheus metrics (`GET /metrics`): rounds published and abandoned, uploads accepted and
-//! rejected by reason, bytes received, ingest and aggregation latency.
+//! rejected by reason, bytes received, ingest and aggregation latency; sync-job worlds formed and
+//! rendezvous joins that timed out.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -10,6 +11,11 @@ use prometheus_client::registry::Registry;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TaskLabel {
     pub task: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct JobLabel {
+    pub job: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -26,6 +32,8 @@ pub struct ServerMetrics {
     pub upload_bytes: Counter,
     pub ingest_seconds: Histogram,
     aggregation_seconds: Histogram,
+    sync_worlds_formed: Family<JobLabel, Counter>,
+    sync_join_timeouts: Family<JobLabel, Counter>,
 }
 
 impl Default for ServerMetrics {
@@ -39,6 +47,8 @@ impl Default for ServerMetrics {
             upload_bytes: Counter::default(),
             ingest_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
             aggregation_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
+            sync_worlds_formed: Family::default(),
+            sync_join_timeouts: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -76,6 +86,16 @@ impl Default for ServerMetrics {
             "Time to aggregate and publish a round",
             m.aggregation_seconds.clone(),
         );
+        registry.register(
+            "sync_worlds_formed",
+            "Complete worlds formed by sync-job rendezvous",
+            m.sync_worlds_formed.clone(),
+        );
+        registry.register(
+            "sync_join_timeouts",
+            "Sync-job joins answered 408 because the world stayed incomplete",
+            m.sync_join_timeouts.clone(),
+        );
         ServerMetrics { registry, ..m }
     }
 }
@@ -99,6 +119,18 @@ impl ServerMetrics {
             .get_or_create(&ReasonLabel {
                 reason: reason.into(),
             })
+            .inc();
+    }
+
+    pub fn sync_world_formed(&self, job: &str) {
+        self.sync_worlds_formed
+            .get_or_create(&JobLabel { job: job.into() })
+            .inc();
+    }
+
+    pub fn sync_join_timed_out(&self, job: &str) {
+        self.sync_join_timeouts
+            .get_or_create(&JobLabel { job: job.into() })
             .inc();
     }
 

@@ -1,7 +1,8 @@
 //! Durable state under one data directory.
 //!
 //! ```text
-//! <data>/db/                      sled: tasks, open rounds, round history, clients, enrolments, meta
+//! <data>/db/                      sled: tasks, open rounds, round history, clients, enrolments,
+//!                                 sync jobs, meta
 //! <data>/blobs/models/<hex>.safetensors   global models, content-addressed by model digest
 //! <data>/blobs/modules/<hex>.pt           TorchScript modules, by SHA-256 of their bytes
 //! <data>/checkpoints/<task>-r<round>-a<attempt>-<seq>.ckpt   round accumulators (f64 sums)
@@ -99,6 +100,18 @@ pub struct EnrolmentRecord {
     pub expires_unix_ms: u64,
 }
 
+/// A synchronous allreduce job as stored: its definition and how many worlds it has formed. The
+/// world being formed is never stored (see `rendezvous`): after a restart, workers join again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncJobRecord {
+    pub id: String,
+    pub world_size: u32,
+    /// SHA-256 of the job's bearer token (hex), as for the admin token.
+    pub token_hash: String,
+    /// Worlds formed so far.
+    pub generations: u64,
+}
+
 pub struct Store {
     dir: PathBuf,
     db: sled::Db,
@@ -107,6 +120,7 @@ pub struct Store {
     history: sled::Tree,
     clients: sled::Tree,
     enrolments: sled::Tree,
+    sync_jobs: sled::Tree,
     meta: sled::Tree,
 }
 
@@ -159,6 +173,7 @@ impl Store {
             history: db.open_tree("history")?,
             clients: db.open_tree("clients")?,
             enrolments: db.open_tree("enrolments")?,
+            sync_jobs: db.open_tree("sync_jobs")?,
             meta: db.open_tree("meta")?,
             db,
         })
@@ -282,6 +297,34 @@ impl Store {
                     reason: e.to_string(),
                 }),
         }
+    }
+
+    // -- sync jobs ----------------------------------------------------------------------------
+
+    pub fn sync_jobs(&self) -> Result<Vec<SyncJobRecord>, StoreError> {
+        Ok(all(self.sync_jobs.iter())?
+            .into_iter()
+            .map(|(_, job)| job)
+            .collect())
+    }
+
+    /// Creates a sync job if the id is free; false if it exists.
+    pub fn create_sync_job(&self, job: &SyncJobRecord) -> Result<bool, StoreError> {
+        let created = self
+            .sync_jobs
+            .compare_and_swap(&job.id, None as Option<&[u8]>, Some(json(job)))?
+            .is_ok();
+        Ok(created)
+    }
+
+    pub fn put_sync_job(&self, job: &SyncJobRecord) -> Result<(), StoreError> {
+        self.sync_jobs.insert(&job.id, json(job))?;
+        Ok(())
+    }
+
+    /// Deletes a sync job; false if there was none.
+    pub fn remove_sync_job(&self, id: &str) -> Result<bool, StoreError> {
+        Ok(self.sync_jobs.remove(id)?.is_some())
     }
 
     pub fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
@@ -556,5 +599,25 @@ mod tests {
             .unwrap();
         assert!(store.take_enrolment("h").unwrap().is_some());
         assert!(store.take_enrolment("h").unwrap().is_none());
+    }
+
+    #[test]
+    fn sync_jobs_are_created_once_updated_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let mut job = SyncJobRecord {
+            id: "ring".into(),
+            world_size: 4,
+            token_hash: "h".into(),
+            generations: 0,
+        };
+        assert!(store.create_sync_job(&job).unwrap());
+        assert!(!store.create_sync_job(&job).unwrap());
+        job.generations = 3;
+        store.put_sync_job(&job).unwrap();
+        assert_eq!(store.sync_jobs().unwrap(), vec![job.clone()]);
+        assert!(store.remove_sync_job("ring").unwrap());
+        assert!(!store.remove_sync_job("ring").unwrap());
+        assert!(store.sync_jobs().unwrap().is_empty());
     }
 }

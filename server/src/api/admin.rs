@@ -1,16 +1,17 @@
 //! The admin API (`/admin/v1`, bearer admin token): models and modules, tasks and their
-//! lifecycle, round history and models, enrolment tokens, clients.
+//! lifecycle, round history and models, enrolment tokens, clients, and sync jobs (the
+//! synchronous allreduce jobs whose workers meet at [`crate::rendezvous`]).
 
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use hora_common::model::{Limits, ModelView};
 use hora_common::wire::{
-    ApiError, ClientInfo, CreateEnrolment, CreateTask, EnrolmentToken, ModelUploaded,
-    ModuleUploaded, RoundRecord, TaskInfo, TaskState,
+    ApiError, ClientInfo, CreateEnrolment, CreateSyncJob, CreateTask, EnrolmentToken,
+    ModelUploaded, ModuleUploaded, RoundRecord, SyncJobInfo, TaskInfo, TaskState,
 };
 
 use super::client::model_response;
@@ -37,6 +38,11 @@ pub fn routes() -> axum::Router<Shared> {
         .route("/admin/v1/enrolments", post(create_enrolment))
         .route("/admin/v1/clients", get(list_clients))
         .route("/admin/v1/clients/{client}/revoke", post(revoke_client))
+        .route(
+            "/admin/v1/sync-jobs",
+            post(create_sync_job).get(list_sync_jobs),
+        )
+        .route("/admin/v1/sync-jobs/{id}", delete(delete_sync_job))
 }
 
 #[utoipa::path(post, path = "/admin/v1/models", tag = "admin", security(("admin_token" = [])),
@@ -260,4 +266,34 @@ pub async fn revoke_client(
     store.flush()?;
     tracing::info!(client = %client, "client revoked");
     Ok(Json(client_info(client, record)))
+}
+
+#[utoipa::path(post, path = "/admin/v1/sync-jobs", tag = "admin", security(("admin_token" = [])), request_body = CreateSyncJob,
+    responses((status = 201, body = SyncJobInfo, description = "the job, with its worker token (shown once)"),
+        (status = 400, body = ApiError, description = "bad id, or world_size not in 1..=4096"),
+        (status = 401, body = ApiError), (status = 409, body = ApiError, description = "`sync_job_exists`")))]
+pub async fn create_sync_job(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    ApiJson(req): ApiJson<CreateSyncJob>,
+) -> Result<(StatusCode, Json<SyncJobInfo>), ServerError> {
+    Ok((StatusCode::CREATED, Json(state.rendezvous.create(req)?)))
+}
+
+#[utoipa::path(get, path = "/admin/v1/sync-jobs", tag = "admin", security(("admin_token" = [])),
+    responses((status = 200, body = Vec<SyncJobInfo>, description = "every sync job, without tokens"), (status = 401, body = ApiError)))]
+pub async fn list_sync_jobs(State(state): State<Shared>, _a: AdminAuth) -> Json<Vec<SyncJobInfo>> {
+    Json(state.rendezvous.list())
+}
+
+#[utoipa::path(delete, path = "/admin/v1/sync-jobs/{id}", tag = "admin", security(("admin_token" = [])), params(("id" = String, Path)),
+    responses((status = 204, description = "deleted; its waiting workers are answered 410 `job_deleted`"),
+        (status = 401, body = ApiError), (status = 404, body = ApiError)))]
+pub async fn delete_sync_job(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ServerError> {
+    state.rendezvous.delete(&id)?;
+    Ok(StatusCode::NO_CONTENT)
 }

@@ -1,5 +1,6 @@
-//! The HTTP surface: the client API (`/v1`, [`client`]), the admin API (`/admin/v1`, [`admin`]),
-//! and the operational routes (`/healthz`, `/metrics`, `/openapi.json`).
+//! The HTTP surface: the client API (`/v1`, [`client`]), the sync-job workers' rendezvous
+//! (`/v1/sync`, [`sync`]), the admin API (`/admin/v1`, [`admin`]), and the operational routes
+//! (`/healthz`, `/metrics`, `/openapi.json`).
 //!
 //! Every handler returns `Result<_, ServerError>`, so every refusal is a 4xx with an
 //! `ApiError` JSON body. Bodies are size-checked from `Content-Length` before they are read, and
@@ -7,6 +8,7 @@
 
 pub mod admin;
 pub mod client;
+pub mod sync;
 
 use std::sync::Arc;
 
@@ -28,6 +30,7 @@ use utoipa::OpenApi;
 use crate::auth;
 use crate::coordinator::Coordinator;
 use crate::error::ServerError;
+use crate::rendezvous::Rendezvous;
 
 /// Limits on what the HTTP layer accepts.
 #[derive(Debug, Clone)]
@@ -53,6 +56,8 @@ pub struct AppState {
     pub limits: HttpLimits,
     /// Update bodies being read and folded at once: bounds memory whatever the client count.
     pub ingest: Arc<Semaphore>,
+    /// Sync jobs and the worlds their workers are forming.
+    pub rendezvous: Rendezvous,
 }
 
 pub type Shared = Arc<AppState>;
@@ -232,6 +237,8 @@ async fn fallback() -> ServerError {
         admin::upload_model, admin::upload_module, admin::create_task, admin::list_tasks, admin::get_task,
         admin::pause, admin::resume, admin::stop, admin::rounds, admin::round_model,
         admin::create_enrolment, admin::list_clients, admin::revoke_client,
+        admin::create_sync_job, admin::list_sync_jobs, admin::delete_sync_job,
+        sync::join,
     ),
     components(schemas(ApiError)),
     modifiers(&BearerAuth),
@@ -252,6 +259,10 @@ impl utoipa::Modify for BearerAuth {
             "client_credentials",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
+        components.add_security_scheme(
+            "sync_job_token",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
     }
 }
 
@@ -261,6 +272,7 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         .merge(client::routes())
+        .merge(sync::routes())
         .merge(admin::routes())
         .fallback(fallback)
         // Bodies are bounded per route (read_body, ApiJson's limit below).
