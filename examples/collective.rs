@@ -77,7 +77,7 @@ fn check(comm: &mut Communicator, args: &Args) -> Result<()> {
         for (i, got) in buf.iter().enumerate() {
             let want = (0..n).map(|r| f64::from(value(r, i))).sum::<f64>() / f64::from(n);
             let err = (f64::from(*got) - want).abs() / want.abs().max(1.0);
-            if !(err <= tolerance) {
+            if err.is_nan() || err > tolerance {
                 bail!("allreduce of {len} elements on {n} ranks: element {i} is {got}, the mean is {want}");
             }
             worst = worst.max(err);

@@ -399,3 +399,139 @@ fn ranks_come_from_slurm_and_mpirun_environments() {
         );
     }
 }
+
+/// A sync job of `n` at a fresh server; returns the server and the job's token.
+fn server_with_job(dir: &Path, n: u32) -> (Server, String) {
+    let server = Server::start(&dir.join("server"));
+    let api = server.api(ADMIN_TOKEN);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let job: hora_common::wire::SyncJobInfo = runtime.block_on(
+        api.ok(api
+            .request(reqwest::Method::POST, "/admin/v1/sync-jobs")
+            .json(&hora_common::wire::CreateSyncJob {
+                id: "job".into(),
+                world_size: n,
+            })),
+    );
+    (server, job.token.expect("the job's token"))
+}
+
+fn at_server(server: &Server, token: &str, n: u32, timeout: u64) -> Vec<String> {
+    strings(&[
+        "--server",
+        &server.url,
+        "--ca",
+        &server.ca.display().to_string(),
+        "--job",
+        "job",
+        "--token",
+        token,
+        "--world-size",
+        &n.to_string(),
+        "--timeout",
+        &timeout.to_string(),
+    ])
+}
+
+#[test]
+fn workers_meet_at_the_server_with_mpirun_ranks_or_ranks_it_assigns() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, token) = server_with_job(dir.path(), 3);
+    let mut args = training(10, 1, &dir.path().join("w.safetensors"));
+    args.extend(at_server(&server, &token, 3, 60));
+    // mpirun's ranks, started in reverse order.
+    let workers = Workers(
+        [2, 1, 0]
+            .iter()
+            .map(|rank| {
+                let mut env = vec![("OMPI_COMM_WORLD_RANK", rank.to_string())];
+                env.push(("OMPI_COMM_WORLD_SIZE", "3".into()));
+                let mut a = args.clone();
+                a.retain(|x| x != "--world-size" && x != "3");
+                spawn(&binary("hora-client"), &a, &env)
+            })
+            .collect(),
+    );
+    for (out, rank) in workers
+        .finish(Duration::from_secs(120))
+        .iter()
+        .zip([2, 1, 0])
+    {
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "rank {rank}: {}", text(&out.stderr));
+        assert!(
+            stdout.contains(&format!("rank {rank} of 3 (rank from mpirun")),
+            "{stdout}"
+        );
+    }
+
+    // No launcher: the server hands out ranks 0..3, one each (the job forms its next world).
+    let workers = Workers(
+        (0..3)
+            .map(|_| spawn(&binary("hora-client"), &args, &[]))
+            .collect(),
+    );
+    let mut ranks: Vec<u32> = workers
+        .finish(Duration::from_secs(120))
+        .iter()
+        .map(|out| {
+            let stdout = text(&out.stdout);
+            assert!(out.status.success(), "{}", text(&out.stderr));
+            let line = stdout
+                .lines()
+                .find(|l| l.contains(" of 3 (rank from the server"))
+                .unwrap_or_else(|| panic!("{stdout}"));
+            line.split_whitespace()
+                .nth(1)
+                .and_then(|r| r.parse().ok())
+                .expect("a rank")
+        })
+        .collect();
+    ranks.sort();
+    assert_eq!(ranks, [0, 1, 2]);
+}
+
+#[test]
+fn a_worker_that_never_comes_is_named_by_the_rendezvous() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, token) = server_with_job(dir.path(), 2);
+    let mut args = training(10, 1, &dir.path().join("w.safetensors"));
+    args.extend(at_server(&server, &token, 2, 2));
+    args.extend(strings(&["--rank", "0"]));
+    let start = Instant::now();
+    let out =
+        Workers(vec![spawn(&binary("hora-client"), &args, &[])]).finish(Duration::from_secs(60));
+    let stderr = text(&out[0].stderr);
+    assert!(!out[0].status.success());
+    assert!(stderr.contains("rank [1] has not joined"), "{stderr}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn the_sync_example_trains_the_mlp_with_local_processes() {
+    let out = Command::new(example("sync"))
+        .args(["--workers", "2", "--epochs", "2", "--hidden", "64"])
+        .env("HORA_LOG", "warn")
+        .output()
+        .expect("run examples/sync");
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    let accuracy: f64 = stdout
+        .lines()
+        .find(|l| l.starts_with("epoch 2/2"))
+        .and_then(|l| l.split("accuracy ").nth(1))
+        .and_then(|a| a.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no accuracy in {stdout}"));
+    assert!(
+        accuracy > 0.7,
+        "held-out accuracy after 2 epochs: {accuracy}\n{stdout}"
+    );
+}

@@ -607,10 +607,12 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
     )?;
     let (rank, size) = (comm.rank(), comm.size());
     // Tests and scripts read this line.
-    println!(
-        "rank {rank} of {size} (rank from {}, device {device:?})",
+    let origin = if launch.rank.is_some() {
         launch.source
-    );
+    } else {
+        "the server"
+    };
+    println!("rank {rank} of {size} (rank from {origin}, device {device:?})");
 
     let bar = if args.no_progress || rank != 0 {
         ProgressBar::hidden()

@@ -85,7 +85,7 @@ impl SyncOptimizer {
             )));
         }
         let buffers = match algorithm {
-            Algorithm::Sgd { momentum, .. } if momentum == 0.0 => 0,
+            Algorithm::Sgd { momentum: 0.0, .. } => 0,
             Algorithm::Sgd { .. } => 1,
             Algorithm::Adam { .. } => 2,
         };
