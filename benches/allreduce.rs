@@ -31,7 +31,7 @@ fn parse(stdout: &[u8]) -> Vec<(usize, f64)> {
         .collect()
 }
 
-fn hora(n: usize, sizes: &str, iterations: usize, fp16: bool) -> Vec<(usize, f64)> {
+fn hora(n: usize, sizes: &str, iterations: usize, flags: &[&str]) -> Vec<(usize, f64)> {
     let peers: Vec<String> = (0..n)
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
@@ -42,10 +42,8 @@ fn hora(n: usize, sizes: &str, iterations: usize, fp16: bool) -> Vec<(usize, f64
             cmd.args(["--bench", "--peers", &peers, "--rank", &rank.to_string()])
                 .args(["--bytes", sizes, "--iterations", &iterations.to_string()])
                 .stdout(Stdio::piped())
+                .args(flags)
                 .stderr(Stdio::inherit());
-            if fp16 {
-                cmd.arg("--fp16");
-            }
             cmd.spawn()
                 .expect("start examples/collective (make bench builds it)")
         })
@@ -86,28 +84,37 @@ fn main() {
         .map(|m| (m << 20).to_string())
         .collect::<Vec<_>>()
         .join(",");
-    println!("allreduce bus bandwidth (GB/s; nccl-tests busbw = algbw × 2(n−1)/n), {iterations} iterations after 2 warm-up, local processes over loopback");
+    println!("allreduce bus bandwidth (GB/s; nccl-tests busbw = algbw × 2(n−1)/n), {iterations} iterations after 2 warm-up, local processes");
+    println!("hora: same-host neighbours pass pieces through shared memory (TCP carries headers, credits, failures); hora tcp: everything over loopback TCP, like Gloo; f16: half precision on the wire");
     println!(
-        "{:>5} {:>8} {:>10} {:>10} {:>12} {:>10}",
-        "ranks", "MiB", "hora", "gloo", "hora/gloo", "hora f16"
+        "{:>5} {:>6} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
+        "ranks", "MiB", "hora", "gloo", "ratio", "hora tcp", "tcp/gloo", "hora f16"
     );
     for &n in &ranks {
-        let ours = hora(n, &sizes, iterations, false);
-        let half = hora(n, &sizes, iterations, true);
+        let ours = hora(n, &sizes, iterations, &[]);
+        let tcp = hora(n, &sizes, iterations, &["--tcp-only"]);
+        let half = hora(n, &sizes, iterations, &["--fp16"]);
         let theirs = gloo(n, &sizes, iterations);
-        for (((bytes, h), (_, g)), (_, f)) in ours.iter().zip(&theirs).zip(&half) {
+        let rows = ours.len().min(theirs.len()).min(tcp.len()).min(half.len());
+        for i in 0..rows {
+            let (bytes, h) = ours[i];
+            let (g, t, f) = (theirs[i].1, tcp[i].1, half[i].1);
             println!(
-                "{n:>5} {:>8} {:>10.2} {:>10.2} {:>12.2} {:>10.2}",
+                "{n:>5} {:>6} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {:>10.2} {:>9.2}",
                 bytes >> 20,
                 h / 1e9,
                 g / 1e9,
                 h / g,
+                t / 1e9,
+                t / g,
                 f / 1e9
             );
+        }
+        for i in 0..rows {
             println!(
                 "RESULT allreduce n={n} {}MiB busbw hora/gloo = {:.2}",
-                bytes >> 20,
-                h / g
+                ours[i].0 >> 20,
+                ours[i].1 / theirs[i].1
             );
         }
     }

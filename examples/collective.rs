@@ -45,8 +45,11 @@ struct Args {
     /// Half precision on the wire.
     #[arg(long)]
     fp16: bool,
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 256)]
     sub_chunk_kib: usize,
+    /// TCP only, even between workers on this host (no shared-memory slots).
+    #[arg(long)]
+    tcp_only: bool,
     /// Seconds a silent neighbour is given.
     #[arg(long, default_value_t = 30)]
     timeout: u64,
@@ -118,7 +121,7 @@ fn bench(comm: &mut Communicator, args: &Args) -> Result<()> {
             let busbw = algbw * 2.0 * f64::from(n - 1) / f64::from(n);
             println!(
                 "{}",
-                serde_json::json!({"ranks": n, "bytes": bytes, "seconds": seconds, "algbw": algbw, "busbw": busbw, "fp16": args.fp16})
+                serde_json::json!({"ranks": n, "bytes": bytes, "seconds": seconds, "algbw": algbw, "busbw": busbw, "fp16": args.fp16, "tcp_only": args.tcp_only})
             );
         }
     }
@@ -131,6 +134,7 @@ fn run(args: &Args) -> Result<()> {
         sub_chunk_bytes: args.sub_chunk_kib.max(1) << 10,
         wire: if args.fp16 { Wire::F16 } else { Wire::F32 },
         timeout: Duration::from_secs(args.timeout),
+        shared_memory: !args.tcp_only,
     };
     let mut comm = form_world(
         Meeting::Peers(args.peers.clone()),

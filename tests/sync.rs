@@ -129,6 +129,22 @@ fn collectives_across_processes_equal_the_mean_for_1_to_4_workers_up_to_64_mib()
 }
 
 #[test]
+fn tcp_only_rings_agree_with_shared_memory_rings() {
+    // Same host, so the ring would use shared memory: force TCP and compare.
+    for n in [2, 3] {
+        let outputs = collective(
+            n,
+            &["--elements", "1,4099,1048577", "--tcp-only"],
+            Duration::from_secs(120),
+        );
+        for out in &outputs {
+            assert!(out.status.success(), "{}", text(&out.stderr));
+            assert_eq!(text(&out.stdout).matches("ok elements=").count(), 3);
+        }
+    }
+}
+
+#[test]
 fn half_precision_on_the_wire_stays_within_f16_rounding() {
     let outputs = collective(
         3,

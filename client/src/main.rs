@@ -140,7 +140,7 @@ struct SyncArgs {
     /// Tensors are fused into buffers of up to this many MiB per allreduce [default: 64].
     #[arg(long, env = "HORA_FUSION_MIB")]
     fusion_mib: Option<usize>,
-    /// Pipelined pieces of this many KiB on the ring [default: 1024].
+    /// Pipelined pieces of this many KiB on the ring [default: 256].
     #[arg(long, env = "HORA_SUB_CHUNK_KIB")]
     sub_chunk_kib: Option<usize>,
     /// Send gradients as half precision (half the bytes; about 3 significant digits).
@@ -570,9 +570,10 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
         save: args.save,
     };
     let options = CommOptions {
-        sub_chunk_bytes: args.sub_chunk_kib.unwrap_or(1024).max(1) << 10,
+        sub_chunk_bytes: args.sub_chunk_kib.unwrap_or(256).max(1) << 10,
         wire: if args.fp16 { Wire::F16 } else { Wire::F32 },
         timeout: Duration::from_secs(args.timeout.unwrap_or(30).max(1)),
+        ..CommOptions::default()
     };
 
     let identity = match (args.cert, args.key) {

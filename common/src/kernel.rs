@@ -219,6 +219,14 @@ pub fn accumulate(dst: &mut [f32], src: &[f32]) {
     dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
 }
 
+/// `dst[i] = (dst[i] + src[i]) × factor`: the last piece of a sum and its mean in one pass.
+pub fn accumulate_scaled(dst: &mut [f32], src: &[f32], factor: f32) {
+    assert_eq!(dst.len(), src.len(), "accumulate_scaled: lengths differ");
+    dst.iter_mut()
+        .zip(src)
+        .for_each(|(d, s)| *d = (*d + s) * factor);
+}
+
 /// `dst[i] *= factor`: the sum turned into a mean (on the calling thread, like [`accumulate`]).
 pub fn scale(dst: &mut [f32], factor: f32) {
     dst.iter_mut().for_each(|d| *d *= factor);
@@ -302,6 +310,9 @@ mod tests {
         let mut sum = a.clone();
         accumulate(&mut sum, &b);
         scale(&mut sum, 0.5);
+        let mut fused = a.clone();
+        accumulate_scaled(&mut fused, &b, 0.5);
+        assert_eq!(fused, sum);
         for i in [0, 1, 4096, n - 1] {
             assert_eq!(sum[i], (a[i] + b[i]) * 0.5, "element {i}");
         }

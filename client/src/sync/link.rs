@@ -12,9 +12,19 @@
 //! the worker that notices first sends an `Abort` frame naming the failed rank to its right
 //! neighbour, which forwards it, so every survivor stops and names the same rank. Payload lengths
 //! are checked against what the receiver expects before anything is read into memory.
+//!
+//! **Shared memory between neighbours on one host.** When both ends run on the same machine
+//! (same kernel boot id), the receiving side offers a ring of slots in a shared-memory file
+//! (`/dev/shm`, unlinked as soon as both have mapped it): the sender writes a piece straight
+//! into a free slot and sends only a 16-byte header over TCP, and the receiver reduces straight
+//! out of the slot and hands it back with a credit frame. One copy per byte instead of two
+//! through the kernel, and no payload system calls — what NCCL and MPI do within a node. The TCP
+//! connection stays: it carries the headers, credits, aborts and timeouts, so failure detection
+//! is the same either way. `HORA_RING_SHM=0` turns it off.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -41,6 +51,12 @@ pub enum Kind {
     Data = 4,
     Blob = 5,
     Abort = 6,
+    /// A data piece waiting in shared-memory slot `aux`.
+    SlotData = 7,
+    /// The receiver is done with slot `aux` (flows back to the sender).
+    Credit = 8,
+    /// The connecting side mapped the offered shared memory (or, with payload `no`, did not).
+    Attached = 9,
 }
 
 impl Kind {
@@ -52,6 +68,9 @@ impl Kind {
             4 => Kind::Data,
             5 => Kind::Blob,
             6 => Kind::Abort,
+            7 => Kind::SlotData,
+            8 => Kind::Credit,
+            9 => Kind::Attached,
             _ => return None,
         })
     }
@@ -80,6 +99,7 @@ pub struct Outbound {
     /// The neighbour's rank, for error messages.
     pub peer: u32,
     timeout: Duration,
+    slots: Option<SenderSlots>,
 }
 
 /// The receiving end (from the left neighbour).
@@ -87,7 +107,35 @@ pub struct Inbound {
     stream: TcpStream,
     pub peer: u32,
     timeout: Duration,
+    slots: Option<ReceiverSlots>,
 }
+
+/// The sender's side of a shared-memory slot ring.
+struct SenderSlots {
+    map: memmap2::MmapMut,
+    slot_bytes: usize,
+    /// Slots the receiver has handed back.
+    free: Vec<u32>,
+}
+
+/// The receiver's side of a shared-memory slot ring.
+struct ReceiverSlots {
+    map: memmap2::Mmap,
+    slot_bytes: usize,
+    count: u32,
+}
+
+/// Where an announced data piece is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Incoming {
+    /// In the TCP stream, right after the header.
+    Stream,
+    /// In shared-memory slot `n`.
+    Slot(u32),
+}
+
+/// Slots offered to a same-host sender.
+const SLOTS: u32 = 8;
 
 impl Outbound {
     /// Writes one frame: header, then payload.
@@ -97,6 +145,96 @@ impl Outbound {
             .write_all(&header)
             .and_then(|()| self.stream.write_all(payload))
             .map_err(|e| self.failed(e))
+    }
+
+    /// Sends one data piece of `len` bytes: `direct` as it is, or what `fill` writes. Over
+    /// shared memory `fill` writes straight into a slot and only a header crosses the socket;
+    /// otherwise `fill` writes into `scratch`.
+    pub fn send_data(
+        &mut self,
+        len: usize,
+        direct: Option<&[u8]>,
+        scratch: &mut Vec<u32>,
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        if self.slots.as_ref().is_some_and(|s| len <= s.slot_bytes) {
+            let slot = self.free_slot()?;
+            let slots = self
+                .slots
+                .as_mut()
+                .ok_or_else(|| SyncError::Config("no slots".into()))?;
+            let at = slot as usize * slots.slot_bytes;
+            let dst = &mut slots.map[at..at + len];
+            match direct {
+                Some(bytes) => dst.copy_from_slice(bytes),
+                None => fill(dst)?,
+            }
+            // The slot's bytes are written before the header that announces them.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            let header = encode_header(Kind::SlotData, slot, len as u64);
+            return self.stream.write_all(&header).map_err(|e| self.failed(e));
+        }
+        match direct {
+            Some(bytes) => self.send(Kind::Data, 0, bytes),
+            None => {
+                scratch.resize(len.div_ceil(4), 0);
+                let buf = &mut bytemuck::cast_slice_mut::<u32, u8>(scratch)[..len];
+                fill(buf)?;
+                self.send(Kind::Data, 0, buf)
+            }
+        }
+    }
+
+    /// Waits until the receiver has handed back every slot. Called at the end of each
+    /// collective, so that no credit is left unread in the socket: closing a socket with unread
+    /// data resets the connection, and the reset could destroy data the neighbour still has to
+    /// read.
+    pub fn settle(&mut self) -> Result<()> {
+        while self
+            .slots
+            .as_ref()
+            .is_some_and(|s| s.free.len() < SLOTS as usize)
+        {
+            let slot = self.read_credit()?;
+            if let Some(s) = self.slots.as_mut() {
+                s.free.push(slot);
+            }
+        }
+        Ok(())
+    }
+
+    /// A slot the receiver is done with, waiting for its credit if none is free.
+    fn free_slot(&mut self) -> Result<u32> {
+        loop {
+            if let Some(slot) = self.slots.as_mut().and_then(|s| s.free.pop()) {
+                return Ok(slot);
+            }
+            let slot = self.read_credit()?;
+            if let Some(s) = self.slots.as_mut() {
+                s.free.push(slot);
+            }
+        }
+    }
+
+    fn read_credit(&mut self) -> Result<u32> {
+        {
+            let mut h = [0u8; HEADER_LEN];
+            self.stream.read_exact(&mut h).map_err(|e| self.failed(e))?;
+            if h[0] != MAGIC || Kind::from_u8(h[1]) != Some(Kind::Credit) {
+                return Err(SyncError::Protocol(format!(
+                    "rank {} sent something other than a slot credit back",
+                    self.peer
+                )));
+            }
+            let slot = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+            if slot >= SLOTS {
+                return Err(SyncError::Protocol(format!(
+                    "rank {} returned slot {slot} of {SLOTS}",
+                    self.peer
+                )));
+            }
+            Ok(slot)
+        }
     }
 
     /// Tells the right neighbour that `rank` failed (best effort: it may be the one that died).
@@ -156,6 +294,84 @@ impl Inbound {
             });
         }
         Ok(header)
+    }
+
+    /// Reads the header of a data piece of exactly `len` bytes: in the stream or in a slot.
+    pub fn data_header(&mut self, len: u64) -> Result<Incoming> {
+        let h = self.header()?;
+        let incoming = match h.kind {
+            Kind::Data => Incoming::Stream,
+            Kind::SlotData
+                if self
+                    .slots
+                    .as_ref()
+                    .is_some_and(|s| h.aux < s.count && h.len as usize <= s.slot_bytes) =>
+            {
+                Incoming::Slot(h.aux)
+            }
+            _ => Incoming::Stream,
+        };
+        if !matches!(h.kind, Kind::Data | Kind::SlotData)
+            || h.len != len
+            || (h.kind == Kind::SlotData && incoming == Incoming::Stream)
+        {
+            return Err(SyncError::Protocol(format!(
+                "rank {} sent a {:?} frame of {} bytes where a data piece of {len} bytes was due \
+                 (the ranks are out of step: do all of them make the same collective calls?)",
+                self.peer, h.kind, h.len
+            )));
+        }
+        Ok(incoming)
+    }
+
+    /// Copies an announced piece into `dst`.
+    pub fn data_into(&mut self, incoming: Incoming, dst: &mut [u8]) -> Result<()> {
+        match incoming {
+            Incoming::Stream => self.payload(dst),
+            Incoming::Slot(slot) => {
+                dst.copy_from_slice(self.slot(slot, dst.len())?);
+                self.credit(slot)
+            }
+        }
+    }
+
+    /// Runs `f` on an announced piece of `len` bytes: read into `scratch`, or in its slot.
+    pub fn data_with<T>(
+        &mut self,
+        incoming: Incoming,
+        len: usize,
+        scratch: &mut Vec<u32>,
+        f: impl FnOnce(&[u8]) -> Result<T>,
+    ) -> Result<T> {
+        match incoming {
+            Incoming::Stream => {
+                scratch.resize(len.div_ceil(4), 0);
+                let buf = &mut bytemuck::cast_slice_mut::<u32, u8>(scratch)[..len];
+                self.payload(buf)?;
+                f(buf)
+            }
+            Incoming::Slot(slot) => {
+                let result = f(self.slot(slot, len)?);
+                self.credit(slot)?;
+                result
+            }
+        }
+    }
+
+    fn slot(&self, slot: u32, len: usize) -> Result<&[u8]> {
+        let slots = self
+            .slots
+            .as_ref()
+            .ok_or_else(|| SyncError::Protocol("a slot piece without shared memory".into()))?;
+        // The header that announced the slot was read after the sender wrote it.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let at = slot as usize * slots.slot_bytes;
+        Ok(&slots.map[at..at + len])
+    }
+
+    fn credit(&mut self, slot: u32) -> Result<()> {
+        let header = encode_header(Kind::Credit, slot, 0);
+        self.stream.write_all(&header).map_err(|e| self.failed(e))
     }
 
     /// Reads a header that must be `kind` with exactly `len` payload bytes.
@@ -228,6 +444,83 @@ fn hello_payload(world: &World) -> Vec<u8> {
     .into_bytes()
 }
 
+/// This machine's identity for the shared-memory offer: the kernel's boot id (two processes
+/// with the same one share `/dev/shm`), unless `HORA_RING_SHM=0`.
+fn host_id() -> Option<String> {
+    if std::env::var("HORA_RING_SHM").is_ok_and(|v| v == "0") {
+        return None;
+    }
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|id| id.trim().to_string())
+        .filter(|id| !id.is_empty() && Path::new("/dev/shm").is_dir())
+}
+
+/// Creates and maps a slot ring for a same-host sender; the file is unlinked by the caller
+/// once the sender has mapped it.
+fn create_slots(
+    session: &str,
+    rank: u32,
+    slot_bytes: usize,
+) -> io::Result<(PathBuf, ReceiverSlots)> {
+    let mut nonce = [0u8; 8];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce)
+        .map_err(|_| io::Error::other("no randomness"))?;
+    let path = PathBuf::from(format!(
+        "/dev/shm/hora-ring-{}-{rank}-{}",
+        &session[..session.len().min(8)],
+        hex::encode(nonce)
+    ));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)?;
+    let mapped = (|| {
+        file.set_len((slot_bytes * SLOTS as usize) as u64)?;
+        // SAFETY: the file is new, private to this job (random name, 0600 by umask of a
+        // dedicated worker at worst), and only its sender writes to it, into slots this side
+        // has handed over by credit; this side reads a slot only between the header that
+        // announces it and the credit that returns it.
+        unsafe { memmap2::Mmap::map(&file) }
+    })();
+    match mapped {
+        Ok(map) => Ok((
+            path,
+            ReceiverSlots {
+                map,
+                slot_bytes,
+                count: SLOTS,
+            },
+        )),
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            Err(e)
+        }
+    }
+}
+
+/// Maps the slot ring a same-host receiver offered.
+fn attach_slots(path: &str, slot_bytes: usize) -> io::Result<SenderSlots> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    if file.metadata()?.len() != (slot_bytes * SLOTS as usize) as u64 {
+        return Err(io::Error::other(
+            "the shared-memory file has the wrong size",
+        ));
+    }
+    // SAFETY: see `create_slots`: this side writes a slot only while it holds it (before the
+    // header that hands it over, after the credit that returns it).
+    let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+    Ok(SenderSlots {
+        map,
+        slot_bytes,
+        free: (0..SLOTS).rev().collect(),
+    })
+}
+
 impl Links {
     /// Binds the address this worker will accept its left neighbour on (before the rendezvous,
     /// so the address it announces is already listening).
@@ -240,8 +533,14 @@ impl Links {
         })
     }
 
-    /// Connects to the right neighbour and accepts the left one, both within `timeout`.
-    pub fn connect(world: &World, listener: TcpListener, timeout: Duration) -> Result<Links> {
+    /// Connects to the right neighbour and accepts the left one, both within `timeout`. A
+    /// same-host left neighbour is offered shared-memory slots of `slot_bytes` (`None`: TCP).
+    pub fn connect(
+        world: &World,
+        listener: TcpListener,
+        timeout: Duration,
+        slot_bytes: Option<usize>,
+    ) -> Result<Links> {
         if world.size < 2 {
             return Err(SyncError::Config(
                 "a world of one has no ring to connect".into(),
@@ -250,10 +549,15 @@ impl Links {
         let deadline = Instant::now() + timeout;
         let right = world.right();
         let address = world.peers[right as usize].clone();
-        let hello = hello_payload(world);
+        let host = host_id();
+        let mut hello = hello_payload(world);
+        if let Some(host) = &host {
+            hello.extend_from_slice(format!(" shm={host}").as_bytes());
+        }
+        let offer = host.as_deref().zip(slot_bytes.map(|b| b.div_ceil(64) * 64));
         let outbound = thread::scope(|s| {
             let out = s.spawn(|| connect_right(&address, right, &hello, deadline, timeout));
-            let inbound = accept_left(world, &listener, deadline, timeout);
+            let inbound = accept_left(world, &listener, deadline, timeout, offer);
             let outbound = out
                 .join()
                 .map_err(|_| SyncError::Config("the connecting thread panicked".into()))?;
@@ -292,6 +596,7 @@ fn connect_right(
                 stream,
                 peer: rank,
                 timeout,
+                slots: None,
             };
             out.send(Kind::Hello, 0, hello)?;
             let mut back = Inbound {
@@ -301,6 +606,7 @@ fn connect_right(
                     .map_err(|e| SyncError::io("cloning the ring socket", e))?,
                 peer: rank,
                 timeout,
+                slots: None,
             };
             let refused = |why: String| {
                 SyncError::Protocol(format!(
@@ -311,9 +617,32 @@ fn connect_right(
                 SyncError::Mismatch(why) => refused(why),
                 e => e,
             })?;
-            back.control_payload(h.len)?;
+            let welcome = back.control_payload(h.len)?;
             if h.kind != Kind::Welcome {
                 return Err(refused(format!("answered {:?}", h.kind)));
+            }
+            // "shm PATH SLOT_BYTES": a same-host offer of shared-memory slots.
+            let welcome = String::from_utf8_lossy(&welcome).into_owned();
+            let mut words = welcome.split_whitespace();
+            if let (Some("shm"), Some(path), Some(bytes)) =
+                (words.next(), words.next(), words.next())
+            {
+                match bytes
+                    .parse()
+                    .map_err(io::Error::other)
+                    .and_then(|b| attach_slots(path, b))
+                {
+                    Ok(slots) => {
+                        out.slots = Some(slots);
+                        out.send(Kind::Attached, 0, b"yes")?;
+                    }
+                    Err(e) => {
+                        tracing::debug!(
+                            "shared memory with rank {rank} unavailable ({e}); using TCP"
+                        );
+                        out.send(Kind::Attached, 0, b"no")?;
+                    }
+                }
             }
             return Ok(out);
         }
@@ -336,6 +665,7 @@ fn accept_left(
     listener: &TcpListener,
     deadline: Instant,
     timeout: Duration,
+    offer: Option<(&str, usize)>,
 ) -> Result<Inbound> {
     let left = world.left();
     let expected = {
@@ -357,6 +687,7 @@ fn accept_left(
                     stream,
                     peer: left,
                     timeout,
+                    slots: None,
                 };
                 let Ok(h) = inbound.header() else { continue };
                 let Ok(hello) = inbound.control_payload(h.len) else {
@@ -369,6 +700,14 @@ fn accept_left(
                         .map_err(|e| SyncError::io("cloning the ring socket", e))?,
                     peer: left,
                     timeout,
+                    slots: None,
+                };
+                let (hello, their_host) = match hello.windows(5).position(|w| w == b" shm=") {
+                    Some(at) => (
+                        hello[..at].to_vec(),
+                        Some(String::from_utf8_lossy(&hello[at + 5..]).into_owned()),
+                    ),
+                    None => (hello, None),
                 };
                 if h.kind != Kind::Hello || hello != expected {
                     let why = format!(
@@ -381,7 +720,34 @@ fn accept_left(
                     reply.abort(None, &why);
                     continue;
                 }
-                reply.send(Kind::Welcome, 0, b"")?;
+                let same_host = offer.filter(|(host, _)| their_host.as_deref() == Some(*host));
+                let created = same_host.and_then(|(_, slot_bytes)| {
+                    create_slots(&world.session, world.rank, slot_bytes)
+                        .map_err(|e| {
+                            tracing::debug!("no shared memory for the ring ({e}); using TCP")
+                        })
+                        .ok()
+                        .map(|(path, slots)| (path, slots, slot_bytes))
+                });
+                match created {
+                    Some((path, slots, slot_bytes)) => {
+                        let welcome = format!("shm {} {slot_bytes}", path.display());
+                        let attached =
+                            reply
+                                .send(Kind::Welcome, 0, welcome.as_bytes())
+                                .and_then(|()| {
+                                    let h = inbound.header()?;
+                                    let answer = inbound.control_payload(h.len)?;
+                                    Ok(h.kind == Kind::Attached && answer == b"yes")
+                                });
+                        // Both sides have it mapped (or never will): the name can go.
+                        let _ = std::fs::remove_file(&path);
+                        if attached? {
+                            inbound.slots = Some(slots);
+                        }
+                    }
+                    None => reply.send(Kind::Welcome, 0, b"")?,
+                }
                 inbound
                     .stream
                     .set_read_timeout(Some(timeout))

@@ -51,9 +51,9 @@ pub trait Region: Send + Sized {
     /// Two disjoint pieces: `[0, mid)` and `[mid, len)`.
     fn split_at(self, mid: usize) -> (Self, Self);
 
-    /// The values as they go on the wire: f32 into `f32s` or f16 bits into `f16s` (both exactly
-    /// `len()` long), unless [`Region::wire_bytes`] gave them without a copy.
-    fn encode(&self, f32s: &mut [f32], f16s: &mut [u16], wire: Wire) -> Result<()>;
+    /// The values as they go on the wire (`len() × wire.width()` bytes, 4-byte aligned), for
+    /// pieces [`Region::wire_bytes`] cannot give without a copy.
+    fn encode(&self, out: &mut [u8], wire: Wire) -> Result<()>;
 
     /// The piece's own bytes when they can be sent as they are (host f32 on an f32 wire).
     fn wire_bytes(&self, _wire: Wire) -> Option<&[u8]> {
@@ -65,6 +65,17 @@ pub trait Region: Send + Sized {
     /// The piece's own bytes, to receive an overwrite into directly (host f32 on an f32 wire).
     fn receive_bytes(&mut self, _wire: Wire) -> Option<&mut [u8]> {
         None
+    }
+
+    /// `apply(Add)` then `finish`, in one pass where the memory allows it.
+    fn add_and_finish(
+        &mut self,
+        received: Received<'_>,
+        factor: Option<f32>,
+        wire: Wire,
+    ) -> Result<()> {
+        self.apply(Apply::Add, received)?;
+        self.finish(factor, wire)
     }
 
     /// Scales by `factor` (sum → mean) and, for an f16 wire, rounds to f16 so every rank holds
@@ -91,15 +102,12 @@ impl Region for &mut [f32] {
         self.split_at_mut(mid)
     }
 
-    fn encode(&self, _f32s: &mut [f32], f16s: &mut [u16], wire: Wire) -> Result<()> {
+    fn encode(&self, out: &mut [u8], wire: Wire) -> Result<()> {
         match wire {
-            // Sent straight from the slice (wire_bytes).
-            Wire::F32 => Ok(()),
-            Wire::F16 => {
-                kernel::encode_f16(self, f16s);
-                Ok(())
-            }
+            Wire::F32 => out.copy_from_slice(bytemuck::cast_slice(&self[..])),
+            Wire::F16 => kernel::encode_f16(self, bytemuck::cast_slice_mut(out)),
         }
+        Ok(())
     }
 
     fn wire_bytes(&self, wire: Wire) -> Option<&[u8]> {
@@ -120,6 +128,24 @@ impl Region for &mut [f32] {
             (Apply::Overwrite, Received::F16(bits)) => kernel::decode_f16(bits, self),
         }
         Ok(())
+    }
+
+    fn add_and_finish(
+        &mut self,
+        received: Received<'_>,
+        factor: Option<f32>,
+        wire: Wire,
+    ) -> Result<()> {
+        match (received, factor, wire) {
+            (Received::F32(v), Some(f), Wire::F32) => {
+                kernel::accumulate_scaled(self, v, f);
+                Ok(())
+            }
+            _ => {
+                self.apply(Apply::Add, received)?;
+                self.finish(factor, wire)
+            }
+        }
     }
 
     fn finish(&mut self, factor: Option<f32>, wire: Wire) -> Result<()> {
@@ -164,10 +190,10 @@ impl Region for TensorRegion {
         )
     }
 
-    fn encode(&self, f32s: &mut [f32], f16s: &mut [u16], wire: Wire) -> Result<()> {
+    fn encode(&self, out: &mut [u8], wire: Wire) -> Result<()> {
         match wire {
-            Wire::F32 => collective::to_host(&self.0, f32s)?,
-            Wire::F16 => collective::to_host_f16(&self.0, f16s)?,
+            Wire::F32 => collective::to_host(&self.0, bytemuck::cast_slice_mut(out))?,
+            Wire::F16 => collective::to_host_f16(&self.0, bytemuck::cast_slice_mut(out))?,
         }
         Ok(())
     }

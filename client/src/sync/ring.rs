@@ -42,14 +42,17 @@ pub struct CommOptions {
     pub wire: Wire,
     /// A neighbour silent for this long is declared failed.
     pub timeout: Duration,
+    /// Pass pieces through shared memory to a neighbour on the same host (see [`super::link`]).
+    pub shared_memory: bool,
 }
 
 impl Default for CommOptions {
     fn default() -> Self {
         CommOptions {
-            sub_chunk_bytes: 1 << 20,
+            sub_chunk_bytes: 256 << 10,
             wire: Wire::F32,
             timeout: Duration::from_secs(30),
+            shared_memory: true,
         }
     }
 }
@@ -419,28 +422,17 @@ impl Communicator {
             let (to_send, send_queue) = mpsc::channel::<(usize, R)>();
             let (give_back, returned) = mpsc::channel::<(usize, R)>();
             let sender = s.spawn(move || -> Result<()> {
-                let mut f32s = Vec::new();
-                let mut f16s = Vec::new();
+                let mut scratch = Vec::new();
                 for (start, region) in send_queue {
-                    match region.wire_bytes(wire) {
-                        Some(bytes) => outbound.send(Kind::Data, 0, bytes)?,
-                        None => {
-                            let n = region.len();
-                            f32s.resize(if wire == Wire::F32 { n } else { 0 }, 0.0);
-                            f16s.resize(if wire == Wire::F16 { n } else { 0 }, 0);
-                            region.encode(&mut f32s, &mut f16s, wire)?;
-                            let bytes: &[u8] = match wire {
-                                Wire::F32 => bytemuck::cast_slice(&f32s),
-                                Wire::F16 => bytemuck::cast_slice(&f16s),
-                            };
-                            outbound.send(Kind::Data, 0, bytes)?;
-                        }
-                    }
+                    let len = region.len() * wire.width();
+                    outbound.send_data(len, region.wire_bytes(wire), &mut scratch, |buf| {
+                        region.encode(buf, wire)
+                    })?;
                     if give_back.send((start, region)).is_err() {
-                        break;
+                        return Ok(());
                     }
                 }
-                Ok(())
+                outbound.settle()
             });
 
             let received = (|| -> Result<()> {
@@ -450,38 +442,35 @@ impl Communicator {
                         to_send.send((p.start, region)).map_err(|_| sender_gone())?;
                     }
                 }
-                let mut f32s: Vec<f32> = Vec::new();
-                let mut f16s: Vec<u16> = Vec::new();
+                let mut scratch: Vec<u32> = Vec::new();
                 for step in &plan.receives {
                     for p in pieces(step.range.clone(), piece) {
                         let mut region = take(&mut pool, &returned, p.start)?;
-                        let n = p.len();
-                        inbound.expect(Kind::Data, (n * wire.width()) as u64)?;
+                        let len = p.len() * wire.width();
+                        let incoming = inbound.data_header(len as u64)?;
                         // An overwrite lands in place when it can: no scratch copy.
                         let in_place = step.apply == Apply::Overwrite
                             && match region.receive_bytes(wire) {
                                 Some(bytes) => {
-                                    inbound.payload(bytes)?;
+                                    inbound.data_into(incoming, bytes)?;
                                     true
                                 }
                                 None => false,
                             };
                         if !in_place {
-                            let received = match wire {
-                                Wire::F32 => {
-                                    f32s.resize(n, 0.0);
-                                    inbound.payload(bytemuck::cast_slice_mut(&mut f32s[..]))?;
-                                    Received::F32(&f32s)
+                            inbound.data_with(incoming, len, &mut scratch, |bytes| {
+                                let received = match wire {
+                                    Wire::F32 => Received::F32(bytemuck::cast_slice(bytes)),
+                                    Wire::F16 => Received::F16(bytemuck::cast_slice(bytes)),
+                                };
+                                if step.finish && step.apply == Apply::Add {
+                                    region.add_and_finish(received, factor, wire)
+                                } else {
+                                    region.apply(step.apply, received)
                                 }
-                                Wire::F16 => {
-                                    f16s.resize(n, 0);
-                                    inbound.payload(bytemuck::cast_slice_mut(&mut f16s[..]))?;
-                                    Received::F16(&f16s)
-                                }
-                            };
-                            region.apply(step.apply, received)?;
+                            })?;
                         }
-                        if step.finish {
+                        if step.finish && (in_place || step.apply != Apply::Add) {
                             region.finish(factor, wire)?;
                         }
                         if step.forward {
@@ -622,8 +611,10 @@ pub(crate) mod tests {
                     let world = World::from_peers(peers.clone(), rank as u32).unwrap();
                     let (options, f) = (options.clone(), &f);
                     s.spawn(move || {
-                        let links = (n > 1)
-                            .then(|| Links::connect(&world, listener, options.timeout).unwrap());
+                        let links = (n > 1).then(|| {
+                            let slots = options.shared_memory.then_some(options.sub_chunk_bytes);
+                            Links::connect(&world, listener, options.timeout, slots).unwrap()
+                        });
                         let mut comm = Communicator::new(world, links, options).unwrap();
                         f(&mut comm)
                     })
@@ -664,10 +655,16 @@ pub(crate) mod tests {
 
     #[test]
     fn allreduce_is_the_mean_for_small_worlds_and_odd_sizes() {
-        let options = CommOptions {
-            sub_chunk_bytes: 64, // many pieces per chunk
-            ..Default::default()
-        };
+        for shared_memory in [true, false] {
+            allreduce_is_the_mean(CommOptions {
+                sub_chunk_bytes: 64, // many pieces per chunk
+                shared_memory,
+                ..Default::default()
+            });
+        }
+    }
+
+    fn allreduce_is_the_mean(options: CommOptions) {
         for n in 1..=4u32 {
             for len in [1usize, 2, 3, 5, 17, 1000, 4099] {
                 let results = with_world(n, options.clone(), |comm| {

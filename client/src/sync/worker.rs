@@ -115,7 +115,8 @@ pub fn form_world(
     );
     let links = match listener {
         Some(listener) if world.size > 1 => {
-            Some(Links::connect(&world, listener, options.timeout)?)
+            let slots = options.shared_memory.then_some(options.sub_chunk_bytes);
+            Some(Links::connect(&world, listener, options.timeout, slots)?)
         }
         _ => None,
     };
