@@ -168,12 +168,13 @@ fn mismatched_calls_fail_every_worker_with_an_explanation() {
             "--mismatch-rank",
             "1",
             "--timeout",
-            "10",
+            "60",
         ],
-        Duration::from_secs(60),
+        Duration::from_secs(120),
     );
+    // Well inside the 60 s timeout: the mismatch is detected, not waited out.
     assert!(
-        start.elapsed() < Duration::from_secs(10),
+        start.elapsed() < Duration::from_secs(20),
         "failing took {:?}",
         start.elapsed()
     );
