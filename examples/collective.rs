@@ -133,7 +133,7 @@ fn run(args: &Args) -> Result<()> {
     let options = CommOptions {
         sub_chunk_bytes: args.sub_chunk_kib.max(1) << 10,
         wire: if args.fp16 { Wire::F16 } else { Wire::F32 },
-        timeout: Duration::from_secs(args.timeout),
+        timeout: Duration::from_secs(args.timeout.clamp(1, 86_400)),
         shared_memory: !args.tcp_only,
     };
     let mut comm = form_world(

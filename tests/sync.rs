@@ -335,11 +335,13 @@ fn a_restarted_job_resumes_from_rank_0s_checkpoint() {
 
 #[test]
 fn killing_a_worker_stops_the_others_within_the_timeout_naming_it() {
+    // Four workers and the victim is rank 2: rank 1 sends to it, rank 3 receives from it, and
+    // rank 0 is not its neighbour at all — every survivor must still name rank 2.
     let dir = tempfile::tempdir().unwrap();
-    let peers = peers(3);
+    let peers = peers(4);
     let mut args = training(10, 1000, &dir.path().join("never.safetensors"));
     args.extend(strings(&["--peers", &peers, "--timeout", "10"]));
-    let mut children: Vec<Child> = (0..3)
+    let mut children: Vec<Child> = (0..4)
         .map(|rank| {
             let mut a = args.clone();
             a.extend(strings(&["--rank", &rank.to_string()]));
@@ -354,9 +356,8 @@ fn killing_a_worker_stops_the_others_within_the_timeout_naming_it() {
         .map_while(Result::ok)
         .find(|l| l.starts_with("epoch 1/"));
     assert!(started.is_some(), "rank 0 never finished an epoch");
-    let victim = children.remove(1);
-    let mut victim = Workers(vec![victim]);
-    victim.0[0].kill().expect("kill rank 1");
+    let mut victim = Workers(vec![children.remove(2)]);
+    victim.0[0].kill().expect("kill rank 2");
     let killed = Instant::now();
     let survivors = Workers(children).finish(Duration::from_secs(60));
     assert!(
@@ -364,12 +365,12 @@ fn killing_a_worker_stops_the_others_within_the_timeout_naming_it() {
         "the others took {:?} to stop",
         killed.elapsed()
     );
-    for (out, rank) in survivors.iter().zip([0, 2]) {
+    for (out, rank) in survivors.iter().zip([0, 1, 3]) {
         let stderr = text(&out.stderr);
         assert!(!out.status.success(), "rank {rank} exited successfully");
         assert!(
-            stderr.contains("rank 1 "),
-            "rank {rank} does not name rank 1: {stderr}"
+            stderr.contains("error: rank 2 "),
+            "rank {rank} does not name rank 2: {stderr}"
         );
     }
 }

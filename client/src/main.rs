@@ -174,13 +174,9 @@ struct SyncArgs {
 impl SyncArgs {
     /// Fills what neither a flag nor the environment set from the `--config` file.
     fn merge_file(mut self) -> anyhow::Result<Self> {
-        let Some(path) = self.config.clone() else {
+        let Some(file) = config_file::<SyncArgs>(self.config.as_deref())? else {
             return Ok(self);
         };
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading {}", path.display()))?;
-        let file: SyncArgs =
-            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         macro_rules! fill {
             ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = file.$f; } )* };
         }
@@ -291,13 +287,9 @@ struct TrainArgs {
 impl TrainArgs {
     /// Fills what neither a flag nor the environment set from the `--config` file.
     fn merge_file(mut self) -> anyhow::Result<Self> {
-        let Some(path) = self.config.clone() else {
+        let Some(file) = config_file::<TrainArgs>(self.config.as_deref())? else {
             return Ok(self);
         };
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading {}", path.display()))?;
-        let file: TrainArgs =
-            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         macro_rules! fill {
             ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = file.$f; } )* };
         }
@@ -345,6 +337,19 @@ struct InitArgs {
     /// Where to write the weights (safetensors).
     #[arg(short, long)]
     output: PathBuf,
+}
+
+/// The `--config` TOML file, if one was given.
+fn config_file<T: serde::de::DeserializeOwned>(
+    path: Option<&std::path::Path>,
+) -> anyhow::Result<Option<T>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let file = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    Ok(Some(file))
 }
 
 fn required<T>(value: Option<T>, flag: &str) -> anyhow::Result<T> {
@@ -572,7 +577,8 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
     let options = CommOptions {
         sub_chunk_bytes: args.sub_chunk_kib.unwrap_or(256).max(1) << 10,
         wire: if args.fp16 { Wire::F16 } else { Wire::F32 },
-        timeout: Duration::from_secs(args.timeout.unwrap_or(30).max(1)),
+        // A day at most: longer is a hang in all but name (and would overflow deadlines).
+        timeout: Duration::from_secs(args.timeout.unwrap_or(30).clamp(1, 86_400)),
         ..CommOptions::default()
     };
 

@@ -229,22 +229,23 @@ impl Federation {
     /// Starts `hora-client train` with `args` (the server, CA, token and a state directory of
     /// its own are added). Its output goes to `<dir>/<name>.log`.
     pub fn spawn_client(&mut self, name: &str, token: &str, args: &[String]) -> Result<()> {
-        let log = std::fs::File::create(self.log_path(name))?;
-        let child = Command::new(binary("hora-client")?)
-            .arg("train")
-            .args(["--server", &self.url, "--token", token, "--no-progress"])
-            .arg("--ca")
-            .arg(&self.ca)
-            .arg("--state-dir")
-            .arg(self.dir.path().join(name))
-            .args(args)
-            .env("HORA_LOG", "warn")
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("starting hora-client")?;
-        self.clients.push((name.to_string(), child));
-        Ok(())
+        let mut all: Vec<String> = [
+            "train",
+            "--server",
+            &self.url,
+            "--token",
+            token,
+            "--no-progress",
+        ]
+        .map(String::from)
+        .into();
+        all.extend(["--ca".into(), self.ca.display().to_string()]);
+        all.extend([
+            "--state-dir".into(),
+            self.dir.path().join(name).display().to_string(),
+        ]);
+        all.extend_from_slice(args);
+        self.spawn_process(name, &all)
     }
 
     /// Enrols and starts `clients` single-threaded CPU clients of `task`, client k training on

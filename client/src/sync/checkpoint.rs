@@ -118,6 +118,15 @@ pub fn latest(dir: &Path) -> Result<Option<(CheckpointMeta, Model)>> {
                 continue;
             }
         };
+        if meta.tensors.contains('/')
+            || meta.tensors.contains("..")
+            || !meta.tensors.ends_with(".safetensors")
+        {
+            return Err(checkpoint_error(
+                path,
+                "names a tensors file outside its directory",
+            ));
+        }
         let tensors = dir.join(&meta.tensors);
         let bytes = fs::read(&tensors).map_err(|e| checkpoint_error(&tensors, e))?;
         let digest = hex::encode(ring::digest::digest(&ring::digest::SHA256, &bytes));

@@ -36,7 +36,7 @@ const PROTOCOL_VERSION: u32 = 1;
 const HEADER_LEN: usize = 16;
 const MAGIC: u8 = 0xA7;
 /// The largest control payload (hello, op header, abort) accepted.
-const MAX_CONTROL: u64 = 64 << 10;
+pub(crate) const MAX_CONTROL: u64 = 64 << 10;
 /// Kernel socket buffers: a few pipelined sub-chunks in flight each way.
 const SOCKET_BUFFER: usize = 8 << 20;
 
@@ -93,6 +93,21 @@ fn encode_header(kind: Kind, aux: u32, len: u64) -> [u8; HEADER_LEN] {
     h
 }
 
+/// How a relayed failure is marked: "(reported around the ring by rank N)".
+const RELAYED: &str = "reported around the ring by rank";
+
+/// What a failed read or write on a neighbour's connection says about the neighbour.
+fn peer_failed(peer: u32, timeout: Duration, silent: &str, e: io::Error) -> SyncError {
+    let what = match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
+            "{silent} for {} s: it stalled or died (raise --timeout if a step can legitimately take longer)",
+            timeout.as_secs()
+        ),
+        _ => format!("closed its connection ({e}): the process exited or crashed"),
+    };
+    SyncError::PeerFailed { rank: peer, what }
+}
+
 /// The sending end (to the right neighbour).
 pub struct Outbound {
     stream: TcpStream,
@@ -136,6 +151,8 @@ pub enum Incoming {
 
 /// Slots offered to a same-host sender.
 const SLOTS: u32 = 8;
+/// Larger pieces go over TCP (and no more than 8 × this is put in /dev/shm per link).
+const MAX_SLOT_BYTES: usize = 16 << 20;
 
 impl Outbound {
     /// Writes one frame: header, then payload.
@@ -164,7 +181,11 @@ impl Outbound {
                 .as_mut()
                 .ok_or_else(|| SyncError::Config("no slots".into()))?;
             let at = slot as usize * slots.slot_bytes;
-            let dst = &mut slots.map[at..at + len];
+            // SAFETY: `at + len` lies within the mapping (len <= slot_bytes, slot < SLOTS); the
+            // slice covers only this slot, which this side holds until it announces it, so
+            // nothing else reads or writes these bytes meanwhile (see `create_slots`).
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(slots.map.as_mut_ptr().add(at), len) };
             match direct {
                 Some(bytes) => dst.copy_from_slice(bytes),
                 None => fill(dst)?,
@@ -248,23 +269,22 @@ impl Outbound {
     }
 
     fn failed(&self, e: io::Error) -> SyncError {
-        let what = match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
-                "stopped receiving for {} s: it stalled or died (raise --timeout if a step can legitimately take longer)",
-                self.timeout.as_secs()
-            ),
-            _ => format!("closed its connection ({e}): the process exited or crashed"),
-        };
-        SyncError::PeerFailed {
-            rank: self.peer,
-            what,
-        }
+        peer_failed(self.peer, self.timeout, "stopped receiving", e)
     }
 }
 
 impl Inbound {
     /// Reads the next header. An `Abort` frame becomes the error it reports.
     pub fn header(&mut self) -> Result<Header> {
+        let header = self.raw_header()?;
+        if header.kind == Kind::Abort {
+            return Err(self.abort_error(header.len)?);
+        }
+        Ok(header)
+    }
+
+    /// The next header as it is, `Abort` included.
+    fn raw_header(&mut self) -> Result<Header> {
         let mut h = [0u8; HEADER_LEN];
         self.stream.read_exact(&mut h).map_err(|e| self.failed(e))?;
         let kind = Kind::from_u8(h[1])
@@ -275,25 +295,43 @@ impl Inbound {
                     self.peer
                 ))
             })?;
-        let header = Header {
+        Ok(Header {
             kind,
             aux: u32::from_le_bytes([h[4], h[5], h[6], h[7]]),
             len: u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]),
-        };
-        if kind == Kind::Abort {
-            let payload = self.control_payload(header.len)?;
-            let (rank, message) = payload.split_at(4.min(payload.len()));
-            let rank = <[u8; 4]>::try_from(rank).map(u32::from_le_bytes).ok();
-            let message = String::from_utf8_lossy(message).into_owned();
-            return Err(match rank {
-                Some(rank) if rank != u32::MAX => SyncError::PeerFailed {
-                    rank,
-                    what: format!("{message} (reported around the ring by rank {})", self.peer),
+        })
+    }
+
+    /// The failure an `Abort` frame with `len` payload bytes reports.
+    fn abort_error(&mut self, len: u64) -> Result<SyncError> {
+        let payload = self.control_payload(len)?;
+        let (rank, message) = payload.split_at(4.min(payload.len()));
+        let rank = <[u8; 4]>::try_from(rank).map(u32::from_le_bytes).ok();
+        let message = String::from_utf8_lossy(message).into_owned();
+        Ok(match rank {
+            // The first rank to forward it says so; the others pass it on as it is.
+            Some(rank) if rank != u32::MAX => SyncError::PeerFailed {
+                rank,
+                what: if message.contains(RELAYED) {
+                    message
+                } else {
+                    format!("{message} ({RELAYED} {})", self.peer)
                 },
-                _ => SyncError::Mismatch(message),
-            });
-        }
-        Ok(header)
+            },
+            _ => SyncError::Mismatch(message),
+        })
+    }
+
+    /// An abort frame that arrives within `wait`, as the error it reports (used after our right
+    /// neighbour hung up, to learn whether it did so because of a failure elsewhere).
+    pub fn pending_abort(&mut self, wait: Duration) -> Option<SyncError> {
+        let _ = self.stream.set_read_timeout(Some(wait));
+        let found = match self.raw_header() {
+            Ok(h) if h.kind == Kind::Abort => self.abort_error(h.len).ok(),
+            _ => None,
+        };
+        let _ = self.stream.set_read_timeout(Some(self.timeout));
+        found
     }
 
     /// Reads the header of a data piece of exactly `len` bytes: in the stream or in a slot.
@@ -365,26 +403,21 @@ impl Inbound {
             .ok_or_else(|| SyncError::Protocol("a slot piece without shared memory".into()))?;
         // The header that announced the slot was read after the sender wrote it.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if slot >= slots.count || len > slots.slot_bytes {
+            return Err(SyncError::Protocol(format!(
+                "rank {} announced a piece outside its slots",
+                self.peer
+            )));
+        }
         let at = slot as usize * slots.slot_bytes;
-        Ok(&slots.map[at..at + len])
+        // SAFETY: in bounds (checked above); the slice covers only this slot, which the sender
+        // filled before announcing it and will not touch again until this side's credit.
+        Ok(unsafe { std::slice::from_raw_parts(slots.map.as_ptr().add(at), len) })
     }
 
     fn credit(&mut self, slot: u32) -> Result<()> {
         let header = encode_header(Kind::Credit, slot, 0);
         self.stream.write_all(&header).map_err(|e| self.failed(e))
-    }
-
-    /// Reads a header that must be `kind` with exactly `len` payload bytes.
-    pub fn expect(&mut self, kind: Kind, len: u64) -> Result<Header> {
-        let h = self.header()?;
-        if h.kind != kind || h.len != len {
-            return Err(SyncError::Protocol(format!(
-                "rank {} sent a {:?} frame of {} bytes where a {kind:?} frame of {len} bytes was due \
-                 (the ranks are out of step: do all of them make the same collective calls?)",
-                self.peer, h.kind, h.len
-            )));
-        }
-        Ok(h)
     }
 
     /// Reads a payload whose length the header gave (already checked by the caller).
@@ -406,17 +439,7 @@ impl Inbound {
     }
 
     fn failed(&self, e: io::Error) -> SyncError {
-        let what = match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
-                "sent nothing for {} s: it stalled or died (raise --timeout if a step can legitimately take longer)",
-                self.timeout.as_secs()
-            ),
-            _ => format!("closed its connection ({e}): the process exited or crashed"),
-        };
-        SyncError::PeerFailed {
-            rank: self.peer,
-            what,
-        }
+        peer_failed(self.peer, self.timeout, "sent nothing", e)
     }
 }
 
@@ -471,17 +494,27 @@ fn create_slots(
         &session[..session.len().min(8)],
         hex::encode(nonce)
     ));
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&path)?;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(true).create_new(true);
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let file = options.open(&path)?;
     let mapped = (|| {
-        file.set_len((slot_bytes * SLOTS as usize) as u64)?;
-        // SAFETY: the file is new, private to this job (random name, 0600 by umask of a
-        // dedicated worker at worst), and only its sender writes to it, into slots this side
-        // has handed over by credit; this side reads a slot only between the header that
-        // announces it and the credit that returns it.
+        // Reserve the pages now: a sparse file on a full /dev/shm would fail later, on a write
+        // into the mapping, with SIGBUS.
+        let len = (slot_bytes * SLOTS as usize) as libc::off_t;
+        // SAFETY: a plain system call on a file descriptor this function owns.
+        let reserved =
+            unsafe { libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, len) };
+        if reserved != 0 {
+            return Err(io::Error::from_raw_os_error(reserved));
+        }
+        // SAFETY: the file is new, private (0600, a random name, unlinked once the sender has
+        // mapped it), and only its sender writes to it, into slots this side has handed over
+        // by credit; this side reads a slot only between the header that announces it and the
+        // credit that returns it.
         unsafe { memmap2::Mmap::map(&file) }
     })();
     match mapped {
@@ -502,11 +535,21 @@ fn create_slots(
 
 /// Maps the slot ring a same-host receiver offered.
 fn attach_slots(path: &str, slot_bytes: usize) -> io::Result<SenderSlots> {
+    // Only a ring file of the shape this code makes: a stray listener cannot point us at
+    // another file.
+    let name = path.strip_prefix("/dev/shm/hora-ring-").unwrap_or("");
+    if name.is_empty() || name.contains('/') || name.contains("..") {
+        return Err(io::Error::other(format!("{path} is not a Hora ring file")));
+    }
+    let total = slot_bytes
+        .checked_mul(SLOTS as usize)
+        .filter(|_| (64..=MAX_SLOT_BYTES).contains(&slot_bytes))
+        .ok_or_else(|| io::Error::other(format!("slots of {slot_bytes} bytes")))?;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(path)?;
-    if file.metadata()?.len() != (slot_bytes * SLOTS as usize) as u64 {
+    if file.metadata()?.len() != total as u64 {
         return Err(io::Error::other(
             "the shared-memory file has the wrong size",
         ));
@@ -554,14 +597,21 @@ impl Links {
         if let Some(host) = &host {
             hello.extend_from_slice(format!(" shm={host}").as_bytes());
         }
-        let offer = host.as_deref().zip(slot_bytes.map(|b| b.div_ceil(64) * 64));
+        let offer = host
+            .as_deref()
+            .zip(slot_bytes.map(|b| b.clamp(64, MAX_SLOT_BYTES).div_ceil(64) * 64));
         let outbound = thread::scope(|s| {
             let out = s.spawn(|| connect_right(&address, right, &hello, deadline, timeout));
             let inbound = accept_left(world, &listener, deadline, timeout, offer);
             let outbound = out
                 .join()
                 .map_err(|_| SyncError::Config("the connecting thread panicked".into()))?;
-            Ok::<_, SyncError>((inbound?, outbound?))
+            match (inbound, outbound) {
+                // A refusal by the right neighbour (another session: other --peers, another
+                // job) explains a left neighbour that never came better than the wait does.
+                (Err(_), Err(refused @ SyncError::Protocol(_))) => Err(refused),
+                (inbound, outbound) => Ok::<_, SyncError>((inbound?, outbound?)),
+            }
         })?;
         Ok(Links {
             inbound: outbound.0,
@@ -769,5 +819,53 @@ fn accept_left(
             }
             Err(e) => return Err(SyncError::io("accepting the left neighbour", e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_hora_ring_files_of_sane_size_are_attached() {
+        for (path, bytes) in [
+            ("/etc/passwd", 64),
+            ("/dev/shm/hora-ring-../../etc/passwd", 64),
+            ("/dev/shm/other", 64),
+            ("/dev/shm/hora-ring-x", usize::MAX),
+            ("/dev/shm/hora-ring-x", 0),
+        ] {
+            assert!(attach_slots(path, bytes).is_err(), "{path} {bytes}");
+        }
+    }
+
+    #[test]
+    fn abort_frames_name_the_failed_rank_once() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let timeout = Duration::from_secs(5);
+        let sender = thread::spawn(move || {
+            let stream = TcpStream::connect(addr).unwrap();
+            let mut out = Outbound {
+                stream,
+                peer: 1,
+                timeout,
+                slots: None,
+            };
+            out.abort(Some(7), "closed its connection");
+        });
+        let (stream, _) = listener.accept().unwrap();
+        let mut inbound = Inbound {
+            stream,
+            peer: 3,
+            timeout,
+            slots: None,
+        };
+        let e = inbound.header().unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "rank 7 closed its connection (reported around the ring by rank 3)"
+        );
+        sender.join().unwrap();
     }
 }

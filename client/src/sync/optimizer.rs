@@ -271,10 +271,16 @@ impl DistributedOptimizer {
             .collect();
         tensors.extend(self.optimizer.state().into_iter().map(|(_, t)| t));
         self.fusion.broadcast(&mut self.comm, &tensors, root)?;
-        let steps = Tensor::from_slice(&[self.optimizer.steps() as f64]);
-        self.fusion
-            .broadcast(&mut self.comm, std::slice::from_ref(&steps), root)?;
-        self.optimizer.set_steps(steps.double_value(&[0]) as u64);
+        // The step count exactly (a tensor broadcast would go through f32).
+        let all = self.comm.allgather(&self.optimizer.steps().to_le_bytes())?;
+        let steps = all
+            .get(root as usize)
+            .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
+            .map(u64::from_le_bytes)
+            .ok_or_else(|| {
+                SyncError::Protocol(format!("rank {root} sent a malformed step count"))
+            })?;
+        self.optimizer.set_steps(steps);
         Ok(())
     }
 

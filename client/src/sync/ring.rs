@@ -81,6 +81,8 @@ struct OpHeader {
     wire: u8,
     root: u32,
     fingerprint: u64,
+    /// Elements per pipelined piece: ranks must cut buffers alike.
+    piece: u32,
 }
 
 impl OpHeader {
@@ -92,11 +94,12 @@ impl OpHeader {
         b.push(self.wire);
         b.extend_from_slice(&self.root.to_le_bytes());
         b.extend_from_slice(&self.fingerprint.to_le_bytes());
+        b.extend_from_slice(&self.piece.to_le_bytes());
         b
     }
 
     fn decode(b: &[u8]) -> Option<OpHeader> {
-        if b.len() != 30 {
+        if b.len() != 34 {
             return None;
         }
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
@@ -113,6 +116,7 @@ impl OpHeader {
             wire: b[17],
             root: u32::from_le_bytes(b[18..22].try_into().unwrap_or_default()),
             fingerprint: u64_at(22),
+            piece: u32::from_le_bytes(b[30..34].try_into().unwrap_or_default()),
         })
     }
 
@@ -131,7 +135,10 @@ impl OpHeader {
             }
             OpKind::Allgather => "allgather".to_string(),
         };
-        format!("{what}, tensors {:016x}", self.fingerprint)
+        format!(
+            "{what}, tensors {:016x}, pieces of {} bytes (--sub-chunk-kib)",
+            self.fingerprint, self.piece
+        )
     }
 }
 
@@ -276,6 +283,13 @@ impl Communicator {
         if n == 1 {
             return Ok(vec![mine.to_vec()]);
         }
+        if mine.len() > super::link::MAX_CONTROL as usize {
+            return Err(SyncError::Config(format!(
+                "allgather carries small values (at most {} bytes), not {}",
+                super::link::MAX_CONTROL,
+                mine.len()
+            )));
+        }
         let header = self.header(OpKind::Allgather, 0, 0, 0);
         let rank = self.world.rank as usize;
         self.run(header, |comm| {
@@ -334,6 +348,7 @@ impl Communicator {
             },
             root,
             fingerprint,
+            piece: self.options.sub_chunk_bytes.min(u32::MAX as usize) as u32,
         }
     }
 
@@ -394,7 +409,8 @@ impl Communicator {
         if let Some(mut links) = self.links.take() {
             let (failed, what) = match error {
                 SyncError::PeerFailed { rank, what } => (Some(*rank), what.clone()),
-                other => (None, other.to_string()),
+                SyncError::Mismatch(m) => (None, m.clone()),
+                other => (None, format!("rank {} failed: {other}", self.world.rank)),
             };
             // Close the inbound side first: a left neighbour still writing to us gets a reset
             // at once instead of waiting out its timeout.
@@ -489,7 +505,12 @@ impl Communicator {
             // A failed send explains a failed receive better than the other way round only when
             // the receive failed because the sender was gone.
             match (received, sent) {
-                (Err(SyncError::Config(m)), Err(e)) if m == SENDER_GONE => Err(e),
+                (Err(SyncError::Config(m)), Err(e)) if m == SENDER_GONE => {
+                    // The right neighbour may have closed because of a failure further round
+                    // the ring: the abort naming it is then on its way from the left.
+                    Err(inbound.pending_abort(Duration::from_secs(2)).unwrap_or(e))
+                }
+                (Ok(()), Err(e)) => Err(inbound.pending_abort(Duration::from_secs(2)).unwrap_or(e)),
                 (received, sent) => received.and(sent),
             }
         })
@@ -596,6 +617,15 @@ pub(crate) mod tests {
         options: CommOptions,
         f: impl Fn(&mut Communicator) -> T + Sync,
     ) -> Vec<T> {
+        with_world_options(n, |_| options.clone(), f)
+    }
+
+    /// [`with_world`] with options of each rank's own.
+    pub(crate) fn with_world_options<T: Send>(
+        n: u32,
+        options: impl Fn(u32) -> CommOptions,
+        f: impl Fn(&mut Communicator) -> T + Sync,
+    ) -> Vec<T> {
         let listeners: Vec<TcpListener> = (0..n)
             .map(|_| Links::listen("127.0.0.1:0").unwrap())
             .collect();
@@ -609,7 +639,7 @@ pub(crate) mod tests {
                 .enumerate()
                 .map(|(rank, listener)| {
                     let world = World::from_peers(peers.clone(), rank as u32).unwrap();
-                    let (options, f) = (options.clone(), &f);
+                    let (options, f) = (options(rank as u32), &f);
                     s.spawn(move || {
                         let links = (n > 1).then(|| {
                             let slots = options.shared_memory.then_some(options.sub_chunk_bytes);
@@ -763,6 +793,29 @@ pub(crate) mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn ranks_cutting_pieces_differently_are_told_which_option_differs() {
+        let results = with_world_options(
+            2,
+            |rank| CommOptions {
+                sub_chunk_bytes: if rank == 0 { 1024 } else { 4096 },
+                ..Default::default()
+            },
+            |comm| {
+                let mut buf = vec![1f32; 5000];
+                comm.allreduce(&mut buf[..], Reduce::Sum, 0)
+                    .map_err(|e| e.to_string())
+            },
+        );
+        for r in results {
+            let e = r.unwrap_err();
+            assert!(
+                e.contains("pieces of 1024 bytes") && e.contains("pieces of 4096 bytes"),
+                "{e}"
+            );
         }
     }
 

@@ -247,7 +247,12 @@ pub fn train(
     dist.broadcast_state(0)?;
     let start = dist.optimizer().steps();
     let resumed_from = (start > 0).then_some(start);
-    let total = config.epochs * steps_per_epoch;
+    let total = config.epochs.checked_mul(steps_per_epoch).ok_or_else(|| {
+        SyncError::Config(format!(
+            "{} epochs of {steps_per_epoch} steps is too many",
+            config.epochs
+        ))
+    })?;
     if start > total {
         return Err(SyncError::Checkpoint(format!(
             "the checkpoint is at step {start}, past the {total} steps of {} epochs: raise --epochs or use another --checkpoint-dir",
@@ -293,6 +298,8 @@ pub fn train(
         on_step(step + 1, total);
         let epoch_done = position + 1 == steps_per_epoch;
         let periodic = config.checkpoint_every > 0 && (step + 1) % config.checkpoint_every == 0;
+        // Rank 0 writes while the others wait at the next collective: --timeout must cover a
+        // checkpoint's write.
         if rank == 0 && (epoch_done || periodic) {
             if let Some(dir) = &config.checkpoint_dir {
                 let opt = dist.optimizer();
