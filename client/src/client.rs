@@ -243,7 +243,7 @@ impl Client {
                 &format!("/v1/tasks/{task}/module"),
             )
             .await?;
-        let got = hex::encode(ring::digest::digest(&ring::digest::SHA256, &bytes));
+        let got = hora_common::sha256_hex(&bytes);
         if got != digest {
             return Err(ClientError::Protocol(format!(
                 "the TorchScript module's SHA-256 is {got}, but the task names {digest}"

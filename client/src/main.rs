@@ -32,6 +32,13 @@ use hora_common::wire::ModelKind;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Deserialize;
 
+/// Takes each named option from `$file` where neither a flag nor the environment set it.
+macro_rules! fill_from {
+    ($args:ident, $file:ident; $($f:ident),* $(,)?) => {
+        $( if $args.$f.is_none() { $args.$f = $file.$f; } )*
+    };
+}
+
 #[derive(Parser)]
 #[command(
     name = "hora-client",
@@ -177,10 +184,7 @@ impl SyncArgs {
         let Some(file) = config_file::<SyncArgs>(self.config.as_deref())? else {
             return Ok(self);
         };
-        macro_rules! fill {
-            ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = file.$f; } )* };
-        }
-        fill!(
+        fill_from!(self, file;
             server,
             ca,
             cert,
@@ -290,10 +294,7 @@ impl TrainArgs {
         let Some(file) = config_file::<TrainArgs>(self.config.as_deref())? else {
             return Ok(self);
         };
-        macro_rules! fill {
-            ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = file.$f; } )* };
-        }
-        fill!(
+        fill_from!(self, file;
             server,
             ca,
             cert,
@@ -485,7 +486,7 @@ fn init(args: InitArgs) -> anyhow::Result<()> {
         (None, Some(path)) => {
             let bytes =
                 std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            let digest = hex::encode(ring::digest::digest(&ring::digest::SHA256, &bytes));
+            let digest = hora_common::sha256_hex(&bytes);
             (
                 Network::torchscript(path, tch::Device::Cpu)?,
                 ModelKind::TorchScript {

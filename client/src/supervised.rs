@@ -129,12 +129,12 @@ pub fn fit(
                 break 'epochs;
             }
             let idx = order.narrow(0, start, batch.min(n - start));
-            let xs = data.features.index_select(0, &idx);
-            let ys = data.labels.index_select(0, &idx);
-            let logits = net.forward(&xs, true)?;
-            let loss =
-                logits.f_cross_entropy_loss::<Tensor>(&ys, None, Reduction::Mean, -100, 0.0)?;
-            let batch_loss = loss.double_value(&[]);
+            let Batch {
+                logits,
+                labels: ys,
+                loss,
+                value: batch_loss,
+            } = batch_loss(net, data, &idx)?;
             if !batch_loss.is_finite() {
                 return Err(ClientError::Training(format!(
                     "the training loss became {batch_loss} in epoch {}: lower the learning rate",
@@ -173,6 +173,32 @@ pub fn fit(
         report.epochs_completed = epoch + 1;
     }
     Ok(report)
+}
+
+/// One training batch's forward pass.
+pub struct Batch {
+    pub logits: Tensor,
+    pub labels: Tensor,
+    /// Mean cross-entropy, to backpropagate.
+    pub loss: Tensor,
+    /// Its value (checked finite by the caller, who can say where it went wrong).
+    pub value: f64,
+}
+
+/// The forward pass and mean cross-entropy of `net` (training mode) on the samples `idx` of
+/// `data`: shared by local training and the sync workers.
+pub fn batch_loss(net: &mut Network, data: &DeviceData, idx: &Tensor) -> Result<Batch> {
+    let xs = data.features.index_select(0, idx);
+    let labels = data.labels.index_select(0, idx);
+    let logits = net.forward(&xs, true)?;
+    let loss = logits.f_cross_entropy_loss::<Tensor>(&labels, None, Reduction::Mean, -100, 0.0)?;
+    let value = loss.double_value(&[]);
+    Ok(Batch {
+        logits,
+        labels,
+        loss,
+        value,
+    })
 }
 
 /// Mean cross-entropy and accuracy of `net` on `data`, in batches of `batch`.

@@ -23,3 +23,8 @@ pub mod model;
 pub mod testing;
 pub mod tls;
 pub mod wire;
+
+/// The hex SHA-256 of `bytes`: how modules, checkpoints and stored secrets are named and checked.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(ring::digest::digest(&ring::digest::SHA256, bytes))
+}

@@ -5,7 +5,6 @@
 //! - Client: `Authorization: Bearer <client id>.<secret>`, from enrolment.
 //! - Enrolment tokens: one-time, expiring, created by the admin.
 
-use ring::digest;
 use ring::rand::{SecureRandom, SystemRandom};
 use subtle::ConstantTimeEq;
 
@@ -22,7 +21,7 @@ pub fn new_secret() -> Result<String, ServerError> {
 
 /// SHA-256 of a secret, hex-encoded: what the store keeps.
 pub fn hash_secret(secret: &str) -> String {
-    hex::encode(digest::digest(&digest::SHA256, secret.as_bytes()))
+    hora_common::sha256_hex(secret.as_bytes())
 }
 
 /// Whether `secret` hashes to `stored_hash`, in time independent of where they differ.

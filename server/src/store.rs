@@ -389,7 +389,7 @@ impl Store {
 
     /// Stores a TorchScript module under the hex SHA-256 of its bytes.
     pub fn put_module(&self, bytes: &[u8]) -> Result<String, StoreError> {
-        let hex_digest = hex::encode(ring::digest::digest(&ring::digest::SHA256, bytes));
+        let hex_digest = hora_common::sha256_hex(bytes);
         let path = self.module_path(&hex_digest);
         if !path.exists() {
             write_atomic(&path, |w| w.write_all(bytes))?;

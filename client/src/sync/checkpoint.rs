@@ -68,7 +68,7 @@ pub fn save(
     let meta = CheckpointMeta {
         step,
         world_size,
-        sha256: hex::encode(ring::digest::digest(&ring::digest::SHA256, &bytes)),
+        sha256: hora_common::sha256_hex(&bytes),
         tensors: tensors_file,
     };
     let json = serde_json::to_vec_pretty(&meta).map_err(|e| checkpoint_error(dir, e))?;
@@ -129,7 +129,7 @@ pub fn latest(dir: &Path) -> Result<Option<(CheckpointMeta, Model)>> {
         }
         let tensors = dir.join(&meta.tensors);
         let bytes = fs::read(&tensors).map_err(|e| checkpoint_error(&tensors, e))?;
-        let digest = hex::encode(ring::digest::digest(&ring::digest::SHA256, &bytes));
+        let digest = hora_common::sha256_hex(&bytes);
         if digest != meta.sha256 {
             return Err(checkpoint_error(
                 &tensors,

@@ -137,7 +137,6 @@ struct SenderSlots {
 struct ReceiverSlots {
     map: memmap2::Mmap,
     slot_bytes: usize,
-    count: u32,
 }
 
 /// Where an announced data piece is.
@@ -343,7 +342,7 @@ impl Inbound {
                 if self
                     .slots
                     .as_ref()
-                    .is_some_and(|s| h.aux < s.count && h.len as usize <= s.slot_bytes) =>
+                    .is_some_and(|s| h.aux < SLOTS && h.len as usize <= s.slot_bytes) =>
             {
                 Incoming::Slot(h.aux)
             }
@@ -403,7 +402,7 @@ impl Inbound {
             .ok_or_else(|| SyncError::Protocol("a slot piece without shared memory".into()))?;
         // The header that announced the slot was read after the sender wrote it.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        if slot >= slots.count || len > slots.slot_bytes {
+        if slot >= SLOTS || len > slots.slot_bytes {
             return Err(SyncError::Protocol(format!(
                 "rank {} announced a piece outside its slots",
                 self.peer
@@ -518,14 +517,7 @@ fn create_slots(
         unsafe { memmap2::Mmap::map(&file) }
     })();
     match mapped {
-        Ok(map) => Ok((
-            path,
-            ReceiverSlots {
-                map,
-                slot_bytes,
-                count: SLOTS,
-            },
-        )),
+        Ok(map) => Ok((path, ReceiverSlots { map, slot_bytes })),
         Err(e) => {
             let _ = std::fs::remove_file(&path);
             Err(e)

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tch::{Device, Reduction, Tensor};
+use tch::{Device, Tensor};
 
 use super::checkpoint;
 use super::fusion::Fusion;
@@ -31,7 +31,7 @@ use super::ring::{CommOptions, Communicator};
 use super::{Result, SyncError};
 use crate::data::DataSource;
 use crate::network::{Architecture, Network};
-use crate::supervised::{evaluate, DeviceData};
+use crate::supervised::{batch_loss, evaluate, Batch, DeviceData};
 
 /// How the workers find each other.
 pub enum Meeting<'a> {
@@ -279,12 +279,7 @@ pub fn train(
             let global = ((position * passes + pass) as usize) * global_batch;
             let mine = &order[global + rank as usize * batch..global + (rank as usize + 1) * batch];
             let idx = Tensor::from_slice(mine).to_device(config.device);
-            let xs = train_data.features.index_select(0, &idx);
-            let ys = train_data.labels.index_select(0, &idx);
-            let logits = net.forward(&xs, true)?;
-            let loss =
-                logits.f_cross_entropy_loss::<Tensor>(&ys, None, Reduction::Mean, -100, 0.0)?;
-            let value = loss.double_value(&[]);
+            let Batch { loss, value, .. } = batch_loss(&mut net, &train_data, &idx)?;
             if !value.is_finite() {
                 return Err(SyncError::Config(format!(
                     "the training loss became {value} at step {step}: lower the learning rate"

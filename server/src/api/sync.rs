@@ -157,6 +157,18 @@ mod tests {
         }
     }
 
+    impl Server {
+        /// A join that must be refused: its status and error.
+        async fn refused_join(
+            &self,
+            job: &str,
+            token: &str,
+            body: serde_json::Value,
+        ) -> (StatusCode, ApiError) {
+            refusal(self.join(job, token, body).send().await.unwrap()).await
+        }
+    }
+
     async fn refusal(resp: reqwest::Response) -> (StatusCode, ApiError) {
         let status = resp.status();
         (status, resp.json().await.unwrap())
@@ -229,14 +241,7 @@ mod tests {
         let token = server.create("ring", 4).await.token.unwrap();
         let body = serde_json::json!({ "address": "127.0.0.1:29500", "world_size": 4 });
 
-        let (status, e) = refusal(
-            server
-                .join("ring", "wrong", body.clone())
-                .send()
-                .await
-                .unwrap(),
-        )
-        .await;
+        let (status, e) = server.refused_join("ring", "wrong", body.clone()).await;
         assert_eq!(
             (status, e.code.as_str()),
             (StatusCode::UNAUTHORIZED, "unauthorized")
@@ -256,14 +261,7 @@ mod tests {
         assert_eq!(refusal(resp).await.1.code, "missing_credentials");
 
         let wrong_size = serde_json::json!({ "address": "127.0.0.1:29500", "world_size": 2 });
-        let (status, e) = refusal(
-            server
-                .join("ring", &token, wrong_size)
-                .send()
-                .await
-                .unwrap(),
-        )
-        .await;
+        let (status, e) = server.refused_join("ring", &token, wrong_size).await;
         assert_eq!(
             (status, e.code.as_str()),
             (StatusCode::BAD_REQUEST, "world_size_mismatch")
@@ -274,21 +272,14 @@ mod tests {
             e.message
         );
 
-        let (status, e) = refusal(
-            server
-                .join("nope", &token, body.clone())
-                .send()
-                .await
-                .unwrap(),
-        )
-        .await;
+        let (status, e) = server.refused_join("nope", &token, body.clone()).await;
         assert_eq!(
             (status, e.code.as_str()),
             (StatusCode::NOT_FOUND, "not_found")
         );
 
         let typo = serde_json::json!({ "adress": "127.0.0.1:29500", "world_size": 4 });
-        let (status, _) = refusal(server.join("ring", &token, typo).send().await.unwrap()).await;
+        let (status, _) = server.refused_join("ring", &token, typo).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
 
         // The job token is not an admin token.
