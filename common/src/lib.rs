@@ -8,6 +8,8 @@
 //! - [`kernel`]: the averaging kernel — a running weighted sum (`add`, `merge`, `finish`) on the
 //!   CPU at memory bandwidth. Its libtorch backend is the sibling crate `hora-common-tch`
 //!   (`common/tch/`), so that the server, which depends on this crate, never links libtorch.
+//! - [`secagg`]: secure aggregation (SecAgg+): keys, Shamir shares, masks, quantisation, the
+//!   client's state machine and the server's unmasking, so that the server learns only sums.
 //! - [`tls`]: rustls with the ring provider: PEM reading and the client configuration.
 //! - [`wire`]: the JSON types of the client (`/v1`) and admin (`/admin/v1`) APIs.
 //!
@@ -19,6 +21,7 @@
 pub mod envelope;
 pub mod kernel;
 pub mod model;
+pub mod secagg;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
 pub mod tls;

@@ -147,6 +147,45 @@ pub struct CreateTask {
     pub round_deadline_secs: u64,
     #[serde(default)]
     pub training: TrainingConfig,
+    /// Secure aggregation (SecAgg+): the server learns only the sum of the round's updates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_aggregation: Option<SecureAggregationConfig>,
+}
+
+/// A task's secure-aggregation settings. Each delta is clipped to `[-clip, clip]`, weighted by
+/// its example count (at most `max_weight`) and stochastically rounded into Z_2^32 at a scale
+/// the server derives so that the sum of a full round cannot wrap.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SecureAggregationConfig {
+    /// Bound on every coordinate of a delta (values beyond it are clipped).
+    #[serde(default = "defaults::clip")]
+    pub clip: f64,
+    /// The largest example count a client is weighted by (larger counts count as this).
+    #[serde(default = "defaults::max_weight")]
+    pub max_weight: u32,
+    /// Neighbours per client (SecAgg+'s k); default: the smallest even number ≥ 3·log₂ n.
+    #[serde(default)]
+    pub degree: Option<u32>,
+    /// Shares needed to recover a client's secrets (t); default: a majority of its neighbours.
+    #[serde(default)]
+    pub threshold: Option<u32>,
+    /// Deadline of each key-exchange stage (advertise, share keys, unmask), in seconds; the
+    /// masked-input stage has `round_deadline_secs` for training.
+    #[serde(default = "defaults::stage_secs")]
+    pub stage_secs: u64,
+}
+
+impl Default for SecureAggregationConfig {
+    fn default() -> Self {
+        SecureAggregationConfig {
+            clip: defaults::clip(),
+            max_weight: defaults::max_weight(),
+            degree: None,
+            threshold: None,
+            stage_secs: defaults::stage_secs(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -256,6 +295,9 @@ pub struct EnrolRequest {
     /// A label for operators (host name, site); not an identity.
     #[serde(default)]
     pub label: Option<String>,
+    /// The client's Ed25519 identity key (hex), which signs its secure-aggregation keys.
+    #[serde(default)]
+    pub identity_key: Option<String>,
 }
 
 /// The client's credentials: shown once; the server keeps only a hash of the secret.
@@ -300,6 +342,118 @@ pub struct RoundOffer {
     pub round_key: RoundPublicKey,
     pub deadline_unix_ms: u64,
     pub training: TrainingConfig,
+    /// Present when the round runs secure aggregation: the deltas go through its stages
+    /// (`/v1/tasks/{task}/secagg/{round}/{attempt}/…`) instead of the sealed upload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_aggregation: Option<SecAggOffer>,
+}
+
+/// How a client takes part in a secure-aggregation round attempt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SecAggOffer {
+    /// The attempt of the round (a round abandoned below threshold is retried as attempt + 1).
+    pub attempt: u32,
+    /// Coordinates are clipped to `[-clip, clip]`.
+    pub clip: f64,
+    /// Quantisation: a weighted coordinate `w·x` travels as `round(w·x·scale)` in Z_2^32.
+    pub scale: f64,
+    pub max_weight: u32,
+}
+
+/// Stage 0 (`POST …/advertise`): the client's two X25519 public keys for this attempt, signed
+/// with its Ed25519 identity key (all hex).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SecAggAdvertise {
+    /// Key agreed with neighbours for the pairwise masks.
+    pub mask_key: String,
+    /// Key agreed with neighbours to encrypt the Shamir shares.
+    pub share_key: String,
+    pub signature: String,
+}
+
+/// A neighbour's advertised keys, as the server forwards them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SecAggNeighbour {
+    pub client: String,
+    /// The neighbour's Shamir point (its 1-based index in the attempt).
+    pub index: u32,
+    /// The neighbour's Ed25519 identity key registered at enrolment (hex).
+    pub identity_key: String,
+    pub keys: SecAggAdvertise,
+}
+
+/// Stage 1 (`GET …/neighbours`): who this client shares with, once advertising has closed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SecAggRoster {
+    /// This client's own Shamir point.
+    pub index: u32,
+    /// Shares needed to recover a secret.
+    pub threshold: u32,
+    pub neighbours: Vec<SecAggNeighbour>,
+}
+
+/// One encrypted bundle of shares (of the sender's self-mask seed and mask key).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SecAggSealedShares {
+    /// The addressee (when sent) or the sender (when delivered).
+    pub peer: String,
+    /// AES-256-GCM under a key only sender and addressee can derive (hex).
+    pub ciphertext: String,
+}
+
+/// Stage 1 (`POST …/shares`, one bundle per neighbour) and stage 2 (`GET …/shares`, the
+/// bundles addressed to this client).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SecAggShareBundles {
+    pub shares: Vec<SecAggSealedShares>,
+}
+
+/// Stage 3 (`GET …/unmask`): which of this client's neighbours survived (uploaded a masked
+/// input) and which dropped after sharing. The two lists never overlap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SecAggUnmaskRequest {
+    pub survivors: Vec<String>,
+    pub dropped: Vec<String>,
+}
+
+/// Which secret a share in the unmask stage is of.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum SecAggShareKind {
+    /// Of a survivor's self-mask seed.
+    SelfMask,
+    /// Of a dropped client's mask key.
+    MaskKey,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SecAggRevealedShare {
+    pub peer: String,
+    pub kind: SecAggShareKind,
+    /// The share's value (hex; its point is the sender's index).
+    pub share: String,
+}
+
+/// Stage 3 (`POST …/unmask`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SecAggUnmask {
+    pub shares: Vec<SecAggRevealedShare>,
+}
+
+/// The answer to every accepted secure-aggregation message: it is durable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SecAggReceipt {
+    pub round: u64,
+    pub attempt: u32,
+    /// Clients whose message of this stage the server holds, this one included.
+    pub accepted: u32,
 }
 
 /// Training metrics a client reports with its update.
@@ -336,6 +490,15 @@ mod defaults {
     }
     pub fn learning_rate() -> f64 {
         0.01
+    }
+    pub fn clip() -> f64 {
+        1.0
+    }
+    pub fn max_weight() -> u32 {
+        10_000
+    }
+    pub fn stage_secs() -> u64 {
+        30
     }
 }
 
@@ -449,6 +612,7 @@ mod tests {
                     optimizer: OptimizerConfig::Adam,
                     ..Default::default()
                 },
+                secure_aggregation: None,
             }),
             retry_after_ms: 250,
         };

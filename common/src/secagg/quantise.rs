@@ -1,0 +1,198 @@
+//! From f32 deltas to Z_2^32 and back, with the example-count weighting inside the vector.
+//!
+//! A client with `n` examples (counted at most `max_weight`) sends, for each coordinate `x`
+//! clipped to `[-clip, clip]`, `q = ⌊n·x·scale + u⌋` with `u` uniform in [0, 1) (stochastic
+//! rounding: unbiased), as a two's-complement `u32`, and then `n` itself as the last element.
+//! The sum of the round is then `Σ q` and `Σ n`, from which the server computes the weighted
+//! mean `Σ q / (scale · Σ n)`: FedAvg, without ever seeing one client's `n` or `x`.
+//!
+//! The sum must not wrap: with `N` clients, `N · (max_weight · clip · scale + 1) < 2^31`. The
+//! scale is derived from the round's capacity so that this holds; a configuration that leaves
+//! fewer than 8 bits for a one-example client's coordinate is refused at task creation.
+//!
+//! Error: each client's rounding moves its `q` by less than 1, so each coordinate of the mean
+//! is within `N / (scale · Σ n)` of the exact weighted mean of the clipped deltas.
+
+use rand_chacha::rand_core::RngCore;
+
+use super::SecAggError;
+
+/// The largest sum magnitude the signed interpretation of Z_2^32 holds.
+const HALF: f64 = 2_147_483_647.0;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Quantiser {
+    pub clip: f64,
+    pub scale: f64,
+    pub max_weight: u32,
+}
+
+impl Quantiser {
+    /// The finest scale at which `clients` uploads of weight up to `max_weight` and values up to
+    /// `clip` cannot wrap when summed.
+    pub fn for_round(clip: f64, max_weight: u32, clients: usize) -> Result<Quantiser, SecAggError> {
+        if !(clip.is_finite() && clip > 0.0) || max_weight == 0 || clients == 0 {
+            return Err(SecAggError::Parameters(format!(
+                "secure aggregation needs clip > 0 (got {clip}), max_weight >= 1 (got {max_weight}) and at least one client"
+            )));
+        }
+        let n = clients as f64;
+        let scale = (HALF - n) / (n * f64::from(max_weight) * clip);
+        if scale * clip < 256.0 {
+            return Err(SecAggError::Parameters(format!(
+                "secure aggregation cannot fit the sum of {clients} clients × weight {max_weight} × clip {clip} into 32 bits \
+                 with 8 bits of precision per coordinate: lower max_weight or clip, or select fewer clients per round \
+                 (target_clients × (1 + over_selection))"
+            )));
+        }
+        Ok(Quantiser {
+            clip,
+            scale,
+            max_weight,
+        })
+    }
+
+    /// Checks parameters received from a server: the per-client bound must keep `clients`
+    /// uploads from wrapping.
+    pub fn check(&self, clients: usize) -> Result<(), SecAggError> {
+        let bound = (f64::from(self.max_weight) * self.clip * self.scale + 1.0) * clients as f64;
+        if !(self.clip.is_finite() && self.clip > 0.0 && self.scale.is_finite() && self.scale > 0.0)
+            || self.max_weight == 0
+            || bound > HALF
+        {
+            return Err(SecAggError::Parameters(format!(
+                "quantisation parameters (clip {}, scale {}, max_weight {}) would wrap with {clients} clients",
+                self.clip, self.scale, self.max_weight
+            )));
+        }
+        Ok(())
+    }
+
+    /// Length of the vector for a model of `numel` parameters (the weight is the last element).
+    pub fn len(numel: usize) -> usize {
+        numel + 1
+    }
+
+    /// The weight a client with `examples` examples is counted with.
+    pub fn weight(&self, examples: u64) -> u32 {
+        examples.min(u64::from(self.max_weight)) as u32
+    }
+
+    /// Clips, weights and stochastically rounds `delta` (which must be finite).
+    pub fn encode(&self, delta: &[f32], examples: u64, rng: &mut impl RngCore) -> Vec<u32> {
+        let w = self.weight(examples);
+        let factor = f64::from(w) * self.scale;
+        let mut out = Vec::with_capacity(delta.len() + 1);
+        out.extend(delta.iter().map(|&x| {
+            let v = f64::from(x).clamp(-self.clip, self.clip) * factor;
+            // 53 random bits: u uniform in [0, 1).
+            let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+            ((v + u).floor() as i64) as i32 as u32
+        }));
+        out.push(w);
+        out
+    }
+
+    /// The weighted sum `Σ w·x` (per coordinate) and the total weight `Σ w` of an unmasked sum.
+    pub fn decode(&self, sum: &[u32]) -> Result<(Vec<f64>, u64), SecAggError> {
+        let Some((&total, values)) = sum.split_last() else {
+            return Err(SecAggError::Malformed("an empty sum".into()));
+        };
+        if total == 0 {
+            return Err(SecAggError::Inconsistent(
+                "the unmasked total weight is 0".into(),
+            ));
+        }
+        Ok((
+            values
+                .iter()
+                .map(|&q| f64::from(q as i32) / self.scale)
+                .collect(),
+            u64::from(total),
+        ))
+    }
+
+    /// The bound on |secure mean − exact mean of the clipped deltas| per coordinate.
+    pub fn error_bound(&self, clients: usize, total_weight: u64) -> f64 {
+        clients as f64 / (self.scale * total_weight as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand_chacha::rand_core::SeedableRng;
+
+    #[test]
+    fn the_weighted_mean_comes_back_within_the_stated_bound() {
+        let q = Quantiser::for_round(1.0, 1000, 50).unwrap();
+        q.check(50).unwrap();
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(1);
+        let deltas: Vec<Vec<f32>> = (0..50)
+            .map(|c| {
+                (0..100)
+                    .map(|i| ((c * 7 + i) as f32 * 0.37).sin() * 0.9)
+                    .collect()
+            })
+            .collect();
+        let weights: Vec<u64> = (0..50).map(|c| 1 + (c * 37 % 1000) as u64).collect();
+        let mut sum = vec![0u32; 101];
+        for (d, &w) in deltas.iter().zip(&weights) {
+            for (s, v) in sum.iter_mut().zip(q.encode(d, w, &mut rng)) {
+                *s = s.wrapping_add(v);
+            }
+        }
+        let (values, total) = q.decode(&sum).unwrap();
+        assert_eq!(total, weights.iter().sum::<u64>());
+        let bound = q.error_bound(50, total);
+        for (i, v) in values.iter().enumerate() {
+            let exact: f64 = deltas
+                .iter()
+                .zip(&weights)
+                .map(|(d, &w)| f64::from(d[i]) * w as f64)
+                .sum::<f64>()
+                / total as f64;
+            assert!(
+                (v / total as f64 - exact).abs() <= bound,
+                "{i}: {} vs {exact}",
+                v / total as f64
+            );
+        }
+    }
+
+    #[test]
+    fn extremes_do_not_wrap_and_clipping_applies() {
+        let q = Quantiser::for_round(0.5, 100, 10).unwrap();
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(2);
+        let mut sum = vec![0u32; 3];
+        for _ in 0..10 {
+            for (s, v) in sum
+                .iter_mut()
+                .zip(q.encode(&[1e9, -1e9], 1_000_000, &mut rng))
+            {
+                *s = s.wrapping_add(v);
+            }
+        }
+        let (values, total) = q.decode(&sum).unwrap();
+        assert_eq!(total, 1000);
+        assert!((values[0] / 1000.0 - 0.5).abs() < 1e-6, "{values:?}");
+        assert!((values[1] / 1000.0 + 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn impossible_parameters_are_refused_with_advice() {
+        let e = Quantiser::for_round(10.0, 1_000_000, 1000)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("lower max_weight or clip"), "{e}");
+        assert!(Quantiser::for_round(f64::NAN, 1, 1).is_err());
+        let q = Quantiser::for_round(1.0, 10, 10).unwrap();
+        assert!(q.check(11).is_err());
+        assert!(Quantiser {
+            scale: f64::INFINITY,
+            ..q
+        }
+        .check(1)
+        .is_err());
+    }
+}
