@@ -103,6 +103,7 @@ async fn main() -> Result<()> {
             learning_rate: 0.1,
             ..Default::default()
         },
+        secure_aggregation: None,
     })
     .await?;
 

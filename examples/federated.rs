@@ -125,6 +125,7 @@ async fn main() -> Result<()> {
         over_selection: 0.0,
         round_deadline_secs: 300,
         training: training.clone(),
+        secure_aggregation: None,
     })
     .await?;
     fed.spawn_clients(task, &data, args.clients, &["--seed", "{k}"])

@@ -88,6 +88,7 @@ async fn main() -> Result<()> {
             optimizer: OptimizerConfig::Adam,
             ..Default::default()
         },
+        secure_aggregation: None,
     })
     .await?;
     let mut config = SyntheticConfig::iid(args.clients, 7);

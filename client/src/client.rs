@@ -51,6 +51,9 @@ pub struct ClientConfig {
     pub poll_wait: Duration,
     /// Refuse models larger than this before downloading them.
     pub limits: Limits,
+    /// Fault drill for secure aggregation: vanish (stop talking to the server and return
+    /// [`ClientError::DroppedOut`]) right after completing this stage, as a crashed device would.
+    pub drop_out_after: Option<hora_common::secagg::Stage>,
 }
 
 impl ClientConfig {
@@ -68,6 +71,7 @@ impl ClientConfig {
             retry: RetryPolicy::default(),
             poll_wait: Duration::from_secs(30),
             limits: Limits::default(),
+            drop_out_after: None,
         }
     }
 }
@@ -93,6 +97,9 @@ pub enum RoundOutcome {
     Skipped,
     /// The round closed before our update arrived (the server answered 409).
     Missed { reason: String },
+    /// The secure-aggregation attempt was abandoned (too many clients dropped out); the
+    /// server retries the round, and this client joins the retry.
+    Abandoned { reason: String },
 }
 
 /// What [`Client::run`] did before the task ended.
@@ -104,13 +111,13 @@ pub struct RunSummary {
 
 /// One enrolled client of one server.
 pub struct Client {
-    conn: Connection,
-    state: StateDir,
-    id: String,
-    config: ClientConfig,
+    pub(crate) conn: Connection,
+    pub(crate) state: StateDir,
+    pub(crate) id: String,
+    pub(crate) config: ClientConfig,
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -118,7 +125,7 @@ fn now_ms() -> u64 {
 }
 
 /// Runs blocking work (training) without stalling the async runtime's other tasks.
-fn blocking<R>(f: impl FnOnce() -> R) -> R {
+pub(crate) fn blocking<R>(f: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current() {
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(f)
@@ -148,9 +155,16 @@ impl Client {
                     dir: config.state_dir.clone(),
                     message: "holds no credentials and no enrolment token was given: pass --token (from `hora-server admin enrol`)".into(),
                 })?;
+                // The identity that signs this client's secure-aggregation keys, made before
+                // enrolling so that the server registers its public half with the client.
+                let identity = match state.identity()? {
+                    Some(identity) => identity,
+                    None => state.create_identity()?,
+                };
                 let request = EnrolRequest {
                     token: token.to_string(),
                     label: config.label.clone(),
+                    identity_key: Some(hex::encode(identity.public_key())),
                 };
                 let creds: Credentials = conn
                     .json_with("enrolling", Idempotence::OnlyIfUnsent, || {
@@ -398,6 +412,11 @@ impl Client {
         trainer: &mut T,
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> Result<RoundReport> {
+        if let Some(secure) = &offer.secure_aggregation {
+            return self
+                .contribute_secure(task, offer, secure, trainer, progress)
+                .await;
+        }
         let saved = self
             .state
             .round(task)?
@@ -535,7 +554,11 @@ impl Client {
     ) -> Result<RunSummary> {
         let mut rounds = Vec::new();
         while max_rounds.is_none_or(|m| (rounds.len() as u64) < m) {
-            let last = rounds.last().map(|r: &RoundReport| r.round);
+            // After an abandoned attempt the same round is open again, for a retry.
+            let last = rounds.last().map(|r: &RoundReport| match r.outcome {
+                RoundOutcome::Abandoned { .. } => r.round - 1,
+                _ => r.round,
+            });
             match self
                 .participate_after(task, last, trainer, progress)
                 .await?

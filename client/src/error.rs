@@ -63,6 +63,13 @@ pub enum ClientError {
     /// The task stopped or finished: nothing more to do.
     #[error("task `{task}` is {state}")]
     TaskEnded { task: String, state: String },
+    /// Secure aggregation refused what the server relayed (a forged key, a misdirected share, a
+    /// request for both shares of one peer, a threshold below a majority).
+    #[error("secure aggregation: {0}")]
+    SecureAggregation(#[from] hora_common::secagg::SecAggError),
+    /// The fault drill `drop_out_after` took this client out of the round.
+    #[error("dropped out of the secure-aggregation round after the {0:?} stage (fault drill)")]
+    DroppedOut(hora_common::secagg::Stage),
 }
 
 impl ClientError {

@@ -30,6 +30,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod network;
+pub mod secure;
 pub mod state;
 pub mod supervised;
 pub mod sync;

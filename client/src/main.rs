@@ -286,6 +286,21 @@ struct TrainArgs {
     #[arg(long, env = "HORA_NO_PROGRESS")]
     #[serde(default)]
     no_progress: bool,
+    /// Fault drill for secure aggregation: vanish right after this stage of the first round
+    /// (advertise, share-keys or masked-input), as a crashed device would.
+    #[arg(long, hide = true, value_parser = parse_stage)]
+    #[serde(skip)]
+    drop_out_after: Option<hora_common::secagg::Stage>,
+}
+
+fn parse_stage(s: &str) -> Result<hora_common::secagg::Stage, String> {
+    use hora_common::secagg::Stage;
+    match s {
+        "advertise" => Ok(Stage::Advertised),
+        "share-keys" => Ok(Stage::SharedKeys),
+        "masked-input" => Ok(Stage::MaskedInput),
+        _ => Err("one of advertise, share-keys, masked-input".into()),
+    }
 }
 
 impl TrainArgs {
@@ -379,6 +394,7 @@ fn summary(task: &str, r: &RoundReport) -> String {
         }
         RoundOutcome::Skipped => "skipped (deadline)".to_string(),
         RoundOutcome::Missed { reason } => format!("missed: {reason}"),
+        RoundOutcome::Abandoned { reason } => format!("abandoned, will retry: {reason}"),
     };
     format!(
         "{task} round {} · {} examples{}{} · trained {:.1} s · {outcome}",
@@ -429,9 +445,10 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
         budget: Duration::from_secs(args.retry_for.unwrap_or(600)),
         ..RetryPolicy::default()
     };
+    config.drop_out_after = args.drop_out_after;
     let client = Client::connect(config, args.token.as_deref()).await?;
     tracing::info!(client = client.id(), task = %task, "waiting for rounds");
-    let mut trainer = SupervisedTrainer::new(train, test, device)?;
+    let mut trainer = SupervisedTrainer::new(train, test, device)?.with_seed(args.seed);
 
     let bar = if args.no_progress {
         ProgressBar::hidden()
@@ -690,6 +707,11 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            if let Some(ClientError::DroppedOut(stage)) = e.downcast_ref::<ClientError>() {
+                // The drill's crash: no goodbye, no clean-up.
+                eprintln!("fault drill: dropped out after the {stage:?} stage");
+                return ExitCode::from(3);
+            }
             eprintln!("error: {e:#}");
             let refused = matches!(
                 e.downcast_ref::<ClientError>(),

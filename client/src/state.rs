@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{ClientError, Result};
 
 const CREDENTIALS: &str = "credentials.json";
+const IDENTITY: &str = "identity.pk8";
 /// Downloaded models kept besides the newest (older ones are removed).
 const MODELS_KEPT: usize = 2;
 
@@ -114,6 +115,29 @@ impl StateDir {
     pub fn save_credentials(&self, creds: &Credentials) -> Result<()> {
         let json = serde_json::to_vec_pretty(creds).expect("credentials serialise");
         write_atomic(&self.dir.join(CREDENTIALS), &json, true)
+    }
+
+    /// The client's Ed25519 identity (signs its secure-aggregation keys), if it has one.
+    pub fn identity(&self) -> Result<Option<hora_common::secagg::Identity>> {
+        let path = self.dir.join(IDENTITY);
+        match fs::read(&path) {
+            Ok(doc) => hora_common::secagg::Identity::from_pkcs8(&doc)
+                .map(Some)
+                .map_err(|e| self.corrupt(&path, e)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(ClientError::io(path, e)),
+        }
+    }
+
+    /// Makes and stores (0600) a new identity.
+    pub fn create_identity(&self) -> Result<hora_common::secagg::Identity> {
+        let (identity, doc) =
+            hora_common::secagg::Identity::generate().map_err(|e| ClientError::State {
+                dir: self.dir.clone(),
+                message: format!("making an identity key: {e}"),
+            })?;
+        write_atomic(&self.dir.join(IDENTITY), &doc, true)?;
+        Ok(identity)
     }
 
     fn model_path(&self, digest: &ModelDigest) -> PathBuf {

@@ -238,6 +238,7 @@ pub struct SupervisedTrainer {
     device: Device,
     /// The network of the current task kind, with the data already on its device.
     prepared: Option<Prepared>,
+    seed: Option<i64>,
 }
 
 struct Prepared {
@@ -259,7 +260,16 @@ impl SupervisedTrainer {
             test,
             device,
             prepared: None,
+            seed: None,
         })
+    }
+
+    /// Re-seeds libtorch's generator from `seed` and the round right before each round's
+    /// training, so a round's update is reproducible — also when the round is retried after
+    /// an abandoned attempt, or trained by a fresh process.
+    pub fn with_seed(mut self, seed: Option<i64>) -> Self {
+        self.seed = seed;
+        self
     }
 
     fn prepare(
@@ -319,8 +329,12 @@ fn check_data_fits(kind: &ModelKind, data: &Dataset) -> Result<()> {
 
 impl Trainer for SupervisedTrainer {
     fn train(&mut self, global: &Model, request: TrainRequest<'_>) -> Result<TrainOutcome> {
+        let seed = self.seed;
         let prepared = self.prepare(request.model_kind, request.module.as_deref())?;
         prepared.net.set_weights(global)?;
+        if let Some(seed) = seed {
+            tch::manual_seed(seed.wrapping_add((request.round as i64).wrapping_mul(1_000_003)));
+        }
         let report = fit(
             &mut prepared.net,
             &prepared.train,

@@ -390,6 +390,8 @@ pub struct SecAggRoster {
     pub index: u32,
     /// Shares needed to recover a secret.
     pub threshold: u32,
+    /// When masked inputs are due: the end of local training.
+    pub input_deadline_unix_ms: u64,
     pub neighbours: Vec<SecAggNeighbour>,
 }
 

@@ -41,6 +41,7 @@ pub struct Federation {
     pub dir: tempfile::TempDir,
     http: reqwest::Client,
     clients: Vec<(String, Child)>,
+    may_fail: Vec<String>,
 }
 
 impl Federation {
@@ -90,6 +91,7 @@ impl Federation {
             dir,
             http,
             clients: Vec::new(),
+            may_fail: Vec::new(),
         })
     }
 
@@ -188,6 +190,12 @@ impl Federation {
         }
     }
 
+    /// The task's round history (published and abandoned attempts).
+    pub async fn rounds(&self, task: &str) -> Result<Vec<RoundRecord>> {
+        self.json(self.admin(Method::GET, &format!("/tasks/{task}/rounds")))
+            .await
+    }
+
     pub async fn round_model(&self, task: &str, round: u64) -> Result<Model> {
         let bytes = self
             .send(self.admin(Method::GET, &format!("/tasks/{task}/rounds/{round}/model")))
@@ -284,9 +292,17 @@ impl Federation {
         self.dir.path().join(format!("{name}.log"))
     }
 
+    /// Lets client `name` exit unsuccessfully (a fault drill's crash) without failing the run.
+    pub fn allow_failure(&mut self, name: &str) {
+        self.may_fail.push(name.to_string());
+    }
+
     /// Fails if a client already exited unsuccessfully (with its log).
     fn check_clients(&mut self) -> Result<()> {
         for (name, child) in &mut self.clients {
+            if self.may_fail.iter().any(|n| n == name) {
+                continue;
+            }
             if let Some(status) = child.try_wait()? {
                 if !status.success() {
                     let log = std::fs::read_to_string(self.dir.path().join(format!("{name}.log")))

@@ -34,6 +34,7 @@ use tokio::sync::{watch, Notify};
 
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
+use crate::secagg::{self, SecAggRound};
 use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord, Store, TaskRecord};
 use crate::strategy;
 
@@ -91,6 +92,13 @@ pub struct Round {
     deadline_unix_ms: std::sync::atomic::AtomicU64,
     acc: Mutex<Accumulator>,
     durability: watch::Sender<Durability>,
+    /// The attempt's secure-aggregation protocol, when the task asks for it.
+    pub secagg: Option<Arc<SecAggRound>>,
+}
+
+/// Clients selected per round: the target plus the over-selection.
+fn capacity(config: &wire::CreateTask) -> usize {
+    (f64::from(config.target_clients) * (1.0 + config.over_selection)).ceil() as usize
 }
 
 impl Round {
@@ -135,6 +143,11 @@ impl Task {
 
     fn bump(&self) {
         self.changed.send_modify(|v| *v += 1);
+    }
+
+    /// Notified whenever the task's state or round changes.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 }
 
@@ -223,6 +236,19 @@ impl Coordinator {
             None => (WeightedSum::new(record.spec.clone()), Vec::new(), None),
         };
         let durable = contributions.len();
+        let secagg = match &record.config.secure_aggregation {
+            Some(config) => Some(Arc::new(SecAggRound::resume(
+                &self.store,
+                hora_common::secagg::Context::new(&record.config.id, open.round, open.attempt),
+                config.clone(),
+                capacity(&record.config),
+                record.config.min_clients as usize,
+                open.opened_unix_ms,
+                record.config.round_deadline_secs,
+                record.spec.numel(),
+            )?)),
+            None => None,
+        };
         Ok(Arc::new(Round {
             number: open.round,
             attempt: open.attempt,
@@ -240,6 +266,7 @@ impl Coordinator {
                 checkpoint_file,
             }),
             durability: watch::channel(Durability::Upto(durable)).0,
+            secagg,
         }))
     }
 
@@ -254,6 +281,9 @@ impl Coordinator {
         let round = self.fresh_round(record, number, attempt)?;
         self.store
             .put_open_round(task_id, &round.record(&lock(&round.acc)))?;
+        if let Some(s) = &round.secagg {
+            s.persist_new(&self.store)?;
+        }
         self.store.flush()?;
         Ok(round)
     }
@@ -265,6 +295,24 @@ impl Coordinator {
         attempt: u32,
     ) -> Result<Arc<Round>, ServerError> {
         let now = now_ms();
+        let secagg = match &record.config.secure_aggregation {
+            Some(config) => Some(Arc::new(SecAggRound::new(
+                hora_common::secagg::Context::new(&record.config.id, number, attempt),
+                config.clone(),
+                capacity(&record.config),
+                record.config.min_clients as usize,
+                now,
+                record.config.round_deadline_secs,
+                record.spec.numel(),
+            )?)),
+            None => None,
+        };
+        // Under secure aggregation the round's deadline is when masked inputs are due.
+        let deadline = secagg
+            .as_ref()
+            .map_or(now + record.config.round_deadline_secs * 1000, |s| {
+                s.latest_input_deadline_unix_ms
+            });
         Ok(Arc::new(Round {
             number,
             attempt,
@@ -272,7 +320,7 @@ impl Coordinator {
             base: record.global_model,
             opened_unix_ms: now,
             opened: Instant::now(),
-            deadline_unix_ms: (now + record.config.round_deadline_secs * 1000).into(),
+            deadline_unix_ms: deadline.into(),
             acc: Mutex::new(Accumulator {
                 sum: WeightedSum::new(record.spec.clone()),
                 selected: BTreeSet::new(),
@@ -282,6 +330,7 @@ impl Coordinator {
                 checkpoint_file: None,
             }),
             durability: watch::channel(Durability::Upto(0)).0,
+            secagg,
         }))
     }
 
@@ -539,9 +588,27 @@ impl Coordinator {
                 retry_after_ms: self.retry_after(task),
             });
         };
-        let capacity = (f64::from(record.config.target_clients)
-            * (1.0 + record.config.over_selection))
-            .ceil() as usize;
+        let capacity = capacity(&record.config);
+        if let Some(s) = &round.secagg {
+            // Keys are advertised right after joining: once advertising has closed, the
+            // attempt's participants are fixed.
+            if s.stage() != secagg::Stage::Advertise {
+                return Ok(wire::JoinResponse {
+                    offer: None,
+                    retry_after_ms: self.retry_after(task),
+                });
+            }
+            let registered = self
+                .store
+                .client(client)?
+                .is_some_and(|c| c.identity_key.is_some());
+            if !registered {
+                return Err(ServerError::conflict(
+                    "no_identity_key",
+                    format!("task `{}` uses secure aggregation, which needs an identity key registered at enrolment; client `{client}` has none: enrol it again with a current client", task.id),
+                ));
+            }
+        }
         {
             let mut acc = lock(&round.acc);
             if acc.contributions.iter().any(|c| c.client == client) {
@@ -570,6 +637,7 @@ impl Coordinator {
                 round_key: round.key.public_key(),
                 deadline_unix_ms: round.deadline(),
                 training: record.config.training.clone(),
+                secure_aggregation: round.secagg.as_ref().map(|s| s.offer()),
             }),
             retry_after_ms: 0,
         })
@@ -699,6 +767,12 @@ impl Coordinator {
         let round = task
             .current()
             .ok_or_else(|| ServerError::conflict("round_closed", "no round is open"))?;
+        if round.secagg.is_some() {
+            return Err(ServerError::conflict(
+                "secure_aggregation",
+                format!("task `{}` uses secure aggregation: updates go through its stages (/v1/tasks/{{task}}/secagg/…), not a sealed upload", task.id),
+            ));
+        }
         if round_number != round.number {
             let code = if round_number < round.number {
                 "round_closed"
@@ -751,6 +825,9 @@ impl Coordinator {
     }
 
     fn watch_deadline(self: &Arc<Self>, task: Arc<Task>, round: Arc<Round>) {
+        if round.secagg.is_some() {
+            return self.watch_secagg_deadlines(task, round);
+        }
         let me = self.clone();
         tokio::spawn(async move {
             loop {
@@ -870,7 +947,11 @@ impl Coordinator {
             .filter(|c| !participants.contains(c))
             .cloned()
             .collect();
-        let examples: u64 = acc.contributions.iter().map(|c| c.examples).sum();
+        let examples: u64 = match &round.secagg {
+            // Only the total is known: it was summed inside the masked vectors.
+            Some(_) => acc.sum.total_weight() as u64,
+            None => acc.contributions.iter().map(|c| c.examples).sum(),
+        };
         let metrics = weighted_metrics(&acc.contributions);
         let reason = match abandon {
             Some(r) => Some(r.to_string()),
@@ -930,6 +1011,11 @@ impl Coordinator {
                 round.attempt,
                 next_record.as_ref(),
             )?;
+            match next.as_ref().and_then(|n| n.secagg.as_ref()) {
+                Some(s) => s.persist_new(&self.store)?,
+                None if round.secagg.is_some() => self.store.secagg_clear(&task.id)?,
+                None => {}
+            }
             self.store.flush()?;
             Ok((history, next))
         })();
@@ -1033,6 +1119,9 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     if c.round_deadline_secs == 0 || c.round_deadline_secs > 7 * 86_400 {
         return bad("round_deadline_secs must be between 1 and 604800".into());
     }
+    if let Some(sa) = &c.secure_aggregation {
+        secagg::validate(sa, c.min_clients, capacity(c))?;
+    }
     let t = &c.training;
     if t.epochs == 0
         || t.batch_size == 0
@@ -1063,5 +1152,138 @@ impl Task {
 
     pub fn global_model(&self) -> ModelDigest {
         self.record().global_model
+    }
+}
+
+// -- secure aggregation ------------------------------------------------------------------------
+
+impl Coordinator {
+    /// The attempt `attempt` of round `round_number` of `task`, for a message from `client`.
+    pub fn secagg_round(
+        &self,
+        task: &Task,
+        client: &str,
+        round_number: u64,
+        attempt: u32,
+    ) -> Result<(Arc<Round>, Arc<SecAggRound>), ServerError> {
+        let round = task.current().ok_or_else(|| {
+            ServerError::conflict(
+                "round_closed",
+                format!("task `{}` has no open round", task.id),
+            )
+        })?;
+        let Some(s) = round.secagg.clone() else {
+            return Err(ServerError::conflict(
+                "not_secure_aggregation",
+                format!("task `{}` does not use secure aggregation", task.id),
+            ));
+        };
+        if round_number != round.number {
+            return Err(ServerError::conflict(
+                if round_number < round.number {
+                    "round_closed"
+                } else {
+                    "wrong_round"
+                },
+                format!(
+                    "round {round_number} is not open; the open round is {}",
+                    round.number
+                ),
+            ));
+        }
+        if attempt != round.attempt {
+            return Err(ServerError::conflict(
+                if attempt < round.attempt { "round_abandoned" } else { "wrong_round" },
+                format!(
+                    "attempt {attempt} of round {round_number} is not the open one ({}): poll and join the retry",
+                    round.attempt
+                ),
+            ));
+        }
+        if !lock(&round.acc).selected.contains(client) {
+            return Err(ServerError::conflict(
+                "not_selected",
+                format!(
+                    "client `{client}` is not selected for round {round_number}: join it first"
+                ),
+            ));
+        }
+        Ok((round, s))
+    }
+
+    /// Acts on what a secure-aggregation message or deadline did: publishes the unmasked sum,
+    /// or abandons the attempt (the round is retried). Blocking.
+    pub fn secagg_outcome(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        round: &Arc<Round>,
+        outcome: secagg::Outcome,
+    ) -> Result<(), ServerError> {
+        match outcome {
+            secagg::Outcome::Continue => {
+                task.bump();
+                Ok(())
+            }
+            secagg::Outcome::Abandon(reason) => self.close_round(task, round, Some(&reason)),
+            secagg::Outcome::Publish {
+                values,
+                total_weight,
+                survivors,
+            } => {
+                {
+                    let mut acc = lock(&round.acc);
+                    let n = survivors.len() as u64;
+                    acc.sum = WeightedSum::from_parts(task.spec(), values, total_weight as f64, n)
+                        .map_err(ServerError::internal)?;
+                    acc.contributions = survivors
+                        .into_iter()
+                        .map(|client| Contribution {
+                            client,
+                            examples: 0,
+                            metrics: Metrics::default(),
+                        })
+                        .collect();
+                    acc.durable = acc.contributions.len();
+                }
+                self.close_round(task, round, None)
+            }
+        }
+    }
+
+    /// Closes each stage of a secure-aggregation attempt at its deadline.
+    fn watch_secagg_deadlines(self: &Arc<Self>, task: Arc<Task>, round: Arc<Round>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let Some(s) = round.secagg.clone() else {
+                return;
+            };
+            loop {
+                let wait = s.deadline().saturating_sub(now_ms());
+                let mut changed = s.changed.subscribe();
+                // Wake at the deadline, or when the stage moves on (its deadline changes).
+                let _ = tokio::time::timeout(Duration::from_millis(wait), changed.changed()).await;
+                let current = task.current();
+                if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &round))
+                    || s.stage() == secagg::Stage::Ended
+                {
+                    return;
+                }
+                if s.deadline() > now_ms() {
+                    continue;
+                }
+                let (me2, task2, round2, s2) = (me.clone(), task.clone(), round.clone(), s.clone());
+                let result = tokio::task::spawn_blocking(move || {
+                    let outcome = s2.tick(&me2.store)?;
+                    me2.secagg_outcome(&task2, &round2, outcome)
+                })
+                .await
+                .map_err(ServerError::internal)
+                .and_then(|r| r);
+                if let Err(e) = result {
+                    tracing::error!(task = %task.id, round = round.number, error = %e, "closing a secure-aggregation stage failed; retrying in a second");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        });
     }
 }

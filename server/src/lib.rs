@@ -26,6 +26,7 @@ pub mod coordinator;
 pub mod error;
 pub mod metrics;
 pub mod rendezvous;
+pub mod secagg;
 pub mod shutdown;
 pub mod store;
 pub mod strategy;

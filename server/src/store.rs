@@ -93,6 +93,10 @@ pub struct ClientRecord {
     pub label: Option<String>,
     pub enrolled_unix_ms: u64,
     pub revoked: bool,
+    /// The Ed25519 identity key (hex) the client registered at enrolment; it signs the keys
+    /// the client advertises in secure aggregation.
+    #[serde(default)]
+    pub identity_key: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -121,6 +125,8 @@ pub struct Store {
     clients: sled::Tree,
     enrolments: sled::Tree,
     sync_jobs: sled::Tree,
+    /// Secure-aggregation attempts' protocol state (see `secagg`), keyed `task\0kind\0client`.
+    secagg: sled::Tree,
     meta: sled::Tree,
 }
 
@@ -174,6 +180,7 @@ impl Store {
             clients: db.open_tree("clients")?,
             enrolments: db.open_tree("enrolments")?,
             sync_jobs: db.open_tree("sync_jobs")?,
+            secagg: db.open_tree("secagg")?,
             meta: db.open_tree("meta")?,
             db,
         })
@@ -473,6 +480,67 @@ impl Store {
         Ok(values)
     }
 
+    /// Writes the sum of a secure-aggregation attempt's masked inputs (u32, little-endian)
+    /// atomically, named by the SHA-256 of its contents; returns the file name.
+    pub fn write_masked_sum(&self, sum: &[u32]) -> Result<String, StoreError> {
+        let mut bytes = Vec::with_capacity(8 + sum.len() * 4);
+        bytes.extend_from_slice(b"HORAMSK1");
+        bytes.extend(sum.iter().flat_map(|v| v.to_le_bytes()));
+        let name = format!("{}.msum", hora_common::sha256_hex(&bytes));
+        let path = self.checkpoint_path(&name);
+        if !path.exists() {
+            write_atomic(&path, |w| w.write_all(&bytes))?;
+        }
+        Ok(name)
+    }
+
+    pub fn read_masked_sum(&self, file: &str, expected_len: usize) -> Result<Vec<u32>, StoreError> {
+        let path = self.checkpoint_path(file);
+        let bytes = fs::read(&path).map_err(io(&path))?;
+        let corrupt = |reason: &str| StoreError::Corrupt {
+            key: file.into(),
+            reason: reason.into(),
+        };
+        if bytes.len() != 8 + expected_len * 4 || &bytes[..8] != b"HORAMSK1" {
+            return Err(corrupt("not a masked sum of the expected length"));
+        }
+        if format!("{}.msum", hora_common::sha256_hex(&bytes)) != file {
+            return Err(corrupt("contents do not match the file's content address"));
+        }
+        Ok(bytes[8..]
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    pub fn secagg_get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StoreError> {
+        get(&self.secagg, key)
+    }
+
+    pub fn secagg_put<T: Serialize>(&self, key: &str, value: &T) -> Result<(), StoreError> {
+        self.secagg.insert(key, json(value))?;
+        Ok(())
+    }
+
+    /// Every record under `prefix`, keyed by what follows the prefix.
+    pub fn secagg_scan<T: DeserializeOwned>(
+        &self,
+        prefix: &str,
+    ) -> Result<Vec<(String, T)>, StoreError> {
+        Ok(all(self.secagg.scan_prefix(prefix))?
+            .into_iter()
+            .map(|(k, v)| (k[prefix.len()..].to_string(), v))
+            .collect())
+    }
+
+    /// Forgets a task's secure-aggregation state (a new attempt starts from nothing).
+    pub fn secagg_clear(&self, task: &str) -> Result<(), StoreError> {
+        for key in self.secagg.scan_prefix(format!("{task}\0")).keys() {
+            self.secagg.remove(key?)?;
+        }
+        Ok(())
+    }
+
     pub fn remove_checkpoint(&self, file: &str) {
         let _ = fs::remove_file(self.checkpoint_path(file));
     }
@@ -497,6 +565,11 @@ impl Store {
                 if let Some(c) = open.checkpoint {
                     checkpoints.insert(c.file);
                 }
+            }
+            let state: Option<crate::secagg::StateRecord> =
+                self.secagg_get(&format!("{id}\0state\0"))?;
+            if let Some(file) = state.and_then(|s| s.sum_file) {
+                checkpoints.insert(file);
             }
         }
         // Models uploaded by an admin but not (yet) used by a task are kept for a day.

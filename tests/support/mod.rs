@@ -256,6 +256,7 @@ pub fn task(
         over_selection: 0.0,
         round_deadline_secs: deadline_secs,
         training: TrainingConfig::default(),
+        secure_aggregation: None,
     }
 }
 

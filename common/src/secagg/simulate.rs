@@ -66,6 +66,7 @@ pub fn run(inputs: &[Vec<u32>], drop_after: &[Option<Stage>]) -> Result<Outcome,
         let roster = SecAggRoster {
             index: i as u32 + 1,
             threshold: t as u32,
+            input_deadline_unix_ms: 0,
             neighbours: graph[i]
                 .iter()
                 .map(|&j| SecAggNeighbour {

@@ -191,6 +191,22 @@ impl<'a> Unmasker<'a> {
             .collect()
     }
 
+    /// Before anyone answers: the needed secrets that fewer than `t` surviving neighbours hold
+    /// shares of, so that no answers could ever be enough.
+    pub fn short_of_survivors(&self) -> Vec<(String, usize)> {
+        self.needed()
+            .into_iter()
+            .filter_map(|p| {
+                let holders = self.participants[p]
+                    .neighbours
+                    .iter()
+                    .filter(|n| self.is_survivor(**n))
+                    .count();
+                (holders < self.threshold).then(|| (self.participants[p].id.clone(), holders))
+            })
+            .collect()
+    }
+
     fn recover(&self, p: usize) -> Result<zeroize::Zeroizing<[u8; 32]>, SecAggError> {
         let shares = self.shares.get(&p).map(Vec::as_slice).unwrap_or_default();
         let secret = shamir::combine(shares, self.threshold)?;

@@ -58,6 +58,10 @@ pub async fn enrol(
             "label must be at most 256 bytes".into(),
         ));
     }
+    if let Some(key) = &req.identity_key {
+        hora_common::secagg::hex_array::<32>("identity_key", key)
+            .map_err(|e| ServerError::BadRequest(e.to_string()))?;
+    }
     let client_id = format!("c-{}", &auth::new_secret()?[..16]);
     let secret = auth::new_secret()?;
     store.put_client(
@@ -67,6 +71,7 @@ pub async fn enrol(
             label: req.label,
             enrolled_unix_ms: now_ms(),
             revoked: false,
+            identity_key: req.identity_key,
         },
     )?;
     store.flush()?;

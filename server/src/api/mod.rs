@@ -1,5 +1,5 @@
 //! The HTTP surface: the client API (`/v1`, [`client`]), the sync-job workers' rendezvous
-//! (`/v1/sync`, [`sync`]), the admin API (`/admin/v1`, [`admin`]), and the operational routes
+//! (`/v1/sync`, [`sync`]), the secure-aggregation stages ([`secagg`]), the admin API (`/admin/v1`, [`admin`]), and the operational routes
 //! (`/healthz`, `/metrics`, `/openapi.json`).
 //!
 //! Every handler returns `Result<_, ServerError>`, so every refusal is a 4xx with an
@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod client;
+pub mod secagg;
 pub mod sync;
 
 use std::sync::Arc;
@@ -239,6 +240,8 @@ async fn fallback() -> ServerError {
         admin::create_enrolment, admin::list_clients, admin::revoke_client,
         admin::create_sync_job, admin::list_sync_jobs, admin::delete_sync_job,
         sync::join,
+        secagg::advertise, secagg::neighbours, secagg::share, secagg::inbox, secagg::masked,
+        secagg::unmask_request, secagg::unmask,
     ),
     components(schemas(ApiError)),
     modifiers(&BearerAuth),
@@ -272,6 +275,7 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         .merge(client::routes())
+        .merge(secagg::routes())
         .merge(sync::routes())
         .merge(admin::routes())
         .fallback(fallback)

@@ -1,0 +1,255 @@
+//! The secure-aggregation stages of the client API, under
+//! `/v1/tasks/{task}/secagg/{round}/{attempt}/…` (see [`crate::secagg`] for the protocol):
+//!
+//! | stage | client sends | client then fetches (long poll; 204 while not ready) |
+//! |---|---|---|
+//! | 0 | `POST advertise` (signed keys) | `GET neighbours` (roster) |
+//! | 1 | `POST shares` (encrypted bundles) | `GET shares` (bundles addressed to it) |
+//! | 2 | `POST masked` (u32 LE vector) | `GET unmask` (which shares to reveal) |
+//! | 3 | `POST unmask` (revealed shares) | — the round publishes |
+//!
+//! Every POST answers once what it carried is durable; repeating an identical POST is
+//! harmless (a lost acknowledgement), a different one for the same stage is a 409.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use hora_common::wire::{
+    ApiError, SecAggAdvertise, SecAggReceipt, SecAggRoster, SecAggShareBundles, SecAggUnmask,
+    SecAggUnmaskRequest,
+};
+use serde::{Deserialize, Serialize};
+
+use super::{read_body, ApiJson, ClientAuth, Shared};
+use crate::coordinator::Round;
+use crate::error::ServerError;
+use crate::secagg::{Outcome, SecAggRound};
+
+pub fn routes() -> Router<Shared> {
+    let base = "/v1/tasks/{task}/secagg/{round}/{attempt}";
+    Router::new()
+        .route(&format!("{base}/advertise"), post(advertise))
+        .route(&format!("{base}/neighbours"), get(neighbours))
+        .route(&format!("{base}/shares"), post(share).get(inbox))
+        .route(&format!("{base}/masked"), post(masked))
+        .route(&format!("{base}/unmask"), get(unmask_request).post(unmask))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct WaitQuery {
+    /// How long to hold the request open for the stage to close (capped at 30 s).
+    #[serde(default)]
+    wait_ms: u64,
+}
+
+type AttemptPath = Path<(String, u64, u32)>;
+
+/// Runs a stage's message on a blocking thread (it writes and flushes the store, and the last
+/// answer of the unmask stage removes every mask), then acts on the outcome.
+async fn submit<F>(
+    state: &Shared,
+    client: &str,
+    (task, round, attempt): (String, u64, u32),
+    stage: F,
+) -> Result<Json<SecAggReceipt>, ServerError>
+where
+    F: FnOnce(&SecAggRound, &crate::store::Store) -> Result<(SecAggReceipt, Outcome), ServerError>
+        + Send
+        + 'static,
+{
+    let coordinator = state.coordinator.clone();
+    let task = coordinator.task(&task)?;
+    let (round, s) = coordinator.secagg_round(&task, client, round, attempt)?;
+    let result = tokio::task::spawn_blocking(move || {
+        let (receipt, outcome) = stage(&s, coordinator.store())?;
+        coordinator.secagg_outcome(&task, &round, outcome)?;
+        Ok::<_, ServerError>(receipt)
+    })
+    .await
+    .map_err(ServerError::internal)?;
+    if let Err(e) = &result {
+        tracing::info!(client, code = e.code(), error = %e, "secure-aggregation message refused");
+    }
+    result.map(Json)
+}
+
+/// Holds the request until `read` has an answer (the stage closed), the attempt ends, or the
+/// wait runs out (204).
+async fn wait_for<T: Serialize>(
+    state: &Shared,
+    client: &str,
+    (task, round, attempt): (String, u64, u32),
+    wait_ms: u64,
+    read: impl Fn(&SecAggRound) -> Result<Option<T>, ServerError>,
+) -> Result<Response, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    let until = tokio::time::Instant::now() + Duration::from_millis(wait_ms.min(30_000));
+    loop {
+        let (_, s): (Arc<Round>, Arc<SecAggRound>) = state
+            .coordinator
+            .secagg_round(&task, client, round, attempt)?;
+        let mut changed = s.changed.subscribe();
+        if let Some(answer) = read(&s)? {
+            return Ok(Json(answer).into_response());
+        }
+        let mut moved = task.subscribe();
+        tokio::select! {
+            _ = tokio::time::sleep_until(until) => return Ok(StatusCode::NO_CONTENT.into_response()),
+            _ = changed.changed() => {}
+            _ = moved.changed() => {}
+        }
+    }
+}
+
+#[utoipa::path(post, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/advertise", tag = "secure aggregation",
+    params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path)), request_body = SecAggAdvertise,
+    security(("client_credentials" = [])),
+    responses((status = 200, body = SecAggReceipt), (status = 400, body = ApiError, description = "bad signature, low-order key, malformed"),
+        (status = 409, body = ApiError, description = "not selected, stage closed, attempt abandoned, other keys advertised")))]
+pub async fn advertise(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path(at): AttemptPath,
+    ApiJson(keys): ApiJson<SecAggAdvertise>,
+) -> Result<Json<SecAggReceipt>, ServerError> {
+    let identity = state
+        .coordinator
+        .store()
+        .client(&auth.id)?
+        .and_then(|c| c.identity_key)
+        .ok_or_else(|| {
+            ServerError::conflict(
+                "no_identity_key",
+                format!(
+                    "client `{}` registered no identity key at enrolment: enrol it again",
+                    auth.id
+                ),
+            )
+        })?;
+    let client = auth.id.clone();
+    submit(&state, &auth.id, at, move |s, store| {
+        s.advertise(store, &client, &identity, keys)
+    })
+    .await
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/neighbours", tag = "secure aggregation",
+    params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path), WaitQuery),
+    security(("client_credentials" = [])),
+    responses((status = 200, body = SecAggRoster), (status = 204, description = "advertising has not closed yet"),
+        (status = 409, body = ApiError, description = "dropped out, attempt abandoned")))]
+pub async fn neighbours(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path(at): AttemptPath,
+    Query(q): Query<WaitQuery>,
+) -> Result<Response, ServerError> {
+    wait_for(&state, &auth.id, at, q.wait_ms, |s| s.roster(&auth.id)).await
+}
+
+#[utoipa::path(post, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/shares", tag = "secure aggregation",
+    params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path)), request_body = SecAggShareBundles,
+    security(("client_credentials" = [])),
+    responses((status = 200, body = SecAggReceipt), (status = 400, body = ApiError, description = "a bundle for a non-neighbour, a neighbour missing"),
+        (status = 409, body = ApiError)))]
+pub async fn share(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path(at): AttemptPath,
+    ApiJson(bundles): ApiJson<SecAggShareBundles>,
+) -> Result<Json<SecAggReceipt>, ServerError> {
+    let client = auth.id.clone();
+    submit(&state, &auth.id, at, move |s, store| {
+        s.share(store, &client, bundles)
+    })
+    .await
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/shares", tag = "secure aggregation",
+    params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path), WaitQuery),
+    security(("client_credentials" = [])),
+    responses((status = 200, body = SecAggShareBundles, description = "the bundles addressed to this client"),
+        (status = 204, description = "sharing has not closed yet"), (status = 409, body = ApiError)))]
+pub async fn inbox(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path(at): AttemptPath,
+    Query(q): Query<WaitQuery>,
+) -> Result<Response, ServerError> {
+    wait_for(&state, &auth.id, at, q.wait_ms, |s| s.inbox(&auth.id)).await
+}
+
+#[utoipa::path(post, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/masked", tag = "secure aggregation",
+    params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path)),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "the masked input: numel + 1 u32 values, little-endian"),
+    security(("client_credentials" = [])),
+    responses((status = 200, body = SecAggReceipt, description = "folded into the sum and durable"),
+        (status = 400, body = ApiError, description = "wrong length"), (status = 409, body = ApiError, description = "already uploaded, stage closed, dropped out"),
+        (status = 411, body = ApiError), (status = 413, body = ApiError)))]
+pub async fn masked(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path(at): AttemptPath,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<SecAggReceipt>, ServerError> {
+    let task = state.coordinator.task(&at.0)?;
+    let (_, s) = state
+        .coordinator
+        .secagg_round(&task, &auth.id, at.1, at.2)?;
+    let permit = state
+        .ingest
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(ServerError::internal)?;
+    let body = read_body(&headers, body, s.masked_len()).await?;
+    let client = auth.id.clone();
+    let receipt = submit(&state, &auth.id, at, move |s, store| {
+        s.masked(store, &client, &body)
+    })
+    .await;
+    drop(permit);
+    receipt
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/unmask", tag = "secure aggregation",
+    params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path), WaitQuery),
+    security(("client_credentials" = [])),
+    responses((status = 200, body = SecAggUnmaskRequest), (status = 204, description = "masked inputs are still due"),
+        (status = 409, body = ApiError)))]
+pub async fn unmask_request(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path(at): AttemptPath,
+    Query(q): Query<WaitQuery>,
+) -> Result<Response, ServerError> {
+    wait_for(&state, &auth.id, at, q.wait_ms, |s| {
+        s.unmask_request(&auth.id)
+    })
+    .await
+}
+
+#[utoipa::path(post, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/unmask", tag = "secure aggregation",
+    params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path)), request_body = SecAggUnmask,
+    security(("client_credentials" = [])),
+    responses((status = 200, body = SecAggReceipt), (status = 400, body = ApiError, description = "a share not asked for, of the wrong kind, or two for one peer"),
+        (status = 409, body = ApiError)))]
+pub async fn unmask(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    Path(at): AttemptPath,
+    ApiJson(answer): ApiJson<SecAggUnmask>,
+) -> Result<Json<SecAggReceipt>, ServerError> {
+    let client = auth.id.clone();
+    submit(&state, &auth.id, at, move |s, store| {
+        s.unmask(store, &client, answer)
+    })
+    .await
+}

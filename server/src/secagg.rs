@@ -1,0 +1,937 @@
+//! A round attempt under secure aggregation: the server's side of the four stages, their
+//! deadlines, and what is stored so that a restarted server carries on.
+//!
+//! ```text
+//! Advertise ──(all selected advertised | deadline)──▶ ShareKeys ──(all shared | deadline)──▶
+//! MaskedInput ──(all uploaded | training deadline)──▶ Unmask ──(all answered | deadline)──▶ done
+//! ```
+//!
+//! At each transition the set of clients still in the protocol shrinks (U1 ⊇ U2 ⊇ U3) and is
+//! fixed from then on; a message for a closed stage is refused (409 `stage_closed`), a client
+//! left out of a stage is told so (409 `dropped_out`). Whenever the survivors can no longer
+//! complete the attempt — fewer than the task's minimum, or a secret that fewer than `t`
+//! remaining neighbours hold shares of — the attempt is abandoned and the coordinator retries
+//! the round with fresh keys.
+//!
+//! Schedule: advertising closes once every selected client has advertised, or `stage_secs`
+//! after the first advertisement (so clients that start late still get in), or — if nobody
+//! comes — `round_deadline_secs` after the round opened. Sharing then has `stage_secs`; masked
+//! inputs are due `stage_secs + round_deadline_secs` after advertising closed (the roster tells
+//! clients when, so they know how long they may train); unmasking has `stage_secs` from when
+//! the masked inputs are in.
+//!
+//! What is stored (sled tree `secagg`, one prefix per task): the stage record (stage, deadline,
+//! participants with their signed public keys, the graph seed, U2, U3 and the name of the
+//! masked-sum file), each advertisement, each sender's *encrypted* share bundles, and the
+//! revealed unmask shares. The sum of the masked inputs is a checkpoint file. Individual masked
+//! inputs are folded into the sum as they arrive and never stored; the shares are encrypted to
+//! clients; so nothing stored unmasks a single client.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+
+use hora_common::secagg::client::check_advert;
+use hora_common::secagg::unmask::Participant;
+use hora_common::secagg::{graph, hex_array, Context, Quantiser, SecAggError, Unmasker};
+use hora_common::wire::{
+    SecAggAdvertise, SecAggNeighbour, SecAggOffer, SecAggReceipt, SecAggRoster, SecAggSealedShares,
+    SecAggShareBundles, SecAggUnmask, SecAggUnmaskRequest, SecureAggregationConfig,
+};
+use ring::rand::SecureRandom;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::coordinator::now_ms;
+use crate::error::ServerError;
+use crate::store::Store;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    Advertise,
+    ShareKeys,
+    MaskedInput,
+    Unmask,
+    /// Published or abandoned: the coordinator has taken over.
+    Ended,
+}
+
+/// A client's advertisement with the identity key it was checked against.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdvertRecord {
+    pub identity_key: String,
+    pub keys: SecAggAdvertise,
+}
+
+/// The stage record (see the module doc).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StateRecord {
+    pub round: u64,
+    pub attempt: u32,
+    pub stage: Stage,
+    pub deadline_unix_ms: u64,
+    pub input_deadline_unix_ms: u64,
+    pub seed: String,
+    /// Participants (sorted ids) once advertising has closed.
+    pub participants: Vec<String>,
+    pub threshold: usize,
+    pub degree: usize,
+    pub shared: Vec<String>,
+    pub survivors: Vec<String>,
+    pub sum_file: Option<String>,
+}
+
+/// What a message or deadline did to the attempt.
+#[derive(Debug)]
+pub enum Outcome {
+    Continue,
+    Abandon(String),
+    /// The survivors' unmasked, decoded sum: `Σ w·x` per coordinate and `Σ w`.
+    Publish {
+        values: Vec<f64>,
+        total_weight: u64,
+        survivors: Vec<String>,
+    },
+}
+
+struct Inner {
+    stage: Stage,
+    deadline_unix_ms: u64,
+    /// When masked inputs are due (fixed when advertising closes).
+    input_deadline_unix_ms: u64,
+    seed: [u8; 32],
+    adverts: BTreeMap<String, AdvertRecord>,
+    participants: Vec<Participant>,
+    degree: usize,
+    threshold: usize,
+    mail: BTreeMap<String, SecAggShareBundles>,
+    shared: BTreeSet<usize>,
+    survivors: BTreeSet<usize>,
+    sum: Vec<u32>,
+    sum_file: Option<String>,
+    answers: BTreeMap<String, SecAggUnmask>,
+}
+
+pub struct SecAggRound {
+    pub ctx: Context,
+    pub quantiser: Quantiser,
+    config: SecureAggregationConfig,
+    capacity: usize,
+    min_clients: usize,
+    /// The latest the round can need masked inputs by (for the offer).
+    pub latest_input_deadline_unix_ms: u64,
+    round_deadline_ms: u64,
+    vector_len: usize,
+    inner: Mutex<Inner>,
+    /// Bumped at every stage change, for the long polls.
+    pub changed: watch::Sender<u64>,
+}
+
+/// The parameters a task's rounds run with, checked at task creation.
+pub fn quantiser_for(
+    config: &SecureAggregationConfig,
+    capacity: usize,
+) -> Result<Quantiser, ServerError> {
+    Quantiser::for_round(config.clip, config.max_weight, capacity)
+        .map_err(|e| ServerError::BadRequest(e.to_string()))
+}
+
+/// Checks a task's secure-aggregation settings (at task creation).
+pub fn validate(
+    config: &SecureAggregationConfig,
+    min_clients: u32,
+    capacity: usize,
+) -> Result<(), ServerError> {
+    let bad = |m: String| Err(ServerError::BadRequest(m));
+    if min_clients < 3 {
+        return bad("secure aggregation needs min_clients >= 3: with two clients each could subtract its own update from the sum and learn the other's".into());
+    }
+    if config.stage_secs == 0 || config.stage_secs > 86_400 {
+        return bad("secure_aggregation.stage_secs must be between 1 and 86400".into());
+    }
+    if let Some(k) = config.degree {
+        if k < 2 {
+            return bad("secure_aggregation.degree must be at least 2".into());
+        }
+    }
+    if let Some(t) = config.threshold {
+        let k = config
+            .degree
+            .map_or(capacity.saturating_sub(1), |k| k as usize);
+        if t < 2 || t as usize > k.max(2) {
+            return bad(format!(
+                "secure_aggregation.threshold must be between 2 and the degree ({k})"
+            ));
+        }
+    }
+    quantiser_for(config, capacity).map(|_| ())
+}
+
+fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
+    m.lock()
+        .expect("a secure-aggregation lock was poisoned by an earlier panic")
+}
+
+fn secagg_error(e: SecAggError) -> ServerError {
+    let code = match &e {
+        SecAggError::Forged(_) => "forged_message",
+        SecAggError::LowOrderKey => "low_order_key",
+        SecAggError::Stage(_) => "stage_closed",
+        _ => "invalid_secagg_message",
+    };
+    ServerError::Invalid {
+        code,
+        message: e.to_string(),
+    }
+}
+
+fn dropped_out(client: &str, stage: &str) -> ServerError {
+    ServerError::conflict(
+        "dropped_out",
+        format!(
+            "client `{client}` is not part of this attempt any more: it missed the {stage} stage"
+        ),
+    )
+}
+
+fn stage_closed(stage: Stage, now: Stage) -> ServerError {
+    ServerError::conflict(
+        "stage_closed",
+        format!("the {stage:?} stage is closed; the attempt is at {now:?}").to_lowercase(),
+    )
+}
+
+fn key(task: &str, kind: &str, client: &str) -> String {
+    format!("{task}\0{kind}\0{client}")
+}
+
+impl SecAggRound {
+    /// A new attempt.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ctx: Context,
+        config: SecureAggregationConfig,
+        capacity: usize,
+        min_clients: usize,
+        opened_unix_ms: u64,
+        round_deadline_secs: u64,
+        numel: usize,
+    ) -> Result<SecAggRound, ServerError> {
+        let mut seed = [0u8; 32];
+        ring::rand::SystemRandom::new()
+            .fill(&mut seed)
+            .map_err(|_| ServerError::internal("the system random number generator failed"))?;
+        let quantiser = quantiser_for(&config, capacity)?;
+        let stage_ms = config.stage_secs * 1000;
+        Ok(SecAggRound {
+            latest_input_deadline_unix_ms: opened_unix_ms
+                + 2 * (round_deadline_secs * 1000 + stage_ms),
+            round_deadline_ms: round_deadline_secs * 1000,
+            inner: Mutex::new(Inner {
+                stage: Stage::Advertise,
+                deadline_unix_ms: opened_unix_ms + round_deadline_secs * 1000,
+                input_deadline_unix_ms: 0,
+                seed,
+                adverts: BTreeMap::new(),
+                participants: Vec::new(),
+                degree: 0,
+                threshold: 0,
+                mail: BTreeMap::new(),
+                shared: BTreeSet::new(),
+                survivors: BTreeSet::new(),
+                sum: Vec::new(),
+                sum_file: None,
+                answers: BTreeMap::new(),
+            }),
+            ctx,
+            quantiser,
+            config,
+            capacity,
+            min_clients: min_clients.max(3),
+            vector_len: Quantiser::len(numel),
+            changed: watch::channel(0).0,
+        })
+    }
+
+    /// Rebuilds an attempt from the store after a restart.
+    #[allow(clippy::too_many_arguments)]
+    pub fn resume(
+        store: &Store,
+        ctx: Context,
+        config: SecureAggregationConfig,
+        capacity: usize,
+        min_clients: usize,
+        opened_unix_ms: u64,
+        round_deadline_secs: u64,
+        numel: usize,
+    ) -> Result<SecAggRound, ServerError> {
+        let round = SecAggRound::new(
+            ctx,
+            config,
+            capacity,
+            min_clients,
+            opened_unix_ms,
+            round_deadline_secs,
+            numel,
+        )?;
+        let task = round.ctx.task.clone();
+        let Some(state) = store.secagg_get::<StateRecord>(&key(&task, "state", ""))? else {
+            store.secagg_clear(&task)?; // a fresh attempt: nothing of an older one counts
+            return Ok(round);
+        };
+        if state.round != round.ctx.round || state.attempt != round.ctx.attempt {
+            store.secagg_clear(&task)?;
+            return Ok(round);
+        }
+        {
+            let mut inner = lock(&round.inner);
+            inner.stage = state.stage;
+            inner.deadline_unix_ms = state.deadline_unix_ms;
+            inner.input_deadline_unix_ms = state.input_deadline_unix_ms;
+            inner.seed = hex_array("seed", &state.seed).map_err(ServerError::internal)?;
+            for (client, advert) in store.secagg_scan::<AdvertRecord>(&format!("{task}\0adv\0"))? {
+                inner.adverts.insert(client, advert);
+            }
+            if !state.participants.is_empty() {
+                round.fix_participants(
+                    &mut inner,
+                    &state.participants,
+                    state.degree,
+                    state.threshold,
+                )?;
+            }
+            for (client, bundles) in
+                store.secagg_scan::<SecAggShareBundles>(&format!("{task}\0mail\0"))?
+            {
+                inner.mail.insert(client, bundles);
+            }
+            let index = |inner: &Inner, id: &str| {
+                inner
+                    .participants
+                    .iter()
+                    .position(|p| p.id == id)
+                    .ok_or_else(|| ServerError::internal(format!("unknown participant {id}")))
+            };
+            for id in &state.shared {
+                let i = index(&inner, id)?;
+                inner.shared.insert(i);
+            }
+            for id in &state.survivors {
+                let i = index(&inner, id)?;
+                inner.survivors.insert(i);
+            }
+            inner.sum = match &state.sum_file {
+                Some(file) => store.read_masked_sum(file, round.vector_len)?,
+                None => vec![0; round.vector_len],
+            };
+            inner.sum_file = state.sum_file;
+            for (client, answer) in
+                store.secagg_scan::<SecAggUnmask>(&format!("{task}\0unmask\0"))?
+            {
+                inner.answers.insert(client, answer);
+            }
+        }
+        Ok(round)
+    }
+
+    pub fn offer(&self) -> SecAggOffer {
+        SecAggOffer {
+            attempt: self.ctx.attempt,
+            clip: self.quantiser.clip,
+            scale: self.quantiser.scale,
+            max_weight: self.quantiser.max_weight,
+        }
+    }
+
+    pub fn stage(&self) -> Stage {
+        lock(&self.inner).stage
+    }
+
+    pub fn deadline(&self) -> u64 {
+        lock(&self.inner).deadline_unix_ms
+    }
+
+    /// Clients whose masked input is in the sum.
+    pub fn survivors(&self) -> usize {
+        lock(&self.inner).survivors.len()
+    }
+
+    fn save_state(&self, store: &Store, inner: &Inner) -> Result<(), ServerError> {
+        let ids = |set: &BTreeSet<usize>| -> Vec<String> {
+            set.iter()
+                .map(|&i| inner.participants[i].id.clone())
+                .collect()
+        };
+        let record = StateRecord {
+            round: self.ctx.round,
+            attempt: self.ctx.attempt,
+            stage: inner.stage,
+            deadline_unix_ms: inner.deadline_unix_ms,
+            input_deadline_unix_ms: inner.input_deadline_unix_ms,
+            seed: hex::encode(inner.seed),
+            participants: inner.participants.iter().map(|p| p.id.clone()).collect(),
+            threshold: inner.threshold,
+            degree: inner.degree,
+            shared: ids(&inner.shared),
+            survivors: ids(&inner.survivors),
+            sum_file: inner.sum_file.clone(),
+        };
+        store.secagg_put(&key(&self.ctx.task, "state", ""), &record)?;
+        Ok(())
+    }
+
+    /// Persists the first record of a new attempt (and clears the task's older ones).
+    pub fn persist_new(&self, store: &Store) -> Result<(), ServerError> {
+        store.secagg_clear(&self.ctx.task)?;
+        self.save_state(store, &lock(&self.inner))
+    }
+
+    fn fix_participants(
+        &self,
+        inner: &mut Inner,
+        ids: &[String],
+        degree: usize,
+        threshold: usize,
+    ) -> Result<(), ServerError> {
+        let neighbours = graph::neighbours(ids.len(), degree, &inner.seed);
+        inner.participants = ids
+            .iter()
+            .zip(neighbours)
+            .enumerate()
+            .map(|(i, (id, neighbours))| {
+                let advert = inner.adverts.get(id).ok_or_else(|| {
+                    ServerError::internal(format!("participant {id} has no advertisement"))
+                })?;
+                Ok(Participant {
+                    id: id.clone(),
+                    index: i as u32 + 1,
+                    mask_key: hex_array("mask_key", &advert.keys.mask_key)
+                        .map_err(ServerError::internal)?,
+                    neighbours,
+                })
+            })
+            .collect::<Result<_, ServerError>>()?;
+        inner.degree = degree;
+        inner.threshold = threshold;
+        Ok(())
+    }
+
+    /// Read sides refuse once the attempt has ended (its outcome is the coordinator's now).
+    fn not_ended(&self, inner: &Inner) -> Result<(), ServerError> {
+        if inner.stage == Stage::Ended {
+            return Err(ServerError::conflict(
+                "round_abandoned",
+                format!(
+                    "attempt {} of round {} has ended; poll for what comes next",
+                    self.ctx.attempt, self.ctx.round
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn require(&self, inner: &Inner, stage: Stage) -> Result<(), ServerError> {
+        if inner.stage != stage {
+            return Err(stage_closed(stage, inner.stage));
+        }
+        Ok(())
+    }
+
+    fn participant(&self, inner: &Inner, client: &str, stage: &str) -> Result<usize, ServerError> {
+        inner
+            .participants
+            .iter()
+            .position(|p| p.id == client)
+            .ok_or_else(|| dropped_out(client, stage))
+    }
+
+    fn receipt(&self, accepted: usize) -> SecAggReceipt {
+        SecAggReceipt {
+            round: self.ctx.round,
+            attempt: self.ctx.attempt,
+            accepted: accepted as u32,
+        }
+    }
+
+    /// Stage 0: a selected client's signed keys, checked against its registered identity.
+    pub fn advertise(
+        &self,
+        store: &Store,
+        client: &str,
+        identity_key: &str,
+        keys: SecAggAdvertise,
+    ) -> Result<(SecAggReceipt, Outcome), ServerError> {
+        let identity =
+            hex_array::<32>("identity_key", identity_key).map_err(ServerError::internal)?;
+        check_advert(&self.ctx, client, &identity, &keys).map_err(|e| match e {
+            SecAggError::Forged(_) => ServerError::Invalid {
+                code: "bad_signature",
+                message: format!(
+                    "the advertised keys are not signed by the identity key `{client}` registered at enrolment"
+                ),
+            },
+            e => secagg_error(e),
+        })?;
+        let mut inner = lock(&self.inner);
+        self.require(&inner, Stage::Advertise)?;
+        if let Some(existing) = inner.adverts.get(client) {
+            if existing.keys == keys {
+                return Ok((self.receipt(inner.adverts.len()), Outcome::Continue));
+                // a retry
+            }
+            return Err(ServerError::conflict(
+                "already_advertised",
+                format!("client `{client}` has already advertised other keys for this attempt"),
+            ));
+        }
+        let record = AdvertRecord {
+            identity_key: identity_key.to_string(),
+            keys,
+        };
+        store.secagg_put(&key(&self.ctx.task, "adv", client), &record)?;
+        store.flush()?;
+        inner.adverts.insert(client.to_string(), record);
+        let accepted = inner.adverts.len();
+        if accepted == 1 {
+            // The others have `stage_secs` from now.
+            inner.deadline_unix_ms = inner
+                .deadline_unix_ms
+                .min(now_ms() + self.config.stage_secs * 1000);
+            self.save_state(store, &inner)?;
+            store.flush()?;
+            self.changed.send_modify(|v| *v += 1);
+        }
+        let outcome = if accepted >= self.capacity {
+            self.close_stage(store, &mut inner)?
+        } else {
+            Outcome::Continue
+        };
+        Ok((self.receipt(accepted), outcome))
+    }
+
+    /// Stage 1, read side: the roster, once advertising has closed.
+    pub fn roster(&self, client: &str) -> Result<Option<SecAggRoster>, ServerError> {
+        let inner = lock(&self.inner);
+        self.not_ended(&inner)?;
+        if inner.stage == Stage::Advertise {
+            return Ok(None);
+        }
+        let me = self.participant(&inner, client, "advertise")?;
+        let neighbours = inner.participants[me]
+            .neighbours
+            .iter()
+            .map(|&n| {
+                let p = &inner.participants[n];
+                let advert = &inner.adverts[&p.id];
+                SecAggNeighbour {
+                    client: p.id.clone(),
+                    index: p.index,
+                    identity_key: advert.identity_key.clone(),
+                    keys: advert.keys.clone(),
+                }
+            })
+            .collect();
+        Ok(Some(SecAggRoster {
+            index: inner.participants[me].index,
+            threshold: inner.threshold as u32,
+            input_deadline_unix_ms: inner.input_deadline_unix_ms,
+            neighbours,
+        }))
+    }
+
+    /// Stage 1: a participant's encrypted shares, one bundle for each of its neighbours.
+    pub fn share(
+        &self,
+        store: &Store,
+        client: &str,
+        bundles: SecAggShareBundles,
+    ) -> Result<(SecAggReceipt, Outcome), ServerError> {
+        let mut inner = lock(&self.inner);
+        self.require(&inner, Stage::ShareKeys)?;
+        let me = self.participant(&inner, client, "advertise")?;
+        if let Some(existing) = inner.mail.get(client) {
+            if *existing == bundles {
+                return Ok((self.receipt(inner.mail.len()), Outcome::Continue));
+            }
+            return Err(ServerError::conflict(
+                "already_shared",
+                format!("client `{client}` has already sent its shares for this attempt"),
+            ));
+        }
+        let neighbours: BTreeSet<&str> = inner.participants[me]
+            .neighbours
+            .iter()
+            .map(|&n| inner.participants[n].id.as_str())
+            .collect();
+        let mut addressed = BTreeSet::new();
+        for b in &bundles.shares {
+            if !neighbours.contains(b.peer.as_str()) {
+                return Err(ServerError::Invalid {
+                    code: "not_a_neighbour",
+                    message: format!(
+                        "shares addressed to `{}`, which is not a neighbour of `{client}` in this attempt",
+                        b.peer
+                    ),
+                });
+            }
+            if !addressed.insert(b.peer.as_str())
+                || b.ciphertext.len() > 4096
+                || hex::decode(&b.ciphertext).is_err()
+            {
+                return Err(ServerError::Invalid {
+                    code: "invalid_secagg_message",
+                    message: format!(
+                        "the bundle for `{}` is repeated, too long or not hex",
+                        b.peer
+                    ),
+                });
+            }
+        }
+        if addressed.len() != neighbours.len() {
+            return Err(ServerError::Invalid {
+                code: "invalid_secagg_message",
+                message: format!(
+                    "shares for {} of the {} neighbours: send one bundle to each",
+                    addressed.len(),
+                    neighbours.len()
+                ),
+            });
+        }
+        store.secagg_put(&key(&self.ctx.task, "mail", client), &bundles)?;
+        store.flush()?;
+        inner.mail.insert(client.to_string(), bundles);
+        let accepted = inner.mail.len();
+        let outcome = if accepted == inner.participants.len() {
+            self.close_stage(store, &mut inner)?
+        } else {
+            Outcome::Continue
+        };
+        Ok((self.receipt(accepted), outcome))
+    }
+
+    /// Stage 2, read side: the bundles addressed to `client` by neighbours that shared.
+    pub fn inbox(&self, client: &str) -> Result<Option<SecAggShareBundles>, ServerError> {
+        let inner = lock(&self.inner);
+        self.not_ended(&inner)?;
+        if inner.stage <= Stage::ShareKeys {
+            return Ok(None);
+        }
+        let me = self.participant(&inner, client, "advertise")?;
+        if !inner.shared.contains(&me) {
+            return Err(dropped_out(client, "share-keys"));
+        }
+        let shares = inner.participants[me]
+            .neighbours
+            .iter()
+            .filter(|n| inner.shared.contains(n))
+            .filter_map(|&n| {
+                let from = &inner.participants[n].id;
+                inner
+                    .mail
+                    .get(from)?
+                    .shares
+                    .iter()
+                    .find(|b| b.peer == client)
+                    .map(|b| SecAggSealedShares {
+                        peer: from.clone(),
+                        ciphertext: b.ciphertext.clone(),
+                    })
+            })
+            .collect();
+        Ok(Some(SecAggShareBundles { shares }))
+    }
+
+    /// The byte length of a masked input.
+    pub fn masked_len(&self) -> u64 {
+        self.vector_len as u64 * 4
+    }
+
+    /// Stage 2: a masked input (little-endian u32s), folded into the sum and made durable.
+    pub fn masked(
+        &self,
+        store: &Store,
+        client: &str,
+        body: &[u8],
+    ) -> Result<(SecAggReceipt, Outcome), ServerError> {
+        if body.len() as u64 != self.masked_len() {
+            return Err(ServerError::Invalid {
+                code: "shape_mismatch",
+                message: format!(
+                    "a masked input of this task is {} bytes ({} values), not {}",
+                    self.masked_len(),
+                    self.vector_len,
+                    body.len()
+                ),
+            });
+        }
+        let mut inner = lock(&self.inner);
+        self.require(&inner, Stage::MaskedInput)?;
+        let me = self.participant(&inner, client, "advertise")?;
+        if !inner.shared.contains(&me) {
+            return Err(dropped_out(client, "share-keys"));
+        }
+        if inner.survivors.contains(&me) {
+            return Err(ServerError::conflict(
+                "already_contributed",
+                format!("client `{client}` has already uploaded its masked input for this attempt"),
+            ));
+        }
+        if inner.sum.len() != self.vector_len {
+            inner.sum = vec![0; self.vector_len];
+        }
+        for (s, b) in inner.sum.iter_mut().zip(body.chunks_exact(4)) {
+            *s = s.wrapping_add(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        }
+        inner.survivors.insert(me);
+        let old = inner.sum_file.clone();
+        let saved = store
+            .write_masked_sum(&inner.sum)
+            .map_err(ServerError::from)
+            .and_then(|file| {
+                inner.sum_file = Some(file);
+                self.save_state(store, &inner)?;
+                store.flush().map_err(ServerError::from)
+            });
+        if let Err(e) = saved {
+            // Not durable: take it back out; the client retries.
+            for (s, b) in inner.sum.iter_mut().zip(body.chunks_exact(4)) {
+                *s = s.wrapping_sub(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            }
+            inner.survivors.remove(&me);
+            inner.sum_file = old;
+            return Err(e);
+        }
+        if let Some(old) = old.filter(|o| Some(o) != inner.sum_file.as_ref()) {
+            store.remove_checkpoint(&old);
+        }
+        let accepted = inner.survivors.len();
+        let outcome = if accepted == inner.shared.len() {
+            self.close_stage(store, &mut inner)?
+        } else {
+            Outcome::Continue
+        };
+        Ok((self.receipt(accepted), outcome))
+    }
+
+    /// Stage 3, read side: which shares `client` is to reveal.
+    pub fn unmask_request(&self, client: &str) -> Result<Option<SecAggUnmaskRequest>, ServerError> {
+        let inner = lock(&self.inner);
+        self.not_ended(&inner)?;
+        if inner.stage <= Stage::MaskedInput {
+            return Ok(None);
+        }
+        let me = self.participant(&inner, client, "advertise")?;
+        if !inner.survivors.contains(&me) {
+            return Err(dropped_out(client, "masked-input"));
+        }
+        Ok(Some(self.unmasker(&inner).request_for(me)))
+    }
+
+    fn unmasker<'a>(&self, inner: &'a Inner) -> Unmasker<'a> {
+        Unmasker::new(
+            self.ctx.clone(),
+            &inner.participants,
+            inner.threshold,
+            inner.shared.clone(),
+            inner.survivors.clone(),
+        )
+    }
+
+    /// Rebuilds the unmasker with every stored answer (they were all checked when they came).
+    fn unmasker_with_answers<'a>(&self, inner: &'a Inner) -> Result<Unmasker<'a>, ServerError> {
+        let mut u = self.unmasker(inner);
+        for (client, answer) in &inner.answers {
+            let i = self.participant(inner, client, "masked-input")?;
+            u.accept(i, answer).map_err(ServerError::internal)?;
+        }
+        Ok(u)
+    }
+
+    /// Stage 3: a survivor's revealed shares.
+    pub fn unmask(
+        &self,
+        store: &Store,
+        client: &str,
+        answer: SecAggUnmask,
+    ) -> Result<(SecAggReceipt, Outcome), ServerError> {
+        let mut inner = lock(&self.inner);
+        self.require(&inner, Stage::Unmask)?;
+        let me = self.participant(&inner, client, "advertise")?;
+        if let Some(existing) = inner.answers.get(client) {
+            if *existing == answer {
+                return Ok((self.receipt(inner.answers.len()), Outcome::Continue));
+            }
+            return Err(ServerError::conflict(
+                "already_revealed",
+                format!("client `{client}` has already revealed its shares for this attempt"),
+            ));
+        }
+        let mut u = self.unmasker_with_answers(&inner)?;
+        u.accept(me, &answer).map_err(|e| match e {
+            SecAggError::Stage(m) => ServerError::conflict("dropped_out", m),
+            e => secagg_error(e),
+        })?;
+        store.secagg_put(&key(&self.ctx.task, "unmask", client), &answer)?;
+        store.flush()?;
+        let complete = u.complete();
+        drop(u);
+        inner.answers.insert(client.to_string(), answer);
+        let accepted = inner.answers.len();
+        let outcome = if complete {
+            self.close_stage(store, &mut inner)?
+        } else {
+            Outcome::Continue
+        };
+        Ok((self.receipt(accepted), outcome))
+    }
+
+    /// The deadline check: closes the stage if its deadline has passed.
+    pub fn tick(&self, store: &Store) -> Result<Outcome, ServerError> {
+        let mut inner = lock(&self.inner);
+        if inner.stage == Stage::Ended || inner.deadline_unix_ms > now_ms() {
+            return Ok(Outcome::Continue);
+        }
+        self.close_stage(store, &mut inner)
+    }
+
+    /// Ends the current stage with whoever is in, and opens the next (or ends the attempt).
+    fn close_stage(&self, store: &Store, inner: &mut Inner) -> Result<Outcome, ServerError> {
+        let stage_ms = self.config.stage_secs * 1000;
+        let outcome = match inner.stage {
+            Stage::Advertise => {
+                let n = inner.adverts.len();
+                if n < self.min_clients {
+                    Outcome::Abandon(format!(
+                        "{n} of the required {} clients advertised keys",
+                        self.min_clients
+                    ))
+                } else {
+                    let k = self
+                        .config
+                        .degree
+                        .map_or_else(|| graph::default_degree(n), |k| k as usize)
+                        .min(n - 1);
+                    let k = if k + k % 2 >= n - 1 { n - 1 } else { k + k % 2 };
+                    let t = self
+                        .config
+                        .threshold
+                        .map_or_else(|| graph::default_threshold(k), |t| t as usize);
+                    if t > k || t <= k / 2 {
+                        Outcome::Abandon(format!(
+                            "{n} clients give {k} neighbours each, too few for the threshold {t} (it must be a majority of the neighbours)"
+                        ))
+                    } else {
+                        let ids: Vec<String> = inner.adverts.keys().cloned().collect();
+                        self.fix_participants(inner, &ids, k, t)?;
+                        inner.stage = Stage::ShareKeys;
+                        let now = now_ms();
+                        inner.deadline_unix_ms = now + stage_ms;
+                        inner.input_deadline_unix_ms = now + stage_ms + self.round_deadline_ms;
+                        Outcome::Continue
+                    }
+                }
+            }
+            Stage::ShareKeys => {
+                inner.shared = (0..inner.participants.len())
+                    .filter(|&i| inner.mail.contains_key(&inner.participants[i].id))
+                    .collect();
+                // A client with fewer than t neighbours that shared cannot mask (it would
+                // refuse): leave it out, and with it the masks its neighbours would have
+                // needed, until everyone left has t.
+                loop {
+                    let short: Vec<usize> = inner
+                        .shared
+                        .iter()
+                        .copied()
+                        .filter(|&i| {
+                            inner.participants[i]
+                                .neighbours
+                                .iter()
+                                .filter(|n| inner.shared.contains(n))
+                                .count()
+                                < inner.threshold
+                        })
+                        .collect();
+                    if short.is_empty() {
+                        break;
+                    }
+                    for i in short {
+                        inner.shared.remove(&i);
+                    }
+                }
+                if inner.shared.len() < self.min_clients {
+                    Outcome::Abandon(format!(
+                        "{} of the required {} clients shared their keys with at least {} neighbours that shared theirs",
+                        inner.shared.len(),
+                        self.min_clients,
+                        inner.threshold
+                    ))
+                } else {
+                    inner.stage = Stage::MaskedInput;
+                    inner.deadline_unix_ms = inner.input_deadline_unix_ms;
+                    inner.sum = vec![0; self.vector_len];
+                    Outcome::Continue
+                }
+            }
+            Stage::MaskedInput => {
+                let u = self.unmasker(inner);
+                let short = u.short_of_survivors();
+                if inner.survivors.len() < self.min_clients {
+                    Outcome::Abandon(format!(
+                        "{} of the required {} masked inputs by the deadline",
+                        inner.survivors.len(),
+                        self.min_clients
+                    ))
+                } else if let Some((id, have)) = short.first() {
+                    Outcome::Abandon(format!(
+                        "too many clients dropped: `{id}` has {have} surviving neighbours, and its secret needs {} shares",
+                        inner.threshold
+                    ))
+                } else {
+                    inner.stage = Stage::Unmask;
+                    inner.deadline_unix_ms = now_ms() + stage_ms;
+                    Outcome::Continue
+                }
+            }
+            Stage::Unmask => {
+                let mut sum = std::mem::take(&mut inner.sum);
+                let u = self.unmasker_with_answers(inner)?;
+                let short = u.short();
+                if let Some((id, have)) = short.first() {
+                    Outcome::Abandon(format!(
+                        "too few survivors revealed their shares: `{id}` has {have} of the {} its secret needs",
+                        inner.threshold
+                    ))
+                } else {
+                    match u.finish(&mut sum) {
+                        Err(e) => Outcome::Abandon(format!("unmasking failed: {e}")),
+                        Ok(()) => match self.quantiser.decode(&sum) {
+                            Err(e) => Outcome::Abandon(format!("unmasking failed: {e}")),
+                            Ok((values, total_weight)) => Outcome::Publish {
+                                values,
+                                total_weight,
+                                survivors: inner
+                                    .survivors
+                                    .iter()
+                                    .map(|&i| inner.participants[i].id.clone())
+                                    .collect(),
+                            },
+                        },
+                    }
+                }
+            }
+            Stage::Ended => Outcome::Continue,
+        };
+        match &outcome {
+            Outcome::Continue => {
+                self.save_state(store, inner)?;
+                store.flush()?;
+                tracing::info!(task = %self.ctx.task, round = self.ctx.round, attempt = self.ctx.attempt, stage = ?inner.stage,
+                    participants = inner.participants.len(), shared = inner.shared.len(), survivors = inner.survivors.len(), "secure aggregation stage opened");
+            }
+            _ => inner.stage = Stage::Ended,
+        }
+        self.changed.send_modify(|v| *v += 1);
+        Ok(outcome)
+    }
+}
