@@ -30,6 +30,8 @@ pub mod quantise;
 pub mod shamir;
 #[cfg(any(test, feature = "test-util"))]
 pub mod simulate;
+#[cfg(test)]
+mod uniformity;
 pub mod unmask;
 
 pub use client::{ClientSession, Stage};
