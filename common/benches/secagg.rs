@@ -15,15 +15,17 @@
 //! - **what is sampled**: where masking every survivor's full vector would take too long here
 //!   (the complete graph at n = 500 makes n² keystreams of m words), the survivors outside the
 //!   timed sample mask only the first 1024 words of their input; their key agreements, share
-//!   openings and unmask answers are still the real ones, the server's fold and unmasking still
-//!   run over full-length vectors, and the unmasked sum is checked on that prefix. The output
-//!   says where this happened.
+//!   openings and unmask answers are still the real ones, the server still unmasks a full-length
+//!   sum (its timed fold stands a sampled full-length upload in for each prefix-only one: the
+//!   cost is the same), and the unmasked sum is checked on that prefix. The output says where
+//!   this happened.
 //! - **client time**: a sample of survivors, one after the other, each on a one-thread rayon pool
 //!   (a client is one device): key generation + advertise, share_keys, quantising the delta with
 //!   `Quantiser::encode` + masked_input, unmask. The other clients run untimed on all threads.
-//! - **server time**: on all threads: folding every survivor's upload (little-endian bytes, as
-//!   received) into the sum, building the unmask requests, `Unmasker::accept` of every answer
-//!   and `Unmasker::finish`. Building rosters and routing shares (bookkeeping) is not counted.
+//! - **server time**: folding every survivor's upload (little-endian bytes, as received) into the
+//!   sum, building the unmask requests, `Unmasker::accept` of every answer and `Unmasker::finish`
+//!   (which expands the masks on all threads). Building rosters and routing shares (bookkeeping)
+//!   is not counted.
 //! - **bytes**: sent = the advertisement, the share bundles and the unmask answer as serde_json
 //!   serialises them, plus 4·(m+1) bytes of masked vector; received = the roster, the inbox of
 //!   bundles and the unmask request as JSON. Means over the sampled clients.
@@ -484,7 +486,7 @@ fn main() {
         .expect("pool");
     println!(
         "secure aggregation: m = {m} parameters, client times on 1 thread (mean of {sample} sampled \
-         survivors), server times on {} threads; dropped clients vanish after sharing keys",
+         survivors), server on a pool of {} threads; dropped clients vanish after sharing keys",
         rayon::current_num_threads()
     );
     println!();
