@@ -22,6 +22,8 @@
 //! Every key, mask and ciphertext is bound to a [`Context`] (task, round, attempt), so nothing
 //! carries over between rounds or retries.
 
+#[cfg(test)]
+mod adversarial;
 pub mod client;
 pub mod graph;
 pub mod keys;
@@ -30,6 +32,8 @@ pub mod quantise;
 pub mod shamir;
 #[cfg(any(test, feature = "test-util"))]
 pub mod simulate;
+#[cfg(test)]
+mod uniformity;
 pub mod unmask;
 
 pub use client::{ClientSession, Stage};

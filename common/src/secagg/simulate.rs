@@ -15,6 +15,8 @@ pub struct Outcome {
     pub expected: Vec<u32>,
     /// The first masked input the server received, exactly as it arrived.
     pub first_upload: Vec<u32>,
+    /// Every masked input the server received, in the order of `survivors`.
+    pub uploads: Vec<Vec<u32>>,
     /// Clients whose input is in the sum.
     pub survivors: Vec<usize>,
 }
@@ -90,7 +92,7 @@ pub fn run(inputs: &[Vec<u32>], drop_after: &[Option<Stage>]) -> Result<Outcome,
     // Stage 2: masked inputs, summed as they arrive.
     let mut sum = vec![0u32; m];
     let mut expected = vec![0u32; m];
-    let mut first_upload = Vec::new();
+    let mut uploads = Vec::new();
     let mut survivors = BTreeSet::new();
     for i in shared
         .iter()
@@ -105,12 +107,10 @@ pub fn run(inputs: &[Vec<u32>], drop_after: &[Option<Stage>]) -> Result<Outcome,
                 .collect(),
         };
         let y = sessions[i].masked_input(&inbox, &inputs[i])?;
-        if first_upload.is_empty() {
-            first_upload = y.clone();
-        }
         sum.iter_mut()
             .zip(&y)
             .for_each(|(s, v)| *s = s.wrapping_add(*v));
+        uploads.push(y);
         expected
             .iter_mut()
             .zip(&inputs[i])
@@ -131,7 +131,8 @@ pub fn run(inputs: &[Vec<u32>], drop_after: &[Option<Stage>]) -> Result<Outcome,
     Ok(Outcome {
         sum,
         expected,
-        first_upload,
+        first_upload: uploads.first().cloned().unwrap_or_default(),
+        uploads,
         survivors: survivors.into_iter().collect(),
     })
 }
