@@ -6,30 +6,7 @@
 use std::process::Command;
 
 mod support;
-use support::example;
-
-/// Runs an example to success and returns its stdout and the JSON of its `RESULT` line.
-fn run(name: &str, args: &[&str]) -> (String, serde_json::Value) {
-    let out = Command::new(example(name))
-        .args(args)
-        .output()
-        .expect("run the example");
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "{name} failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let result = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("RESULT "))
-        .unwrap_or_else(|| panic!("no RESULT line:\n{stdout}"));
-    (
-        stdout.clone(),
-        serde_json::from_str(result).expect("RESULT json"),
-    )
-}
+use support::{example, run_example as run};
 
 /// Ten clients, 15 rounds, two local epochs at 0.02 (the demo uses five at 0.01: the same
 /// Synthetic-IID accuracy ratio over seeds 0-3, 0.96-0.98, at 40% of the centralised baseline's

@@ -220,6 +220,7 @@ fn run_secure(
     let roster = |i: usize| SecAggRoster {
         index: i as u32 + 1,
         threshold: t as u32,
+        input_deadline_unix_ms: 0,
         neighbours: neighbours[i]
             .iter()
             .map(|&j| SecAggNeighbour {

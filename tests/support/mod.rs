@@ -45,6 +45,29 @@ pub fn example(name: &str) -> PathBuf {
 }
 
 /// A running server process. Killed (by its own pid) when dropped.
+/// Runs an example to success and returns its stdout and the JSON of its `RESULT` line.
+pub fn run_example(name: &str, args: &[&str]) -> (String, serde_json::Value) {
+    let out = Command::new(example(name))
+        .args(args)
+        .output()
+        .expect("run the example");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{name} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let result = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .unwrap_or_else(|| panic!("no RESULT line:\n{stdout}"));
+    (
+        stdout.clone(),
+        serde_json::from_str(result).expect("RESULT json"),
+    )
+}
+
 pub struct Server {
     child: Child,
     pub url: String,

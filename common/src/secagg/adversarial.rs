@@ -68,6 +68,7 @@ impl Round {
         SecAggRoster {
             index: i as u32 + 1,
             threshold: self.t as u32,
+            input_deadline_unix_ms: 0,
             neighbours: self.graph[i]
                 .iter()
                 .map(|&j| SecAggNeighbour {

@@ -1,0 +1,377 @@
+//! Secure aggregation end to end.
+//!
+//! - The `secure` example runs a real `hora-server` and 20 `hora-client train` processes
+//!   through one SecAgg+ round, some crashing after a chosen stage, then runs the same round
+//!   without secure aggregation with exactly the clients the secure round summed: the two
+//!   published models must agree within the quantisation bound the protocol states.
+//! - Adversarial clients, driven stage by stage over real TLS against a real server: a forged
+//!   advertisement, shares sent to a non-neighbour, a replayed masked vector, a late one, and a
+//!   client revealing both shares of one peer are all refused, and the round still publishes
+//!   exactly the FedAvg of the honest inputs. What the server stores of a masked upload is
+//!   checked to look uniformly random.
+
+use std::collections::BTreeMap;
+
+use hora_common::model::Model;
+use hora_common::secagg::{ClientSession, Context, Identity, Quantiser, SecAggError};
+use hora_common::wire::{
+    Credentials, SecAggReceipt, SecAggRoster, SecAggShareBundles, SecAggShareKind, SecAggUnmask,
+    SecAggUnmaskRequest, SecureAggregationConfig,
+};
+use rand::SeedableRng;
+use reqwest::{Method, StatusCode};
+
+mod support;
+use support::{delta, run_example, small_model, task, Api, Client, Server, ADMIN_TOKEN};
+
+/// Runs the secure example and checks the secure round against plain FedAvg of its survivors.
+fn secure_round(args: &[&str], summed: u64, abandoned: u64) {
+    let (stdout, r) = run_example("secure", args);
+    println!("{stdout}");
+    assert_eq!(r["summed"], summed, "{stdout}");
+    assert_eq!(r["abandoned"], abandoned, "{stdout}");
+    assert_eq!(r["examples"], r["plain_examples"], "{stdout}");
+    let (diff, bound) = (
+        r["max_diff"].as_f64().unwrap(),
+        r["bound"].as_f64().unwrap(),
+    );
+    // The stated bound, plus the f32 rounding of both published models (weights below 1).
+    assert!(
+        diff <= bound + 2.5e-7,
+        "difference {diff} exceeds the bound {bound}:\n{stdout}"
+    );
+}
+
+#[test]
+fn twenty_clients_without_dropouts_publish_the_fedavg_of_all() {
+    secure_round(&["--clients", "20"], 20, 0);
+}
+
+#[test]
+fn ten_percent_dropping_at_two_stages_publish_the_fedavg_of_the_survivors() {
+    secure_round(
+        &["--clients", "20", "--drop", "advertise=1,share-keys=1"],
+        18,
+        0,
+    );
+}
+
+#[test]
+fn thirty_percent_dropping_at_three_stages_publish_the_fedavg_of_the_survivors() {
+    // Those that vanish after uploading their masked input are in the sum: their self-masks
+    // are recovered from their neighbours' shares.
+    secure_round(
+        &[
+            "--clients",
+            "20",
+            "--drop",
+            "advertise=2,share-keys=2,masked-input=2",
+        ],
+        16,
+        0,
+    );
+}
+
+#[test]
+fn a_round_where_too_many_drop_is_abandoned_and_retried() {
+    // Six clients, each with all five others as neighbours and threshold 3: three vanish after
+    // sharing keys, so each survivor keeps two neighbours — too few. The attempt is abandoned
+    // and the retry, with the three survivors, publishes their FedAvg.
+    secure_round(
+        &[
+            "--clients",
+            "6",
+            "--drop",
+            "share-keys=3",
+            "--stage-secs",
+            "4",
+        ],
+        3,
+        1,
+    );
+}
+
+/// Enrols a client with a fresh Ed25519 identity.
+async fn enrol(admin: &Api) -> (Client, Identity) {
+    let token: serde_json::Value = admin
+        .ok(admin
+            .request(Method::POST, "/admin/v1/enrolments")
+            .json(&serde_json::json!({})))
+        .await;
+    let (identity, _) = Identity::generate().unwrap();
+    let creds: Credentials = admin
+        .ok(admin.with_token("").request(Method::POST, "/v1/enrol").json(
+            &serde_json::json!({"token": token["token"], "identity_key": hex::encode(identity.public_key())}),
+        ))
+        .await;
+    let client = Client {
+        api: admin.with_token(&format!("{}.{}", creds.client_id, creds.secret)),
+        id: creds.client_id,
+    };
+    (client, identity)
+}
+
+/// Fetches a stage's answer (the stage must have closed).
+async fn fetch<T: serde::de::DeserializeOwned>(c: &Client, path: &str) -> T {
+    c.api
+        .ok(c.api.request(Method::GET, &format!("{path}?wait_ms=10000")))
+        .await
+}
+
+/// Chi-square of the byte histogram against uniform (255 degrees of freedom).
+fn chi_square(bytes: &[u8]) -> f64 {
+    let mut counts = [0f64; 256];
+    bytes.iter().for_each(|&b| counts[b as usize] += 1.0);
+    let expected = bytes.len() as f64 / 256.0;
+    counts
+        .iter()
+        .map(|c| (c - expected).powi(2) / expected)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adversarial_clients_are_refused_and_the_honest_sum_is_published() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    let global = small_model();
+    let digest = admin.upload_model(&global).await;
+    let n = 5;
+    let mut config = task("sa", digest, 1, 3, n as u32, 120);
+    // A sparse graph even at five clients: two neighbours each, both needed.
+    config.secure_aggregation = Some(SecureAggregationConfig {
+        degree: Some(2),
+        threshold: Some(2),
+        ..Default::default()
+    });
+    admin.create_task(&config).await;
+
+    let mut clients = Vec::new();
+    for _ in 0..n {
+        clients.push(enrol(&admin).await);
+    }
+    let mut offers = Vec::new();
+    for (c, _) in &clients {
+        offers.push(c.join("sa").await);
+    }
+    let secure = offers[0]
+        .secure_aggregation
+        .clone()
+        .expect("a secure round");
+    let base = format!("/v1/tasks/sa/secagg/1/{}", secure.attempt);
+    let ctx = Context::new("sa", 1, secure.attempt);
+    let mut sessions: Vec<ClientSession> = clients
+        .iter()
+        .map(|(c, _)| ClientSession::new(ctx.clone(), &c.id).unwrap())
+        .collect();
+
+    // Stage 0. Keys signed by someone else's identity are refused.
+    let (c0, _) = &clients[0];
+    let forged = sessions[0].advertise(&clients[1].1);
+    c0.api
+        .refused(
+            c0.api
+                .request(Method::POST, &format!("{base}/advertise"))
+                .json(&forged),
+            StatusCode::BAD_REQUEST,
+            "bad_signature",
+        )
+        .await;
+    for ((c, identity), s) in clients.iter().zip(&sessions) {
+        let _: SecAggReceipt = c
+            .api
+            .ok(c
+                .api
+                .request(Method::POST, &format!("{base}/advertise"))
+                .json(&s.advertise(identity)))
+            .await;
+    }
+
+    // Stage 1. Shares addressed to a client that is not a neighbour are refused.
+    let mut rosters = Vec::new();
+    for (c, _) in &clients {
+        rosters.push(fetch::<SecAggRoster>(c, &format!("{base}/neighbours")).await);
+    }
+    assert!(rosters
+        .iter()
+        .all(|r| r.neighbours.len() == 2 && r.threshold == 2));
+    let mut bundles: Vec<SecAggShareBundles> = Vec::new();
+    for (s, r) in sessions.iter_mut().zip(&rosters) {
+        bundles.push(s.share_keys(r).unwrap());
+    }
+    let outsider = clients
+        .iter()
+        .map(|(c, _)| c.id.clone())
+        .find(|id| {
+            *id != clients[0].0.id && rosters[0].neighbours.iter().all(|nb| nb.client != *id)
+        })
+        .expect("a non-neighbour");
+    let mut misdirected = bundles[0].clone();
+    misdirected.shares[0].peer = outsider;
+    c0.api
+        .refused(
+            c0.api
+                .request(Method::POST, &format!("{base}/shares"))
+                .json(&misdirected),
+            StatusCode::BAD_REQUEST,
+            "not_a_neighbour",
+        )
+        .await;
+    for ((c, _), b) in clients.iter().zip(&bundles) {
+        let _: SecAggReceipt = c
+            .api
+            .ok(c
+                .api
+                .request(Method::POST, &format!("{base}/shares"))
+                .json(b))
+            .await;
+    }
+
+    // Stage 2. Each client's delta, quantised with the round's parameters.
+    let quantiser = Quantiser {
+        clip: secure.clip,
+        scale: secure.scale,
+        max_weight: secure.max_weight,
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let deltas: Vec<(u64, Model)> = (0..n)
+        .map(|i| (10 + 7 * i as u64, delta(&global, i as u64)))
+        .collect();
+    let mut uploads = Vec::new();
+    for (i, ((c, _), s)) in clients.iter().zip(sessions.iter_mut()).enumerate() {
+        let inbox: SecAggShareBundles = fetch(c, &format!("{base}/shares")).await;
+        let mut chacha = rand_chacha::ChaCha20Rng::from_rng(&mut rng);
+        let input = quantiser.encode(deltas[i].1.data(), deltas[i].0, &mut chacha);
+        let masked = s.masked_input(&inbox, &input).unwrap();
+        let bytes: Vec<u8> = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let _: SecAggReceipt = c
+            .api
+            .ok(c
+                .api
+                .request(Method::POST, &format!("{base}/masked"))
+                .body(bytes.clone()))
+            .await;
+        if i == 0 {
+            // What the server stored after one upload is that upload: it must look uniform,
+            // where the plaintext input (small weighted values) is anything but.
+            let stored: Vec<_> = std::fs::read_dir(dir.path().join("checkpoints"))
+                .unwrap()
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "msum"))
+                .collect();
+            assert_eq!(stored.len(), 1, "{stored:?}");
+            let on_disk = std::fs::read(&stored[0]).unwrap();
+            assert_eq!(&on_disk[8..], &bytes[..]);
+            let plain: Vec<u8> = input.iter().flat_map(|v| v.to_le_bytes()).collect();
+            // 255 dof: P(chi2 > 400) < 1e-8 for uniform bytes.
+            assert!(
+                chi_square(&on_disk[8..]) < 400.0,
+                "stored sum is not uniform"
+            );
+            assert!(chi_square(&plain) > 400.0, "the test could not tell");
+            // A replay of the same masked vector is refused, and counts once.
+            c.api
+                .refused(
+                    c.api
+                        .request(Method::POST, &format!("{base}/masked"))
+                        .body(bytes.clone()),
+                    StatusCode::CONFLICT,
+                    "already_contributed",
+                )
+                .await;
+        }
+        uploads.push(bytes);
+    }
+    // A masked vector after the stage has closed is refused.
+    c0.api
+        .refused(
+            c0.api
+                .request(Method::POST, &format!("{base}/masked"))
+                .body(uploads[0].clone()),
+            StatusCode::CONFLICT,
+            "stage_closed",
+        )
+        .await;
+
+    // Stage 3. A client revealing both shares of one peer is refused; so is a session asked
+    // for both.
+    let mut answers = Vec::new();
+    for ((c, _), s) in clients.iter().zip(sessions.iter_mut()) {
+        let request: SecAggUnmaskRequest = fetch(c, &format!("{base}/unmask")).await;
+        assert_eq!(request.survivors.len(), 2);
+        assert!(request.dropped.is_empty());
+        answers.push(s.unmask(&request).unwrap());
+    }
+    let mut both: SecAggUnmask = answers[0].clone();
+    let mut extra = both.shares[0].clone();
+    extra.kind = SecAggShareKind::MaskKey;
+    both.shares.push(extra);
+    c0.api
+        .refused(
+            c0.api
+                .request(Method::POST, &format!("{base}/unmask"))
+                .json(&both),
+            StatusCode::BAD_REQUEST,
+            "forged_message",
+        )
+        .await;
+    // A session that has revealed its shares answers no second request: a server cannot get
+    // the other share of a peer by asking again with that peer moved to the other list.
+    let peer = rosters[0].neighbours[0].client.clone();
+    let moved = SecAggUnmaskRequest {
+        survivors: vec![],
+        dropped: vec![peer],
+    };
+    assert!(matches!(
+        sessions[0].unmask(&moved),
+        Err(SecAggError::Stage(_))
+    ));
+    for ((c, _), a) in clients.iter().zip(&answers) {
+        let _: SecAggReceipt = c
+            .api
+            .ok(c
+                .api
+                .request(Method::POST, &format!("{base}/unmask"))
+                .json(a))
+            .await;
+    }
+
+    // Published: the weighted mean of the honest deltas, within the quantisation bound.
+    let total: u64 = deltas.iter().map(|(w, _)| w).sum();
+    let mut expected: Vec<f64> = global.data().iter().map(|&v| f64::from(v)).collect();
+    for (w, d) in &deltas {
+        for (e, v) in expected.iter_mut().zip(d.data()) {
+            *e += *w as f64 * f64::from(*v) / total as f64;
+        }
+    }
+    let published = loop {
+        let history: Vec<hora_common::wire::RoundRecord> = admin
+            .ok(admin.request(Method::GET, "/admin/v1/tasks/sa/rounds"))
+            .await;
+        if let Some(r) = history.first() {
+            break r.clone();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        published.outcome,
+        hora_common::wire::RoundOutcome::Published
+    );
+    assert_eq!(published.examples, total);
+    let model = admin.round_model("sa", 1).await;
+    let bound = quantiser.error_bound(n, total) + 2.5e-7;
+    let worst = model
+        .data()
+        .iter()
+        .zip(&expected)
+        .map(|(got, want)| (f64::from(*got) - want).abs())
+        .fold(0.0, f64::max);
+    assert!(worst <= bound, "{worst} > {bound}");
+    let by_id: BTreeMap<_, _> = published
+        .participants
+        .iter()
+        .map(|p| (p.clone(), ()))
+        .collect();
+    assert_eq!(by_id.len(), n);
+    drop(server);
+}
