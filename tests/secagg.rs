@@ -10,19 +10,17 @@
 //!   exactly the FedAvg of the honest inputs. What the server stores of a masked upload is
 //!   checked to look uniformly random.
 
-use std::collections::BTreeMap;
-
 use hora_common::model::Model;
 use hora_common::secagg::{ClientSession, Context, Identity, Quantiser, SecAggError};
 use hora_common::wire::{
     Credentials, SecAggReceipt, SecAggRoster, SecAggShareBundles, SecAggShareKind, SecAggUnmask,
     SecAggUnmaskRequest, SecureAggregationConfig,
 };
-use rand::SeedableRng;
+use rand_chacha::rand_core::SeedableRng;
 use reqwest::{Method, StatusCode};
 
 mod support;
-use support::{delta, run_example, small_model, task, Api, Client, Server, ADMIN_TOKEN};
+use support::{delta, free_port, run_example, small_model, task, Api, Client, Server, ADMIN_TOKEN};
 
 /// Runs the secure example and checks the secure round against plain FedAvg of its survivors.
 fn secure_round(args: &[&str], summed: u64, abandoned: u64) {
@@ -129,128 +127,249 @@ fn chi_square(bytes: &[u8]) -> f64 {
         .sum()
 }
 
+/// One secure round driven stage by stage by in-process clients over HTTP.
+struct Harness {
+    clients: Vec<(Client, Identity)>,
+    sessions: Vec<ClientSession>,
+    rosters: Vec<SecAggRoster>,
+    base: String,
+    quantiser: Quantiser,
+    global: Model,
+    deltas: Vec<(u64, Model)>,
+}
+
+impl Harness {
+    /// Creates task `sa` (one round of `n` clients with `config`), enrols, joins and advertises.
+    async fn start(admin: &Api, n: usize, config: SecureAggregationConfig) -> Harness {
+        let global = small_model();
+        let digest = admin.upload_model(&global).await;
+        let mut task = task("sa", digest, 1, 3, n as u32, 120);
+        task.secure_aggregation = Some(config);
+        admin.create_task(&task).await;
+        let mut clients = Vec::new();
+        for _ in 0..n {
+            clients.push(enrol(admin).await);
+        }
+        let mut offers = Vec::new();
+        for (c, _) in &clients {
+            offers.push(c.join("sa").await);
+        }
+        let secure = offers[0]
+            .secure_aggregation
+            .clone()
+            .expect("a secure round");
+        let ctx = Context::new("sa", 1, secure.attempt);
+        Harness {
+            sessions: clients
+                .iter()
+                .map(|(c, _)| ClientSession::new(ctx.clone(), &c.id).unwrap())
+                .collect(),
+            clients,
+            rosters: Vec::new(),
+            base: format!("/v1/tasks/sa/secagg/1/{}", secure.attempt),
+            quantiser: Quantiser {
+                clip: secure.clip,
+                scale: secure.scale,
+                max_weight: secure.max_weight,
+            },
+            deltas: (0..n)
+                .map(|i| (10 + 7 * i as u64, delta(&global, i as u64)))
+                .collect(),
+            global,
+        }
+    }
+
+    async fn post<T: serde::Serialize>(&self, i: usize, stage: &str, body: &T) {
+        let c = &self.clients[i].0;
+        let _: SecAggReceipt = c
+            .api
+            .ok(c
+                .api
+                .request(Method::POST, &format!("{}/{stage}", self.base))
+                .json(body))
+            .await;
+    }
+
+    async fn advertise(&self, i: usize) {
+        let (_, identity) = &self.clients[i];
+        self.post(i, "advertise", &self.sessions[i].advertise(identity))
+            .await;
+    }
+
+    /// Every client fetches its roster and makes its share bundles.
+    async fn rosters(&mut self) -> Vec<SecAggShareBundles> {
+        let mut bundles = Vec::new();
+        for i in 0..self.clients.len() {
+            let roster: SecAggRoster =
+                fetch(&self.clients[i].0, &format!("{}/neighbours", self.base)).await;
+            bundles.push(self.sessions[i].share_keys(&roster).unwrap());
+            self.rosters.push(roster);
+        }
+        bundles
+    }
+
+    /// Client `i`'s masked input (quantised delta plus masks), as bytes.
+    async fn masked(&mut self, i: usize) -> (Vec<u32>, Vec<u8>) {
+        let inbox: SecAggShareBundles =
+            fetch(&self.clients[i].0, &format!("{}/shares", self.base)).await;
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(i as u64);
+        let (w, d) = &self.deltas[i];
+        let input = self.quantiser.encode(d.data(), *w, &mut rng);
+        let masked = self.sessions[i].masked_input(&inbox, &input).unwrap();
+        (input, masked.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+
+    async fn upload(&self, i: usize, bytes: &[u8]) {
+        let c = &self.clients[i].0;
+        let _: SecAggReceipt = c
+            .api
+            .ok(c
+                .api
+                .request(Method::POST, &format!("{}/masked", self.base))
+                .body(bytes.to_vec()))
+            .await;
+    }
+
+    async fn unmask_request(&self, i: usize) -> SecAggUnmaskRequest {
+        fetch(&self.clients[i].0, &format!("{}/unmask", self.base)).await
+    }
+
+    /// Waits for round 1 and checks it is the weighted mean of every client's delta.
+    async fn check_published(&self, admin: &Api) {
+        let total: u64 = self.deltas.iter().map(|(w, _)| w).sum();
+        let mut expected: Vec<f64> = self.global.data().iter().map(|&v| f64::from(v)).collect();
+        for (w, d) in &self.deltas {
+            for (e, v) in expected.iter_mut().zip(d.data()) {
+                *e += *w as f64 * f64::from(*v) / total as f64;
+            }
+        }
+        let published = loop {
+            let history: Vec<hora_common::wire::RoundRecord> = admin
+                .ok(admin.request(Method::GET, "/admin/v1/tasks/sa/rounds"))
+                .await;
+            if let Some(r) = history.first() {
+                break r.clone();
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        };
+        assert_eq!(
+            published.outcome,
+            hora_common::wire::RoundOutcome::Published
+        );
+        assert_eq!(published.examples, total);
+        assert_eq!(published.participants.len(), self.clients.len());
+        let model = admin.round_model("sa", 1).await;
+        let bound = self.quantiser.error_bound(self.clients.len(), total) + 2.5e-7;
+        let worst = model
+            .data()
+            .iter()
+            .zip(&expected)
+            .map(|(got, want)| (f64::from(*got) - want).abs())
+            .fold(0.0, f64::max);
+        assert!(worst <= bound, "{worst} > {bound}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_protocol_state_and_masked_sum_survive_a_server_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let server = Server::start_on(dir.path(), &listen, &[]);
+    let admin = server.api(ADMIN_TOKEN);
+    let mut h = Harness::start(&admin, 4, SecureAggregationConfig::default()).await;
+    for i in 0..4 {
+        h.advertise(i).await;
+    }
+    let bundles = h.rosters().await;
+    for (i, b) in bundles.iter().enumerate() {
+        h.post(i, "shares", b).await;
+    }
+    let mut uploads = Vec::new();
+    for i in 0..4 {
+        uploads.push(h.masked(i).await.1);
+    }
+    h.upload(0, &uploads[0]).await;
+    h.upload(1, &uploads[1]).await;
+    // SIGKILL with two masked inputs acknowledged; the restarted server has their sum, the
+    // keys and the shares, and the round carries on.
+    server.kill();
+    let server = Server::start_on(dir.path(), &listen, &[]);
+    h.upload(2, &uploads[2]).await;
+    h.upload(3, &uploads[3]).await;
+    for i in 0..4 {
+        let request = h.unmask_request(i).await;
+        assert_eq!(request.survivors.len(), 3);
+        let answer = h.sessions[i].unmask(&request).unwrap();
+        h.post(i, "unmask", &answer).await;
+    }
+    h.check_published(&server.api(ADMIN_TOKEN)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adversarial_clients_are_refused_and_the_honest_sum_is_published() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path());
     let admin = server.api(ADMIN_TOKEN);
-    let global = small_model();
-    let digest = admin.upload_model(&global).await;
     let n = 5;
-    let mut config = task("sa", digest, 1, 3, n as u32, 120);
     // A sparse graph even at five clients: two neighbours each, both needed.
-    config.secure_aggregation = Some(SecureAggregationConfig {
-        degree: Some(2),
-        threshold: Some(2),
-        ..Default::default()
-    });
-    admin.create_task(&config).await;
-
-    let mut clients = Vec::new();
-    for _ in 0..n {
-        clients.push(enrol(&admin).await);
-    }
-    let mut offers = Vec::new();
-    for (c, _) in &clients {
-        offers.push(c.join("sa").await);
-    }
-    let secure = offers[0]
-        .secure_aggregation
-        .clone()
-        .expect("a secure round");
-    let base = format!("/v1/tasks/sa/secagg/1/{}", secure.attempt);
-    let ctx = Context::new("sa", 1, secure.attempt);
-    let mut sessions: Vec<ClientSession> = clients
-        .iter()
-        .map(|(c, _)| ClientSession::new(ctx.clone(), &c.id).unwrap())
-        .collect();
+    let mut h = Harness::start(
+        &admin,
+        n,
+        SecureAggregationConfig {
+            degree: Some(2),
+            threshold: Some(2),
+            ..Default::default()
+        },
+    )
+    .await;
+    let base = h.base.clone();
 
     // Stage 0. Keys signed by someone else's identity are refused.
-    let (c0, _) = &clients[0];
-    let forged = sessions[0].advertise(&clients[1].1);
-    c0.api
-        .refused(
-            c0.api
-                .request(Method::POST, &format!("{base}/advertise"))
-                .json(&forged),
-            StatusCode::BAD_REQUEST,
-            "bad_signature",
-        )
-        .await;
-    for ((c, identity), s) in clients.iter().zip(&sessions) {
-        let _: SecAggReceipt = c
-            .api
-            .ok(c
-                .api
-                .request(Method::POST, &format!("{base}/advertise"))
-                .json(&s.advertise(identity)))
-            .await;
+    let c0 = h.clients[0].0.api.clone();
+    let forged = h.sessions[0].advertise(&h.clients[1].1);
+    c0.refused(
+        c0.request(Method::POST, &format!("{base}/advertise"))
+            .json(&forged),
+        StatusCode::BAD_REQUEST,
+        "bad_signature",
+    )
+    .await;
+    for i in 0..n {
+        h.advertise(i).await;
     }
 
     // Stage 1. Shares addressed to a client that is not a neighbour are refused.
-    let mut rosters = Vec::new();
-    for (c, _) in &clients {
-        rosters.push(fetch::<SecAggRoster>(c, &format!("{base}/neighbours")).await);
-    }
-    assert!(rosters
+    let bundles = h.rosters().await;
+    assert!(h
+        .rosters
         .iter()
         .all(|r| r.neighbours.len() == 2 && r.threshold == 2));
-    let mut bundles: Vec<SecAggShareBundles> = Vec::new();
-    for (s, r) in sessions.iter_mut().zip(&rosters) {
-        bundles.push(s.share_keys(r).unwrap());
-    }
-    let outsider = clients
+    let outsider = h
+        .clients
         .iter()
         .map(|(c, _)| c.id.clone())
         .find(|id| {
-            *id != clients[0].0.id && rosters[0].neighbours.iter().all(|nb| nb.client != *id)
+            *id != h.clients[0].0.id && h.rosters[0].neighbours.iter().all(|nb| nb.client != *id)
         })
         .expect("a non-neighbour");
     let mut misdirected = bundles[0].clone();
     misdirected.shares[0].peer = outsider;
-    c0.api
-        .refused(
-            c0.api
-                .request(Method::POST, &format!("{base}/shares"))
-                .json(&misdirected),
-            StatusCode::BAD_REQUEST,
-            "not_a_neighbour",
-        )
-        .await;
-    for ((c, _), b) in clients.iter().zip(&bundles) {
-        let _: SecAggReceipt = c
-            .api
-            .ok(c
-                .api
-                .request(Method::POST, &format!("{base}/shares"))
-                .json(b))
-            .await;
+    c0.refused(
+        c0.request(Method::POST, &format!("{base}/shares"))
+            .json(&misdirected),
+        StatusCode::BAD_REQUEST,
+        "not_a_neighbour",
+    )
+    .await;
+    for (i, b) in bundles.iter().enumerate() {
+        h.post(i, "shares", b).await;
     }
 
-    // Stage 2. Each client's delta, quantised with the round's parameters.
-    let quantiser = Quantiser {
-        clip: secure.clip,
-        scale: secure.scale,
-        max_weight: secure.max_weight,
-    };
-    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let deltas: Vec<(u64, Model)> = (0..n)
-        .map(|i| (10 + 7 * i as u64, delta(&global, i as u64)))
-        .collect();
+    // Stage 2.
     let mut uploads = Vec::new();
-    for (i, ((c, _), s)) in clients.iter().zip(sessions.iter_mut()).enumerate() {
-        let inbox: SecAggShareBundles = fetch(c, &format!("{base}/shares")).await;
-        let mut chacha = rand_chacha::ChaCha20Rng::from_rng(&mut rng);
-        let input = quantiser.encode(deltas[i].1.data(), deltas[i].0, &mut chacha);
-        let masked = s.masked_input(&inbox, &input).unwrap();
-        let bytes: Vec<u8> = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let _: SecAggReceipt = c
-            .api
-            .ok(c
-                .api
-                .request(Method::POST, &format!("{base}/masked"))
-                .body(bytes.clone()))
-            .await;
+    for i in 0..n {
+        let (input, bytes) = h.masked(i).await;
+        h.upload(i, &bytes).await;
         if i == 0 {
             // What the server stored after one upload is that upload: it must look uniform,
             // where the plaintext input (small weighted values) is anything but.
@@ -270,108 +389,59 @@ async fn adversarial_clients_are_refused_and_the_honest_sum_is_published() {
             );
             assert!(chi_square(&plain) > 400.0, "the test could not tell");
             // A replay of the same masked vector is refused, and counts once.
-            c.api
-                .refused(
-                    c.api
-                        .request(Method::POST, &format!("{base}/masked"))
-                        .body(bytes.clone()),
-                    StatusCode::CONFLICT,
-                    "already_contributed",
-                )
-                .await;
+            c0.refused(
+                c0.request(Method::POST, &format!("{base}/masked"))
+                    .body(bytes.clone()),
+                StatusCode::CONFLICT,
+                "already_contributed",
+            )
+            .await;
         }
         uploads.push(bytes);
     }
     // A masked vector after the stage has closed is refused.
-    c0.api
-        .refused(
-            c0.api
-                .request(Method::POST, &format!("{base}/masked"))
-                .body(uploads[0].clone()),
-            StatusCode::CONFLICT,
-            "stage_closed",
-        )
-        .await;
+    c0.refused(
+        c0.request(Method::POST, &format!("{base}/masked"))
+            .body(uploads[0].clone()),
+        StatusCode::CONFLICT,
+        "stage_closed",
+    )
+    .await;
 
-    // Stage 3. A client revealing both shares of one peer is refused; so is a session asked
-    // for both.
+    // Stage 3. A client revealing both shares of one peer is refused.
     let mut answers = Vec::new();
-    for ((c, _), s) in clients.iter().zip(sessions.iter_mut()) {
-        let request: SecAggUnmaskRequest = fetch(c, &format!("{base}/unmask")).await;
+    for i in 0..n {
+        let request = h.unmask_request(i).await;
         assert_eq!(request.survivors.len(), 2);
         assert!(request.dropped.is_empty());
-        answers.push(s.unmask(&request).unwrap());
+        answers.push(h.sessions[i].unmask(&request).unwrap());
     }
     let mut both: SecAggUnmask = answers[0].clone();
     let mut extra = both.shares[0].clone();
     extra.kind = SecAggShareKind::MaskKey;
     both.shares.push(extra);
-    c0.api
-        .refused(
-            c0.api
-                .request(Method::POST, &format!("{base}/unmask"))
-                .json(&both),
-            StatusCode::BAD_REQUEST,
-            "forged_message",
-        )
-        .await;
+    c0.refused(
+        c0.request(Method::POST, &format!("{base}/unmask"))
+            .json(&both),
+        StatusCode::BAD_REQUEST,
+        "forged_message",
+    )
+    .await;
     // A session that has revealed its shares answers no second request: a server cannot get
     // the other share of a peer by asking again with that peer moved to the other list.
-    let peer = rosters[0].neighbours[0].client.clone();
+    let peer = h.rosters[0].neighbours[0].client.clone();
     let moved = SecAggUnmaskRequest {
         survivors: vec![],
         dropped: vec![peer],
     };
     assert!(matches!(
-        sessions[0].unmask(&moved),
+        h.sessions[0].unmask(&moved),
         Err(SecAggError::Stage(_))
     ));
-    for ((c, _), a) in clients.iter().zip(&answers) {
-        let _: SecAggReceipt = c
-            .api
-            .ok(c
-                .api
-                .request(Method::POST, &format!("{base}/unmask"))
-                .json(a))
-            .await;
+    for (i, a) in answers.iter().enumerate() {
+        h.post(i, "unmask", a).await;
     }
 
     // Published: the weighted mean of the honest deltas, within the quantisation bound.
-    let total: u64 = deltas.iter().map(|(w, _)| w).sum();
-    let mut expected: Vec<f64> = global.data().iter().map(|&v| f64::from(v)).collect();
-    for (w, d) in &deltas {
-        for (e, v) in expected.iter_mut().zip(d.data()) {
-            *e += *w as f64 * f64::from(*v) / total as f64;
-        }
-    }
-    let published = loop {
-        let history: Vec<hora_common::wire::RoundRecord> = admin
-            .ok(admin.request(Method::GET, "/admin/v1/tasks/sa/rounds"))
-            .await;
-        if let Some(r) = history.first() {
-            break r.clone();
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    };
-    assert_eq!(
-        published.outcome,
-        hora_common::wire::RoundOutcome::Published
-    );
-    assert_eq!(published.examples, total);
-    let model = admin.round_model("sa", 1).await;
-    let bound = quantiser.error_bound(n, total) + 2.5e-7;
-    let worst = model
-        .data()
-        .iter()
-        .zip(&expected)
-        .map(|(got, want)| (f64::from(*got) - want).abs())
-        .fold(0.0, f64::max);
-    assert!(worst <= bound, "{worst} > {bound}");
-    let by_id: BTreeMap<_, _> = published
-        .participants
-        .iter()
-        .map(|p| (p.clone(), ()))
-        .collect();
-    assert_eq!(by_id.len(), n);
-    drop(server);
+    h.check_published(&admin).await;
 }
