@@ -40,6 +40,7 @@ bench:
 	cargo build --release -p hora-server; \
 	cargo bench -p hora-common --bench kernel; \
 	cargo bench -p hora-common --bench envelope; \
+	cargo bench -p hora-common --bench secagg; \
 	cargo bench -p hora-server --bench ingest; \
 	cargo bench -p hora --bench server_memory; \
 	cargo build --release --example collective; \
