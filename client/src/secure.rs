@@ -33,9 +33,8 @@ fn attempt_over(e: &ClientError) -> Option<RoundOutcome> {
     };
     match code {
         "round_abandoned" => Some(RoundOutcome::Abandoned { reason }),
-        "round_closed" | "dropped_out" | "stage_closed" | "not_selected" => {
-            Some(RoundOutcome::Missed { reason })
-        }
+        "round_closed" | "dropped_out" | "stage_closed" | "not_selected" | "already_advertised"
+        | "already_shared" | "already_revealed" => Some(RoundOutcome::Missed { reason }),
         _ => None,
     }
 }
@@ -122,6 +121,14 @@ impl Client {
             )) => {
                 tracing::warn!(round = offer.round, error = %e, "leaving the secure-aggregation attempt");
                 report.outcome = RoundOutcome::Abandoned {
+                    reason: e.to_string(),
+                };
+            }
+            // A forged or misdirected message: refuse to go on with this attempt, loudly, but
+            // do not let one misbehaving peer stop this client for good.
+            Err(ClientError::SecureAggregation(e)) => {
+                tracing::error!(round = offer.round, error = %e, "leaving the secure-aggregation attempt: a relayed message failed its checks");
+                report.outcome = RoundOutcome::Missed {
                     reason: e.to_string(),
                 };
             }
@@ -241,18 +248,32 @@ impl Client {
         drop(input);
         let bytes: Vec<u8> = masked.iter().flat_map(|v| v.to_le_bytes()).collect();
         let path = format!("{base}/masked");
-        let receipt: SecAggReceipt = self
+        let (resp, attempts) = self
             .conn
-            .json("uploading the masked update", || {
+            .send("uploading the masked update", || {
                 self.conn
                     .request(Method::POST, &path, Duration::ZERO)
                     .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
                     .body(bytes.clone())
             })
             .await?;
+        let accepted = match check(resp).await {
+            Ok(resp) => {
+                let body = resp
+                    .bytes()
+                    .await
+                    .map_err(|e| ClientError::Protocol(format!("reading the receipt: {e}")))?;
+                serde_json::from_slice::<SecAggReceipt>(&body)
+                    .map_err(|e| ClientError::Protocol(format!("decoding the receipt: {e}")))?
+                    .accepted
+            }
+            // An earlier attempt got through and its acknowledgement was lost.
+            Err(e) if attempts > 1 && e.code() == Some("already_contributed") => 0,
+            Err(e) => return Err(e),
+        };
         tracing::info!(
             round = offer.round,
-            accepted = receipt.accepted,
+            accepted,
             "secure aggregation: masked update uploaded"
         );
         self.drill(Stage::MaskedInput)?;
@@ -275,7 +296,7 @@ impl Client {
             "secure aggregation: shares revealed"
         );
         Ok(RoundOutcome::Uploaded {
-            accepted: Some(receipt.accepted),
+            accepted: (accepted > 0).then_some(accepted),
         })
     }
 }

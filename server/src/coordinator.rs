@@ -94,6 +94,9 @@ pub struct Round {
     durability: watch::Sender<Durability>,
     /// The attempt's secure-aggregation protocol, when the task asks for it.
     pub secagg: Option<Arc<SecAggRound>>,
+    /// A secure-aggregation ending whose closing failed, for the deadline watcher to retry:
+    /// `Some(None)` publishes (the sum is in the accumulator), `Some(Some(reason))` abandons.
+    secagg_retry: Mutex<Option<Option<String>>>,
 }
 
 /// Clients selected per round: the target plus the over-selection.
@@ -267,6 +270,7 @@ impl Coordinator {
             }),
             durability: watch::channel(Durability::Upto(durable)).0,
             secagg,
+            secagg_retry: Mutex::new(None),
         }))
     }
 
@@ -331,6 +335,7 @@ impl Coordinator {
             }),
             durability: watch::channel(Durability::Upto(0)).0,
             secagg,
+            secagg_retry: Mutex::new(None),
         }))
     }
 
@@ -469,7 +474,7 @@ impl Coordinator {
             }
             TaskState::Running => {
                 // A resumed round gets a whole deadline again, and closes at once if it is full.
-                if let Some(round) = task.current() {
+                if let Some(round) = task.current().filter(|r| r.secagg.is_none()) {
                     let deadline = now_ms() + task.record().config.round_deadline_secs * 1000;
                     round
                         .deadline_unix_ms
@@ -1031,6 +1036,9 @@ impl Coordinator {
         if let Some(file) = acc.checkpoint_file.take() {
             self.store.remove_checkpoint(&file);
         }
+        if let Some(file) = round.secagg.as_ref().and_then(|s| s.sum_file()) {
+            self.store.remove_checkpoint(&file);
+        }
         match &reason {
             None => {
                 round.durability.send_replace(Durability::Upto(n));
@@ -1224,7 +1232,13 @@ impl Coordinator {
                 task.bump();
                 Ok(())
             }
-            secagg::Outcome::Abandon(reason) => self.close_round(task, round, Some(&reason)),
+            secagg::Outcome::Abandon(reason) => {
+                let closed = self.close_round(task, round, Some(&reason));
+                if closed.is_err() {
+                    *lock(&round.secagg_retry) = Some(Some(reason));
+                }
+                closed
+            }
             secagg::Outcome::Publish {
                 values,
                 total_weight,
@@ -1245,7 +1259,11 @@ impl Coordinator {
                         .collect();
                     acc.durable = acc.contributions.len();
                 }
-                self.close_round(task, round, None)
+                let closed = self.close_round(task, round, None);
+                if closed.is_err() {
+                    *lock(&round.secagg_retry) = Some(None);
+                }
+                closed
             }
         }
     }
@@ -1258,15 +1276,34 @@ impl Coordinator {
                 return;
             };
             loop {
-                let wait = s.deadline().saturating_sub(now_ms());
                 let mut changed = s.changed.subscribe();
+                let wait = s.deadline().saturating_sub(now_ms());
                 // Wake at the deadline, or when the stage moves on (its deadline changes).
                 let _ = tokio::time::timeout(Duration::from_millis(wait), changed.changed()).await;
                 let current = task.current();
-                if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &round))
-                    || s.stage() == secagg::Stage::Ended
-                {
+                if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &round)) {
                     return;
+                }
+                if s.stage() == secagg::Stage::Ended {
+                    // Ended, but the closing failed: try again until it goes through.
+                    let Some(retry) = lock(&round.secagg_retry).take() else {
+                        return;
+                    };
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let (me2, task2, round2) = (me.clone(), task.clone(), round.clone());
+                    let _ = tokio::task::spawn_blocking(move || {
+                        if let Err(e) = me2.close_round(&task2, &round2, retry.as_deref()) {
+                            tracing::error!(task = %task2.id, error = %e, "closing the secure-aggregation round failed again; retrying");
+                            *lock(&round2.secagg_retry) = Some(retry);
+                        }
+                    })
+                    .await;
+                    continue;
+                }
+                if task.record().state != TaskState::Running {
+                    // Paused: no stage closes until the task is resumed.
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    continue;
                 }
                 if s.deadline() > now_ms() {
                     continue;

@@ -155,12 +155,17 @@ pub fn validate(
         }
     }
     if let Some(t) = config.threshold {
+        // The degree a full round runs with (raised to even; the default when unset).
+        let all = capacity.saturating_sub(1);
         let k = config
             .degree
-            .map_or(capacity.saturating_sub(1), |k| k as usize);
-        if t < 2 || t as usize > k.max(2) {
+            .map_or_else(|| graph::default_degree(capacity), |k| k as usize)
+            .min(all);
+        let k = if k + k % 2 >= all { all } else { k + k % 2 };
+        if t < 2 || t as usize > k || t as usize <= k / 2 {
             return bad(format!(
-                "secure_aggregation.threshold must be between 2 and the degree ({k})"
+                "secure_aggregation.threshold must be a majority of the {k} neighbours each client has in a full round: between {} and {k}",
+                (k / 2 + 1).max(2)
             ));
         }
     }
@@ -349,6 +354,11 @@ impl SecAggRound {
 
     pub fn deadline(&self) -> u64 {
         lock(&self.inner).deadline_unix_ms
+    }
+
+    /// The file holding the sum of the masked inputs, if any (removed when the round closes).
+    pub fn sum_file(&self) -> Option<String> {
+        lock(&self.inner).sum_file.clone()
     }
 
     /// Clients whose masked input is in the sum.
@@ -698,6 +708,9 @@ impl SecAggRound {
                 *s = s.wrapping_sub(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
             }
             inner.survivors.remove(&me);
+            if let Some(new) = inner.sum_file.take().filter(|n| Some(n) != old.as_ref()) {
+                store.remove_checkpoint(&new);
+            }
             inner.sum_file = old;
             return Err(e);
         }
@@ -894,8 +907,8 @@ impl SecAggRound {
                 }
             }
             Stage::Unmask => {
-                let mut sum = std::mem::take(&mut inner.sum);
                 let u = self.unmasker_with_answers(inner)?;
+                let mut sum = inner.sum.clone();
                 let short = u.short();
                 if let Some((id, have)) = short.first() {
                     Outcome::Abandon(format!(
@@ -905,7 +918,11 @@ impl SecAggRound {
                 } else {
                     match u.finish(&mut sum) {
                         Err(e) => Outcome::Abandon(format!("unmasking failed: {e}")),
-                        Ok(()) => match self.quantiser.decode(&sum) {
+                        Ok(()) => match self
+                            .quantiser
+                            .check_sum(&sum, inner.survivors.len())
+                            .and_then(|()| self.quantiser.decode(&sum))
+                        {
                             Err(e) => Outcome::Abandon(format!("unmasking failed: {e}")),
                             Ok((values, total_weight)) => Outcome::Publish {
                                 values,
@@ -929,7 +946,12 @@ impl SecAggRound {
                 tracing::info!(task = %self.ctx.task, round = self.ctx.round, attempt = self.ctx.attempt, stage = ?inner.stage,
                     participants = inner.participants.len(), shared = inner.shared.len(), survivors = inner.survivors.len(), "secure aggregation stage opened");
             }
-            _ => inner.stage = Stage::Ended,
+            // Waiters are woken by the coordinator once it has published or installed the retry,
+            // so that nobody rejoins in between.
+            _ => {
+                inner.stage = Stage::Ended;
+                return Ok(outcome);
+            }
         }
         self.changed.send_modify(|v| *v += 1);
         Ok(outcome)

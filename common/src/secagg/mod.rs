@@ -21,6 +21,15 @@
 //!
 //! Every key, mask and ciphertext is bound to a [`Context`] (task, round, attempt), so nothing
 //! carries over between rounds or retries.
+//!
+//! **Threat model.** The server is honest but curious: it runs the protocol as written and
+//! learns nothing beyond the sum from everything it sees and stores. Clients may misbehave in
+//! what they send (forged keys, misdirected shares, replays, greedy unmask answers) and are
+//! refused. Not implemented: Bonawitz et al.'s consistency-check round (survivors sign the
+//! survivor set before anyone reveals), which is what stops an *actively malicious* server from
+//! telling different neighbours of one client different survivor sets and so collecting both
+//! its self-mask and its mask key; nor a PKI beyond the identity keys registered at enrolment,
+//! which the server relays.
 
 #[cfg(test)]
 mod adversarial;

@@ -93,6 +93,23 @@ impl Quantiser {
         out
     }
 
+    /// Checks an unmasked sum of `clients` inputs is one such inputs can have: a wrong share
+    /// leaves a mask in it, and a random vector is out of range almost surely.
+    pub fn check_sum(&self, sum: &[u32], clients: usize) -> Result<(), SecAggError> {
+        let Some((&total, values)) = sum.split_last() else {
+            return Err(SecAggError::Malformed("an empty sum".into()));
+        };
+        let limit = clients as f64 * (f64::from(self.max_weight) * self.clip * self.scale + 1.0);
+        if u64::from(total) > clients as u64 * u64::from(self.max_weight)
+            || values.iter().any(|&q| f64::from(q as i32).abs() > limit)
+        {
+            return Err(SecAggError::Inconsistent(format!(
+                "the unmasked sum is out of range for {clients} inputs: a revealed share was wrong"
+            )));
+        }
+        Ok(())
+    }
+
     /// The weighted sum `Σ w·x` (per coordinate) and the total weight `Σ w` of an unmasked sum.
     pub fn decode(&self, sum: &[u32]) -> Result<(Vec<f64>, u64), SecAggError> {
         let Some((&total, values)) = sum.split_last() else {
