@@ -101,30 +101,14 @@ async fn federation(
     })
     .await?;
     for (k, drop) in indices {
-        let token = fed.enrolment_token().await?;
-        let index = k.to_string();
-        let mut flags: Vec<String> = [
-            "--task",
-            task,
-            "--data",
-            data,
-            "--client-index",
-            &index,
-            "--threads",
-            "1",
-            "--device",
-            "cpu",
-            "--seed",
-            &index,
-        ]
-        .map(String::from)
-        .into();
-        let name = format!("client-{k}");
+        let mut flags = vec!["--seed".to_string(), k.to_string()];
         if let Some(stage) = drop {
             flags.extend(["--drop-out-after".into(), stage.clone()]);
+        }
+        let name = fed.spawn_shard_client(task, data, *k, &flags).await?;
+        if drop.is_some() {
             fed.allow_failure(&name);
         }
-        fed.spawn_client(&name, &token, &flags)?;
     }
     fed.wait_round(task, 1, Duration::from_secs(300)).await?;
     fed.wait_clients(Duration::from_secs(60))?;

@@ -293,6 +293,22 @@ impl Client {
         Ok(bytes.to_vec())
     }
 
+    /// What round `offer` trains from: the global model and, for a TorchScript task, its module.
+    pub(crate) async fn round_inputs(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+    ) -> Result<(Model, Option<PathBuf>)> {
+        let global = self.model(task, &offer.model).await?;
+        let module = match &offer.model_kind {
+            ModelKind::TorchScript { module_digest } => {
+                Some(self.module(task, module_digest).await?)
+            }
+            ModelKind::Builtin { .. } => None,
+        };
+        Ok((global, module))
+    }
+
     /// Seals `delta` to the round key and uploads it. `Ok(None)` means an earlier attempt of
     /// this upload got through but its acknowledgement was lost.
     pub async fn upload(
@@ -320,25 +336,14 @@ impl Client {
                     .body(sealed.clone())
             })
             .await?;
-        match check(resp).await {
-            Ok(resp) => {
-                let bytes = resp
-                    .bytes()
-                    .await
-                    .map_err(|e| ClientError::Protocol(format!("reading the receipt: {e}")))?;
-                serde_json::from_slice(&bytes)
-                    .map(Some)
-                    .map_err(|e| ClientError::Protocol(format!("decoding the receipt: {e}")))
-            }
-            Err(e) if attempts > 1 && e.code() == Some("already_contributed") => {
-                tracing::info!(
-                    round = offer.round,
-                    "an earlier upload attempt was acknowledged"
-                );
-                Ok(None)
-            }
-            Err(e) => Err(e),
+        let receipt = receipt(resp, attempts).await?;
+        if receipt.is_none() {
+            tracing::info!(
+                round = offer.round,
+                "an earlier upload attempt was acknowledged"
+            );
         }
+        Ok(receipt)
     }
 
     /// Waits for a round this client can contribute to and contributes. `Ok(None)` when the
@@ -439,8 +444,8 @@ impl Client {
                 (delta, record, true)
             }
             None => {
-                let global = match self.model(task, &offer.model).await {
-                    Ok(g) => g,
+                let (global, module) = match self.round_inputs(task, offer).await {
+                    Ok(inputs) => inputs,
                     Err(ClientError::RoundMovedOn(reason)) => {
                         return Ok(RoundReport {
                             round: offer.round,
@@ -452,27 +457,15 @@ impl Client {
                     }
                     Err(e) => return Err(e),
                 };
-                let module = match &offer.model_kind {
-                    ModelKind::TorchScript { module_digest } => {
-                        Some(self.module(task, module_digest).await?)
-                    }
-                    ModelKind::Builtin { .. } => None,
-                };
-                // Leave a tenth of the time (at most 5 s) for sealing and uploading.
-                let remaining =
-                    Duration::from_millis(offer.deadline_unix_ms.saturating_sub(now_ms()));
-                let deadline =
-                    Instant::now() + remaining - (remaining / 10).min(Duration::from_secs(5));
-                let request = TrainRequest {
+                let outcome = train_until(
+                    trainer,
                     task,
-                    round: offer.round,
-                    config: &offer.training,
-                    model_kind: &offer.model_kind,
+                    offer,
+                    &global,
                     module,
-                    deadline,
+                    offer.deadline_unix_ms,
                     progress,
-                };
-                let outcome = blocking(|| trainer.train(&global, request))?;
+                )?;
                 let report = |outcome: RoundOutcome| RoundReport {
                     round: offer.round,
                     outcome,
@@ -575,6 +568,52 @@ impl Client {
             rounds,
             final_state,
         })
+    }
+}
+
+/// Trains round `offer` from `global` until `deadline_unix_ms`, less a tenth of the time left
+/// (at most 5 s) for what must follow (sealing or masking, and the upload).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn train_until<T: Trainer + ?Sized>(
+    trainer: &mut T,
+    task: &str,
+    offer: &RoundOffer,
+    global: &Model,
+    module: Option<PathBuf>,
+    deadline_unix_ms: u64,
+    progress: &mut (dyn FnMut(Progress) + Send),
+) -> Result<crate::trainer::TrainOutcome> {
+    let remaining = Duration::from_millis(deadline_unix_ms.saturating_sub(now_ms()));
+    let request = TrainRequest {
+        task,
+        round: offer.round,
+        config: &offer.training,
+        model_kind: &offer.model_kind,
+        module,
+        deadline: Instant::now() + remaining - (remaining / 10).min(Duration::from_secs(5)),
+        progress,
+    };
+    blocking(|| trainer.train(global, request))
+}
+
+/// A JSON receipt, or `None` when the refusal says an earlier attempt of this request (one of
+/// `attempts`) already got through and only its acknowledgement was lost.
+pub(crate) async fn receipt<T: serde::de::DeserializeOwned>(
+    resp: reqwest::Response,
+    attempts: u32,
+) -> Result<Option<T>> {
+    match check(resp).await {
+        Ok(resp) => {
+            let bytes = resp
+                .bytes()
+                .await
+                .map_err(|e| ClientError::Protocol(format!("reading the receipt: {e}")))?;
+            serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| ClientError::Protocol(format!("decoding the receipt: {e}")))
+        }
+        Err(e) if attempts > 1 && e.code() == Some("already_contributed") => Ok(None),
+        Err(e) => Err(e),
     }
 }
 

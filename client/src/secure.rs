@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use hora_common::secagg::{ClientSession, Context, Quantiser, Stage};
 use hora_common::wire::{
-    DeadlinePolicy, Metrics, ModelKind, RoundOffer, SecAggOffer, SecAggReceipt, SecAggRoster,
+    DeadlinePolicy, Metrics, RoundOffer, SecAggOffer, SecAggReceipt, SecAggRoster,
     SecAggShareBundles, SecAggUnmaskRequest,
 };
 use rand_chacha::rand_core::SeedableRng;
@@ -19,9 +19,9 @@ use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::client::{blocking, difference, now_ms, Client, RoundOutcome, RoundReport};
+use crate::client::{difference, now_ms, receipt, train_until, Client, RoundOutcome, RoundReport};
 use crate::error::{ClientError, Result};
-use crate::trainer::{Progress, TrainRequest, Trainer};
+use crate::trainer::{Progress, Trainer};
 use crate::transport::check;
 
 /// Server refusals that mean this attempt is over for us, not that something is broken.
@@ -159,13 +159,7 @@ impl Client {
             max_weight: secure.max_weight,
         };
         quantiser.check(1)?;
-        let global = self.model(task, &offer.model).await?;
-        let module = match &offer.model_kind {
-            ModelKind::TorchScript { module_digest } => {
-                Some(self.module(task, module_digest).await?)
-            }
-            ModelKind::Builtin { .. } => None,
-        };
+        let (global, module) = self.round_inputs(task, offer).await?;
         let base = format!("/v1/tasks/{task}/secagg/{}/{}", offer.round, secure.attempt);
         let mut deadline = offer.deadline_unix_ms;
         let mut session =
@@ -200,18 +194,7 @@ impl Client {
         self.drill(Stage::SharedKeys)?;
 
         // Training, until the masked inputs are due (less a margin for masking and upload).
-        let remaining = Duration::from_millis(deadline.saturating_sub(now_ms()));
-        let train_until = Instant::now() + remaining - (remaining / 10).min(Duration::from_secs(5));
-        let request = TrainRequest {
-            task,
-            round: offer.round,
-            config: &offer.training,
-            model_kind: &offer.model_kind,
-            module,
-            deadline: train_until,
-            progress,
-        };
-        let outcome = blocking(|| trainer.train(&global, request))?;
+        let outcome = train_until(trainer, task, offer, &global, module, deadline, progress)?;
         if outcome.num_examples == 0
             || (outcome.stopped_early && offer.training.on_deadline == DeadlinePolicy::Skip)
         {
@@ -257,20 +240,10 @@ impl Client {
                     .body(bytes.clone())
             })
             .await?;
-        let accepted = match check(resp).await {
-            Ok(resp) => {
-                let body = resp
-                    .bytes()
-                    .await
-                    .map_err(|e| ClientError::Protocol(format!("reading the receipt: {e}")))?;
-                serde_json::from_slice::<SecAggReceipt>(&body)
-                    .map_err(|e| ClientError::Protocol(format!("decoding the receipt: {e}")))?
-                    .accepted
-            }
-            // An earlier attempt got through and its acknowledgement was lost.
-            Err(e) if attempts > 1 && e.code() == Some("already_contributed") => 0,
-            Err(e) => return Err(e),
-        };
+        // `None`: an earlier attempt got through and its acknowledgement was lost.
+        let accepted = receipt::<SecAggReceipt>(resp, attempts)
+            .await?
+            .map_or(0, |r| r.accepted);
         tracing::info!(
             round = offer.round,
             accepted,

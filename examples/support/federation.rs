@@ -257,7 +257,7 @@ impl Federation {
     }
 
     /// Enrols and starts `clients` single-threaded CPU clients of `task`, client k training on
-    /// shard k of `data` (a synthetic source), plus `extra` arguments.
+    /// shard k of `data` (a synthetic source), plus `extra` arguments (`{k}` becomes k).
     pub async fn spawn_clients(
         &mut self,
         task: &str,
@@ -266,26 +266,42 @@ impl Federation {
         extra: &[&str],
     ) -> Result<()> {
         for k in 0..clients {
-            let token = self.enrolment_token().await?;
             let index = k.to_string();
-            let mut args: Vec<String> = [
-                "--task",
-                task,
-                "--data",
-                data,
-                "--client-index",
-                &index,
-                "--threads",
-                "1",
-                "--device",
-                "cpu",
-            ]
-            .map(String::from)
-            .into();
-            args.extend(extra.iter().map(|a| a.replace("{k}", &index)));
-            self.spawn_client(&format!("client-{k}"), &token, &args)?;
+            let extra: Vec<String> = extra.iter().map(|a| a.replace("{k}", &index)).collect();
+            self.spawn_shard_client(task, data, k, &extra).await?;
         }
         Ok(())
+    }
+
+    /// Enrols and starts one single-threaded CPU client of `task` training on shard `k` of
+    /// `data`, plus `extra` arguments; returns its name.
+    pub async fn spawn_shard_client(
+        &mut self,
+        task: &str,
+        data: &str,
+        k: usize,
+        extra: &[String],
+    ) -> Result<String> {
+        let token = self.enrolment_token().await?;
+        let index = k.to_string();
+        let mut args: Vec<String> = [
+            "--task",
+            task,
+            "--data",
+            data,
+            "--client-index",
+            &index,
+            "--threads",
+            "1",
+            "--device",
+            "cpu",
+        ]
+        .map(String::from)
+        .into();
+        args.extend_from_slice(extra);
+        let name = format!("client-{k}");
+        self.spawn_client(&name, &token, &args)?;
+        Ok(name)
     }
 
     pub fn log_path(&self, name: &str) -> PathBuf {

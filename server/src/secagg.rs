@@ -463,6 +463,54 @@ impl SecAggRound {
         }
     }
 
+    /// A client's second message for a stage: the same one again is a retry after a lost
+    /// acknowledgement (acknowledged again), another one a 409 `code`.
+    fn repeated(
+        &self,
+        same: bool,
+        accepted: usize,
+        code: &'static str,
+        message: String,
+    ) -> Result<(SecAggReceipt, Outcome), ServerError> {
+        if same {
+            return Ok((self.receipt(accepted), Outcome::Continue));
+        }
+        Err(ServerError::conflict(code, message))
+    }
+
+    /// A stage's message is in: the receipt, and the stage closed once `accepted` reaches
+    /// `expected`.
+    fn progress(
+        &self,
+        store: &Store,
+        inner: &mut Inner,
+        accepted: usize,
+        expected: usize,
+    ) -> Result<(SecAggReceipt, Outcome), ServerError> {
+        let outcome = if accepted >= expected {
+            self.close_stage(store, inner)?
+        } else {
+            Outcome::Continue
+        };
+        Ok((self.receipt(accepted), outcome))
+    }
+
+    /// The read sides: `None` while the attempt is at `open` or before, else the state and
+    /// `client`'s participant index.
+    fn ready(
+        &self,
+        client: &str,
+        open: Stage,
+    ) -> Result<Option<(std::sync::MutexGuard<'_, Inner>, usize)>, ServerError> {
+        let inner = lock(&self.inner);
+        self.not_ended(&inner)?;
+        if inner.stage <= open {
+            return Ok(None);
+        }
+        let me = self.participant(&inner, client, "advertise")?;
+        Ok(Some((inner, me)))
+    }
+
     /// Stage 0: a selected client's signed keys, checked against its registered identity.
     pub fn advertise(
         &self,
@@ -485,14 +533,12 @@ impl SecAggRound {
         let mut inner = lock(&self.inner);
         self.require(&inner, Stage::Advertise)?;
         if let Some(existing) = inner.adverts.get(client) {
-            if existing.keys == keys {
-                return Ok((self.receipt(inner.adverts.len()), Outcome::Continue));
-                // a retry
-            }
-            return Err(ServerError::conflict(
+            return self.repeated(
+                existing.keys == keys,
+                inner.adverts.len(),
                 "already_advertised",
                 format!("client `{client}` has already advertised other keys for this attempt"),
-            ));
+            );
         }
         let record = AdvertRecord {
             identity_key: identity_key.to_string(),
@@ -511,22 +557,14 @@ impl SecAggRound {
             store.flush()?;
             self.changed.send_modify(|v| *v += 1);
         }
-        let outcome = if accepted >= self.capacity {
-            self.close_stage(store, &mut inner)?
-        } else {
-            Outcome::Continue
-        };
-        Ok((self.receipt(accepted), outcome))
+        self.progress(store, &mut inner, accepted, self.capacity)
     }
 
     /// Stage 1, read side: the roster, once advertising has closed.
     pub fn roster(&self, client: &str) -> Result<Option<SecAggRoster>, ServerError> {
-        let inner = lock(&self.inner);
-        self.not_ended(&inner)?;
-        if inner.stage == Stage::Advertise {
+        let Some((inner, me)) = self.ready(client, Stage::Advertise)? else {
             return Ok(None);
-        }
-        let me = self.participant(&inner, client, "advertise")?;
+        };
         let neighbours = inner.participants[me]
             .neighbours
             .iter()
@@ -560,13 +598,12 @@ impl SecAggRound {
         self.require(&inner, Stage::ShareKeys)?;
         let me = self.participant(&inner, client, "advertise")?;
         if let Some(existing) = inner.mail.get(client) {
-            if *existing == bundles {
-                return Ok((self.receipt(inner.mail.len()), Outcome::Continue));
-            }
-            return Err(ServerError::conflict(
+            return self.repeated(
+                *existing == bundles,
+                inner.mail.len(),
                 "already_shared",
                 format!("client `{client}` has already sent its shares for this attempt"),
-            ));
+            );
         }
         let neighbours: BTreeSet<&str> = inner.participants[me]
             .neighbours
@@ -610,23 +647,15 @@ impl SecAggRound {
         store.secagg_put(&key(&self.ctx.task, "mail", client), &bundles)?;
         store.flush()?;
         inner.mail.insert(client.to_string(), bundles);
-        let accepted = inner.mail.len();
-        let outcome = if accepted == inner.participants.len() {
-            self.close_stage(store, &mut inner)?
-        } else {
-            Outcome::Continue
-        };
-        Ok((self.receipt(accepted), outcome))
+        let (accepted, expected) = (inner.mail.len(), inner.participants.len());
+        self.progress(store, &mut inner, accepted, expected)
     }
 
     /// Stage 2, read side: the bundles addressed to `client` by neighbours that shared.
     pub fn inbox(&self, client: &str) -> Result<Option<SecAggShareBundles>, ServerError> {
-        let inner = lock(&self.inner);
-        self.not_ended(&inner)?;
-        if inner.stage <= Stage::ShareKeys {
+        let Some((inner, me)) = self.ready(client, Stage::ShareKeys)? else {
             return Ok(None);
-        }
-        let me = self.participant(&inner, client, "advertise")?;
+        };
         if !inner.shared.contains(&me) {
             return Err(dropped_out(client, "share-keys"));
         }
@@ -689,8 +718,8 @@ impl SecAggRound {
         if inner.sum.len() != self.vector_len {
             inner.sum = vec![0; self.vector_len];
         }
-        for (s, b) in inner.sum.iter_mut().zip(body.chunks_exact(4)) {
-            *s = s.wrapping_add(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        for (s, w) in inner.sum.iter_mut().zip(crate::store::le_words(body)) {
+            *s = s.wrapping_add(w);
         }
         inner.survivors.insert(me);
         let old = inner.sum_file.clone();
@@ -704,8 +733,8 @@ impl SecAggRound {
             });
         if let Err(e) = saved {
             // Not durable: take it back out; the client retries.
-            for (s, b) in inner.sum.iter_mut().zip(body.chunks_exact(4)) {
-                *s = s.wrapping_sub(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            for (s, w) in inner.sum.iter_mut().zip(crate::store::le_words(body)) {
+                *s = s.wrapping_sub(w);
             }
             inner.survivors.remove(&me);
             if let Some(new) = inner.sum_file.take().filter(|n| Some(n) != old.as_ref()) {
@@ -717,23 +746,15 @@ impl SecAggRound {
         if let Some(old) = old.filter(|o| Some(o) != inner.sum_file.as_ref()) {
             store.remove_checkpoint(&old);
         }
-        let accepted = inner.survivors.len();
-        let outcome = if accepted == inner.shared.len() {
-            self.close_stage(store, &mut inner)?
-        } else {
-            Outcome::Continue
-        };
-        Ok((self.receipt(accepted), outcome))
+        let (accepted, expected) = (inner.survivors.len(), inner.shared.len());
+        self.progress(store, &mut inner, accepted, expected)
     }
 
     /// Stage 3, read side: which shares `client` is to reveal.
     pub fn unmask_request(&self, client: &str) -> Result<Option<SecAggUnmaskRequest>, ServerError> {
-        let inner = lock(&self.inner);
-        self.not_ended(&inner)?;
-        if inner.stage <= Stage::MaskedInput {
+        let Some((inner, me)) = self.ready(client, Stage::MaskedInput)? else {
             return Ok(None);
-        }
-        let me = self.participant(&inner, client, "advertise")?;
+        };
         if !inner.survivors.contains(&me) {
             return Err(dropped_out(client, "masked-input"));
         }
@@ -771,13 +792,12 @@ impl SecAggRound {
         self.require(&inner, Stage::Unmask)?;
         let me = self.participant(&inner, client, "advertise")?;
         if let Some(existing) = inner.answers.get(client) {
-            if *existing == answer {
-                return Ok((self.receipt(inner.answers.len()), Outcome::Continue));
-            }
-            return Err(ServerError::conflict(
+            return self.repeated(
+                *existing == answer,
+                inner.answers.len(),
                 "already_revealed",
                 format!("client `{client}` has already revealed its shares for this attempt"),
-            ));
+            );
         }
         let mut u = self.unmasker_with_answers(&inner)?;
         u.accept(me, &answer).map_err(|e| match e {
@@ -786,16 +806,11 @@ impl SecAggRound {
         })?;
         store.secagg_put(&key(&self.ctx.task, "unmask", client), &answer)?;
         store.flush()?;
-        let complete = u.complete();
         drop(u);
         inner.answers.insert(client.to_string(), answer);
-        let accepted = inner.answers.len();
-        let outcome = if complete {
-            self.close_stage(store, &mut inner)?
-        } else {
-            Outcome::Continue
-        };
-        Ok((self.receipt(accepted), outcome))
+        // Only survivors answer: all have once there are as many answers as survivors.
+        let (accepted, expected) = (inner.answers.len(), inner.survivors.len());
+        self.progress(store, &mut inner, accepted, expected)
     }
 
     /// The deadline check: closes the stage if its deadline has passed.

@@ -507,10 +507,7 @@ impl Store {
         if format!("{}.msum", hora_common::sha256_hex(&bytes)) != file {
             return Err(corrupt("contents do not match the file's content address"));
         }
-        Ok(bytes[8..]
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        Ok(le_words(&bytes[8..]).collect())
     }
 
     pub fn secagg_get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StoreError> {
@@ -603,6 +600,13 @@ impl Store {
         }
         Ok(removed)
     }
+}
+
+/// Little-endian u32 words of `bytes` (a masked input or sum; a trailing partial word is ignored).
+pub fn le_words(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
 }
 
 /// Writes `path` atomically: temp file, fsync, rename, fsync of the directory.

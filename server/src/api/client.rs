@@ -15,7 +15,7 @@ use hora_common::wire::{
 };
 use serde::Deserialize;
 
-use super::{binary, not_modified, read_body, ApiJson, ClientAuth, Shared};
+use super::{binary, not_modified, read_upload, ApiJson, ClientAuth, Shared};
 use crate::auth;
 use crate::coordinator::{now_ms, upload_limit};
 use crate::error::ServerError;
@@ -217,13 +217,7 @@ pub async fn update(
         // Cheap checks before the body is read at all.
         state.coordinator.check_upload(&task, &auth.id, round)?;
         let limit = upload_limit(&task.spec());
-        let permit = state
-            .ingest
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(ServerError::internal)?;
-        let body = read_body(&headers, body, limit).await?;
+        let (body, permit) = read_upload(&state, &headers, body, limit).await?;
         let len = body.len() as u64;
         let receipt = state
             .coordinator

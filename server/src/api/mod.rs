@@ -180,6 +180,24 @@ pub async fn read_body(
     Ok(buf)
 }
 
+/// Takes one of the server's ingest slots (bounding the upload bodies held at once, whatever
+/// the number of clients), then reads a body of at most `limit` bytes. The slot is released
+/// when the caller drops the permit.
+pub async fn read_upload(
+    state: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+) -> Result<(Vec<u8>, tokio::sync::OwnedSemaphorePermit), ServerError> {
+    let permit = state
+        .ingest
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(ServerError::internal)?;
+    Ok((read_body(headers, body, limit).await?, permit))
+}
+
 /// A safetensors (or other binary) response with the digest as strong ETag.
 pub fn binary(bytes: Vec<u8>, etag: &str) -> Response {
     (

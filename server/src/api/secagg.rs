@@ -26,7 +26,7 @@ use hora_common::wire::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::{read_body, ApiJson, ClientAuth, Shared};
+use super::{read_upload, ApiJson, ClientAuth, Shared};
 use crate::coordinator::Round;
 use crate::error::ServerError;
 use crate::secagg::{Outcome, SecAggRound};
@@ -203,13 +203,7 @@ pub async fn masked(
     let (_, s) = state
         .coordinator
         .secagg_round(&task, &auth.id, at.1, at.2)?;
-    let permit = state
-        .ingest
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(ServerError::internal)?;
-    let body = read_body(&headers, body, s.masked_len()).await?;
+    let (body, permit) = read_upload(&state, &headers, body, s.masked_len()).await?;
     let client = auth.id.clone();
     let receipt = submit(&state, &auth.id, at, move |s, store| {
         s.masked(store, &client, &body)
