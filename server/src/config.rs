@@ -37,6 +37,46 @@ pub struct ServeArgs {
     /// The admin bearer token (else the one stored, else a new one printed once).
     #[arg(long, env = "HORA_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Read the admin token from this file (first line) instead of the command line.
+    #[arg(long, env = "HORA_ADMIN_TOKEN_FILE", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Most connections held at once (default: 3/4 of the open-file limit, at most 16,384). At
+    /// the cap the longest-idle connection is closed to make room.
+    #[arg(long, env = "HORA_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// A connection with no request in flight that moves no byte for this long is closed.
+    #[arg(long, env = "HORA_IDLE_TIMEOUT_SECS")]
+    pub idle_timeout_secs: Option<u64>,
+    /// Time allowed to send a request's headers (HTTP/1.1).
+    #[arg(long, env = "HORA_HEADER_TIMEOUT_SECS")]
+    pub header_timeout_secs: Option<u64>,
+    /// Time allowed for a request that is neither a long poll nor an upload (answered 503).
+    #[arg(long, env = "HORA_REQUEST_TIMEOUT_SECS")]
+    pub request_timeout_secs: Option<u64>,
+    /// Slowest upload body accepted, in bytes per second averaged from the start of the body
+    /// (after the grace period); slower bodies are cut off with 408 `upload_too_slow`.
+    #[arg(long, env = "HORA_MIN_UPLOAD_RATE")]
+    pub min_upload_rate: Option<u64>,
+    /// Seconds an upload body may take before the minimum rate applies.
+    #[arg(long, env = "HORA_UPLOAD_GRACE_SECS")]
+    pub upload_grace_secs: Option<u64>,
+    /// Bytes of upload bodies held in memory at once while they are read (one body larger than
+    /// this is read alone).
+    #[arg(long, env = "HORA_UPLOAD_BUFFER_BYTES")]
+    pub upload_buffer_bytes: Option<u64>,
+    /// Longest an upload waits for the checkpoint that makes it durable before it is answered
+    /// 503 `not_durable_yet` (the client retries; the update is not folded twice).
+    #[arg(long, env = "HORA_DURABILITY_TIMEOUT_SECS")]
+    pub durability_timeout_secs: Option<u64>,
+    /// Keep the models of the last N published rounds of each task (0: keep every round).
+    #[arg(long, env = "HORA_RETAIN_ROUNDS_LAST")]
+    pub retain_rounds_last: Option<u64>,
+    /// Also keep the model of every Kth round (0: none beyond the last N).
+    #[arg(long, env = "HORA_RETAIN_ROUNDS_EVERY")]
+    pub retain_rounds_every: Option<u64>,
+    /// Require the admin token for `GET /metrics`.
+    #[arg(long, env = "HORA_METRICS_REQUIRE_TOKEN")]
+    pub metrics_require_token: bool,
     /// Group-commit window in milliseconds.
     #[arg(long, env = "HORA_COMMIT_WINDOW_MS")]
     pub commit_window_ms: Option<u64>,
@@ -60,9 +100,21 @@ struct FileConfig {
     #[serde(default)]
     hosts: Vec<String>,
     admin_token: Option<String>,
+    admin_token_file: Option<PathBuf>,
     commit_window_ms: Option<u64>,
     max_concurrent_uploads: Option<usize>,
     max_model_bytes: Option<u64>,
+    max_connections: Option<usize>,
+    idle_timeout_secs: Option<u64>,
+    header_timeout_secs: Option<u64>,
+    request_timeout_secs: Option<u64>,
+    min_upload_rate: Option<u64>,
+    upload_grace_secs: Option<u64>,
+    upload_buffer_bytes: Option<u64>,
+    durability_timeout_secs: Option<u64>,
+    retain_rounds_last: Option<u64>,
+    retain_rounds_every: Option<u64>,
+    metrics_require_token: Option<bool>,
 }
 
 /// The resolved configuration.
@@ -79,6 +131,17 @@ pub struct ServeConfig {
     pub commit_window_ms: u64,
     pub max_concurrent_uploads: usize,
     pub max_model_bytes: u64,
+    /// None: derived from the open-file limit at start.
+    pub max_connections: Option<usize>,
+    pub idle_timeout: Duration,
+    pub header_timeout: Duration,
+    pub request_timeout: Duration,
+    pub min_upload_rate: u64,
+    pub upload_grace: Duration,
+    pub upload_buffer_bytes: u64,
+    pub durability_timeout: Duration,
+    pub retention: crate::store::Retention,
+    pub metrics_require_token: bool,
 }
 
 impl ServeConfig {
@@ -109,7 +172,14 @@ impl ServeConfig {
             } else {
                 args.hosts
             },
-            admin_token: args.admin_token.or(file.admin_token),
+            admin_token: match args.admin_token.or(file.admin_token).map(Ok).or_else(|| {
+                args.admin_token_file
+                    .or(file.admin_token_file)
+                    .map(|p| read_secret(&p))
+            }) {
+                Some(token) => Some(token?),
+                None => None,
+            },
             commit_window_ms: args.commit_window_ms.or(file.commit_window_ms).unwrap_or(2),
             max_concurrent_uploads: args
                 .max_concurrent_uploads
@@ -119,8 +189,54 @@ impl ServeConfig {
                 .max_model_bytes
                 .or(file.max_model_bytes)
                 .unwrap_or(4 << 30),
+            max_connections: args.max_connections.or(file.max_connections),
+            idle_timeout: secs(args.idle_timeout_secs.or(file.idle_timeout_secs), 15),
+            header_timeout: secs(args.header_timeout_secs.or(file.header_timeout_secs), 10),
+            request_timeout: secs(args.request_timeout_secs.or(file.request_timeout_secs), 30),
+            min_upload_rate: args
+                .min_upload_rate
+                .or(file.min_upload_rate)
+                .unwrap_or(16 << 10),
+            upload_grace: secs(args.upload_grace_secs.or(file.upload_grace_secs), 10),
+            upload_buffer_bytes: args
+                .upload_buffer_bytes
+                .or(file.upload_buffer_bytes)
+                .unwrap_or(64 << 20),
+            durability_timeout: secs(
+                args.durability_timeout_secs
+                    .or(file.durability_timeout_secs),
+                60,
+            ),
+            retention: crate::store::Retention {
+                last: args
+                    .retain_rounds_last
+                    .or(file.retain_rounds_last)
+                    .unwrap_or(50),
+                every: args
+                    .retain_rounds_every
+                    .or(file.retain_rounds_every)
+                    .unwrap_or(10),
+            },
+            metrics_require_token: args.metrics_require_token
+                || file.metrics_require_token.unwrap_or(false),
         })
     }
+}
+
+fn secs(value: Option<u64>, default: u64) -> Duration {
+    Duration::from_secs(value.unwrap_or(default).max(1))
+}
+
+/// A secret kept in a file: its first line, trimmed. The file should be readable by the
+/// server's user only.
+pub fn read_secret(path: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the secret file {}", path.display()))?;
+    let secret = text.lines().next().unwrap_or_default().trim().to_string();
+    if secret.is_empty() {
+        anyhow::bail!("the secret file {} is empty", path.display());
+    }
+    Ok(secret)
 }
 
 fn load(path: &Path) -> Result<FileConfig> {

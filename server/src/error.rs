@@ -38,8 +38,12 @@ pub enum ServerError {
     PayloadTooLarge { got: u64, limit: u64 },
     #[error("a Content-Length header is required for uploads")]
     LengthRequired,
-    #[error("{0}")]
-    Unavailable(String),
+    /// Not now: shutting down, a task whose state cannot be loaded, a request that ran over its
+    /// time, an upload not yet durable. Worth retrying.
+    #[error("{message}")]
+    Unavailable { code: &'static str, message: String },
+    /// Something the server got wrong. Its detail (paths, library messages) goes to the log
+    /// under a reference; the body says only the reference.
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -54,6 +58,13 @@ impl ServerError {
 
     pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
         ServerError::Invalid {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        ServerError::Unavailable {
             code,
             message: message.into(),
         }
@@ -78,7 +89,7 @@ impl ServerError {
             ServerError::Conflict { .. } => StatusCode::CONFLICT,
             ServerError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ServerError::LengthRequired => StatusCode::LENGTH_REQUIRED,
-            ServerError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ServerError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ServerError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -97,7 +108,7 @@ impl ServerError {
             ServerError::Conflict { code, .. } => code,
             ServerError::PayloadTooLarge { .. } => "payload_too_large",
             ServerError::LengthRequired => "length_required",
-            ServerError::Unavailable(_) => "unavailable",
+            ServerError::Unavailable { code, .. } => code,
             ServerError::Internal(_) => "internal",
         }
     }
@@ -105,12 +116,17 @@ impl ServerError {
 
 impl IntoResponse for ServerError {
     fn into_response(self) -> Response {
-        if let ServerError::Internal(e) = &self {
-            tracing::error!(error = %e, "internal error");
-        }
+        let message = match &self {
+            ServerError::Internal(e) => {
+                let reference = format!("{:016x}", rand::random::<u64>());
+                tracing::error!(error = %e, reference, "internal error");
+                format!("internal error (reference {reference}; the operator finds the detail in the server log)")
+            }
+            other => other.to_string(),
+        };
         let body = ApiError {
             code: self.code().to_string(),
-            message: self.to_string(),
+            message,
         };
         (self.status(), Json(body)).into_response()
     }

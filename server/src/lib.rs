@@ -14,6 +14,9 @@
 //!   holding it is durable; [`strategy`] turns the round's sum into the next global model.
 //! - A sync job's workers: [`rendezvous`] holds each join until the job's world is complete, then
 //!   tells every worker its rank and its peers; the allreduce itself never touches the server.
+//! - [`conn`] guards connections (idle and half-open ones are closed, a cap with eviction of the
+//!   idlest, the open-file limit raised); [`api::body`] reads bodies at a minimum rate under a
+//!   byte budget, so a hostile client holds no slot anyone else needs.
 //! - [`config`] merges flags, environment and a TOML file; [`admin_cli`] is `hora-server admin`.
 //!
 //! The server never links libtorch: all its arithmetic is hora-common's CPU kernel.
@@ -22,6 +25,7 @@ pub mod admin_cli;
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod conn;
 pub mod coordinator;
 pub mod error;
 pub mod metrics;
@@ -44,6 +48,13 @@ const HTTP2_CONNECTION_WINDOW: u32 = 256 << 10;
 
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn serve(config: ServeConfig) -> Result<()> {
+    // Everything the server writes (database, blobs, certificates and keys) is its user's alone.
+    #[cfg(unix)]
+    // SAFETY: umask only sets the process's file-creation mask; it cannot fail.
+    unsafe {
+        libc::umask(0o077);
+    }
+    let fd_limit = conn::raise_fd_limit();
     let store =
         Arc::new(store::Store::open(&config.data_dir).with_context(|| {
             format!("opening the data directory {}", config.data_dir.display())
@@ -109,37 +120,71 @@ pub async fn serve(config: ServeConfig) -> Result<()> {
         store.clone(),
         CoordinatorConfig {
             commit_window: config.commit_window(),
+            durability_timeout: config.durability_timeout,
+            retention: config.retention,
             ..Default::default()
         },
         metrics.clone(),
     )
     .map_err(|e| anyhow::anyhow!("loading state: {e}"))?;
-    let rendezvous =
-        rendezvous::Rendezvous::open(store.clone(), metrics).context("loading the sync jobs")?;
+    let rendezvous = rendezvous::Rendezvous::open(store.clone(), metrics.clone())
+        .context("loading the sync jobs")?;
     coordinator.start();
-    let state = Arc::new(api::AppState {
+    let state = api::AppState::new(
         coordinator,
         admin_token_hash,
-        limits: api::HttpLimits {
+        api::HttpLimits {
             max_model_bytes: config.max_model_bytes,
+            body_rate: api::BodyRate {
+                min_bytes_per_sec: config.min_upload_rate,
+                grace: config.upload_grace,
+            },
+            upload_buffer_bytes: config.upload_buffer_bytes,
+            request_timeout: config.request_timeout,
+            metrics_require_token: config.metrics_require_token,
+            max_concurrent_uploads: config.max_concurrent_uploads,
             ..Default::default()
         },
-        ingest: Arc::new(tokio::sync::Semaphore::new(
-            config.max_concurrent_uploads.max(1),
-        )),
         rendezvous,
-    });
+    );
     let app = api::router(state);
+
+    let max_connections = config
+        .max_connections
+        .unwrap_or_else(|| conn::default_max_connections(fd_limit));
+    tracing::info!(
+        max_connections,
+        open_file_limit = fd_limit,
+        idle_timeout_secs = config.idle_timeout.as_secs(),
+        "connection limits"
+    );
+    let connections = conn::Connections::new(
+        conn::ConnectionLimits {
+            max_connections,
+            idle_timeout: config.idle_timeout,
+        },
+        metrics,
+    );
 
     let handle = axum_server::Handle::new();
     tokio::spawn(shutdown::on_signal(handle.clone()));
-    let mut server = axum_server::bind_rustls(
-        config.listen,
+    let tls = axum_server::tls_rustls::RustlsAcceptor::new(
         axum_server::tls_rustls::RustlsConfig::from_config(Arc::new(tls_config)),
     )
-    .handle(handle.clone());
+    .handshake_timeout(config.header_timeout)
+    .acceptor(conn::GuardAcceptor::new(connections));
+    let mut server = axum_server::bind(config.listen)
+        .acceptor(tls)
+        .handle(handle.clone());
+    // Slow senders of headers are cut off (HTTP/1.1; HTTP/2 headers are frames on a
+    // connection the guard already watches).
+    server
+        .http_builder()
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(config.header_timeout);
     // HTTP/2 buffers up to the flow-control window of body data per stream that nobody reads
-    // yet. Uploads wait for an ingest slot before their body is read, so with many uploaders
+    // yet. Uploads wait for room in the upload budget before their body is read, so with many uploaders
     // the windows, not the bodies, decide memory: keep them small (data then waits in kernel
     // socket buffers and on the clients). 128 KiB still fills a loopback or LAN link; raise it
     // for high-latency WAN clients at the cost of that much memory per waiting upload.

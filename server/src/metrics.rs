@@ -1,10 +1,12 @@
 //! Prometheus metrics (`GET /metrics`): rounds published and abandoned, uploads accepted and
 //! rejected by reason, bytes received, ingest and aggregation latency; sync-job worlds formed and
-//! rendezvous joins that timed out.
+//! rendezvous joins that timed out; connections open and closed by the guard, by reason; tasks
+//! whose stored state could not be loaded.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
@@ -34,6 +36,9 @@ pub struct ServerMetrics {
     aggregation_seconds: Histogram,
     sync_worlds_formed: Family<JobLabel, Counter>,
     sync_join_timeouts: Family<JobLabel, Counter>,
+    pub connections_open: Gauge,
+    connections_closed: Family<ReasonLabel, Counter>,
+    pub tasks_broken: Gauge,
 }
 
 impl Default for ServerMetrics {
@@ -49,6 +54,9 @@ impl Default for ServerMetrics {
             aggregation_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
             sync_worlds_formed: Family::default(),
             sync_join_timeouts: Family::default(),
+            connections_open: Gauge::default(),
+            connections_closed: Family::default(),
+            tasks_broken: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -96,6 +104,21 @@ impl Default for ServerMetrics {
             "Sync-job joins answered 408 because the world stayed incomplete",
             m.sync_join_timeouts.clone(),
         );
+        registry.register(
+            "connections_open",
+            "TCP connections open now",
+            m.connections_open.clone(),
+        );
+        registry.register(
+            "connections_closed",
+            "Connections the server closed or refused, by reason (idle_timeout, evicted_at_cap, refused_at_cap)",
+            m.connections_closed.clone(),
+        );
+        registry.register(
+            "tasks_broken",
+            "Tasks whose stored state could not be loaded (they answer 503 until repaired)",
+            m.tasks_broken.clone(),
+        );
         ServerMetrics { registry, ..m }
     }
 }
@@ -131,6 +154,14 @@ impl ServerMetrics {
     pub fn sync_join_timed_out(&self, job: &str) {
         self.sync_join_timeouts
             .get_or_create(&JobLabel { job: job.into() })
+            .inc();
+    }
+
+    pub fn connections_closed(&self, reason: &str) {
+        self.connections_closed
+            .get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            })
             .inc();
     }
 

@@ -7,23 +7,23 @@
 //! read into a buffer of exactly that size.
 
 pub mod admin;
+pub mod body;
 pub mod client;
 pub mod secagg;
 pub mod sync;
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request, State};
-use axum::http::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use hora_common::wire::ApiError;
-use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 use tokio::sync::Semaphore;
 use utoipa::OpenApi;
@@ -32,6 +32,9 @@ use crate::auth;
 use crate::coordinator::Coordinator;
 use crate::error::ServerError;
 use crate::rendezvous::Rendezvous;
+use crate::store::ClientRecord;
+
+pub use body::{read_body, read_upload, BodyRate};
 
 /// Limits on what the HTTP layer accepts.
 #[derive(Debug, Clone)]
@@ -40,6 +43,16 @@ pub struct HttpLimits {
     pub max_json_bytes: usize,
     /// Models and TorchScript modules uploaded by the admin.
     pub max_model_bytes: u64,
+    /// The slowest body accepted.
+    pub body_rate: BodyRate,
+    /// Bytes of upload bodies held in memory at once while being read.
+    pub upload_buffer_bytes: u64,
+    /// Time allowed for a request that is neither a long poll nor a body upload.
+    pub request_timeout: Duration,
+    /// Whether `GET /metrics` needs the admin token.
+    pub metrics_require_token: bool,
+    /// Updates opened and folded at once (CPU work; their bodies are already in memory).
+    pub max_concurrent_uploads: usize,
 }
 
 impl Default for HttpLimits {
@@ -47,6 +60,11 @@ impl Default for HttpLimits {
         HttpLimits {
             max_json_bytes: 1 << 20,
             max_model_bytes: 4 << 30,
+            body_rate: BodyRate::default(),
+            upload_buffer_bytes: 64 << 20,
+            request_timeout: Duration::from_secs(30),
+            metrics_require_token: false,
+            max_concurrent_uploads: 1,
         }
     }
 }
@@ -55,10 +73,33 @@ pub struct AppState {
     pub coordinator: Arc<Coordinator>,
     pub admin_token_hash: String,
     pub limits: HttpLimits,
-    /// Update bodies being read and folded at once: bounds memory whatever the client count.
+    /// Updates being opened and folded at once: bounds the CPU work of ingest.
     pub ingest: Arc<Semaphore>,
+    /// Bytes of upload bodies in memory at once: bounds memory whatever the client count.
+    pub budget: body::IngestBudget,
+    /// One upload per client and task in flight.
+    pub uploads: Arc<body::UploadsInFlight>,
     /// Sync jobs and the worlds their workers are forming.
     pub rendezvous: Rendezvous,
+}
+
+impl AppState {
+    pub fn new(
+        coordinator: Arc<Coordinator>,
+        admin_token_hash: String,
+        limits: HttpLimits,
+        rendezvous: Rendezvous,
+    ) -> Shared {
+        Arc::new(AppState {
+            coordinator,
+            admin_token_hash,
+            ingest: Arc::new(Semaphore::new(limits.max_concurrent_uploads.max(1))),
+            budget: body::IngestBudget::new(limits.upload_buffer_bytes),
+            uploads: Arc::default(),
+            limits,
+            rendezvous,
+        })
+    }
 }
 
 pub type Shared = Arc<AppState>;
@@ -88,7 +129,7 @@ pub struct ClientAuth {
     pub id: String,
 }
 
-fn authenticate_client(state: &Shared, token: &str) -> Result<String, ServerError> {
+fn authenticate_client(state: &Shared, token: &str) -> Result<ClientRecord, ServerError> {
     let (id, secret) = auth::client_token(token)?;
     let invalid = || {
         ServerError::Unauthorized(
@@ -104,15 +145,30 @@ fn authenticate_client(state: &Shared, token: &str) -> Result<String, ServerErro
             "client `{id}` has been revoked by the operator"
         )));
     }
-    Ok(id.to_string())
+    Ok(record)
+}
+
+/// The task a client route is about (`/v1/tasks/{task}/…`), if any.
+fn task_of_path(path: &str) -> Option<&str> {
+    path.strip_prefix("/v1/tasks/")?.split('/').next()
 }
 
 impl FromRequestParts<Shared> for ClientAuth {
     type Rejection = ServerError;
 
+    /// Authenticates the client and, on `/v1/tasks/{task}/…`, checks the task is one its
+    /// enrolment allows: any other answers exactly as a task that does not exist (404), so a
+    /// client cannot learn which tasks exist beyond its own.
     async fn from_request_parts(parts: &mut Parts, state: &Shared) -> Result<Self, ServerError> {
         let token = auth::bearer(parts.headers.get(AUTHORIZATION))?;
-        authenticate_client(state, token).map(|id| ClientAuth { id })
+        let record = authenticate_client(state, token)?;
+        let (id, _) = auth::client_token(token)?;
+        if let (Some(task), Some(allowed)) = (task_of_path(parts.uri.path()), &record.tasks) {
+            if !allowed.iter().any(|t| t == task) {
+                return Err(ServerError::NotFound(format!("no task `{task}`")));
+            }
+        }
+        Ok(ClientAuth { id: id.to_string() })
     }
 }
 
@@ -139,77 +195,6 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     }
 }
 
-/// Reads a body of at most `limit` bytes into a buffer of exactly its declared length. Refuses
-/// (413) from the `Content-Length` header alone, before reading anything.
-pub async fn read_body(
-    headers: &HeaderMap,
-    body: Body,
-    limit: u64,
-) -> Result<Vec<u8>, ServerError> {
-    let declared: u64 = headers
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok())
-        .ok_or(ServerError::LengthRequired)?;
-    if declared > limit {
-        return Err(ServerError::PayloadTooLarge {
-            got: declared,
-            limit,
-        });
-    }
-    let mut buf = Vec::with_capacity(declared as usize);
-    let mut body = body;
-    while let Some(frame) = body.frame().await {
-        let frame =
-            frame.map_err(|e| ServerError::BadRequest(format!("reading the body failed: {e}")))?;
-        if let Ok(data) = frame.into_data() {
-            if buf.len() + data.len() > declared as usize {
-                return Err(ServerError::BadRequest(
-                    "body is longer than its Content-Length".into(),
-                ));
-            }
-            buf.extend_from_slice(&data);
-        }
-    }
-    if buf.len() as u64 != declared {
-        return Err(ServerError::BadRequest(format!(
-            "body ended after {} of {declared} bytes",
-            buf.len()
-        )));
-    }
-    Ok(buf)
-}
-
-/// Takes one of the server's ingest slots (bounding the upload bodies held at once, whatever
-/// the number of clients), then reads a body of at most `limit` bytes. The slot is released
-/// when the caller drops the permit.
-pub async fn read_upload(
-    state: &Shared,
-    headers: &HeaderMap,
-    body: Body,
-    limit: u64,
-) -> Result<(Vec<u8>, tokio::sync::OwnedSemaphorePermit), ServerError> {
-    let permit = state
-        .ingest
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(ServerError::internal)?;
-    Ok((read_body(headers, body, limit).await?, permit))
-}
-
-/// A safetensors (or other binary) response with the digest as strong ETag.
-pub fn binary(bytes: Vec<u8>, etag: &str) -> Response {
-    (
-        [
-            (CONTENT_TYPE, "application/octet-stream".to_string()),
-            (axum::http::header::ETAG, format!("\"{etag}\"")),
-        ],
-        bytes,
-    )
-        .into_response()
-}
-
 /// Whether the request's `If-None-Match` names `etag`.
 pub fn not_modified(headers: &HeaderMap, etag: &str) -> bool {
     headers
@@ -227,15 +212,19 @@ async fn healthz() -> &'static str {
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format", body = String)))]
-async fn metrics(State(state): State<Shared>) -> Response {
-    (
+async fn metrics(State(state): State<Shared>, parts: Parts) -> Result<Response, ServerError> {
+    if state.limits.metrics_require_token {
+        let mut parts = parts;
+        AdminAuth::from_request_parts(&mut parts, &state).await?;
+    }
+    Ok((
         [(
             CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
         state.coordinator.metrics.render(),
     )
-        .into_response()
+        .into_response())
 }
 
 #[utoipa::path(get, path = "/openapi.json", tag = "ops", responses((status = 200, description = "This document")))]
@@ -287,6 +276,54 @@ impl utoipa::Modify for BearerAuth {
     }
 }
 
+/// Whether a route may legitimately hold a request longer than the request timeout: long polls
+/// (bounded by their own wait), sync-job joins (bounded by the rendezvous), and body uploads
+/// (bounded by the minimum body rate and the durability wait).
+fn holds_open(method: &axum::http::Method, route: &str) -> bool {
+    let long_poll = *method == axum::http::Method::GET
+        && (route.ends_with("/poll")
+            || route.ends_with("/neighbours")
+            || route.ends_with("/shares")
+            || route.ends_with("/unmask"));
+    let upload = *method == axum::http::Method::POST
+        && (route.ends_with("/update")
+            || route.ends_with("/masked")
+            || route == "/admin/v1/models"
+            || route == "/admin/v1/modules"
+            || route == "/v1/sync/{job}/join");
+    long_poll || upload
+}
+
+/// Bounds every other request's time: answered 503 `request_timeout` when it runs over.
+async fn request_timeout(
+    State(state): State<Shared>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str().to_string());
+    if route
+        .as_deref()
+        .is_some_and(|r| holds_open(request.method(), r))
+    {
+        return next.run(request).await;
+    }
+    let limit = state.limits.request_timeout;
+    match tokio::time::timeout(limit, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => ServerError::Unavailable {
+            code: "request_timeout",
+            message: format!(
+                "the request took longer than the server's limit of {} s; retry later",
+                limit.as_secs()
+            ),
+        }
+        .into_response(),
+    }
+}
+
 pub fn router(state: Shared) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
@@ -297,6 +334,10 @@ pub fn router(state: Shared) -> Router {
         .merge(sync::routes())
         .merge(admin::routes())
         .fallback(fallback)
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            request_timeout,
+        ))
         // Bodies are bounded per route (read_body, ApiJson's limit below).
         .layer(axum::extract::DefaultBodyLimit::max(
             state.limits.max_json_bytes,

@@ -1,0 +1,253 @@
+//! Reading request bodies without letting a slow or hostile sender hold the server.
+//!
+//! - Size: a body is refused (413) from its `Content-Length` alone, before anything is read or
+//!   allocated, and must be exactly as long as it said.
+//! - Rate: a body must keep up an average of [`BodyRate::min_bytes_per_sec`] from its start,
+//!   after a grace period; the moment it falls behind it is cut off with 408 `upload_too_slow`.
+//!   A sender that stalls after four bytes is gone after the grace period, whatever length it
+//!   announced.
+//! - Memory: upload bodies are read into memory *before* they take one of the ingest slots
+//!   (which bound the CPU work of opening and folding), under a byte budget. So a stalled body
+//!   holds some budget for at most its rate-bounded time, never the slot everyone else needs;
+//!   with small models thousands of bodies fit in the budget at once, and a body larger than
+//!   the whole budget is read alone (memory stays one body, as before).
+//! - One upload per client and task in flight: a second one is refused (409
+//!   `upload_in_progress`) rather than queued.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::header::CONTENT_LENGTH;
+use axum::http::HeaderMap;
+use http_body_util::BodyExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::Shared;
+use crate::error::ServerError;
+
+/// The slowest body the server waits for.
+#[derive(Debug, Clone)]
+pub struct BodyRate {
+    pub min_bytes_per_sec: u64,
+    pub grace: Duration,
+}
+
+impl Default for BodyRate {
+    fn default() -> Self {
+        BodyRate {
+            min_bytes_per_sec: 16 << 10,
+            grace: Duration::from_secs(10),
+        }
+    }
+}
+
+impl BodyRate {
+    /// When a body that has delivered `received` bytes falls behind the minimum rate.
+    fn cutoff(&self, start: tokio::time::Instant, received: u64) -> tokio::time::Instant {
+        let rate = self.min_bytes_per_sec.max(1) as f64;
+        start + self.grace + Duration::from_secs_f64((received + 1) as f64 / rate)
+    }
+}
+
+/// Reads a body of at most `limit` bytes into a buffer of exactly its declared length, at no
+/// less than `rate`. Refuses (413) from the `Content-Length` header alone, before reading.
+pub async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+    rate: &BodyRate,
+) -> Result<Vec<u8>, ServerError> {
+    let declared = declared_length(headers, limit)?;
+    let start = tokio::time::Instant::now();
+    let mut buf = Vec::with_capacity(declared as usize);
+    let mut body = body;
+    loop {
+        let received = buf.len() as u64;
+        let frame = match tokio::time::timeout_at(rate.cutoff(start, received), body.frame()).await
+        {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
+            Err(_) => {
+                let secs = start.elapsed().as_secs_f64();
+                return Err(ServerError::Timeout {
+                    code: "upload_too_slow",
+                    message: format!(
+                        "the body arrived too slowly: {received} of {declared} bytes in {secs:.1} s, below the server's minimum of {} bytes/s; check the connection and retry",
+                        rate.min_bytes_per_sec
+                    ),
+                });
+            }
+        };
+        let frame =
+            frame.map_err(|e| ServerError::BadRequest(format!("reading the body failed: {e}")))?;
+        if let Ok(data) = frame.into_data() {
+            if buf.len() + data.len() > declared as usize {
+                return Err(ServerError::BadRequest(
+                    "body is longer than its Content-Length".into(),
+                ));
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    if buf.len() as u64 != declared {
+        return Err(ServerError::BadRequest(format!(
+            "body ended after {} of {declared} bytes",
+            buf.len()
+        )));
+    }
+    Ok(buf)
+}
+
+/// The declared `Content-Length`, checked against `limit`.
+fn declared_length(headers: &HeaderMap, limit: u64) -> Result<u64, ServerError> {
+    let declared: u64 = headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .ok_or(ServerError::LengthRequired)?;
+    if declared > limit {
+        return Err(ServerError::PayloadTooLarge {
+            got: declared,
+            limit,
+        });
+    }
+    Ok(declared)
+}
+
+/// Bytes of upload bodies in memory at once, in KiB permits.
+pub struct IngestBudget {
+    kib: Arc<Semaphore>,
+    total_kib: u32,
+}
+
+impl IngestBudget {
+    pub fn new(bytes: u64) -> Self {
+        let total_kib = bytes.div_ceil(1024).clamp(1, u64::from(u32::MAX >> 4)) as u32;
+        IngestBudget {
+            kib: Arc::new(Semaphore::new(total_kib as usize)),
+            total_kib,
+        }
+    }
+
+    /// Room for a body of `bytes` (all of the budget for a body larger than it).
+    async fn reserve(&self, bytes: u64) -> Result<OwnedSemaphorePermit, ServerError> {
+        let kib = bytes.div_ceil(1024).clamp(1, u64::from(self.total_kib)) as u32;
+        self.kib
+            .clone()
+            .acquire_many_owned(kib)
+            .await
+            .map_err(ServerError::internal)
+    }
+}
+
+/// Which (task, client) pairs have an upload in flight.
+#[derive(Default)]
+pub struct UploadsInFlight(Mutex<HashSet<(String, String)>>);
+
+/// One client's upload in flight; the pair is free again when this is dropped.
+pub struct UploadGuard {
+    owner: Arc<UploadsInFlight>,
+    key: (String, String),
+}
+
+impl Drop for UploadGuard {
+    fn drop(&mut self) {
+        self.owner.0.lock().expect("uploads lock").remove(&self.key);
+    }
+}
+
+impl UploadsInFlight {
+    /// Marks `client`'s upload to `task` in flight, or refuses a second one.
+    pub fn begin(self: &Arc<Self>, task: &str, client: &str) -> Result<UploadGuard, ServerError> {
+        let key = (task.to_string(), client.to_string());
+        if !self.0.lock().expect("uploads lock").insert(key.clone()) {
+            return Err(ServerError::conflict(
+                "upload_in_progress",
+                format!("client `{client}` already has an upload to task `{task}` in flight: wait for its answer"),
+            ));
+        }
+        Ok(UploadGuard {
+            owner: self.clone(),
+            key,
+        })
+    }
+}
+
+/// What an upload holds while it is read and folded: its place in the byte budget and an
+/// ingest slot. Dropped once the update is folded, before the wait for durability.
+pub struct IngestPermit {
+    _memory: OwnedSemaphorePermit,
+    _slot: OwnedSemaphorePermit,
+}
+
+/// Reads an upload body of at most `limit` bytes under the byte budget, then takes one of the
+/// ingest slots (so a slow body never holds one).
+pub async fn read_upload(
+    state: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+) -> Result<(Vec<u8>, IngestPermit), ServerError> {
+    let declared = declared_length(headers, limit)?;
+    let memory = state.budget.reserve(declared).await?;
+    let bytes = read_body(headers, body, limit, &state.limits.body_rate).await?;
+    let slot = state
+        .ingest
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(ServerError::internal)?;
+    Ok((
+        bytes,
+        IngestPermit {
+            _memory: memory,
+            _slot: slot,
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cutoff_grows_with_what_arrived() {
+        let rate = BodyRate {
+            min_bytes_per_sec: 1000,
+            grace: Duration::from_secs(2),
+        };
+        let start = tokio::time::Instant::now();
+        assert_eq!(
+            rate.cutoff(start, 0) - start,
+            Duration::from_secs(2) + Duration::from_millis(1)
+        );
+        assert_eq!(rate.cutoff(start, 4999) - start, Duration::from_secs(7));
+    }
+
+    #[tokio::test]
+    async fn a_second_upload_of_the_same_client_is_refused_until_the_first_ends() {
+        let uploads = Arc::new(UploadsInFlight::default());
+        let first = uploads.begin("t", "c").unwrap();
+        let err = uploads.begin("t", "c").err().unwrap();
+        assert_eq!(err.code(), "upload_in_progress");
+        let _other_task = uploads.begin("u", "c").unwrap();
+        drop(first);
+        assert!(uploads.begin("t", "c").is_ok());
+    }
+
+    #[tokio::test]
+    async fn the_budget_lets_a_body_larger_than_itself_through_alone() {
+        let budget = IngestBudget::new(4096);
+        let big = budget.reserve(1 << 30).await.unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), budget.reserve(10))
+                .await
+                .is_err()
+        );
+        drop(big);
+        let _a = budget.reserve(2048).await.unwrap();
+        let _b = budget.reserve(2048).await.unwrap();
+    }
+}
