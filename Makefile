@@ -43,6 +43,7 @@ bench:
 	cargo bench -p hora-common --bench secagg; \
 	cargo bench -p hora-server --bench ingest; \
 	cargo bench -p hora --bench server_memory; \
+	cargo bench -p hora --bench hostile; \
 	cargo build --release --example collective; \
 	cargo bench -p hora --bench allreduce
 

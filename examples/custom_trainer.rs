@@ -104,6 +104,7 @@ async fn main() -> Result<()> {
             ..Default::default()
         },
         secure_aggregation: None,
+        update_bounds: Default::default(),
     })
     .await?;
 

@@ -126,6 +126,7 @@ async fn main() -> Result<()> {
         round_deadline_secs: 300,
         training: training.clone(),
         secure_aggregation: None,
+        update_bounds: Default::default(),
     })
     .await?;
     fed.spawn_clients(task, &data, args.clients, &["--seed", "{k}"])

@@ -98,6 +98,7 @@ async fn federation(
             stage_secs: args.stage_secs,
             ..Default::default()
         }),
+        update_bounds: Default::default(),
     })
     .await?;
     for (k, drop) in indices {

@@ -89,6 +89,7 @@ async fn main() -> Result<()> {
             ..Default::default()
         },
         secure_aggregation: None,
+        update_bounds: Default::default(),
     })
     .await?;
     let mut config = SyntheticConfig::iid(args.clients, 7);

@@ -32,6 +32,27 @@ use hora_common::wire::ModelKind;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Deserialize;
 
+/// A secret given directly, or the first line of a file (kept off the command line, where other
+/// local users can read it).
+fn secret_or_file(
+    value: Option<String>,
+    file: Option<&std::path::Path>,
+) -> anyhow::Result<Option<String>> {
+    match (value, file) {
+        (Some(v), _) => Ok(Some(v)),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the token file {}", path.display()))?;
+            let token = text.lines().next().unwrap_or_default().trim().to_string();
+            if token.is_empty() {
+                anyhow::bail!("the token file {} is empty", path.display());
+            }
+            Ok(Some(token))
+        }
+        (None, None) => Ok(None),
+    }
+}
+
 /// Takes each named option from `$file` where neither a flag nor the environment set it.
 macro_rules! fill_from {
     ($args:ident, $file:ident; $($f:ident),* $(,)?) => {
@@ -84,8 +105,11 @@ struct SyncArgs {
     #[arg(long, env = "HORA_JOB")]
     job: Option<String>,
     /// The job's token, printed when the job was created.
-    #[arg(long, env = "HORA_SYNC_TOKEN")]
+    #[arg(long, env = "HORA_SYNC_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Read the job's token from this file (first line) instead.
+    #[arg(long, env = "HORA_SYNC_TOKEN_FILE", conflicts_with = "token")]
+    token_file: Option<PathBuf>,
     /// Instead of the server: every worker's ring address by rank, `host:port,host:port,…`.
     #[arg(long, env = "HORA_PEERS", value_delimiter = ',')]
     peers: Option<Vec<String>>,
@@ -249,8 +273,11 @@ struct TrainArgs {
     #[arg(long, env = "HORA_TASK")]
     task: Option<String>,
     /// One-time enrolment token (`hora-server admin enrol`); needed only the first time.
-    #[arg(long, env = "HORA_ENROLMENT_TOKEN")]
+    #[arg(long, env = "HORA_ENROLMENT_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Read the enrolment token from this file (first line) instead.
+    #[arg(long, env = "HORA_ENROLMENT_TOKEN_FILE", conflicts_with = "token")]
+    token_file: Option<PathBuf>,
     /// Credentials, cached models and the round in progress [default: hora-client-state].
     #[arg(long, env = "HORA_STATE_DIR")]
     state_dir: Option<PathBuf>,
@@ -446,7 +473,8 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
         ..RetryPolicy::default()
     };
     config.drop_out_after = args.drop_out_after;
-    let client = Client::connect(config, args.token.as_deref()).await?;
+    let token = secret_or_file(args.token, args.token_file.as_deref())?;
+    let client = Client::connect(config, token.as_deref()).await?;
     tracing::info!(client = client.id(), task = %task, "waiting for rounds");
     let mut trainer = SupervisedTrainer::new(train, test, device)?.with_seed(args.seed);
 
@@ -611,7 +639,10 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
             server = required(args.server, "server")?;
             ca = required(args.ca, "ca")?;
             job = required(args.job, "job")?;
-            token = required(args.token, "token")?;
+            token = required(
+                secret_or_file(args.token, args.token_file.as_deref())?,
+                "token",
+            )?;
             Meeting::Server(ServerRendezvous {
                 server: &server,
                 ca: &ca,

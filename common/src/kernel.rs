@@ -40,6 +40,9 @@ pub enum KernelError {
     LayoutMismatch(String),
     #[error("nothing to average: no update has been added")]
     Empty,
+    /// The result would hold a NaN or an infinity (updates that overflow f32 when averaged).
+    #[error("the result is not finite: {0}")]
+    NotFinite(String),
     /// A backend (libtorch) failed; the message is the backend's.
     #[error("{0}")]
     Backend(String),
@@ -138,7 +141,22 @@ impl WeightedSum {
     /// Folds `weight × update` straight from safetensors bytes (f32, or f16/bf16 widened on the
     /// fly): the server's upload path, which never materialises the update as a [`Model`].
     pub fn add_view(&mut self, weight: f64, update: &ModelView<'_>) -> Result<(), KernelError> {
+        self.add_view_scaled(weight, 1.0, update)
+    }
+
+    /// Folds `weight × scale × update`, counting `weight` (not `weight × scale`) in the total:
+    /// an update clipped to a norm bound (scale < 1) keeps its example weight.
+    pub fn add_view_scaled(
+        &mut self,
+        weight: f64,
+        scale: f64,
+        update: &ModelView<'_>,
+    ) -> Result<(), KernelError> {
         check_weight(weight)?;
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(KernelError::BadWeight(scale));
+        }
+        let factor = weight * scale;
         let theirs = update.tensors();
         let ours = self.spec.tensors();
         if theirs.len() != ours.len()
@@ -158,10 +176,10 @@ impl WeightedSum {
             offset += n;
             match t.dtype {
                 DType::F32 => {
-                    zip_apply_bytes::<4>(sum, t.data, |s, b| *s += weight * f64::from(f32_le(b)))
+                    zip_apply_bytes::<4>(sum, t.data, |s, b| *s += factor * f64::from(f32_le(b)))
                 }
                 dtype => zip_apply_bytes::<2>(sum, t.data, |s, b| {
-                    *s += weight * f64::from(widen_half(dtype, [b[0], b[1]]))
+                    *s += factor * f64::from(widen_half(dtype, [b[0], b[1]]))
                 }),
             }
         }

@@ -591,6 +591,28 @@ impl<'a> ModelView<'a> {
         }
     }
 
+    /// The L2 norm over every value of every tensor, accumulated in f64 (finite for any finite
+    /// f32 values).
+    pub fn l2_norm(&self) -> f64 {
+        let mut squares = 0.0f64;
+        for t in &self.tensors {
+            squares += match t.dtype {
+                DType::F32 => t
+                    .data
+                    .chunks_exact(4)
+                    .map(|b| {
+                        let v = f64::from(f32_le(b));
+                        v * v
+                    })
+                    .sum::<f64>(),
+                DType::F16 | DType::BF16 => {
+                    t.values().map(|v| f64::from(v) * f64::from(v)).sum::<f64>()
+                }
+            };
+        }
+        squares.sqrt()
+    }
+
     /// Fails on the first NaN or infinity, naming the tensor and the element.
     pub fn check_finite(&self) -> Result<(), ModelError> {
         for t in &self.tensors {

@@ -150,6 +150,47 @@ pub struct CreateTask {
     /// Secure aggregation (SecAgg+): the server learns only the sum of the round's updates.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_aggregation: Option<SecureAggregationConfig>,
+    /// Bounds on each plain (sealed) update: its weight and its L2 norm.
+    #[serde(default)]
+    pub update_bounds: UpdateBounds,
+}
+
+/// What one client's update may weigh in a round (the plain path; secure aggregation has its
+/// own `clip` and `max_weight`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateBounds {
+    /// The largest example count an update is weighted by; larger counts count as this.
+    #[serde(default = "defaults::update_max_weight")]
+    #[schema(minimum = 1)]
+    pub max_weight: u64,
+    /// Bound on the L2 norm of each delta (over all its tensors); None: unbounded.
+    #[serde(default)]
+    #[schema(exclusive_minimum = 0.0)]
+    pub max_norm: Option<f64>,
+    /// What happens to a delta whose norm exceeds `max_norm`: scaled down to it, or refused.
+    #[serde(default)]
+    pub on_norm_exceeded: NormPolicy,
+}
+
+impl Default for UpdateBounds {
+    fn default() -> Self {
+        UpdateBounds {
+            max_weight: defaults::update_max_weight(),
+            max_norm: None,
+            on_norm_exceeded: NormPolicy::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NormPolicy {
+    /// Scale the delta down to the bound (and fold it).
+    #[default]
+    Clip,
+    /// Refuse the update (400 `update_norm_exceeded`).
+    Refuse,
 }
 
 /// A task's secure-aggregation settings. Each delta is clipped to `[-clip, clip]`, weighted by
@@ -240,6 +281,10 @@ pub struct CreateEnrolment {
     /// How long the token stays valid (default one day).
     #[serde(default)]
     pub ttl_secs: Option<u64>,
+    /// The tasks the enrolled client may use (default: every task). Other tasks answer it 404,
+    /// as tasks that do not exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<Vec<String>>,
 }
 
 /// An enrolled client, for the admin.
@@ -265,6 +310,9 @@ pub struct RoundRecord {
     pub duration_ms: u64,
     /// The global model the round published (absent if it was abandoned).
     pub model: Option<ModelDigest>,
+    /// The model's file was removed by the server's retention policy (the digest stays).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pruned: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -495,6 +543,9 @@ mod defaults {
     }
     pub fn clip() -> f64 {
         1.0
+    }
+    pub fn update_max_weight() -> u64 {
+        1_000_000
     }
     pub fn max_weight() -> u32 {
         10_000

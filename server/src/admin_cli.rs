@@ -17,8 +17,16 @@ pub struct AdminArgs {
     #[arg(long, env = "HORA_CA")]
     pub ca: PathBuf,
     /// Admin bearer token.
-    #[arg(long, env = "HORA_ADMIN_TOKEN", hide_env_values = true)]
-    pub token: String,
+    #[arg(
+        long,
+        env = "HORA_ADMIN_TOKEN",
+        hide_env_values = true,
+        required_unless_present = "token_file"
+    )]
+    pub token: Option<String>,
+    /// Read the admin token from this file (first line) instead.
+    #[arg(long, env = "HORA_ADMIN_TOKEN_FILE", conflicts_with = "token")]
+    pub token_file: Option<PathBuf>,
     #[command(subcommand)]
     pub command: AdminCommand,
 }
@@ -67,6 +75,9 @@ pub enum AdminCommand {
     Enrol {
         #[arg(long)]
         ttl_secs: Option<u64>,
+        /// A task the enrolled client may use (repeat for several; default: every task).
+        #[arg(long = "task")]
+        tasks: Vec<String>,
     },
     /// List clients.
     Clients,
@@ -171,7 +182,14 @@ impl AdminClient {
 }
 
 pub async fn run(args: AdminArgs) -> Result<()> {
-    let c = AdminClient::new(&args.url, &args.ca, &args.token)?;
+    let token = match (args.token, &args.token_file) {
+        (Some(token), _) => token,
+        (None, Some(file)) => crate::config::read_secret(file)?,
+        (None, None) => {
+            bail!("give the admin token with --token, HORA_ADMIN_TOKEN or --token-file")
+        }
+    };
+    let c = AdminClient::new(&args.url, &args.ca, &token)?;
     let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
     let out = match args.command {
         AdminCommand::UploadModel { file } => c.upload("/admin/v1/models", read(&file)?).await?,
@@ -223,11 +241,12 @@ pub async fn run(args: AdminArgs) -> Result<()> {
                 .with_context(|| format!("writing {}", output.display()))?;
             serde_json::json!({ "written": output.display().to_string(), "bytes": bytes.len() })
         }
-        AdminCommand::Enrol { ttl_secs } => {
+        AdminCommand::Enrol { ttl_secs, tasks } => {
+            let tasks = (!tasks.is_empty()).then_some(tasks);
             c.json(
                 Method::POST,
                 "/admin/v1/enrolments",
-                Some(serde_json::to_value(CreateEnrolment { ttl_secs })?),
+                Some(serde_json::to_value(CreateEnrolment { ttl_secs, tasks })?),
             )
             .await?
         }

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hora_common::envelope::{self, Binding, RoundSecretKey};
-use hora_common::kernel::WeightedSum;
+use hora_common::kernel::{KernelError, WeightedSum};
 use hora_common::model::{ModelDigest, ModelSpec, ModelView};
 use hora_common::wire::{
     self, Metrics, OpenRoundStatus, RoundOffer, RoundOutcome, RoundRecord, TaskInfo, TaskState,
@@ -52,6 +52,10 @@ pub struct CoordinatorConfig {
     pub commit_window: Duration,
     /// The longest a long poll is held open.
     pub max_poll_wait: Duration,
+    /// The longest an upload waits for durability before it is answered 503 (and retried).
+    pub durability_timeout: Duration,
+    /// Which published round models are kept.
+    pub retention: crate::store::Retention,
 }
 
 impl Default for CoordinatorConfig {
@@ -59,8 +63,18 @@ impl Default for CoordinatorConfig {
         CoordinatorConfig {
             commit_window: Duration::from_millis(2),
             max_poll_wait: Duration::from_secs(30),
+            durability_timeout: Duration::from_secs(60),
+            retention: crate::store::Retention::default(),
         }
     }
+}
+
+/// Whether an upload is worth reading.
+pub enum Admission {
+    /// No update from this client in the round yet.
+    Fresh(Arc<Round>),
+    /// Its update is the round's contribution `.1`, folded but not yet durable.
+    Pending(Arc<Round>, usize),
 }
 
 /// What waiting uploads learn about their round.
@@ -157,6 +171,9 @@ impl Task {
 pub struct Coordinator {
     store: Arc<Store>,
     tasks: RwLock<HashMap<String, Arc<Task>>>,
+    /// Tasks whose stored state could not be loaded, with the reason: they answer 503 while the
+    /// other tasks serve.
+    broken: RwLock<HashMap<String, String>>,
     config: CoordinatorConfig,
     commit_wanted: Notify,
     pub metrics: Arc<ServerMetrics>,
@@ -177,19 +194,41 @@ impl Coordinator {
         let coordinator = Arc::new(Coordinator {
             store,
             tasks: RwLock::new(HashMap::new()),
+            broken: RwLock::new(HashMap::new()),
             config,
             commit_wanted: Notify::new(),
             metrics,
         });
-        for (id, record) in coordinator.store.tasks()? {
-            let round = match coordinator.store.open_round(&id)? {
-                Some(open) => Some(coordinator.resume_round(&record, open)?),
-                None if matches!(record.state, TaskState::Running | TaskState::Paused)
-                    && record.published < record.config.rounds =>
-                {
-                    Some(coordinator.new_round(&id, &record, record.published + 1, 0)?)
+        for (id, record) in coordinator.store.tasks_each()? {
+            // One task's corrupt state must not keep the others from serving.
+            let loaded = record.map_err(ServerError::from).and_then(|record| {
+                let round = match coordinator.store.open_round(&id)? {
+                    Some(open) => Some(coordinator.resume_round(&record, open)?),
+                    None if matches!(record.state, TaskState::Running | TaskState::Paused)
+                        && record.published < record.config.rounds =>
+                    {
+                        Some(coordinator.new_round(&id, &record, record.published + 1, 0)?)
+                    }
+                    None => None,
+                };
+                Ok((record, round))
+            });
+            let (record, round) = match loaded {
+                Ok(v) => v,
+                Err(e) => {
+                    let detail = match &e {
+                        ServerError::Internal(m) => m.clone(),
+                        other => other.to_string(),
+                    };
+                    tracing::error!(task = %id, error = %detail, "cannot load this task's stored state; it answers 503 until repaired or deleted, the other tasks serve");
+                    coordinator
+                        .broken
+                        .write()
+                        .expect("broken lock")
+                        .insert(id, detail);
+                    coordinator.metrics.tasks_broken.inc();
+                    continue;
                 }
-                None => None,
             };
             if let Some(r) = &round {
                 tracing::info!(task = %id, round = r.number, attempt = r.attempt, accepted = lock(&r.acc).durable, "resumed open round");
@@ -340,12 +379,29 @@ impl Coordinator {
     }
 
     pub fn task(&self, id: &str) -> Result<Arc<Task>, ServerError> {
-        self.tasks
+        if let Some(task) = self.tasks.read().expect("tasks lock").get(id) {
+            return Ok(task.clone());
+        }
+        if self.broken.read().expect("broken lock").contains_key(id) {
+            return Err(ServerError::unavailable(
+                "task_unavailable",
+                format!("task `{id}` cannot be served: its stored state is damaged (the operator finds the detail in the server log)"),
+            ));
+        }
+        Err(ServerError::NotFound(format!("no task `{id}`")))
+    }
+
+    /// Tasks whose stored state could not be loaded, and why.
+    pub fn broken_tasks(&self) -> Vec<(String, String)> {
+        let mut broken: Vec<_> = self
+            .broken
             .read()
-            .expect("tasks lock")
-            .get(id)
-            .cloned()
-            .ok_or_else(|| ServerError::NotFound(format!("no task `{id}`")))
+            .expect("broken lock")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        broken.sort();
+        broken
     }
 
     pub fn store(&self) -> &Store {
@@ -499,16 +555,26 @@ impl Coordinator {
         if round == 0 {
             return Ok(record.config.initial_model);
         }
-        self.history(task)?
+        let published = self
+            .history(task)?
             .into_iter()
             .find(|r| r.round == round && r.model.is_some())
-            .and_then(|r| r.model)
             .ok_or_else(|| {
                 ServerError::NotFound(format!(
                     "task `{}` has not published round {round}",
                     task.id
                 ))
-            })
+            })?;
+        let digest = published.model.expect("found by its model");
+        if published.pruned && !self.store.model_path(&digest).exists() {
+            return Err(ServerError::Gone {
+                code: "model_pruned",
+                message: format!(
+                    "round {round}'s model was removed by the server's retention policy (--retain-rounds-last, --retain-rounds-every)"
+                ),
+            });
+        }
+        Ok(digest)
     }
 
     // -- clients ----------------------------------------------------------------------------
@@ -659,9 +725,12 @@ impl Coordinator {
         round_number: u64,
         meta: UpdateMeta,
         mut body: Vec<u8>,
-        permit: tokio::sync::OwnedSemaphorePermit,
+        permit: crate::api::body::IngestPermit,
     ) -> Result<wire::UpdateReceipt, ServerError> {
-        let round = self.check_upload(&task, &client, round_number)?;
+        let round = match self.check_upload(&task, &client, round_number)? {
+            Admission::Fresh(round) => round,
+            Admission::Pending(round, index) => return self.receipt(&round, index).await,
+        };
         if meta.num_examples == 0 {
             return Err(ServerError::InvalidUpdate(
                 "num_examples must be at least 1".into(),
@@ -677,9 +746,13 @@ impl Coordinator {
                 )));
             }
         }
-        let spec = task.record().spec;
+        let record = task.record();
+        let spec = record.spec;
+        let bounds = record.config.update_bounds;
+        // Example counts above the task's bound count as the bound.
+        let weight = meta.num_examples.min(bounds.max_weight.max(1));
         let me = self.clone();
-        let (round, index) = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
+        let (round, index, _folded) = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
             let started = Instant::now();
             let binding = Binding {
                 task: &task.id,
@@ -688,6 +761,22 @@ impl Coordinator {
                 base_model: &round.base,
             };
             let view = open_update(&mut body, &round.key, &binding, &spec)?;
+            let scale = match bounds.max_norm {
+                None => 1.0,
+                Some(bound) => {
+                    let norm = view.l2_norm();
+                    match bounds.on_norm_exceeded {
+                        _ if norm <= bound => 1.0,
+                        wire::NormPolicy::Clip => bound / norm,
+                        wire::NormPolicy::Refuse => {
+                            return Err(ServerError::invalid(
+                                "update_norm_exceeded",
+                                format!("the update's L2 norm {norm:.6e} exceeds the task's bound of {bound}: clip it or lower the learning rate"),
+                            ))
+                        }
+                    }
+                }
+            };
             let index = {
                 let mut acc = lock(&round.acc);
                 // Re-check under the lock: the round may have closed, or a duplicate raced us.
@@ -700,15 +789,16 @@ impl Coordinator {
                         ),
                     ));
                 }
-                if acc.contributions.iter().any(|c| c.client == client) {
-                    return Err(already_contributed(&client, round.number));
+                if let Some(index) = acc.contributions.iter().position(|c| c.client == client) {
+                    // A retry raced its own first attempt: answer as the first is answered.
+                    return Ok((round.clone(), index, false));
                 }
                 acc.sum
-                    .add_view(meta.num_examples as f64, &view)
+                    .add_view_scaled(weight as f64, scale, &view)
                     .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
                 acc.contributions.push(Contribution {
                     client,
-                    examples: meta.num_examples,
+                    examples: weight,
                     metrics: meta.metrics,
                 });
                 acc.contributions.len() - 1
@@ -717,25 +807,47 @@ impl Coordinator {
                 .ingest_seconds
                 .observe(started.elapsed().as_secs_f64());
             me.close_if_full(&task, &round);
-            Ok((round, index))
+            Ok((round, index, true))
         })
         .await
         .map_err(ServerError::internal)??;
         drop(permit);
         self.commit_wanted.notify_one();
+        self.receipt(&round, index).await
+    }
 
-        // Acknowledge only once a commit (or the publication) that contains it is durable.
+    /// Acknowledges contribution `index` of `round` once a commit (or the publication) that
+    /// contains it is durable — waiting at most the durability timeout, after which the client
+    /// is told to retry (and its retry waits the same way; nothing is folded twice).
+    async fn receipt(
+        &self,
+        round: &Arc<Round>,
+        index: usize,
+    ) -> Result<wire::UpdateReceipt, ServerError> {
         let mut durability = round.durability.subscribe();
-        let outcome = durability
-            .wait_for(|d| match d {
+        let waited = tokio::time::timeout(
+            self.config.durability_timeout,
+            durability.wait_for(|d| match d {
                 Durability::Upto(n) => *n > index,
                 Durability::Abandoned(_) => true,
-            })
-            .await
-            .map(|d| d.clone())
-            .map_err(|_| {
-                ServerError::Unavailable("the server is shutting down; retry the upload".into())
-            })?;
+            }),
+        )
+        .await
+        .map_err(|_| {
+            ServerError::unavailable(
+                "not_durable_yet",
+                format!(
+                    "the update was accepted but is not durable after {} s (storage is slow); retry the same upload to get its receipt",
+                    self.config.durability_timeout.as_secs()
+                ),
+            )
+        })?;
+        let outcome = waited.map(|d| d.clone()).map_err(|_| {
+            ServerError::unavailable(
+                "shutting_down",
+                "the server is shutting down; retry the upload",
+            )
+        })?;
         match outcome {
             Durability::Upto(_) => Ok(wire::UpdateReceipt {
                 round: round.number,
@@ -751,13 +863,15 @@ impl Coordinator {
         }
     }
 
-    /// The checks an upload must pass before its body is worth reading.
+    /// The checks an upload must pass before its body is worth reading. A client whose update
+    /// is folded but not yet durable (a retry after a lost answer) is admitted as
+    /// [`Admission::Pending`]: it waits for durability like the first request.
     pub fn check_upload(
         &self,
         task: &Task,
         client: &str,
         round_number: u64,
-    ) -> Result<Arc<Round>, ServerError> {
+    ) -> Result<Admission, ServerError> {
         let state = task.record().state;
         if matches!(state, TaskState::Stopped | TaskState::Finished) {
             return Err(ServerError::conflict(
@@ -808,10 +922,25 @@ impl Coordinator {
                 ),
             ));
         }
-        if acc.contributions.iter().any(|c| c.client == client) {
-            return Err(already_contributed(client, round.number));
+        match acc.contributions.iter().position(|c| c.client == client) {
+            Some(index) if index < acc.durable => Err(already_contributed(client, round.number)),
+            Some(index) => Ok(Admission::Pending(round.clone(), index)),
+            None => Ok(Admission::Fresh(round.clone())),
         }
-        Ok(round.clone())
+    }
+
+    /// The receipt of `client`'s update to the open round if it is folded but not yet durable
+    /// (so a retry need not send its body again).
+    pub async fn pending_receipt(
+        &self,
+        task: &Task,
+        client: &str,
+        round_number: u64,
+    ) -> Result<Option<wire::UpdateReceipt>, ServerError> {
+        match self.check_upload(task, client, round_number)? {
+            Admission::Fresh(_) => Ok(None),
+            Admission::Pending(round, index) => self.receipt(&round, index).await.map(Some),
+        }
     }
 
     fn close_if_full(self: &Arc<Self>, task: &Arc<Task>, round: &Arc<Round>) {
@@ -822,11 +951,32 @@ impl Coordinator {
             return;
         }
         let (me, task, round) = (self.clone(), task.clone(), round.clone());
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = me.close_round(&task, &round, None) {
-                tracing::error!(task = %task.id, round = round.number, error = %e, "closing the round failed");
+        tokio::spawn(async move { me.close_until_done(task, round).await });
+    }
+
+    /// Closes `round`, retrying every second while closing fails (storage trouble) and the
+    /// round is still the task's open one; the uploads in it wait meanwhile.
+    async fn close_until_done(self: Arc<Self>, task: Arc<Task>, round: Arc<Round>) {
+        loop {
+            let (me, t, r) = (self.clone(), task.clone(), round.clone());
+            let closed = tokio::task::spawn_blocking(move || me.close_round(&t, &r, None))
+                .await
+                .map_err(ServerError::internal)
+                .and_then(|r| r);
+            match closed {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::error!(task = %task.id, round = round.number, error = %e, "closing the round failed; retrying in a second");
+                }
             }
-        });
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let current = task.current();
+            if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &round))
+                || task.record().state != TaskState::Running
+            {
+                return;
+            }
+        }
     }
 
     fn watch_deadline(self: &Arc<Self>, task: Arc<Task>, round: Arc<Round>) {
@@ -850,13 +1000,7 @@ impl Coordinator {
                 if task.record().state != TaskState::Running {
                     return; // paused: resume restarts the clock
                 }
-                let (me2, task2, round2) = (me.clone(), task.clone(), round.clone());
-                let _ = tokio::task::spawn_blocking(move || {
-                    if let Err(e) = me2.close_round(&task2, &round2, None) {
-                        tracing::error!(task = %task2.id, error = %e, "closing the round at its deadline failed");
-                    }
-                })
-                .await;
+                me.close_until_done(task, round).await;
                 return;
             }
         });
@@ -955,10 +1099,13 @@ impl Coordinator {
         let examples: u64 = match &round.secagg {
             // Only the total is known: it was summed inside the masked vectors.
             Some(_) => acc.sum.total_weight() as u64,
-            None => acc.contributions.iter().map(|c| c.examples).sum(),
+            None => acc
+                .contributions
+                .iter()
+                .fold(0u64, |sum, c| sum.saturating_add(c.examples)),
         };
         let metrics = weighted_metrics(&acc.contributions);
-        let reason = match abandon {
+        let mut reason = match abandon {
             Some(r) => Some(r.to_string()),
             None if n < record.config.min_clients as usize => Some(format!(
                 "{n} of the required {} updates by the deadline",
@@ -967,15 +1114,38 @@ impl Coordinator {
             None => None,
         };
 
-        let result = (|| -> Result<(RoundRecord, Option<Arc<Round>>), ServerError> {
-            let outcome_model = match &reason {
-                None => {
-                    // The new global model is computed in the old one's file bytes, in place.
+        // The new global model is computed in the old one's file bytes, in place. A result that
+        // is not finite abandons the attempt: it is never published.
+        let aggregated = match &reason {
+            None => {
+                let aggregate = || -> Result<_, ServerError> {
                     let mut bytes = self.store.model_bytes(&round.base)?;
                     let strategy = strategy::from_config(&record.config.strategy);
-                    let digest =
-                        strategy::aggregate_in_place(strategy.as_ref(), &mut bytes, &acc.sum)
-                            .map_err(ServerError::internal)?;
+                    match strategy::aggregate_in_place(strategy.as_ref(), &mut bytes, &acc.sum) {
+                        Ok(digest) => Ok(Some((digest, bytes))),
+                        Err(KernelError::NotFinite(detail)) => {
+                            Err(ServerError::InvalidUpdate(detail))
+                        }
+                        Err(e) => Err(ServerError::internal(e)),
+                    }
+                };
+                match aggregate() {
+                    Ok(v) => v,
+                    Err(ServerError::InvalidUpdate(detail)) => {
+                        reason = Some(format!("the aggregated model is not finite ({detail}): some update is out of range; bound updates with update_bounds.max_norm"));
+                        None
+                    }
+                    Err(e) => {
+                        acc.closing = false;
+                        return Err(e);
+                    }
+                }
+            }
+            Some(_) => None,
+        };
+        let result = (|| -> Result<(RoundRecord, Option<Arc<Round>>), ServerError> {
+            let outcome_model = match aggregated {
+                Some((digest, bytes)) => {
                     self.store.put_model_bytes(&digest, &bytes)?;
                     drop(bytes);
                     record.published += 1;
@@ -985,7 +1155,7 @@ impl Coordinator {
                     }
                     Some(digest)
                 }
-                Some(_) => None,
+                None => None,
             };
             let history = RoundRecord {
                 round: round.number,
@@ -1000,6 +1170,7 @@ impl Coordinator {
                 metrics,
                 duration_ms: round.opened.elapsed().as_millis() as u64,
                 model: outcome_model,
+                pruned: false,
             };
             let next = match record.state {
                 TaskState::Running | TaskState::Paused => Some(match &reason {
@@ -1055,6 +1226,18 @@ impl Coordinator {
             }
         }
         drop(acc);
+        if reason.is_none() {
+            match self
+                .store
+                .prune_models(&task.id, self.config.retention, record.published)
+            {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(task = %task.id, files = n, "pruned round models"),
+                Err(e) => {
+                    tracing::warn!(task = %task.id, error = %e, "pruning old round models failed; they stay until the next round")
+                }
+            }
+        }
         *lock(&task.record) = record;
         *lock(&task.round) = next.clone();
         task.bump();
@@ -1129,6 +1312,13 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     }
     if let Some(sa) = &c.secure_aggregation {
         secagg::validate(sa, c.min_clients, capacity(c))?;
+    }
+    let b = &c.update_bounds;
+    if b.max_weight == 0 {
+        return bad("update_bounds.max_weight must be at least 1".into());
+    }
+    if b.max_norm.is_some_and(|n| !(n.is_finite() && n > 0.0)) {
+        return bad("update_bounds.max_norm must be a positive finite number".into());
     }
     let t = &c.training;
     if t.epochs == 0

@@ -97,11 +97,44 @@ pub struct ClientRecord {
     /// the client advertises in secure aggregation.
     #[serde(default)]
     pub identity_key: Option<String>,
+    /// The tasks this client may use; None: every task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EnrolmentRecord {
     pub expires_unix_ms: u64,
+    /// The tasks the enrolled client may use; None: every task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<Vec<String>>,
+}
+
+/// Which published round models are kept: the last `last` rounds and every `every`th round (0
+/// turns either off; both 0 keeps everything). The current global model and the task's initial
+/// model are always kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    pub last: u64,
+    pub every: u64,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Retention {
+            last: 50,
+            every: 10,
+        }
+    }
+}
+
+impl Retention {
+    /// Whether round `round`'s model is kept once `published` rounds are published.
+    pub fn keeps(&self, round: u64, published: u64) -> bool {
+        (self.last == 0 && self.every == 0)
+            || round + self.last > published
+            || (self.every > 0 && round % self.every == 0)
+    }
 }
 
 /// A synchronous allreduce job as stored: its definition and how many worlds it has formed. The
@@ -168,6 +201,7 @@ fn history_key(task: &str, round: u64, attempt: u32) -> String {
 
 impl Store {
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        make_private_dir(dir)?;
         for sub in ["blobs/models", "blobs/modules", "checkpoints"] {
             fs::create_dir_all(dir.join(sub)).map_err(io(dir))?;
         }
@@ -204,6 +238,22 @@ impl Store {
 
     pub fn tasks(&self) -> Result<Vec<(String, TaskRecord)>, StoreError> {
         all(self.tasks.iter())
+    }
+
+    /// Every task, each read on its own: one corrupt record does not hide the others.
+    pub fn tasks_each(&self) -> Result<Vec<(String, Result<TaskRecord, StoreError>)>, StoreError> {
+        self.tasks
+            .iter()
+            .map(|kv| {
+                let (k, v) = kv?;
+                let key = String::from_utf8_lossy(&k).into_owned();
+                let record = serde_json::from_slice(&v).map_err(|e| StoreError::Corrupt {
+                    key: key.clone(),
+                    reason: e.to_string(),
+                });
+                Ok((key, record))
+            })
+            .collect()
     }
 
     /// Creates a task if the id is free; false if it exists.
@@ -263,6 +313,49 @@ impl Store {
                 },
             })?;
         Ok(())
+    }
+
+    /// Applies `retention` to `task`'s published models now that `published` rounds are out:
+    /// marks the rounds that fall out of it as pruned and deletes their model files, unless
+    /// another retained round or task still uses the same model (content-addressed). Returns the
+    /// number of files removed.
+    pub fn prune_models(
+        &self,
+        task: &str,
+        retention: Retention,
+        published: u64,
+    ) -> Result<usize, StoreError> {
+        let mut dropped = Vec::new();
+        for (key, mut r) in all::<RoundRecord>(self.history.scan_prefix(format!("{task}\0")))? {
+            if r.model.is_some() && !r.pruned && !retention.keeps(r.round, published) {
+                r.pruned = true;
+                self.history.insert(key.as_bytes(), json(&r))?;
+                dropped.extend(r.model);
+            }
+        }
+        if dropped.is_empty() {
+            return Ok(0);
+        }
+        let mut in_use = std::collections::HashSet::new();
+        for (id, t) in self.tasks_each()? {
+            let Ok(t) = t else {
+                return Ok(0); // an unreadable task may use any model: delete nothing
+            };
+            in_use.insert(t.global_model);
+            in_use.insert(t.config.initial_model);
+            for r in self.history(&id)? {
+                if !r.pruned {
+                    in_use.extend(r.model);
+                }
+            }
+        }
+        let mut removed = 0;
+        for digest in dropped.into_iter().filter(|d| !in_use.contains(d)) {
+            if fs::remove_file(self.model_path(&digest)).is_ok() {
+                removed += 1;
+            }
+        }
+        Ok(removed)
     }
 
     pub fn history(&self, task: &str) -> Result<Vec<RoundRecord>, StoreError> {
@@ -547,18 +640,36 @@ impl Store {
         let mut models = std::collections::HashSet::new();
         let mut modules = std::collections::HashSet::new();
         let mut checkpoints = std::collections::HashSet::new();
-        for (id, task) in self.tasks()? {
+        // With any task unreadable nobody can tell its blobs from orphans: keep every blob and
+        // remove only temporary files.
+        let mut all_known = true;
+        let mut readable = Vec::new();
+        for (id, task) in self.tasks_each()? {
+            match task.and_then(|t| {
+                let history = self.history(&id)?;
+                let open = self.open_round(&id)?;
+                Ok((t, history, open))
+            }) {
+                Ok(parts) => readable.push((id, parts)),
+                Err(_) => all_known = false,
+            }
+        }
+        for (id, (task, history, open)) in readable {
             models.insert(format!("{}.safetensors", task.global_model.to_hex()));
+            models.insert(format!(
+                "{}.safetensors",
+                task.config.initial_model.to_hex()
+            ));
             if let hora_common::wire::ModelKind::TorchScript { module_digest } = &task.config.model
             {
                 modules.insert(format!("{module_digest}.pt"));
             }
-            for r in self.history(&id)? {
-                if let Some(d) = r.model {
+            for r in history {
+                if let Some(d) = r.model.filter(|_| !r.pruned) {
                     models.insert(format!("{}.safetensors", d.to_hex()));
                 }
             }
-            if let Some(open) = self.open_round(&id)? {
+            if let Some(open) = open {
                 if let Some(c) = open.checkpoint {
                     checkpoints.insert(c.file);
                 }
@@ -591,7 +702,7 @@ impl Store {
                     .unwrap_or_default()
                     .to_string();
                 let temp = name.starts_with(".tmp-");
-                let kept = keep.contains(&name) || (keep_fresh && fresh(&path));
+                let kept = !all_known || keep.contains(&name) || (keep_fresh && fresh(&path));
                 if temp || !kept {
                     fs::remove_file(&path).map_err(io(&path))?;
                     removed += 1;
@@ -607,6 +718,17 @@ pub fn le_words(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
     bytes
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+/// Creates `dir` (and its parents) if needed and makes it accessible to this user only.
+fn make_private_dir(dir: &Path) -> Result<(), StoreError> {
+    fs::create_dir_all(dir).map_err(io(dir))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(io(dir))?;
+    }
+    Ok(())
 }
 
 /// Writes `path` atomically: temp file, fsync, rename, fsync of the directory.
@@ -672,7 +794,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         store
-            .put_enrolment("h", &EnrolmentRecord { expires_unix_ms: 5 })
+            .put_enrolment(
+                "h",
+                &EnrolmentRecord {
+                    expires_unix_ms: 5,
+                    tasks: None,
+                },
+            )
             .unwrap();
         assert!(store.take_enrolment("h").unwrap().is_some());
         assert!(store.take_enrolment("h").unwrap().is_none());

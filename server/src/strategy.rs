@@ -72,6 +72,15 @@ pub fn aggregate_in_place(
                 &deltas.sum()[offset..offset + n],
                 deltas.total_weight(),
             );
+            // A model with a NaN or an infinity is never published: nobody could train from it
+            // and the task would never recover. (The bytes are a copy; the stored model stays.)
+            if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+                return Err(KernelError::NotFinite(format!(
+                    "parameter {} would be {}",
+                    offset + i,
+                    values[i]
+                )));
+            }
             for (v, b) in values.iter().zip(bytes.chunks_exact_mut(4)) {
                 b.copy_from_slice(&v.to_le_bytes());
             }
@@ -106,5 +115,18 @@ mod tests {
         assert_eq!(digest, published.digest());
         let empty = WeightedSum::new(global.spec());
         assert!(aggregate_in_place(&FedAvg, &mut bytes, &empty).is_err());
+    }
+
+    #[test]
+    fn a_result_that_overflows_f32_is_refused() {
+        use hora_common::model::Model;
+        let global = Model::from_tensors([("w", vec![2], vec![f32::MAX, 0.0])]).unwrap();
+        let mut sum = WeightedSum::new(global.spec());
+        sum.add_flat(1.0, &[f32::MAX, 1.0]).unwrap();
+        let mut bytes = global.to_safetensors();
+        assert!(matches!(
+            aggregate_in_place(&FedAvg, &mut bytes, &sum),
+            Err(KernelError::NotFinite(_))
+        ));
     }
 }

@@ -147,6 +147,31 @@ impl Drop for Server {
     }
 }
 
+/// A raw TLS connection to the server over loopback.
+pub type RawTls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// A raw TLS connection speaking HTTP/1.1, for requests no well-behaved client would send.
+pub async fn raw_tls(server: &Server) -> RawTls {
+    let mut config = hora_common::tls::client_config(&server.ca, None).expect("tls config");
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let addr = server.url.trim_start_matches("https://").to_string();
+    let tcp = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let name = rustls_pki_types::ServerName::try_from("localhost").expect("name");
+    connector.connect(name, tcp).await.expect("tls handshake")
+}
+
+/// The head and the first bytes of a raw HTTP/1.1 upload of `body` by `client`; the caller
+/// decides how much of the body follows.
+pub fn upload_head(client: &Client, task: &str, round: u64, body_len: usize) -> String {
+    format!(
+        "POST /v1/tasks/{task}/rounds/{round}/update HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {}\r\nx-hora-update: {{\"num_examples\":10}}\r\ncontent-type: application/octet-stream\r\ncontent-length: {body_len}\r\n\r\n",
+        client.api.token
+    )
+}
+
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -280,6 +305,7 @@ pub fn task(
         round_deadline_secs: deadline_secs,
         training: TrainingConfig::default(),
         secure_aggregation: None,
+        update_bounds: Default::default(),
     }
 }
 

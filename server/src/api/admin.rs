@@ -54,7 +54,13 @@ pub async fn upload_model(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<ModelUploaded>), ServerError> {
-    let bytes = read_body(&headers, body, state.limits.max_model_bytes).await?;
+    let bytes = read_body(
+        &headers,
+        body,
+        state.limits.max_model_bytes,
+        &state.limits.body_rate,
+    )
+    .await?;
     let store = state.coordinator.clone();
     tokio::task::spawn_blocking(move || {
         let limits = Limits {
@@ -93,7 +99,13 @@ pub async fn upload_module(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<ModuleUploaded>), ServerError> {
-    let bytes = read_body(&headers, body, state.limits.max_model_bytes).await?;
+    let bytes = read_body(
+        &headers,
+        body,
+        state.limits.max_model_bytes,
+        &state.limits.body_rate,
+    )
+    .await?;
     // TorchScript archives are zip files.
     if !bytes.starts_with(b"PK\x03\x04") {
         return Err(ServerError::BadRequest(
@@ -207,12 +219,27 @@ pub async fn create_enrolment(
     ApiJson(req): ApiJson<CreateEnrolment>,
 ) -> Result<(StatusCode, Json<EnrolmentToken>), ServerError> {
     let ttl = req.ttl_secs.unwrap_or(86_400).clamp(1, 365 * 86_400);
+    if let Some(tasks) = &req.tasks {
+        if let Some(bad) = tasks.iter().find(|t| !hora_common::wire::valid_id(t)) {
+            return Err(ServerError::BadRequest(format!(
+                "task id `{bad}` must be 1-64 of [A-Za-z0-9_.-]"
+            )));
+        }
+        if tasks.len() > 1024 {
+            return Err(ServerError::BadRequest(
+                "an enrolment names at most 1024 tasks".into(),
+            ));
+        }
+    }
     let token = auth::new_secret()?;
     let expires_unix_ms = now_ms() + ttl * 1000;
     let store = state.coordinator.store();
     store.put_enrolment(
         &auth::hash_secret(&token),
-        &EnrolmentRecord { expires_unix_ms },
+        &EnrolmentRecord {
+            expires_unix_ms,
+            tasks: req.tasks,
+        },
     )?;
     store.flush()?;
     Ok((

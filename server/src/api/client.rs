@@ -15,7 +15,7 @@ use hora_common::wire::{
 };
 use serde::Deserialize;
 
-use super::{binary, not_modified, read_upload, ApiJson, ClientAuth, Shared};
+use super::{not_modified, read_upload, ApiJson, ClientAuth, Shared};
 use crate::auth;
 use crate::coordinator::{now_ms, upload_limit};
 use crate::error::ServerError;
@@ -40,6 +40,17 @@ pub async fn enrol(
     State(state): State<Shared>,
     ApiJson(req): ApiJson<EnrolRequest>,
 ) -> Result<Json<Credentials>, ServerError> {
+    // Everything that can be wrong with the request is checked before the one-time token is
+    // spent: a malformed request does not burn it.
+    if req.label.as_ref().is_some_and(|l| l.len() > 256) {
+        return Err(ServerError::BadRequest(
+            "label must be at most 256 bytes".into(),
+        ));
+    }
+    if let Some(key) = &req.identity_key {
+        hora_common::secagg::hex_array::<32>("identity_key", key)
+            .map_err(|e| ServerError::BadRequest(e.to_string()))?;
+    }
     let store = state.coordinator.store();
     let record = store
         .take_enrolment(&auth::hash_secret(&req.token))?
@@ -53,15 +64,6 @@ pub async fn enrol(
             "the enrolment token has expired: ask the operator for a new one".into(),
         ));
     }
-    if req.label.as_ref().is_some_and(|l| l.len() > 256) {
-        return Err(ServerError::BadRequest(
-            "label must be at most 256 bytes".into(),
-        ));
-    }
-    if let Some(key) = &req.identity_key {
-        hora_common::secagg::hex_array::<32>("identity_key", key)
-            .map_err(|e| ServerError::BadRequest(e.to_string()))?;
-    }
     let client_id = format!("c-{}", &auth::new_secret()?[..16]);
     let secret = auth::new_secret()?;
     store.put_client(
@@ -72,6 +74,7 @@ pub async fn enrol(
             enrolled_unix_ms: now_ms(),
             revoked: false,
             identity_key: req.identity_key,
+            tasks: record.tasks,
         },
     )?;
     store.flush()?;
@@ -136,12 +139,25 @@ pub(crate) async fn model_response(
     digest: hora_common::model::ModelDigest,
     headers: &HeaderMap,
 ) -> Result<Response, ServerError> {
-    let etag = digest.to_hex();
-    if not_modified(headers, &etag) {
+    file_response(
+        &state.coordinator.store().model_path(&digest),
+        &digest.to_hex(),
+        headers,
+    )
+    .await
+}
+
+/// A blob file as the response, streamed (concurrent downloads cost a buffer each, not a file
+/// each), with `etag` as its strong ETag; 304 when the client has it.
+async fn file_response(
+    path: &std::path::Path,
+    etag: &str,
+    headers: &HeaderMap,
+) -> Result<Response, ServerError> {
+    if not_modified(headers, etag) {
         return Ok(StatusCode::NOT_MODIFIED.into_response());
     }
-    // Streamed from the blob file: concurrent downloads cost a buffer each, not a model each.
-    let file = tokio::fs::File::open(state.coordinator.store().model_path(&digest))
+    let file = tokio::fs::File::open(path)
         .await
         .map_err(ServerError::internal)?;
     let len = file.metadata().await.map_err(ServerError::internal)?.len();
@@ -173,13 +189,12 @@ pub async fn module(
             task.id
         ))
     })?;
-    if not_modified(&headers, &digest) {
-        return Ok(StatusCode::NOT_MODIFIED.into_response());
-    }
-    let bytes = tokio::fs::read(state.coordinator.store().module_path(&digest))
-        .await
-        .map_err(ServerError::internal)?;
-    Ok(binary(bytes, &digest))
+    file_response(
+        &state.coordinator.store().module_path(&digest),
+        &digest,
+        &headers,
+    )
+    .await
 }
 
 #[utoipa::path(post, path = "/v1/tasks/{task}/rounds/{round}/update", tag = "client",
@@ -214,8 +229,16 @@ pub async fn update(
                     ServerError::BadRequest(format!("malformed `{UPDATE_META_HEADER}` header: {e}"))
                 })
             })?;
-        // Cheap checks before the body is read at all.
-        state.coordinator.check_upload(&task, &auth.id, round)?;
+        // Cheap checks before the body is read at all. A retry of an update that is folded but
+        // not yet durable gets its receipt once it is, without sending the body again.
+        let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
+        if let Some(receipt) = state
+            .coordinator
+            .pending_receipt(&task, &auth.id, round)
+            .await?
+        {
+            return Ok(receipt);
+        }
         let limit = upload_limit(&task.spec());
         let (body, permit) = read_upload(&state, &headers, body, limit).await?;
         let len = body.len() as u64;

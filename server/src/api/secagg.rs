@@ -203,6 +203,7 @@ pub async fn masked(
     let (_, s) = state
         .coordinator
         .secagg_round(&task, &auth.id, at.1, at.2)?;
+    let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
     let (body, permit) = read_upload(&state, &headers, body, s.masked_len()).await?;
     let client = auth.id.clone();
     let receipt = submit(&state, &auth.id, at, move |s, store| {

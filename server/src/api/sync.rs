@@ -82,13 +82,12 @@ mod tests {
         let coordinator =
             Coordinator::open(store.clone(), CoordinatorConfig::default(), metrics.clone())
                 .unwrap();
-        let state = Arc::new(AppState {
+        let state = AppState::new(
             coordinator,
-            admin_token_hash: auth::hash_secret(ADMIN_TOKEN),
-            limits: HttpLimits::default(),
-            ingest: Arc::new(tokio::sync::Semaphore::new(1)),
-            rendezvous: Rendezvous::open(store, metrics).unwrap(),
-        });
+            auth::hash_secret(ADMIN_TOKEN),
+            HttpLimits::default(),
+            Rendezvous::open(store, metrics).unwrap(),
+        );
         let certs_dir = dir.path().join("certs");
         let certs = tls::make_dev_certs(&certs_dir, &[]).unwrap();
         let tls_config = tls::server_config(&certs, None).unwrap();

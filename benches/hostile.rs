@@ -1,0 +1,360 @@
+//! Hostile-load benchmark: honest clients run rounds against the real release `hora-server` on
+//! loopback TLS, first alone, then while attackers hold idle and half-open connections, stall
+//! upload bodies and send poisoned (NaN and huge-norm) updates. Prints the honest round latency
+//! both ways and their ratio, what happened to each kind of attack, the attackers' connections
+//! still held at the end, and the server's peak RSS.
+//!
+//! `cargo build --release -p hora-server && cargo bench -p hora --bench hostile`
+//! (`HORA_BENCH_ROUNDS`, `HORA_BENCH_IDLE_CONNECTIONS` change the sizes).
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hora_common::model::Model;
+use hora_common::wire::{NormPolicy, PollResponse, UpdateBounds};
+use reqwest::{Method, StatusCode};
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const HONEST: usize = 10;
+const STALLERS: usize = 5;
+const POISONERS: usize = 5;
+const IDLE_TIMEOUT_SECS: u64 = 4;
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[derive(Default)]
+struct Attacks {
+    idle_opened: AtomicUsize,
+    stalled_cut: AtomicUsize,
+    stalled_other: AtomicUsize,
+    poisoned_refused: AtomicUsize,
+    poisoned_clipped: AtomicUsize,
+}
+
+/// Runs `rounds` rounds of the honest clients; returns each round's latency: from the first
+/// join to the next round being open (every honest update durable and the round published).
+async fn honest_rounds(
+    task: &str,
+    honest: &[Client],
+    model: &Model,
+    first: u64,
+    rounds: u64,
+    during_round: impl Fn(u64) -> Vec<tokio::task::JoinHandle<()>>,
+) -> Vec<Duration> {
+    let mut latencies = Vec::new();
+    for round in first..first + rounds {
+        let started = Instant::now();
+        let attacks = during_round(round);
+        let mut uploads = Vec::new();
+        for (i, c) in honest.iter().enumerate() {
+            let (c, model, task) = (
+                Client {
+                    api: c.api.clone(),
+                    id: c.id.clone(),
+                },
+                model.clone(),
+                task.to_string(),
+            );
+            uploads.push(tokio::spawn(async move {
+                let offer = c.join(&task).await;
+                assert_eq!(offer.round, round, "honest client {i} joined another round");
+                c.upload(&task, &offer, 10, &delta(&model, round * 100 + i as u64))
+                    .await;
+            }));
+        }
+        for u in uploads {
+            u.await.expect("honest upload");
+        }
+        // The next round is open: this one is published.
+        let p: PollResponse = honest[0]
+            .api
+            .ok(honest[0].api.request(
+                Method::GET,
+                &format!("/v1/tasks/{task}/poll?after={round}&wait_ms=10000"),
+            ))
+            .await;
+        assert_eq!(p.open_round, Some(round + 1), "round {round} not published");
+        latencies.push(started.elapsed());
+        for a in attacks {
+            a.abort();
+        }
+    }
+    latencies
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn summary(latencies: &[Duration]) -> (Duration, Duration, Duration) {
+    let mut s = latencies.to_vec();
+    s.sort();
+    (
+        percentile(&s, 0.5),
+        percentile(&s, 0.95),
+        *s.last().expect("rounds"),
+    )
+}
+
+fn peak_rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kib| kib / 1024.0)
+}
+
+#[tokio::main]
+async fn main() {
+    let rounds = env_or("HORA_BENCH_ROUNDS", 20) as u64;
+    let idle = env_or("HORA_BENCH_IDLE_CONNECTIONS", 400);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start_with(
+        dir.path(),
+        &[
+            "--idle-timeout-secs",
+            &IDLE_TIMEOUT_SECS.to_string(),
+            "--header-timeout-secs",
+            "4",
+            "--upload-grace-secs",
+            "3",
+        ],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let model = small_model();
+    let digest = admin.upload_model(&model).await;
+    let mut config = task(
+        "hostile",
+        digest,
+        2 * rounds + 2,
+        HONEST as u32,
+        HONEST as u32,
+        60,
+    );
+    // Room for the attackers among the selected, so they are in the same rounds as the honest.
+    config.over_selection = (STALLERS + POISONERS) as f64 / HONEST as f64;
+    config.update_bounds = UpdateBounds {
+        max_norm: Some(10.0),
+        on_norm_exceeded: NormPolicy::Clip,
+        ..Default::default()
+    };
+    admin.create_task(&config).await;
+    let mut honest = Vec::new();
+    for _ in 0..HONEST {
+        honest.push(admin.enrol().await);
+    }
+    let mut stallers = Vec::new();
+    for _ in 0..STALLERS {
+        stallers.push(Arc::new(admin.enrol().await));
+    }
+    let mut poisoners = Vec::new();
+    for _ in 0..POISONERS {
+        poisoners.push(Arc::new(admin.enrol().await));
+    }
+
+    // Warm-up round, then the baseline.
+    honest_rounds("hostile", &honest, &model, 1, 1, |_| Vec::new()).await;
+    let calm = honest_rounds("hostile", &honest, &model, 2, rounds, |_| Vec::new()).await;
+
+    // The attack: idle and half-open connections held (and reopened when the server closes
+    // them) for the whole phase, and in every round stalled bodies and poisoned updates.
+    let attacks = Arc::new(Attacks::default());
+    let stop_idle = Arc::new(tokio::sync::Notify::new());
+    let server = Arc::new(server);
+    let mut idlers = Vec::new();
+    for i in 0..idle {
+        let (server, attacks, stop) = (server.clone(), attacks.clone(), stop_idle.clone());
+        idlers.push(tokio::spawn(async move {
+            let mut held = Vec::new();
+            loop {
+                let mut conn = raw_tls(&server).await;
+                attacks.idle_opened.fetch_add(1, Ordering::Relaxed);
+                if i % 2 == 0 {
+                    let _ = conn.write_all(b"POST /v1/enrol HTT").await;
+                    let _ = conn.flush().await;
+                }
+                let mut buf = [0u8; 512];
+                tokio::select! {
+                    // Closed by the server: open another.
+                    _ = conn.read(&mut buf) => {}
+                    _ = stop.notified() => { held.push(conn); return held; }
+                }
+            }
+        }));
+    }
+    let rounds_under_attack = {
+        let (stallers, poisoners, model, attacks) = (
+            stallers.clone(),
+            poisoners.clone(),
+            model.clone(),
+            attacks.clone(),
+        );
+        let server = server.clone();
+        move |round: u64| {
+            let mut tasks = Vec::new();
+            for s in &stallers {
+                let (s, server, model, attacks) =
+                    (s.clone(), server.clone(), model.clone(), attacks.clone());
+                tasks.push(tokio::spawn(async move {
+                    let offer = s.join("hostile").await;
+                    let body = s.seal("hostile", &offer, &delta(&model, round));
+                    let mut conn = raw_tls(&server).await;
+                    let head = upload_head(&s, "hostile", offer.round, body.len());
+                    let _ = conn.write_all(head.as_bytes()).await;
+                    let _ = conn.write_all(&body[..4]).await;
+                    let _ = conn.flush().await;
+                    let mut got = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = conn.read(&mut buf).await {
+                        if n == 0 {
+                            break;
+                        }
+                        got.extend_from_slice(&buf[..n]);
+                        if String::from_utf8_lossy(&got).contains('}') {
+                            break;
+                        }
+                    }
+                    let text = String::from_utf8_lossy(&got);
+                    if text.starts_with("HTTP/1.1 408") && text.contains("upload_too_slow") {
+                        attacks.stalled_cut.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        attacks.stalled_other.fetch_add(1, Ordering::Relaxed);
+                    }
+                }));
+            }
+            for (k, p) in poisoners.iter().enumerate() {
+                let (p, model, attacks) = (p.clone(), model.clone(), attacks.clone());
+                tasks.push(tokio::spawn(async move {
+                    let offer = p.join("hostile").await;
+                    let mut bad = Model::zeros(&model.spec());
+                    if k % 2 == 0 {
+                        bad.data_mut()[k] = f32::NAN;
+                    } else {
+                        bad.data_mut().fill(3e38);
+                    }
+                    let resp = p
+                        .upload_request(
+                            "hostile",
+                            offer.round,
+                            u64::MAX,
+                            p.seal("hostile", &offer, &bad),
+                        )
+                        .send()
+                        .await;
+                    match resp.map(|r| r.status()) {
+                        Ok(StatusCode::BAD_REQUEST) => {
+                            attacks.poisoned_refused.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(StatusCode::OK) => {
+                            attacks.poisoned_clipped.fetch_add(1, Ordering::Relaxed);
+                        }
+                        _ => {}
+                    }
+                }));
+            }
+            tasks
+        }
+    };
+    // Let the idle connections build up first.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let first = 2 + rounds;
+    let attacked = honest_rounds(
+        "hostile",
+        &honest,
+        &model,
+        first,
+        rounds,
+        rounds_under_attack,
+    )
+    .await;
+
+    // Stop reopening; every attacker connection still held must be closed by the server
+    // within the idle timeout.
+    stop_idle.notify_waiters();
+    let mut held = Vec::new();
+    for i in idlers {
+        held.extend(i.await.unwrap_or_default());
+    }
+    tokio::time::sleep(Duration::from_secs(IDLE_TIMEOUT_SECS + 2)).await;
+    let mut still_open = 0;
+    for conn in &mut held {
+        let mut buf = [0u8; 64];
+        match tokio::time::timeout(Duration::from_millis(50), conn.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {}
+            _ => still_open += 1,
+        }
+    }
+    let published: serde_json::Value = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/hostile"))
+        .await;
+    let published = published["published_rounds"].as_u64().unwrap_or(0);
+    let finite = admin
+        .round_model("hostile", published)
+        .await
+        .data()
+        .iter()
+        .all(|v| v.is_finite());
+    let rss = peak_rss_mib(server.pid());
+
+    let (c50, c95, cmax) = summary(&calm);
+    let (a50, a95, amax) = summary(&attacked);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!("hostile-load benchmark: {HONEST} honest clients, small MLP (356 parameters), release hora-server on loopback TLS");
+    println!("attack per round: {STALLERS} stalled bodies (4 bytes of a whole update), {POISONERS} poisoned updates (NaN, 3e38 everywhere, num_examples = u64::MAX); {idle} idle/half-open TLS connections held throughout (reopened when closed)");
+    println!();
+    println!("| phase | rounds | p50 ms | p95 ms | max ms |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| honest alone | {} | {:.1} | {:.1} | {:.1} |",
+        calm.len(),
+        ms(c50),
+        ms(c95),
+        ms(cmax)
+    );
+    println!(
+        "| under attack | {} | {:.1} | {:.1} | {:.1} |",
+        attacked.len(),
+        ms(a50),
+        ms(a95),
+        ms(amax)
+    );
+    println!();
+    println!(
+        "RESULT honest round latency under attack / alone: p50 {:.2}, p95 {:.2}",
+        ms(a50) / ms(c50),
+        ms(a95) / ms(c95)
+    );
+    println!(
+        "idle/half-open connections opened by attackers: {} (each closed by the server and reopened)",
+        attacks.idle_opened.load(Ordering::Relaxed)
+    );
+    println!(
+        "stalled bodies: {} cut off with 408 upload_too_slow, {} answered otherwise",
+        attacks.stalled_cut.load(Ordering::Relaxed),
+        attacks.stalled_other.load(Ordering::Relaxed)
+    );
+    println!(
+        "poisoned updates: {} refused (400), {} accepted clipped to the norm bound; published model finite: {finite}",
+        attacks.poisoned_refused.load(Ordering::Relaxed),
+        attacks.poisoned_clipped.load(Ordering::Relaxed)
+    );
+    println!(
+        "RESULT attacker connections held at the end: {still_open} of {} ({} s after the attack stopped)",
+        held.len(),
+        IDLE_TIMEOUT_SECS + 2
+    );
+    println!("RESULT server peak RSS: {rss:.1} MiB");
+}

@@ -1,0 +1,735 @@
+//! A hostile or broken edge fleet against the real `hora-server` binary on loopback TLS: idle
+//! and half-open connections, stalled bodies, poisoned and overflowing updates, out-of-scope
+//! clients, slow storage, corrupt state. Each test asserts the refusal *and* that honest clients
+//! are served meanwhile.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use hora_common::model::Model;
+use hora_common::wire::{
+    Credentials, NormPolicy, PollResponse, RoundOutcome, RoundRecord, TaskInfo, UpdateBounds,
+    UpdateReceipt,
+};
+use reqwest::{Method, StatusCode};
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Reads what the server answers on `conn` until the text holds `needle` or the connection
+/// ends, at most `limit`.
+async fn answer_within(conn: &mut RawTls, needle: &str, limit: Duration) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + limit;
+    while !String::from_utf8_lossy(&got).contains(needle) {
+        match tokio::time::timeout_at(deadline, conn.read(&mut buf)).await {
+            Err(_) | Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Waits until the server closes `conn` (end of stream or a reset), at most `limit`; returns
+/// what it sent before closing, or None if it is still open.
+async fn closed_within(conn: &mut RawTls, limit: Duration) -> Option<Vec<u8>> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, conn.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(got),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// GET /healthz on a fresh connection (a pooled one may be the idle connection the server just
+/// closed to make room, which is the point of the attack tests).
+async fn healthz_ok(server: &Server) -> Duration {
+    let started = Instant::now();
+    let http = hora_server::tls::https_client(&server.ca, None).expect("client");
+    let resp = http
+        .get(format!("{}/healthz", server.url))
+        .timeout(Duration::from_secs(3))
+        .send()
+        .await
+        .expect("/healthz answers");
+    assert_eq!(resp.status(), StatusCode::OK);
+    started.elapsed()
+}
+
+async fn metric(admin: &Api, name: &str) -> f64 {
+    let text = admin
+        .request(Method::GET, "/metrics")
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn idle_and_half_open_connections_are_closed_and_healthz_answers_throughout() {
+    let dir = tempfile::tempdir().unwrap();
+    // A cap of 64 connections: the 150 attackers below are well over it.
+    let server = Server::start_with(
+        dir.path(),
+        &[
+            "--idle-timeout-secs",
+            "2",
+            "--header-timeout-secs",
+            "2",
+            "--max-connections",
+            "64",
+        ],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    healthz_ok(&server).await;
+
+    let mut attackers = Vec::new();
+    for i in 0..150 {
+        let mut conn = raw_tls(&server).await;
+        if i % 2 == 0 {
+            // Half a request line, then nothing.
+            conn.write_all(b"GET /healthz HT").await.unwrap();
+            conn.flush().await.unwrap();
+        }
+        attackers.push(conn);
+        if i % 25 == 0 {
+            // Honest requests keep being served while the attack builds up, past the cap.
+            healthz_ok(&server).await;
+        }
+    }
+    // And throughout the idle period.
+    let mut slowest = Duration::ZERO;
+    for _ in 0..10 {
+        slowest = slowest.max(healthz_ok(&server).await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(slowest < Duration::from_secs(2), "healthz took {slowest:?}");
+
+    // Every attacker connection is closed within the idle timeout (plus slack), none answered
+    // with anything but a close.
+    for (i, conn) in attackers.iter_mut().enumerate() {
+        let sent = closed_within(conn, Duration::from_secs(6))
+            .await
+            .unwrap_or_else(|| panic!("attacker connection {i} is still open"));
+        assert!(
+            sent.is_empty() || sent.starts_with(b"HTTP/1.1 408"),
+            "attacker {i} got {:?}",
+            String::from_utf8_lossy(&sent)
+        );
+    }
+    healthz_ok(&server).await;
+    let open = metric(&admin, "hora_connections_open").await;
+    assert!(open <= 3.0, "{open} connections still open");
+    assert!(metric(&admin, "hora_connections_closed_total").await >= 150.0);
+}
+
+/// A task over the small model, its initial weights uploaded.
+async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, CreateTask) {
+    let model = small_model();
+    let digest = admin.upload_model(&model).await;
+    (model, task(id, digest, 50, min, target, 120))
+}
+
+use hora_common::wire::CreateTask;
+
+#[tokio::test]
+async fn a_stalled_upload_body_is_cut_off_and_other_uploads_are_acknowledged_promptly() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(
+        dir.path(),
+        &["--min-upload-rate", "1000", "--upload-grace-secs", "2"],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, config) = small_task(&admin, "stall", 2, 3).await;
+    admin.create_task(&config).await;
+    let attacker = admin.enrol().await;
+    let honest = [admin.enrol().await, admin.enrol().await];
+    let offer = attacker.join("stall").await;
+
+    // The attacker announces a whole update and sends four bytes of it.
+    let body = attacker.seal("stall", &offer, &delta(&model, 9));
+    let mut conn = raw_tls(&server).await;
+    let head = upload_head(&attacker, "stall", offer.round, body.len());
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(&body[..4]).await.unwrap();
+    conn.flush().await.unwrap();
+    let attacked = Instant::now();
+
+    // Honest clients of the same round are acknowledged at once, not after the attacker.
+    let mut updates = Vec::new();
+    for (i, c) in honest.iter().enumerate() {
+        let offer = c.join("stall").await;
+        let d = delta(&model, i as u64);
+        let started = Instant::now();
+        let receipt = c.upload("stall", &offer, 10 + i as u64, &d).await;
+        assert_eq!(receipt.round, offer.round);
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "an honest upload waited {:?} behind a stalled one",
+            started.elapsed()
+        );
+        updates.push((10 + i as u64, d));
+    }
+    assert!(attacked.elapsed() < Duration::from_secs(2));
+
+    // The stalled body is cut off after the grace period with a clear 408.
+    let answer = answer_within(&mut conn, "upload_too_slow", Duration::from_secs(6)).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("upload_too_slow"), "{answer}");
+    let cut_after = attacked.elapsed();
+    assert!(
+        cut_after >= Duration::from_secs(2) && cut_after < Duration::from_secs(6),
+        "{cut_after:?}"
+    );
+
+    // Its retry at a proper rate is accepted; nothing acknowledged before was lost.
+    attacker
+        .api
+        .ok::<UpdateReceipt>(attacker.upload_request("stall", offer.round, 10, body))
+        .await;
+    updates.push((10, delta(&model, 9)));
+    let published = admin.round_model("stall", 1).await;
+    let (u0, u1, u2) = (&updates[0], &updates[1], &updates[2]);
+    assert_close(
+        &published,
+        &fedavg(&model, &[u0.clone(), u1.clone(), u2.clone()]),
+    );
+}
+
+#[tokio::test]
+async fn a_second_upload_of_a_client_in_flight_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(dir.path(), &["--upload-grace-secs", "3"]);
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, config) = small_task(&admin, "twice", 1, 2).await;
+    admin.create_task(&config).await;
+    let c = admin.enrol().await;
+    let offer = c.join("twice").await;
+    let body = c.seal("twice", &offer, &delta(&model, 1));
+    let mut conn = raw_tls(&server).await;
+    let head = upload_head(&c, "twice", offer.round, body.len());
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(&body[..8]).await.unwrap();
+    conn.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c.api
+        .refused(
+            c.upload_request("twice", offer.round, 10, body.clone()),
+            StatusCode::CONFLICT,
+            "upload_in_progress",
+        )
+        .await;
+    // Once the first is cut off, the client's upload goes through.
+    let answer = answer_within(&mut conn, "upload_too_slow", Duration::from_secs(8)).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    c.api
+        .ok::<UpdateReceipt>(c.upload_request("twice", offer.round, 10, body))
+        .await;
+}
+
+#[tokio::test]
+async fn huge_norm_and_weight_updates_are_bounded_and_the_model_stays_finite() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, mut config) = small_task(&admin, "bounded", 2, 2).await;
+    config.update_bounds = UpdateBounds {
+        max_weight: 100,
+        max_norm: Some(1.0),
+        on_norm_exceeded: NormPolicy::Clip,
+    };
+    admin.create_task(&config).await;
+    let (poisoner, honest) = (admin.enrol().await, admin.enrol().await);
+    let mut huge = Model::zeros(&model.spec());
+    huge.data_mut().fill(3e38);
+    let offer = poisoner.join("bounded").await;
+    poisoner.upload("bounded", &offer, u64::MAX, &huge).await;
+    let d = delta(&model, 3);
+    let offer = honest.join("bounded").await;
+    honest.upload("bounded", &offer, 40, &d).await;
+
+    let published = admin.round_model("bounded", 1).await;
+    assert!(published.data().iter().all(|v| v.is_finite()));
+    // Independently: the poisoned delta scaled to norm 1 with weight 100; the honest one (its
+    // norm is below 1) as it is.
+    let n = (huge.data().len() as f64).sqrt();
+    let mut clipped = huge.clone();
+    clipped
+        .data_mut()
+        .iter_mut()
+        .for_each(|v| *v = (3e38f64 * (1.0 / (3e38f64 * n))) as f32);
+    assert_close(&published, &fedavg(&model, &[(100, clipped), (40, d)]));
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/bounded/rounds"))
+        .await;
+    assert_eq!(history[0].examples, 140);
+
+    // With `refuse`, an oversized delta is refused with its own code and nothing is folded.
+    let (_, mut strict) = small_task(&admin, "strict", 1, 1).await;
+    strict.update_bounds.max_norm = Some(1.0);
+    strict.update_bounds.on_norm_exceeded = NormPolicy::Refuse;
+    admin.create_task(&strict).await;
+    let offer = poisoner.join("strict").await;
+    let body = poisoner.seal("strict", &offer, &huge);
+    let msg = poisoner
+        .api
+        .refused(
+            poisoner.upload_request("strict", offer.round, 10, body),
+            StatusCode::BAD_REQUEST,
+            "update_norm_exceeded",
+        )
+        .await;
+    assert!(msg.contains("norm"), "{msg}");
+    let info: TaskInfo = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/strict"))
+        .await;
+    assert_eq!(info.open_round.expect("open").accepted, 0);
+}
+
+#[tokio::test]
+async fn a_round_that_would_publish_a_non_finite_model_is_abandoned_and_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    // Unbounded updates (the default has no norm bound) near f32's limit overflow when added
+    // to a model that is near it too.
+    let mut model = small_model();
+    model.data_mut()[0] = 3e38;
+    let digest = admin.upload_model(&model).await;
+    admin
+        .create_task(&task("overflow", digest, 5, 1, 1, 120))
+        .await;
+    let c = admin.enrol().await;
+    let mut huge = Model::zeros(&model.spec());
+    huge.data_mut()[0] = 3e38;
+    let offer = c.join("overflow").await;
+    // Acknowledged (durable before the close) or told the round was abandoned: either way it
+    // is not published.
+    let resp = c
+        .upload_request(
+            "overflow",
+            offer.round,
+            1,
+            c.seal("overflow", &offer, &huge),
+        )
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert!(
+        status == StatusCode::OK || (status == StatusCode::CONFLICT && text.contains("not finite")),
+        "{status}: {text}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin
+        .ok::<Vec<RoundRecord>>(admin.request(Method::GET, "/admin/v1/tasks/overflow/rounds"))
+        .await
+        .is_empty()
+    {
+        assert!(Instant::now() < deadline, "round 1 never closed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/overflow/rounds"))
+        .await;
+    let RoundOutcome::Abandoned { reason } = &history[0].outcome else {
+        panic!("published a non-finite model: {history:?}");
+    };
+    assert!(reason.contains("not finite"), "{reason}");
+    assert!(history[0].model.is_none());
+    // The task goes on: the retry of round 1 publishes a finite model from a sane update.
+    let offer = c.join("overflow").await;
+    assert_eq!(offer.round, 1);
+    assert_eq!(offer.model, digest);
+    let d = delta(&model, 5);
+    c.upload("overflow", &offer, 3, &d).await;
+    let published = admin.round_model("overflow", 1).await;
+    assert!(published.data().iter().all(|v| v.is_finite()));
+    assert_close(&published, &fedavg(&model, &[(3, d)]));
+}
+
+/// A client enrolled through a token limited to `tasks`.
+async fn enrol_for(admin: &Api, tasks: &[&str]) -> Api {
+    let token: serde_json::Value = admin
+        .ok(admin
+            .request(Method::POST, "/admin/v1/enrolments")
+            .json(&serde_json::json!({ "tasks": tasks })))
+        .await;
+    let creds: Credentials = admin
+        .ok(admin
+            .with_token("")
+            .request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({"token": token["token"]})))
+        .await;
+    admin.with_token(&format!("{}.{}", creds.client_id, creds.secret))
+}
+
+#[tokio::test]
+async fn a_client_sees_only_its_tasks_and_a_malformed_enrolment_keeps_the_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    for id in ["mine", "theirs"] {
+        let (_, config) = small_task(&admin, id, 1, 2).await;
+        admin.create_task(&config).await;
+    }
+    // A malformed request is refused before the one-time token is spent.
+    let token: serde_json::Value = admin
+        .ok(admin
+            .request(Method::POST, "/admin/v1/enrolments")
+            .json(&serde_json::json!({"tasks": ["mine"]})))
+        .await;
+    let anonymous = admin.with_token("");
+    anonymous
+        .refused(
+            anonymous
+                .request(Method::POST, "/v1/enrol")
+                .json(&serde_json::json!({"token": token["token"], "identity_key": "zz"})),
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        )
+        .await;
+    let creds: Credentials = anonymous
+        .ok(anonymous
+            .request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({"token": token["token"]})))
+        .await;
+    let client = admin.with_token(&format!("{}.{}", creds.client_id, creds.secret));
+
+    let poll: PollResponse = client
+        .ok(client.request(Method::GET, "/v1/tasks/mine/poll?wait_ms=0"))
+        .await;
+    assert_eq!(poll.task, "mine");
+    // Another task answers exactly as one that does not exist.
+    let theirs = client
+        .refused(
+            client.request(Method::GET, "/v1/tasks/theirs/poll?wait_ms=0"),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        )
+        .await;
+    let missing = client
+        .refused(
+            client.request(Method::GET, "/v1/tasks/nosuch/poll?wait_ms=0"),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        )
+        .await;
+    assert_eq!(
+        theirs.replace("theirs", "X"),
+        missing.replace("nosuch", "X")
+    );
+    for (method, path) in [
+        (Method::POST, "/v1/tasks/theirs/join"),
+        (Method::GET, "/v1/tasks/theirs/model"),
+        (Method::POST, "/v1/tasks/theirs/rounds/1/update"),
+    ] {
+        client
+            .refused(
+                client.request(method, path),
+                StatusCode::NOT_FOUND,
+                "not_found",
+            )
+            .await;
+    }
+    // A client enrolled without a list sees every task.
+    let other = admin.enrol().await;
+    other
+        .api
+        .ok::<PollResponse>(
+            other
+                .api
+                .request(Method::GET, "/v1/tasks/theirs/poll?wait_ms=0"),
+        )
+        .await;
+    // A client of both tasks sees both.
+    let both = enrol_for(&admin, &["mine", "theirs"]).await;
+    both.ok::<PollResponse>(both.request(Method::GET, "/v1/tasks/theirs/poll?wait_ms=0"))
+        .await;
+    let scoped = enrol_for(&admin, &["mine"]).await;
+    scoped
+        .refused(
+            scoped.request(Method::POST, "/v1/tasks/theirs/join"),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        )
+        .await;
+}
+
+#[tokio::test]
+async fn the_data_dir_is_private_metrics_can_need_the_token_and_500s_say_no_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let server = Server::start_with(&data, &["--metrics-require-token"]);
+    let admin = server.api(ADMIN_TOKEN);
+    let (_, config) = small_task(&admin, "private", 1, 2).await;
+    let info = admin.create_task(&config).await;
+
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&data), 0o700);
+    let mut files = 0;
+    let mut stack = vec![data.clone()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                assert_eq!(
+                    mode(&path) & 0o077,
+                    0,
+                    "{} is readable by others",
+                    path.display()
+                );
+                files += 1;
+            }
+        }
+    }
+    assert!(files >= 4, "only {files} files");
+
+    let anonymous = admin.with_token("");
+    anonymous
+        .refused(
+            anonymous.request(Method::GET, "/metrics"),
+            StatusCode::UNAUTHORIZED,
+            "missing_credentials",
+        )
+        .await;
+    assert!(metric(&admin, "hora_uploads_accepted").await >= 0.0);
+
+    // A blob gone from under the server is its fault (500), and the body names no path.
+    let blob = data
+        .join("blobs/models")
+        .join(format!("{}.safetensors", info.global_model.to_hex()));
+    std::fs::remove_file(&blob).unwrap();
+    let c = admin.enrol().await;
+    let resp = c
+        .api
+        .request(Method::GET, "/v1/tasks/private/model")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let text = resp.text().await.unwrap();
+    assert!(text.contains("reference"), "{text}");
+    assert!(!text.contains(dir.path().to_str().unwrap()), "{text}");
+    assert!(!text.contains("No such file"), "{text}");
+}
+
+#[tokio::test]
+async fn a_corrupt_task_leaves_the_others_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let server = Server::start_on(dir.path(), &listen, &[]);
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, config) = small_task(&admin, "damaged", 2, 3).await;
+    admin.create_task(&config).await;
+    let (_, config) = small_task(&admin, "healthy", 1, 1).await;
+    admin.create_task(&config).await;
+    let c = admin.enrol().await;
+    let offer = c.join("damaged").await;
+    c.upload("damaged", &offer, 5, &delta(&model, 1)).await;
+    server.kill();
+
+    // A bit flips in the damaged task's round checkpoint.
+    let ckpt = std::fs::read_dir(dir.path().join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "ckpt"))
+        .expect("a checkpoint");
+    let mut bytes = std::fs::read(&ckpt).unwrap();
+    bytes[20] ^= 1;
+    std::fs::write(&ckpt, bytes).unwrap();
+
+    let server = Server::start_on(dir.path(), &listen, &[]);
+    let admin = server.api(ADMIN_TOKEN);
+    // The same client, on fresh connections to the restarted server.
+    let c = Client {
+        api: admin.with_token(&c.api.token),
+        id: c.id,
+    };
+    let msg = c
+        .api
+        .refused(
+            c.api.request(Method::POST, "/v1/tasks/damaged/join"),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "task_unavailable",
+        )
+        .await;
+    assert!(!msg.contains(dir.path().to_str().unwrap()), "{msg}");
+    assert_eq!(metric(&admin, "hora_tasks_broken").await, 1.0);
+    // The healthy task serves and publishes.
+    let offer = c.join("healthy").await;
+    let d = delta(&model, 2);
+    c.upload("healthy", &offer, 5, &d).await;
+    assert_close(
+        &admin.round_model("healthy", 1).await,
+        &fedavg(&model, &[(5, d)]),
+    );
+    // Nothing of the damaged task was swept away: its checkpoint is still there to repair.
+    assert!(ckpt.exists());
+}
+
+#[tokio::test]
+async fn an_upload_waits_for_durability_for_a_bounded_time_and_its_retry_gets_the_receipt() {
+    let dir = tempfile::tempdir().unwrap();
+    // Checkpoints 3 s apart stand in for slow storage; uploads wait at most 2 s for one.
+    let server = Server::start_with(
+        dir.path(),
+        &[
+            "--commit-window-ms",
+            "3000",
+            "--durability-timeout-secs",
+            "2",
+        ],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, config) = small_task(&admin, "slowdisk", 2, 3).await;
+    admin.create_task(&config).await;
+    let c = admin.enrol().await;
+    let offer = c.join("slowdisk").await;
+    let body = c.seal("slowdisk", &offer, &delta(&model, 4));
+    let msg = c
+        .api
+        .refused(
+            c.upload_request("slowdisk", offer.round, 7, body.clone()),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_durable_yet",
+        )
+        .await;
+    assert!(msg.contains("retry"), "{msg}");
+    // The retry is not `already_contributed` (that is only for durable updates): it waits for
+    // the checkpoint (due 3 s after the first upload, 1 s from now) and gets the receipt, and the
+    // update counts once.
+    let receipt: UpdateReceipt = c
+        .api
+        .ok(c.upload_request("slowdisk", offer.round, 7, body.clone()))
+        .await;
+    assert_eq!(receipt.accepted, 1);
+    // Now that it is durable, a repeat is `already_contributed`.
+    c.api
+        .refused(
+            c.upload_request("slowdisk", offer.round, 7, body),
+            StatusCode::CONFLICT,
+            "already_contributed",
+        )
+        .await;
+    let info: TaskInfo = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/slowdisk"))
+        .await;
+    assert_eq!(info.open_round.expect("open").accepted, 1);
+}
+
+#[tokio::test]
+async fn old_round_models_are_pruned_by_the_retention_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(
+        dir.path(),
+        &["--retain-rounds-last", "2", "--retain-rounds-every", "3"],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, config) = small_task(&admin, "keep", 1, 1).await;
+    admin.create_task(&config).await;
+    let c = admin.enrol().await;
+    for round in 1..=7u64 {
+        let offer = c.join("keep").await;
+        assert_eq!(offer.round, round);
+        c.upload("keep", &offer, 5, &delta(&model, round)).await;
+        // Wait for the round to be published before joining the next.
+        c.api
+            .ok::<PollResponse>(c.api.request(
+                Method::GET,
+                &format!("/v1/tasks/keep/poll?after={round}&wait_ms=5000"),
+            ))
+            .await;
+    }
+    for round in [0u64, 3, 6, 7] {
+        admin.round_model("keep", round).await;
+    }
+    for round in [1u64, 2, 4, 5] {
+        admin
+            .refused(
+                admin.request(
+                    Method::GET,
+                    &format!("/admin/v1/tasks/keep/rounds/{round}/model"),
+                ),
+                StatusCode::GONE,
+                "model_pruned",
+            )
+            .await;
+    }
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/keep/rounds"))
+        .await;
+    let pruned: Vec<u64> = history
+        .iter()
+        .filter(|r| r.pruned)
+        .map(|r| r.round)
+        .collect();
+    assert_eq!(pruned, vec![1, 2, 4, 5]);
+    // The current model is served to clients.
+    let (current, _) = c.global("keep").await;
+    assert_eq!(current, admin.round_model("keep", 7).await);
+    let files = std::fs::read_dir(dir.path().join("blobs/models"))
+        .unwrap()
+        .count();
+    assert_eq!(files, 4, "initial + rounds 3, 6, 7");
+}
+
+#[tokio::test]
+async fn a_failed_round_close_is_retried_until_it_publishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, config) = small_task(&admin, "retry", 1, 1).await;
+    admin.create_task(&config).await;
+    let c = admin.enrol().await;
+    let offer = c.join("retry").await;
+    // The model store breaks (a file where its directory was): closing the round fails.
+    let models = dir.path().join("blobs/models");
+    let aside = dir.path().join("models-aside");
+    std::fs::rename(&models, &aside).unwrap();
+    std::fs::write(&models, b"not a directory").unwrap();
+    let d = delta(&model, 8);
+    c.upload("retry", &offer, 5, &d).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let info: TaskInfo = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/retry"))
+        .await;
+    assert_eq!(
+        info.published_rounds, 0,
+        "published without its model store"
+    );
+    // Storage comes back: the round is published without anyone asking.
+    std::fs::remove_file(&models).unwrap();
+    std::fs::rename(&aside, &models).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info: TaskInfo = admin
+            .ok(admin.request(Method::GET, "/admin/v1/tasks/retry"))
+            .await;
+        if info.published_rounds == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the close was not retried");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_close(
+        &admin.round_model("retry", 1).await,
+        &fedavg(&model, &[(5, d)]),
+    );
+}
