@@ -47,13 +47,17 @@ impl Drop for Workers {
     }
 }
 
+/// The ring's shared secret of every `--peers` world here (unused at the server).
+const SECRET: &str = "a secret the workers share, 32ch";
+
 fn spawn(program: &Path, args: &[String], env: &[(&str, String)]) -> Child {
     let mut cmd = Command::new(program);
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .env("HORA_LOG", "warn");
+        .env("HORA_LOG", "warn")
+        .env("HORA_SYNC_SECRET", SECRET);
     // A worker must not pick its rank up from the environment this test runs in.
     for var in [
         "OMPI_COMM_WORLD_RANK",
