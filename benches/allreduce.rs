@@ -36,10 +36,13 @@ fn hora(n: usize, sizes: &str, iterations: usize, flags: &[&str]) -> Vec<(usize,
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
     let peers = peers.join(",");
+    // The ring's shared secret: fresh for each world.
+    let secret = format!("{:032x}", rand::random::<u128>());
     let children: Vec<_> = (0..n)
         .map(|rank| {
             let mut cmd = Command::new(example("collective"));
             cmd.args(["--bench", "--peers", &peers, "--rank", &rank.to_string()])
+                .env("HORA_SYNC_SECRET", &secret)
                 .args(["--bytes", sizes, "--iterations", &iterations.to_string()])
                 .stdout(Stdio::piped())
                 .args(flags)

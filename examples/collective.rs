@@ -10,7 +10,8 @@
 //!   each `--bytes` size and rank 0 prints one JSON line per size with the algorithm and bus
 //!   bandwidth (nccl-tests: algbw = bytes / time, busbw = algbw × 2(n−1)/n).
 //!
-//! Ranks come from `--rank` or a launcher's environment (mpirun, Slurm), like `hora-client sync`.
+//! Ranks come from `--rank` or a launcher's environment (mpirun, Slurm), like `hora-client sync`;
+//! every worker needs the same secret (`HORA_SYNC_SECRET` or `--session-secret`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -26,6 +27,9 @@ struct Args {
     /// Ring addresses by rank, `host:port,…`.
     #[arg(long, value_delimiter = ',', required = true)]
     peers: Vec<String>,
+    /// The secret every worker shares (16 characters at least).
+    #[arg(long, env = "HORA_SYNC_SECRET", hide_env_values = true)]
+    session_secret: Option<String>,
     #[arg(long)]
     rank: Option<u32>,
     /// Check results (sizes in elements).
@@ -137,7 +141,10 @@ fn run(args: &Args) -> Result<()> {
         shared_memory: !args.tcp_only,
     };
     let mut comm = form_world(
-        Meeting::Peers(args.peers.clone()),
+        Meeting::Peers {
+            peers: args.peers.clone(),
+            secret: args.session_secret.clone(),
+        },
         &launch,
         "",
         None,

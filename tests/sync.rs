@@ -1,13 +1,16 @@
 //! The synchronous allreduce mode with real processes on loopback: collectives across 1–4
 //! worker processes for buffers from one element to 64 MiB, mismatched calls, training that
 //! matches one worker on the combined batch, a killed worker, ranks from mpirun's and Slurm's
-//! environment, rendezvous at the real server, and a job resumed from rank 0's checkpoint.
+//! environment, rendezvous at the real server, a job resumed from rank 0's checkpoint, and
+//! strangers at a worker's ring port that learn nothing and hold nothing up.
 
 mod support;
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use hora_common::model::{Limits, Model};
@@ -47,13 +50,17 @@ impl Drop for Workers {
     }
 }
 
+/// The ring's shared secret of every `--peers` world here (unused at the server).
+const SECRET: &str = "a secret the workers share, 32ch";
+
 fn spawn(program: &Path, args: &[String], env: &[(&str, String)]) -> Child {
     let mut cmd = Command::new(program);
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .env("HORA_LOG", "warn");
+        .env("HORA_LOG", "warn")
+        .env("HORA_SYNC_SECRET", SECRET);
     // A worker must not pick its rank up from the environment this test runs in.
     for var in [
         "OMPI_COMM_WORLD_RANK",
@@ -552,4 +559,233 @@ fn the_sync_example_trains_the_mlp_with_local_processes() {
         accuracy > 0.7,
         "held-out accuracy after 2 epochs: {accuracy}\n{stdout}"
     );
+}
+
+/// What a stranger at a worker's ring port does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stranger {
+    /// Connects and says nothing.
+    Silent,
+    /// Answers the challenge with a hello of the right shape and a made-up proof.
+    GuessedProof,
+    /// Sends the old (protocol 1) hello, with a guessed session in the clear.
+    GuessedSession,
+    /// Sends bytes that are no frame at all.
+    Garbage,
+}
+
+const STRANGERS: [Stranger; 9] = [
+    Stranger::Silent,
+    Stranger::GuessedProof,
+    Stranger::GuessedSession,
+    Stranger::Garbage,
+    Stranger::Silent,
+    Stranger::GuessedProof,
+    Stranger::GuessedSession,
+    Stranger::Garbage,
+    Stranger::Silent,
+];
+
+/// A ring frame as workers write it: magic, kind, a zero word, the length, the payload.
+fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![0xA7, kind, 0, 0, 0, 0, 0, 0];
+    f.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// What one stranger was sent, and whether the worker closed its connection.
+struct Told {
+    stranger: Stranger,
+    bytes: Vec<u8>,
+    closed: bool,
+}
+
+/// [`STRANGERS`] at the ring port `port`, connected as soon as it listens (within 60 s), each
+/// on its own thread, which returns what the worker sent it until it closed the connection
+/// (30 s at most). `guess` is the session the `GuessedSession` strangers try.
+fn crowd(port: u16, guess: &str) -> Vec<JoinHandle<Told>> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut first = loop {
+        match TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break Some(s),
+            Err(_) if Instant::now() < deadline => thread::sleep(Duration::from_millis(5)),
+            Err(e) => panic!("no worker listened on port {port} within 60 s: {e}"),
+        }
+    };
+    STRANGERS
+        .iter()
+        .map(|&stranger| {
+            let mut stream = first.take().unwrap_or_else(|| {
+                TcpStream::connect(("127.0.0.1", port)).expect("connect a stranger")
+            });
+            let opening = match stranger {
+                Stranger::GuessedSession => frame(1, format!("1 {guess} 0 1 2").as_bytes()),
+                Stranger::Garbage => vec![0x5a; 1000],
+                Stranger::Silent | Stranger::GuessedProof => Vec::new(),
+            };
+            let _ = stream.write_all(&opening);
+            thread::spawn(move || {
+                let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+                let end = Instant::now() + Duration::from_secs(30);
+                let (mut bytes, mut buf, mut closed, mut answered) =
+                    (Vec::new(), [0u8; 4096], false, false);
+                while Instant::now() < end {
+                    match stream.read(&mut buf) {
+                        Ok(0) => {
+                            closed = true;
+                            break;
+                        }
+                        Ok(n) => bytes.extend_from_slice(&buf[..n]),
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                            ) => {}
+                        // Reset: closed with our bytes unread.
+                        Err(_) => {
+                            closed = true;
+                            break;
+                        }
+                    }
+                    // A challenge is a 16-byte header and 36 bytes: version, nonce.
+                    if stranger == Stranger::GuessedProof && !answered && bytes.len() >= 52 {
+                        answered = true;
+                        let mut hello = 2u32.to_le_bytes().to_vec();
+                        hello.extend_from_slice(&0u64.to_le_bytes());
+                        hello.extend_from_slice(&2u32.to_le_bytes());
+                        hello.extend_from_slice(&1u32.to_le_bytes());
+                        hello.extend_from_slice(&[7; 32]);
+                        hello.extend_from_slice(&[9; 32]);
+                        let _ = stream.write_all(&frame(1, &hello));
+                    }
+                }
+                Told {
+                    stranger,
+                    bytes,
+                    closed,
+                }
+            })
+        })
+        .collect()
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The longest run of hex digits in `bytes` (a server's session is 32 of them).
+fn longest_hex_run(bytes: &[u8]) -> usize {
+    bytes
+        .split(|b| !b.is_ascii_hexdigit())
+        .map(<[u8]>::len)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Starts rank 0 with `args(0)`, crowds its ring port `port` with strangers, then starts rank
+/// 1: the two train to the end. Returns both outputs and what each stranger was told.
+fn train_among_strangers(
+    port: u16,
+    guess: &str,
+    args: impl Fn(u32) -> Vec<String>,
+) -> (Vec<Output>, Vec<Told>) {
+    let mut workers = Workers(vec![spawn(&binary("hora-client"), &args(0), &[])]);
+    let crowd = crowd(port, guess);
+    workers.0.push(spawn(&binary("hora-client"), &args(1), &[]));
+    let outputs = workers.finish(Duration::from_secs(180));
+    for (rank, out) in outputs.iter().enumerate() {
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+    }
+    let told = crowd
+        .into_iter()
+        .map(|h| h.join().expect("a stranger's thread"))
+        .collect();
+    (outputs, told)
+}
+
+/// Every stranger was let go, told at most that it is not a member, and none of `secrets`.
+fn assert_strangers_learned_nothing(told: &[Told], secrets: &[&[u8]], rank0_log: &str) {
+    for t in told {
+        let what = format!("{:?} was sent {:?}", t.stranger, text(&t.bytes));
+        assert!(t.closed, "{what}, and its connection was never closed");
+        for secret in secrets {
+            assert!(!contains(&t.bytes, secret), "{what}");
+        }
+        assert!(longest_hex_run(&t.bytes) < 32, "{what}");
+        if matches!(
+            t.stranger,
+            Stranger::GuessedProof | Stranger::GuessedSession
+        ) {
+            assert!(contains(&t.bytes, b"not a member of this ring"), "{what}");
+        }
+    }
+    // The worker says why it refused them, in its own log only, and without the secrets.
+    assert!(
+        rank0_log.contains("refused a ring connection"),
+        "{rank0_log}"
+    );
+    for secret in secrets {
+        assert!(!contains(rank0_log.as_bytes(), secret), "{rank0_log}");
+    }
+}
+
+#[test]
+fn strangers_at_a_ring_port_learn_nothing_and_the_job_trains_as_without_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let [alone, among_peers, among_server]: [PathBuf; 3] =
+        ["alone", "peers", "server"].map(|n| dir.path().join(format!("{n}.safetensors")));
+    train_world(2, training(10, 1, &alone));
+
+    // --peers: the session derives from the shared secret. The strangers guess what the
+    // session used to be, a hash of the peer list that anyone could compute.
+    let peers = peers(2);
+    let list: Vec<String> = peers.split(',').map(String::from).collect();
+    let port: u16 = list[0].rsplit(':').next().unwrap().parse().unwrap();
+    let session = hora_client::sync::World::from_peers(list.clone(), 0, Some(SECRET))
+        .unwrap()
+        .session;
+    let old_session = &hora_common::sha256_hex(peers.as_bytes())[..32];
+    let (outputs, told) = train_among_strangers(port, old_session, |rank| {
+        let mut a = training(10, 1, &among_peers);
+        a.extend(strings(&["--peers", &peers, "--rank", &rank.to_string()]));
+        a
+    });
+    let raw_session = hex::decode(&session).unwrap();
+    assert_strangers_learned_nothing(
+        &told,
+        &[SECRET.as_bytes(), session.as_bytes(), &raw_session],
+        &text(&outputs[0].stderr),
+    );
+
+    // At the server: the session is the server's, random; the strangers must not learn it
+    // (no run of 32 hex digits) nor the job's token.
+    let (server, token) = server_with_job(dir.path(), 2);
+    let ports = [free_port(), free_port()];
+    let (outputs, told) = train_among_strangers(ports[0], &"0".repeat(32), |rank| {
+        let mut a = training(10, 1, &among_server);
+        a.extend(at_server(&server, &token, 2, 30));
+        a.extend(strings(&[
+            "--rank",
+            &rank.to_string(),
+            "--listen",
+            &format!("127.0.0.1:{}", ports[rank as usize]),
+        ]));
+        a
+    });
+    assert_strangers_learned_nothing(&told, &[token.as_bytes()], &text(&outputs[0].stderr));
+
+    for trained in [&among_peers, &among_server] {
+        let difference = max_difference(&weights(&alone), &weights(trained));
+        assert!(
+            difference < 1e-6,
+            "{}: strangers changed the result by {difference}",
+            trained.display()
+        );
+    }
 }

@@ -113,6 +113,12 @@ struct SyncArgs {
     /// Instead of the server: every worker's ring address by rank, `host:port,host:port,…`.
     #[arg(long, env = "HORA_PEERS", value_delimiter = ',')]
     peers: Option<Vec<String>>,
+    /// With --peers: a secret shared by every worker of the job (16 characters at least, e.g.
+    /// `openssl rand -hex 16`); only workers that know it can join the ring. Prefer the
+    /// variable or the config file: other users can read command lines. Not used with
+    /// --server, which gives every world a fresh random session.
+    #[arg(long, env = "HORA_SYNC_SECRET", hide_env_values = true)]
+    session_secret: Option<String>,
     /// This worker's rank [default: from mpirun or Slurm, else assigned by the server].
     #[arg(long, env = "HORA_RANK")]
     rank: Option<u32>,
@@ -216,6 +222,7 @@ impl SyncArgs {
             job,
             token,
             peers,
+            session_secret,
             rank,
             world_size,
             listen,
@@ -634,7 +641,10 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
     };
     let (server, ca, job, token);
     let meeting = match args.peers {
-        Some(peers) => Meeting::Peers(peers),
+        Some(peers) => Meeting::Peers {
+            peers,
+            secret: args.session_secret,
+        },
         None => {
             server = required(args.server, "server")?;
             ca = required(args.ca, "ca")?;

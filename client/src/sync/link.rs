@@ -1,11 +1,20 @@
 //! The ring's connections: each worker sends to its right neighbour and receives from its left,
 //! over one TCP connection each (for two workers, two connections between the same pair).
 //!
-//! Frames are a 16-byte header — kind, an auxiliary word, payload length — and the payload. The
-//! connecting side opens with `Hello` (protocol version, the world's session and generation, its
-//! rank); the accepting side answers `Welcome` only to the left neighbour it expects, so a worker
-//! of another job, another generation or another version is refused instead of corrupting a
-//! reduction.
+//! Frames are a 16-byte header — kind, an auxiliary word, payload length — and the payload.
+//!
+//! **Who gets in.** The ring port is open to anyone who can reach it, so a connection is a
+//! stranger until it proves otherwise. The accepting side speaks first with a `Challenge` (the
+//! protocol version and a fresh random nonce); the connecting side answers `Hello` with its own
+//! nonce and a proof that it knows the world's session (an HMAC over both nonces, the version,
+//! the generation, the world size and both ranks — see `handshake`); the accepting side checks it
+//! and only then answers `Welcome` with its own proof, which the connecting side checks in turn.
+//! So a worker of another job, generation or version is refused instead of corrupting a
+//! reduction, and neither side sends anything secret, or derived from a secret other than the
+//! proofs. A refused connection is told "not a member of this ring" and nothing else; the
+//! refusing worker logs the details. Each accepted connection gets its own short-lived thread and
+//! a few seconds (never past the ring's deadline) to finish: strangers that say nothing, send
+//! garbage or send a wrong proof cannot hold up the real neighbour, however many there are.
 //!
 //! Failure is loud and fast. Reads and writes have a timeout (`--timeout`, 30 s by default); a
 //! closed connection or a timeout is turned into an error naming the rank at the other end; and
@@ -14,25 +23,45 @@
 //! are checked against what the receiver expects before anything is read into memory.
 //!
 //! **Shared memory between neighbours on one host.** When both ends run on the same machine
-//! (same kernel boot id), the receiving side offers a ring of slots in a shared-memory file
-//! (`/dev/shm`, unlinked as soon as both have mapped it): the sender writes a piece straight
-//! into a free slot and sends only a 16-byte header over TCP, and the receiver reduces straight
-//! out of the slot and hands it back with a credit frame. One copy per byte instead of two
-//! through the kernel, and no payload system calls — what NCCL and MPI do within a node. The TCP
-//! connection stays: it carries the headers, credits, aborts and timeouts, so failure detection
-//! is the same either way. `HORA_RING_SHM=0` turns it off.
+//! (same kernel boot id, exchanged only once both sides have proved themselves), the receiving
+//! side offers a ring of slots in a shared-memory file (`/dev/shm`, mode 0600, unlinked as soon
+//! as both have mapped it): the sender writes a piece straight into a free slot and sends only a
+//! 16-byte header over TCP, and the receiver reduces straight out of the slot and hands it back
+//! with a credit frame. One copy per byte instead of two through the kernel, and no payload
+//! system calls — what NCCL and MPI do within a node. The sender maps only a regular file of
+//! its own user with mode 0600, opened without following links. The TCP connection stays: it
+//! carries the headers, credits, aborts and timeouts, so failure detection is the same either
+//! way. `HORA_RING_SHM=0` turns it off.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::handshake::{self, LinkTerms, Nonces, RingKey, Role, NONCE_LEN, PROOF_LEN};
 use super::rendezvous::World;
 use super::{Result, SyncError};
 
-/// Bumped whenever frames change: workers of different versions refuse each other.
-const PROTOCOL_VERSION: u32 = 1;
+/// Bumped whenever frames or the handshake change: workers of different versions refuse each
+/// other. Version 2: the challenge-response handshake (version 1 sent the session in the clear).
+const PROTOCOL_VERSION: u32 = 2;
+/// The most one accepted connection is given to complete the handshake (less when the ring's
+/// deadline is nearer). A real neighbour needs milliseconds.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Handshakes in progress at once; a connection beyond them is closed at once (a real
+/// neighbour that meets this tries again).
+const MAX_HANDSHAKES: usize = 32;
+/// All a refused connection is told.
+pub(crate) const REFUSAL: &str = "not a member of this ring";
+/// `Challenge`: version, the accepting side's nonce.
+const CHALLENGE_LEN: usize = 4 + NONCE_LEN;
+/// `Hello`: version, generation, world size, rank, the connecting side's nonce, its proof.
+const HELLO_LEN: usize = 4 + 8 + 4 + 4 + NONCE_LEN + PROOF_LEN;
+/// The longest host id (a boot id is 36 characters) or shared-memory offer.
+const MAX_HOST_FRAME: usize = 512;
 const HEADER_LEN: usize = 16;
 const MAGIC: u8 = 0xA7;
 /// The largest control payload (hello, op header, abort) accepted.
@@ -44,7 +73,9 @@ const SOCKET_BUFFER: usize = 8 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Kind {
+    /// The connecting side's answer to a challenge, with its proof of membership.
     Hello = 1,
+    /// The accepting side's proof of membership.
     Welcome = 2,
     /// The description of the collective a rank is about to run (see `ring::OpHeader`).
     Op = 3,
@@ -57,6 +88,12 @@ pub enum Kind {
     Credit = 8,
     /// The connecting side mapped the offered shared memory (or, with payload `no`, did not).
     Attached = 9,
+    /// The accepting side's opening: the protocol version and a fresh nonce.
+    Challenge = 10,
+    /// After the proofs, the connecting side's host id (empty: no shared memory).
+    Host = 11,
+    /// The accepting side's answer to `Host`: `shm PATH SLOT_BYTES`, or empty for TCP only.
+    Offer = 12,
 }
 
 impl Kind {
@@ -71,6 +108,9 @@ impl Kind {
             7 => Kind::SlotData,
             8 => Kind::Credit,
             9 => Kind::Attached,
+            10 => Kind::Challenge,
+            11 => Kind::Host,
+            12 => Kind::Offer,
             _ => return None,
         })
     }
@@ -458,14 +498,6 @@ fn tune(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
     Ok(())
 }
 
-fn hello_payload(world: &World) -> Vec<u8> {
-    format!(
-        "{PROTOCOL_VERSION} {} {} {} {}",
-        world.session, world.generation, world.rank, world.size
-    )
-    .into_bytes()
-}
-
 /// This machine's identity for the shared-memory offer: the kernel's boot id (two processes
 /// with the same one share `/dev/shm`), unless `HORA_RING_SHM=0`.
 fn host_id() -> Option<String> {
@@ -479,28 +511,29 @@ fn host_id() -> Option<String> {
 }
 
 /// Creates and maps a slot ring for a same-host sender; the file is unlinked by the caller
-/// once the sender has mapped it.
-fn create_slots(
-    session: &str,
-    rank: u32,
-    slot_bytes: usize,
-) -> io::Result<(PathBuf, ReceiverSlots)> {
+/// once the sender has mapped it. Its name says nothing about the world (this process, the
+/// rank, a random part): anyone on the host can list `/dev/shm`.
+fn create_slots(rank: u32, slot_bytes: usize) -> io::Result<(PathBuf, ReceiverSlots)> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+
     let mut nonce = [0u8; 8];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce)
         .map_err(|_| io::Error::other("no randomness"))?;
     let path = PathBuf::from(format!(
         "/dev/shm/hora-ring-{}-{rank}-{}",
-        &session[..session.len().min(8)],
+        std::process::id(),
         hex::encode(nonce)
     ));
-    let mut options = std::fs::OpenOptions::new();
-    options.read(true).write(true).create_new(true);
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
-    }
-    let file = options.open(&path)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)?;
     let mapped = (|| {
+        // The umask may have taken bits away; the sender maps nothing but mode 0600.
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
         // Reserve the pages now: a sparse file on a full /dev/shm would fail later, on a write
         // into the mapping, with SIGBUS.
         let len = (slot_bytes * SLOTS as usize) as libc::off_t;
@@ -527,6 +560,15 @@ fn create_slots(
 
 /// Maps the slot ring a same-host receiver offered.
 fn attach_slots(path: &str, slot_bytes: usize) -> io::Result<SenderSlots> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let user = unsafe { libc::geteuid() };
+    attach_slots_of(path, slot_bytes, user)
+}
+
+/// [`attach_slots`], for a ring file that must belong to `owner`.
+fn attach_slots_of(path: &str, slot_bytes: usize, owner: u32) -> io::Result<SenderSlots> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+
     // Only a ring file of the shape this code makes: a stray listener cannot point us at
     // another file.
     let name = path.strip_prefix("/dev/shm/hora-ring-").unwrap_or("");
@@ -537,11 +579,31 @@ fn attach_slots(path: &str, slot_bytes: usize) -> io::Result<SenderSlots> {
         .checked_mul(SLOTS as usize)
         .filter(|_| (64..=MAX_SLOT_BYTES).contains(&slot_bytes))
         .ok_or_else(|| io::Error::other(format!("slots of {slot_bytes} bytes")))?;
+    // Not through a symbolic link (another user's, pointing at one of our files).
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(path)?;
-    if file.metadata()?.len() != total as u64 {
+    // Checked on the open file (fstat), not the name: what is checked is what is mapped. Only
+    // our own private file: another user's could be read or rewritten by that user meanwhile.
+    let meta = file.metadata()?;
+    if !meta.file_type().is_file() {
+        return Err(io::Error::other(format!("{path} is not a regular file")));
+    }
+    if meta.uid() != owner {
+        return Err(io::Error::other(format!(
+            "{path} belongs to user {}, not to this worker's user {owner}",
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o7777 != 0o600 {
+        return Err(io::Error::other(format!(
+            "{path} has mode {:o}, not 600",
+            meta.mode() & 0o7777
+        )));
+    }
+    if meta.len() != total as u64 {
         return Err(io::Error::other(
             "the shared-memory file has the wrong size",
         ));
@@ -568,8 +630,9 @@ impl Links {
         })
     }
 
-    /// Connects to the right neighbour and accepts the left one, both within `timeout`. A
-    /// same-host left neighbour is offered shared-memory slots of `slot_bytes` (`None`: TCP).
+    /// Connects to the right neighbour and accepts the left one, both within `timeout`, each
+    /// proving to the other that it is a member of `world`. A same-host left neighbour is
+    /// offered shared-memory slots of `slot_bytes` (`None`: TCP).
     pub fn connect(
         world: &World,
         listener: TcpListener,
@@ -582,19 +645,37 @@ impl Links {
             ));
         }
         let deadline = Instant::now() + timeout;
-        let right = world.right();
-        let address = world.peers[right as usize].clone();
+        let key = RingKey::derive(&world.session);
         let host = host_id();
-        let mut hello = hello_payload(world);
-        if let Some(host) = &host {
-            hello.extend_from_slice(format!(" shm={host}").as_bytes());
-        }
-        let offer = host
-            .as_deref()
-            .zip(slot_bytes.map(|b| b.clamp(64, MAX_SLOT_BYTES).div_ceil(64) * 64));
-        let outbound = thread::scope(|s| {
-            let out = s.spawn(|| connect_right(&address, right, &hello, deadline, timeout));
-            let inbound = accept_left(world, &listener, deadline, timeout, offer);
+        let terms = |from, to| LinkTerms {
+            version: PROTOCOL_VERSION,
+            generation: world.generation,
+            size: world.size,
+            from,
+            to,
+        };
+        let right = world.right();
+        let connector = Connector {
+            address: &world.peers[right as usize],
+            rank: right,
+            terms: terms(world.rank, right),
+            key: &key,
+            host: host.as_deref(),
+            timeout,
+            deadline,
+        };
+        let gate = Gate {
+            key: key.clone(),
+            terms: terms(world.left(), world.rank),
+            timeout,
+            offer: host
+                .clone()
+                .zip(slot_bytes.map(|b| b.clamp(64, MAX_SLOT_BYTES).div_ceil(64) * 64)),
+        };
+        let own_address = &world.peers[world.rank as usize];
+        let (inbound, outbound) = thread::scope(|s| {
+            let out = s.spawn(|| connector.connect());
+            let inbound = accept_left(gate, &listener, deadline, own_address);
             let outbound = out
                 .join()
                 .map_err(|_| SyncError::Config("the connecting thread panicked".into()))?;
@@ -605,10 +686,7 @@ impl Links {
                 (inbound, outbound) => Ok::<_, SyncError>((inbound?, outbound?)),
             }
         })?;
-        Ok(Links {
-            inbound: outbound.0,
-            outbound: outbound.1,
-        })
+        Ok(Links { inbound, outbound })
     }
 }
 
@@ -619,204 +697,916 @@ fn resolve(address: &str) -> Result<Vec<SocketAddr>> {
         .map_err(|e| SyncError::io(format!("resolving the ring address {address}"), e))
 }
 
-fn connect_right(
-    address: &str,
-    rank: u32,
-    hello: &[u8],
+/// Reads exactly `buf.len()` bytes by `deadline`, however slowly the other side sends them.
+fn read_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf[filled..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads one handshake frame by `deadline`: its kind and a payload of at most `max` bytes (a
+/// malformed or longer frame is `InvalidData`, refused before anything is allocated).
+fn read_frame_by(
+    stream: &mut TcpStream,
+    max: usize,
     deadline: Instant,
-    timeout: Duration,
-) -> Result<Outbound> {
-    let addrs = resolve(address)?;
-    let mut delay = Duration::from_millis(20);
-    loop {
-        let attempt = addrs
-            .iter()
-            .find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(5).min(timeout)).ok());
-        if let Some(stream) = attempt {
-            tune(&stream, timeout).map_err(|e| SyncError::io("tuning the ring socket", e))?;
-            let mut out = Outbound {
-                stream,
-                peer: rank,
-                timeout,
-                slots: None,
-            };
-            out.send(Kind::Hello, 0, hello)?;
-            let mut back = Inbound {
-                stream: out
-                    .stream
-                    .try_clone()
-                    .map_err(|e| SyncError::io("cloning the ring socket", e))?,
-                peer: rank,
-                timeout,
-                slots: None,
-            };
-            let refused = |why: String| {
-                SyncError::Protocol(format!(
-                    "rank {rank} at {address} refused this worker: {why}"
-                ))
-            };
-            let h = back.header().map_err(|e| match e {
-                SyncError::Mismatch(why) => refused(why),
-                e => e,
-            })?;
-            let welcome = back.control_payload(h.len)?;
-            if h.kind != Kind::Welcome {
-                return Err(refused(format!("answered {:?}", h.kind)));
-            }
-            // "shm PATH SLOT_BYTES": a same-host offer of shared-memory slots.
-            let welcome = String::from_utf8_lossy(&welcome).into_owned();
-            let mut words = welcome.split_whitespace();
-            if let (Some("shm"), Some(path), Some(bytes)) =
-                (words.next(), words.next(), words.next())
-            {
-                match bytes
-                    .parse()
-                    .map_err(io::Error::other)
-                    .and_then(|b| attach_slots(path, b))
-                {
-                    Ok(slots) => {
-                        out.slots = Some(slots);
-                        out.send(Kind::Attached, 0, b"yes")?;
-                    }
-                    Err(e) => {
-                        tracing::debug!(
-                            "shared memory with rank {rank} unavailable ({e}); using TCP"
-                        );
-                        out.send(Kind::Attached, 0, b"no")?;
-                    }
-                }
-            }
-            return Ok(out);
+) -> io::Result<(Kind, Vec<u8>)> {
+    let mut h = [0u8; HEADER_LEN];
+    read_by(stream, &mut h, deadline)?;
+    let kind = Kind::from_u8(h[1])
+        .filter(|_| h[0] == MAGIC)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "not a Hora ring frame"))?;
+    let len = u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]);
+    if len > max as u64 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a {kind:?} frame of {len} bytes"),
+        ));
+    }
+    let mut payload = vec![0u8; len as usize];
+    read_by(stream, &mut payload, deadline)?;
+    Ok((kind, payload))
+}
+
+/// Writes one frame by `deadline`.
+fn write_frame_by(
+    stream: &mut TcpStream,
+    kind: Kind,
+    payload: &[u8],
+    deadline: Instant,
+) -> io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    stream.set_write_timeout(Some(left))?;
+    let mut frame = encode_header(kind, 0, payload.len() as u64).to_vec();
+    frame.extend_from_slice(payload);
+    stream.write_all(&frame)
+}
+
+/// The text of an `Abort` frame's payload (after the rank).
+fn abort_text(payload: &[u8]) -> String {
+    String::from_utf8_lossy(payload.get(4..).unwrap_or_default()).into_owned()
+}
+
+/// The connecting side's answer to a challenge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Hello {
+    version: u32,
+    generation: u64,
+    size: u32,
+    rank: u32,
+    nonce: [u8; NONCE_LEN],
+    proof: [u8; PROOF_LEN],
+}
+
+impl Hello {
+    fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(HELLO_LEN);
+        b.extend_from_slice(&self.version.to_le_bytes());
+        b.extend_from_slice(&self.generation.to_le_bytes());
+        b.extend_from_slice(&self.size.to_le_bytes());
+        b.extend_from_slice(&self.rank.to_le_bytes());
+        b.extend_from_slice(&self.nonce);
+        b.extend_from_slice(&self.proof);
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Hello> {
+        if b.len() != HELLO_LEN {
+            return None;
         }
-        if Instant::now() + delay > deadline {
-            return Err(SyncError::PeerFailed {
-                rank,
-                what: format!(
-                    "could not be reached at {address} within {} s: it did not start, or the address is wrong",
-                    timeout.as_secs()
-                ),
-            });
-        }
-        thread::sleep(delay);
-        delay = (delay * 2).min(Duration::from_millis(500));
+        let (version, rest) = b.split_at(4);
+        let (generation, rest) = rest.split_at(8);
+        let (size, rest) = rest.split_at(4);
+        let (rank, rest) = rest.split_at(4);
+        let (nonce, proof) = rest.split_at(NONCE_LEN);
+        Some(Hello {
+            version: u32::from_le_bytes(version.try_into().ok()?),
+            generation: u64::from_le_bytes(generation.try_into().ok()?),
+            size: u32::from_le_bytes(size.try_into().ok()?),
+            rank: u32::from_le_bytes(rank.try_into().ok()?),
+            nonce: nonce.try_into().ok()?,
+            proof: proof.try_into().ok()?,
+        })
     }
 }
 
+/// The connecting side of the handshake: this worker, to its right neighbour.
+struct Connector<'a> {
+    address: &'a str,
+    /// The right neighbour's rank.
+    rank: u32,
+    terms: LinkTerms,
+    key: &'a RingKey,
+    /// This host's id, offered once both sides have proved themselves.
+    host: Option<&'a str>,
+    timeout: Duration,
+    deadline: Instant,
+}
+
+/// How a connection attempt that did not end in a link ended.
+enum Attempt {
+    /// The connection closed before the handshake was done (the neighbour was busy with
+    /// strangers, or gave up on a slow handshake): worth another try.
+    Closed(String),
+    Failed(SyncError),
+}
+
+impl Connector<'_> {
+    /// Connects, retrying until the deadline while nobody listens or the connection closes
+    /// mid-handshake; a refusal or a failed proof ends it at once.
+    fn connect(&self) -> Result<Outbound> {
+        let (rank, address) = (self.rank, self.address);
+        let addrs = resolve(address)?;
+        let mut delay = Duration::from_millis(20);
+        let mut closed = None;
+        loop {
+            let attempt = addrs.iter().find_map(|a| {
+                TcpStream::connect_timeout(a, Duration::from_secs(5).min(self.timeout)).ok()
+            });
+            if let Some(stream) = attempt {
+                match self.handshake(stream) {
+                    Ok(out) => return Ok(out),
+                    Err(Attempt::Failed(e)) => return Err(e),
+                    Err(Attempt::Closed(why)) => {
+                        tracing::debug!(rank, "{why}; trying again");
+                        closed = Some(why);
+                    }
+                }
+            }
+            if Instant::now() + delay > self.deadline {
+                let what = match closed {
+                    Some(why) => format!(
+                        "did not complete the handshake at {address} within {} s ({why})",
+                        self.timeout.as_secs()
+                    ),
+                    None => format!(
+                        "could not be reached at {address} within {} s: it did not start, or the address is wrong",
+                        self.timeout.as_secs()
+                    ),
+                };
+                return Err(SyncError::PeerFailed { rank, what });
+            }
+            thread::sleep(delay);
+            delay = (delay * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Challenge, hello, welcome — then, proved both ways, the shared-memory offer.
+    fn handshake(&self, mut stream: TcpStream) -> Result<Outbound, Attempt> {
+        let (rank, address, deadline) = (self.rank, self.address, self.deadline);
+        tune(&stream, self.timeout)
+            .map_err(|e| Attempt::Failed(SyncError::io("tuning the ring socket", e)))?;
+        let io_failed = |e: io::Error| match e.kind() {
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
+                Attempt::Failed(SyncError::PeerFailed {
+                    rank,
+                    what: format!(
+                        "did not answer the handshake at {address} within {} s: it stalled, or \
+                         something other than a Hora worker listens there",
+                        self.timeout.as_secs()
+                    ),
+                })
+            }
+            io::ErrorKind::InvalidData => Attempt::Failed(SyncError::Protocol(format!(
+                "the process at {address}, where rank {rank} should be, sent {e}: is it a Hora \
+                 worker of this version?"
+            ))),
+            _ => Attempt::Closed(format!(
+                "the connection to rank {rank} at {address} closed during the handshake ({e})"
+            )),
+        };
+        let refused = |payload: &[u8]| {
+            Attempt::Failed(SyncError::Protocol(format!(
+                "rank {rank} at {address} refused this worker: {} (every worker needs the same \
+                 world: the same server job and generation, or the same --peers list and \
+                 session secret)",
+                abort_text(payload)
+            )))
+        };
+        let unexpected = |kind: Kind, what: &str| {
+            Attempt::Failed(SyncError::Protocol(format!(
+                "the process at {address}, where rank {rank} should be, sent a {kind:?} frame \
+                 where {what} was due: is it a Hora worker of this version?"
+            )))
+        };
+
+        let (kind, challenge) =
+            read_frame_by(&mut stream, MAX_HOST_FRAME, deadline).map_err(io_failed)?;
+        match kind {
+            Kind::Challenge if challenge.len() == CHALLENGE_LEN => {}
+            Kind::Abort => return Err(refused(&challenge)),
+            kind => return Err(unexpected(kind, "a challenge")),
+        }
+        let (version, their_nonce) = challenge.split_at(4);
+        let version = u32::from_le_bytes(version.try_into().unwrap_or_default());
+        if version != PROTOCOL_VERSION {
+            return Err(Attempt::Failed(SyncError::Protocol(format!(
+                "rank {rank} at {address} speaks ring protocol {version}, this worker \
+                 {PROTOCOL_VERSION}: run the same Hora version on every worker"
+            ))));
+        }
+        let nonces = Nonces {
+            acceptor: their_nonce.try_into().unwrap_or_default(),
+            connector: handshake::nonce().map_err(Attempt::Failed)?,
+        };
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            generation: self.terms.generation,
+            size: self.terms.size,
+            rank: self.terms.from,
+            nonce: nonces.connector,
+            proof: self.key.prove(Role::Connector, &self.terms, &nonces),
+        };
+        write_frame_by(&mut stream, Kind::Hello, &hello.encode(), deadline).map_err(io_failed)?;
+        let (kind, welcome) =
+            read_frame_by(&mut stream, MAX_HOST_FRAME, deadline).map_err(io_failed)?;
+        match kind {
+            Kind::Welcome => {}
+            Kind::Abort => return Err(refused(&welcome)),
+            kind => return Err(unexpected(kind, "a welcome")),
+        }
+        if !self
+            .key
+            .verify(Role::Acceptor, &self.terms, &nonces, &welcome)
+        {
+            return Err(Attempt::Failed(SyncError::Protocol(format!(
+                "the process at {address}, where rank {rank} should be, could not prove that it \
+                 belongs to this ring: a stranger, or a worker of another job or generation"
+            ))));
+        }
+
+        // Proved both ways: the host id and the offer are for a member only.
+        let host = self.host.unwrap_or_default();
+        write_frame_by(&mut stream, Kind::Host, host.as_bytes(), deadline).map_err(io_failed)?;
+        let (kind, offer) =
+            read_frame_by(&mut stream, MAX_HOST_FRAME, deadline).map_err(io_failed)?;
+        if kind != Kind::Offer {
+            return Err(unexpected(kind, "an offer"));
+        }
+        let mut slots = None;
+        // "shm PATH SLOT_BYTES": a same-host offer of shared-memory slots.
+        let offer = String::from_utf8_lossy(&offer).into_owned();
+        let mut words = offer.split_whitespace();
+        if let (Some("shm"), Some(path), Some(bytes)) = (words.next(), words.next(), words.next()) {
+            let answer = match bytes
+                .parse()
+                .map_err(io::Error::other)
+                .and_then(|b| attach_slots(path, b))
+            {
+                Ok(mapped) => {
+                    slots = Some(mapped);
+                    b"yes".as_slice()
+                }
+                Err(e) => {
+                    tracing::debug!("shared memory with rank {rank} unavailable ({e}); using TCP");
+                    b"no".as_slice()
+                }
+            };
+            write_frame_by(&mut stream, Kind::Attached, answer, deadline).map_err(io_failed)?;
+        }
+        tune(&stream, self.timeout)
+            .map_err(|e| Attempt::Failed(SyncError::io("tuning the ring socket", e)))?;
+        Ok(Outbound {
+            stream,
+            peer: rank,
+            timeout: self.timeout,
+            slots,
+        })
+    }
+}
+
+/// What the accepting side checks each connection against; shared with the handshake threads.
+struct Gate {
+    key: RingKey,
+    /// `from` is the left neighbour's rank, `to` this worker's.
+    terms: LinkTerms,
+    /// The ring's read and write timeout, for the admitted connection.
+    timeout: Duration,
+    /// This host's id and the slot size offered to a same-host neighbour.
+    offer: Option<(String, usize)>,
+}
+
+/// Why a connection was not admitted: logged by this worker, never sent.
+enum Refused {
+    /// It said nothing in time, hung up, or sent what is not a Hora frame: a port scanner or a
+    /// stranger.
+    Silent(String),
+    /// It spoke the protocol and proved nothing: another job, generation, version or secret.
+    Unproven(String),
+    /// It proved itself, and then its handshake failed.
+    Failed(String),
+}
+
+/// Counts a handshake in progress for as long as it lives.
+struct Running(Arc<AtomicUsize>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Accepts connections until one proves to be the left neighbour, or until `deadline`. Each
+/// connection's handshake runs on its own short-lived thread ([`MAX_HANDSHAKES`] at most, each
+/// for [`HANDSHAKE_TIMEOUT`] at most), so that strangers that connect and say nothing hold up
+/// neither the real neighbour nor the deadline, however many there are.
 fn accept_left(
-    world: &World,
+    gate: Gate,
     listener: &TcpListener,
     deadline: Instant,
-    timeout: Duration,
-    offer: Option<(&str, usize)>,
+    own_address: &str,
 ) -> Result<Inbound> {
-    let left = world.left();
-    let expected = {
-        let mut w = world.clone();
-        w.rank = left;
-        hello_payload(&w)
-    };
+    let left = gate.terms.from;
+    let timeout = gate.timeout;
+    let gate = Arc::new(gate);
+    let (admit_tx, admitted) = mpsc::channel::<Inbound>();
+    let running = Arc::new(AtomicUsize::new(0));
+    let mut came = 0u64;
     listener
         .set_nonblocking(true)
         .map_err(|e| SyncError::io("configuring the ring listener", e))?;
     loop {
+        if let Ok(inbound) = admitted.try_recv() {
+            return Ok(inbound);
+        }
+        if Instant::now() >= deadline {
+            let others = match came {
+                0 => String::new(),
+                n => format!(" ({n} connections came and none proved to be rank {left})"),
+            };
+            return Err(SyncError::PeerFailed {
+                rank: left,
+                what: format!(
+                    "did not connect within {} s: it did not start, or it cannot reach this worker's address {own_address}{others}",
+                    timeout.as_secs(),
+                ),
+            });
+        }
         match listener.accept() {
             Ok((stream, from)) => {
-                stream
-                    .set_nonblocking(false)
-                    .and_then(|()| tune(&stream, timeout.min(Duration::from_secs(10))))
-                    .map_err(|e| SyncError::io("tuning the ring socket", e))?;
-                let mut inbound = Inbound {
-                    stream,
-                    peer: left,
-                    timeout,
-                    slots: None,
-                };
-                let Ok(h) = inbound.header() else { continue };
-                let Ok(hello) = inbound.control_payload(h.len) else {
-                    continue;
-                };
-                let mut reply = Outbound {
-                    stream: inbound
-                        .stream
-                        .try_clone()
-                        .map_err(|e| SyncError::io("cloning the ring socket", e))?,
-                    peer: left,
-                    timeout,
-                    slots: None,
-                };
-                let (hello, their_host) = match hello.windows(5).position(|w| w == b" shm=") {
-                    Some(at) => (
-                        hello[..at].to_vec(),
-                        Some(String::from_utf8_lossy(&hello[at + 5..]).into_owned()),
-                    ),
-                    None => (hello, None),
-                };
-                if h.kind != Kind::Hello || hello != expected {
-                    let why = format!(
-                        "expected rank {left} of session {} generation {} (protocol {PROTOCOL_VERSION}), got {:?}",
-                        world.session,
-                        world.generation,
-                        String::from_utf8_lossy(&hello)
-                    );
-                    tracing::warn!(%from, "refused a ring connection: {why}");
-                    reply.abort(None, &why);
+                came += 1;
+                if running.load(Ordering::Acquire) >= MAX_HANDSHAKES {
+                    tracing::debug!(%from, "{MAX_HANDSHAKES} ring handshakes under way: closed a connection");
                     continue;
                 }
-                let same_host = offer.filter(|(host, _)| their_host.as_deref() == Some(*host));
-                let created = same_host.and_then(|(_, slot_bytes)| {
-                    create_slots(&world.session, world.rank, slot_bytes)
-                        .map_err(|e| {
-                            tracing::debug!("no shared memory for the ring ({e}); using TCP")
-                        })
-                        .ok()
-                        .map(|(path, slots)| (path, slots, slot_bytes))
-                });
-                match created {
-                    Some((path, slots, slot_bytes)) => {
-                        let welcome = format!("shm {} {slot_bytes}", path.display());
-                        let attached =
-                            reply
-                                .send(Kind::Welcome, 0, welcome.as_bytes())
-                                .and_then(|()| {
-                                    let h = inbound.header()?;
-                                    let answer = inbound.control_payload(h.len)?;
-                                    Ok(h.kind == Kind::Attached && answer == b"yes")
-                                });
-                        // Both sides have it mapped (or never will): the name can go.
-                        let _ = std::fs::remove_file(&path);
-                        if attached? {
-                            inbound.slots = Some(slots);
+                running.fetch_add(1, Ordering::AcqRel);
+                let counted = Running(Arc::clone(&running));
+                let (gate, admit_tx) = (Arc::clone(&gate), admit_tx.clone());
+                let proof_by = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+                let spawned = thread::Builder::new()
+                    .name("hora-ring-handshake".into())
+                    .stack_size(256 << 10)
+                    .spawn(move || {
+                        let _counted = counted;
+                        if let Some(inbound) = admit(&gate, stream, from, proof_by, deadline) {
+                            // Nobody listens any more if the deadline passed meanwhile.
+                            let _ = admit_tx.send(inbound);
                         }
-                    }
-                    None => reply.send(Kind::Welcome, 0, b"")?,
+                    });
+                if let Err(e) = spawned {
+                    tracing::warn!(%from, "no thread for a ring handshake ({e}): closed the connection");
                 }
-                inbound
-                    .stream
-                    .set_read_timeout(Some(timeout))
-                    .map_err(|e| SyncError::io("tuning the ring socket", e))?;
-                return Ok(inbound);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() > deadline {
-                    return Err(SyncError::PeerFailed {
-                        rank: left,
-                        what: format!(
-                            "did not connect within {} s: it did not start, or it cannot reach this worker's address {}",
-                            timeout.as_secs(),
-                            world.peers[world.rank as usize]
-                        ),
-                    });
+                if let Ok(inbound) = admitted.recv_timeout(Duration::from_millis(10)) {
+                    return Ok(inbound);
                 }
-                thread::sleep(Duration::from_millis(10));
+            }
+            // What one connection did (it reset before it was accepted), or too many open
+            // files for a moment: the listener is fine.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::Interrupted
+                ) || matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) =>
+            {
+                tracing::debug!("accepting on the ring port: {e}");
+                if let Ok(inbound) = admitted.recv_timeout(Duration::from_millis(10)) {
+                    return Ok(inbound);
+                }
             }
             Err(e) => return Err(SyncError::io("accepting the left neighbour", e)),
         }
     }
 }
 
+/// Runs one accepted connection's handshake: the left neighbour, proved, or `None` — the
+/// connection told only that it is not a member, closed, and the reason logged. It has until
+/// `proof_by` to prove itself and, once it has, until the ring's `deadline` to finish.
+fn admit(
+    gate: &Gate,
+    mut stream: TcpStream,
+    from: SocketAddr,
+    proof_by: Instant,
+    deadline: Instant,
+) -> Option<Inbound> {
+    match handshake_left(gate, &mut stream, proof_by, deadline) {
+        Ok(slots) => {
+            if let Err(e) = tune(&stream, gate.timeout) {
+                tracing::warn!(%from, "tuning the left neighbour's socket: {e}");
+                return None;
+            }
+            Some(Inbound {
+                stream,
+                peer: gate.terms.from,
+                timeout: gate.timeout,
+                slots,
+            })
+        }
+        Err(refused) => {
+            let tell = match refused {
+                Refused::Silent(why) => {
+                    tracing::debug!(%from, "closed a ring connection: {why}");
+                    true
+                }
+                Refused::Unproven(why) => {
+                    tracing::warn!(%from, "refused a ring connection: {why}");
+                    true
+                }
+                Refused::Failed(why) => {
+                    tracing::warn!(%from, "the left neighbour's handshake failed: {why}");
+                    false
+                }
+            };
+            if tell {
+                let mut payload = u32::MAX.to_le_bytes().to_vec();
+                payload.extend_from_slice(REFUSAL.as_bytes());
+                let soon = Instant::now() + Duration::from_secs(1);
+                let _ = write_frame_by(&mut stream, Kind::Abort, &payload, soon);
+            }
+            let _ = stream.shutdown(Shutdown::Both);
+            None
+        }
+    }
+}
+
+/// The accepting side of the handshake: challenge, hello, welcome — then, proved both ways, the
+/// shared-memory offer. The slots mapped, if the neighbour took them.
+fn handshake_left(
+    gate: &Gate,
+    stream: &mut TcpStream,
+    proof_by: Instant,
+    deadline: Instant,
+) -> Result<Option<ReceiverSlots>, Refused> {
+    let terms = &gate.terms;
+    let silent = |e: io::Error| {
+        Refused::Silent(match e.kind() {
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
+                "it did not complete the handshake in time".to_string()
+            }
+            io::ErrorKind::UnexpectedEof => "it hung up during the handshake".to_string(),
+            _ => format!("during the handshake: {e}"),
+        })
+    };
+    let failed = |e: io::Error| Refused::Failed(e.to_string());
+
+    stream
+        .set_nonblocking(false)
+        .and_then(|()| tune(stream, HANDSHAKE_TIMEOUT))
+        .map_err(failed)?;
+    let ours = handshake::nonce().map_err(|e| Refused::Failed(e.to_string()))?;
+    let mut challenge = PROTOCOL_VERSION.to_le_bytes().to_vec();
+    challenge.extend_from_slice(&ours);
+    write_frame_by(stream, Kind::Challenge, &challenge, proof_by).map_err(silent)?;
+    let (kind, hello) = read_frame_by(stream, HELLO_LEN, proof_by).map_err(silent)?;
+    let hello = match (kind, Hello::decode(&hello)) {
+        (Kind::Hello, Some(hello)) => hello,
+        (Kind::Hello, None) => {
+            return Err(Refused::Unproven(format!(
+                "it sent a hello of {} bytes, not {HELLO_LEN}: a worker of another Hora version?",
+                hello.len()
+            )))
+        }
+        _ => {
+            return Err(Refused::Silent(format!(
+                "it sent a {kind:?} frame of {} bytes instead of a hello",
+                hello.len()
+            )))
+        }
+    };
+    if hello.version != PROTOCOL_VERSION {
+        return Err(Refused::Unproven(format!(
+            "it speaks ring protocol {}, this worker {PROTOCOL_VERSION}: run the same Hora \
+             version on every worker",
+            hello.version
+        )));
+    }
+    let nonces = Nonces {
+        acceptor: ours,
+        connector: hello.nonce,
+    };
+    if !gate
+        .key
+        .verify(Role::Connector, terms, &nonces, &hello.proof)
+    {
+        return Err(Refused::Unproven(format!(
+            "it did not prove that it knows this world's session; it says it is rank {} of {} \
+             in generation {}, and this worker waits for rank {} of {} in generation {} (a \
+             worker of another job or generation, one given another --peers list or session \
+             secret, or a stranger)",
+            hello.rank, hello.size, hello.generation, terms.from, terms.size, terms.generation
+        )));
+    }
+    let proof = gate.key.prove(Role::Acceptor, terms, &nonces);
+    write_frame_by(stream, Kind::Welcome, &proof, deadline).map_err(failed)?;
+
+    // Proved both ways: the host id and the offer are for a member only, which is given until
+    // the ring's deadline (not cut off mid-way by the strangers' short one).
+    let (kind, host) = read_frame_by(stream, MAX_HOST_FRAME, deadline).map_err(failed)?;
+    if kind != Kind::Host {
+        return Err(Refused::Failed(format!(
+            "it sent a {kind:?} frame where its host id was due"
+        )));
+    }
+    let created = gate
+        .offer
+        .as_ref()
+        .filter(|(own, _)| !host.is_empty() && host == own.as_bytes())
+        .and_then(|&(_, slot_bytes)| {
+            create_slots(terms.to, slot_bytes)
+                .map_err(|e| tracing::debug!("no shared memory for the ring ({e}); using TCP"))
+                .ok()
+                .map(|(path, slots)| (path, slots, slot_bytes))
+        });
+    let Some((path, slots, slot_bytes)) = created else {
+        write_frame_by(stream, Kind::Offer, b"", deadline).map_err(failed)?;
+        return Ok(None);
+    };
+    let offer = format!("shm {} {slot_bytes}", path.display());
+    let answer = write_frame_by(stream, Kind::Offer, offer.as_bytes(), deadline)
+        .and_then(|()| read_frame_by(stream, 16, deadline));
+    // Both sides have it mapped (or never will): the name can go.
+    let _ = std::fs::remove_file(&path);
+    match answer.map_err(failed)? {
+        (Kind::Attached, yes) if yes == b"yes" => Ok(Some(slots)),
+        (Kind::Attached, _) => Ok(None),
+        (kind, _) => Err(Refused::Failed(format!(
+            "it sent a {kind:?} frame where its answer to the shared-memory offer was due"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const SECRET: &str = "the operator's shared secret";
+
+    /// Rank `rank` of a world of two on loopback, with `listener`'s address as rank 0's.
+    fn world(listener: &TcpListener, rank: u32, secret: &str) -> World {
+        let peers = vec![
+            listener.local_addr().unwrap().to_string(),
+            "127.0.0.1:9".to_string(),
+        ];
+        World::from_peers(peers, rank, Some(secret)).unwrap()
+    }
+
+    /// What rank 0 of `world` checks its left neighbour (rank 1) against.
+    fn gate(world: &World) -> Gate {
+        Gate {
+            key: RingKey::derive(&world.session),
+            terms: terms(world, 1, 0),
+            timeout: Duration::from_secs(5),
+            offer: None,
+        }
+    }
+
+    fn terms(world: &World, from: u32, to: u32) -> LinkTerms {
+        LinkTerms {
+            version: PROTOCOL_VERSION,
+            generation: world.generation,
+            size: world.size,
+            from,
+            to,
+        }
+    }
+
+    /// Rank 1 of `world` connecting to rank 0, by `deadline`.
+    fn connect_as_rank_1(world: &World, deadline: Instant) -> Result<Outbound> {
+        let key = RingKey::derive(&world.session);
+        Connector {
+            address: &world.peers[0],
+            rank: 0,
+            terms: terms(world, 1, 0),
+            key: &key,
+            host: None,
+            timeout: Duration::from_secs(5),
+            deadline,
+        }
+        .connect()
+    }
+
+    /// Everything the other end sends until it closes (or 10 s pass).
+    fn read_all(stream: &mut TcpStream) -> Vec<u8> {
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+        let (mut got, mut buf, end) = (
+            Vec::new(),
+            [0u8; 4096],
+            Instant::now() + Duration::from_secs(10),
+        );
+        while Instant::now() < end {
+            match stream.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => break,
+            }
+        }
+        got
+    }
+
+    fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+        haystack.windows(needle.len()).any(|w| w == needle)
+    }
+
+    #[test]
+    fn a_peer_of_another_session_is_refused_and_learns_nothing_of_ours() {
+        let listener = Links::listen("127.0.0.1:0").unwrap();
+        let ours = world(&listener, 0, SECRET);
+        let theirs = world(&listener, 1, "another job's secret, just as long");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        thread::scope(|s| {
+            let accepting = s.spawn(|| accept_left(gate(&ours), &listener, deadline, "here"));
+            // A stranger that guessed a session: a well-formed hello with a proof under its key.
+            let mut stranger = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (kind, challenge) = read_frame_by(&mut stranger, 64, deadline).unwrap();
+            assert_eq!((kind, challenge.len()), (Kind::Challenge, CHALLENGE_LEN));
+            let nonces = Nonces {
+                acceptor: challenge[4..].try_into().unwrap(),
+                connector: [7; NONCE_LEN],
+            };
+            let hello = Hello {
+                version: PROTOCOL_VERSION,
+                generation: 0,
+                size: 2,
+                rank: 1,
+                nonce: nonces.connector,
+                proof: RingKey::derive(&theirs.session).prove(
+                    Role::Connector,
+                    &terms(&theirs, 1, 0),
+                    &nonces,
+                ),
+            };
+            write_frame_by(&mut stranger, Kind::Hello, &hello.encode(), deadline).unwrap();
+            let mut told = challenge.clone();
+            told.extend(read_all(&mut stranger));
+            assert!(contains(&told, REFUSAL.as_bytes()), "{told:?}");
+            let raw_session = hex::decode(&ours.session).unwrap();
+            let our_proof =
+                RingKey::derive(&ours.session).prove(Role::Acceptor, &terms(&ours, 1, 0), &nonces);
+            let secrets: [&[u8]; 4] = [
+                ours.session.as_bytes(),
+                &raw_session,
+                SECRET.as_bytes(),
+                &our_proof,
+            ];
+            for secret in secrets {
+                assert!(!contains(&told, secret), "the stranger was told {told:?}");
+            }
+            // An honest worker of another world: refused, and told why it might be.
+            let e = connect_as_rank_1(&theirs, deadline)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(
+                e.contains("refused this worker: not a member of this ring")
+                    && !e.contains(&ours.session),
+                "{e}"
+            );
+            // The real neighbour still gets in.
+            let out = connect_as_rank_1(&world(&listener, 1, SECRET), deadline).unwrap();
+            let inbound = accepting.join().unwrap().unwrap();
+            assert_eq!((inbound.peer, out.peer), (1, 0));
+        });
+    }
+
+    #[test]
+    fn silent_strangers_do_not_hold_up_the_real_neighbour() {
+        let listener = Links::listen("127.0.0.1:0").unwrap();
+        let ours = world(&listener, 0, SECRET);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(20);
+        let at = listener.local_addr().unwrap();
+        // Silent, one that stops mid-header, one that sends garbage.
+        let mut strangers: Vec<TcpStream> =
+            (0..6).map(|_| TcpStream::connect(at).unwrap()).collect();
+        strangers[4].write_all(&[MAGIC, 1, 0]).unwrap();
+        strangers[5].write_all(&[0xff; 64]).unwrap();
+        thread::scope(|s| {
+            let accepting = s.spawn(|| accept_left(gate(&ours), &listener, deadline, "here"));
+            thread::sleep(Duration::from_millis(200));
+            let out = connect_as_rank_1(&world(&listener, 1, SECRET), deadline).unwrap();
+            let inbound = accepting.join().unwrap().unwrap();
+            assert_eq!((inbound.peer, out.peer), (1, 0));
+        });
+        assert!(
+            start.elapsed() < HANDSHAKE_TIMEOUT,
+            "the real neighbour waited {:?} behind silent strangers",
+            start.elapsed()
+        );
+        // The strangers are let go too, told nothing but the challenge and the refusal.
+        for mut s in strangers {
+            let told = read_all(&mut s);
+            assert!(!contains(&told, ours.session.as_bytes()));
+        }
+    }
+
+    #[test]
+    fn the_deadline_holds_however_many_strangers_connect() {
+        let listener = Links::listen("127.0.0.1:0").unwrap();
+        let ours = world(&listener, 0, SECRET);
+        let at = listener.local_addr().unwrap();
+        // More strangers than handshakes run at once, all silent.
+        let strangers: Vec<TcpStream> = (0..MAX_HANDSHAKES * 2)
+            .map(|_| TcpStream::connect(at).unwrap())
+            .collect();
+        let start = Instant::now();
+        let e = accept_left(
+            gate(&ours),
+            &listener,
+            start + Duration::from_secs(2),
+            "here",
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            start.elapsed() < Duration::from_millis(2500),
+            "returned after {:?}",
+            start.elapsed()
+        );
+        assert!(
+            e.starts_with("rank 1 did not connect within") && e.contains("connections came"),
+            "{e}"
+        );
+        drop(strangers);
+
+        // With the handshakes full of strangers, the real neighbour gets in once they time out.
+        let strangers: Vec<TcpStream> = (0..MAX_HANDSHAKES * 2)
+            .map(|_| TcpStream::connect(at).unwrap())
+            .collect();
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(20);
+        thread::scope(|s| {
+            let accepting = s.spawn(|| accept_left(gate(&ours), &listener, deadline, "here"));
+            let out = connect_as_rank_1(&world(&listener, 1, SECRET), deadline).unwrap();
+            accepting.join().unwrap().unwrap();
+            assert_eq!(out.peer, 0);
+        });
+        assert!(
+            start.elapsed() < HANDSHAKE_TIMEOUT + Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+        drop(strangers);
+    }
+
+    #[test]
+    fn an_impostor_at_the_neighbours_address_is_not_trusted() {
+        let impostor = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = world(&impostor, 1, SECRET);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        thread::scope(|s| {
+            let connecting = s.spawn(|| connect_as_rank_1(&ours, deadline));
+            let (mut stream, _) = impostor.accept().unwrap();
+            let mut challenge = PROTOCOL_VERSION.to_le_bytes().to_vec();
+            challenge.extend_from_slice(&[1; NONCE_LEN]);
+            write_frame_by(&mut stream, Kind::Challenge, &challenge, deadline).unwrap();
+            let (kind, hello) = read_frame_by(&mut stream, HELLO_LEN, deadline).unwrap();
+            assert_eq!(kind, Kind::Hello);
+            assert!(!contains(&hello, ours.session.as_bytes()));
+            write_frame_by(&mut stream, Kind::Welcome, &[0; PROOF_LEN], deadline).unwrap();
+            let e = connecting.join().unwrap().err().unwrap().to_string();
+            assert!(
+                e.contains("could not prove that it belongs to this ring"),
+                "{e}"
+            );
+            // No host id, nothing else: the connection just closed.
+            assert!(read_all(&mut stream).is_empty());
+        });
+    }
+
+    /// A ring file of `bytes` bytes with `mode`, and its path.
+    struct RingFile(String);
+
+    impl RingFile {
+        fn new(tag: &str, bytes: usize, mode: u32) -> RingFile {
+            use std::os::unix::fs::PermissionsExt;
+            let path = format!("/dev/shm/hora-ring-test-{}-{tag}", std::process::id());
+            let file = std::fs::File::create(&path).unwrap();
+            file.set_len(bytes as u64).unwrap();
+            file.set_permissions(std::fs::Permissions::from_mode(mode))
+                .unwrap();
+            RingFile(path)
+        }
+    }
+
+    impl Drop for RingFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    #[test]
+    fn ring_files_of_another_user_or_mode_or_behind_a_link_are_not_attached() {
+        let bytes = 64;
+        let own = RingFile::new("own", bytes * SLOTS as usize, 0o600);
+        assert!(attach_slots(&own.0, bytes).is_ok());
+        // SAFETY: no preconditions.
+        let user = unsafe { libc::geteuid() };
+        let e = attach_slots_of(&own.0, bytes, user.wrapping_add(1))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("belongs to user"), "{e}");
+        for mode in [0o644, 0o660, 0o400, 0o4600] {
+            let other = RingFile::new(&format!("mode{mode:o}"), bytes * SLOTS as usize, mode);
+            let e = attach_slots(&other.0, bytes).err().unwrap();
+            assert!(e.to_string().contains("has mode"), "{mode:o}: {e}");
+        }
+        let link = RingFile(format!(
+            "/dev/shm/hora-ring-test-{}-link",
+            std::process::id()
+        ));
+        std::os::unix::fs::symlink(&own.0, &link.0).unwrap();
+        let e = attach_slots(&link.0, bytes).err().unwrap();
+        assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
+        // And what this side creates is what the other side accepts.
+        let (path, _slots) = create_slots(0, bytes).unwrap();
+        let made = RingFile(path.display().to_string());
+        assert!(attach_slots(&made.0, bytes).is_ok());
+    }
+
+    #[test]
+    fn proved_neighbours_on_one_host_share_memory() {
+        if host_id().is_none() {
+            return; // No /dev/shm here, or HORA_RING_SHM=0: nothing to offer.
+        }
+        let listeners: Vec<TcpListener> = (0..2)
+            .map(|_| Links::listen("127.0.0.1:0").unwrap())
+            .collect();
+        let peers: Vec<String> = listeners
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        let links: Vec<Links> = thread::scope(|s| {
+            let handles: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(rank, listener)| {
+                    let world =
+                        World::from_peers(peers.clone(), rank as u32, Some(SECRET)).unwrap();
+                    s.spawn(move || {
+                        Links::connect(&world, listener, Duration::from_secs(10), Some(4096))
+                            .unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, l) in links.iter().enumerate() {
+            assert!(
+                l.inbound.slots.is_some() && l.outbound.slots.is_some(),
+                "rank {rank}"
+            );
+        }
+    }
+
+    #[test]
+    fn hellos_round_trip_and_only_at_their_length() {
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            generation: 3,
+            size: 4,
+            rank: 2,
+            nonce: [5; NONCE_LEN],
+            proof: [6; PROOF_LEN],
+        };
+        let bytes = hello.encode();
+        assert_eq!(bytes.len(), HELLO_LEN);
+        assert_eq!(Hello::decode(&bytes), Some(hello));
+        assert_eq!(Hello::decode(&bytes[1..]), None);
+    }
 
     #[test]
     fn only_hora_ring_files_of_sane_size_are_attached() {

@@ -8,8 +8,10 @@
 //! - [`rendezvous`] gathers the world: at the server (`/v1/sync/{job}/join`), or from a static list
 //!   of peer addresses; every worker learns its rank, the world size and its ring neighbours;
 //! - [`link`] connects each worker to its ring neighbours over TCP: a small frame protocol with a
-//!   handshake (same job session, expected rank), timeouts, and abort frames that carry the name
-//!   of a failed rank around the ring so that every survivor can say who is missing;
+//!   handshake in which neighbours prove to each other that they know the world's session (a
+//!   challenge-response, `handshake`; strangers learn nothing), timeouts, and abort frames that
+//!   carry the name of a failed rank around the ring so that every survivor can say who is
+//!   missing;
 //! - [`ring`] runs the collectives over those links — allreduce (ring reduce-scatter, then
 //!   allgather), broadcast and allgather — pipelined in sub-chunks so that sending, receiving and
 //!   reducing overlap, with optional half-precision on the wire;
@@ -25,6 +27,7 @@
 
 pub mod checkpoint;
 pub mod fusion;
+mod handshake;
 pub mod launch;
 pub mod link;
 pub mod optimizer;

@@ -638,7 +638,9 @@ pub(crate) mod tests {
                 .into_iter()
                 .enumerate()
                 .map(|(rank, listener)| {
-                    let world = World::from_peers(peers.clone(), rank as u32).unwrap();
+                    let world =
+                        World::from_peers(peers.clone(), rank as u32, Some("a test ring's secret"))
+                            .unwrap();
                     let (options, f) = (options(rank as u32), &f);
                     s.spawn(move || {
                         let links = (n > 1).then(|| {

@@ -37,8 +37,12 @@ use crate::supervised::{batch_loss, evaluate, Batch, DeviceData};
 pub enum Meeting<'a> {
     /// At the Hora server.
     Server(ServerRendezvous<'a>),
-    /// Ring addresses known in advance, by rank.
-    Peers(Vec<String>),
+    /// Ring addresses known in advance, by rank, and the operator's shared secret that every
+    /// worker derives the world's session from (needed unless the world is of one).
+    Peers {
+        peers: Vec<String>,
+        secret: Option<String>,
+    },
 }
 
 /// Binds the ring port, meets the other workers and connects to the neighbours.
@@ -53,7 +57,7 @@ pub fn form_world(
     options: CommOptions,
 ) -> Result<Communicator> {
     let (world, listener) = match meeting {
-        Meeting::Peers(peers) => {
+        Meeting::Peers { peers, secret } => {
             let rank = launch.rank.ok_or_else(|| {
                 SyncError::Config(
                     "--peers needs this worker's rank: --rank, or a launcher's environment (mpirun, Slurm)".into(),
@@ -67,7 +71,7 @@ pub fn form_world(
                     )));
                 }
             }
-            let world = World::from_peers(peers, rank)?;
+            let world = World::from_peers(peers, rank, secret.as_deref())?;
             let own = &world.peers[rank as usize];
             let port = own.rsplit_once(':').map(|(_, p)| p).unwrap_or_default();
             // Accept on our listed port on every interface: the listed host may be a name.

@@ -1,0 +1,199 @@
+//! Proving membership of a ring: what two neighbours exchange before either trusts the other.
+//!
+//! Every member of a world knows its session and nobody else does: at a server it is 128 random
+//! bits handed (over TLS) only to workers holding the job's token, fresh for every world; with
+//! `--peers` it is derived from the operator's shared secret and the peer list
+//! ([`super::World::from_peers`]). The session itself never crosses the ring. Instead, when a
+//! worker accepts a connection it sends a fresh random nonce; the connecting side answers with
+//! its own nonce and an HMAC-SHA256 over the transcript — both nonces, the protocol version, the
+//! world's generation and size, and the two ranks — under a key derived from the session with
+//! HKDF; the accepting side checks it in constant time and only then answers with its own HMAC
+//! over the same transcript, so the connecting side knows in turn that it reached a member and
+//! not whoever listens at its neighbour's address.
+//!
+//! The two proofs are made under different labels, so one side's proof can never be reflected
+//! back as the other's; the nonces make every proof good for one connection only. A stranger
+//! learns a random nonce and, at most, that it was refused.
+//!
+//! What this does not do: the frames after the handshake are neither encrypted nor
+//! authenticated (the ring is meant for a datacenter network), and a proof captured by whoever
+//! can impersonate a neighbour's address is a guess-checker for the session: at a server the
+//! session is random, but a `--peers` secret must be long and random for the same reason.
+
+use ring::rand::{SecureRandom, SystemRandom};
+use ring::{hkdf, hmac};
+
+use super::{Result, SyncError};
+
+/// Bytes of each side's nonce.
+pub(crate) const NONCE_LEN: usize = 32;
+/// Bytes of a proof (an HMAC-SHA256 tag).
+pub(crate) const PROOF_LEN: usize = 32;
+
+/// HKDF salt and purpose: this key authenticates ring handshakes and nothing else.
+const SALT: &[u8] = b"hora sync ring";
+const PURPOSE: &[u8] = b"hora sync ring handshake key v2";
+
+/// Which end of a connection a proof comes from; each end proves under its own label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// The side that connects to its right neighbour (and sends to it afterwards).
+    Connector,
+    /// The side that accepts its left neighbour (and receives from it afterwards).
+    Acceptor,
+}
+
+impl Role {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Role::Connector => b"connector proves",
+            Role::Acceptor => b"acceptor proves",
+        }
+    }
+}
+
+/// What both ends of one ring connection must agree on, besides the session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LinkTerms {
+    pub version: u32,
+    pub generation: u64,
+    pub size: u32,
+    /// The connecting (sending) rank.
+    pub from: u32,
+    /// The accepting (receiving) rank.
+    pub to: u32,
+}
+
+/// The two nonces of one connection.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Nonces {
+    pub acceptor: [u8; NONCE_LEN],
+    pub connector: [u8; NONCE_LEN],
+}
+
+/// The key a world's members prove membership with.
+#[derive(Clone)]
+pub(crate) struct RingKey(hmac::Key);
+
+impl std::fmt::Debug for RingKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RingKey(..)")
+    }
+}
+
+impl RingKey {
+    /// HKDF-SHA256 of the session, for this purpose only.
+    pub fn derive(session: &str) -> RingKey {
+        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, SALT).extract(session.as_bytes());
+        let okm = prk
+            .expand(&[PURPOSE], hmac::HMAC_SHA256)
+            // Cannot fail: HKDF-SHA256 gives up to 8160 bytes and an HMAC key takes 32.
+            .expect("an HMAC-SHA256 key is within HKDF-SHA256's output limit");
+        RingKey(hmac::Key::from(okm))
+    }
+
+    /// `role`'s proof for one connection.
+    pub fn prove(&self, role: Role, terms: &LinkTerms, nonces: &Nonces) -> [u8; PROOF_LEN] {
+        let tag = hmac::sign(&self.0, &transcript(role, terms, nonces));
+        let mut proof = [0u8; PROOF_LEN];
+        proof.copy_from_slice(tag.as_ref());
+        proof
+    }
+
+    /// Whether `proof` is `role`'s proof for this connection (compared in constant time).
+    pub fn verify(&self, role: Role, terms: &LinkTerms, nonces: &Nonces, proof: &[u8]) -> bool {
+        hmac::verify(&self.0, &transcript(role, terms, nonces), proof).is_ok()
+    }
+}
+
+/// What a proof covers: fixed-width fields, so no two transcripts read alike.
+fn transcript(role: Role, terms: &LinkTerms, nonces: &Nonces) -> Vec<u8> {
+    let label = role.label();
+    let mut t = Vec::with_capacity(1 + label.len() + 24 + 2 * NONCE_LEN);
+    t.push(label.len() as u8);
+    t.extend_from_slice(label);
+    t.extend_from_slice(&terms.version.to_le_bytes());
+    t.extend_from_slice(&terms.generation.to_le_bytes());
+    t.extend_from_slice(&terms.size.to_le_bytes());
+    t.extend_from_slice(&terms.from.to_le_bytes());
+    t.extend_from_slice(&terms.to.to_le_bytes());
+    t.extend_from_slice(&nonces.acceptor);
+    t.extend_from_slice(&nonces.connector);
+    t
+}
+
+/// A fresh random nonce.
+pub(crate) fn nonce() -> Result<[u8; NONCE_LEN]> {
+    let mut n = [0u8; NONCE_LEN];
+    SystemRandom::new()
+        .fill(&mut n)
+        .map_err(|_| SyncError::Config("the system's random number generator failed".into()))?;
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn terms() -> LinkTerms {
+        LinkTerms {
+            version: 2,
+            generation: 7,
+            size: 4,
+            from: 3,
+            to: 0,
+        }
+    }
+
+    #[test]
+    fn a_proof_holds_only_for_its_session_role_terms_and_nonces() {
+        let key = RingKey::derive("session-a");
+        let nonces = Nonces {
+            acceptor: nonce().unwrap(),
+            connector: nonce().unwrap(),
+        };
+        let proof = key.prove(Role::Connector, &terms(), &nonces);
+        assert!(key.verify(Role::Connector, &terms(), &nonces, &proof));
+        // Another session, the other role (a reflected proof), other terms, other nonces.
+        assert!(!RingKey::derive("session-b").verify(Role::Connector, &terms(), &nonces, &proof));
+        assert!(!key.verify(Role::Acceptor, &terms(), &nonces, &proof));
+        for other in [
+            LinkTerms {
+                generation: 8,
+                ..terms()
+            },
+            LinkTerms { from: 2, ..terms() },
+            LinkTerms { to: 1, ..terms() },
+            LinkTerms { size: 5, ..terms() },
+            LinkTerms {
+                version: 1,
+                ..terms()
+            },
+        ] {
+            assert!(!key.verify(Role::Connector, &other, &nonces, &proof));
+        }
+        let fresh = Nonces {
+            acceptor: nonce().unwrap(),
+            ..nonces
+        };
+        assert!(!key.verify(Role::Connector, &terms(), &fresh, &proof));
+        assert!(!key.verify(Role::Connector, &terms(), &nonces, &proof[..31]));
+    }
+
+    #[test]
+    fn the_key_is_not_the_session() {
+        let key = RingKey::derive("0123456789abcdef0123456789abcdef");
+        assert_eq!(format!("{key:?}"), "RingKey(..)");
+        let nonces = Nonces {
+            acceptor: [0; NONCE_LEN],
+            connector: [0; NONCE_LEN],
+        };
+        // The plain HMAC under the session itself differs from the derived key's.
+        let raw = hmac::Key::new(hmac::HMAC_SHA256, b"0123456789abcdef0123456789abcdef");
+        let t = transcript(Role::Acceptor, &terms(), &nonces);
+        assert_ne!(
+            hmac::sign(&raw, &t).as_ref(),
+            key.prove(Role::Acceptor, &terms(), &nonces)
+        );
+    }
+}
