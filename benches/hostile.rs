@@ -38,7 +38,7 @@ struct Attacks {
     stalled_cut: AtomicUsize,
     stalled_other: AtomicUsize,
     poisoned_refused: AtomicUsize,
-    poisoned_clipped: AtomicUsize,
+    poisoned_accepted: AtomicUsize,
 }
 
 /// Runs `rounds` rounds of the honest clients; returns each round's latency: from the first
@@ -117,8 +117,19 @@ fn peak_rss_mib(pid: u32) -> f64 {
         .map_or(f64::NAN, |kib| kib / 1024.0)
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
+    // `cargo test`/`nextest` list and run bench targets without `--bench`: nothing to do then.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+        .block_on(run());
+}
+
+async fn run() {
     let rounds = env_or("HORA_BENCH_ROUNDS", 20) as u64;
     let idle = env_or("HORA_BENCH_IDLE_CONNECTIONS", 400);
     let dir = tempfile::tempdir().expect("tempdir");
@@ -145,10 +156,13 @@ async fn main() {
         60,
     );
     // Room for the attackers among the selected, so they are in the same rounds as the honest.
+    // Over-norm updates are refused rather than clipped: a clipped update is accepted and
+    // counts towards the round's target, which would close rounds on the attackers' updates
+    // and leave honest clients out; the round latency measured here is that of the honest ten.
     config.over_selection = (STALLERS + POISONERS) as f64 / HONEST as f64;
     config.update_bounds = UpdateBounds {
         max_norm: Some(10.0),
-        on_norm_exceeded: NormPolicy::Clip,
+        on_norm_exceeded: NormPolicy::Refuse,
         ..Default::default()
     };
     admin.create_task(&config).await;
@@ -259,7 +273,7 @@ async fn main() {
                             attacks.poisoned_refused.fetch_add(1, Ordering::Relaxed);
                         }
                         Ok(StatusCode::OK) => {
-                            attacks.poisoned_clipped.fetch_add(1, Ordering::Relaxed);
+                            attacks.poisoned_accepted.fetch_add(1, Ordering::Relaxed);
                         }
                         _ => {}
                     }
@@ -347,9 +361,9 @@ async fn main() {
         attacks.stalled_other.load(Ordering::Relaxed)
     );
     println!(
-        "poisoned updates: {} refused (400), {} accepted clipped to the norm bound; published model finite: {finite}",
+        "poisoned updates: {} refused (400), {} accepted; published model finite: {finite}",
         attacks.poisoned_refused.load(Ordering::Relaxed),
-        attacks.poisoned_clipped.load(Ordering::Relaxed)
+        attacks.poisoned_accepted.load(Ordering::Relaxed)
     );
     println!(
         "RESULT attacker connections held at the end: {still_open} of {} ({} s after the attack stopped)",
