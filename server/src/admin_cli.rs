@@ -227,7 +227,10 @@ pub async fn run(args: AdminArgs) -> Result<()> {
             c.json(
                 Method::POST,
                 "/admin/v1/enrolments",
-                Some(serde_json::to_value(CreateEnrolment { ttl_secs })?),
+                Some(serde_json::to_value(CreateEnrolment {
+                    ttl_secs,
+                    tasks: None,
+                })?),
             )
             .await?
         }

@@ -206,6 +206,13 @@ pub async fn create_enrolment(
     _a: AdminAuth,
     ApiJson(req): ApiJson<CreateEnrolment>,
 ) -> Result<(StatusCode, Json<EnrolmentToken>), ServerError> {
+    // Documented ahead of the scoping that enforces it: refused until then, never ignored (a
+    // token the operator meant for one task must not open every task).
+    if req.tasks.is_some() {
+        return Err(ServerError::BadRequest(
+            "this server cannot yet restrict an enrolment to tasks: leave out `tasks`".into(),
+        ));
+    }
     let ttl = req.ttl_secs.unwrap_or(86_400).clamp(1, 365 * 86_400);
     let token = auth::new_secret()?;
     let expires_unix_ms = now_ms() + ttl * 1000;
