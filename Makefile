@@ -1,17 +1,21 @@
 # Hora's entry points. `make demo` and `make test` do all the set-up a fresh machine needs
-# (PyTorch 2.11.0 for libtorch, cached outside the checkout; see scripts/setup-libtorch.sh).
+# (PyTorch 2.11.0 for libtorch, cached outside the checkout; see scripts/setup-libtorch.sh; and,
+# for `make test`, the schemathesis API fuzzer, see scripts/setup-schemathesis.sh).
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 
 # Puts libtorch where torch-sys finds it (and prints nothing else).
 TORCH_ENV := eval "$$(scripts/setup-libtorch.sh --print-env)"
+# Exports HORA_SCHEMATHESIS, the fuzzer the server's OpenAPI test runs.
+FUZZ_ENV := eval "$$(scripts/setup-schemathesis.sh --print-env)"
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
 .PHONY: demo test bench lint deps-check setup
 
-## Set up libtorch (idempotent; seconds once installed).
+## Set up libtorch and the API fuzzer (idempotent; seconds once installed).
 setup:
 	@scripts/setup-libtorch.sh
+	@scripts/setup-schemathesis.sh
 
 ## The federated Synthetic(1,1) benchmark with real processes: a server, 10 clients, 20 rounds,
 ## a per-round table and the centralised baseline. Leaves nothing running.
@@ -24,7 +28,7 @@ demo:
 ## Every test, then the dependency policy. The binaries and examples are built first: the
 ## cross-process tests in tests/ run them.
 test:
-	@$(TORCH_ENV); \
+	@$(TORCH_ENV); $(FUZZ_ENV); \
 	cargo build --workspace --bins --examples; \
 	if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --all-targets --profile $(NEXTEST_PROFILE); \

@@ -197,7 +197,21 @@ impl utoipa::PartialSchema for ModelSpec {
     }
 }
 
-impl utoipa::ToSchema for ModelSpec {}
+impl utoipa::ToSchema for ModelSpec {
+    // The items are TensorSpec's inline schema, which refers to DType: register it.
+    fn schemas(
+        schemas: &mut Vec<(
+            String,
+            utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>,
+        )>,
+    ) {
+        schemas.push((
+            <DType as utoipa::ToSchema>::name().into(),
+            <DType as utoipa::PartialSchema>::schema(),
+        ));
+        <TensorSpec as utoipa::ToSchema>::schemas(schemas);
+    }
+}
 
 impl TryFrom<Vec<TensorSpec>> for ModelSpec {
     type Error = ModelError;
@@ -711,19 +725,20 @@ impl fmt::Debug for ModelDigest {
 
 impl utoipa::PartialSchema for ModelDigest {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-        hex_schema("SHA-256 digest of a model's canonical encoding, 64 lowercase hex digits")
+        hex_schema("SHA-256 digest of a model's canonical encoding, 64 hex digits")
     }
 }
 
 impl utoipa::ToSchema for ModelDigest {}
 
-/// The OpenAPI schema of a 32-byte value written as 64 hex digits.
+/// The OpenAPI schema of a 32-byte value written as 64 hex digits (lowercase when the server
+/// writes them; either case is read).
 pub(crate) fn hex_schema(
     description: &str,
 ) -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
     utoipa::openapi::ObjectBuilder::new()
         .schema_type(utoipa::openapi::schema::Type::String)
-        .pattern(Some("^[0-9a-f]{64}$"))
+        .pattern(Some("^[0-9a-fA-F]{64}$"))
         .description(Some(description))
         .into()
 }

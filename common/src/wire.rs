@@ -33,6 +33,9 @@ impl fmt::Display for ApiError {
     }
 }
 
+/// What [`valid_id`] accepts, as the OpenAPI document's `pattern` (ECMA-262) for every id.
+pub const ID_PATTERN: &str = "^[A-Za-z0-9_.-]{1,64}$";
+
 /// A task or client identifier: 1–64 of `[A-Za-z0-9_.-]`, so it is safe in paths, file names and
 /// logs.
 pub fn valid_id(id: &str) -> bool {
@@ -57,7 +60,10 @@ pub enum ModelKind {
         params: serde_json::Map<String, serde_json::Value>,
     },
     /// A TorchScript module the server hands out with the weights (its digest, hex SHA-256).
-    TorchScript { module_digest: String },
+    TorchScript {
+        #[schema(pattern = "^[0-9a-fA-F]{64}$")]
+        module_digest: String,
+    },
 }
 
 /// How the round's updates become the next global model.
@@ -101,15 +107,19 @@ pub enum DeadlinePolicy {
 #[serde(deny_unknown_fields)]
 pub struct TrainingConfig {
     #[serde(default = "defaults::epochs")]
+    #[schema(minimum = 1)]
     pub epochs: u32,
     #[serde(default = "defaults::batch_size")]
+    #[schema(minimum = 1)]
     pub batch_size: u32,
     #[serde(default = "defaults::learning_rate")]
+    #[schema(exclusive_minimum = 0)]
     pub learning_rate: f64,
     #[serde(default)]
     pub optimizer: OptimizerConfig,
     /// FedProx's proximal coefficient μ (loss + μ/2·‖w − w_global‖²); 0 is plain FedAvg.
     #[serde(default)]
+    #[schema(minimum = 0)]
     pub proximal_mu: f64,
     #[serde(default)]
     pub on_deadline: DeadlinePolicy,
@@ -132,18 +142,26 @@ impl Default for TrainingConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateTask {
+    #[schema(pattern = "^[A-Za-z0-9_.-]{1,64}$")]
     pub id: String,
     /// Digest of the initial weights, uploaded first with `POST /admin/v1/models`.
     pub initial_model: ModelDigest,
     pub model: ModelKind,
     #[serde(default)]
     pub strategy: StrategyConfig,
+    #[schema(minimum = 1)]
     pub rounds: u64,
+    /// At least 1 (3 with secure aggregation), at most `target_clients`.
+    #[schema(minimum = 1)]
     pub min_clients: u32,
+    #[schema(minimum = 1)]
     pub target_clients: u32,
     /// Extra clients selected beyond `target_clients`, as a fraction, to absorb stragglers.
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 10)]
     pub over_selection: f64,
+    /// At most a week.
+    #[schema(minimum = 1, maximum = 604800)]
     pub round_deadline_secs: u64,
     #[serde(default)]
     pub training: TrainingConfig,
@@ -201,19 +219,24 @@ pub enum NormPolicy {
 pub struct SecureAggregationConfig {
     /// Bound on every coordinate of a delta (values beyond it are clipped).
     #[serde(default = "defaults::clip")]
+    #[schema(exclusive_minimum = 0)]
     pub clip: f64,
     /// The largest example count a client is weighted by (larger counts count as this).
     #[serde(default = "defaults::max_weight")]
+    #[schema(minimum = 1)]
     pub max_weight: u32,
     /// Neighbours per client (SecAgg+'s k); default: the smallest even number ≥ 3·log₂ n.
     #[serde(default)]
+    #[schema(minimum = 2)]
     pub degree: Option<u32>,
     /// Shares needed to recover a client's secrets (t); default: a majority of its neighbours.
     #[serde(default)]
+    #[schema(minimum = 2)]
     pub threshold: Option<u32>,
-    /// Deadline of each key-exchange stage (advertise, share keys, unmask), in seconds; the
-    /// masked-input stage has `round_deadline_secs` for training.
+    /// Deadline of each key-exchange stage (advertise, share keys, unmask), in seconds (at most
+    /// a day); the masked-input stage has `round_deadline_secs` for training.
     #[serde(default = "defaults::stage_secs")]
+    #[schema(minimum = 1, maximum = 86400)]
     pub stage_secs: u64,
 }
 
@@ -278,13 +301,35 @@ pub struct ModuleUploaded {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema, Default)]
 #[serde(deny_unknown_fields)]
 pub struct CreateEnrolment {
-    /// How long the token stays valid (default one day).
+    /// How long the token stays valid (default one day; clamped to between 1 s and a year).
     #[serde(default)]
     pub ttl_secs: Option<u64>,
-    /// The tasks the enrolled client may use (default: every task). Other tasks answer it 404,
-    /// as tasks that do not exist.
+    /// The tasks the client enrolled with this token may use (absent: every task). For any
+    /// other task it is answered 404, as if the task did not exist.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(schema_with = id_list_schema)]
     pub tasks: Option<Vec<String>>,
+}
+
+/// The schema of an optional list of ids (see [`valid_id`]).
+fn id_list_schema() -> utoipa::openapi::schema::Array {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
+    ArrayBuilder::new()
+        .description(Some(
+            "The tasks the client enrolled with this token may use (absent: every task). For any \
+             other task it is answered 404, as if the task did not exist.",
+        ))
+        .schema_type(utoipa::openapi::schema::SchemaType::from_iter([
+            Type::Array,
+            Type::Null,
+        ]))
+        .items(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .pattern(Some(ID_PATTERN)),
+        )
+        .max_items(Some(1024))
+        .build()
 }
 
 /// An enrolled client, for the admin.
@@ -340,11 +385,13 @@ pub struct EnrolmentToken {
 #[serde(deny_unknown_fields)]
 pub struct EnrolRequest {
     pub token: String,
-    /// A label for operators (host name, site); not an identity.
+    /// A label for operators (host name, site); not an identity. At most 256 bytes of UTF-8.
     #[serde(default)]
+    #[schema(max_length = 256)]
     pub label: Option<String>,
     /// The client's Ed25519 identity key (hex), which signs its secure-aggregation keys.
     #[serde(default)]
+    #[schema(pattern = "^[0-9a-fA-F]{64}$")]
     pub identity_key: Option<String>,
 }
 
@@ -414,9 +461,13 @@ pub struct SecAggOffer {
 #[serde(deny_unknown_fields)]
 pub struct SecAggAdvertise {
     /// Key agreed with neighbours for the pairwise masks.
+    #[schema(pattern = "^[0-9a-fA-F]{64}$")]
     pub mask_key: String,
     /// Key agreed with neighbours to encrypt the Shamir shares.
+    #[schema(pattern = "^[0-9a-fA-F]{64}$")]
     pub share_key: String,
+    /// Ed25519 signature (64 bytes) by the identity key.
+    #[schema(pattern = "^[0-9a-fA-F]{128}$")]
     pub signature: String,
 }
 
@@ -563,8 +614,10 @@ mod defaults {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSyncJob {
+    #[schema(pattern = "^[A-Za-z0-9_.-]{1,64}$")]
     pub id: String,
     /// Number of workers (ranks 0..world_size).
+    #[schema(minimum = 1, maximum = 4096)]
     pub world_size: u32,
 }
 
@@ -589,6 +642,7 @@ pub struct SyncJobInfo {
 #[serde(deny_unknown_fields)]
 pub struct SyncJoinRequest {
     /// `host:port` where this worker accepts its ring neighbour's connection.
+    #[schema(max_length = 255)]
     pub address: String,
     /// The rank given by the launcher (mpirun, Slurm, `--rank`); `None`: the server assigns one.
     #[serde(default)]
@@ -605,8 +659,9 @@ pub struct SyncJoinRequest {
 pub struct SyncWorld {
     /// Counts the worlds this job has formed; a restart forms a new one.
     pub generation: u64,
-    /// Random hex string shared by the members of this generation; workers check it when they
-    /// connect to each other, so a stray worker of another generation is refused.
+    /// Random hex secret shared by the members of this generation. It never crosses the ring:
+    /// workers prove knowledge of it to each other (a challenge-response under a key derived
+    /// from it), so strangers and stray workers of another generation are refused.
     pub session: String,
     pub rank: u32,
     pub world_size: u32,

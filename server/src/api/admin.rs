@@ -3,7 +3,7 @@
 //! synchronous allreduce jobs whose workers meet at [`crate::rendezvous`]).
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::routing::{delete, get, post};
@@ -15,7 +15,7 @@ use hora_common::wire::{
 };
 
 use super::client::model_response;
-use super::{read_body, AdminAuth, ApiJson, Shared};
+use super::{read_body, AdminAuth, ApiJson, ApiPath, Shared};
 use crate::auth;
 use crate::coordinator::now_ms;
 use crate::error::ServerError;
@@ -46,8 +46,11 @@ pub fn routes() -> axum::Router<Shared> {
 }
 
 #[utoipa::path(post, path = "/admin/v1/models", tag = "admin", security(("admin_token" = [])),
-    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "safetensors (f32, f16 or bf16)"),
-    responses((status = 201, body = ModelUploaded), (status = 400, body = ApiError), (status = 401, body = ApiError), (status = 413, body = ApiError)))]
+    request_body(content = inline(super::doc::Binary), content_type = "application/octet-stream", description = "safetensors (f32, f16 or bf16)"),
+    responses((status = 201, body = ModelUploaded),
+        (status = 400, body = ApiError, description = "`bad_request`: not a safetensors file of finite f32, f16 or bf16 tensors"),
+        (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
+        (status = 413, body = ApiError, description = "`payload_too_large`: over the model size limit")))]
 pub async fn upload_model(
     State(state): State<Shared>,
     _a: AdminAuth,
@@ -91,8 +94,11 @@ pub async fn upload_model(
 }
 
 #[utoipa::path(post, path = "/admin/v1/modules", tag = "admin", security(("admin_token" = [])),
-    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "a TorchScript module (torch.jit.save)"),
-    responses((status = 201, body = ModuleUploaded), (status = 401, body = ApiError), (status = 413, body = ApiError)))]
+    request_body(content = inline(super::doc::Binary), content_type = "application/octet-stream", description = "a TorchScript module (torch.jit.save)"),
+    responses((status = 201, body = ModuleUploaded),
+        (status = 400, body = ApiError, description = "`bad_request`: not the zip archive torch.jit.save writes"),
+        (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
+        (status = 413, body = ApiError, description = "`payload_too_large`: over the model size limit")))]
 pub async fn upload_module(
     State(state): State<Shared>,
     _a: AdminAuth,
@@ -117,7 +123,9 @@ pub async fn upload_module(
 }
 
 #[utoipa::path(post, path = "/admin/v1/tasks", tag = "admin", security(("admin_token" = [])), request_body = CreateTask,
-    responses((status = 201, body = TaskInfo), (status = 400, body = ApiError), (status = 401, body = ApiError), (status = 409, body = ApiError)))]
+    responses((status = 201, body = TaskInfo),
+        (status = 400, body = ApiError, description = "`bad_request`: a malformed body, settings out of range (min_clients above target_clients, …), or no uploaded model or module with the digest named"),
+        (status = 409, body = ApiError, description = "`task_exists`: a task with this id exists")))]
 pub async fn create_task(
     State(state): State<Shared>,
     _a: AdminAuth,
@@ -131,17 +139,17 @@ pub async fn create_task(
 }
 
 #[utoipa::path(get, path = "/admin/v1/tasks", tag = "admin", security(("admin_token" = [])),
-    responses((status = 200, body = Vec<TaskInfo>), (status = 401, body = ApiError)))]
+    responses((status = 200, body = Vec<TaskInfo>)))]
 pub async fn list_tasks(State(state): State<Shared>, _a: AdminAuth) -> Json<Vec<TaskInfo>> {
     Json(state.coordinator.list())
 }
 
 #[utoipa::path(get, path = "/admin/v1/tasks/{task}", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
-    responses((status = 200, body = TaskInfo), (status = 401, body = ApiError), (status = 404, body = ApiError)))]
+    responses((status = 200, body = TaskInfo)))]
 pub async fn get_task(
     State(state): State<Shared>,
     _a: AdminAuth,
-    Path(task): Path<String>,
+    ApiPath(task): ApiPath<String>,
 ) -> Result<Json<TaskInfo>, ServerError> {
     let task = state.coordinator.task(&task)?;
     Ok(Json(state.coordinator.info(&task)))
@@ -157,41 +165,43 @@ async fn set_state(
 }
 
 #[utoipa::path(post, path = "/admin/v1/tasks/{task}/pause", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
-    responses((status = 200, body = TaskInfo, description = "joins wait; uploads to the open round are still taken"), (status = 404, body = ApiError), (status = 409, body = ApiError)))]
+    responses((status = 200, body = TaskInfo, description = "joins wait; uploads to the open round are still taken"),
+        (status = 409, body = ApiError, description = "`task_ended`: the task is stopped or finished")))]
 pub async fn pause(
     State(state): State<Shared>,
     _a: AdminAuth,
-    Path(task): Path<String>,
+    ApiPath(task): ApiPath<String>,
 ) -> Result<Json<TaskInfo>, ServerError> {
     set_state(state, task, TaskState::Paused).await
 }
 
 #[utoipa::path(post, path = "/admin/v1/tasks/{task}/resume", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
-    responses((status = 200, body = TaskInfo), (status = 404, body = ApiError), (status = 409, body = ApiError)))]
+    responses((status = 200, body = TaskInfo), (status = 409, body = ApiError, description = "`task_ended`: the task is stopped or finished")))]
 pub async fn resume(
     State(state): State<Shared>,
     _a: AdminAuth,
-    Path(task): Path<String>,
+    ApiPath(task): ApiPath<String>,
 ) -> Result<Json<TaskInfo>, ServerError> {
     set_state(state, task, TaskState::Running).await
 }
 
 #[utoipa::path(post, path = "/admin/v1/tasks/{task}/stop", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
-    responses((status = 200, body = TaskInfo, description = "the open round is abandoned; the task ends"), (status = 404, body = ApiError), (status = 409, body = ApiError)))]
+    responses((status = 200, body = TaskInfo, description = "the open round is abandoned; the task ends"),
+        (status = 409, body = ApiError, description = "`task_ended`: the task is stopped or finished")))]
 pub async fn stop(
     State(state): State<Shared>,
     _a: AdminAuth,
-    Path(task): Path<String>,
+    ApiPath(task): ApiPath<String>,
 ) -> Result<Json<TaskInfo>, ServerError> {
     set_state(state, task, TaskState::Stopped).await
 }
 
 #[utoipa::path(get, path = "/admin/v1/tasks/{task}/rounds", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
-    responses((status = 200, body = Vec<RoundRecord>), (status = 404, body = ApiError)))]
+    responses((status = 200, body = Vec<RoundRecord>)))]
 pub async fn rounds(
     State(state): State<Shared>,
     _a: AdminAuth,
-    Path(task): Path<String>,
+    ApiPath(task): ApiPath<String>,
 ) -> Result<Json<Vec<RoundRecord>>, ServerError> {
     let task = state.coordinator.task(&task)?;
     Ok(Json(state.coordinator.history(&task)?))
@@ -199,11 +209,14 @@ pub async fn rounds(
 
 #[utoipa::path(get, path = "/admin/v1/tasks/{task}/rounds/{round}/model", tag = "admin", security(("admin_token" = [])),
     params(("task" = String, Path), ("round" = u64, Path, description = "0 for the initial model")),
-    responses((status = 200, description = "safetensors"), (status = 404, body = ApiError)))]
+    responses((status = 200, body = inline(super::doc::Binary), content_type = "application/octet-stream", description = "safetensors; ETag is its digest"),
+        (status = 304, description = "unchanged: `If-None-Match` names the digest"),
+        (status = 404, body = ApiError, description = "`not_found`: no such task, or it has not published that round"),
+        (status = 410, body = ApiError, description = "`model_pruned`: the round's model was removed by the retention policy (--retain-rounds-last, --retain-rounds-every)")))]
 pub async fn round_model(
     State(state): State<Shared>,
     _a: AdminAuth,
-    Path((task, round)): Path<(String, u64)>,
+    ApiPath((task, round)): ApiPath<(String, u64)>,
     headers: HeaderMap,
 ) -> Result<Response, ServerError> {
     let task = state.coordinator.task(&task)?;
@@ -212,7 +225,7 @@ pub async fn round_model(
 }
 
 #[utoipa::path(post, path = "/admin/v1/enrolments", tag = "admin", security(("admin_token" = [])), request_body = CreateEnrolment,
-    responses((status = 201, body = EnrolmentToken), (status = 401, body = ApiError)))]
+    responses((status = 201, body = EnrolmentToken)))]
 pub async fn create_enrolment(
     State(state): State<Shared>,
     _a: AdminAuth,
@@ -261,7 +274,7 @@ fn client_info(id: String, c: crate::store::ClientRecord) -> ClientInfo {
 }
 
 #[utoipa::path(get, path = "/admin/v1/clients", tag = "admin", security(("admin_token" = [])),
-    responses((status = 200, body = Vec<ClientInfo>), (status = 401, body = ApiError)))]
+    responses((status = 200, body = Vec<ClientInfo>)))]
 pub async fn list_clients(
     State(state): State<Shared>,
     _a: AdminAuth,
@@ -278,11 +291,11 @@ pub async fn list_clients(
 }
 
 #[utoipa::path(post, path = "/admin/v1/clients/{client}/revoke", tag = "admin", security(("admin_token" = [])), params(("client" = String, Path)),
-    responses((status = 200, body = ClientInfo), (status = 404, body = ApiError)))]
+    responses((status = 200, body = ClientInfo, description = "revoked (revoking twice is harmless)")))]
 pub async fn revoke_client(
     State(state): State<Shared>,
     _a: AdminAuth,
-    Path(client): Path<String>,
+    ApiPath(client): ApiPath<String>,
 ) -> Result<Json<ClientInfo>, ServerError> {
     let store = state.coordinator.store();
     let mut record = store
@@ -298,7 +311,7 @@ pub async fn revoke_client(
 #[utoipa::path(post, path = "/admin/v1/sync-jobs", tag = "admin", security(("admin_token" = [])), request_body = CreateSyncJob,
     responses((status = 201, body = SyncJobInfo, description = "the job, with its worker token (shown once)"),
         (status = 400, body = ApiError, description = "bad id, or world_size not in 1..=4096"),
-        (status = 401, body = ApiError), (status = 409, body = ApiError, description = "`sync_job_exists`")))]
+        (status = 409, body = ApiError, description = "`sync_job_exists`")))]
 pub async fn create_sync_job(
     State(state): State<Shared>,
     _a: AdminAuth,
@@ -308,18 +321,17 @@ pub async fn create_sync_job(
 }
 
 #[utoipa::path(get, path = "/admin/v1/sync-jobs", tag = "admin", security(("admin_token" = [])),
-    responses((status = 200, body = Vec<SyncJobInfo>, description = "every sync job, without tokens"), (status = 401, body = ApiError)))]
+    responses((status = 200, body = Vec<SyncJobInfo>, description = "every sync job, without tokens")))]
 pub async fn list_sync_jobs(State(state): State<Shared>, _a: AdminAuth) -> Json<Vec<SyncJobInfo>> {
     Json(state.rendezvous.list())
 }
 
 #[utoipa::path(delete, path = "/admin/v1/sync-jobs/{id}", tag = "admin", security(("admin_token" = [])), params(("id" = String, Path)),
-    responses((status = 204, description = "deleted; its waiting workers are answered 410 `job_deleted`"),
-        (status = 401, body = ApiError), (status = 404, body = ApiError)))]
+    responses((status = 204, description = "deleted; its waiting workers are answered 410 `job_deleted`")))]
 pub async fn delete_sync_job(
     State(state): State<Shared>,
     _a: AdminAuth,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<StatusCode, ServerError> {
     state.rendezvous.delete(&id)?;
     Ok(StatusCode::NO_CONTENT)

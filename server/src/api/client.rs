@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE, ETAG};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -15,7 +15,7 @@ use hora_common::wire::{
 };
 use serde::Deserialize;
 
-use super::{not_modified, read_upload, ApiJson, ClientAuth, Shared};
+use super::{not_modified, read_upload, ApiJson, ApiPath, ApiQuery, ClientAuth, Shared};
 use crate::auth;
 use crate::coordinator::{now_ms, upload_limit};
 use crate::error::ServerError;
@@ -35,7 +35,9 @@ pub fn routes() -> axum::Router<Shared> {
 }
 
 #[utoipa::path(post, path = "/v1/enrol", tag = "client", request_body = EnrolRequest,
-    responses((status = 200, body = Credentials), (status = 401, body = ApiError, description = "unknown, used or expired token")))]
+    responses((status = 200, body = Credentials),
+        (status = 400, body = ApiError, description = "`bad_request`: a malformed body, a label over 256 bytes, an identity key that is not 32 bytes of hex"),
+        (status = 401, body = ApiError, description = "`unauthorized`: unknown, used or expired enrolment token")))]
 pub async fn enrol(
     State(state): State<Shared>,
     ApiJson(req): ApiJson<EnrolRequest>,
@@ -83,6 +85,7 @@ pub async fn enrol(
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PollQuery {
     /// Answer as soon as a round later than this one is open.
     after: Option<u64>,
@@ -93,12 +96,12 @@ pub struct PollQuery {
 
 #[utoipa::path(get, path = "/v1/tasks/{task}/poll", tag = "client", params(("task" = String, Path), PollQuery),
     security(("client_credentials" = [])),
-    responses((status = 200, body = PollResponse), (status = 401, body = ApiError), (status = 404, body = ApiError)))]
+    responses((status = 200, body = PollResponse, description = "the task's state, once a round later than `after` is open, the task stops, or `wait_ms` passes")))]
 pub async fn poll(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path(task): Path<String>,
-    Query(q): Query<PollQuery>,
+    ApiPath(task): ApiPath<String>,
+    ApiQuery(q): ApiQuery<PollQuery>,
 ) -> Result<Json<PollResponse>, ServerError> {
     let task = state.coordinator.task(&task)?;
     Ok(Json(
@@ -111,11 +114,12 @@ pub async fn poll(
 
 #[utoipa::path(post, path = "/v1/tasks/{task}/join", tag = "client", params(("task" = String, Path)),
     security(("client_credentials" = [])),
-    responses((status = 200, body = JoinResponse, description = "an offer, or when to come back"), (status = 404, body = ApiError), (status = 409, body = ApiError)))]
+    responses((status = 200, body = JoinResponse, description = "an offer, or when to come back"),
+        (status = 409, body = ApiError, description = "`task_ended`: the task is stopped or finished; or the round cannot take this client")))]
 pub async fn join(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path(task): Path<String>,
+    ApiPath(task): ApiPath<String>,
 ) -> Result<Json<JoinResponse>, ServerError> {
     let task = state.coordinator.task(&task)?;
     Ok(Json(state.coordinator.join(&task, &auth.id)?))
@@ -123,11 +127,13 @@ pub async fn join(
 
 #[utoipa::path(get, path = "/v1/tasks/{task}/model", tag = "client", params(("task" = String, Path)),
     security(("client_credentials" = [])),
-    responses((status = 200, description = "the global model (safetensors); ETag is its digest"), (status = 304, description = "unchanged"), (status = 404, body = ApiError)))]
+    responses((status = 200, body = inline(super::doc::Binary), content_type = "application/octet-stream",
+            description = "the global model (safetensors); ETag is its digest"),
+        (status = 304, description = "unchanged: `If-None-Match` names the current digest")))]
 pub async fn model(
     State(state): State<Shared>,
     _auth: ClientAuth,
-    Path(task): Path<String>,
+    ApiPath(task): ApiPath<String>,
     headers: HeaderMap,
 ) -> Result<Response, ServerError> {
     let task = state.coordinator.task(&task)?;
@@ -175,11 +181,14 @@ async fn file_response(
 
 #[utoipa::path(get, path = "/v1/tasks/{task}/module", tag = "client", params(("task" = String, Path)),
     security(("client_credentials" = [])),
-    responses((status = 200, description = "the task's TorchScript module"), (status = 404, body = ApiError)))]
+    responses((status = 200, body = inline(super::doc::Binary), content_type = "application/octet-stream",
+            description = "the task's TorchScript module; ETag is its digest"),
+        (status = 304, description = "unchanged: `If-None-Match` names the module's digest"),
+        (status = 404, body = ApiError, description = "`not_found`: no such task, or the task uses a built-in model")))]
 pub async fn module(
     State(state): State<Shared>,
     _auth: ClientAuth,
-    Path(task): Path<String>,
+    ApiPath(task): ApiPath<String>,
     headers: HeaderMap,
 ) -> Result<Response, ServerError> {
     let task = state.coordinator.task(&task)?;
@@ -199,18 +208,20 @@ pub async fn module(
 
 #[utoipa::path(post, path = "/v1/tasks/{task}/rounds/{round}/update", tag = "client",
     params(("task" = String, Path), ("round" = u64, Path), ("x-hora-update" = String, Header, description = "UpdateMeta as JSON")),
-    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "the sealed envelope of the safetensors delta"),
+    request_body(content = inline(super::doc::Binary), content_type = "application/octet-stream", description = "the sealed envelope of the safetensors delta"),
     security(("client_credentials" = [])),
     responses(
         (status = 200, body = UpdateReceipt, description = "folded and durable"),
-        (status = 400, body = ApiError, description = "bad envelope, names, shapes, dtypes or values"),
-        (status = 401, body = ApiError), (status = 404, body = ApiError),
-        (status = 409, body = ApiError, description = "wrong, closed or abandoned round; not selected; already uploaded"),
-        (status = 411, body = ApiError), (status = 413, body = ApiError)))]
+        (status = 400, body = ApiError, description = "a malformed path or `x-hora-update` header; `invalid_update`: a bad envelope, names, shapes, dtypes or values"),
+        (status = 408, body = ApiError, description = "`upload_too_slow`: the body arrived too slowly"),
+        (status = 409, body = ApiError, description = "wrong, closed or abandoned round; not selected; already uploaded; `upload_in_progress`: another upload of this client to this round is being read"),
+        (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
+        (status = 413, body = ApiError, description = "`payload_too_large`: over the task's update size"),
+        (status = 503, body = ApiError, description = "`not_durable_yet`: the update could not be made durable in time, or `unavailable`: the server is shutting down (retry the upload); `request_timeout`: the server gave up on the request")))]
 pub async fn update(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path((task, round)): Path<(String, u64)>,
+    ApiPath((task, round)): ApiPath<(String, u64)>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<UpdateReceipt>, ServerError> {

@@ -9,12 +9,20 @@
 pub mod admin;
 pub mod body;
 pub mod client;
+pub mod doc;
 pub mod secagg;
+mod strict_json;
 pub mod sync;
 
+pub use doc::ApiDoc;
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request, State};
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
@@ -22,6 +30,7 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use axum::Json;
 use axum::Router;
 use hora_common::wire::ApiError;
 use serde::de::DeserializeOwned;
@@ -172,15 +181,18 @@ impl FromRequestParts<Shared> for ClientAuth {
     }
 }
 
-/// `axum::Json` whose rejections are `ApiError` bodies.
+/// `axum::Json` whose rejections are `ApiError` bodies, read as the document's JSON Schema reads
+/// JSON (see [`strict_json`]).
 pub struct ApiJson<T>(pub T);
 
 impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ServerError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ServerError> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+        match axum::Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(axum::Json(v)) => strict_json::from_value(v)
+                .map(ApiJson)
+                .map_err(|e| ServerError::BadRequest(format!("malformed JSON body: {e}"))),
             Err(JsonRejection::MissingJsonContentType(_)) => Err(ServerError::BadRequest(
                 "send the body as JSON with `Content-Type: application/json`".into(),
             )),
@@ -195,6 +207,40 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     }
 }
 
+/// `axum::extract::Path` whose rejections are `ApiError` bodies: a path parameter that does not
+/// parse (`/v1/tasks/t/rounds/notanumber/update`) is a 400 `bad_request`, as the document says.
+pub struct ApiPath<T>(pub T);
+
+impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ServerError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ServerError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(ApiPath(v)),
+            // A route whose handler asks for parameters its path lacks: our bug, not the caller's.
+            Err(e) if e.status().is_server_error() => Err(ServerError::internal(e.body_text())),
+            Err(e) => Err(ServerError::BadRequest(format!(
+                "malformed path: {}",
+                e.body_text()
+            ))),
+        }
+    }
+}
+
+/// `axum::extract::Query` whose rejections are `ApiError` bodies (400 `bad_request`).
+pub struct ApiQuery<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ServerError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ServerError> {
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|axum::extract::Query(v)| ApiQuery(v))
+            .map_err(|e| ServerError::BadRequest(format!("malformed query: {}", e.body_text())))
+    }
+}
+
 /// Whether the request's `If-None-Match` names `etag`.
 pub fn not_modified(headers: &HeaderMap, etag: &str) -> bool {
     headers
@@ -206,12 +252,17 @@ pub fn not_modified(headers: &HeaderMap, etag: &str) -> bool {
         })
 }
 
-#[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "The server is up", body = String)))]
+#[utoipa::path(get, path = "/healthz", tag = "ops",
+    responses((status = 200, description = "The server is up", body = inline(doc::Text), content_type = "text/plain")))]
 async fn healthz() -> &'static str {
     "ok"
 }
 
-#[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format", body = String)))]
+#[utoipa::path(get, path = "/metrics", tag = "ops",
+    security((), ("admin_token" = [])),
+    responses(
+        (status = 200, description = "Prometheus text format", body = inline(doc::Text), content_type = "application/openmetrics-text"),
+        (status = 401, body = ApiError, description = "the operator requires the admin token for metrics, and the request lacks it")))]
 async fn metrics(State(state): State<Shared>, parts: Parts) -> Result<Response, ServerError> {
     if state.limits.metrics_require_token {
         let mut parts = parts;
@@ -227,7 +278,8 @@ async fn metrics(State(state): State<Shared>, parts: Parts) -> Result<Response, 
         .into_response())
 }
 
-#[utoipa::path(get, path = "/openapi.json", tag = "ops", responses((status = 200, description = "This document")))]
+#[utoipa::path(get, path = "/openapi.json", tag = "ops",
+    responses((status = 200, description = "This document (OpenAPI 3.1)", body = Object)))]
 async fn openapi() -> Response {
     axum::Json(ApiDoc::openapi()).into_response()
 }
@@ -236,44 +288,76 @@ async fn fallback() -> ServerError {
     ServerError::NotFound("no such route: see GET /openapi.json".into())
 }
 
-#[derive(OpenApi)]
-#[openapi(
-    info(title = "Hora", description = "Federated learning server: client API (/v1) and admin API (/admin/v1)"),
-    paths(
-        healthz, metrics, openapi,
-        client::enrol, client::poll, client::join, client::model, client::module, client::update,
-        admin::upload_model, admin::upload_module, admin::create_task, admin::list_tasks, admin::get_task,
-        admin::pause, admin::resume, admin::stop, admin::rounds, admin::round_model,
-        admin::create_enrolment, admin::list_clients, admin::revoke_client,
-        admin::create_sync_job, admin::list_sync_jobs, admin::delete_sync_job,
-        sync::join,
-        secagg::advertise, secagg::neighbours, secagg::share, secagg::inbox, secagg::masked,
-        secagg::unmask_request, secagg::unmask,
-    ),
-    components(schemas(ApiError)),
-    modifiers(&BearerAuth),
-)]
-pub struct ApiDoc;
+/// A request body that notes when it has been read to its end.
+struct TrackedBody {
+    inner: Body,
+    read: Arc<AtomicBool>,
+}
 
-struct BearerAuth;
+impl http_body::Body for TrackedBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
 
-impl utoipa::Modify for BearerAuth {
-    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-        let components = openapi.components.get_or_insert_with(Default::default);
-        components.add_security_scheme(
-            "admin_token",
-            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
-        );
-        components.add_security_scheme(
-            "client_credentials",
-            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
-        );
-        components.add_security_scheme(
-            "sync_job_token",
-            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.read.store(true, Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// An answer given before the request's body was read (a refusal from the credentials or the
+/// path alone) leaves an HTTP/1.1 connection unusable: hyper closes it after the answer, but
+/// without saying so, and a client that sends its next request on it sees the connection drop
+/// instead of an answer. Such answers say `Connection: close`, so the client opens a new one.
+/// (HTTP/2 refuses the one stream and keeps the connection.)
+async fn close_when_body_unread(req: Request, next: axum::middleware::Next) -> Response {
+    use http_body::Body as _;
+    if req.version() > axum::http::Version::HTTP_11 || req.body().is_end_stream() {
+        return next.run(req).await;
+    }
+    let read = Arc::new(AtomicBool::new(false));
+    let tracked = read.clone();
+    let req = req.map(|inner| {
+        Body::new(TrackedBody {
+            inner,
+            read: tracked,
+        })
+    });
+    let mut response = next.run(req).await;
+    if !read.load(Ordering::Relaxed) {
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
         );
     }
+    response
+}
+
+/// A known path asked with a method it does not serve. The router adds the `Allow` header.
+async fn method_not_allowed(method: axum::http::Method) -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        Json(ApiError {
+            code: "method_not_allowed".into(),
+            message: format!(
+                "this route does not answer {method}: see the `Allow` header or GET /openapi.json"
+            ),
+        }),
+    )
+        .into_response()
 }
 
 /// Whether a route may legitimately hold a request longer than the request timeout: long polls
@@ -338,9 +422,12 @@ pub fn router(state: Shared) -> Router {
             state.clone(),
             request_timeout,
         ))
+        // After every route is in place: it is set on the routes registered so far.
+        .method_not_allowed_fallback(method_not_allowed)
         // Bodies are bounded per route (read_body, ApiJson's limit below).
         .layer(axum::extract::DefaultBodyLimit::max(
             state.limits.max_json_bytes,
         ))
+        .layer(axum::middleware::from_fn(close_when_body_unread))
         .with_state(state)
 }

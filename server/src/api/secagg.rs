@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -26,7 +26,7 @@ use hora_common::wire::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::{read_upload, ApiJson, ClientAuth, Shared};
+use super::{read_upload, ApiJson, ApiPath, ApiQuery, ClientAuth, Shared};
 use crate::coordinator::Round;
 use crate::error::ServerError;
 use crate::secagg::{Outcome, SecAggRound};
@@ -42,13 +42,14 @@ pub fn routes() -> Router<Shared> {
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct WaitQuery {
     /// How long to hold the request open for the stage to close (capped at 30 s).
     #[serde(default)]
     wait_ms: u64,
 }
 
-type AttemptPath = Path<(String, u64, u32)>;
+type AttemptPath = ApiPath<(String, u64, u32)>;
 
 /// Runs a stage's message on a blocking thread (it writes and flushes the store, and the last
 /// answer of the unmask stage removes every mask), then acts on the outcome.
@@ -111,11 +112,11 @@ async fn wait_for<T: Serialize>(
     params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path)), request_body = SecAggAdvertise,
     security(("client_credentials" = [])),
     responses((status = 200, body = SecAggReceipt), (status = 400, body = ApiError, description = "bad signature, low-order key, malformed"),
-        (status = 409, body = ApiError, description = "not selected, stage closed, attempt abandoned, other keys advertised")))]
+        (status = 409, body = ApiError, description = "no round open, not secure aggregation, not selected, stage closed, attempt abandoned, other keys advertised, no identity key")))]
 pub async fn advertise(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path(at): AttemptPath,
+    ApiPath(at): AttemptPath,
     ApiJson(keys): ApiJson<SecAggAdvertise>,
 ) -> Result<Json<SecAggReceipt>, ServerError> {
     let identity = state
@@ -143,12 +144,12 @@ pub async fn advertise(
     params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path), WaitQuery),
     security(("client_credentials" = [])),
     responses((status = 200, body = SecAggRoster), (status = 204, description = "advertising has not closed yet"),
-        (status = 409, body = ApiError, description = "dropped out, attempt abandoned")))]
+        (status = 409, body = ApiError, description = "no round open, not selected, dropped out, attempt abandoned")))]
 pub async fn neighbours(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path(at): AttemptPath,
-    Query(q): Query<WaitQuery>,
+    ApiPath(at): AttemptPath,
+    ApiQuery(q): ApiQuery<WaitQuery>,
 ) -> Result<Response, ServerError> {
     wait_for(&state, &auth.id, at, q.wait_ms, |s| s.roster(&auth.id)).await
 }
@@ -157,11 +158,11 @@ pub async fn neighbours(
     params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path)), request_body = SecAggShareBundles,
     security(("client_credentials" = [])),
     responses((status = 200, body = SecAggReceipt), (status = 400, body = ApiError, description = "a bundle for a non-neighbour, a neighbour missing"),
-        (status = 409, body = ApiError)))]
+        (status = 409, body = ApiError, description = "no round open, not selected, stage closed, dropped out, other bundles sent")))]
 pub async fn share(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path(at): AttemptPath,
+    ApiPath(at): AttemptPath,
     ApiJson(bundles): ApiJson<SecAggShareBundles>,
 ) -> Result<Json<SecAggReceipt>, ServerError> {
     let client = auth.id.clone();
@@ -175,27 +176,32 @@ pub async fn share(
     params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path), WaitQuery),
     security(("client_credentials" = [])),
     responses((status = 200, body = SecAggShareBundles, description = "the bundles addressed to this client"),
-        (status = 204, description = "sharing has not closed yet"), (status = 409, body = ApiError)))]
+        (status = 204, description = "sharing has not closed yet"),
+        (status = 409, body = ApiError, description = "no round open, not selected, dropped out, attempt abandoned")))]
 pub async fn inbox(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path(at): AttemptPath,
-    Query(q): Query<WaitQuery>,
+    ApiPath(at): AttemptPath,
+    ApiQuery(q): ApiQuery<WaitQuery>,
 ) -> Result<Response, ServerError> {
     wait_for(&state, &auth.id, at, q.wait_ms, |s| s.inbox(&auth.id)).await
 }
 
 #[utoipa::path(post, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/masked", tag = "secure aggregation",
     params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path)),
-    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "the masked input: numel + 1 u32 values, little-endian"),
+    request_body(content = inline(super::doc::Binary), content_type = "application/octet-stream", description = "the masked input: numel + 1 u32 values, little-endian"),
     security(("client_credentials" = [])),
     responses((status = 200, body = SecAggReceipt, description = "folded into the sum and durable"),
-        (status = 400, body = ApiError, description = "wrong length"), (status = 409, body = ApiError, description = "already uploaded, stage closed, dropped out"),
-        (status = 411, body = ApiError), (status = 413, body = ApiError)))]
+        (status = 400, body = ApiError, description = "a malformed path; the wrong length"),
+        (status = 408, body = ApiError, description = "`upload_too_slow`: the body arrived too slowly"),
+        (status = 409, body = ApiError, description = "no round open, not selected, already uploaded, stage closed, dropped out; `upload_in_progress`: another masked upload of this client is being read"),
+        (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
+        (status = 413, body = ApiError, description = "`payload_too_large`: longer than the masked input"),
+        (status = 503, body = ApiError, description = "`not_durable_yet`: the masked input could not be made durable in time (retry); `request_timeout`: the server gave up on the request")))]
 pub async fn masked(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path(at): AttemptPath,
+    ApiPath(at): AttemptPath,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<SecAggReceipt>, ServerError> {
@@ -218,12 +224,12 @@ pub async fn masked(
     params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path), WaitQuery),
     security(("client_credentials" = [])),
     responses((status = 200, body = SecAggUnmaskRequest), (status = 204, description = "masked inputs are still due"),
-        (status = 409, body = ApiError)))]
+        (status = 409, body = ApiError, description = "no round open, not selected, dropped out, attempt abandoned")))]
 pub async fn unmask_request(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path(at): AttemptPath,
-    Query(q): Query<WaitQuery>,
+    ApiPath(at): AttemptPath,
+    ApiQuery(q): ApiQuery<WaitQuery>,
 ) -> Result<Response, ServerError> {
     wait_for(&state, &auth.id, at, q.wait_ms, |s| {
         s.unmask_request(&auth.id)
@@ -235,11 +241,11 @@ pub async fn unmask_request(
     params(("task" = String, Path), ("round" = u64, Path), ("attempt" = u32, Path)), request_body = SecAggUnmask,
     security(("client_credentials" = [])),
     responses((status = 200, body = SecAggReceipt), (status = 400, body = ApiError, description = "a share not asked for, of the wrong kind, or two for one peer"),
-        (status = 409, body = ApiError)))]
+        (status = 409, body = ApiError, description = "no round open, not selected, stage closed, dropped out, other shares sent")))]
 pub async fn unmask(
     State(state): State<Shared>,
     auth: ClientAuth,
-    Path(at): AttemptPath,
+    ApiPath(at): AttemptPath,
     ApiJson(answer): ApiJson<SecAggUnmask>,
 ) -> Result<Json<SecAggReceipt>, ServerError> {
     let client = auth.id.clone();

@@ -2,14 +2,14 @@
 //! job's token (not client credentials: the workers of a job are one launcher's processes, not
 //! enrolled devices) and is held until its world is complete; see [`crate::rendezvous`].
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::header::AUTHORIZATION;
 use axum::http::HeaderMap;
 use axum::routing::post;
 use axum::{Json, Router};
 use hora_common::wire::{ApiError, SyncJoinRequest, SyncWorld};
 
-use super::{ApiJson, Shared};
+use super::{ApiJson, ApiPath, Shared};
 use crate::auth;
 use crate::error::ServerError;
 
@@ -29,7 +29,7 @@ pub fn routes() -> axum::Router<Shared> {
         (status = 410, body = ApiError, description = "`job_deleted`: the job was deleted while this worker waited")))]
 pub async fn join(
     State(state): State<Shared>,
-    Path(job): Path<String>,
+    ApiPath(job): ApiPath<String>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<SyncJoinRequest>,
 ) -> Result<Json<SyncWorld>, ServerError> {
