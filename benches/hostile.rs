@@ -36,23 +36,29 @@ fn env_or(name: &str, default: usize) -> usize {
 struct Attacks {
     idle_opened: AtomicUsize,
     stalled_cut: AtomicUsize,
-    stalled_other: AtomicUsize,
+    /// Other answers to stalled bodies, by status line.
+    stalled_other: std::sync::Mutex<std::collections::BTreeMap<String, usize>>,
     poisoned_refused: AtomicUsize,
     poisoned_accepted: AtomicUsize,
 }
 
-/// Runs `rounds` rounds of the honest clients; returns each round's latency: from the first
-/// join to the next round being open (every honest update durable and the round published).
+/// Runs rounds of the honest clients, `rounds` at least and for `at_least` at least; returns
+/// each round's latency: from the first join to the next round being open (every honest update
+/// durable and the round published).
 async fn honest_rounds(
     task: &str,
     honest: &[Client],
     model: &Model,
     first: u64,
-    rounds: u64,
+    (rounds, at_least): (u64, Duration),
     during_round: impl Fn(u64) -> Vec<tokio::task::JoinHandle<()>>,
 ) -> Vec<Duration> {
     let mut latencies = Vec::new();
-    for round in first..first + rounds {
+    let phase = Instant::now();
+    for round in first.. {
+        if round >= first + rounds && phase.elapsed() >= at_least {
+            break;
+        }
         let started = Instant::now();
         let attacks = during_round(round);
         let mut uploads = Vec::new();
@@ -90,6 +96,23 @@ async fn honest_rounds(
         }
     }
     latencies
+}
+
+/// Joins the open round of the `hostile` task; `None` when not selected (the round is full).
+async fn try_join(c: &Client) -> Option<hora_common::wire::RoundOffer> {
+    let r = c
+        .api
+        .request(Method::POST, "/v1/tasks/hostile/join")
+        .send()
+        .await
+        .ok()?;
+    if !r.status().is_success() {
+        return None;
+    }
+    r.json::<hora_common::wire::JoinResponse>()
+        .await
+        .ok()?
+        .offer
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -150,7 +173,7 @@ async fn run() {
     let mut config = task(
         "hostile",
         digest,
-        2 * rounds + 2,
+        1_000_000,
         HONEST as u32,
         HONEST as u32,
         60,
@@ -180,8 +203,19 @@ async fn run() {
     }
 
     // Warm-up round, then the baseline.
-    honest_rounds("hostile", &honest, &model, 1, 1, |_| Vec::new()).await;
-    let calm = honest_rounds("hostile", &honest, &model, 2, rounds, |_| Vec::new()).await;
+    honest_rounds("hostile", &honest, &model, 1, (1, Duration::ZERO), |_| {
+        Vec::new()
+    })
+    .await;
+    let calm = honest_rounds(
+        "hostile",
+        &honest,
+        &model,
+        2,
+        (rounds, Duration::ZERO),
+        |_| Vec::new(),
+    )
+    .await;
 
     // The attack: idle and half-open connections held (and reopened when the server closes
     // them) for the whole phase, and in every round stalled bodies and poisoned updates.
@@ -209,50 +243,69 @@ async fn run() {
             }
         }));
     }
+    // Stallers, throughout the phase: each joins the open round, sends an upload's head and four
+    // bytes of its body, and waits for the answer; then does it again.
+    let mut stalling = Vec::new();
+    for s in &stallers {
+        let (s, server, model, attacks) =
+            (s.clone(), server.clone(), model.clone(), attacks.clone());
+        stalling.push(tokio::spawn(async move {
+            loop {
+                let offer = try_join(&s).await;
+                let Some(offer) = offer else {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                };
+                let body = s.seal("hostile", &offer, &delta(&model, offer.round));
+                let mut conn = raw_tls(&server).await;
+                let head = upload_head(&s, "hostile", offer.round, body.len());
+                let _ = conn.write_all(head.as_bytes()).await;
+                let _ = conn.write_all(&body[..4]).await;
+                let _ = conn.flush().await;
+                let mut got = Vec::new();
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = conn.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    if String::from_utf8_lossy(&got).contains('}') {
+                        break;
+                    }
+                }
+                let text = String::from_utf8_lossy(&got);
+                if text.starts_with("HTTP/1.1 408") && text.contains("upload_too_slow") {
+                    attacks.stalled_cut.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    let code = text
+                        .split("\"code\":\"")
+                        .nth(1)
+                        .and_then(|c| c.split('"').next())
+                        .unwrap_or("");
+                    let status = format!(
+                        "{} {code}",
+                        text.lines().next().unwrap_or("connection closed")
+                    );
+                    *attacks
+                        .stalled_other
+                        .lock()
+                        .expect("lock")
+                        .entry(status)
+                        .or_default() += 1;
+                }
+            }
+        }));
+    }
     let rounds_under_attack = {
-        let (stallers, poisoners, model, attacks) = (
-            stallers.clone(),
-            poisoners.clone(),
-            model.clone(),
-            attacks.clone(),
-        );
-        let server = server.clone();
+        let (poisoners, model, attacks) = (poisoners.clone(), model.clone(), attacks.clone());
         move |round: u64| {
             let mut tasks = Vec::new();
-            for s in &stallers {
-                let (s, server, model, attacks) =
-                    (s.clone(), server.clone(), model.clone(), attacks.clone());
-                tasks.push(tokio::spawn(async move {
-                    let offer = s.join("hostile").await;
-                    let body = s.seal("hostile", &offer, &delta(&model, round));
-                    let mut conn = raw_tls(&server).await;
-                    let head = upload_head(&s, "hostile", offer.round, body.len());
-                    let _ = conn.write_all(head.as_bytes()).await;
-                    let _ = conn.write_all(&body[..4]).await;
-                    let _ = conn.flush().await;
-                    let mut got = Vec::new();
-                    let mut buf = [0u8; 1024];
-                    while let Ok(n) = conn.read(&mut buf).await {
-                        if n == 0 {
-                            break;
-                        }
-                        got.extend_from_slice(&buf[..n]);
-                        if String::from_utf8_lossy(&got).contains('}') {
-                            break;
-                        }
-                    }
-                    let text = String::from_utf8_lossy(&got);
-                    if text.starts_with("HTTP/1.1 408") && text.contains("upload_too_slow") {
-                        attacks.stalled_cut.fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        attacks.stalled_other.fetch_add(1, Ordering::Relaxed);
-                    }
-                }));
-            }
             for (k, p) in poisoners.iter().enumerate() {
                 let (p, model, attacks) = (p.clone(), model.clone(), attacks.clone());
                 tasks.push(tokio::spawn(async move {
-                    let offer = p.join("hostile").await;
+                    let Some(offer) = try_join(&p).await else {
+                        return;
+                    };
                     let mut bad = Model::zeros(&model.spec());
                     if k % 2 == 0 {
                         bad.data_mut()[k] = f32::NAN;
@@ -285,15 +338,21 @@ async fn run() {
     // Let the idle connections build up first.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let first = 2 + rounds;
+    // Long enough for the server to close idle connections (which the attackers reopen) and to
+    // cut stalled bodies off, several times over.
+    let attack_phase = Duration::from_secs(3 * IDLE_TIMEOUT_SECS);
     let attacked = honest_rounds(
         "hostile",
         &honest,
         &model,
         first,
-        rounds,
+        (rounds, attack_phase),
         rounds_under_attack,
     )
     .await;
+    for s in stalling {
+        s.abort();
+    }
 
     // Stop reopening; every attacker connection still held must be closed by the server
     // within the idle timeout.
@@ -327,7 +386,7 @@ async fn run() {
     let (a50, a95, amax) = summary(&attacked);
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!("hostile-load benchmark: {HONEST} honest clients, small MLP (356 parameters), release hora-server on loopback TLS");
-    println!("attack per round: {STALLERS} stalled bodies (4 bytes of a whole update), {POISONERS} poisoned updates (NaN, 3e38 everywhere, num_examples = u64::MAX); {idle} idle/half-open TLS connections held throughout (reopened when closed)");
+    println!("attack: {STALLERS} clients stalling upload bodies (4 bytes of a whole update) and {idle} idle/half-open TLS connections throughout (reopened when closed), {POISONERS} poisoned updates per round (NaN, 3e38 everywhere, num_examples = u64::MAX); attack phase at least {} s", 3 * IDLE_TIMEOUT_SECS);
     println!();
     println!("| phase | rounds | p50 ms | p95 ms | max ms |");
     println!("|---|---|---|---|---|");
@@ -352,13 +411,13 @@ async fn run() {
         ms(a95) / ms(c95)
     );
     println!(
-        "idle/half-open connections opened by attackers: {} (each closed by the server and reopened)",
+        "idle/half-open connections opened by attackers: {} ({idle} at a time; each closed by the server is reopened)",
         attacks.idle_opened.load(Ordering::Relaxed)
     );
     println!(
-        "stalled bodies: {} cut off with 408 upload_too_slow, {} answered otherwise",
+        "stalled bodies: {} cut off with 408 upload_too_slow, otherwise: {:?} (those still stalling when the phase ended are not counted)",
         attacks.stalled_cut.load(Ordering::Relaxed),
-        attacks.stalled_other.load(Ordering::Relaxed)
+        attacks.stalled_other.lock().expect("lock")
     );
     println!(
         "poisoned updates: {} refused (400), {} accepted; published model finite: {finite}",
