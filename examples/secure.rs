@@ -42,8 +42,10 @@ struct Args {
     /// Deadline of each key-exchange stage.
     #[arg(long, default_value_t = 8)]
     stage_secs: u64,
-    /// Time for training once the keys are exchanged.
-    #[arg(long, default_value_t = 10)]
+    /// Time for training once the keys are exchanged; also how long advertising waits for the
+    /// selected clients after the round opens, which must cover twenty client processes
+    /// starting at once on a loaded two-core machine.
+    #[arg(long, default_value_t = 20)]
     round_deadline_secs: u64,
     #[arg(long, default_value_t = 0)]
     seed: u64,

@@ -46,9 +46,6 @@ const CONTENT_CHECKED: &[&str] = &[
     "POST /v1/tasks/{task}/secagg/{round}/{attempt}/masked",
     "POST /v1/tasks/{task}/secagg/{round}/{attempt}/unmask",
     "POST /v1/sync/{job}/join",
-    // `tasks` is documented ahead of the enrolment scoping that enforces it, and refused until
-    // then: remove this line when it lands.
-    "POST /admin/v1/enrolments",
 ];
 
 /// The fuzzer, or `None` where the test cannot run here at all (no Python).
