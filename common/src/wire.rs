@@ -66,13 +66,121 @@ pub enum ModelKind {
     },
 }
 
-/// How the round's updates become the next global model.
+/// How the round's updates become the next global model. Every strategy starts from the
+/// round's pseudo-gradient Δ, the example-weighted mean of the clients' deltas; the stateful ones
+/// keep per-parameter state across rounds, persisted with the task. Omitted parameters take the
+/// defaults shown (`{"name":"fed_adam"}` is FedAdam with all of them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, ToSchema)]
 #[serde(tag = "name", rename_all = "snake_case", deny_unknown_fields)]
 pub enum StrategyConfig {
-    /// FedAvg: the mean of the deltas weighted by example counts, added to the global model.
+    /// FedAvg (McMahan et al. 2017): x ← x + Δ.
     #[default]
     FedAvg,
+    /// FedAvgM, server momentum (Hsu et al. 2019): m ← β·m + Δ; x ← x + η·m.
+    FedAvgM {
+        /// Server learning rate η.
+        #[serde(default = "defaults::fed_avg_m_eta")]
+        #[schema(exclusive_minimum = 0.0, default = 1.0)]
+        eta: f64,
+        /// Momentum β, in [0, 1).
+        #[serde(default = "defaults::momentum")]
+        #[schema(minimum = 0.0, exclusive_maximum = 1.0, default = 0.9)]
+        momentum: f64,
+    },
+    /// FedAdam (Reddi et al. 2021): m ← β₁·m + (1−β₁)·Δ; v ← β₂·v + (1−β₂)·Δ²;
+    /// x ← x + η·m/(√v + τ).
+    FedAdam {
+        /// Server learning rate η.
+        #[serde(default = "defaults::fed_adam_eta")]
+        #[schema(exclusive_minimum = 0.0, default = 0.01)]
+        eta: f64,
+        /// First-moment decay β₁, in [0, 1).
+        #[serde(default = "defaults::beta_1")]
+        #[schema(minimum = 0.0, exclusive_maximum = 1.0, default = 0.9)]
+        beta_1: f64,
+        /// Second-moment decay β₂, in [0, 1).
+        #[serde(default = "defaults::beta_2")]
+        #[schema(minimum = 0.0, exclusive_maximum = 1.0, default = 0.99)]
+        beta_2: f64,
+        /// Adaptivity τ: added to √v, so coordinates with little signal take small steps.
+        #[serde(default = "defaults::tau")]
+        #[schema(exclusive_minimum = 0.0, default = 0.001)]
+        tau: f64,
+    },
+    /// FedYogi (Reddi et al. 2021): as FedAdam, with v ← v − (1−β₂)·Δ²·sign(v − Δ²), so v
+    /// grows as fast as FedAdam's but shrinks slowly.
+    FedYogi {
+        /// Server learning rate η.
+        #[serde(default = "defaults::fed_yogi_eta")]
+        #[schema(exclusive_minimum = 0.0, default = 0.01)]
+        eta: f64,
+        /// First-moment decay β₁, in [0, 1).
+        #[serde(default = "defaults::beta_1")]
+        #[schema(minimum = 0.0, exclusive_maximum = 1.0, default = 0.9)]
+        beta_1: f64,
+        /// Second-moment rate β₂, in [0, 1).
+        #[serde(default = "defaults::beta_2")]
+        #[schema(minimum = 0.0, exclusive_maximum = 1.0, default = 0.99)]
+        beta_2: f64,
+        /// Adaptivity τ: added to √v, so coordinates with little signal take small steps.
+        #[serde(default = "defaults::tau")]
+        #[schema(exclusive_minimum = 0.0, default = 0.001)]
+        tau: f64,
+    },
+    /// FedAdagrad (Reddi et al. 2021): m as FedAdam's; v ← v + Δ²; x ← x + η·m/(√v + τ).
+    FedAdagrad {
+        /// Server learning rate η.
+        #[serde(default = "defaults::fed_adagrad_eta")]
+        #[schema(exclusive_minimum = 0.0, default = 0.1)]
+        eta: f64,
+        /// First-moment decay β₁, in [0, 1) (0: no momentum).
+        #[serde(default = "defaults::beta_1")]
+        #[schema(minimum = 0.0, exclusive_maximum = 1.0, default = 0.9)]
+        beta_1: f64,
+        /// Adaptivity τ: added to √v, so coordinates with little signal take small steps.
+        #[serde(default = "defaults::tau")]
+        #[schema(exclusive_minimum = 0.0, default = 0.001)]
+        tau: f64,
+    },
+}
+
+impl StrategyConfig {
+    /// FedAvgM with its default parameters.
+    pub fn fed_avg_m() -> Self {
+        StrategyConfig::FedAvgM {
+            eta: defaults::fed_avg_m_eta(),
+            momentum: defaults::momentum(),
+        }
+    }
+
+    /// FedAdam with its default parameters.
+    pub fn fed_adam() -> Self {
+        StrategyConfig::FedAdam {
+            eta: defaults::fed_adam_eta(),
+            beta_1: defaults::beta_1(),
+            beta_2: defaults::beta_2(),
+            tau: defaults::tau(),
+        }
+    }
+
+    /// FedYogi with its default parameters.
+    pub fn fed_yogi() -> Self {
+        StrategyConfig::FedYogi {
+            eta: defaults::fed_yogi_eta(),
+            beta_1: defaults::beta_1(),
+            beta_2: defaults::beta_2(),
+            tau: defaults::tau(),
+        }
+    }
+
+    /// FedAdagrad with its default parameters.
+    pub fn fed_adagrad() -> Self {
+        StrategyConfig::FedAdagrad {
+            eta: defaults::fed_adagrad_eta(),
+            beta_1: defaults::beta_1(),
+            tau: defaults::tau(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -604,6 +712,31 @@ mod defaults {
     pub fn stage_secs() -> u64 {
         30
     }
+    // Strategy defaults; `hora-server`'s `strategy` module says where each comes from.
+    pub fn fed_avg_m_eta() -> f64 {
+        1.0
+    }
+    pub fn momentum() -> f64 {
+        0.9
+    }
+    pub fn fed_adam_eta() -> f64 {
+        0.01
+    }
+    pub fn fed_yogi_eta() -> f64 {
+        0.01
+    }
+    pub fn fed_adagrad_eta() -> f64 {
+        0.1
+    }
+    pub fn beta_1() -> f64 {
+        0.9
+    }
+    pub fn beta_2() -> f64 {
+        0.99
+    }
+    pub fn tau() -> f64 {
+        1e-3
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -699,6 +832,75 @@ mod tests {
             r#""round_deadline_secs":60,"training":{"optimizer":{"name":"lbfgs"}}"#,
         );
         assert!(serde_json::from_str::<CreateTask>(&bad_opt).is_err());
+    }
+
+    #[test]
+    fn strategies_take_defaults_and_fed_avg_stays_as_it_was() {
+        // FedAvg's JSON is what clients and tests have always sent.
+        let avg: StrategyConfig = serde_json::from_str(r#"{"name":"fed_avg"}"#).unwrap();
+        assert_eq!(avg, StrategyConfig::FedAvg);
+        assert_eq!(
+            serde_json::to_string(&avg).unwrap(),
+            r#"{"name":"fed_avg"}"#
+        );
+
+        for (json, defaults) in [
+            (r#"{"name":"fed_avg_m"}"#, StrategyConfig::fed_avg_m()),
+            (r#"{"name":"fed_adam"}"#, StrategyConfig::fed_adam()),
+            (r#"{"name":"fed_yogi"}"#, StrategyConfig::fed_yogi()),
+            (r#"{"name":"fed_adagrad"}"#, StrategyConfig::fed_adagrad()),
+        ] {
+            let parsed: StrategyConfig = serde_json::from_str(json).unwrap();
+            assert_eq!(parsed, defaults, "{json}");
+            let back = serde_json::to_string(&parsed).unwrap();
+            assert_eq!(
+                serde_json::from_str::<StrategyConfig>(&back).unwrap(),
+                parsed
+            );
+        }
+        assert_eq!(
+            StrategyConfig::fed_adam(),
+            StrategyConfig::FedAdam {
+                eta: 0.01,
+                beta_1: 0.9,
+                beta_2: 0.99,
+                tau: 1e-3
+            }
+        );
+        assert_eq!(
+            StrategyConfig::fed_avg_m(),
+            StrategyConfig::FedAvgM {
+                eta: 1.0,
+                momentum: 0.9
+            }
+        );
+
+        // One parameter given, the others default.
+        let yogi: StrategyConfig =
+            serde_json::from_str(r#"{"name":"fed_yogi","tau":0.01}"#).unwrap();
+        assert_eq!(
+            yogi,
+            StrategyConfig::FedYogi {
+                eta: 0.01,
+                beta_1: 0.9,
+                beta_2: 0.99,
+                tau: 0.01
+            }
+        );
+        // A misspelt parameter, a parameter of another strategy, an unknown strategy: refused.
+        // (Not `{"name":"fed_avg","eta":1}`: serde ignores fields beside the tag of a unit
+        // variant, and FedAvg stays a unit variant so its Rust and JSON forms stay as they were.)
+        for bad in [
+            r#"{"name":"fed_adam","etta":0.1}"#,
+            r#"{"name":"fed_adagrad","beta_2":0.9}"#,
+            r#"{"name":"fed_avg_m","beta_1":0.9}"#,
+            r#"{"name":"fed_lion"}"#,
+        ] {
+            assert!(
+                serde_json::from_str::<StrategyConfig>(bad).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -202,6 +202,17 @@ impl Coordinator {
         for (id, record) in coordinator.store.tasks_each()? {
             // One task's corrupt state must not keep the others from serving.
             let loaded = record.map_err(ServerError::from).and_then(|record| {
+                // A damaged strategy state makes the task unavailable now, with the reason,
+                // rather than failing every round close later.
+                if let Some(name) = &record.strategy_state {
+                    let per = strategy::from_config(&record.config.strategy).state_per_parameter();
+                    strategy::state::verify(
+                        &coordinator.store.strategy_state_dir(),
+                        name,
+                        record.spec.numel(),
+                        per,
+                    )?;
+                }
                 let round = match coordinator.store.open_round(&id)? {
                     Some(open) => Some(coordinator.resume_round(&record, open)?),
                     None if matches!(record.state, TaskState::Running | TaskState::Paused)
@@ -433,6 +444,7 @@ impl Coordinator {
             published: 0,
             global_model: config.initial_model,
             created_unix_ms: now_ms(),
+            strategy_state: None,
             config,
         };
         let mut tasks = self.tasks.write().expect("tasks lock");
@@ -686,7 +698,8 @@ impl Coordinator {
                 return Err(already_contributed(client, round.number));
             }
             if !acc.selected.contains(client) {
-                if acc.closing || acc.selected.len() >= capacity {
+                let strategy = strategy::from_config(&record.config.strategy);
+                if acc.closing || !strategy.admits(client, acc.selected.len(), capacity) {
                     return Ok(wire::JoinResponse {
                         offer: None,
                         retry_after_ms: self.retry_after(task),
@@ -1104,7 +1117,8 @@ impl Coordinator {
                 .iter()
                 .fold(0u64, |sum, c| sum.saturating_add(c.examples)),
         };
-        let metrics = weighted_metrics(&acc.contributions);
+        let strategy = strategy::from_config(&record.config.strategy);
+        let metrics = strategy.aggregate_metrics(&acc.contributions);
         let mut reason = match abandon {
             Some(r) => Some(r.to_string()),
             None if n < record.config.min_clients as usize => Some(format!(
@@ -1118,12 +1132,19 @@ impl Coordinator {
         // is not finite abandons the attempt: it is never published.
         let aggregated = match &reason {
             None => {
+                // A stateful strategy also writes its next state (a new durable file, published
+                // below in the same record as the model); the previous state stays until then.
                 let aggregate = || -> Result<_, ServerError> {
                     let mut bytes = self.store.model_bytes(&round.base)?;
-                    let strategy = strategy::from_config(&record.config.strategy);
-                    match strategy::aggregate_in_place(strategy.as_ref(), &mut bytes, &acc.sum) {
-                        Ok(digest) => Ok(Some((digest, bytes))),
-                        Err(KernelError::NotFinite(detail)) => {
+                    match strategy::aggregate_round(
+                        strategy.as_ref(),
+                        &mut bytes,
+                        &acc.sum,
+                        &self.store.strategy_state_dir(),
+                        record.strategy_state.as_deref(),
+                    ) {
+                        Ok((digest, state)) => Ok(Some((digest, bytes, state))),
+                        Err(strategy::AggregateError::Kernel(KernelError::NotFinite(detail))) => {
                             Err(ServerError::InvalidUpdate(detail))
                         }
                         Err(e) => Err(ServerError::internal(e)),
@@ -1143,13 +1164,16 @@ impl Coordinator {
             }
             Some(_) => None,
         };
+        let previous_state = record.strategy_state.clone();
+        let new_state = aggregated.as_ref().and_then(|(_, _, state)| state.clone());
         let result = (|| -> Result<(RoundRecord, Option<Arc<Round>>), ServerError> {
             let outcome_model = match aggregated {
-                Some((digest, bytes)) => {
+                Some((digest, bytes, state)) => {
                     self.store.put_model_bytes(&digest, &bytes)?;
                     drop(bytes);
                     record.published += 1;
                     record.global_model = digest;
+                    record.strategy_state = state;
                     if record.published >= record.config.rounds {
                         record.state = TaskState::Finished;
                     }
@@ -1199,11 +1223,20 @@ impl Coordinator {
         let (history, next) = match result {
             Ok(v) => v,
             Err(e) => {
-                // Nothing was published: keep collecting and let the deadline try again.
+                // Nothing was published: keep collecting and let the deadline try again (from
+                // the previous state, which is still the recorded one).
+                if let Some(new) = new_state.filter(|n| Some(n) != previous_state.as_ref()) {
+                    self.store.remove_strategy_state(&new);
+                }
                 acc.closing = false;
                 return Err(e);
             }
         };
+        // The new state is published with the model: the previous one is garbage now. (Equal
+        // contents have equal names: never delete the file just recorded.)
+        if let Some(old) = previous_state.filter(|o| Some(o) != record.strategy_state.as_ref()) {
+            self.store.remove_strategy_state(&old);
+        }
         if let Some(file) = acc.checkpoint_file.take() {
             self.store.remove_checkpoint(&file);
         }
@@ -1273,23 +1306,6 @@ fn already_contributed(client: &str, round: u64) -> ServerError {
     )
 }
 
-fn weighted_metrics(contributions: &[Contribution]) -> Metrics {
-    let mean = |get: fn(&Metrics) -> Option<f64>| {
-        let (mut num, mut den) = (0.0, 0.0);
-        for c in contributions {
-            if let Some(v) = get(&c.metrics) {
-                num += v * c.examples as f64;
-                den += c.examples as f64;
-            }
-        }
-        (den > 0.0).then(|| num / den)
-    };
-    Metrics {
-        loss: mean(|m| m.loss),
-        accuracy: mean(|m| m.accuracy),
-    }
-}
-
 fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     let bad = |m: String| Err(ServerError::BadRequest(m));
     if !wire::valid_id(&c.id) {
@@ -1312,6 +1328,9 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     }
     if let Some(sa) = &c.secure_aggregation {
         secagg::validate(sa, c.min_clients, capacity(c))?;
+    }
+    if let Err(message) = strategy::validate(&c.strategy) {
+        return bad(message);
     }
     let b = &c.update_bounds;
     if b.max_weight == 0 {

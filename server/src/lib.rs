@@ -11,7 +11,9 @@
 //!   (rustls with ring; development certificates), [`shutdown`] on SIGINT/SIGTERM.
 //! - An upload: [`api::client`] authenticates ([`auth`]) and size-checks it, the coordinator opens
 //!   the envelope, validates and folds it (hora-common), and acknowledges it once a checkpoint
-//!   holding it is durable; [`strategy`] turns the round's sum into the next global model.
+//!   holding it is durable; [`strategy`] turns the round's sum into the next global model
+//!   (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad; the stateful ones persist their state with
+//!   the task, published in the same record as the model).
 //! - A sync job's workers: [`rendezvous`] holds each join until the job's world is complete, then
 //!   tells every worker its rank and its peers; the allreduce itself never touches the server.
 //! - [`conn`] guards connections (idle and half-open ones are closed, a cap with eviction of the

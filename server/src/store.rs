@@ -5,6 +5,8 @@
 //!                                 sync jobs, meta
 //! <data>/blobs/models/<hex>.safetensors   global models, content-addressed by model digest
 //! <data>/blobs/modules/<hex>.pt           TorchScript modules, by SHA-256 of their bytes
+//! <data>/blobs/strategy/<hex>.state      stateful strategies' state (see `strategy::state`),
+//!                                         by SHA-256 of its bytes; one per task, the current
 //! <data>/checkpoints/<task>-r<round>-a<attempt>-<seq>.ckpt   round accumulators (f64 sums)
 //! ```
 //!
@@ -55,7 +57,15 @@ pub struct TaskRecord {
     pub published: u64,
     pub global_model: ModelDigest,
     pub created_unix_ms: u64,
+    /// The file under `blobs/strategy/` holding a stateful strategy's state after round
+    /// `published`; None before the first round (the strategy's initial state) and for
+    /// stateless strategies. Written with `global_model`, in the same record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy_state: Option<String>,
 }
+
+/// A task id and its record, or why the record could not be read.
+pub type TaskRead = (String, Result<TaskRecord, StoreError>);
 
 /// One accepted update, as the round's records keep it (never the update itself).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -202,7 +212,12 @@ fn history_key(task: &str, round: u64, attempt: u32) -> String {
 impl Store {
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
         make_private_dir(dir)?;
-        for sub in ["blobs/models", "blobs/modules", "checkpoints"] {
+        for sub in [
+            "blobs/models",
+            "blobs/modules",
+            "blobs/strategy",
+            "checkpoints",
+        ] {
             fs::create_dir_all(dir.join(sub)).map_err(io(dir))?;
         }
         let db = sled::Config::new().path(dir.join("db")).open()?;
@@ -241,7 +256,7 @@ impl Store {
     }
 
     /// Every task, each read on its own: one corrupt record does not hide the others.
-    pub fn tasks_each(&self) -> Result<Vec<(String, Result<TaskRecord, StoreError>)>, StoreError> {
+    pub fn tasks_each(&self) -> Result<Vec<TaskRead>, StoreError> {
         self.tasks
             .iter()
             .map(|kv| {
@@ -450,6 +465,18 @@ impl Store {
             .join(format!("{hex_digest}.pt"))
     }
 
+    /// Where strategy state files live (written and read by `strategy::state`).
+    pub fn strategy_state_dir(&self) -> PathBuf {
+        self.dir.join("blobs/strategy")
+    }
+
+    /// Deletes a strategy state file no record refers to any more.
+    pub fn remove_strategy_state(&self, name: &str) {
+        if crate::strategy::state::valid_name(name) {
+            let _ = fs::remove_file(self.strategy_state_dir().join(name));
+        }
+    }
+
     pub fn checkpoint_path(&self, file: &str) -> PathBuf {
         self.dir.join("checkpoints").join(file)
     }
@@ -640,6 +667,7 @@ impl Store {
         let mut models = std::collections::HashSet::new();
         let mut modules = std::collections::HashSet::new();
         let mut checkpoints = std::collections::HashSet::new();
+        let mut states = std::collections::HashSet::new();
         // With any task unreadable nobody can tell its blobs from orphans: keep every blob and
         // remove only temporary files.
         let mut all_known = true;
@@ -660,6 +688,9 @@ impl Store {
                 "{}.safetensors",
                 task.config.initial_model.to_hex()
             ));
+            // Only the current state: the previous one is deleted once its successor is
+            // published, so any other state file is a leftover of a crash.
+            states.extend(task.strategy_state.clone());
             if let hora_common::wire::ModelKind::TorchScript { module_digest } = &task.config.model
             {
                 modules.insert(format!("{module_digest}.pt"));
@@ -691,6 +722,7 @@ impl Store {
         for (sub, keep, keep_fresh) in [
             ("blobs/models", &models, true),
             ("blobs/modules", &modules, true),
+            ("blobs/strategy", &states, false),
             ("checkpoints", &checkpoints, false),
         ] {
             let dir = self.dir.join(sub);

@@ -1,8 +1,16 @@
-//! A real `hora-server serve` on loopback for the cross-process tests of this crate.
+//! A real `hora-server serve` on loopback for the cross-process tests of this crate, and a test
+//! client that enrols, joins, seals and uploads deltas without libtorch.
+#![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hora_common::envelope::{self, Binding};
+use hora_common::model::{Model, ModelDigest};
+use hora_common::wire::{Credentials, JoinResponse, RoundOffer, TaskInfo, UpdateMeta};
+use serde_json::{json, Value};
 
 pub const ADMIN_TOKEN: &str = "server-tests-admin-token";
 
@@ -18,6 +26,11 @@ pub struct Server {
 
 impl Server {
     pub fn start(data_dir: &Path) -> Server {
+        Server::start_with(data_dir, &[])
+    }
+
+    /// Starts with extra `serve` flags.
+    pub fn start_with(data_dir: &Path, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_hora-server"))
             .args([
                 "serve",
@@ -28,6 +41,7 @@ impl Server {
             ])
             .arg("--data-dir")
             .arg(data_dir)
+            .args(extra)
             .env("HORA_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -52,6 +66,195 @@ impl Server {
     /// An HTTPS client that trusts the server's CA.
     pub fn http(&self) -> reqwest::Client {
         hora_server::tls::https_client(&self.ca, None).expect("an HTTPS client")
+    }
+
+    /// SIGKILL (through the handle of the child this test started): no shutdown of any kind.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The admin API of this server.
+    pub fn admin(&self) -> Api {
+        Api {
+            http: self.http(),
+            url: self.url.clone(),
+            token: ADMIN_TOKEN.to_string(),
+        }
+    }
+}
+
+/// An HTTPS client of one server with one bearer token.
+#[derive(Clone)]
+pub struct Api {
+    pub http: reqwest::Client,
+    pub url: String,
+    pub token: String,
+}
+
+impl Api {
+    /// Sends a request and decodes a success body, panicking with the server's answer otherwise.
+    pub async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.url))
+            .timeout(Duration::from_secs(60));
+        if !self.token.is_empty() {
+            req = req.bearer_auth(&self.token);
+        }
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let resp = req.send().await.expect("an answer");
+        let status = resp.status();
+        let text = resp.text().await.expect("a body");
+        assert!(status.is_success(), "{path}: {status}: {text}");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"))
+    }
+
+    pub async fn upload_model(&self, model: &Model) -> ModelDigest {
+        let resp = self
+            .http
+            .post(format!("{}/admin/v1/models", self.url))
+            .bearer_auth(&self.token)
+            .body(model.to_safetensors())
+            .send()
+            .await
+            .expect("an answer");
+        assert!(resp.status().is_success(), "{}", resp.status());
+        let v: Value = resp.json().await.expect("json");
+        serde_json::from_value(v["digest"].clone()).expect("a digest")
+    }
+
+    pub async fn task(&self, id: &str) -> TaskInfo {
+        let v = self
+            .call(reqwest::Method::GET, &format!("/admin/v1/tasks/{id}"), None)
+            .await;
+        serde_json::from_value(v).expect("TaskInfo")
+    }
+
+    /// Waits until task `id` has published `rounds` rounds.
+    pub async fn wait_published(&self, id: &str, rounds: u64) -> TaskInfo {
+        let started = Instant::now();
+        loop {
+            let info = self.task(id).await;
+            if info.published_rounds >= rounds {
+                return info;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "task {id} did not publish round {rounds}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The model round `round` of task `id` published.
+    pub async fn round_model(&self, id: &str, round: u64) -> Model {
+        let resp = self
+            .http
+            .get(format!(
+                "{}/admin/v1/tasks/{id}/rounds/{round}/model",
+                self.url
+            ))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .expect("an answer");
+        assert!(resp.status().is_success(), "{}", resp.status());
+        Model::from_safetensors(&resp.bytes().await.expect("a body"), &Default::default())
+            .expect("a model")
+    }
+
+    /// Enrols a new client through a fresh one-time token.
+    pub async fn enrol(&self) -> Client {
+        let token = self
+            .call(
+                reqwest::Method::POST,
+                "/admin/v1/enrolments",
+                Some(json!({})),
+            )
+            .await;
+        let anonymous = Api {
+            token: String::new(),
+            ..self.clone()
+        };
+        let creds: Credentials = serde_json::from_value(
+            anonymous
+                .call(
+                    reqwest::Method::POST,
+                    "/v1/enrol",
+                    Some(json!({ "token": token["token"] })),
+                )
+                .await,
+        )
+        .expect("Credentials");
+        Client {
+            api: Api {
+                token: format!("{}.{}", creds.client_id, creds.secret),
+                ..self.clone()
+            },
+            id: creds.client_id,
+        }
+    }
+}
+
+/// An enrolled client.
+pub struct Client {
+    pub api: Api,
+    pub id: String,
+}
+
+impl Client {
+    /// Joins the open round of `task`; panics if not selected.
+    pub async fn join(&self, task: &str) -> RoundOffer {
+        let v = self
+            .api
+            .call(
+                reqwest::Method::POST,
+                &format!("/v1/tasks/{task}/join"),
+                None,
+            )
+            .await;
+        let join: JoinResponse = serde_json::from_value(v).expect("JoinResponse");
+        join.offer.expect("selected for the round")
+    }
+
+    /// Seals `delta` to the offered round and uploads it, weighted by `examples`; returns once
+    /// the server acknowledged it (durable).
+    pub async fn upload(&self, task: &str, offer: &RoundOffer, examples: u64, delta: &Model) {
+        let binding = Binding {
+            task,
+            round: offer.round,
+            client: &self.id,
+            base_model: &offer.model,
+        };
+        let sealed =
+            envelope::seal(&delta.to_safetensors(), &offer.round_key, &binding).expect("sealed");
+        let meta = UpdateMeta {
+            num_examples: examples,
+            metrics: Default::default(),
+        };
+        let resp = self
+            .api
+            .http
+            .post(format!(
+                "{}/v1/tasks/{task}/rounds/{}/update",
+                self.api.url, offer.round
+            ))
+            .bearer_auth(&self.api.token)
+            .header("x-hora-update", serde_json::to_string(&meta).expect("json"))
+            .body(sealed)
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await
+            .expect("an answer");
+        let status = resp.status();
+        assert!(
+            status.is_success(),
+            "{status}: {}",
+            resp.text().await.unwrap_or_default()
+        );
     }
 }
 

@@ -1,0 +1,335 @@
+//! A stateful strategy's state on disk, streamed stretch by stretch.
+//!
+//! One file per published round, content-addressed like every blob (its name is the SHA-256 of
+//! its bytes, so a torn or altered file is caught on reading):
+//!
+//! ```text
+//! <data>/blobs/strategy/<sha256 hex>.state
+//!     "HORASTA1"  u64 parameters  u64 values per parameter  f32 values, little-endian,
+//!                                                             parameter-major (m₀ v₀ m₁ v₁ …)
+//! ```
+//!
+//! A round reads the previous file and writes the next one in step with the model's stretches
+//! ([`FileState`]), so its memory is one stretch of state, whatever the model size. The next file
+//! is written beside the previous one as a temporary file, fsynced and renamed only once complete
+//! ([`StateWriter::commit`]); the caller then records its name in the transaction that publishes
+//! the model, and deletes the previous file after that is flushed. A crash in between leaves an
+//! unreferenced file, which the start-up sweep removes.
+
+use std::fs::{self, File};
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use ring::digest::{Context, SHA256};
+
+use super::{StateStretches, Strategy};
+use crate::store::StoreError;
+
+const MAGIC: &[u8; 8] = b"HORASTA1";
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn corrupt(name: &str, reason: impl Into<String>) -> StoreError {
+    StoreError::Corrupt {
+        key: format!("strategy state {name}"),
+        reason: reason.into(),
+    }
+}
+
+/// Whether `name` could be a state file's name (the sweep and the loaders check it before
+/// touching a path built from a stored record).
+pub fn valid_name(name: &str) -> bool {
+    name.strip_suffix(".state")
+        .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Reads a state file in order, hashing as it goes; [`StateReader::finish`] checks the content
+/// address once everything is read.
+pub struct StateReader {
+    name: String,
+    path: PathBuf,
+    file: BufReader<File>,
+    hash: Context,
+    /// f32 values not yet read.
+    remaining: u64,
+    bytes: Vec<u8>,
+}
+
+impl StateReader {
+    /// Opens `dir/name` and checks that it holds `parameters` × `per_parameter` values.
+    pub fn open(
+        dir: &Path,
+        name: &str,
+        parameters: usize,
+        per_parameter: usize,
+    ) -> Result<Self, StoreError> {
+        if !valid_name(name) {
+            return Err(corrupt(name, "not a state file name"));
+        }
+        let path = dir.join(name);
+        let mut file =
+            BufReader::with_capacity(1 << 20, File::open(&path).map_err(io_error(&path))?);
+        let mut header = [0u8; 24];
+        file.read_exact(&mut header)
+            .map_err(|_| corrupt(name, "shorter than its header"))?;
+        let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().expect("8 bytes"));
+        if &header[..8] != MAGIC || word(8) != parameters as u64 || word(16) != per_parameter as u64
+        {
+            return Err(corrupt(
+                name,
+                format!(
+                    "expected {parameters} parameters × {per_parameter} values, the header says {} × {}",
+                    word(8),
+                    word(16)
+                ),
+            ));
+        }
+        let mut hash = Context::new(&SHA256);
+        hash.update(&header);
+        Ok(StateReader {
+            name: name.to_string(),
+            path,
+            file,
+            hash,
+            remaining: (parameters * per_parameter) as u64,
+            bytes: Vec::new(),
+        })
+    }
+
+    /// Fills `into` with the next values.
+    pub fn read(&mut self, into: &mut [f32]) -> Result<(), StoreError> {
+        if into.len() as u64 > self.remaining {
+            return Err(corrupt(&self.name, "read past the end of the state"));
+        }
+        self.bytes.resize(into.len() * 4, 0);
+        self.file
+            .read_exact(&mut self.bytes)
+            .map_err(|_| corrupt(&self.name, "truncated"))?;
+        self.hash.update(&self.bytes);
+        for (v, b) in into.iter_mut().zip(self.bytes.chunks_exact(4)) {
+            *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        self.remaining -= into.len() as u64;
+        Ok(())
+    }
+
+    /// Checks that every value was read, nothing follows, and the bytes match the file's name.
+    pub fn finish(mut self) -> Result<(), StoreError> {
+        if self.remaining != 0 {
+            return Err(corrupt(&self.name, "not read to the end"));
+        }
+        let mut extra = [0u8; 1];
+        if self.file.read(&mut extra).map_err(io_error(&self.path))? != 0 {
+            return Err(corrupt(&self.name, "trailing bytes"));
+        }
+        if format!("{}.state", hex::encode(self.hash.finish())) != self.name {
+            return Err(corrupt(
+                &self.name,
+                "contents do not match the file's content address",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Reads a whole state file to check it (at start-up: a damaged state makes its task unavailable
+/// with a clear reason, rather than failing every round close later). Memory: one buffer.
+pub fn verify(
+    dir: &Path,
+    name: &str,
+    parameters: usize,
+    per_parameter: usize,
+) -> Result<(), StoreError> {
+    let mut reader = StateReader::open(dir, name, parameters, per_parameter)?;
+    let mut buf = vec![0f32; 1 << 16];
+    while reader.remaining > 0 {
+        let n = (reader.remaining as usize).min(buf.len());
+        reader.read(&mut buf[..n])?;
+    }
+    reader.finish()
+}
+
+/// Writes a new state file: a temporary file until [`StateWriter::commit`] names it by its
+/// hash. Dropped uncommitted (an aggregation that failed), the temporary file is removed.
+pub struct StateWriter {
+    dir: PathBuf,
+    tmp: PathBuf,
+    file: Option<BufWriter<File>>,
+    hash: Context,
+    bytes: Vec<u8>,
+}
+
+impl StateWriter {
+    pub fn create(dir: &Path, parameters: usize, per_parameter: usize) -> Result<Self, StoreError> {
+        let tmp = dir.join(format!(
+            ".tmp-state-{}-{}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        let file = File::create(&tmp).map_err(io_error(&tmp))?;
+        let mut writer = StateWriter {
+            dir: dir.to_path_buf(),
+            file: Some(BufWriter::with_capacity(1 << 20, file)),
+            tmp,
+            hash: Context::new(&SHA256),
+            bytes: Vec::new(),
+        };
+        let mut header = MAGIC.to_vec();
+        header.extend((parameters as u64).to_le_bytes());
+        header.extend((per_parameter as u64).to_le_bytes());
+        writer.put(&header)?;
+        Ok(writer)
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
+        self.hash.update(bytes);
+        let file = self.file.as_mut().expect("open until committed");
+        file.write_all(bytes).map_err(io_error(&self.tmp))
+    }
+
+    /// Appends the next values.
+    pub fn write(&mut self, values: &[f32]) -> Result<(), StoreError> {
+        let mut bytes = std::mem::take(&mut self.bytes);
+        bytes.clear();
+        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        let written = self.put(&bytes);
+        self.bytes = bytes;
+        written
+    }
+
+    /// Makes the file durable under its content address and returns its name: flush, fsync,
+    /// rename, fsync of the directory.
+    pub fn commit(mut self) -> Result<String, StoreError> {
+        let file = self.file.take().expect("committed once");
+        let tmp = self.tmp.clone();
+        let file = file
+            .into_inner()
+            .map_err(|e| io_error(&tmp)(e.into_error()))?;
+        file.sync_all().map_err(io_error(&tmp))?;
+        drop(file);
+        let name = format!(
+            "{}.state",
+            hex::encode(std::mem::replace(&mut self.hash, Context::new(&SHA256)).finish())
+        );
+        let path = self.dir.join(&name);
+        fs::rename(&tmp, &path).map_err(io_error(&path))?;
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_error(&self.dir))?;
+        Ok(name)
+    }
+}
+
+impl Drop for StateWriter {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// One round's state stretches, streamed from the previous file (or the strategy's initial
+/// state before the first round) into the next.
+pub struct FileState<'a> {
+    strategy: &'a dyn Strategy,
+    previous: Option<StateReader>,
+    next: StateWriter,
+    buf: Vec<f32>,
+}
+
+impl<'a> FileState<'a> {
+    pub fn open(
+        strategy: &'a dyn Strategy,
+        dir: &Path,
+        previous: Option<&str>,
+        parameters: usize,
+    ) -> Result<Self, StoreError> {
+        let per = strategy.state_per_parameter();
+        Ok(FileState {
+            strategy,
+            previous: previous
+                .map(|name| StateReader::open(dir, name, parameters, per))
+                .transpose()?,
+            next: StateWriter::create(dir, parameters, per)?,
+            buf: Vec::new(),
+        })
+    }
+
+    /// Checks the previous file was what its name says, then makes the next one durable and
+    /// returns its name.
+    pub fn commit(self) -> Result<String, StoreError> {
+        if let Some(previous) = self.previous {
+            previous.finish()?;
+        }
+        self.next.commit()
+    }
+}
+
+impl StateStretches for FileState<'_> {
+    fn next(&mut self, parameters: usize) -> Result<&mut [f32], StoreError> {
+        self.buf
+            .resize(parameters * self.strategy.state_per_parameter(), 0.0);
+        match &mut self.previous {
+            Some(reader) => reader.read(&mut self.buf)?,
+            None => self.strategy.initial_state(&mut self.buf),
+        }
+        Ok(&mut self.buf)
+    }
+
+    fn done(&mut self) -> Result<(), StoreError> {
+        self.next.write(&self.buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_files_round_trip_and_damage_is_caught() {
+        let dir = tempfile::tempdir().unwrap();
+        let values: Vec<f32> = (0..10).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let mut w = StateWriter::create(dir.path(), 5, 2).unwrap();
+        w.write(&values[..3]).unwrap();
+        w.write(&values[3..]).unwrap();
+        let name = w.commit().unwrap();
+        assert!(valid_name(&name), "{name}");
+        verify(dir.path(), &name, 5, 2).unwrap();
+
+        let mut r = StateReader::open(dir.path(), &name, 5, 2).unwrap();
+        let mut got = vec![0f32; 10];
+        r.read(&mut got[..4]).unwrap();
+        r.read(&mut got[4..]).unwrap();
+        r.finish().unwrap();
+        assert_eq!(got, values);
+
+        // Wrong layout, missing values, a flipped bit, a bad name: all refused.
+        assert!(StateReader::open(dir.path(), &name, 10, 1).is_err());
+        let mut r = StateReader::open(dir.path(), &name, 5, 2).unwrap();
+        r.read(&mut got[..4]).unwrap();
+        assert!(r.finish().is_err());
+        let path = dir.path().join(&name);
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[30] ^= 1;
+        fs::write(&path, &bytes).unwrap();
+        assert!(matches!(
+            verify(dir.path(), &name, 5, 2),
+            Err(StoreError::Corrupt { .. })
+        ));
+        assert!(StateReader::open(dir.path(), "../x.state", 5, 2).is_err());
+    }
+
+    #[test]
+    fn an_uncommitted_writer_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = StateWriter::create(dir.path(), 2, 1).unwrap();
+        w.write(&[1.0, 2.0]).unwrap();
+        drop(w);
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+}
