@@ -298,7 +298,7 @@ async fn run() {
     }
     let rounds_under_attack = {
         let (poisoners, model, attacks) = (poisoners.clone(), model.clone(), attacks.clone());
-        move |round: u64| {
+        move |_round: u64| {
             let mut tasks = Vec::new();
             for (k, p) in poisoners.iter().enumerate() {
                 let (p, model, attacks) = (p.clone(), model.clone(), attacks.clone());
