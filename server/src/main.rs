@@ -17,6 +17,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start: the size of the largest variant costs nothing worth boxing it for.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the server (HTTPS always; development certificates are made when none are given).

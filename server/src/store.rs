@@ -57,6 +57,9 @@ pub struct TaskRecord {
     pub created_unix_ms: u64,
 }
 
+/// A task record as read, or why it could not be.
+pub type TaskRead = Result<TaskRecord, StoreError>;
+
 /// One accepted update, as the round's records keep it (never the update itself).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Contribution {
@@ -241,7 +244,7 @@ impl Store {
     }
 
     /// Every task, each read on its own: one corrupt record does not hide the others.
-    pub fn tasks_each(&self) -> Result<Vec<(String, Result<TaskRecord, StoreError>)>, StoreError> {
+    pub fn tasks_each(&self) -> Result<Vec<(String, TaskRead)>, StoreError> {
         self.tasks
             .iter()
             .map(|kv| {
