@@ -99,6 +99,7 @@ async fn federation(
             ..Default::default()
         }),
         update_bounds: Default::default(),
+        differential_privacy: None,
     })
     .await?;
     for (k, drop) in indices {

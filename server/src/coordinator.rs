@@ -488,6 +488,7 @@ impl Coordinator {
             published_rounds: record.published,
             global_model: record.global_model,
             open_round,
+            ended_reason: None,
         }
     }
 
@@ -1171,6 +1172,7 @@ impl Coordinator {
                 duration_ms: round.opened.elapsed().as_millis() as u64,
                 model: outcome_model,
                 pruned: false,
+                privacy: None,
             };
             let next = match record.state {
                 TaskState::Running | TaskState::Paused => Some(match &reason {
