@@ -55,6 +55,12 @@ pub struct TaskRecord {
     pub published: u64,
     pub global_model: ModelDigest,
     pub created_unix_ms: u64,
+    /// The privacy spent so far and the clip norm, for a task with differential privacy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp: Option<crate::dp::DpState>,
+    /// Why the task ended before its rounds were done (its privacy budget).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_reason: Option<String>,
 }
 
 /// A task record as read, or why it could not be.
@@ -66,6 +72,10 @@ pub struct Contribution {
     pub client: String,
     pub examples: u64,
     pub metrics: Metrics,
+    /// Under differential privacy: whether the update's norm was within the round's clip norm
+    /// (what adaptive clipping counts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unclipped: Option<bool>,
 }
 
 /// The durable part of a round's accumulator.
@@ -74,6 +84,10 @@ pub struct CheckpointRecord {
     pub file: String,
     pub contributions: Vec<Contribution>,
     pub total_weight: f64,
+    /// The sum holds the round's differential-privacy noise already (a close that failed
+    /// after adding it): it must not be noised again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub noised: bool,
 }
 
 /// The round a task has open, enough to resume it after a crash.
