@@ -105,6 +105,7 @@ async fn main() -> Result<()> {
         },
         secure_aggregation: None,
         update_bounds: Default::default(),
+        differential_privacy: None,
     })
     .await?;
 

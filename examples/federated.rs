@@ -127,6 +127,7 @@ async fn main() -> Result<()> {
         training: training.clone(),
         secure_aggregation: None,
         update_bounds: Default::default(),
+        differential_privacy: None,
     })
     .await?;
     fed.spawn_clients(task, &data, args.clients, &["--seed", "{k}"])

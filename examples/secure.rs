@@ -101,6 +101,7 @@ async fn federation(
             ..Default::default()
         }),
         update_bounds: Default::default(),
+        differential_privacy: None,
     })
     .await?;
     for (k, drop) in indices {

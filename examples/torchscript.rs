@@ -90,6 +90,7 @@ async fn main() -> Result<()> {
         },
         secure_aggregation: None,
         update_bounds: Default::default(),
+        differential_privacy: None,
     })
     .await?;
     let mut config = SyntheticConfig::iid(args.clients, 7);

@@ -103,8 +103,22 @@ impl WeightedSum {
         &self.sum
     }
 
+    /// The sum itself, for mechanisms that post-process it in place (the server's central
+    /// differential privacy adds noise to it, stretch by stretch).
+    pub fn sum_mut(&mut self) -> &mut [f64] {
+        &mut self.sum
+    }
+
     pub fn total_weight(&self) -> f64 {
         self.total_weight
+    }
+
+    /// Replaces the total weight [`finish`](Self::finish) divides by: a fixed denominator (the
+    /// expected number of updates, as differentially private averaging uses) instead of Σ wᵢ.
+    pub fn set_total_weight(&mut self, total_weight: f64) -> Result<(), KernelError> {
+        check_weight(total_weight)?;
+        self.total_weight = total_weight;
+        Ok(())
     }
 
     /// Number of updates folded in (merges included).

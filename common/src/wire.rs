@@ -279,6 +279,10 @@ pub struct CreateTask {
     /// Bounds on each plain (sealed) update: its weight and its L2 norm.
     #[serde(default)]
     pub update_bounds: UpdateBounds,
+    /// Central differential privacy (plain path only): each update clipped to an L2 norm and
+    /// weighted 1, Gaussian noise added once to each round's sum, ε accounted over rounds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub differential_privacy: Option<DpConfig>,
 }
 
 /// What one client's update may weigh in a round (the plain path; secure aggregation has its
@@ -317,6 +321,76 @@ pub enum NormPolicy {
     Clip,
     /// Refuse the update (400 `update_norm_exceeded`).
     Refuse,
+}
+
+/// Central differential privacy for a task (user-level: one client's whole update is what is
+/// protected). The server clips each update to the L2 norm `C`, weights every update 1, adds
+/// Gaussian noise of standard deviation `noise_multiplier × C` to every coordinate of the round's
+/// sum once, divides by `target_clients`, and accounts the round with a Rényi-DP accountant for
+/// the subsampled Gaussian mechanism. Cannot be combined with `secure_aggregation` yet.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DpConfig {
+    /// z: the noise's standard deviation in units of the clip norm. With adaptive clipping this
+    /// is the total multiplier of the sum and the clipped-count query together.
+    #[schema(exclusive_minimum = 0, maximum = 1000)]
+    pub noise_multiplier: f64,
+    pub clip: DpClip,
+    /// δ of the reported (ε, δ): keep it well below 1 / (number of clients).
+    #[serde(default = "defaults::dp_delta")]
+    #[schema(exclusive_minimum = 0, exclusive_maximum = 1)]
+    pub delta: f64,
+    /// The task finishes before a round that would take ε (at `delta`) above this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(exclusive_minimum = 0)]
+    pub epsilon_budget: Option<f64>,
+}
+
+/// How updates are clipped under differential privacy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "mode", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DpClip {
+    /// Every update is scaled down to L2 norm at most `norm`.
+    Fixed {
+        #[schema(exclusive_minimum = 0)]
+        norm: f64,
+    },
+    /// The norm follows a quantile of the updates' norms (Andrew et al. 2021): after each round
+    /// `C ← C·exp(−learning_rate·(b̃ − target_quantile))`, where b̃ is the noised fraction of
+    /// updates whose norm was at most `C`.
+    Adaptive {
+        #[schema(exclusive_minimum = 0)]
+        initial_norm: f64,
+        /// γ: the fraction of updates that should come in unclipped.
+        #[serde(default = "defaults::dp_target_quantile")]
+        #[schema(minimum = 0, maximum = 1)]
+        target_quantile: f64,
+        /// η_C of the geometric update.
+        #[serde(default = "defaults::dp_clip_learning_rate")]
+        #[schema(minimum = 0, maximum = 10)]
+        learning_rate: f64,
+        /// σ_b: standard deviation of the noise on the count of unclipped updates; it must
+        /// exceed `noise_multiplier / 2`. Default: `target_clients / 20`, the paper's choice.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[schema(exclusive_minimum = 0)]
+        count_noise: Option<f64>,
+    },
+}
+
+/// The privacy a task has spent once a round is published under differential privacy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PrivacySpent {
+    /// ε of the (ε, δ) guarantee of every model published so far, this round's included.
+    pub epsilon: f64,
+    pub delta: f64,
+    /// Rounds accounted so far.
+    pub rounds: u64,
+    /// q this round was accounted with: clients selected / clients eligible for the task.
+    pub sampling_rate: f64,
+    /// The L2 norm the round's updates were clipped to.
+    pub clip: f64,
+    /// Standard deviation of the noise added to each coordinate of the round's sum.
+    pub noise_stddev: f64,
 }
 
 /// A task's secure-aggregation settings. Each delta is clipped to `[-clip, clip]`, weighted by
@@ -379,6 +453,9 @@ pub struct TaskInfo {
     pub published_rounds: u64,
     pub global_model: ModelDigest,
     pub open_round: Option<OpenRoundStatus>,
+    /// Why the task ended before its rounds were done (e.g. its privacy budget was reached).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_reason: Option<String>,
 }
 
 /// The round a task has open.
@@ -466,6 +543,9 @@ pub struct RoundRecord {
     /// The model's file was removed by the server's retention policy (the digest stays).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pruned: bool,
+    /// Under differential privacy: the privacy spent once this round was published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub privacy: Option<PrivacySpent>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -737,6 +817,15 @@ mod defaults {
     pub fn tau() -> f64 {
         1e-3
     }
+    pub fn dp_delta() -> f64 {
+        1e-5
+    }
+    pub fn dp_target_quantile() -> f64 {
+        0.5
+    }
+    pub fn dp_clip_learning_rate() -> f64 {
+        0.2
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -901,6 +990,53 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn differential_privacy_is_optional_with_defaults() {
+        let json = r#"{"id":"t","initial_model":"0000000000000000000000000000000000000000000000000000000000000000",
+            "model":{"kind":"builtin","name":"mlp"},"rounds":20,
+            "min_clients":2,"target_clients":10,"round_deadline_secs":60}"#;
+        let plain: CreateTask = serde_json::from_str(json).unwrap();
+        assert_eq!(plain.differential_privacy, None);
+        // The JSON of a task without DP is what it was before the option existed.
+        let out = serde_json::to_string(&plain).unwrap();
+        assert!(!out.contains("differential_privacy"), "{out}");
+
+        let with_dp = json.replace(
+            "\"rounds\":20",
+            r#""rounds":20,"differential_privacy":{"noise_multiplier":1.1,"clip":{"mode":"adaptive","initial_norm":0.1}}"#,
+        );
+        let task: CreateTask = serde_json::from_str(&with_dp).unwrap();
+        assert_eq!(
+            task.differential_privacy,
+            Some(DpConfig {
+                noise_multiplier: 1.1,
+                clip: DpClip::Adaptive {
+                    initial_norm: 0.1,
+                    target_quantile: 0.5,
+                    learning_rate: 0.2,
+                    count_noise: None,
+                },
+                delta: 1e-5,
+                epsilon_budget: None,
+            })
+        );
+        let back: CreateTask =
+            serde_json::from_str(&serde_json::to_string(&task).unwrap()).unwrap();
+        assert_eq!(back, task);
+        let typo = with_dp.replace("initial_norm", "initial_nrom");
+        assert!(serde_json::from_str::<CreateTask>(&typo).is_err());
+        let fixed = json.replace(
+            "\"rounds\":20",
+            r#""rounds":20,"differential_privacy":{"noise_multiplier":1,"clip":{"mode":"fixed","norm":1},"delta":1e-6,"epsilon_budget":3}"#,
+        );
+        let task: CreateTask = serde_json::from_str(&fixed).unwrap();
+        let dp = task.differential_privacy.unwrap();
+        assert_eq!(
+            (dp.clip, dp.delta, dp.epsilon_budget),
+            (DpClip::Fixed { norm: 1.0 }, 1e-6, Some(3.0))
+        );
     }
 
     #[test]

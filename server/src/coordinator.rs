@@ -32,6 +32,7 @@ use hora_common::wire::{
 use rand::Rng;
 use tokio::sync::{watch, Notify};
 
+use crate::dp;
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
 use crate::secagg::{self, SecAggRound};
@@ -94,6 +95,8 @@ struct Accumulator {
     durable: usize,
     closing: bool,
     checkpoint_file: Option<String>,
+    /// The sum holds the round's differential-privacy noise (see `dp`): never noise it twice.
+    noised: bool,
 }
 
 pub struct Round {
@@ -137,6 +140,7 @@ impl Round {
                 file,
                 contributions: acc.contributions[..acc.durable].to_vec(),
                 total_weight: acc.sum.total_weight(),
+                noised: acc.noised,
             }),
         }
     }
@@ -213,6 +217,12 @@ impl Coordinator {
                         per,
                     )?;
                 }
+                if record.config.differential_privacy.is_some() && record.dp.is_none() {
+                    // Starting the count afresh would under-report ε: stop here instead.
+                    return Err(ServerError::internal(
+                        "the task has differential privacy but no privacy accounting state",
+                    ));
+                }
                 let round = match coordinator.store.open_round(&id)? {
                     Some(open) => Some(coordinator.resume_round(&record, open)?),
                     None if matches!(record.state, TaskState::Running | TaskState::Paused)
@@ -243,6 +253,9 @@ impl Coordinator {
             };
             if let Some(r) = &round {
                 tracing::info!(task = %id, round = r.number, attempt = r.attempt, accepted = lock(&r.acc).durable, "resumed open round");
+            }
+            if let (Some(config), Some(state)) = (&record.config.differential_privacy, &record.dp) {
+                coordinator.metrics.dp_epsilon(&id, state.epsilon(config));
             }
             let task = Arc::new(Task {
                 id: id.clone(),
@@ -278,15 +291,20 @@ impl Coordinator {
         let mut secret = [0u8; 32];
         hex::decode_to_slice(&open.secret, &mut secret)
             .map_err(|_| ServerError::internal("corrupt round secret"))?;
-        let (sum, contributions, checkpoint_file) = match open.checkpoint {
+        let (sum, contributions, checkpoint_file, noised) = match open.checkpoint {
             Some(c) => {
                 let values = self.store.read_checkpoint(&c.file, record.spec.numel())?;
                 let n = c.contributions.len() as u64;
                 let sum = WeightedSum::from_parts(record.spec.clone(), values, c.total_weight, n)
                     .map_err(ServerError::internal)?;
-                (sum, c.contributions, Some(c.file))
+                (sum, c.contributions, Some(c.file), c.noised)
             }
-            None => (WeightedSum::new(record.spec.clone()), Vec::new(), None),
+            None => (
+                WeightedSum::new(record.spec.clone()),
+                Vec::new(),
+                None,
+                false,
+            ),
         };
         let durable = contributions.len();
         let secagg = match &record.config.secure_aggregation {
@@ -317,6 +335,7 @@ impl Coordinator {
                 durable,
                 closing: false,
                 checkpoint_file,
+                noised,
             }),
             durability: watch::channel(Durability::Upto(durable)).0,
             secagg,
@@ -382,6 +401,7 @@ impl Coordinator {
                 durable: 0,
                 closing: false,
                 checkpoint_file: None,
+                noised: false,
             }),
             durability: watch::channel(Durability::Upto(0)).0,
             secagg,
@@ -445,6 +465,8 @@ impl Coordinator {
             global_model: config.initial_model,
             created_unix_ms: now_ms(),
             strategy_state: None,
+            dp: config.differential_privacy.as_ref().map(dp::DpState::new),
+            ended_reason: None,
             config,
         };
         let mut tasks = self.tasks.write().expect("tasks lock");
@@ -455,6 +477,9 @@ impl Coordinator {
             ));
         }
         let round = self.new_round(&id, &record, 1, 0)?;
+        if record.dp.is_some() {
+            self.metrics.dp_epsilon(&id, 0.0);
+        }
         let task = Arc::new(Task {
             id: id.clone(),
             record: Mutex::new(record),
@@ -500,6 +525,7 @@ impl Coordinator {
             published_rounds: record.published,
             global_model: record.global_model,
             open_round,
+            ended_reason: record.ended_reason,
         }
     }
 
@@ -762,6 +788,7 @@ impl Coordinator {
         let record = task.record();
         let spec = record.spec;
         let bounds = record.config.update_bounds;
+        let dp = record.dp;
         // Example counts above the task's bound count as the bound.
         let weight = meta.num_examples.min(bounds.max_weight.max(1));
         let me = self.clone();
@@ -774,10 +801,13 @@ impl Coordinator {
                 base_model: &round.base,
             };
             let view = open_update(&mut body, &round.key, &binding, &spec)?;
+            let norm = match bounds.max_norm.is_some() || dp.is_some() {
+                true => view.l2_norm(),
+                false => 0.0,
+            };
             let scale = match bounds.max_norm {
                 None => 1.0,
                 Some(bound) => {
-                    let norm = view.l2_norm();
                     match bounds.on_norm_exceeded {
                         _ if norm <= bound => 1.0,
                         wire::NormPolicy::Clip => bound / norm,
@@ -789,6 +819,14 @@ impl Coordinator {
                         }
                     }
                 }
+            };
+            // Under central DP every update is clipped to the round's norm and weighs 1.
+            let (fold_weight, scale, unclipped) = match &dp {
+                Some(state) => {
+                    let (factor, unclipped) = state.clip_update(norm);
+                    (1.0, scale.min(factor), Some(unclipped))
+                }
+                None => (weight as f64, scale, None),
             };
             let index = {
                 let mut acc = lock(&round.acc);
@@ -807,12 +845,13 @@ impl Coordinator {
                     return Ok((round.clone(), index, false));
                 }
                 acc.sum
-                    .add_view_scaled(weight as f64, scale, &view)
+                    .add_view_scaled(fold_weight, scale, &view)
                     .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
                 acc.contributions.push(Contribution {
                     client,
                     examples: weight,
                     metrics: meta.metrics,
+                    unclipped,
                 });
                 acc.contributions.len() - 1
             };
@@ -1128,6 +1167,38 @@ impl Coordinator {
             None => None,
         };
 
+        // Central DP: the sum is noised once and divided by the expected count before the
+        // strategy sees it; a round that would exceed the privacy budget ends the task instead.
+        let mut privacy = None;
+        if let Some(state) = record.dp.clone().filter(|_| reason.is_none()) {
+            let acc = &mut *acc;
+            let closing = dp::RoundFacts::of(
+                &self.store,
+                &task.id,
+                round.number,
+                acc.selected.len(),
+                &acc.contributions,
+            )
+            .map_err(ServerError::from)
+            .and_then(|facts| {
+                dp::close_round(&record.config, &state, &mut acc.sum, &mut acc.noised, facts)
+                    .map_err(ServerError::internal)
+            });
+            match closing {
+                Ok(dp::Closing::Publish(publication)) => privacy = Some(publication),
+                Ok(dp::Closing::BudgetReached(why)) => {
+                    tracing::warn!(task = %task.id, reason = %why, "the task finishes: privacy budget");
+                    record.state = TaskState::Finished;
+                    record.ended_reason = Some(why.clone());
+                    reason = Some(why);
+                }
+                Err(e) => {
+                    acc.closing = false;
+                    return Err(e);
+                }
+            }
+        }
+
         // The new global model is computed in the old one's file bytes, in place. A result that
         // is not finite abandons the attempt: it is never published.
         let aggregated = match &reason {
@@ -1177,6 +1248,14 @@ impl Coordinator {
                     if record.published >= record.config.rounds {
                         record.state = TaskState::Finished;
                     }
+                    if let Some(p) = &privacy {
+                        record.dp = Some(p.state.clone());
+                        if let Some(why) = &p.budget_reached {
+                            tracing::warn!(task = %task.id, reason = %why, "the task finishes: privacy budget");
+                            record.state = TaskState::Finished;
+                            record.ended_reason = Some(why.clone());
+                        }
+                    }
                     Some(digest)
                 }
                 None => None,
@@ -1193,6 +1272,10 @@ impl Coordinator {
                 examples,
                 metrics,
                 duration_ms: round.opened.elapsed().as_millis() as u64,
+                privacy: privacy
+                    .as_ref()
+                    .filter(|_| outcome_model.is_some())
+                    .map(|p| p.spent.clone()),
                 model: outcome_model,
                 pruned: false,
             };
@@ -1248,6 +1331,9 @@ impl Coordinator {
                 round.durability.send_replace(Durability::Upto(n));
                 self.metrics
                     .round_published(&task.id, started.elapsed().as_secs_f64());
+                if let Some(p) = &history.privacy {
+                    self.metrics.dp_epsilon(&task.id, p.epsilon);
+                }
                 tracing::info!(task = %task.id, round = round.number, updates = n, examples, loss = ?history.metrics.loss, model = %history.model.map(|d| d.to_hex()[..12].to_string()).unwrap_or_default(), "round published");
             }
             Some(r) => {
@@ -1325,6 +1411,10 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     }
     if c.round_deadline_secs == 0 || c.round_deadline_secs > 7 * 86_400 {
         return bad("round_deadline_secs must be between 1 and 604800".into());
+    }
+    // (Before secure aggregation's checks: combining the two is the first thing to hear about.)
+    if let Some(config) = &c.differential_privacy {
+        dp::validate(config, c).map_err(ServerError::BadRequest)?;
     }
     if let Some(sa) = &c.secure_aggregation {
         secagg::validate(sa, c.min_clients, capacity(c))?;
@@ -1464,6 +1554,7 @@ impl Coordinator {
                             client,
                             examples: 0,
                             metrics: Metrics::default(),
+                            unclipped: None,
                         })
                         .collect();
                     acc.durable = acc.contributions.len();

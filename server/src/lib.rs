@@ -14,6 +14,8 @@
 //!   holding it is durable; [`strategy`] turns the round's sum into the next global model
 //!   (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad; the stateful ones persist their state with
 //!   the task, published in the same record as the model).
+//! - [`dp`]: central differential privacy for tasks that ask for it — clipping at upload, noise
+//!   once per round at close, and a Rényi-DP accountant of the ε spent.
 //! - A sync job's workers: [`rendezvous`] holds each join until the job's world is complete, then
 //!   tells every worker its rank and its peers; the allreduce itself never touches the server.
 //! - [`conn`] guards connections (idle and half-open ones are closed, a cap with eviction of the
@@ -29,6 +31,7 @@ pub mod auth;
 pub mod config;
 pub mod conn;
 pub mod coordinator;
+pub mod dp;
 pub mod error;
 pub mod metrics;
 pub mod rendezvous;

@@ -1,7 +1,8 @@
 //! Prometheus metrics (`GET /metrics`): rounds published and abandoned, uploads accepted and
 //! rejected by reason, bytes received, ingest and aggregation latency; sync-job worlds formed and
 //! rendezvous joins that timed out; connections open and closed by the guard, by reason; tasks
-//! whose stored state could not be loaded.
+//! whose stored state could not be loaded; the privacy each task with differential privacy has
+//! spent (ε at the task's δ).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -9,6 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TaskLabel {
@@ -39,6 +41,7 @@ pub struct ServerMetrics {
     pub connections_open: Gauge,
     connections_closed: Family<ReasonLabel, Counter>,
     pub tasks_broken: Gauge,
+    dp_epsilon: Family<TaskLabel, Gauge<f64, AtomicU64>>,
 }
 
 impl Default for ServerMetrics {
@@ -57,6 +60,7 @@ impl Default for ServerMetrics {
             connections_open: Gauge::default(),
             connections_closed: Family::default(),
             tasks_broken: Gauge::default(),
+            dp_epsilon: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -119,6 +123,11 @@ impl Default for ServerMetrics {
             "Tasks whose stored state could not be loaded (they answer 503 until repaired)",
             m.tasks_broken.clone(),
         );
+        registry.register(
+            "dp_epsilon",
+            "Privacy spent by each task with differential privacy: ε at the task's δ over its published rounds",
+            m.dp_epsilon.clone(),
+        );
         ServerMetrics { registry, ..m }
     }
 }
@@ -135,6 +144,12 @@ impl ServerMetrics {
         self.rounds_abandoned
             .get_or_create(&TaskLabel { task: task.into() })
             .inc();
+    }
+
+    pub fn dp_epsilon(&self, task: &str, epsilon: f64) {
+        self.dp_epsilon
+            .get_or_create(&TaskLabel { task: task.into() })
+            .set(epsilon);
     }
 
     pub fn upload_rejected(&self, reason: &str) {

@@ -62,6 +62,12 @@ pub struct TaskRecord {
     /// stateless strategies. Written with `global_model`, in the same record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strategy_state: Option<String>,
+    /// The privacy spent so far and the clip norm, for a task with differential privacy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp: Option<crate::dp::DpState>,
+    /// Why the task ended before its rounds were done (its privacy budget).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_reason: Option<String>,
 }
 
 /// A task id and its record, or why the record could not be read.
@@ -73,6 +79,10 @@ pub struct Contribution {
     pub client: String,
     pub examples: u64,
     pub metrics: Metrics,
+    /// Under differential privacy: whether the update's norm was within the round's clip norm
+    /// (what adaptive clipping counts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unclipped: Option<bool>,
 }
 
 /// The durable part of a round's accumulator.
@@ -81,6 +91,10 @@ pub struct CheckpointRecord {
     pub file: String,
     pub contributions: Vec<Contribution>,
     pub total_weight: f64,
+    /// The sum holds the round's differential-privacy noise already (a close that failed
+    /// after adding it): it must not be noised again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub noised: bool,
 }
 
 /// The round a task has open, enough to resume it after a crash.

@@ -306,6 +306,7 @@ pub fn task(
         training: TrainingConfig::default(),
         secure_aggregation: None,
         update_bounds: Default::default(),
+        differential_privacy: None,
     }
 }
 
