@@ -21,7 +21,9 @@ use hora_client::data::synthetic::{self, SyntheticConfig};
 use hora_client::data::Dataset;
 use hora_client::network::{Architecture, Network};
 use hora_client::supervised::{evaluate, fit, DeviceData};
-use hora_common::wire::{CreateTask, OptimizerConfig, StrategyConfig, TrainingConfig};
+use hora_common::wire::{
+    CreateTask, DpConfig, OptimizerConfig, StrategyConfig, TaskState, TrainingConfig,
+};
 use tch::Device;
 
 use federation::Federation;
@@ -59,9 +61,23 @@ struct Args {
     min_samples: usize,
     #[arg(long, default_value_t = 5000)]
     max_samples: usize,
+    /// The server's strategy as JSON, e.g. `{"name":"fed_adam","eta":0.03}` (default FedAvg).
+    #[arg(long, value_parser = json_arg::<StrategyConfig>)]
+    strategy: Option<StrategyConfig>,
+    /// FedProx's proximal coefficient μ for the clients' local training (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    proximal_mu: f64,
+    /// Central differential privacy as JSON, e.g.
+    /// `{"noise_multiplier":1.0,"clip":{"mode":"fixed","norm":0.5}}`.
+    #[arg(long, value_parser = json_arg::<DpConfig>)]
+    dp: Option<DpConfig>,
     /// Print a final `RESULT {json}` line.
     #[arg(long)]
     json: bool,
+}
+
+fn json_arg<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, String> {
+    serde_json::from_str(s).map_err(|e| format!("not valid here: {e}"))
 }
 
 fn score(arch: &Architecture, model: &hora_common::model::Model, test: &DeviceData) -> Result<f64> {
@@ -108,6 +124,7 @@ async fn main() -> Result<()> {
         } else {
             OptimizerConfig::Adam
         },
+        proximal_mu: args.proximal_mu,
         ..Default::default()
     };
 
@@ -118,7 +135,7 @@ async fn main() -> Result<()> {
         id: task.into(),
         initial_model: digest,
         model: arch.to_kind(),
-        strategy: StrategyConfig::FedAvg,
+        strategy: args.strategy.clone().unwrap_or_default(),
         rounds: args.rounds,
         min_clients: args.clients as u32,
         target_clients: args.clients as u32,
@@ -127,7 +144,7 @@ async fn main() -> Result<()> {
         training: training.clone(),
         secure_aggregation: None,
         update_bounds: Default::default(),
-        differential_privacy: None,
+        differential_privacy: args.dp.clone(),
     })
     .await?;
     fed.spawn_clients(task, &data, args.clients, &["--seed", "{k}"])
@@ -159,22 +176,33 @@ async fn main() -> Result<()> {
         if args.sgd { "SGD" } else { "Adam" },
     );
     println!(
-        "{:>5}  {:>7}  {:>8}  {:>10}  {:>13}",
-        "round", "clients", "examples", "train loss", "test accuracy"
+        "strategy {}; FedProx μ {}; differential privacy {}",
+        serde_json::to_string(&args.strategy.clone().unwrap_or_default())?,
+        args.proximal_mu,
+        args.dp
+            .as_ref()
+            .map_or("off".to_string(), |d| serde_json::to_string(d)
+                .unwrap_or_default()),
+    );
+    println!(
+        "{:>5}  {:>7}  {:>8}  {:>10}  {:>13}  {:>7}",
+        "round", "clients", "examples", "train loss", "test accuracy", "ε"
     );
     let mut accuracy = vec![score(&arch, &initial, &test)?];
     println!(
         "{:>5}  {:>7}  {:>8}  {:>10}  {:>13.4}",
         0, "-", "-", "-", accuracy[0]
     );
+    let mut epsilon = None;
     for round in 1..=args.rounds {
         let record = fed
             .wait_round(task, round, Duration::from_secs(600))
             .await?;
         let model = fed.round_model(task, round).await?;
         accuracy.push(score(&arch, &model, &test)?);
+        epsilon = record.privacy.as_ref().map(|p| p.epsilon);
         println!(
-            "{:>5}  {:>7}  {:>8}  {:>10}  {:>13.4}",
+            "{:>5}  {:>7}  {:>8}  {:>10}  {:>13.4}  {:>7}",
             round,
             record.participants.len(),
             record.examples,
@@ -183,7 +211,15 @@ async fn main() -> Result<()> {
                 .loss
                 .map_or("-".into(), |l| format!("{l:.4}")),
             accuracy[round as usize],
+            record
+                .privacy
+                .as_ref()
+                .map_or("-".into(), |p| format!("{:.2}", p.epsilon)),
         );
+        if round < args.rounds && fed.task(task).await?.state == TaskState::Finished {
+            println!("the task finished early (its privacy budget)");
+            break;
+        }
     }
     fed.wait_clients(Duration::from_secs(60))?;
     let federated_secs = started.elapsed().as_secs_f64();
@@ -205,7 +241,9 @@ async fn main() -> Result<()> {
     if args.json {
         println!(
             "RESULT {}",
-            serde_json::json!({"accuracy": accuracy, "centralized": centralized, "iid": args.iid})
+            serde_json::json!({"accuracy": accuracy, "centralized": centralized, "iid": args.iid,
+                "strategy": args.strategy, "proximal_mu": args.proximal_mu, "dp": args.dp,
+                "epsilon": epsilon})
         );
     }
     Ok(())
