@@ -229,7 +229,19 @@ async fn main() -> Result<()> {
     net.set_weights(&initial)?;
     let train = DeviceData::new(&pooled_train, Device::Cpu)?;
     let epochs = args.epochs * args.rounds as u32;
-    fit(&mut net, &train, &training, epochs, None, &mut |_| {})?;
+    // Plain local training: FedProx's proximal term has no global model to pull towards here.
+    let centralised_training = TrainingConfig {
+        proximal_mu: 0.0,
+        ..training.clone()
+    };
+    fit(
+        &mut net,
+        &train,
+        &centralised_training,
+        epochs,
+        None,
+        &mut |_| {},
+    )?;
     let centralized = evaluate(&mut net, &test, 4096)?.accuracy;
     let last = *accuracy.last().unwrap_or(&f64::NAN);
     println!(

@@ -80,7 +80,7 @@ pub enum StrategyConfig {
     FedAvgM {
         /// Server learning rate η.
         #[serde(default = "defaults::fed_avg_m_eta")]
-        #[schema(exclusive_minimum = 0.0, default = 1.0)]
+        #[schema(exclusive_minimum = 0.0, maximum = 1000.0, default = 1.0)]
         eta: f64,
         /// Momentum β, in [0, 1).
         #[serde(default = "defaults::momentum")]
@@ -92,7 +92,7 @@ pub enum StrategyConfig {
     FedAdam {
         /// Server learning rate η.
         #[serde(default = "defaults::fed_adam_eta")]
-        #[schema(exclusive_minimum = 0.0, default = 0.01)]
+        #[schema(exclusive_minimum = 0.0, maximum = 1000.0, default = 0.01)]
         eta: f64,
         /// First-moment decay β₁, in [0, 1).
         #[serde(default = "defaults::beta_1")]
@@ -104,7 +104,7 @@ pub enum StrategyConfig {
         beta_2: f64,
         /// Adaptivity τ: added to √v, so coordinates with little signal take small steps.
         #[serde(default = "defaults::tau")]
-        #[schema(exclusive_minimum = 0.0, default = 0.001)]
+        #[schema(minimum = 1e-9, maximum = 1000.0, default = 0.001)]
         tau: f64,
     },
     /// FedYogi (Reddi et al. 2021): as FedAdam, with v ← v − (1−β₂)·Δ²·sign(v − Δ²), so v
@@ -112,7 +112,7 @@ pub enum StrategyConfig {
     FedYogi {
         /// Server learning rate η.
         #[serde(default = "defaults::fed_yogi_eta")]
-        #[schema(exclusive_minimum = 0.0, default = 0.01)]
+        #[schema(exclusive_minimum = 0.0, maximum = 1000.0, default = 0.01)]
         eta: f64,
         /// First-moment decay β₁, in [0, 1).
         #[serde(default = "defaults::beta_1")]
@@ -124,14 +124,14 @@ pub enum StrategyConfig {
         beta_2: f64,
         /// Adaptivity τ: added to √v, so coordinates with little signal take small steps.
         #[serde(default = "defaults::tau")]
-        #[schema(exclusive_minimum = 0.0, default = 0.001)]
+        #[schema(minimum = 1e-9, maximum = 1000.0, default = 0.001)]
         tau: f64,
     },
     /// FedAdagrad (Reddi et al. 2021): m as FedAdam's; v ← v + Δ²; x ← x + η·m/(√v + τ).
     FedAdagrad {
         /// Server learning rate η.
         #[serde(default = "defaults::fed_adagrad_eta")]
-        #[schema(exclusive_minimum = 0.0, default = 0.1)]
+        #[schema(exclusive_minimum = 0.0, maximum = 1000.0, default = 0.1)]
         eta: f64,
         /// First-moment decay β₁, in [0, 1) (0: no momentum).
         #[serde(default = "defaults::beta_1")]
@@ -139,7 +139,7 @@ pub enum StrategyConfig {
         beta_1: f64,
         /// Adaptivity τ: added to √v, so coordinates with little signal take small steps.
         #[serde(default = "defaults::tau")]
-        #[schema(exclusive_minimum = 0.0, default = 0.001)]
+        #[schema(minimum = 1e-9, maximum = 1000.0, default = 0.001)]
         tau: f64,
     },
 }
@@ -333,7 +333,7 @@ pub enum NormPolicy {
 pub struct DpConfig {
     /// z: the noise's standard deviation in units of the clip norm. With adaptive clipping this
     /// is the total multiplier of the sum and the clipped-count query together.
-    #[schema(exclusive_minimum = 0, maximum = 1000)]
+    #[schema(minimum = 0.01, maximum = 1000)]
     pub noise_multiplier: f64,
     pub clip: DpClip,
     /// δ of the reported (ε, δ): keep it well below 1 / (number of clients).

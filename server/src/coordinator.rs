@@ -94,8 +94,19 @@ struct Accumulator {
     contributions: Vec<Contribution>,
     durable: usize,
     closing: bool,
-    checkpoint_file: Option<String>,
+    /// The last durable checkpoint of the sum, as the open-round record must describe it.
+    checkpoint: Option<Checkpointed>,
     /// The sum holds the round's differential-privacy noise (see `dp`): never noise it twice.
+    noised: bool,
+}
+
+/// What a checkpoint file holds, captured when it was written: the live sum's total weight and
+/// noise flag may have moved on since (uploads folded, noise added by a close that then failed),
+/// and a record must never pair the file with them.
+#[derive(Clone)]
+struct Checkpointed {
+    file: String,
+    total_weight: f64,
     noised: bool,
 }
 
@@ -136,11 +147,11 @@ impl Round {
             opened_unix_ms: self.opened_unix_ms,
             deadline_unix_ms: self.deadline(),
             selected: acc.selected.iter().cloned().collect(),
-            checkpoint: acc.checkpoint_file.clone().map(|file| CheckpointRecord {
-                file,
+            checkpoint: acc.checkpoint.clone().map(|c| CheckpointRecord {
+                file: c.file,
                 contributions: acc.contributions[..acc.durable].to_vec(),
-                total_weight: acc.sum.total_weight(),
-                noised: acc.noised,
+                total_weight: c.total_weight,
+                noised: c.noised,
             }),
         }
     }
@@ -291,13 +302,18 @@ impl Coordinator {
         let mut secret = [0u8; 32];
         hex::decode_to_slice(&open.secret, &mut secret)
             .map_err(|_| ServerError::internal("corrupt round secret"))?;
-        let (sum, contributions, checkpoint_file, noised) = match open.checkpoint {
+        let (sum, contributions, checkpoint, noised) = match open.checkpoint {
             Some(c) => {
                 let values = self.store.read_checkpoint(&c.file, record.spec.numel())?;
                 let n = c.contributions.len() as u64;
                 let sum = WeightedSum::from_parts(record.spec.clone(), values, c.total_weight, n)
                     .map_err(ServerError::internal)?;
-                (sum, c.contributions, Some(c.file), c.noised)
+                let durable = Checkpointed {
+                    file: c.file,
+                    total_weight: c.total_weight,
+                    noised: c.noised,
+                };
+                (sum, c.contributions, Some(durable), c.noised)
             }
             None => (
                 WeightedSum::new(record.spec.clone()),
@@ -334,7 +350,7 @@ impl Coordinator {
                 contributions,
                 durable,
                 closing: false,
-                checkpoint_file,
+                checkpoint,
                 noised,
             }),
             durability: watch::channel(Durability::Upto(durable)).0,
@@ -400,7 +416,7 @@ impl Coordinator {
                 contributions: Vec::new(),
                 durable: 0,
                 closing: false,
-                checkpoint_file: None,
+                checkpoint: None,
                 noised: false,
             }),
             durability: watch::channel(Durability::Upto(0)).0,
@@ -1091,6 +1107,18 @@ impl Coordinator {
         }
     }
 
+    /// Whether a task other than `task` records the strategy state file `name`. State files are
+    /// content-addressed, so two tasks with the same strategy, spec and sums share one; the
+    /// startup sweep keeps every recorded file, and a task must not delete another's.
+    fn state_used_by_another_task(&self, task: &str, name: &str) -> bool {
+        self.tasks
+            .read()
+            .expect("tasks lock")
+            .values()
+            .filter(|t| t.id != task)
+            .any(|t| lock(&t.record).strategy_state.as_deref() == Some(name))
+    }
+
     fn checkpoint(&self, task: &Task, round: &Round) -> Result<(), ServerError> {
         let mut acc = lock(&round.acc);
         if acc.closing || acc.durable == acc.contributions.len() {
@@ -1098,7 +1126,12 @@ impl Coordinator {
         }
         let started = Instant::now();
         let file = self.store.write_checkpoint(acc.sum.sum())?;
-        let old = acc.checkpoint_file.replace(file);
+        let written = Checkpointed {
+            file,
+            total_weight: acc.sum.total_weight(),
+            noised: acc.noised,
+        };
+        let old = acc.checkpoint.replace(written);
         let pending = acc.durable;
         acc.durable = acc.contributions.len();
         let record = round.record(&acc);
@@ -1109,15 +1142,17 @@ impl Coordinator {
         if let Err(e) = written {
             // Roll back: these uploads are not durable yet.
             acc.durable = pending;
-            let new = std::mem::replace(&mut acc.checkpoint_file, old);
-            if let Some(new) = new.filter(|n| Some(n) != acc.checkpoint_file.as_ref()) {
-                self.store.remove_checkpoint(&new);
+            let new = std::mem::replace(&mut acc.checkpoint, old);
+            let kept = acc.checkpoint.as_ref().map(|c| c.file.as_str());
+            if let Some(new) = new.filter(|n| Some(n.file.as_str()) != kept) {
+                self.store.remove_checkpoint(&new.file);
             }
             return Err(e.into());
         }
         // (Equal contents have equal names: never delete the file just written.)
-        if let Some(old) = old.filter(|o| Some(o) != acc.checkpoint_file.as_ref()) {
-            self.store.remove_checkpoint(&old);
+        let kept = acc.checkpoint.as_ref().map(|c| c.file.as_str());
+        if let Some(old) = old.filter(|o| Some(o.file.as_str()) != kept) {
+            self.store.remove_checkpoint(&old.file);
         }
         round.durability.send_replace(Durability::Upto(acc.durable));
         tracing::debug!(task = %task.id, round = round.number, durable = acc.durable, ms = started.elapsed().as_millis() as u64, "checkpoint");
@@ -1237,6 +1272,19 @@ impl Coordinator {
         };
         let previous_state = record.strategy_state.clone();
         let new_state = aggregated.as_ref().and_then(|(_, _, state)| state.clone());
+        // Set once the task record naming the new state is written: from then on the file may be
+        // what the store names, and only the startup sweep may judge it unused.
+        let recorded = std::cell::Cell::new(false);
+        // The task record is held from here until the new one is in memory, so an operator's
+        // pause or resume (`set_state`, which writes the record under the same lock) is neither
+        // lost nor able to write back the record this close replaces. One made since the close
+        // began is kept; a stop closes the round itself, and a finished task stays finished.
+        let mut current = lock(&task.record);
+        if matches!(current.state, TaskState::Running | TaskState::Paused)
+            && matches!(record.state, TaskState::Running | TaskState::Paused)
+        {
+            record.state = current.state;
+        }
         let result = (|| -> Result<(RoundRecord, Option<Arc<Round>>), ServerError> {
             let outcome_model = match aggregated {
                 Some((digest, bytes, state)) => {
@@ -1294,6 +1342,7 @@ impl Coordinator {
                 round.attempt,
                 next_record.as_ref(),
             )?;
+            recorded.set(true);
             match next.as_ref().and_then(|n| n.secagg.as_ref()) {
                 Some(s) => s.persist_new(&self.store)?,
                 None if round.secagg.is_some() => self.store.secagg_clear(&task.id)?,
@@ -1302,13 +1351,21 @@ impl Coordinator {
             self.store.flush()?;
             Ok((history, next))
         })();
+        if result.is_ok() {
+            *current = record.clone();
+        }
+        drop(current);
 
         let (history, next) = match result {
             Ok(v) => v,
             Err(e) => {
                 // Nothing was published: keep collecting and let the deadline try again (from
                 // the previous state, which is still the recorded one).
-                if let Some(new) = new_state.filter(|n| Some(n) != previous_state.as_ref()) {
+                if let Some(new) = new_state.filter(|n| {
+                    !recorded.get()
+                        && Some(n) != previous_state.as_ref()
+                        && !self.state_used_by_another_task(&task.id, n)
+                }) {
                     self.store.remove_strategy_state(&new);
                 }
                 acc.closing = false;
@@ -1317,11 +1374,14 @@ impl Coordinator {
         };
         // The new state is published with the model: the previous one is garbage now. (Equal
         // contents have equal names: never delete the file just recorded.)
-        if let Some(old) = previous_state.filter(|o| Some(o) != record.strategy_state.as_ref()) {
+        if let Some(old) = previous_state.filter(|o| {
+            Some(o) != record.strategy_state.as_ref()
+                && !self.state_used_by_another_task(&task.id, o)
+        }) {
             self.store.remove_strategy_state(&old);
         }
-        if let Some(file) = acc.checkpoint_file.take() {
-            self.store.remove_checkpoint(&file);
+        if let Some(c) = acc.checkpoint.take() {
+            self.store.remove_checkpoint(&c.file);
         }
         if let Some(file) = round.secagg.as_ref().and_then(|s| s.sum_file()) {
             self.store.remove_checkpoint(&file);
@@ -1357,7 +1417,6 @@ impl Coordinator {
                 }
             }
         }
-        *lock(&task.record) = record;
         *lock(&task.round) = next.clone();
         task.bump();
         if let Some(next) = next {

@@ -101,7 +101,9 @@ impl RdpAccountant {
     /// Accounts `steps` runs whose RDP at each order is `step` (from [`Self::step_rdp`]).
     pub fn compose_rdp(&mut self, step: &[f64], steps: u64) {
         for ((_, total), rdp) in self.totals.iter_mut().zip(step) {
-            let sum = *total + rdp * steps as f64;
+            // RDP is never negative (A_α ≥ 1); a rounding that says otherwise must not hide
+            // privacy already spent.
+            let sum = *total + rdp.max(0.0) * steps as f64;
             // Stored as JSON, which has no infinity: "no privacy left" is the largest finite
             // number (a NaN, which a sane input never gives, counts as that too).
             *total = if sum.is_nan() {

@@ -102,8 +102,8 @@ pub fn validate(config: &DpConfig, task: &CreateTask) -> Result<(), String> {
         return Err("differential_privacy: central DP needs the plain path, and cannot be combined with secure_aggregation yet (the server would have to clip and noise a sum it never sees in the clear); drop one of the two".into());
     }
     let z = config.noise_multiplier;
-    if !(positive(z) && z <= 1000.0) {
-        return Err(format!("differential_privacy.noise_multiplier must be a positive number of at most 1000 (got {z}); 0.5 to 2 is usual"));
+    if !(z.is_finite() && (0.01..=1000.0).contains(&z)) {
+        return Err(format!("differential_privacy.noise_multiplier must be between 0.01 and 1000 (got {z}); 0.5 to 2 is usual"));
     }
     if !(config.delta > 0.0 && config.delta < 1.0) {
         return Err(format!("differential_privacy.delta must be between 0 and 1, exclusive (got {}); choose it well below 1/(number of clients), e.g. 1e-5", config.delta));

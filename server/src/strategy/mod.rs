@@ -112,15 +112,20 @@ pub fn from_config(config: &StrategyConfig) -> Box<dyn Strategy> {
 
 /// Checks a task's strategy parameters (at task creation); the error is for the operator.
 pub fn validate(config: &StrategyConfig) -> Result<(), String> {
-    let positive = |name: &str, v: f64| {
-        if v.is_finite() && v > 0.0 {
+    // Bounds that keep the update rule finite: a step larger than 1000 × the mean delta, or a
+    // τ below 1e-9 once v has underflowed in f32, would make every round non-finite, every
+    // attempt abandoned.
+    let within = |name: &str, v: f64, low: f64, high: f64| {
+        if v.is_finite() && v >= low && v <= high && v > 0.0 {
             Ok(())
         } else {
             Err(format!(
-                "strategy.{name} must be a positive finite number (got {v})"
+                "strategy.{name} must be a positive number between {low:e} and {high} (got {v})"
             ))
         }
     };
+    let positive = |name: &str, v: f64| within(name, v, f64::MIN_POSITIVE, 1000.0);
+    let tau = |v: f64| within("tau", v, 1e-9, 1000.0);
     let decay = |name: &str, v: f64| {
         if (0.0..1.0).contains(&v) {
             Ok(())
@@ -140,23 +145,27 @@ pub fn validate(config: &StrategyConfig) -> Result<(), String> {
             eta,
             beta_1,
             beta_2,
-            tau,
+            tau: t,
         }
         | StrategyConfig::FedYogi {
             eta,
             beta_1,
             beta_2,
-            tau,
+            tau: t,
         } => {
             positive("eta", eta)?;
             decay("beta_1", beta_1)?;
             decay("beta_2", beta_2)?;
-            positive("tau", tau)
+            tau(t)
         }
-        StrategyConfig::FedAdagrad { eta, beta_1, tau } => {
+        StrategyConfig::FedAdagrad {
+            eta,
+            beta_1,
+            tau: t,
+        } => {
             positive("eta", eta)?;
             decay("beta_1", beta_1)?;
-            positive("tau", tau)
+            tau(t)
         }
     }
 }
