@@ -251,8 +251,8 @@ async fn a_dp_task_reports_epsilon_and_stops_at_its_budget() {
     let schemas = &doc["components"]["schemas"];
     assert!(schemas["CreateTask"]["properties"]["differential_privacy"].is_object());
     assert_eq!(
-        schemas["DpConfig"]["properties"]["noise_multiplier"]["exclusiveMinimum"],
-        0.0
+        schemas["DpConfig"]["properties"]["noise_multiplier"]["minimum"],
+        0.01
     );
     assert!(schemas["DpClip"].is_object() && schemas["PrivacySpent"].is_object());
 
