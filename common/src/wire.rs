@@ -92,7 +92,7 @@ pub enum StrategyConfig {
     FedAdam {
         /// Server learning rate η.
         #[serde(default = "defaults::fed_adam_eta")]
-        #[schema(exclusive_minimum = 0.0, maximum = 1000.0, default = 0.01)]
+        #[schema(exclusive_minimum = 0.0, maximum = 1000.0, default = 0.1)]
         eta: f64,
         /// First-moment decay β₁, in [0, 1).
         #[serde(default = "defaults::beta_1")]
@@ -112,7 +112,7 @@ pub enum StrategyConfig {
     FedYogi {
         /// Server learning rate η.
         #[serde(default = "defaults::fed_yogi_eta")]
-        #[schema(exclusive_minimum = 0.0, maximum = 1000.0, default = 0.01)]
+        #[schema(exclusive_minimum = 0.0, maximum = 1000.0, default = 0.1)]
         eta: f64,
         /// First-moment decay β₁, in [0, 1).
         #[serde(default = "defaults::beta_1")]
@@ -800,10 +800,10 @@ mod defaults {
         0.9
     }
     pub fn fed_adam_eta() -> f64 {
-        0.01
+        0.1
     }
     pub fn fed_yogi_eta() -> f64 {
-        0.01
+        0.1
     }
     pub fn fed_adagrad_eta() -> f64 {
         0.1
@@ -950,7 +950,7 @@ mod tests {
         assert_eq!(
             StrategyConfig::fed_adam(),
             StrategyConfig::FedAdam {
-                eta: 0.01,
+                eta: 0.1,
                 beta_1: 0.9,
                 beta_2: 0.99,
                 tau: 1e-3
@@ -970,7 +970,7 @@ mod tests {
         assert_eq!(
             yogi,
             StrategyConfig::FedYogi {
-                eta: 0.01,
+                eta: 0.1,
                 beta_1: 0.9,
                 beta_2: 0.99,
                 tau: 0.01

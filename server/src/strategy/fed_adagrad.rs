@@ -10,8 +10,8 @@
 //!
 //! Parameters (JSON `{"name":"fed_adagrad"}` takes them all by default):
 //! - `eta` (η, server learning rate) = 0.1, Flower's FedAdagrad default. With β₁ = 0.9 the first
-//!   round moves each coordinate by about η·(1−β₁) = 0.01, as FedAdam's and FedYogi's defaults
-//!   do; later steps peak near 0.02 and then decay like η/√rounds.
+//!   round moves each coordinate by about η·(1−β₁) = 0.01; later steps peak near 0.02 and then
+//!   decay like η/√rounds.
 //! - `beta_1` (β₁) = 0.9, the momentum Algorithm 2 gives all three adaptive methods. (Flower's
 //!   FedAdagrad fixes it at 0; set `"beta_1": 0` for that, and lower η tenfold to keep the step.)
 //! - `tau` (τ, adaptivity) = 1e-3, as for FedAdam and FedYogi.

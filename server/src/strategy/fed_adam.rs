@@ -10,10 +10,11 @@
 //! paper.
 //!
 //! Parameters (JSON `{"name":"fed_adam"}` takes them all by default):
-//! - `eta` (η, server learning rate) = 0.01. Early on, each coordinate moves by about η per round
-//!   whatever the size of its Δ (m/√v ≈ sign Δ when |Δ| ≫ τ), so η is a step in weight units;
-//!   0.01 suits the demo's small MLP, whose weights are O(0.1–1). Flower's FedAdam uses 0.1,
-//!   which moves such a model by a tenth of its weights each round; the paper tunes η per task.
+//! - `eta` (η, server learning rate) = 0.1, Flower's default. Early on, each coordinate moves by
+//!   about η per round whatever the size of its Δ (m/√v ≈ sign Δ when |Δ| ≫ τ), so η is a step
+//!   in weight units; the paper tunes η per task. On the demo (Synthetic(1,1), logistic
+//!   regression, 20 rounds) 0.1 reaches 0.86 test accuracy where 0.01 stays at 0.37, and 0.3
+//!   reaches 0.89.
 //! - `beta_1` (β₁) = 0.9 and `beta_2` (β₂) = 0.99: the values of the paper's experiments, also
 //!   Flower's.
 //! - `tau` (τ, adaptivity) = 1e-3, Flower's FedYogi default (the paper tunes τ per task over

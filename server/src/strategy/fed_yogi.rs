@@ -11,8 +11,9 @@
 //!
 //! Parameters (JSON `{"name":"fed_yogi"}` takes them all by default) — Flower's FedYogi
 //! defaults, whose β's are those of the paper's experiments (the paper tunes η and τ per task):
-//! - `eta` (η, server learning rate) = 0.01: early on each coordinate moves by about η per
-//!   round, a sensible step for the demo's small MLP (weights O(0.1–1)).
+//! - `eta` (η, server learning rate) = 0.1: early on each coordinate moves by about η per
+//!   round; on the demo (Synthetic(1,1), 20 rounds) 0.1 reaches 0.85 test accuracy where 0.01
+//!   stays at 0.37.
 //! - `beta_1` (β₁) = 0.9, `beta_2` (β₂) = 0.99.
 //! - `tau` (τ, adaptivity) = 1e-3: coordinates whose Δ is well below τ take steps smaller than η.
 //!
