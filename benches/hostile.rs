@@ -98,23 +98,6 @@ async fn honest_rounds(
     latencies
 }
 
-/// Joins the open round of the `hostile` task; `None` when not selected (the round is full).
-async fn try_join(c: &Client) -> Option<hora_common::wire::RoundOffer> {
-    let r = c
-        .api
-        .request(Method::POST, "/v1/tasks/hostile/join")
-        .send()
-        .await
-        .ok()?;
-    if !r.status().is_success() {
-        return None;
-    }
-    r.json::<hora_common::wire::JoinResponse>()
-        .await
-        .ok()?
-        .offer
-}
-
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
@@ -251,7 +234,7 @@ async fn run() {
             (s.clone(), server.clone(), model.clone(), attacks.clone());
         stalling.push(tokio::spawn(async move {
             loop {
-                let offer = try_join(&s).await;
+                let offer = s.try_join("hostile").await;
                 let Some(offer) = offer else {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     continue;
@@ -303,7 +286,7 @@ async fn run() {
             for (k, p) in poisoners.iter().enumerate() {
                 let (p, model, attacks) = (p.clone(), model.clone(), attacks.clone());
                 tasks.push(tokio::spawn(async move {
-                    let Some(offer) = try_join(&p).await else {
+                    let Some(offer) = p.try_join("hostile").await else {
                         return;
                     };
                     let mut bad = Model::zeros(&model.spec());

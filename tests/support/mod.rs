@@ -327,6 +327,21 @@ impl Client {
         j.offer.expect("selected")
     }
 
+    /// Joins the open round of `task`; `None` when not selected (the round is full, the task
+    /// paused) or when the server refuses.
+    pub async fn try_join(&self, task: &str) -> Option<RoundOffer> {
+        let r = self
+            .api
+            .request(Method::POST, &format!("/v1/tasks/{task}/join"))
+            .send()
+            .await
+            .ok()?;
+        if !r.status().is_success() {
+            return None;
+        }
+        r.json::<JoinResponse>().await.ok()?.offer
+    }
+
     pub async fn global(&self, task: &str) -> (Model, String) {
         let resp = self
             .api
