@@ -248,16 +248,25 @@ impl Api {
             .await
     }
 
+    /// The model `task` published for `round`, waiting up to 30 s for it: a round closes in
+    /// the background after the upload that filled it was acknowledged.
     pub async fn round_model(&self, task: &str, round: u64) -> Model {
-        let resp = self
-            .request(
-                Method::GET,
-                &format!("/admin/v1/tasks/{task}/rounds/{round}/model"),
-            )
-            .send()
-            .await
-            .expect("request");
-        assert_eq!(resp.status(), StatusCode::OK);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let resp = loop {
+            let resp = self
+                .request(
+                    Method::GET,
+                    &format!("/admin/v1/tasks/{task}/rounds/{round}/model"),
+                )
+                .send()
+                .await
+                .expect("request");
+            if resp.status() != StatusCode::NOT_FOUND || std::time::Instant::now() > deadline {
+                break resp;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(resp.status(), StatusCode::OK, "round {round} of {task}");
         Model::from_safetensors(&resp.bytes().await.expect("body"), &Default::default())
             .expect("model")
     }
