@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use hora_common::envelope::{self, Binding, RoundSecretKey};
 use hora_common::kernel::WeightedSum;
 use hora_common::model::{DType, Model, ModelDigest, ModelSpec, ModelView, TensorSpec};
-use hora_server::coordinator::open_update;
+use hora_server::round::open_update;
 
 fn spec(params: usize) -> ModelSpec {
     // A few tensors, like a real network.

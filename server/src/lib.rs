@@ -30,11 +30,11 @@ pub mod api;
 pub mod auth;
 pub mod config;
 pub mod conn;
-pub mod coordinator;
 pub mod dp;
 pub mod error;
 pub mod metrics;
 pub mod rendezvous;
+pub mod round;
 pub mod secagg;
 pub mod shutdown;
 pub mod store;
@@ -46,7 +46,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 
 use crate::config::ServeConfig;
-use crate::coordinator::{Coordinator, CoordinatorConfig};
+use crate::round::{Coordinator, CoordinatorConfig};
 
 const HTTP2_STREAM_WINDOW: u32 = 128 << 10;
 const HTTP2_CONNECTION_WINDOW: u32 = 256 << 10;

@@ -17,8 +17,8 @@ use hora_common::wire::{
 use super::client::model_response;
 use super::{read_body, AdminAuth, ApiJson, ApiPath, Shared};
 use crate::auth;
-use crate::coordinator::now_ms;
 use crate::error::ServerError;
+use crate::round::now_ms;
 use crate::store::EnrolmentRecord;
 
 pub fn routes() -> axum::Router<Shared> {

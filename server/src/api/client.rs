@@ -17,8 +17,8 @@ use serde::Deserialize;
 
 use super::{not_modified, read_upload, ApiJson, ApiPath, ApiQuery, ClientAuth, Shared};
 use crate::auth;
-use crate::coordinator::{now_ms, upload_limit};
 use crate::error::ServerError;
+use crate::round::{now_ms, upload_limit};
 use crate::store::ClientRecord;
 
 /// Header carrying an update's [`UpdateMeta`] as JSON (the body is the sealed envelope).

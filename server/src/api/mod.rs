@@ -38,9 +38,9 @@ use tokio::sync::Semaphore;
 use utoipa::OpenApi;
 
 use crate::auth;
-use crate::coordinator::Coordinator;
 use crate::error::ServerError;
 use crate::rendezvous::Rendezvous;
+use crate::round::Coordinator;
 use crate::store::ClientRecord;
 
 pub use body::{read_body, read_upload, BodyRate};

@@ -27,8 +27,8 @@ use hora_common::wire::{
 use serde::{Deserialize, Serialize};
 
 use super::{read_upload, ApiJson, ApiPath, ApiQuery, ClientAuth, Shared};
-use crate::coordinator::Round;
 use crate::error::ServerError;
+use crate::round::Round;
 use crate::secagg::{Outcome, SecAggRound};
 
 pub fn routes() -> Router<Shared> {

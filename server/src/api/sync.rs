@@ -53,9 +53,9 @@ mod tests {
 
     use super::*;
     use crate::api::{router, AppState, HttpLimits};
-    use crate::coordinator::{Coordinator, CoordinatorConfig};
     use crate::metrics::ServerMetrics;
     use crate::rendezvous::Rendezvous;
+    use crate::round::{Coordinator, CoordinatorConfig};
     use crate::store::Store;
     use crate::tls;
 

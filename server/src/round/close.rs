@@ -1,0 +1,395 @@
+//! Closing a round attempt: tally → publish or abandon → open the next attempt.
+//!
+//! - **tally**: who contributed and who dropped, the example count, the strategy's aggregate of
+//!   the clients' metrics, and whether the attempt ends short (fewer than `min_clients`); under
+//!   central DP the sum is noised here, once, and a round past the privacy budget ends the task.
+//! - **publish**: the strategy turns the sum into the next global model (in the old model's
+//!   bytes, in place); a result that is not finite abandons the attempt instead.
+//! - **record**: the model file, then one store transaction with the task record, the round's
+//!   history entry and the next attempt's open record (a retry of the same round, or the next
+//!   round), flushed. Only then does anyone see the outcome: waiting uploads are acknowledged (or
+//!   told the attempt was abandoned), pollers are woken, the next attempt's watcher starts.
+//!
+//! A close that fails leaves nothing half-done: the stored state is the previous one, and the
+//! round's phase says how the close is retried (see [`super::phase`]).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use hora_common::kernel::{KernelError, WeightedSum};
+use hora_common::wire::{Metrics, RoundOutcome, RoundRecord, TaskState};
+
+use super::collection::Step;
+use super::{lock, Accumulator, Coordinator, Durability, Ending, Round, Task};
+use crate::dp;
+use crate::error::ServerError;
+use crate::store::{Contribution, TaskRecord};
+use crate::strategy;
+
+/// What the tally of an attempt found.
+struct Tally {
+    /// The task record as the close will write it.
+    record: TaskRecord,
+    updates: usize,
+    participants: Vec<String>,
+    dropped: Vec<String>,
+    examples: u64,
+    metrics: hora_common::wire::Metrics,
+    /// Why the attempt ends without a model, if it does.
+    abandon: Option<String>,
+    /// What central DP spent on the round, when it publishes.
+    privacy: Option<Box<dp::Publication>>,
+}
+
+/// The next global model: its digest and bytes, and the strategy state recorded with it.
+type Aggregated = (hora_common::model::ModelDigest, Vec<u8>, Option<String>);
+
+impl Coordinator {
+    /// Acts on a step of `round` (from its deadline watcher or a mode's own message). Blocking.
+    pub(crate) fn step(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        round: &Arc<Round>,
+        step: Step,
+    ) -> Result<(), ServerError> {
+        match step {
+            Step::Continue => {
+                task.bump();
+                Ok(())
+            }
+            Step::End(ending) => self.close(task, round, ending),
+            Step::Sum {
+                values,
+                total_weight,
+                contributors,
+            } => {
+                {
+                    let mut acc = lock(&round.acc);
+                    let n = contributors.len() as u64;
+                    acc.sum = WeightedSum::from_parts(task.spec(), values, total_weight as f64, n)
+                        .map_err(ServerError::internal)?;
+                    acc.contributions = contributors
+                        .into_iter()
+                        .map(|client| Contribution {
+                            client,
+                            examples: 0,
+                            metrics: Metrics::default(),
+                            unclipped: None,
+                        })
+                        .collect();
+                    acc.durable = acc.contributions.len();
+                }
+                self.close(task, round, Ending::Publish)
+            }
+        }
+    }
+
+    /// Closes `round`: publishes it when it has enough updates (and `ending` is not an
+    /// abandonment), else abandons it; then opens the next round or the retry. Blocking.
+    pub(crate) fn close(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        round: &Arc<Round>,
+        ending: Ending,
+    ) -> Result<(), ServerError> {
+        let mut acc = lock(&round.acc);
+        if !acc.phase.begin_close().map_err(ServerError::internal)? {
+            return Ok(()); // closing or closed by someone else
+        }
+        let started = Instant::now();
+        let closed = self
+            .tally(task, round, &mut acc, &ending)
+            .and_then(|tally| self.publish(task, round, &acc, tally));
+        let (tally, history, next) = match closed {
+            Ok(v) => v,
+            Err(e) => {
+                let retry = round.collection.retry_after_failed_close(ending);
+                acc.phase
+                    .close_failed(retry)
+                    .map_err(ServerError::internal)?;
+                round.wake.notify_one();
+                return Err(e);
+            }
+        };
+        if let Some(c) = acc.checkpoint.take() {
+            self.store.remove_checkpoint(&c.file);
+        }
+        if let Some(file) = round.collection.leftover_file() {
+            self.store.remove_checkpoint(&file);
+        }
+        let outcome = tally.abandon.clone().map_or(Ok(()), Err);
+        acc.phase.closed(outcome).map_err(ServerError::internal)?;
+        match &tally.abandon {
+            None => {
+                round
+                    .durability
+                    .send_replace(Durability::Upto(tally.updates));
+                self.metrics
+                    .round_published(&task.id, started.elapsed().as_secs_f64());
+                if let Some(p) = &history.privacy {
+                    self.metrics.dp_epsilon(&task.id, p.epsilon);
+                }
+                tracing::info!(task = %task.id, round = round.number, updates = tally.updates, examples = tally.examples, loss = ?history.metrics.loss, model = %history.model.map(|d| d.to_hex()[..12].to_string()).unwrap_or_default(), "round published");
+            }
+            Some(r) => {
+                round
+                    .durability
+                    .send_replace(Durability::Abandoned(r.clone()));
+                self.metrics.round_abandoned(&task.id);
+                tracing::warn!(task = %task.id, round = round.number, attempt = round.attempt, reason = %r, "round abandoned");
+            }
+        }
+        drop(acc);
+        if tally.abandon.is_none() {
+            let published = tally.record.published;
+            match self
+                .store
+                .prune_models(&task.id, self.config.retention, published)
+            {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(task = %task.id, files = n, "pruned round models"),
+                Err(e) => {
+                    tracing::warn!(task = %task.id, error = %e, "pruning old round models failed; they stay until the next round")
+                }
+            }
+        }
+        task.bump();
+        if let Some(next) = next {
+            // Runs on one of the runtime's blocking threads, which can spawn.
+            self.watch(task.clone(), next);
+        }
+        Ok(())
+    }
+
+    /// Who is in, what the round's metrics are, and whether it ends short; the DP noise.
+    fn tally(
+        &self,
+        task: &Task,
+        round: &Round,
+        acc: &mut Accumulator,
+        ending: &Ending,
+    ) -> Result<Tally, ServerError> {
+        let mut record = task.record();
+        let updates = acc.contributions.len();
+        let participants: Vec<String> =
+            acc.contributions.iter().map(|c| c.client.clone()).collect();
+        let dropped: Vec<String> = acc
+            .selected
+            .iter()
+            .filter(|c| !participants.contains(c))
+            .cloned()
+            .collect();
+        let examples = round.collection.examples(&acc.contributions, &acc.sum);
+        let strategy = strategy::from_config(&record.config.strategy);
+        let metrics = strategy.aggregate_metrics(&acc.contributions);
+        let mut abandon = match ending {
+            Ending::Abandon(r) => Some(r.clone()),
+            Ending::Publish if updates < record.config.min_clients as usize => Some(format!(
+                "{updates} of the required {} updates by the deadline",
+                record.config.min_clients
+            )),
+            Ending::Publish => None,
+        };
+        // Central DP: the sum is noised once and divided by the expected count before the
+        // strategy sees it; a round that would exceed the privacy budget ends the task instead.
+        let mut privacy = None;
+        if let Some(state) = record.dp.clone().filter(|_| abandon.is_none()) {
+            let facts = dp::RoundFacts::of(
+                &self.store,
+                &task.id,
+                round.number,
+                acc.selected.len(),
+                &acc.contributions,
+            )?;
+            match dp::close_round(&record.config, &state, &mut acc.sum, &mut acc.noised, facts)
+                .map_err(ServerError::internal)?
+            {
+                dp::Closing::Publish(publication) => privacy = Some(publication),
+                dp::Closing::BudgetReached(why) => {
+                    tracing::warn!(task = %task.id, reason = %why, "the task finishes: privacy budget");
+                    record.state = TaskState::Finished;
+                    record.ended_reason = Some(why.clone());
+                    abandon = Some(why);
+                }
+            }
+        }
+        Ok(Tally {
+            record,
+            updates,
+            participants,
+            dropped,
+            examples,
+            metrics,
+            abandon,
+            privacy,
+        })
+    }
+
+    /// The next global model, or `None` with the tally's `abandon` set when the attempt ends
+    /// without one. A stateful strategy also writes its next state (a new durable file,
+    /// recorded below with the model); the previous state stays until then.
+    fn aggregate(
+        &self,
+        round: &Round,
+        acc: &Accumulator,
+        tally: &mut Tally,
+    ) -> Result<Option<Aggregated>, ServerError> {
+        if tally.abandon.is_some() {
+            return Ok(None);
+        }
+        let strategy = strategy::from_config(&tally.record.config.strategy);
+        let mut bytes = self.store.model_bytes(&round.base)?;
+        match strategy::aggregate_round(
+            strategy.as_ref(),
+            &mut bytes,
+            &acc.sum,
+            &self.store.strategy_state_dir(),
+            tally.record.strategy_state.as_deref(),
+        ) {
+            Ok((digest, state)) => Ok(Some((digest, bytes, state))),
+            // A result that is not finite is never published.
+            Err(strategy::AggregateError::Kernel(KernelError::NotFinite(detail))) => {
+                tally.abandon = Some(format!("the aggregated model is not finite ({detail}): some update is out of range; bound updates with update_bounds.max_norm"));
+                Ok(None)
+            }
+            Err(e) => Err(ServerError::internal(e)),
+        }
+    }
+
+    /// Publishes (or abandons) the attempt and opens the next, durably; returns the tally, the
+    /// history entry and the next attempt. On failure nothing is recorded and any strategy state
+    /// written for the model is removed again.
+    fn publish(
+        self: &Arc<Self>,
+        task: &Task,
+        round: &Round,
+        acc: &Accumulator,
+        mut tally: Tally,
+    ) -> Result<(Tally, RoundRecord, Option<Arc<Round>>), ServerError> {
+        let aggregated = self.aggregate(round, acc, &mut tally)?;
+        let previous_state = tally.record.strategy_state.clone();
+        let new_state = aggregated.as_ref().and_then(|(_, _, state)| state.clone());
+        // Set once the task record naming the new state is written: from then on the file may be
+        // what the store names, and only the startup sweep may judge it unused.
+        let recorded = std::cell::Cell::new(false);
+        // The task record is held from here until the new one is in memory, so an operator's
+        // pause or resume (`set_state`, which writes the record under the same lock) is neither
+        // lost nor able to write back the record this close replaces. One made since the close
+        // began is kept; a stop closes the round itself, and a finished task stays finished.
+        let mut current = lock(&task.record);
+        let record = &mut tally.record;
+        if matches!(current.state, TaskState::Running | TaskState::Paused)
+            && matches!(record.state, TaskState::Running | TaskState::Paused)
+        {
+            record.state = current.state;
+        }
+        let written = (|| -> Result<(RoundRecord, Option<Arc<Round>>), ServerError> {
+            let model = match aggregated {
+                Some((digest, bytes, state)) => {
+                    self.store.put_model_bytes(&digest, &bytes)?;
+                    drop(bytes);
+                    record.published += 1;
+                    record.global_model = digest;
+                    record.strategy_state = state;
+                    if record.published >= record.config.rounds {
+                        record.state = TaskState::Finished;
+                    }
+                    if let Some(p) = &tally.privacy {
+                        record.dp = Some(p.state.clone());
+                        if let Some(why) = &p.budget_reached {
+                            tracing::warn!(task = %task.id, reason = %why, "the task finishes: privacy budget");
+                            record.state = TaskState::Finished;
+                            record.ended_reason = Some(why.clone());
+                        }
+                    }
+                    Some(digest)
+                }
+                None => None,
+            };
+            let history = RoundRecord {
+                round: round.number,
+                attempt: round.attempt,
+                outcome: match &tally.abandon {
+                    None => RoundOutcome::Published,
+                    Some(r) => RoundOutcome::Abandoned { reason: r.clone() },
+                },
+                participants: tally.participants.clone(),
+                dropped: tally.dropped.clone(),
+                examples: tally.examples,
+                metrics: tally.metrics,
+                duration_ms: round.opened.elapsed().as_millis() as u64,
+                privacy: tally
+                    .privacy
+                    .as_ref()
+                    .filter(|_| model.is_some())
+                    .map(|p| p.spent.clone()),
+                model,
+                pruned: false,
+            };
+            // The retry of an abandoned attempt, or the next round.
+            let next = match record.state {
+                TaskState::Running | TaskState::Paused => Some(match &tally.abandon {
+                    None => self.fresh_round(record, round.number + 1, 0)?,
+                    Some(_) => self.fresh_round(record, round.number, round.attempt + 1)?,
+                }),
+                _ => None,
+            };
+            let next_record = next.as_ref().map(|r| r.record(&lock(&r.acc)));
+            self.store.finish_round(
+                &task.id,
+                record,
+                &history,
+                round.attempt,
+                next_record.as_ref(),
+            )?;
+            recorded.set(true);
+            match &next {
+                Some(n) => n.collection.persist_new(&self.store)?,
+                None => round.collection.clear(&self.store, &task.id)?,
+            }
+            self.store.flush()?;
+            Ok((history, next))
+        })();
+        if let Ok((_, next)) = &written {
+            // The record and the open round change together: whoever sees the new count of
+            // published rounds can join the next one.
+            *current = record.clone();
+            *lock(&task.round) = next.clone();
+        }
+        drop(current);
+        let (history, next) = match written {
+            Ok(v) => v,
+            Err(e) => {
+                if let Some(new) = new_state.filter(|n| {
+                    !recorded.get()
+                        && Some(n) != previous_state.as_ref()
+                        && !self.state_used_by_another_task(&task.id, n)
+                }) {
+                    self.store.remove_strategy_state(&new);
+                }
+                return Err(e);
+            }
+        };
+        // The new state is published with the model: the previous one is garbage now. (Equal
+        // contents have equal names: never delete the file just recorded.)
+        if let Some(old) = previous_state.filter(|o| {
+            Some(o) != tally.record.strategy_state.as_ref()
+                && !self.state_used_by_another_task(&task.id, o)
+        }) {
+            self.store.remove_strategy_state(&old);
+        }
+        Ok((tally, history, next))
+    }
+
+    /// Whether a task other than `task` records the strategy state file `name`. State files are
+    /// content-addressed, so two tasks with the same strategy, spec and sums share one; the
+    /// startup sweep keeps every recorded file, and a task must not delete another's.
+    fn state_used_by_another_task(&self, task: &str, name: &str) -> bool {
+        self.tasks
+            .read()
+            .expect("tasks lock")
+            .values()
+            .filter(|t| t.id != task)
+            .any(|t| lock(&t.record).strategy_state.as_deref() == Some(name))
+    }
+}

@@ -1,0 +1,121 @@
+//! The seam between the round engine and a round mode: how a round's updates come in.
+//!
+//! The engine ([`super`]) owns everything every mode shares — selection, the running sum and its
+//! checkpoints, the deadline watcher, closing and publishing. A [`Collection`] answers the few
+//! questions on which modes differ: may this client join now, what does its offer carry, how do
+//! updates arrive, when must the watcher look next and what happens then, and what the mode
+//! keeps in the store. [`super::plain::PlainCollection`] takes sealed uploads and
+//! [`super::secure::SecureCollection`] runs secure aggregation's stages; a new mode is one more
+//! implementation.
+
+use std::sync::Arc;
+
+use hora_common::wire::SecAggOffer;
+use tokio::sync::watch;
+
+use hora_common::kernel::WeightedSum;
+
+use super::{now_ms, Ending, Round};
+use crate::error::ServerError;
+use crate::secagg::SecAggRound;
+use crate::store::{Contribution, OpenRoundRecord, Store, TaskRecord};
+
+/// What the deadline watcher (or a mode's own message) does to a round.
+#[derive(Debug)]
+pub enum Step {
+    /// Nothing ends yet (a stage moved on: waiters are woken).
+    Continue,
+    /// Close the round with this ending.
+    End(Ending),
+    /// The mode computed the round's sum itself (secure aggregation unmasks it): install it as
+    /// the round's sum, with the clients in it, and close to publish.
+    Sum {
+        values: Vec<f64>,
+        total_weight: u64,
+        contributors: Vec<String>,
+    },
+}
+
+/// How a round's updates come in. One implementation per round mode.
+pub trait Collection: Send + Sync {
+    /// The mode's name, for logs and refusals.
+    fn mode(&self) -> &'static str;
+
+    /// Whether `client` may join now: `Ok(false)` tells it to come back later, an error refuses
+    /// it for good (it cannot take part in this mode as it is).
+    fn admit_join(&self, store: &Store, task: &str, client: &str) -> Result<bool, ServerError>;
+
+    /// What a round offer carries for this mode.
+    fn offer(&self) -> Option<SecAggOffer>;
+
+    /// Refuses a sealed upload unless that is how this mode's updates arrive.
+    fn check_sealed_upload(&self, task: &str) -> Result<(), ServerError>;
+
+    /// When the deadline watcher must next look at the round (Unix ms).
+    fn next_deadline(&self, round: &Round) -> u64;
+
+    /// Changes that move [`Collection::next_deadline`] early (a stage that closed).
+    fn changes(&self) -> Option<watch::Receiver<u64>>;
+
+    /// What is due now that the round's deadline has passed. Blocking (it may write the store).
+    fn at_deadline(&self, store: &Store) -> Result<Step, ServerError>;
+
+    /// The ending a failed close must retry: `None` when the round can collect on (and closes
+    /// again when full or at its deadline), `Some` when the mode can take nothing more.
+    fn retry_after_failed_close(&self, ending: Ending) -> Option<Ending>;
+
+    /// The round's example count for its history.
+    fn examples(&self, contributions: &[Contribution], sum: &WeightedSum) -> u64;
+
+    /// The task was resumed after a pause: whether the round gets a whole deadline again (and
+    /// closes at once if it is full).
+    fn restarts_on_resume(&self) -> bool;
+
+    /// Stores what a new attempt of this mode needs to survive a restart (and drops what an
+    /// older attempt stored).
+    fn persist_new(&self, store: &Store) -> Result<(), ServerError>;
+
+    /// Drops what the mode stored for `task` once its rounds are over.
+    fn clear(&self, store: &Store, task: &str) -> Result<(), ServerError>;
+
+    /// A file the mode wrote for the round, removed once the round has closed.
+    fn leftover_file(&self) -> Option<String>;
+
+    /// The secure-aggregation protocol of the round, when that is its mode.
+    fn secure(&self) -> Option<&Arc<SecAggRound>>;
+}
+
+/// The collection a new attempt of `record`'s task uses, and the attempt's deadline.
+pub fn for_new_attempt(
+    record: &TaskRecord,
+    number: u64,
+    attempt: u32,
+) -> Result<(Arc<dyn Collection>, u64), ServerError> {
+    let now = now_ms();
+    Ok(match &record.config.secure_aggregation {
+        Some(config) => {
+            let s = super::secure::SecureCollection::new(record, config, number, attempt, now)?;
+            // Under secure aggregation the round's deadline is when masked inputs are due.
+            let deadline = s.round().latest_input_deadline_unix_ms;
+            (Arc::new(s), deadline)
+        }
+        None => (
+            Arc::new(super::plain::PlainCollection),
+            now + record.config.round_deadline_secs * 1000,
+        ),
+    })
+}
+
+/// The collection of an attempt resumed after a restart.
+pub fn resume(
+    store: &Store,
+    record: &TaskRecord,
+    open: &OpenRoundRecord,
+) -> Result<Arc<dyn Collection>, ServerError> {
+    Ok(match &record.config.secure_aggregation {
+        Some(config) => Arc::new(super::secure::SecureCollection::resume(
+            store, record, config, open,
+        )?),
+        None => Arc::new(super::plain::PlainCollection),
+    })
+}

@@ -1,0 +1,139 @@
+//! Group commit: uploads are acknowledged only once a checkpoint that contains them is durable.
+//!
+//! A folded update is *pending*. The committer, woken by the first pending update, waits a short
+//! window for more (at least as long as the last checkpoint took: while one is written, uploads
+//! queue behind the accumulator lock, so one checkpoint covers many uploads when the model is
+//! large), then per round writes the sum (atomic file, fsync, rename), then the round's record
+//! listing its contributors, flushes, and only then are those uploads acknowledged
+//! ([`Coordinator::receipt`]). A failed checkpoint acknowledges nothing and is retried by the
+//! next commit. The round's publication is durable too: it acknowledges whatever it contains.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hora_common::wire;
+
+use super::{lock, Checkpointed, Coordinator, Durability, Round, Task};
+use crate::error::ServerError;
+
+impl Coordinator {
+    /// Group commit: whenever uploads are pending, wait a short window for more, then write one
+    /// checkpoint per round that has any.
+    pub(crate) async fn committer(self: Arc<Self>) {
+        // Checkpoints are spaced by at least the time the last one took: while one is written
+        // uploads queue behind the accumulator lock, and between two of them several uploads
+        // fold, so one checkpoint covers many uploads when the model is large.
+        let mut last = Duration::ZERO;
+        loop {
+            self.commit_wanted.notified().await;
+            tokio::time::sleep(self.config.commit_window.max(last)).await;
+            let started = Instant::now();
+            let tasks: Vec<_> = self
+                .tasks
+                .read()
+                .expect("tasks lock")
+                .values()
+                .cloned()
+                .collect();
+            for task in tasks {
+                let Some(round) = task.current() else {
+                    continue;
+                };
+                let me = self.clone();
+                let result =
+                    tokio::task::spawn_blocking(move || me.checkpoint(&task, &round)).await;
+                if let Ok(Err(e)) | Err(e) = result.map_err(ServerError::internal) {
+                    tracing::error!(error = %e, "checkpoint failed; uploads stay unacknowledged and will be retried");
+                }
+            }
+            last = started.elapsed();
+        }
+    }
+
+    fn checkpoint(&self, task: &Task, round: &Round) -> Result<(), ServerError> {
+        let mut acc = lock(&round.acc);
+        if !acc.phase.is_collecting() || acc.durable == acc.contributions.len() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let file = self.store.write_checkpoint(acc.sum.sum())?;
+        let written = Checkpointed {
+            file,
+            total_weight: acc.sum.total_weight(),
+            noised: acc.noised,
+        };
+        let old = acc.checkpoint.replace(written);
+        let pending = acc.durable;
+        acc.durable = acc.contributions.len();
+        let record = round.record(&acc);
+        let written = self
+            .store
+            .put_open_round(&task.id, &record)
+            .and_then(|_| self.store.flush());
+        if let Err(e) = written {
+            // Roll back: these uploads are not durable yet.
+            acc.durable = pending;
+            let new = std::mem::replace(&mut acc.checkpoint, old);
+            let kept = acc.checkpoint.as_ref().map(|c| c.file.as_str());
+            if let Some(new) = new.filter(|n| Some(n.file.as_str()) != kept) {
+                self.store.remove_checkpoint(&new.file);
+            }
+            return Err(e.into());
+        }
+        // (Equal contents have equal names: never delete the file just written.)
+        let kept = acc.checkpoint.as_ref().map(|c| c.file.as_str());
+        if let Some(old) = old.filter(|o| Some(o.file.as_str()) != kept) {
+            self.store.remove_checkpoint(&old.file);
+        }
+        round.durability.send_replace(Durability::Upto(acc.durable));
+        tracing::debug!(task = %task.id, round = round.number, durable = acc.durable, ms = started.elapsed().as_millis() as u64, "checkpoint");
+        Ok(())
+    }
+
+    /// Acknowledges contribution `index` of `round` once a commit (or the publication) that
+    /// contains it is durable — waiting at most the durability timeout, after which the client
+    /// is told to retry (and its retry waits the same way; nothing is folded twice).
+    pub(crate) async fn receipt(
+        &self,
+        round: &Arc<Round>,
+        index: usize,
+    ) -> Result<wire::UpdateReceipt, ServerError> {
+        let mut durability = round.durability.subscribe();
+        let waited = tokio::time::timeout(
+            self.config.durability_timeout,
+            durability.wait_for(|d| match d {
+                Durability::Upto(n) => *n > index,
+                Durability::Abandoned(_) => true,
+            }),
+        )
+        .await
+        .map_err(|_| {
+            ServerError::unavailable(
+                "not_durable_yet",
+                format!(
+                    "the update was accepted but is not durable after {} s (storage is slow); retry the same upload to get its receipt",
+                    self.config.durability_timeout.as_secs()
+                ),
+            )
+        })?;
+        let outcome = waited.map(|d| d.clone()).map_err(|_| {
+            ServerError::unavailable(
+                "shutting_down",
+                "the server is shutting down; retry the upload",
+            )
+        })?;
+        match outcome {
+            Durability::Upto(_) => Ok(wire::UpdateReceipt {
+                round: round.number,
+                accepted: index as u32 + 1,
+            }),
+            Durability::Abandoned(reason) => Err(ServerError::conflict(
+                "round_abandoned",
+                format!(
+                    "round {} was abandoned ({reason}); poll for the retry",
+                    round.number
+                ),
+            )),
+        }
+    }
+}

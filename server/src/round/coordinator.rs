@@ -1,0 +1,400 @@
+//! The [`Coordinator`]: every task and its open round, loaded (and resumed from the last
+//! checkpoints) at start; the client verbs every round mode shares — the long poll and joining.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use hora_common::envelope::RoundSecretKey;
+use hora_common::kernel::WeightedSum;
+use hora_common::wire::{self, RoundOffer, TaskState};
+use rand::Rng;
+use tokio::sync::{watch, Notify};
+
+use super::plain::already_contributed;
+use super::{
+    capacity, collection, lock, now_ms, Accumulator, Checkpointed, Durability, Round, Task,
+};
+use crate::error::ServerError;
+use crate::metrics::ServerMetrics;
+use crate::store::{OpenRoundRecord, Store, TaskRecord};
+use crate::strategy;
+
+/// Tunables of the coordinator.
+#[derive(Debug, Clone)]
+pub struct CoordinatorConfig {
+    /// How long the committer waits after the first pending update for more to join the commit.
+    pub commit_window: Duration,
+    /// The longest a long poll is held open.
+    pub max_poll_wait: Duration,
+    /// The longest an upload waits for durability before it is answered 503 (and retried).
+    pub durability_timeout: Duration,
+    /// Which published round models are kept.
+    pub retention: crate::store::Retention,
+}
+
+impl Default for CoordinatorConfig {
+    fn default() -> Self {
+        CoordinatorConfig {
+            commit_window: Duration::from_millis(2),
+            max_poll_wait: Duration::from_secs(30),
+            durability_timeout: Duration::from_secs(60),
+            retention: crate::store::Retention::default(),
+        }
+    }
+}
+
+/// Every task and its open round.
+pub struct Coordinator {
+    pub(crate) store: Arc<Store>,
+    pub(crate) tasks: RwLock<HashMap<String, Arc<Task>>>,
+    /// Tasks whose stored state could not be loaded, with the reason: they answer 503 while the
+    /// other tasks serve.
+    broken: RwLock<HashMap<String, String>>,
+    pub(crate) config: CoordinatorConfig,
+    pub(crate) commit_wanted: Notify,
+    pub metrics: Arc<ServerMetrics>,
+}
+
+impl Coordinator {
+    /// Loads every task and resumes open rounds from their last checkpoints.
+    pub fn open(
+        store: Arc<Store>,
+        config: CoordinatorConfig,
+        metrics: Arc<ServerMetrics>,
+    ) -> Result<Arc<Self>, ServerError> {
+        let coordinator = Arc::new(Coordinator {
+            store,
+            tasks: RwLock::new(HashMap::new()),
+            broken: RwLock::new(HashMap::new()),
+            config,
+            commit_wanted: Notify::new(),
+            metrics,
+        });
+        for (id, record) in coordinator.store.tasks_each()? {
+            // One task's corrupt state must not keep the others from serving.
+            let loaded = record.map_err(ServerError::from).and_then(|record| {
+                // A damaged strategy state makes the task unavailable now, with the reason,
+                // rather than failing every round close later.
+                if let Some(name) = &record.strategy_state {
+                    let per = strategy::from_config(&record.config.strategy).state_per_parameter();
+                    strategy::state::verify(
+                        &coordinator.store.strategy_state_dir(),
+                        name,
+                        record.spec.numel(),
+                        per,
+                    )?;
+                }
+                if record.config.differential_privacy.is_some() && record.dp.is_none() {
+                    // Starting the count afresh would under-report ε: stop here instead.
+                    return Err(ServerError::internal(
+                        "the task has differential privacy but no privacy accounting state",
+                    ));
+                }
+                let round = match coordinator.store.open_round(&id)? {
+                    Some(open) => Some(coordinator.resume_round(&record, open)?),
+                    None if matches!(record.state, TaskState::Running | TaskState::Paused)
+                        && record.published < record.config.rounds =>
+                    {
+                        Some(coordinator.new_round(&id, &record, record.published + 1, 0)?)
+                    }
+                    None => None,
+                };
+                Ok((record, round))
+            });
+            let (record, round) = match loaded {
+                Ok(v) => v,
+                Err(e) => {
+                    let detail = match &e {
+                        ServerError::Internal(m) => m.clone(),
+                        other => other.to_string(),
+                    };
+                    tracing::error!(task = %id, error = %detail, "cannot load this task's stored state; it answers 503 until repaired or deleted, the other tasks serve");
+                    coordinator
+                        .broken
+                        .write()
+                        .expect("broken lock")
+                        .insert(id, detail);
+                    coordinator.metrics.tasks_broken.inc();
+                    continue;
+                }
+            };
+            if let Some(r) = &round {
+                tracing::info!(task = %id, round = r.number, attempt = r.attempt, accepted = lock(&r.acc).durable, "resumed open round");
+            }
+            if let (Some(config), Some(state)) = (&record.config.differential_privacy, &record.dp) {
+                coordinator.metrics.dp_epsilon(&id, state.epsilon(config));
+            }
+            let task = Arc::new(Task {
+                id: id.clone(),
+                record: Mutex::new(record),
+                round: Mutex::new(round),
+                changed: watch::channel(0).0,
+            });
+            coordinator
+                .tasks
+                .write()
+                .expect("tasks lock")
+                .insert(id, task);
+        }
+        Ok(coordinator)
+    }
+
+    /// Starts the background work: the group committer and the round deadlines.
+    pub fn start(self: &Arc<Self>) {
+        let me = self.clone();
+        tokio::spawn(async move { me.committer().await });
+        for task in self.tasks.read().expect("tasks lock").values() {
+            if let Some(round) = task.current() {
+                self.watch(task.clone(), round);
+            }
+        }
+    }
+
+    fn resume_round(
+        &self,
+        record: &TaskRecord,
+        open: OpenRoundRecord,
+    ) -> Result<Arc<Round>, ServerError> {
+        let mut secret = [0u8; 32];
+        hex::decode_to_slice(&open.secret, &mut secret)
+            .map_err(|_| ServerError::internal("corrupt round secret"))?;
+        let collection = collection::resume(&self.store, record, &open)?;
+        let (sum, contributions, checkpoint, noised) = match open.checkpoint {
+            Some(c) => {
+                let values = self.store.read_checkpoint(&c.file, record.spec.numel())?;
+                let n = c.contributions.len() as u64;
+                let sum = WeightedSum::from_parts(record.spec.clone(), values, c.total_weight, n)
+                    .map_err(ServerError::internal)?;
+                let durable = Checkpointed {
+                    file: c.file,
+                    total_weight: c.total_weight,
+                    noised: c.noised,
+                };
+                (sum, c.contributions, Some(durable), c.noised)
+            }
+            None => (
+                WeightedSum::new(record.spec.clone()),
+                Vec::new(),
+                None,
+                false,
+            ),
+        };
+        let durable = contributions.len();
+        Ok(Arc::new(Round {
+            number: open.round,
+            attempt: open.attempt,
+            key: RoundSecretKey::from_bytes(secret),
+            base: open.base_model,
+            opened_unix_ms: open.opened_unix_ms,
+            opened: Instant::now(),
+            deadline_unix_ms: open.deadline_unix_ms.into(),
+            acc: Mutex::new(Accumulator {
+                sum,
+                selected: open.selected.into_iter().collect(),
+                contributions,
+                durable,
+                checkpoint,
+                noised,
+                ..Accumulator::new(record.spec.clone())
+            }),
+            durability: watch::channel(Durability::Upto(durable)).0,
+            collection,
+            wake: Notify::new(),
+        }))
+    }
+
+    /// A fresh round (or a retry of an abandoned one), persisted before anyone sees it.
+    pub(crate) fn new_round(
+        &self,
+        task_id: &str,
+        record: &TaskRecord,
+        number: u64,
+        attempt: u32,
+    ) -> Result<Arc<Round>, ServerError> {
+        let round = self.fresh_round(record, number, attempt)?;
+        self.store
+            .put_open_round(task_id, &round.record(&lock(&round.acc)))?;
+        round.collection.persist_new(&self.store)?;
+        self.store.flush()?;
+        Ok(round)
+    }
+
+    pub(crate) fn fresh_round(
+        &self,
+        record: &TaskRecord,
+        number: u64,
+        attempt: u32,
+    ) -> Result<Arc<Round>, ServerError> {
+        let (collection, deadline) = collection::for_new_attempt(record, number, attempt)?;
+        Ok(Arc::new(Round {
+            number,
+            attempt,
+            key: RoundSecretKey::generate().map_err(ServerError::internal)?,
+            base: record.global_model,
+            opened_unix_ms: now_ms(),
+            opened: Instant::now(),
+            deadline_unix_ms: deadline.into(),
+            acc: Mutex::new(Accumulator::new(record.spec.clone())),
+            durability: watch::channel(Durability::Upto(0)).0,
+            collection,
+            wake: Notify::new(),
+        }))
+    }
+
+    pub fn task(&self, id: &str) -> Result<Arc<Task>, ServerError> {
+        if let Some(task) = self.tasks.read().expect("tasks lock").get(id) {
+            return Ok(task.clone());
+        }
+        if self.broken.read().expect("broken lock").contains_key(id) {
+            return Err(ServerError::unavailable(
+                "task_unavailable",
+                format!("task `{id}` cannot be served: its stored state is damaged (the operator finds the detail in the server log)"),
+            ));
+        }
+        Err(ServerError::NotFound(format!("no task `{id}`")))
+    }
+
+    /// Tasks whose stored state could not be loaded, and why.
+    pub fn broken_tasks(&self) -> Vec<(String, String)> {
+        let mut broken: Vec<_> = self
+            .broken
+            .read()
+            .expect("broken lock")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        broken.sort();
+        broken
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    // -- clients ----------------------------------------------------------------------------
+
+    fn retry_after(&self, task: &Task) -> u64 {
+        let base = task
+            .current()
+            .map(|r| r.deadline().saturating_sub(now_ms()))
+            .unwrap_or(5_000)
+            .clamp(500, 60_000);
+        // Jitter spreads reconnects so a federation never comes back as one herd.
+        rand::rng().random_range(base / 2..=base)
+    }
+
+    /// The task's state for `client`; waits up to `wait` for a round later than `after`.
+    pub async fn poll(
+        &self,
+        task: Arc<Task>,
+        client: &str,
+        after: Option<u64>,
+        wait: Duration,
+    ) -> wire::PollResponse {
+        let mut changed = task.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + wait.min(self.config.max_poll_wait);
+        loop {
+            let state = task.record().state;
+            let round = task.current();
+            let ready = state != TaskState::Running
+                || round
+                    .as_ref()
+                    .is_some_and(|r| after.is_none_or(|a| r.number > a));
+            if ready || tokio::time::Instant::now() >= deadline {
+                let (selected, contributed) = round
+                    .as_ref()
+                    .map(|r| {
+                        let acc = lock(&r.acc);
+                        (
+                            acc.selected.contains(client),
+                            acc.contributions.iter().any(|c| c.client == client),
+                        )
+                    })
+                    .unwrap_or((false, false));
+                return wire::PollResponse {
+                    task: task.id.clone(),
+                    state,
+                    open_round: round.map(|r| r.number),
+                    selected,
+                    contributed,
+                    retry_after_ms: self.retry_after(&task),
+                };
+            }
+            if tokio::time::timeout_at(deadline, changed.changed())
+                .await
+                .is_err()
+            {
+                continue; // timed out: answer with what there is
+            }
+        }
+    }
+
+    /// Selects `client` for the open round if there is room.
+    pub fn join(&self, task: &Task, client: &str) -> Result<wire::JoinResponse, ServerError> {
+        let record = task.record();
+        match record.state {
+            TaskState::Running => {}
+            TaskState::Paused => {
+                return Ok(wire::JoinResponse {
+                    offer: None,
+                    retry_after_ms: self.retry_after(task),
+                })
+            }
+            s => {
+                return Err(ServerError::conflict(
+                    "task_ended",
+                    format!("task `{}` is {}", task.id, format!("{s:?}").to_lowercase()),
+                ))
+            }
+        }
+        let Some(round) = task.current() else {
+            return Ok(wire::JoinResponse {
+                offer: None,
+                retry_after_ms: self.retry_after(task),
+            });
+        };
+        let capacity = capacity(&record.config);
+        if !round.collection.admit_join(&self.store, &task.id, client)? {
+            return Ok(wire::JoinResponse {
+                offer: None,
+                retry_after_ms: self.retry_after(task),
+            });
+        }
+        {
+            let mut acc = lock(&round.acc);
+            if acc.contributions.iter().any(|c| c.client == client) {
+                return Err(already_contributed(client, round.number));
+            }
+            if !acc.selected.contains(client) {
+                let strategy = strategy::from_config(&record.config.strategy);
+                if !acc.phase.is_collecting()
+                    || !strategy.admits(client, acc.selected.len(), capacity)
+                {
+                    return Ok(wire::JoinResponse {
+                        offer: None,
+                        retry_after_ms: self.retry_after(task),
+                    });
+                }
+                acc.selected.insert(client.to_string());
+                // Selection survives a restart on a best-effort basis (the next commit or close
+                // flushes it); a client that loses it simply joins again.
+                let rec = round.record(&acc);
+                self.store.put_open_round(&task.id, &rec)?;
+            }
+        }
+        task.bump();
+        Ok(wire::JoinResponse {
+            offer: Some(RoundOffer {
+                round: round.number,
+                model: round.base,
+                model_kind: record.config.model.clone(),
+                round_key: round.key.public_key(),
+                deadline_unix_ms: round.deadline(),
+                training: record.config.training.clone(),
+                secure_aggregation: round.collection.offer(),
+            }),
+            retry_after_ms: 0,
+        })
+    }
+}

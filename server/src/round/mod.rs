@@ -1,0 +1,177 @@
+//! The round engine: tasks, their rounds, and everything that moves a round along.
+//!
+//! A round attempt is **open** from the moment the previous one is published. Its [`Phase`] is
+//! a type: it is **collecting** (clients join — the first `target × (1 + over_selection)` are
+//! selected, others are told when to come back — and their updates are folded into the round's
+//! running sum at once), then **closing** (tallied; the strategy turns the sum into the next
+//! global model), then **published**, or **abandoned** with a reason (fewer than `min_clients`
+//! updates by the deadline, a sum that is not finite, a secure-aggregation attempt that lost too
+//! many clients) — an abandoned round is retried as a new attempt with a fresh key.
+//!
+//! How updates arrive is the round's [`Collection`], the seam between the engine and a round
+//! mode: [`plain`] sealed uploads (each opened, validated and folded on arrival) or [`secure`]
+//! aggregation (Bonawitz et al.'s four stages; the server learns only the sum). Everything else
+//! is shared by every mode and read top to bottom:
+//!
+//! - [`coordinator`]: the [`Coordinator`] — tasks loaded and resumed at start, long polls, joins.
+//! - [`task`]: a task's record and the operator's verbs (create, pause, resume, stop, history).
+//! - [`commit`]: group commit. A folded update is *pending* until a checkpoint that contains it
+//!   is durable: the committer, woken by the first pending update, writes the sum (atomic file,
+//!   fsync, rename), then the round's record listing its contributors, flushes, and only then are
+//!   those uploads acknowledged. A crash loses only unacknowledged uploads, which clients retry;
+//!   the restarted round resumes from its last checkpoint, so the published model is the same as
+//!   without the crash. Writes are O(model) per commit, not per upload.
+//! - [`deadline`]: one watcher per open round, for every mode: it closes a full round, a round
+//!   whose deadline passed, and retries a close that failed (storage trouble).
+//! - [`close`]: tally → publish or abandon → open the next round, in one store transaction.
+//!
+//! Locks: a round's accumulator lock may be taken while holding nothing, and the task's record
+//! and round slots may be taken while holding it — never the other way round.
+
+mod close;
+pub mod collection;
+mod commit;
+pub mod coordinator;
+mod deadline;
+pub mod phase;
+pub mod plain;
+pub mod secure;
+pub mod task;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use hora_common::envelope::RoundSecretKey;
+use hora_common::kernel::WeightedSum;
+use hora_common::model::ModelDigest;
+use hora_common::wire;
+use tokio::sync::{watch, Notify};
+
+pub use collection::Collection;
+pub use coordinator::{Coordinator, CoordinatorConfig};
+pub use phase::{Ending, Phase};
+pub use plain::{open_update, upload_limit, Admission};
+pub use task::Task;
+
+use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord};
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock()
+        .expect("a round-engine lock was poisoned by an earlier panic")
+}
+
+/// Clients selected per round: the target plus the over-selection.
+pub(crate) fn capacity(config: &wire::CreateTask) -> usize {
+    (f64::from(config.target_clients) * (1.0 + config.over_selection)).ceil() as usize
+}
+
+/// What waiting uploads learn about their round.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Durability {
+    /// The first `n` contributions are durable.
+    Upto(usize),
+    /// The attempt was abandoned: nothing of it counts.
+    Abandoned(String),
+}
+
+/// A round's running state, under one lock.
+pub(crate) struct Accumulator {
+    pub(crate) phase: Phase,
+    pub(crate) sum: WeightedSum,
+    pub(crate) selected: BTreeSet<String>,
+    /// Every accepted contribution, the durable ones first.
+    pub(crate) contributions: Vec<Contribution>,
+    pub(crate) durable: usize,
+    /// The last durable checkpoint of the sum, as the open-round record must describe it.
+    pub(crate) checkpoint: Option<Checkpointed>,
+    /// The sum holds the round's differential-privacy noise (see `dp`): never noise it twice.
+    pub(crate) noised: bool,
+    /// The round is full: the deadline watcher closes it now rather than at the deadline.
+    pub(crate) close_requested: bool,
+}
+
+impl Accumulator {
+    pub(crate) fn new(spec: hora_common::model::ModelSpec) -> Self {
+        Accumulator {
+            phase: Phase::Collecting,
+            sum: WeightedSum::new(spec),
+            selected: BTreeSet::new(),
+            contributions: Vec::new(),
+            durable: 0,
+            checkpoint: None,
+            noised: false,
+            close_requested: false,
+        }
+    }
+}
+
+/// What a checkpoint file holds, captured when it was written: the live sum's total weight and
+/// noise flag may have moved on since (uploads folded, noise added by a close that then failed),
+/// and a record must never pair the file with them.
+#[derive(Clone)]
+pub(crate) struct Checkpointed {
+    pub(crate) file: String,
+    pub(crate) total_weight: f64,
+    pub(crate) noised: bool,
+}
+
+/// One attempt of one round.
+pub struct Round {
+    pub number: u64,
+    pub attempt: u32,
+    pub(crate) key: RoundSecretKey,
+    pub base: ModelDigest,
+    pub(crate) opened_unix_ms: u64,
+    pub(crate) opened: Instant,
+    pub(crate) deadline_unix_ms: std::sync::atomic::AtomicU64,
+    pub(crate) acc: Mutex<Accumulator>,
+    pub(crate) durability: watch::Sender<Durability>,
+    /// How the round's updates arrive.
+    pub collection: Arc<dyn Collection>,
+    /// Wakes the round's deadline watcher (a close was requested, the clock moved).
+    pub(crate) wake: Notify,
+}
+
+impl Round {
+    pub(crate) fn deadline(&self) -> u64 {
+        self.deadline_unix_ms
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub(crate) fn set_deadline(&self, unix_ms: u64) {
+        self.deadline_unix_ms
+            .store(unix_ms, std::sync::atomic::Ordering::SeqCst);
+        self.wake.notify_one();
+    }
+
+    /// The round's phase now.
+    pub fn phase(&self) -> Phase {
+        lock(&self.acc).phase.clone()
+    }
+
+    pub(crate) fn record(&self, acc: &Accumulator) -> OpenRoundRecord {
+        OpenRoundRecord {
+            round: self.number,
+            attempt: self.attempt,
+            secret: hex::encode(*self.key.to_bytes()),
+            base_model: self.base,
+            opened_unix_ms: self.opened_unix_ms,
+            deadline_unix_ms: self.deadline(),
+            selected: acc.selected.iter().cloned().collect(),
+            checkpoint: acc.checkpoint.clone().map(|c| CheckpointRecord {
+                file: c.file,
+                contributions: acc.contributions[..acc.durable].to_vec(),
+                total_weight: c.total_weight,
+                noised: c.noised,
+            }),
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! The secure-aggregation round mode: updates arrive through the four stages of Bonawitz et
+//! al.'s protocol ([`crate::secagg`] runs them), and the round's sum is what unmasking yields.
+//! The server never sees an individual update; a stage that loses too many clients abandons the
+//! attempt, and the round is retried with fresh keys.
+
+use std::sync::Arc;
+
+use hora_common::kernel::WeightedSum;
+use hora_common::wire::{SecAggOffer, SecureAggregationConfig};
+use tokio::sync::watch;
+
+use super::collection::{Collection, Step};
+use super::{capacity, lock, Coordinator, Ending, Round, Task};
+use crate::error::ServerError;
+use crate::secagg::{self, Outcome, SecAggRound};
+use crate::store::{Contribution, OpenRoundRecord, Store, TaskRecord};
+
+/// Secure aggregation's stages, for one attempt.
+pub struct SecureCollection(Arc<SecAggRound>);
+
+impl SecureCollection {
+    pub(crate) fn new(
+        record: &TaskRecord,
+        config: &SecureAggregationConfig,
+        number: u64,
+        attempt: u32,
+        now: u64,
+    ) -> Result<Self, ServerError> {
+        Ok(SecureCollection(Arc::new(SecAggRound::new(
+            hora_common::secagg::Context::new(&record.config.id, number, attempt),
+            config.clone(),
+            capacity(&record.config),
+            record.config.min_clients as usize,
+            now,
+            record.config.round_deadline_secs,
+            record.spec.numel(),
+        )?)))
+    }
+
+    pub(crate) fn resume(
+        store: &Store,
+        record: &TaskRecord,
+        config: &SecureAggregationConfig,
+        open: &OpenRoundRecord,
+    ) -> Result<Self, ServerError> {
+        Ok(SecureCollection(Arc::new(SecAggRound::resume(
+            store,
+            hora_common::secagg::Context::new(&record.config.id, open.round, open.attempt),
+            config.clone(),
+            capacity(&record.config),
+            record.config.min_clients as usize,
+            open.opened_unix_ms,
+            record.config.round_deadline_secs,
+            record.spec.numel(),
+        )?)))
+    }
+
+    pub fn round(&self) -> &SecAggRound {
+        &self.0
+    }
+}
+
+impl Collection for SecureCollection {
+    fn mode(&self) -> &'static str {
+        "secure aggregation"
+    }
+
+    fn admit_join(&self, store: &Store, task: &str, client: &str) -> Result<bool, ServerError> {
+        // Keys are advertised right after joining: once advertising has closed, the attempt's
+        // participants are fixed.
+        if self.0.stage() != secagg::Stage::Advertise {
+            return Ok(false);
+        }
+        let registered = store
+            .client(client)?
+            .is_some_and(|c| c.identity_key.is_some());
+        if !registered {
+            return Err(ServerError::conflict(
+                "no_identity_key",
+                format!("task `{task}` uses secure aggregation, which needs an identity key registered at enrolment; client `{client}` has none: enrol it again with a current client"),
+            ));
+        }
+        Ok(true)
+    }
+
+    fn offer(&self) -> Option<SecAggOffer> {
+        Some(self.0.offer())
+    }
+
+    fn check_sealed_upload(&self, task: &str) -> Result<(), ServerError> {
+        Err(ServerError::conflict(
+            "secure_aggregation",
+            format!("task `{task}` uses secure aggregation: updates go through its stages (/v1/tasks/{{task}}/secagg/…), not a sealed upload"),
+        ))
+    }
+
+    fn next_deadline(&self, _: &Round) -> u64 {
+        self.0.deadline()
+    }
+
+    fn changes(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.0.changed.subscribe())
+    }
+
+    fn at_deadline(&self, store: &Store) -> Result<Step, ServerError> {
+        Ok(step(self.0.tick(store)?))
+    }
+
+    fn retry_after_failed_close(&self, ending: Ending) -> Option<Ending> {
+        Some(ending) // the stages are over: only the same ending can follow
+    }
+
+    fn examples(&self, _: &[Contribution], sum: &WeightedSum) -> u64 {
+        // Only the total is known: it was summed inside the masked vectors.
+        sum.total_weight() as u64
+    }
+
+    fn restarts_on_resume(&self) -> bool {
+        false // the stages keep their own clocks; none closes while the task is paused
+    }
+
+    fn persist_new(&self, store: &Store) -> Result<(), ServerError> {
+        self.0.persist_new(store)
+    }
+
+    fn clear(&self, store: &Store, task: &str) -> Result<(), ServerError> {
+        Ok(store.secagg_clear(task)?)
+    }
+
+    fn leftover_file(&self) -> Option<String> {
+        self.0.sum_file()
+    }
+
+    fn secure(&self) -> Option<&Arc<SecAggRound>> {
+        Some(&self.0)
+    }
+}
+
+/// What a stage's outcome does to the round.
+fn step(outcome: Outcome) -> Step {
+    match outcome {
+        Outcome::Continue => Step::Continue,
+        Outcome::Abandon(reason) => Step::End(Ending::Abandon(reason)),
+        Outcome::Publish {
+            values,
+            total_weight,
+            survivors,
+        } => Step::Sum {
+            values,
+            total_weight,
+            contributors: survivors,
+        },
+    }
+}
+
+impl Coordinator {
+    /// The attempt `attempt` of round `round_number` of `task`, for a message from `client`.
+    pub fn secagg_round(
+        &self,
+        task: &Task,
+        client: &str,
+        round_number: u64,
+        attempt: u32,
+    ) -> Result<(Arc<Round>, Arc<SecAggRound>), ServerError> {
+        let round = task.current().ok_or_else(|| {
+            ServerError::conflict(
+                "round_closed",
+                format!("task `{}` has no open round", task.id),
+            )
+        })?;
+        let Some(s) = round.collection.secure().cloned() else {
+            return Err(ServerError::conflict(
+                "not_secure_aggregation",
+                format!("task `{}` does not use secure aggregation", task.id),
+            ));
+        };
+        if round_number != round.number {
+            return Err(ServerError::conflict(
+                if round_number < round.number {
+                    "round_closed"
+                } else {
+                    "wrong_round"
+                },
+                format!(
+                    "round {round_number} is not open; the open round is {}",
+                    round.number
+                ),
+            ));
+        }
+        if attempt != round.attempt {
+            return Err(ServerError::conflict(
+                if attempt < round.attempt { "round_abandoned" } else { "wrong_round" },
+                format!(
+                    "attempt {attempt} of round {round_number} is not the open one ({}): poll and join the retry",
+                    round.attempt
+                ),
+            ));
+        }
+        if !lock(&round.acc).selected.contains(client) {
+            return Err(ServerError::conflict(
+                "not_selected",
+                format!(
+                    "client `{client}` is not selected for round {round_number}: join it first"
+                ),
+            ));
+        }
+        Ok((round, s))
+    }
+
+    /// Acts on what a secure-aggregation message did: publishes the unmasked sum, or abandons
+    /// the attempt (the round is retried). Blocking.
+    pub fn secagg_outcome(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        round: &Arc<Round>,
+        outcome: Outcome,
+    ) -> Result<(), ServerError> {
+        self.step(task, round, step(outcome))
+    }
+}

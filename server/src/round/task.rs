@@ -1,0 +1,280 @@
+//! A task: its record (configuration, state, what it has published), its open round, and the
+//! operator's verbs on it — create, list, pause, resume, stop, round history and models.
+
+use std::sync::{Arc, Mutex};
+
+use hora_common::model::{ModelDigest, ModelSpec};
+use hora_common::wire::{self, OpenRoundStatus, RoundRecord, TaskInfo, TaskState};
+use tokio::sync::watch;
+
+use super::{capacity, lock, now_ms, Coordinator, Ending, Round};
+use crate::dp;
+use crate::error::ServerError;
+use crate::secagg;
+use crate::store::TaskRecord;
+use crate::strategy;
+
+/// A task the coordinator serves.
+pub struct Task {
+    pub id: String,
+    pub(crate) record: Mutex<TaskRecord>,
+    pub(crate) round: Mutex<Option<Arc<Round>>>,
+    pub(crate) changed: watch::Sender<u64>,
+}
+
+impl Task {
+    pub(crate) fn record(&self) -> TaskRecord {
+        self.record.lock().expect("task lock").clone()
+    }
+
+    pub(crate) fn current(&self) -> Option<Arc<Round>> {
+        self.round.lock().expect("round slot").clone()
+    }
+
+    pub(crate) fn bump(&self) {
+        self.changed.send_modify(|v| *v += 1);
+    }
+
+    /// Notified whenever the task's state or round changes.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+}
+
+impl Task {
+    pub fn spec(&self) -> ModelSpec {
+        self.record().spec
+    }
+
+    pub fn module_digest(&self) -> Option<String> {
+        match self.record().config.model {
+            wire::ModelKind::TorchScript { module_digest } => Some(module_digest),
+            wire::ModelKind::Builtin { .. } => None,
+        }
+    }
+
+    pub fn global_model(&self) -> ModelDigest {
+        self.record().global_model
+    }
+}
+
+impl Coordinator {
+    pub fn create_task(
+        self: &Arc<Self>,
+        config: wire::CreateTask,
+    ) -> Result<TaskInfo, ServerError> {
+        validate_task(&config)?;
+        let initial = self.store.read_model(&config.initial_model).map_err(|_| {
+            ServerError::BadRequest(format!(
+                "no uploaded model with digest {}: upload it first with POST /admin/v1/models",
+                config.initial_model
+            ))
+        })?;
+        if let wire::ModelKind::TorchScript { module_digest } = &config.model {
+            if !self.store.module_path(module_digest).exists() {
+                return Err(ServerError::BadRequest(format!("no uploaded TorchScript module {module_digest}: upload it first with POST /admin/v1/modules")));
+            }
+        }
+        let id = config.id.clone();
+        let record = TaskRecord {
+            spec: initial.spec(),
+            state: TaskState::Running,
+            published: 0,
+            global_model: config.initial_model,
+            created_unix_ms: now_ms(),
+            strategy_state: None,
+            dp: config.differential_privacy.as_ref().map(dp::DpState::new),
+            ended_reason: None,
+            config,
+        };
+        let mut tasks = self.tasks.write().expect("tasks lock");
+        if tasks.contains_key(&id) || !self.store.create_task(&id, &record)? {
+            return Err(ServerError::conflict(
+                "task_exists",
+                format!("task `{id}` exists already"),
+            ));
+        }
+        let round = self.new_round(&id, &record, 1, 0)?;
+        if record.dp.is_some() {
+            self.metrics.dp_epsilon(&id, 0.0);
+        }
+        let task = Arc::new(Task {
+            id: id.clone(),
+            record: Mutex::new(record),
+            round: Mutex::new(Some(round.clone())),
+            changed: watch::channel(0).0,
+        });
+        tasks.insert(id.clone(), task.clone());
+        drop(tasks);
+        self.watch(task.clone(), round);
+        tracing::info!(task = %id, "task created");
+        Ok(self.info(&task))
+    }
+
+    pub fn list(&self) -> Vec<TaskInfo> {
+        let tasks: Vec<_> = self
+            .tasks
+            .read()
+            .expect("tasks lock")
+            .values()
+            .cloned()
+            .collect();
+        let mut infos: Vec<_> = tasks.iter().map(|t| self.info(t)).collect();
+        infos.sort_by(|a, b| a.config.id.cmp(&b.config.id));
+        infos
+    }
+
+    pub fn info(&self, task: &Task) -> TaskInfo {
+        let record = task.record();
+        let open_round = task.current().map(|r| {
+            let acc = lock(&r.acc);
+            OpenRoundStatus {
+                round: r.number,
+                attempt: r.attempt,
+                selected: acc.selected.len() as u32,
+                accepted: acc.contributions.len() as u32,
+                deadline_unix_ms: r.deadline(),
+            }
+        });
+        TaskInfo {
+            config: record.config,
+            state: record.state,
+            spec: record.spec,
+            published_rounds: record.published,
+            global_model: record.global_model,
+            open_round,
+            ended_reason: record.ended_reason,
+        }
+    }
+
+    /// Pause, resume or stop.
+    pub async fn set_state(
+        self: &Arc<Self>,
+        task: Arc<Task>,
+        to: TaskState,
+    ) -> Result<TaskInfo, ServerError> {
+        let from = task.record().state;
+        match (from, to) {
+            (TaskState::Stopped | TaskState::Finished, _) => {
+                return Err(ServerError::conflict(
+                    "task_ended",
+                    format!("task `{}` is {:?} and cannot change state", task.id, from)
+                        .to_lowercase(),
+                ))
+            }
+            (a, b) if a == b => return Ok(self.info(&task)),
+            _ => {}
+        }
+        {
+            let mut record = lock(&task.record);
+            record.state = to;
+            self.store.put_task(&task.id, &record)?;
+            self.store.flush()?;
+        }
+        tracing::info!(task = %task.id, state = ?to, "task state changed");
+        match to {
+            TaskState::Stopped => {
+                if let Some(round) = task.current() {
+                    let me = self.clone();
+                    let t = task.clone();
+                    tokio::task::spawn_blocking(move || {
+                        me.close(&t, &round, Ending::Abandon("task stopped".into()))
+                    })
+                    .await
+                    .map_err(ServerError::internal)??;
+                }
+            }
+            TaskState::Running => {
+                // A resumed plain round gets a whole deadline again, and closes at once if it is
+                // full (its watcher wakes at the bump below).
+                if let Some(round) = task.current().filter(|r| r.collection.restarts_on_resume()) {
+                    round.set_deadline(now_ms() + task.record().config.round_deadline_secs * 1000);
+                    self.close_if_full(&task, &round);
+                }
+            }
+            _ => {}
+        }
+        task.bump();
+        Ok(self.info(&task))
+    }
+
+    pub fn history(&self, task: &Task) -> Result<Vec<RoundRecord>, ServerError> {
+        Ok(self.store.history(&task.id)?)
+    }
+
+    /// The model digest published by round `round` (0: the initial model).
+    pub fn round_model(&self, task: &Task, round: u64) -> Result<ModelDigest, ServerError> {
+        let record = task.record();
+        if round == 0 {
+            return Ok(record.config.initial_model);
+        }
+        let published = self
+            .history(task)?
+            .into_iter()
+            .find(|r| r.round == round && r.model.is_some())
+            .ok_or_else(|| {
+                ServerError::NotFound(format!(
+                    "task `{}` has not published round {round}",
+                    task.id
+                ))
+            })?;
+        let digest = published.model.expect("found by its model");
+        if published.pruned && !self.store.model_path(&digest).exists() {
+            return Err(ServerError::Gone {
+                code: "model_pruned",
+                message: format!(
+                    "round {round}'s model was removed by the server's retention policy (--retain-rounds-last, --retain-rounds-every)"
+                ),
+            });
+        }
+        Ok(digest)
+    }
+}
+
+fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
+    let bad = |m: String| Err(ServerError::BadRequest(m));
+    if !wire::valid_id(&c.id) {
+        return bad(format!("task id `{}` must be 1-64 of [A-Za-z0-9_.-]", c.id));
+    }
+    if c.rounds == 0 {
+        return bad("rounds must be at least 1".into());
+    }
+    if c.min_clients == 0 || c.target_clients < c.min_clients {
+        return bad(format!(
+            "need 1 <= min_clients ({}) <= target_clients ({})",
+            c.min_clients, c.target_clients
+        ));
+    }
+    if !(0.0..=10.0).contains(&c.over_selection) {
+        return bad("over_selection must be between 0 and 10".into());
+    }
+    if c.round_deadline_secs == 0 || c.round_deadline_secs > 7 * 86_400 {
+        return bad("round_deadline_secs must be between 1 and 604800".into());
+    }
+    // (Before secure aggregation's checks: combining the two is the first thing to hear about.)
+    if let Some(config) = &c.differential_privacy {
+        dp::validate(config, c).map_err(ServerError::BadRequest)?;
+    }
+    if let Some(sa) = &c.secure_aggregation {
+        secagg::validate(sa, c.min_clients, capacity(c))?;
+    }
+    if let Err(message) = strategy::validate(&c.strategy) {
+        return bad(message);
+    }
+    let b = &c.update_bounds;
+    if b.max_weight == 0 {
+        return bad("update_bounds.max_weight must be at least 1".into());
+    }
+    if b.max_norm.is_some_and(|n| !(n.is_finite() && n > 0.0)) {
+        return bad("update_bounds.max_norm must be a positive finite number".into());
+    }
+    let t = &c.training;
+    if t.epochs == 0
+        || t.batch_size == 0
+        || !(t.learning_rate.is_finite() && t.learning_rate > 0.0)
+        || !(t.proximal_mu.is_finite() && t.proximal_mu >= 0.0)
+    {
+        return bad("training needs epochs >= 1, batch_size >= 1, a positive learning_rate and proximal_mu >= 0".into());
+    }
+    Ok(())
+}
