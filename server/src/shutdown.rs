@@ -1,10 +1,9 @@
-//! Graceful shutdown: on SIGINT or SIGTERM stop accepting connections and give requests in
-//! flight a few seconds to finish. Uploads not yet acknowledged are simply retried by clients;
-//! acknowledged ones are already durable.
+//! The shutdown signal of `hora-server serve`: SIGINT or SIGTERM. [`crate::Server::run`] then
+//! stops accepting connections and gives requests in flight a few seconds to finish. Uploads not
+//! yet acknowledged are simply retried by clients; acknowledged ones are already durable.
 
-use std::time::Duration;
-
-pub async fn on_signal(handle: axum_server::Handle<std::net::SocketAddr>) {
+/// Resolves at the first SIGINT or SIGTERM.
+pub async fn signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -20,6 +19,4 @@ pub async fn on_signal(handle: axum_server::Handle<std::net::SocketAddr>) {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
-    tracing::info!("shutting down: finishing requests in flight");
-    handle.graceful_shutdown(Some(Duration::from_secs(10)));
 }

@@ -25,7 +25,10 @@ impl Coordinator {
         // fold, so one checkpoint covers many uploads when the model is large.
         let mut last = Duration::ZERO;
         loop {
-            self.commit_wanted.notified().await;
+            tokio::select! {
+                _ = self.commit_wanted.notified() => {}
+                _ = self.stopping.cancelled() => return,
+            }
             tokio::time::sleep(self.config.commit_window.max(last)).await;
             let started = Instant::now();
             let tasks: Vec<_> = self

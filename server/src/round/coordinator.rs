@@ -10,6 +10,8 @@ use hora_common::kernel::WeightedSum;
 use hora_common::wire::{self, RoundOffer, TaskState};
 use rand::Rng;
 use tokio::sync::{watch, Notify};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::plain::already_contributed;
 use super::{
@@ -53,6 +55,9 @@ pub struct Coordinator {
     broken: RwLock<HashMap<String, String>>,
     pub(crate) config: CoordinatorConfig,
     pub(crate) commit_wanted: Notify,
+    /// The background work (the committer, the rounds' watchers), stopped by [`Coordinator::stop`].
+    pub(crate) background: TaskTracker,
+    pub(crate) stopping: CancellationToken,
     pub metrics: Arc<ServerMetrics>,
 }
 
@@ -69,6 +74,8 @@ impl Coordinator {
             broken: RwLock::new(HashMap::new()),
             config,
             commit_wanted: Notify::new(),
+            background: TaskTracker::new(),
+            stopping: CancellationToken::new(),
             metrics,
         });
         for (id, record) in coordinator.store.tasks_each()? {
@@ -143,12 +150,21 @@ impl Coordinator {
     /// Starts the background work: the group committer and the round deadlines.
     pub fn start(self: &Arc<Self>) {
         let me = self.clone();
-        tokio::spawn(async move { me.committer().await });
+        self.background.spawn(async move { me.committer().await });
         for task in self.tasks.read().expect("tasks lock").values() {
             if let Some(round) = task.current() {
                 self.watch(task.clone(), round);
             }
         }
+    }
+
+    /// Stops the background work and waits for it to end (a close in progress finishes first).
+    /// What is acknowledged is durable already; uploads still waiting are answered 503 and
+    /// retried by their clients against the next start.
+    pub async fn stop(&self) {
+        self.stopping.cancel();
+        self.background.close();
+        self.background.wait().await;
     }
 
     fn resume_round(

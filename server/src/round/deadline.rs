@@ -39,7 +39,13 @@ impl Coordinator {
     /// Starts the watcher of `round`, the open round of `task`; it ends with the round.
     pub(crate) fn watch(self: &Arc<Self>, task: Arc<Task>, round: Arc<Round>) {
         let me = self.clone();
-        tokio::spawn(async move { me.watch_round(task, round).await });
+        let stopping = self.stopping.clone();
+        self.background.spawn(async move {
+            tokio::select! {
+                _ = me.watch_round(task, round) => {}
+                _ = stopping.cancelled() => {}
+            }
+        });
     }
 
     async fn watch_round(self: Arc<Self>, task: Arc<Task>, round: Arc<Round>) {

@@ -1,0 +1,238 @@
+//! The server as a value: [`Server::build`] opens the data directory, loads every task and sync
+//! job, and prepares TLS; [`Server::run`] serves on a listener until a shutdown future resolves.
+//! `hora-server serve` is build, bind, run with SIGINT/SIGTERM as the shutdown ([`crate::serve`]);
+//! tests start the same server in-process on `127.0.0.1:0`.
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use crate::config::ServeConfig;
+use crate::round::{Coordinator, CoordinatorConfig};
+use crate::store::Store;
+use crate::{api, auth, conn, metrics, rendezvous, store, tls};
+
+const HTTP2_STREAM_WINDOW: u32 = 128 << 10;
+const HTTP2_CONNECTION_WINDOW: u32 = 256 << 10;
+
+/// A built server, ready to run.
+pub struct Server {
+    config: ServeConfig,
+    store: Arc<Store>,
+    coordinator: Arc<Coordinator>,
+    app: axum::Router,
+    tls: rustls::ServerConfig,
+    connections: Arc<conn::Connections>,
+    /// The admin token made at this start, when none was given and none was stored: it is shown
+    /// once (only its hash is kept).
+    pub generated_admin_token: Option<String>,
+    /// The development CA that clients must trust, when the server made its own certificates.
+    pub dev_ca: Option<PathBuf>,
+}
+
+impl Server {
+    /// Opens the data directory (sweeping orphaned files), loads every task — resuming open
+    /// rounds from their checkpoints — and every sync job, and prepares TLS (development
+    /// certificates are made when none are given).
+    pub fn build(config: ServeConfig) -> Result<Server> {
+        let fd_limit = conn::raise_fd_limit();
+        let store = Arc::new(store::Store::open(&config.data_dir).with_context(|| {
+            format!("opening the data directory {}", config.data_dir.display())
+        })?);
+        let swept = store.sweep_orphans().context("sweeping orphaned files")?;
+        if swept > 0 {
+            tracing::info!(files = swept, "removed orphaned files");
+        }
+        let (admin_token_hash, generated_admin_token) = admin_token(&store, &config)?;
+        let (cert_paths, dev_ca) = certificates(&config)?;
+        let tls = tls::server_config(&cert_paths, config.client_ca.as_deref())?;
+
+        let metrics = Arc::new(metrics::ServerMetrics::default());
+        let coordinator = Coordinator::open(
+            store.clone(),
+            CoordinatorConfig {
+                commit_window: config.commit_window(),
+                durability_timeout: config.durability_timeout,
+                retention: config.retention,
+                ..Default::default()
+            },
+            metrics.clone(),
+        )
+        .map_err(|e| anyhow::anyhow!("loading state: {e}"))?;
+        let rendezvous = rendezvous::Rendezvous::open(store.clone(), metrics.clone())
+            .context("loading the sync jobs")?;
+        let state = api::AppState::new(
+            coordinator.clone(),
+            admin_token_hash,
+            api::HttpLimits {
+                max_model_bytes: config.max_model_bytes,
+                body_rate: api::BodyRate {
+                    min_bytes_per_sec: config.min_upload_rate,
+                    grace: config.upload_grace,
+                },
+                upload_buffer_bytes: config.upload_buffer_bytes,
+                request_timeout: config.request_timeout,
+                metrics_require_token: config.metrics_require_token,
+                max_concurrent_uploads: config.max_concurrent_uploads,
+                ..Default::default()
+            },
+            rendezvous,
+        );
+        let max_connections = config
+            .max_connections
+            .unwrap_or_else(|| conn::default_max_connections(fd_limit));
+        tracing::info!(
+            max_connections,
+            open_file_limit = fd_limit,
+            idle_timeout_secs = config.idle_timeout.as_secs(),
+            "connection limits"
+        );
+        let connections = conn::Connections::new(
+            conn::ConnectionLimits {
+                max_connections,
+                idle_timeout: config.idle_timeout,
+            },
+            metrics,
+        );
+        Ok(Server {
+            app: api::router(state),
+            config,
+            store,
+            coordinator,
+            tls,
+            connections,
+            generated_admin_token,
+            dev_ca,
+        })
+    }
+
+    /// Binds the configured `--listen` address.
+    pub fn bind(&self) -> Result<TcpListener> {
+        let listener = TcpListener::bind(self.config.listen)
+            .with_context(|| format!("listening on {}", self.config.listen))?;
+        listener.set_nonblocking(true)?;
+        Ok(listener)
+    }
+
+    /// Serves on `listener` until `shutdown` resolves, then stops accepting connections and
+    /// gives requests in flight up to ten seconds. Uploads not yet acknowledged are retried by
+    /// their clients; acknowledged ones are durable already.
+    pub async fn run(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<()> {
+        listener.set_nonblocking(true)?;
+        self.coordinator.start();
+        let handle = axum_server::Handle::new();
+        {
+            let handle = handle.clone();
+            tokio::spawn(async move {
+                shutdown.await;
+                tracing::info!("shutting down: finishing requests in flight");
+                handle.graceful_shutdown(Some(Duration::from_secs(10)));
+            });
+        }
+        let tls = axum_server::tls_rustls::RustlsAcceptor::new(
+            axum_server::tls_rustls::RustlsConfig::from_config(Arc::new(self.tls)),
+        )
+        .handshake_timeout(self.config.header_timeout)
+        .acceptor(conn::GuardAcceptor::new(self.connections));
+        let mut server = axum_server::from_tcp(listener)
+            .context("listening")?
+            .acceptor(tls)
+            .handle(handle.clone());
+        // Slow senders of headers are cut off (HTTP/1.1; HTTP/2 headers are frames on a
+        // connection the guard already watches).
+        server
+            .http_builder()
+            .http1()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(self.config.header_timeout);
+        // HTTP/2 buffers up to the flow-control window of body data per stream that nobody
+        // reads yet. Uploads wait for room in the upload budget before their body is read, so
+        // with many uploaders the windows, not the bodies, decide memory: keep them small (data
+        // then waits in kernel socket buffers and on the clients). 128 KiB still fills a
+        // loopback or LAN link; raise it for high-latency WAN clients at the cost of that much
+        // memory per waiting upload.
+        server
+            .http_builder()
+            .http2()
+            .initial_stream_window_size(HTTP2_STREAM_WINDOW)
+            .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
+            .max_concurrent_streams(64);
+        let serving = server.serve(self.app.into_make_service());
+        let announce = async {
+            if let Some(addr) = handle.listening().await {
+                // Tests and scripts read this line to learn the port (with --listen 127.0.0.1:0).
+                println!("hora-server listening on https://{addr}");
+            }
+        };
+        let (result, ()) = tokio::join!(serving, announce);
+        self.coordinator.stop().await;
+        result.context("serving")?;
+        self.store.flush()?;
+        tracing::info!("stopped");
+        Ok(())
+    }
+
+    /// The address `--listen` names (port 0 until bound).
+    pub fn configured_address(&self) -> SocketAddr {
+        self.config.listen
+    }
+}
+
+/// The hash of the admin token: the configured token's, else the stored one, else a new token's
+/// (returned, to be shown once).
+fn admin_token(store: &Store, config: &ServeConfig) -> Result<(String, Option<String>)> {
+    if let Some(token) = &config.admin_token {
+        let hash = auth::hash_secret(token);
+        store.put_meta("admin_token_hash", &hash)?;
+        return Ok((hash, None));
+    }
+    if let Some(hash) = store.meta("admin_token_hash")? {
+        return Ok((hash, None));
+    }
+    let token = auth::new_secret().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let hash = auth::hash_secret(&token);
+    store.put_meta("admin_token_hash", &hash)?;
+    store.flush()?;
+    Ok((hash, Some(token)))
+}
+
+/// The server's certificate and key, made under the certificates directory when none are given
+/// (with the development CA that clients must trust).
+fn certificates(config: &ServeConfig) -> Result<(tls::CertPaths, Option<PathBuf>)> {
+    match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Ok((
+            tls::CertPaths {
+                cert: cert.clone(),
+                key: key.clone(),
+            },
+            None,
+        )),
+        (None, None) => {
+            let dir = config
+                .certs_dir
+                .clone()
+                .unwrap_or_else(|| config.data_dir.join("certs"));
+            let paths = if dir.join(tls::SERVER_CERT).exists() && dir.join(tls::SERVER_KEY).exists()
+            {
+                tls::CertPaths {
+                    cert: dir.join(tls::SERVER_CERT),
+                    key: dir.join(tls::SERVER_KEY),
+                }
+            } else {
+                tls::make_dev_certs(&dir, &config.hosts)?
+            };
+            Ok((paths, Some(dir.join(tls::CA_CERT))))
+        }
+        _ => anyhow::bail!(
+            "give both --tls-cert and --tls-key, or neither (for development certificates)"
+        ),
+    }
+}

@@ -1,0 +1,139 @@
+//! The server started in-process — `Server::build(config)` and `run(listener, shutdown)` — as
+//! an embedding program or a unit-level test would: it serves a federated round over real TLS on
+//! loopback, stops when its shutdown future resolves, and a second server built on the same data
+//! directory carries on from what the first made durable.
+
+mod support;
+
+use std::net::TcpListener;
+use std::path::Path;
+
+use hora_common::model::Model;
+use hora_server::config::{ServeArgs, ServeConfig};
+use hora_server::Server;
+use serde_json::json;
+use support::{Api, ADMIN_TOKEN};
+use tokio::sync::oneshot;
+
+fn config(data_dir: &Path) -> ServeConfig {
+    ServeConfig::resolve(ServeArgs {
+        data_dir: Some(data_dir.to_path_buf()),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        admin_token: Some(ADMIN_TOKEN.into()),
+        ..Default::default()
+    })
+    .expect("a configuration")
+}
+
+/// Builds and runs a server on a free loopback port; returns its admin API, the signal that
+/// stops it, and the task that ends when it has stopped.
+fn start(
+    data_dir: &Path,
+) -> (
+    Api,
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+) {
+    let server = Server::build(config(data_dir)).expect("a built server");
+    assert!(
+        server.generated_admin_token.is_none(),
+        "the token was given"
+    );
+    let ca = server.dev_ca.clone().expect("development certificates");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(listener, async {
+        let _ = stopped.await;
+    }));
+    let api = Api {
+        http: hora_server::tls::https_client(&ca, None).expect("an HTTPS client"),
+        url,
+        token: ADMIN_TOKEN.into(),
+    };
+    (api, stop, running)
+}
+
+fn model(values: [f32; 4]) -> Model {
+    Model::from_tensors([("w", vec![4], values.to_vec())]).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_in_process_server_runs_rounds_stops_on_its_signal_and_resumes_from_its_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let (admin, stop, running) = start(dir.path());
+    let initial = model([1.0, 2.0, 3.0, 4.0]);
+    let digest = admin.upload_model(&initial).await;
+    admin
+        .call(
+            reqwest::Method::POST,
+            "/admin/v1/tasks",
+            Some(json!({
+                "id": "inproc", "initial_model": digest,
+                "model": {"kind": "builtin", "name": "mlp"},
+                "rounds": 3, "min_clients": 2, "target_clients": 2, "round_deadline_secs": 600,
+            })),
+        )
+        .await;
+    let (a, b) = (admin.enrol().await, admin.enrol().await);
+    let (da, db) = (model([1.0, 0.0, 0.0, 0.0]), model([0.0, 0.0, 0.0, 3.0]));
+    let offer = a.join("inproc").await;
+    b.join("inproc").await;
+    a.upload("inproc", &offer, 1, &da).await;
+    b.upload("inproc", &offer, 2, &db).await;
+    admin.wait_published("inproc", 1).await;
+    // FedAvg weighted by examples: (1·da + 2·db) / 3.
+    let published = admin.round_model("inproc", 1).await;
+    let want = [1.0 + 1.0 / 3.0, 2.0, 3.0, 4.0 + 2.0];
+    for (got, want) in published.data().iter().zip(want) {
+        assert!((got - want).abs() < 1e-6, "{got} != {want}");
+    }
+    // Round 2: one update acknowledged (durable), then the server is stopped.
+    let offer = a.join("inproc").await;
+    assert_eq!(offer.round, 2);
+    b.join("inproc").await;
+    a.upload("inproc", &offer, 1, &da).await;
+    stop.send(()).unwrap();
+    running
+        .await
+        .expect("the server task")
+        .expect("a clean stop");
+    assert!(
+        admin
+            .http
+            .get(format!("{}/healthz", admin.url))
+            .send()
+            .await
+            .is_err(),
+        "a stopped server still answers"
+    );
+
+    // A new server on the same data: round 2 goes on with a's update in it.
+    let (admin, stop, running) = start(dir.path());
+    let info = admin.task("inproc").await;
+    assert_eq!(info.published_rounds, 1);
+    let open = info.open_round.expect("round 2 is open");
+    assert_eq!((open.round, open.accepted), (2, 1));
+    let b = support::Client {
+        api: Api {
+            url: admin.url.clone(),
+            http: admin.http.clone(),
+            token: b.api.token.clone(),
+        },
+        id: b.id,
+    };
+    let offer = b.join("inproc").await;
+    b.upload("inproc", &offer, 2, &db).await;
+    admin.wait_published("inproc", 2).await;
+    let second = admin.round_model("inproc", 2).await;
+    for (got, (first, want_delta)) in
+        second
+            .data()
+            .iter()
+            .zip(published.data().iter().zip([1.0 / 3.0, 0.0, 0.0, 2.0]))
+    {
+        assert!((got - (first + want_delta)).abs() < 1e-6, "{got}");
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+}
