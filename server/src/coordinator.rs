@@ -325,7 +325,7 @@ impl Coordinator {
         let durable = contributions.len();
         let secagg = match &record.config.secure_aggregation {
             Some(config) => Some(Arc::new(SecAggRound::resume(
-                &self.store,
+                &*self.store,
                 hora_common::secagg::Context::new(&record.config.id, open.round, open.attempt),
                 config.clone(),
                 capacity(&record.config),
@@ -371,7 +371,7 @@ impl Coordinator {
         self.store
             .put_open_round(task_id, &round.record(&lock(&round.acc)))?;
         if let Some(s) = &round.secagg {
-            s.persist_new(&self.store)?;
+            s.persist_new(&*self.store)?;
         }
         self.store.flush()?;
         Ok(round)
@@ -452,7 +452,7 @@ impl Coordinator {
     }
 
     pub fn store(&self) -> &Store {
-        &self.store
+        &*self.store
     }
 
     // -- admin ------------------------------------------------------------------------------
@@ -1208,7 +1208,7 @@ impl Coordinator {
         if let Some(state) = record.dp.clone().filter(|_| reason.is_none()) {
             let acc = &mut *acc;
             let closing = dp::RoundFacts::of(
-                &self.store,
+                &*self.store,
                 &task.id,
                 round.number,
                 acc.selected.len(),
@@ -1344,7 +1344,7 @@ impl Coordinator {
             )?;
             recorded.set(true);
             match next.as_ref().and_then(|n| n.secagg.as_ref()) {
-                Some(s) => s.persist_new(&self.store)?,
+                Some(s) => s.persist_new(&*self.store)?,
                 None if round.secagg.is_some() => self.store.secagg_clear(&task.id)?,
                 None => {}
             }
@@ -1669,7 +1669,7 @@ impl Coordinator {
                 }
                 let (me2, task2, round2, s2) = (me.clone(), task.clone(), round.clone(), s.clone());
                 let result = tokio::task::spawn_blocking(move || {
-                    let outcome = s2.tick(&me2.store)?;
+                    let outcome = s2.tick(&*me2.store)?;
                     me2.secagg_outcome(&task2, &round2, outcome)
                 })
                 .await

@@ -60,8 +60,8 @@ pub async fn serve(config: ServeConfig) -> Result<()> {
         libc::umask(0o077);
     }
     let fd_limit = conn::raise_fd_limit();
-    let store =
-        Arc::new(store::Store::open(&config.data_dir).with_context(|| {
+    let store: Arc<store::Store> =
+        Arc::new(store::SledStore::open(&config.data_dir).with_context(|| {
             format!("opening the data directory {}", config.data_dir.display())
         })?);
     let swept = store.sweep_orphans().context("sweeping orphaned files")?;

@@ -562,6 +562,8 @@ mod tests {
 
     use std::future::Future;
 
+    use crate::store::SledStore;
+
     struct Fixture {
         _dir: tempfile::TempDir,
         store: Arc<Store>,
@@ -570,7 +572,7 @@ mod tests {
 
     fn fixture() -> Fixture {
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(Store::open(dir.path()).unwrap());
+        let store = Arc::new(SledStore::open(dir.path()).unwrap());
         let rendezvous =
             Arc::new(Rendezvous::open(store.clone(), Arc::new(ServerMetrics::default())).unwrap());
         Fixture {
