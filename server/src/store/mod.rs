@@ -47,6 +47,8 @@ use hora_common::model::{Limits, Model, ModelDigest};
 use hora_common::wire::RoundRecord;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
+#[cfg(test)]
+mod conformance;
 mod files;
 mod memory;
 mod records;
