@@ -13,12 +13,12 @@
 //!   `dyn Storage`: `secagg_get`, `secagg_put`, `secagg_scan`);
 //! - [`Housekeeping`]: what `serve` does at start (the orphan sweep, server-wide settings).
 //!
-//! Each of them extends [`Durable`], whose [`flush`](Durable::flush) makes every record written
-//! so far durable.
+//! Each that keeps records extends [`Durable`], whose [`flush`](Durable::flush) makes every record
+//! written so far durable (blobs are durable once written).
 //!
 //! Two implementations: [`SledStore`], the server's, over one data directory, and
 //! [`MemoryStore`], for tests, which keeps records in memory. One conformance suite
-//! (`conformance.rs`) holds both to the same contracts.
+//! (`conformance/`) holds both to the same contracts.
 //!
 //! # The data directory ([`SledStore`])
 //!
