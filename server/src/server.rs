@@ -40,14 +40,15 @@ impl Server {
     /// certificates are made when none are given).
     pub fn build(config: ServeConfig) -> Result<Server> {
         let fd_limit = conn::raise_fd_limit();
-        let store = Arc::new(store::Store::open(&config.data_dir).with_context(|| {
-            format!("opening the data directory {}", config.data_dir.display())
-        })?);
+        let store: Arc<Store> =
+            Arc::new(store::SledStore::open(&config.data_dir).with_context(|| {
+                format!("opening the data directory {}", config.data_dir.display())
+            })?);
         let swept = store.sweep_orphans().context("sweeping orphaned files")?;
         if swept > 0 {
             tracing::info!(files = swept, "removed orphaned files");
         }
-        let (admin_token_hash, generated_admin_token) = admin_token(&store, &config)?;
+        let (admin_token_hash, generated_admin_token) = admin_token(&*store, &config)?;
         let (cert_paths, dev_ca) = certificates(&config)?;
         let tls = tls::server_config(&cert_paths, config.client_ca.as_deref())?;
 

@@ -56,7 +56,7 @@ mod tests {
     use crate::metrics::ServerMetrics;
     use crate::rendezvous::Rendezvous;
     use crate::round::{Coordinator, CoordinatorConfig};
-    use crate::store::Store;
+    use crate::store::SledStore;
     use crate::tls;
 
     const ADMIN_TOKEN: &str = "test-admin-token";
@@ -77,7 +77,7 @@ mod tests {
 
     async fn start() -> Server {
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(Store::open(&dir.path().join("data")).unwrap());
+        let store = Arc::new(SledStore::open(&dir.path().join("data")).unwrap());
         let metrics = Arc::new(ServerMetrics::default());
         let coordinator =
             Coordinator::open(store.clone(), CoordinatorConfig::default(), metrics.clone())

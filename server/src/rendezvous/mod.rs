@@ -555,5 +555,6 @@ fn check_address(address: &str) -> Result<(), ServerError> {
     }
     Ok(())
 }
+
 #[cfg(test)]
 mod tests;

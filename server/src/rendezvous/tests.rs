@@ -5,6 +5,8 @@ use super::*;
 
 use std::future::Future;
 
+use crate::store::SledStore;
+
 struct Fixture {
     _dir: tempfile::TempDir,
     store: Arc<Store>,
@@ -13,7 +15,7 @@ struct Fixture {
 
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::open(dir.path()).unwrap());
+    let store: Arc<Store> = Arc::new(SledStore::open(dir.path()).unwrap());
     let rendezvous =
         Arc::new(Rendezvous::open(store.clone(), Arc::new(ServerMetrics::default())).unwrap());
     Fixture {

@@ -195,7 +195,7 @@ impl Coordinator {
         let mut privacy = None;
         if let Some(state) = record.dp.clone().filter(|_| abandon.is_none()) {
             let facts = dp::RoundFacts::of(
-                &self.store,
+                &*self.store,
                 &task.id,
                 round.number,
                 acc.selected.len(),
@@ -344,8 +344,8 @@ impl Coordinator {
             )?;
             recorded.set(true);
             match &next {
-                Some(n) => n.collection.persist_new(&self.store)?,
-                None => round.collection.clear(&self.store, &task.id)?,
+                Some(n) => n.collection.persist_new(&*self.store)?,
+                None => round.collection.clear(&*self.store, &task.id)?,
             }
             self.store.flush()?;
             Ok((history, next))

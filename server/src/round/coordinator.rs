@@ -175,7 +175,7 @@ impl Coordinator {
         let mut secret = [0u8; 32];
         hex::decode_to_slice(&open.secret, &mut secret)
             .map_err(|_| ServerError::internal("corrupt round secret"))?;
-        let collection = collection::resume(&self.store, record, &open)?;
+        let collection = collection::resume(&*self.store, record, &open)?;
         let (sum, contributions, checkpoint, noised) = match open.checkpoint {
             Some(c) => {
                 let values = self.store.read_checkpoint(&c.file, record.spec.numel())?;
@@ -231,7 +231,7 @@ impl Coordinator {
         let round = self.fresh_round(record, number, attempt)?;
         self.store
             .put_open_round(task_id, &round.record(&lock(&round.acc)))?;
-        round.collection.persist_new(&self.store)?;
+        round.collection.persist_new(&*self.store)?;
         self.store.flush()?;
         Ok(round)
     }
@@ -285,7 +285,7 @@ impl Coordinator {
     }
 
     pub fn store(&self) -> &Store {
-        &self.store
+        &*self.store
     }
 
     // -- clients ----------------------------------------------------------------------------
@@ -371,7 +371,10 @@ impl Coordinator {
             });
         };
         let capacity = capacity(&record.config);
-        if !round.collection.admit_join(&self.store, &task.id, client)? {
+        if !round
+            .collection
+            .admit_join(&*self.store, &task.id, client)?
+        {
             return Ok(wire::JoinResponse {
                 offer: None,
                 retry_after_ms: self.retry_after(task),

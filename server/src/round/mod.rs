@@ -175,3 +175,6 @@ impl Round {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

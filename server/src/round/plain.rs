@@ -98,7 +98,7 @@ pub enum Admission {
 impl Coordinator {
     /// The upload path: checks the round, opens the envelope, validates, folds, and returns
     /// once the update is durable. `body` is the sealed envelope, decrypted in place.
-    /// `permit` (an ingest slot) is released as soon as the update is folded, before the wait
+    /// `permit` (the HTTP layer's ingest slot) is dropped as soon as the update is folded, before the wait
     /// for durability, so the next body can be read meanwhile.
     pub async fn upload(
         self: &Arc<Self>,
@@ -107,7 +107,7 @@ impl Coordinator {
         round_number: u64,
         meta: UpdateMeta,
         mut body: Vec<u8>,
-        permit: crate::api::body::IngestPermit,
+        permit: impl Send + 'static,
     ) -> Result<wire::UpdateReceipt, ServerError> {
         let round = match self.check_upload(&task, &client, round_number)? {
             Admission::Fresh(round) => round,

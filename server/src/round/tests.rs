@@ -1,0 +1,219 @@
+//! The round engine's phase transitions, driven through the coordinator's own verbs (no HTTP)
+//! against the in-memory store: collecting → closing → published, abandoned at the deadline and
+//! retried, refused once closed, held while paused, abandoned when the task stops.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hora_common::envelope::{self, Binding};
+use hora_common::model::{Model, ModelDigest};
+use hora_common::wire::{self, RoundOffer, RoundOutcome, TaskState, UpdateMeta};
+
+use super::{Coordinator, CoordinatorConfig, Phase, Round, Task};
+use crate::error::ServerError;
+use crate::metrics::ServerMetrics;
+use crate::store::MemoryStore;
+use crate::store::Store;
+
+struct Engine {
+    coordinator: Arc<Coordinator>,
+    initial: Model,
+    digest: ModelDigest,
+}
+
+fn engine() -> Engine {
+    let store: Arc<Store> = Arc::new(MemoryStore::new().unwrap());
+    let initial = Model::from_tensors([("w", vec![3], vec![1.0, 2.0, 3.0])]).unwrap();
+    let digest = store.put_model(&initial).unwrap();
+    let coordinator = Coordinator::open(
+        store,
+        CoordinatorConfig::default(),
+        Arc::new(ServerMetrics::default()),
+    )
+    .unwrap();
+    coordinator.start();
+    Engine {
+        coordinator,
+        initial,
+        digest,
+    }
+}
+
+impl Engine {
+    fn create(&self, id: &str, min: u32, target: u32, deadline_secs: u64) -> Arc<Task> {
+        let config: wire::CreateTask = serde_json::from_value(serde_json::json!({
+            "id": id, "initial_model": self.digest,
+            "model": {"kind": "builtin", "name": "mlp"},
+            "rounds": 5, "min_clients": min, "target_clients": target,
+            "round_deadline_secs": deadline_secs,
+        }))
+        .unwrap();
+        self.coordinator.create_task(config).unwrap();
+        self.coordinator.task(id).unwrap()
+    }
+
+    fn join(&self, task: &Task, client: &str) -> RoundOffer {
+        self.coordinator
+            .join(task, client)
+            .unwrap()
+            .offer
+            .expect("selected")
+    }
+
+    async fn upload(
+        &self,
+        task: &Arc<Task>,
+        client: &str,
+        offer: &RoundOffer,
+        examples: u64,
+        delta: [f32; 3],
+    ) -> Result<wire::UpdateReceipt, ServerError> {
+        let delta = Model::from_tensors([("w", vec![3], delta.to_vec())]).unwrap();
+        let binding = Binding {
+            task: &task.id,
+            round: offer.round,
+            client,
+            base_model: &offer.model,
+        };
+        let sealed = envelope::seal(&delta.to_safetensors(), &offer.round_key, &binding).unwrap();
+        let meta = UpdateMeta {
+            num_examples: examples,
+            metrics: Default::default(),
+        };
+        self.coordinator
+            .upload(task.clone(), client.into(), offer.round, meta, sealed, ())
+            .await
+    }
+
+    fn global(&self, task: &Task) -> Vec<f32> {
+        let store = self.coordinator.store();
+        store
+            .read_model(&task.global_model())
+            .unwrap()
+            .data()
+            .to_vec()
+    }
+}
+
+/// Waits until `task`'s open round is no longer `round` (it closed and the next one opened).
+async fn next_round(task: &Task, round: &Arc<Round>) -> Arc<Round> {
+    for _ in 0..500 {
+        if let Some(now) = task.current().filter(|r| !Arc::ptr_eq(r, round)) {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("round {} never closed", round.number);
+}
+
+#[tokio::test]
+async fn a_full_round_goes_from_collecting_through_closing_to_published() {
+    let e = engine();
+    let task = e.create("t", 2, 2, 600);
+    let round = task.current().unwrap();
+    assert_eq!(round.phase(), Phase::Collecting);
+    let offer = e.join(&task, "a");
+    e.join(&task, "b");
+    e.upload(&task, "a", &offer, 1, [3.0, 0.0, 0.0])
+        .await
+        .unwrap();
+    assert_eq!(round.phase(), Phase::Collecting, "one of two is in");
+    e.upload(&task, "b", &offer, 2, [0.0, 0.0, 3.0])
+        .await
+        .unwrap();
+    let next = next_round(&task, &round).await;
+    assert_eq!(round.phase(), Phase::Published);
+    assert_eq!((next.number, next.attempt), (2, 0));
+    assert_eq!(next.phase(), Phase::Collecting);
+    // FedAvg weighted by examples: (1·a + 2·b) / 3.
+    assert_eq!(e.global(&task), vec![2.0, 2.0, 5.0]);
+    let history = e.coordinator.history(&task).unwrap();
+    assert_eq!(history.len(), 1);
+    assert_eq!(history[0].outcome, RoundOutcome::Published);
+    assert_eq!(history[0].participants, ["a", "b"]);
+    assert_ne!(e.initial.data(), e.global(&task));
+}
+
+#[tokio::test]
+async fn a_round_short_at_its_deadline_is_abandoned_and_retried_with_a_fresh_key() {
+    let e = engine();
+    let task = e.create("t", 2, 3, 1);
+    let round = task.current().unwrap();
+    let offer = e.join(&task, "a");
+    e.upload(&task, "a", &offer, 1, [1.0, 1.0, 1.0])
+        .await
+        .unwrap();
+    let retry = next_round(&task, &round).await;
+    let Phase::Abandoned(reason) = round.phase() else {
+        panic!("{:?}", round.phase());
+    };
+    assert!(reason.contains("1 of the required 2"), "{reason}");
+    assert_eq!((retry.number, retry.attempt), (1, 1));
+    let again = e.join(&task, "a");
+    assert_ne!(again.round_key, offer.round_key, "a retry gets a fresh key");
+    assert_eq!(e.global(&task), e.initial.data(), "nothing was published");
+}
+
+#[tokio::test]
+async fn a_closed_round_refuses_late_uploads_and_joins_go_to_the_next() {
+    let e = engine();
+    let task = e.create("t", 1, 1, 600);
+    let round = task.current().unwrap();
+    let offer = e.join(&task, "a");
+    e.upload(&task, "a", &offer, 1, [1.0, 0.0, 0.0])
+        .await
+        .unwrap();
+    next_round(&task, &round).await;
+    let late = e.upload(&task, "b", &offer, 1, [1.0, 0.0, 0.0]).await;
+    let Err(err) = late else {
+        panic!("a late upload was taken")
+    };
+    assert_eq!(err.code(), "round_closed", "{err}");
+    assert_eq!(e.join(&task, "b").round, 2);
+}
+
+#[tokio::test]
+async fn a_paused_round_does_not_close_and_a_resumed_one_gets_a_whole_deadline() {
+    let e = engine();
+    let task = e.create("t", 1, 2, 1);
+    let round = task.current().unwrap();
+    let offer = e.join(&task, "a");
+    e.upload(&task, "a", &offer, 1, [1.0, 0.0, 0.0])
+        .await
+        .unwrap();
+    e.coordinator
+        .set_state(task.clone(), TaskState::Paused)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(round.phase(), Phase::Collecting, "closed while paused");
+    e.coordinator
+        .set_state(task.clone(), TaskState::Running)
+        .await
+        .unwrap();
+    assert!(
+        round.deadline() > super::now_ms() + 500,
+        "the resumed round has a whole deadline"
+    );
+    next_round(&task, &round).await;
+    assert_eq!(round.phase(), Phase::Published);
+}
+
+#[tokio::test]
+async fn stopping_the_task_abandons_its_round_and_opens_none() {
+    let e = engine();
+    let task = e.create("t", 2, 2, 600);
+    let round = task.current().unwrap();
+    let offer = e.join(&task, "a");
+    e.upload(&task, "a", &offer, 1, [1.0, 0.0, 0.0])
+        .await
+        .unwrap();
+    e.coordinator
+        .set_state(task.clone(), TaskState::Stopped)
+        .await
+        .unwrap();
+    assert_eq!(round.phase(), Phase::Abandoned("task stopped".into()));
+    assert!(task.current().is_none());
+    let refused = e.coordinator.join(&task, "b").expect_err("refused");
+    assert_eq!(refused.code(), "task_ended", "{refused}");
+}

@@ -1,0 +1,193 @@
+//! The contracts every [`Storage`] keeps, written once and run against [`SledStore`] (in a
+//! temporary directory) and [`MemoryStore`]: the cases are in `records.rs` and `blobs.rs`, each
+//! a function of a [`Fixture`]; `suite!` at the bottom makes one test per case and store.
+
+use hora_common::model::{Model, ModelDigest};
+use hora_common::wire::{RoundOutcome, RoundRecord, TaskState};
+use serde::{Deserialize, Serialize};
+
+use super::*;
+
+mod blobs;
+mod records;
+
+use self::blobs::*;
+use self::records::*;
+
+/// A store under test, and the way to close and reopen it on the same data.
+trait Fixture {
+    fn store(&self) -> &dyn Storage;
+    /// Closes the store and opens what it wrote (the same store for one kept in memory).
+    fn reopen(&mut self);
+}
+
+struct Sled {
+    dir: tempfile::TempDir,
+    store: Option<SledStore>,
+}
+
+impl Sled {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Some(SledStore::open(dir.path()).unwrap());
+        Sled { dir, store }
+    }
+}
+
+impl Fixture for Sled {
+    fn store(&self) -> &dyn Storage {
+        self.store.as_ref().unwrap()
+    }
+
+    fn reopen(&mut self) {
+        self.store.take().unwrap().flush().unwrap(); // sled allows one opener at a time
+        self.store = Some(SledStore::open(self.dir.path()).unwrap());
+    }
+}
+
+struct Memory(MemoryStore);
+
+impl Fixture for Memory {
+    fn store(&self) -> &dyn Storage {
+        &self.0
+    }
+
+    fn reopen(&mut self) {}
+}
+
+fn model(values: [f32; 3]) -> Model {
+    Model::from_tensors([("w", vec![3], values.to_vec())]).unwrap()
+}
+
+fn task(initial: ModelDigest, published: u64) -> TaskRecord {
+    let config = serde_json::from_value(serde_json::json!({
+        "id": "t",
+        "initial_model": initial.to_hex(),
+        "model": {"kind": "builtin", "name": "logreg"},
+        "rounds": 10,
+        "min_clients": 1,
+        "target_clients": 2,
+        "round_deadline_secs": 60,
+    }))
+    .unwrap();
+    TaskRecord {
+        config,
+        spec: model([0.0; 3]).spec(),
+        state: TaskState::Running,
+        published,
+        global_model: initial,
+        created_unix_ms: 1,
+        strategy_state: None,
+        dp: None,
+        ended_reason: None,
+    }
+}
+
+fn open_round(round: u64, checkpoint: Option<&str>) -> OpenRoundRecord {
+    OpenRoundRecord {
+        round,
+        attempt: 0,
+        secret: "00".into(),
+        base_model: model([0.0; 3]).digest(),
+        opened_unix_ms: 2,
+        deadline_unix_ms: 3,
+        selected: vec!["c1".into()],
+        checkpoint: checkpoint.map(|file| CheckpointRecord {
+            file: file.into(),
+            contributions: vec![Contribution {
+                client: "c1".into(),
+                examples: 5,
+                metrics: Default::default(),
+                unclipped: None,
+            }],
+            total_weight: 5.0,
+            noised: false,
+        }),
+    }
+}
+
+fn published(round: u64, attempt: u32, model: Option<ModelDigest>) -> RoundRecord {
+    RoundRecord {
+        round,
+        attempt,
+        outcome: RoundOutcome::Published,
+        participants: vec!["c1".into()],
+        dropped: vec![],
+        examples: 5,
+        metrics: Default::default(),
+        duration_ms: 4,
+        model,
+        pruned: false,
+        privacy: None,
+    }
+}
+
+fn client(label: &str) -> ClientRecord {
+    ClientRecord {
+        secret_hash: "h".into(),
+        label: Some(label.into()),
+        enrolled_unix_ms: 1,
+        revoked: false,
+        identity_key: None,
+        tasks: Some(vec!["t".into()]),
+    }
+}
+
+fn job(id: &str, generations: u64) -> SyncJobRecord {
+    SyncJobRecord {
+        id: id.into(),
+        world_size: 4,
+        token_hash: "h".into(),
+        generations,
+    }
+}
+
+/// What secure aggregation keeps per attempt, as far as the store cares.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct SecaggState {
+    stage: String,
+    sum_file: Option<String>,
+}
+
+fn secagg_state(sum_file: Option<&str>) -> SecaggState {
+    SecaggState {
+        stage: "masked".into(),
+        sum_file: sum_file.map(Into::into),
+    }
+}
+
+macro_rules! suite {
+    ($($case:ident),* $(,)?) => {
+        mod sled_store {
+            $(#[test]
+            fn $case() {
+                super::$case(&mut super::Sled::new())
+            })*
+        }
+
+        mod memory_store {
+            $(#[test]
+            fn $case() {
+                super::$case(&mut super::Memory(super::MemoryStore::new().unwrap()))
+            })*
+        }
+    };
+}
+
+suite!(
+    tasks_are_created_once_and_listed_in_id_order,
+    open_rounds_are_kept_per_task,
+    finish_round_records_the_round_and_moves_the_task_on,
+    pruning_drops_models_out_of_retention_unless_still_used,
+    clients_are_read_back_in_id_order,
+    enrolment_tokens_work_once,
+    sync_jobs_are_created_once_updated_and_removed,
+    secagg_records_are_scanned_by_prefix_and_cleared_per_task,
+    meta_is_kept,
+    models_and_modules_are_content_addressed,
+    checkpoints_and_masked_sums_round_trip,
+    strategy_states_are_removed_by_valid_name_only,
+    the_sweep_removes_what_no_record_refers_to,
+    everything_written_is_there_after_reopening,
+    stores_are_shared_across_threads,
+);

@@ -1,0 +1,261 @@
+//! The record-keeping traits' cases: RoundLog, Registry, SyncJobs, SecaggLog, Housekeeping's meta.
+
+use super::*;
+
+pub(super) fn tasks_are_created_once_and_listed_in_id_order(f: &mut dyn Fixture) {
+    let s = f.store();
+    let initial = model([1.0; 3]).digest();
+    assert!(s.task("b").unwrap().is_none());
+    assert!(s.create_task("b", &task(initial, 0)).unwrap());
+    assert!(!s.create_task("b", &task(initial, 7)).unwrap());
+    assert_eq!(
+        s.task("b").unwrap().unwrap().published,
+        0,
+        "create kept the first"
+    );
+    s.put_task("b", &task(initial, 3)).unwrap();
+    s.put_task("a", &task(initial, 1)).unwrap();
+    assert_eq!(s.task("b").unwrap().unwrap().published, 3);
+    let published: Vec<(String, u64)> = s
+        .tasks()
+        .unwrap()
+        .into_iter()
+        .map(|(id, t)| (id, t.published))
+        .collect();
+    assert_eq!(published, vec![("a".into(), 1), ("b".into(), 3)]);
+    let each = s.tasks_each().unwrap();
+    assert_eq!(each.len(), 2);
+    assert!(each.iter().all(|(_, t)| t.is_ok()));
+    assert_eq!(each[0].0, "a");
+}
+
+pub(super) fn open_rounds_are_kept_per_task(f: &mut dyn Fixture) {
+    let s = f.store();
+    assert!(s.open_round("t").unwrap().is_none());
+    s.put_open_round("t", &open_round(1, None)).unwrap();
+    s.put_open_round("t", &open_round(2, Some("x.ckpt")))
+        .unwrap();
+    let open = s.open_round("t").unwrap().unwrap();
+    assert_eq!(open.round, 2);
+    assert_eq!(open.checkpoint.unwrap().contributions[0].examples, 5);
+    assert!(s.open_round("u").unwrap().is_none());
+}
+
+pub(super) fn finish_round_records_the_round_and_moves_the_task_on(f: &mut dyn Fixture) {
+    let s = f.store();
+    let m = model([1.0; 3]).digest();
+    s.create_task("t", &task(m, 0)).unwrap();
+    s.create_task("t2", &task(m, 0)).unwrap();
+    s.put_open_round("t", &open_round(1, None)).unwrap();
+    s.finish_round(
+        "t",
+        &task(m, 1),
+        &published(1, 0, Some(m)),
+        0,
+        Some(&open_round(2, None)),
+    )
+    .unwrap();
+    assert_eq!(s.task("t").unwrap().unwrap().published, 1);
+    assert_eq!(s.open_round("t").unwrap().unwrap().round, 2);
+    assert_eq!(s.history("t").unwrap(), vec![published(1, 0, Some(m))]);
+    // History sorts by round then attempt, numerically; each task has its own.
+    let abandoned = RoundRecord {
+        outcome: RoundOutcome::Abandoned {
+            reason: "too few".into(),
+        },
+        model: None,
+        ..published(10, 1, None)
+    };
+    s.finish_round("t", &task(m, 1), &abandoned, 1, Some(&open_round(10, None)))
+        .unwrap();
+    s.finish_round(
+        "t",
+        &task(m, 2),
+        &published(2, 0, Some(m)),
+        0,
+        Some(&open_round(10, None)),
+    )
+    .unwrap();
+    s.finish_round("t", &task(m, 3), &published(10, 2, Some(m)), 2, None)
+        .unwrap();
+    let rounds: Vec<_> = s
+        .history("t")
+        .unwrap()
+        .iter()
+        .map(|r| (r.round, r.attempt))
+        .collect();
+    assert_eq!(rounds, vec![(1, 0), (2, 0), (10, 1), (10, 2)]);
+    assert!(
+        s.open_round("t").unwrap().is_none(),
+        "no next round: removed"
+    );
+    assert_eq!(s.task("t").unwrap().unwrap().published, 3);
+    assert!(s.history("t2").unwrap().is_empty());
+    assert!(s.history("").unwrap().is_empty());
+}
+
+pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dyn Fixture) {
+    let s = f.store();
+    let initial = s.put_model(&model([0.0; 3])).unwrap();
+    let models: Vec<_> = (1..=6)
+        .map(|i| s.put_model(&model([i as f32; 3])).unwrap())
+        .collect();
+    // Another task's global model is round 1's: that file must stay.
+    s.put_task("other", &task(models[0], 0)).unwrap();
+    // Rounds 1 to 5 publish a model each; round 6 goes back to the initial model.
+    let mut t = task(initial, 0);
+    for (i, m) in models.iter().enumerate().take(5) {
+        t.published = i as u64 + 1;
+        t.global_model = *m;
+        s.finish_round("t", &t, &published(i as u64 + 1, 0, Some(*m)), 0, None)
+            .unwrap();
+    }
+    t.published = 6;
+    t.global_model = initial;
+    s.finish_round("t", &t, &published(6, 0, Some(initial)), 0, None)
+        .unwrap();
+    let keep_two = Retention { last: 2, every: 0 };
+    // Rounds 1 to 4 fall out; round 1's model is the other task's, so 2, 3 and 4 go.
+    assert_eq!(s.prune_models("t", keep_two, 6).unwrap(), 3);
+    let pruned: Vec<_> = s.history("t").unwrap().iter().map(|r| r.pruned).collect();
+    assert_eq!(pruned, vec![true, true, true, true, false, false]);
+    for (i, m) in models.iter().enumerate() {
+        assert_eq!(
+            s.model_path(m).exists(),
+            ![1, 2, 3].contains(&i),
+            "round {}",
+            i + 1
+        );
+    }
+    assert!(s.model_path(&initial).exists());
+    // Already pruned rounds are not counted again.
+    assert_eq!(s.prune_models("t", keep_two, 6).unwrap(), 0);
+    // Retention that keeps everything prunes nothing.
+    assert_eq!(
+        s.prune_models("other", Retention { last: 0, every: 0 }, 6)
+            .unwrap(),
+        0
+    );
+}
+
+pub(super) fn clients_are_read_back_in_id_order(f: &mut dyn Fixture) {
+    let s = f.store();
+    assert!(s.client("c").unwrap().is_none());
+    s.put_client("c2", &client("two")).unwrap();
+    s.put_client("c1", &client("one")).unwrap();
+    let mut revoked = client("one");
+    revoked.revoked = true;
+    s.put_client("c1", &revoked).unwrap();
+    assert!(s.client("c1").unwrap().unwrap().revoked);
+    let all: Vec<_> = s
+        .clients()
+        .unwrap()
+        .into_iter()
+        .map(|(id, c)| (id, c.label.unwrap()))
+        .collect();
+    assert_eq!(
+        all,
+        vec![("c1".into(), "one".into()), ("c2".into(), "two".into())]
+    );
+}
+
+pub(super) fn enrolment_tokens_work_once(f: &mut dyn Fixture) {
+    let s = f.store();
+    let enrolment = EnrolmentRecord {
+        expires_unix_ms: 5,
+        tasks: Some(vec!["t".into()]),
+    };
+    s.put_enrolment("h", &enrolment).unwrap();
+    s.put_enrolment("other", &enrolment).unwrap();
+    let taken = s.take_enrolment("h").unwrap().unwrap();
+    assert_eq!(
+        (taken.expires_unix_ms, taken.tasks),
+        (5, Some(vec!["t".into()]))
+    );
+    assert!(s.take_enrolment("h").unwrap().is_none());
+    assert!(s.take_enrolment("never").unwrap().is_none());
+    assert!(s.take_enrolment("other").unwrap().is_some());
+}
+
+pub(super) fn sync_jobs_are_created_once_updated_and_removed(f: &mut dyn Fixture) {
+    let s = f.store();
+    let mut ring = job("ring", 0);
+    assert!(s.create_sync_job(&ring).unwrap());
+    assert!(!s.create_sync_job(&job("ring", 9)).unwrap());
+    assert_eq!(
+        s.sync_jobs().unwrap(),
+        vec![ring.clone()],
+        "create kept the first"
+    );
+    ring.generations = 3;
+    s.put_sync_job(&ring).unwrap();
+    s.put_sync_job(&job("a", 1)).unwrap();
+    assert_eq!(s.sync_jobs().unwrap(), vec![job("a", 1), ring]);
+    assert!(s.remove_sync_job("ring").unwrap());
+    assert!(!s.remove_sync_job("ring").unwrap());
+    assert!(s.remove_sync_job("a").unwrap());
+    assert!(s.sync_jobs().unwrap().is_empty());
+}
+
+pub(super) fn secagg_records_are_scanned_by_prefix_and_cleared_per_task(f: &mut dyn Fixture) {
+    let s = f.store();
+    assert!(s.secagg_get::<SecaggState>("t\0state\0").unwrap().is_none());
+    s.secagg_put("t\0state\0", &secagg_state(None)).unwrap();
+    s.secagg_put("t\0adv\0c2", &2u32).unwrap();
+    s.secagg_put("t\0adv\0c1", &1u32).unwrap();
+    s.secagg_put("t\0mail\0c1", &3u32).unwrap();
+    s.secagg_put("t2\0adv\0c1", &4u32).unwrap();
+    assert_eq!(
+        s.secagg_get::<SecaggState>("t\0state\0").unwrap(),
+        Some(secagg_state(None))
+    );
+    assert_eq!(
+        s.secagg_scan::<u32>("t\0adv\0").unwrap(),
+        vec![("c1".into(), 1), ("c2".into(), 2)]
+    );
+    assert_eq!(
+        s.secagg_scan_bytes("t\0mail\0").unwrap(),
+        vec![("c1".into(), b"3".to_vec())]
+    );
+    // A record that is not what the reader expects is corrupt, not a panic.
+    s.secagg_put_bytes("t\0unmask\0c1", b"not json").unwrap();
+    assert!(matches!(
+        s.secagg_scan::<u32>("t\0unmask\0"),
+        Err(StoreError::Corrupt { .. })
+    ));
+    assert!(matches!(
+        s.secagg_get::<SecaggState>("t\0adv\0c1"),
+        Err(StoreError::Corrupt { .. })
+    ));
+    // Clearing `t` leaves `t2` (whose id `t` is a prefix of).
+    s.secagg_clear("t").unwrap();
+    assert!(s.secagg_scan_bytes("t\0").unwrap().is_empty());
+    assert_eq!(
+        s.secagg_scan::<u32>("t2\0adv\0").unwrap(),
+        vec![("c1".into(), 4)]
+    );
+}
+
+pub(super) fn meta_is_kept(f: &mut dyn Fixture) {
+    let s = f.store();
+    assert!(s.meta("admin_token_hash").unwrap().is_none());
+    s.put_meta("admin_token_hash", "h1").unwrap();
+    s.put_meta("admin_token_hash", "h2").unwrap();
+    assert_eq!(s.meta("admin_token_hash").unwrap().as_deref(), Some("h2"));
+}
+
+pub(super) fn stores_are_shared_across_threads(f: &mut dyn Fixture) {
+    let s = f.store();
+    std::thread::scope(|scope| {
+        for i in 0..4 {
+            scope.spawn(move || {
+                for j in 0..25 {
+                    s.put_client(&format!("c{i}-{j:02}"), &client("x")).unwrap();
+                    s.create_sync_job(&job("once", i)).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(s.clients().unwrap().len(), 100);
+    assert_eq!(s.sync_jobs().unwrap().len(), 1);
+}

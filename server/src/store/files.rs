@@ -1,0 +1,206 @@
+//! Blob formats and file handling shared by the stores: atomic writes, the checkpoint and
+//! masked-sum encodings (both content-addressed: equal contents get equal names), and the sweep
+//! of one blob directory.
+
+use std::collections::HashSet;
+use std::fs::{self, File};
+use std::io::{BufWriter, Read};
+use std::path::Path;
+
+use super::StoreError;
+
+const CHECKPOINT_MAGIC: &[u8; 8] = b"HORACKP1";
+const MASKED_SUM_MAGIC: &[u8; 8] = b"HORAMSK1";
+
+/// Maps an I/O error on `path` to a [`StoreError`].
+pub(super) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// A name no blob has, for a temporary file: the sweep removes what a crash leaves of these.
+pub(super) fn temp_name(kind: &str) -> String {
+    format!(
+        ".tmp-{kind}{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    )
+}
+
+/// Creates `dir` (and its parents) if needed and makes it accessible to this user only.
+pub(super) fn make_private_dir(dir: &Path) -> Result<(), StoreError> {
+    fs::create_dir_all(dir).map_err(io(dir))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(io(dir))?;
+    }
+    Ok(())
+}
+
+/// Writes `path` atomically: temp file, fsync, rename, fsync of the directory.
+pub fn write_atomic(
+    path: &Path,
+    fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
+) -> Result<(), StoreError> {
+    let dir = path.parent().expect("blob paths have a parent");
+    let tmp = dir.join(temp_name(""));
+    let result = (|| {
+        let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        fill(&mut w)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        File::open(dir)?.sync_all()
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map_err(io(path))
+}
+
+/// Feeds the encoding of an accumulator checkpoint to `put`, piece by piece so that the sum is
+/// never held twice: `"HORACKP1"`, the u64 count, then the f64 values, all little-endian.
+pub(super) fn encode_checkpoint(
+    sum: &[f64],
+    mut put: impl FnMut(&[u8]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    put(CHECKPOINT_MAGIC)?;
+    put(&(sum.len() as u64).to_le_bytes())?;
+    let mut buf = Vec::with_capacity(8 << 16);
+    for chunk in sum.chunks(1 << 16) {
+        buf.clear();
+        buf.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+        put(&buf)?;
+    }
+    Ok(())
+}
+
+/// A checkpoint's name: the SHA-256 of its encoding.
+pub(super) fn checkpoint_name(hash: ring::digest::Context) -> String {
+    format!("{}.ckpt", hex::encode(hash.finish()))
+}
+
+/// Reads the checkpoint named `file` from `r`, checking its header against `expected_len` and
+/// its contents against its name. `read_error` maps a failure to read the header or to look
+/// past the end (the data itself running short is corruption).
+pub(super) fn decode_checkpoint(
+    mut r: impl Read,
+    file: &str,
+    expected_len: usize,
+    read_error: impl Fn(std::io::Error) -> StoreError,
+) -> Result<Vec<f64>, StoreError> {
+    let mut header = [0u8; 16];
+    r.read_exact(&mut header).map_err(&read_error)?;
+    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+    hash.update(&header);
+    let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
+    if &header[..8] != CHECKPOINT_MAGIC || len != expected_len as u64 {
+        return Err(StoreError::Corrupt {
+            key: file.into(),
+            reason: format!("expected {expected_len} values, header says {len}"),
+        });
+    }
+    // Read in pieces: the sum is the largest thing the server holds; never hold it twice.
+    let mut values = Vec::with_capacity(expected_len);
+    let mut buf = vec![0u8; 1 << 20];
+    while values.len() < expected_len {
+        let want = ((expected_len - values.len()) * 8).min(buf.len());
+        r.read_exact(&mut buf[..want])
+            .map_err(|_| StoreError::Corrupt {
+                key: file.into(),
+                reason: "truncated".into(),
+            })?;
+        hash.update(&buf[..want]);
+        values.extend(
+            buf[..want]
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))),
+        );
+    }
+    if r.read(&mut buf[..1]).map_err(&read_error)? != 0 {
+        return Err(StoreError::Corrupt {
+            key: file.into(),
+            reason: "trailing bytes".into(),
+        });
+    }
+    if checkpoint_name(hash) != file {
+        return Err(StoreError::Corrupt {
+            key: file.into(),
+            reason: "contents do not match the checkpoint's content address".into(),
+        });
+    }
+    Ok(values)
+}
+
+/// The encoding of a secure-aggregation masked sum (`"HORAMSK1"`, then u32 little-endian) and
+/// its name, the SHA-256 of the encoding.
+pub(super) fn encode_masked_sum(sum: &[u32]) -> (String, Vec<u8>) {
+    let mut bytes = Vec::with_capacity(8 + sum.len() * 4);
+    bytes.extend_from_slice(MASKED_SUM_MAGIC);
+    bytes.extend(sum.iter().flat_map(|v| v.to_le_bytes()));
+    let name = format!("{}.msum", hora_common::sha256_hex(&bytes));
+    (name, bytes)
+}
+
+/// Decodes the masked sum named `file`, checking its length and its content address.
+pub(super) fn decode_masked_sum(
+    bytes: &[u8],
+    file: &str,
+    expected_len: usize,
+) -> Result<Vec<u32>, StoreError> {
+    let corrupt = |reason: &str| StoreError::Corrupt {
+        key: file.into(),
+        reason: reason.into(),
+    };
+    if bytes.len() != 8 + expected_len * 4 || &bytes[..8] != MASKED_SUM_MAGIC {
+        return Err(corrupt("not a masked sum of the expected length"));
+    }
+    if format!("{}.msum", hora_common::sha256_hex(bytes)) != file {
+        return Err(corrupt("contents do not match the file's content address"));
+    }
+    Ok(le_words(&bytes[8..]).collect())
+}
+
+/// Little-endian u32 words of `bytes` (a masked input or sum; a trailing partial word is ignored).
+pub fn le_words(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+/// Removes from `dir` its temporary files and, when `all_known` (every task's records could be
+/// read, so `keep` is complete), every file not in `keep` — except, with `keep_fresh`, files
+/// younger than a day (models an admin uploaded for a task not created yet). Returns the number
+/// of files removed.
+pub(super) fn sweep_dir(
+    dir: &Path,
+    keep: &HashSet<String>,
+    keep_fresh: bool,
+    all_known: bool,
+) -> Result<usize, StoreError> {
+    let fresh = |p: &Path| {
+        fs::metadata(p)
+            .and_then(|m| m.modified())
+            .map(|t| t.elapsed().map(|e| e.as_secs() < 86_400).unwrap_or(true))
+            .unwrap_or(false)
+    };
+    let mut removed = 0;
+    for entry in fs::read_dir(dir).map_err(io(dir))? {
+        let path = entry.map_err(io(dir))?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        let temp = name.starts_with(".tmp-");
+        let kept = !all_known || keep.contains(&name) || (keep_fresh && fresh(&path));
+        if temp || !kept {
+            fs::remove_file(&path).map_err(io(&path))?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}

@@ -1,0 +1,372 @@
+//! Durable state, behind one narrow trait per consumer.
+//!
+//! The server holds one `Arc<dyn `[`Storage`]`>`; each part of it uses only the slice it needs:
+//!
+//! - [`RoundLog`]: tasks, the round each has open, finishing a round, round history and the
+//!   pruning of old round models (the coordinator);
+//! - [`Blobs`]: global models, TorchScript modules, strategy state files, accumulator
+//!   checkpoints and secure aggregation's masked sums (the coordinator, secure aggregation, the
+//!   model and module downloads, the admin uploads);
+//! - [`Registry`]: clients and one-time enrolment tokens (authentication, the admin API);
+//! - [`SyncJobs`]: synchronous allreduce jobs (the rendezvous);
+//! - [`SecaggLog`]: secure-aggregation protocol records, as bytes (typed access, JSON, is on
+//!   `dyn Storage`: `secagg_get`, `secagg_put`, `secagg_scan`);
+//! - [`Housekeeping`]: what `serve` does at start (the orphan sweep, server-wide settings).
+//!
+//! Each that keeps records extends [`Durable`], whose [`flush`](Durable::flush) makes every record
+//! written so far durable (blobs are durable once written).
+//!
+//! Two implementations: [`SledStore`], the server's, over one data directory, and
+//! [`MemoryStore`], for tests, which keeps records in memory. One conformance suite
+//! (`conformance/`) holds both to the same contracts.
+//!
+//! # The data directory ([`SledStore`])
+//!
+//! ```text
+//! <data>/db/                      sled: tasks, open rounds, round history, clients, enrolments,
+//!                                 sync jobs, secure-aggregation records, meta
+//! <data>/blobs/models/<hex>.safetensors   global models, content-addressed by model digest
+//! <data>/blobs/modules/<hex>.pt           TorchScript modules, by SHA-256 of their bytes
+//! <data>/blobs/strategy/<hex>.state      stateful strategies' state (see `strategy::state`),
+//!                                         by SHA-256 of its bytes; one per task, the current
+//! <data>/checkpoints/<hex>.ckpt   round accumulators (f64 sums), by SHA-256 of their bytes
+//! <data>/checkpoints/<hex>.msum   secure aggregation's masked sums (u32), likewise
+//! ```
+//!
+//! Files are written atomically: a temporary file in the same directory, fsync, rename, fsync of
+//! the directory; only then is the record that refers to them written and flushed. So a record
+//! never points at a torn file, and a crash leaves at worst an unreferenced file, which
+//! [`Housekeeping::sweep_orphans`] removes at start. Records are JSON (small, and readable when an
+//! operator has to look). Nothing here ever holds a client's individual update: checkpoints are
+//! sums of several.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use hora_common::model::{Limits, Model, ModelDigest};
+use hora_common::wire::RoundRecord;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+#[cfg(test)]
+mod conformance;
+mod files;
+mod memory;
+mod records;
+mod sled;
+
+pub use self::files::{le_words, write_atomic};
+pub use self::memory::MemoryStore;
+pub use self::records::*;
+pub use self::sled::SledStore;
+
+/// What the server holds: every consumer's slice of the store.
+pub trait Storage:
+    RoundLog + Blobs + Registry + SyncJobs + SecaggLog + Housekeeping + Send + Sync
+{
+}
+
+impl<T> Storage for T where
+    T: RoundLog + Blobs + Registry + SyncJobs + SecaggLog + Housekeeping + Send + Sync
+{
+}
+
+/// The store as its consumers name it: `&Store`, `Arc<Store>`.
+pub type Store = dyn Storage;
+
+/// The durability barrier every record-keeping trait shares.
+pub trait Durable {
+    /// Makes everything written so far durable.
+    fn flush(&self) -> Result<(), StoreError>;
+}
+
+/// Tasks and their rounds.
+pub trait RoundLog: Durable {
+    fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError>;
+
+    /// Every task, each read on its own: one corrupt record does not hide the others.
+    fn tasks_each(&self) -> Result<Vec<TaskRead>, StoreError>;
+
+    /// Every task, in id order; an error if any cannot be read.
+    fn tasks(&self) -> Result<Vec<(String, TaskRecord)>, StoreError> {
+        self.tasks_each()?
+            .into_iter()
+            .map(|(id, record)| record.map(|r| (id, r)))
+            .collect()
+    }
+
+    /// Creates a task if the id is free; false if it exists (and it is left as it was).
+    fn create_task(&self, id: &str, task: &TaskRecord) -> Result<bool, StoreError>;
+
+    fn put_task(&self, id: &str, task: &TaskRecord) -> Result<(), StoreError>;
+
+    fn open_round(&self, task: &str) -> Result<Option<OpenRoundRecord>, StoreError>;
+
+    fn put_open_round(&self, task: &str, round: &OpenRoundRecord) -> Result<(), StoreError>;
+
+    /// Records a finished round and moves the task on, in one transaction: writes `task`, adds
+    /// `record` to the history (under its round and `attempt`), and replaces the open round with
+    /// `next` (or removes it). Either all of it is durable after the next flush or none of it.
+    fn finish_round(
+        &self,
+        task_id: &str,
+        task: &TaskRecord,
+        record: &RoundRecord,
+        attempt: u32,
+        next: Option<&OpenRoundRecord>,
+    ) -> Result<(), StoreError>;
+
+    /// A task's finished rounds, by round then attempt.
+    fn history(&self, task: &str) -> Result<Vec<RoundRecord>, StoreError>;
+
+    /// Applies `retention` to `task`'s published models now that `published` rounds are out:
+    /// marks the rounds that fall out of it as pruned and deletes their model files, unless
+    /// another retained round or task still uses the same model (content-addressed). Returns the
+    /// number of files removed.
+    fn prune_models(
+        &self,
+        task: &str,
+        retention: Retention,
+        published: u64,
+    ) -> Result<usize, StoreError>;
+}
+
+/// Content-addressed files: written whole, atomically, before any record names them.
+///
+/// Models, modules and strategy states are files with paths because their readers stream them
+/// (downloads) or read and write them in stretches (`strategy::state`).
+pub trait Blobs {
+    fn model_path(&self, digest: &ModelDigest) -> PathBuf;
+
+    fn module_path(&self, hex_digest: &str) -> PathBuf;
+
+    /// Where strategy state files live (written and read by `strategy::state`).
+    fn strategy_state_dir(&self) -> PathBuf;
+
+    /// Deletes a strategy state file no record refers to any more.
+    fn remove_strategy_state(&self, name: &str);
+
+    /// Stores f32 safetensors bytes whose digest the caller computed (a no-op if that digest is
+    /// there already).
+    fn put_model_bytes(&self, digest: &ModelDigest, safetensors: &[u8]) -> Result<(), StoreError>;
+
+    /// Stores a model under its digest (a no-op if it is there already).
+    fn put_model(&self, model: &Model) -> Result<ModelDigest, StoreError> {
+        let digest = model.digest();
+        self.put_model_bytes(&digest, &model.to_safetensors())?;
+        Ok(digest)
+    }
+
+    /// The stored safetensors bytes of a model.
+    fn model_bytes(&self, digest: &ModelDigest) -> Result<Vec<u8>, StoreError>;
+
+    fn read_model(&self, digest: &ModelDigest) -> Result<Model, StoreError> {
+        Ok(Model::read_file(
+            &self.model_path(digest),
+            &Limits::default(),
+        )?)
+    }
+
+    /// Stores a TorchScript module under the hex SHA-256 of its bytes, which it returns.
+    fn put_module(&self, bytes: &[u8]) -> Result<String, StoreError>;
+
+    /// Writes an accumulator checkpoint (the f64 sum), named by the SHA-256 of its encoding;
+    /// returns the name.
+    fn write_checkpoint(&self, sum: &[f64]) -> Result<String, StoreError>;
+
+    /// Reads a checkpoint back; corrupt if it does not hold `expected_len` values or its
+    /// contents do not match its name.
+    fn read_checkpoint(&self, file: &str, expected_len: usize) -> Result<Vec<f64>, StoreError>;
+
+    /// Writes the sum of a secure-aggregation attempt's masked inputs, named by the SHA-256 of
+    /// its encoding; returns the name.
+    fn write_masked_sum(&self, sum: &[u32]) -> Result<String, StoreError>;
+
+    fn read_masked_sum(&self, file: &str, expected_len: usize) -> Result<Vec<u32>, StoreError>;
+
+    /// Deletes a checkpoint or masked sum (nothing if there is none).
+    fn remove_checkpoint(&self, file: &str);
+}
+
+/// Clients and enrolment.
+pub trait Registry: Durable {
+    fn client(&self, id: &str) -> Result<Option<ClientRecord>, StoreError>;
+
+    /// Every client, in id order.
+    fn clients(&self) -> Result<Vec<(String, ClientRecord)>, StoreError>;
+
+    fn put_client(&self, id: &str, c: &ClientRecord) -> Result<(), StoreError>;
+
+    fn put_enrolment(&self, token_hash: &str, e: &EnrolmentRecord) -> Result<(), StoreError>;
+
+    /// Removes and returns an enrolment: a token works once.
+    fn take_enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError>;
+}
+
+/// Synchronous allreduce jobs.
+pub trait SyncJobs: Durable {
+    /// Every job, in id order.
+    fn sync_jobs(&self) -> Result<Vec<SyncJobRecord>, StoreError>;
+
+    /// Creates a sync job if the id is free; false if it exists.
+    fn create_sync_job(&self, job: &SyncJobRecord) -> Result<bool, StoreError>;
+
+    fn put_sync_job(&self, job: &SyncJobRecord) -> Result<(), StoreError>;
+
+    /// Deletes a sync job; false if there was none.
+    fn remove_sync_job(&self, id: &str) -> Result<bool, StoreError>;
+}
+
+/// Secure-aggregation attempts' protocol records, keyed `task\0kind\0client`, as bytes (the
+/// records are `secagg`'s; `secagg_get`, `secagg_put` and `secagg_scan` on `dyn Storage` read
+/// and write them typed).
+pub trait SecaggLog: Durable {
+    fn secagg_get_bytes(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError>;
+
+    fn secagg_put_bytes(&self, key: &str, value: &[u8]) -> Result<(), StoreError>;
+
+    /// Every record under `prefix`, keyed by what follows the prefix, in key order.
+    fn secagg_scan_bytes(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError>;
+
+    /// Forgets a task's secure-aggregation records (a new attempt starts from nothing).
+    fn secagg_clear(&self, task: &str) -> Result<(), StoreError>;
+}
+
+/// What the server does with its store at start.
+pub trait Housekeeping: Durable {
+    /// A server-wide setting (the admin token's hash).
+    fn meta(&self, key: &str) -> Result<Option<String>, StoreError>;
+
+    fn put_meta(&self, key: &str, value: &str) -> Result<(), StoreError>;
+
+    /// Deletes temporary files and blobs no record refers to. Run at start, before serving.
+    /// Models and modules younger than a day are kept (an admin uploads them before creating the
+    /// task); with any task unreadable, only temporary files go.
+    fn sweep_orphans(&self) -> Result<usize, StoreError>;
+}
+
+/// Typed access to the secure-aggregation records (JSON).
+impl<'a> dyn Storage + 'a {
+    pub fn secagg_get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StoreError> {
+        self.secagg_get_bytes(key)?
+            .map(|bytes| decode(key, &bytes))
+            .transpose()
+    }
+
+    pub fn secagg_put<T: Serialize>(&self, key: &str, value: &T) -> Result<(), StoreError> {
+        self.secagg_put_bytes(key, &json(value))
+    }
+
+    /// Every record under `prefix`, keyed by what follows the prefix.
+    pub fn secagg_scan<T: DeserializeOwned>(
+        &self,
+        prefix: &str,
+    ) -> Result<Vec<(String, T)>, StoreError> {
+        self.secagg_scan_bytes(prefix)?
+            .into_iter()
+            .map(|(k, bytes)| {
+                let value = decode(&format!("{prefix}{k}"), &bytes)?;
+                Ok((k, value))
+            })
+            .collect()
+    }
+}
+
+fn json<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("records serialise")
+}
+
+fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
+        key: key.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// The blob files the records refer to, by file name.
+#[derive(Default)]
+struct Referenced {
+    models: HashSet<String>,
+    modules: HashSet<String>,
+    states: HashSet<String>,
+    /// Checkpoints and masked sums.
+    checkpoints: HashSet<String>,
+}
+
+/// What every task's records refer to; None when some task cannot be read, as then nobody can
+/// tell its blobs from orphans.
+fn referenced(
+    store: &(impl RoundLog + SecaggLog + ?Sized),
+) -> Result<Option<Referenced>, StoreError> {
+    /// The one field of secure aggregation's state record the sweep needs.
+    #[derive(Deserialize)]
+    struct SecaggState {
+        sum_file: Option<String>,
+    }
+    let mut readable = Vec::new();
+    for (id, task) in store.tasks_each()? {
+        match task.and_then(|t| Ok((t, store.history(&id)?, store.open_round(&id)?))) {
+            Ok(parts) => readable.push((id, parts)),
+            Err(_) => return Ok(None),
+        }
+    }
+    let mut refs = Referenced::default();
+    for (id, (task, history, open)) in readable {
+        refs.models
+            .insert(format!("{}.safetensors", task.global_model.to_hex()));
+        refs.models.insert(format!(
+            "{}.safetensors",
+            task.config.initial_model.to_hex()
+        ));
+        // Only the current state: the previous one is deleted once its successor is
+        // published, so any other state file is a leftover of a crash.
+        refs.states.extend(task.strategy_state.clone());
+        if let hora_common::wire::ModelKind::TorchScript { module_digest } = &task.config.model {
+            refs.modules.insert(format!("{module_digest}.pt"));
+        }
+        for r in history {
+            if let Some(d) = r.model.filter(|_| !r.pruned) {
+                refs.models.insert(format!("{}.safetensors", d.to_hex()));
+            }
+        }
+        if let Some(c) = open.and_then(|open| open.checkpoint) {
+            refs.checkpoints.insert(c.file);
+        }
+        let key = format!("{id}\0state\0");
+        if let Some(bytes) = store.secagg_get_bytes(&key)? {
+            let state: SecaggState = decode(&key, &bytes)?;
+            refs.checkpoints.extend(state.sum_file);
+        }
+    }
+    Ok(Some(refs))
+}
+
+/// The second half of [`RoundLog::prune_models`]: deletes the files of `dropped` models (just
+/// marked pruned) that no task and no unpruned round still uses.
+fn remove_unused_models(
+    store: &(impl RoundLog + Blobs + ?Sized),
+    dropped: Vec<ModelDigest>,
+) -> Result<usize, StoreError> {
+    if dropped.is_empty() {
+        return Ok(0);
+    }
+    let mut in_use = HashSet::new();
+    for (id, t) in store.tasks_each()? {
+        let Ok(t) = t else {
+            return Ok(0); // an unreadable task may use any model: delete nothing
+        };
+        in_use.insert(t.global_model);
+        in_use.insert(t.config.initial_model);
+        for r in store.history(&id)? {
+            if !r.pruned {
+                in_use.extend(r.model);
+            }
+        }
+    }
+    let mut removed = 0;
+    for digest in dropped.into_iter().filter(|d| !in_use.contains(d)) {
+        if std::fs::remove_file(store.model_path(&digest)).is_ok() {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}

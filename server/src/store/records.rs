@@ -1,0 +1,150 @@
+//! The records the store keeps, and its error.
+//!
+//! Records are stored as JSON by [`SledStore`](super::SledStore) (small, and readable when an
+//! operator has to look), so every field added later needs `#[serde(default)]` for data dirs
+//! written before it.
+
+use hora_common::model::{ModelDigest, ModelSpec};
+use hora_common::wire::{CreateTask, Metrics, TaskState};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database: {0}")]
+    Db(#[from] sled::Error),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("corrupt record {key}: {reason}")]
+    Corrupt { key: String, reason: String },
+    #[error("model blob: {0}")]
+    Model(#[from] hora_common::model::ModelError),
+}
+
+/// A task as stored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TaskRecord {
+    pub config: CreateTask,
+    pub spec: ModelSpec,
+    pub state: TaskState,
+    /// Rounds published so far; the open round is `published + 1`.
+    pub published: u64,
+    pub global_model: ModelDigest,
+    pub created_unix_ms: u64,
+    /// The file under `blobs/strategy/` holding a stateful strategy's state after round
+    /// `published`; None before the first round (the strategy's initial state) and for
+    /// stateless strategies. Written with `global_model`, in the same record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy_state: Option<String>,
+    /// The privacy spent so far and the clip norm, for a task with differential privacy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp: Option<crate::dp::DpState>,
+    /// Why the task ended before its rounds were done (its privacy budget).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_reason: Option<String>,
+}
+
+/// A task id and its record, or why the record could not be read.
+pub type TaskRead = (String, Result<TaskRecord, StoreError>);
+
+/// One accepted update, as the round's records keep it (never the update itself).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Contribution {
+    pub client: String,
+    pub examples: u64,
+    pub metrics: Metrics,
+    /// Under differential privacy: whether the update's norm was within the round's clip norm
+    /// (what adaptive clipping counts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unclipped: Option<bool>,
+}
+
+/// The durable part of a round's accumulator.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    pub file: String,
+    pub contributions: Vec<Contribution>,
+    pub total_weight: f64,
+    /// The sum holds the round's differential-privacy noise already (a close that failed
+    /// after adding it): it must not be noised again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub noised: bool,
+}
+
+/// The round a task has open, enough to resume it after a crash.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OpenRoundRecord {
+    pub round: u64,
+    pub attempt: u32,
+    /// The round's X25519 secret (hex). Deleted with this record when the round closes.
+    pub secret: String,
+    pub base_model: ModelDigest,
+    pub opened_unix_ms: u64,
+    pub deadline_unix_ms: u64,
+    pub selected: Vec<String>,
+    pub checkpoint: Option<CheckpointRecord>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClientRecord {
+    pub secret_hash: String,
+    pub label: Option<String>,
+    pub enrolled_unix_ms: u64,
+    pub revoked: bool,
+    /// The Ed25519 identity key (hex) the client registered at enrolment; it signs the keys
+    /// the client advertises in secure aggregation.
+    #[serde(default)]
+    pub identity_key: Option<String>,
+    /// The tasks this client may use; None: every task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EnrolmentRecord {
+    pub expires_unix_ms: u64,
+    /// The tasks the enrolled client may use; None: every task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<Vec<String>>,
+}
+
+/// Which published round models are kept: the last `last` rounds and every `every`th round (0
+/// turns either off; both 0 keeps everything). The current global model and the task's initial
+/// model are always kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    pub last: u64,
+    pub every: u64,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Retention {
+            last: 50,
+            every: 10,
+        }
+    }
+}
+
+impl Retention {
+    /// Whether round `round`'s model is kept once `published` rounds are published.
+    pub fn keeps(&self, round: u64, published: u64) -> bool {
+        (self.last == 0 && self.every == 0)
+            || round + self.last > published
+            || (self.every > 0 && round % self.every == 0)
+    }
+}
+
+/// A synchronous allreduce job as stored: its definition and how many worlds it has formed. The
+/// world being formed is never stored (see `rendezvous`): after a restart, workers join again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncJobRecord {
+    pub id: String,
+    pub world_size: u32,
+    /// SHA-256 of the job's bearer token (hex), as for the admin token.
+    pub token_hash: String,
+    /// Worlds formed so far.
+    pub generations: u64,
+}

@@ -1,0 +1,505 @@
+//! [`SledStore`]: the server's store, records in sled and blobs as files under one data
+//! directory (the layout is in the [module docs](super)).
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use hora_common::model::ModelDigest;
+use hora_common::wire::RoundRecord;
+use serde::{de::DeserializeOwned, Serialize};
+
+use super::files::{self, io, write_atomic};
+use super::{
+    decode, referenced, remove_unused_models, Blobs, ClientRecord, Durable, EnrolmentRecord,
+    Housekeeping, OpenRoundRecord, Registry, Retention, RoundLog, SecaggLog, StoreError,
+    SyncJobRecord, SyncJobs, TaskRead, TaskRecord,
+};
+
+pub struct SledStore {
+    dir: PathBuf,
+    db: sled::Db,
+    tasks: sled::Tree,
+    open_rounds: sled::Tree,
+    history: sled::Tree,
+    clients: sled::Tree,
+    enrolments: sled::Tree,
+    sync_jobs: sled::Tree,
+    /// Secure-aggregation attempts' protocol state (see `secagg`), keyed `task\0kind\0client`.
+    secagg: sled::Tree,
+    meta: sled::Tree,
+}
+
+fn get<T: DeserializeOwned>(tree: &sled::Tree, key: &str) -> Result<Option<T>, StoreError> {
+    match tree.get(key)? {
+        None => Ok(None),
+        Some(bytes) => decode(key, &bytes).map(Some),
+    }
+}
+
+fn all<T: DeserializeOwned>(
+    iter: impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+) -> Result<Vec<(String, T)>, StoreError> {
+    iter.map(|kv| {
+        let (k, v) = kv?;
+        let key = String::from_utf8_lossy(&k).into_owned();
+        let value = decode(&key, &v)?;
+        Ok((key, value))
+    })
+    .collect()
+}
+
+fn json<T: Serialize>(value: &T) -> Vec<u8> {
+    super::json(value)
+}
+
+/// History keys sort by round then attempt.
+fn history_key(task: &str, round: u64, attempt: u32) -> String {
+    format!("{task}\0{round:020}\0{attempt:010}")
+}
+
+impl SledStore {
+    /// Opens the store in `dir`, creating it (private to this user) if needed.
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        files::make_private_dir(dir)?;
+        for sub in [
+            "blobs/models",
+            "blobs/modules",
+            "blobs/strategy",
+            "checkpoints",
+        ] {
+            fs::create_dir_all(dir.join(sub)).map_err(io(dir))?;
+        }
+        let db = sled::Config::new().path(dir.join("db")).open()?;
+        Ok(SledStore {
+            dir: dir.to_path_buf(),
+            tasks: db.open_tree("tasks")?,
+            open_rounds: db.open_tree("open_rounds")?,
+            history: db.open_tree("history")?,
+            clients: db.open_tree("clients")?,
+            enrolments: db.open_tree("enrolments")?,
+            sync_jobs: db.open_tree("sync_jobs")?,
+            secagg: db.open_tree("secagg")?,
+            meta: db.open_tree("meta")?,
+            db,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Where a checkpoint or masked sum lives.
+    pub fn checkpoint_path(&self, file: &str) -> PathBuf {
+        self.dir.join("checkpoints").join(file)
+    }
+}
+
+impl Durable for SledStore {
+    fn flush(&self) -> Result<(), StoreError> {
+        self.db.flush()?;
+        Ok(())
+    }
+}
+
+impl RoundLog for SledStore {
+    fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+        get(&self.tasks, id)
+    }
+
+    fn tasks_each(&self) -> Result<Vec<TaskRead>, StoreError> {
+        self.tasks
+            .iter()
+            .map(|kv| {
+                let (k, v) = kv?;
+                let key = String::from_utf8_lossy(&k).into_owned();
+                let record = decode(&key, &v);
+                Ok((key, record))
+            })
+            .collect()
+    }
+
+    fn create_task(&self, id: &str, task: &TaskRecord) -> Result<bool, StoreError> {
+        let created = self
+            .tasks
+            .compare_and_swap(id, None as Option<&[u8]>, Some(json(task)))?
+            .is_ok();
+        Ok(created)
+    }
+
+    fn put_task(&self, id: &str, task: &TaskRecord) -> Result<(), StoreError> {
+        self.tasks.insert(id, json(task))?;
+        Ok(())
+    }
+
+    fn open_round(&self, task: &str) -> Result<Option<OpenRoundRecord>, StoreError> {
+        get(&self.open_rounds, task)
+    }
+
+    fn put_open_round(&self, task: &str, round: &OpenRoundRecord) -> Result<(), StoreError> {
+        self.open_rounds.insert(task, json(round))?;
+        Ok(())
+    }
+
+    fn finish_round(
+        &self,
+        task_id: &str,
+        task: &TaskRecord,
+        record: &RoundRecord,
+        attempt: u32,
+        next: Option<&OpenRoundRecord>,
+    ) -> Result<(), StoreError> {
+        use sled::Transactional;
+        (&self.tasks, &self.open_rounds, &self.history)
+            .transaction(|(tasks, open, history)| {
+                tasks.insert(task_id, json(task))?;
+                history.insert(
+                    history_key(task_id, record.round, attempt).as_bytes(),
+                    json(record),
+                )?;
+                match next {
+                    Some(n) => open.insert(task_id, json(n))?,
+                    None => open.remove(task_id)?,
+                };
+                Ok(())
+            })
+            .map_err(|e: sled::transaction::TransactionError<()>| match e {
+                sled::transaction::TransactionError::Storage(e) => StoreError::Db(e),
+                sled::transaction::TransactionError::Abort(()) => StoreError::Corrupt {
+                    key: task_id.into(),
+                    reason: "transaction aborted".into(),
+                },
+            })?;
+        Ok(())
+    }
+
+    fn history(&self, task: &str) -> Result<Vec<RoundRecord>, StoreError> {
+        let prefix = format!("{task}\0");
+        Ok(all(self.history.scan_prefix(prefix))?
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect())
+    }
+
+    fn prune_models(
+        &self,
+        task: &str,
+        retention: Retention,
+        published: u64,
+    ) -> Result<usize, StoreError> {
+        let mut dropped = Vec::new();
+        for (key, mut r) in all::<RoundRecord>(self.history.scan_prefix(format!("{task}\0")))? {
+            if r.model.is_some() && !r.pruned && !retention.keeps(r.round, published) {
+                r.pruned = true;
+                self.history.insert(key.as_bytes(), json(&r))?;
+                dropped.extend(r.model);
+            }
+        }
+        remove_unused_models(self, dropped)
+    }
+}
+
+impl Registry for SledStore {
+    fn client(&self, id: &str) -> Result<Option<ClientRecord>, StoreError> {
+        get(&self.clients, id)
+    }
+
+    fn clients(&self) -> Result<Vec<(String, ClientRecord)>, StoreError> {
+        all(self.clients.iter())
+    }
+
+    fn put_client(&self, id: &str, c: &ClientRecord) -> Result<(), StoreError> {
+        self.clients.insert(id, json(c))?;
+        Ok(())
+    }
+
+    fn put_enrolment(&self, token_hash: &str, e: &EnrolmentRecord) -> Result<(), StoreError> {
+        self.enrolments.insert(token_hash, json(e))?;
+        Ok(())
+    }
+
+    fn take_enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError> {
+        match self.enrolments.remove(token_hash)? {
+            None => Ok(None),
+            Some(v) => decode("enrolment", &v).map(Some),
+        }
+    }
+}
+
+impl SyncJobs for SledStore {
+    fn sync_jobs(&self) -> Result<Vec<SyncJobRecord>, StoreError> {
+        Ok(all(self.sync_jobs.iter())?
+            .into_iter()
+            .map(|(_, job)| job)
+            .collect())
+    }
+
+    fn create_sync_job(&self, job: &SyncJobRecord) -> Result<bool, StoreError> {
+        let created = self
+            .sync_jobs
+            .compare_and_swap(&job.id, None as Option<&[u8]>, Some(json(job)))?
+            .is_ok();
+        Ok(created)
+    }
+
+    fn put_sync_job(&self, job: &SyncJobRecord) -> Result<(), StoreError> {
+        self.sync_jobs.insert(&job.id, json(job))?;
+        Ok(())
+    }
+
+    fn remove_sync_job(&self, id: &str) -> Result<bool, StoreError> {
+        Ok(self.sync_jobs.remove(id)?.is_some())
+    }
+}
+
+impl SecaggLog for SledStore {
+    fn secagg_get_bytes(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.secagg.get(key)?.map(|v| v.to_vec()))
+    }
+
+    fn secagg_put_bytes(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.secagg.insert(key, value)?;
+        Ok(())
+    }
+
+    fn secagg_scan_bytes(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        self.secagg
+            .scan_prefix(prefix)
+            .map(|kv| {
+                let (k, v) = kv?;
+                let key = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+                Ok((key, v.to_vec()))
+            })
+            .collect()
+    }
+
+    fn secagg_clear(&self, task: &str) -> Result<(), StoreError> {
+        for key in self.secagg.scan_prefix(format!("{task}\0")).keys() {
+            self.secagg.remove(key?)?;
+        }
+        Ok(())
+    }
+}
+
+impl Housekeeping for SledStore {
+    fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
+        get(&self.meta, key)
+    }
+
+    fn put_meta(&self, key: &str, value: &str) -> Result<(), StoreError> {
+        self.meta.insert(key, json(&value))?;
+        Ok(())
+    }
+
+    fn sweep_orphans(&self) -> Result<usize, StoreError> {
+        let refs = referenced(self)?;
+        let all_known = refs.is_some();
+        let refs = refs.unwrap_or_default();
+        let mut removed = 0;
+        for (sub, keep, keep_fresh) in [
+            ("blobs/models", &refs.models, true),
+            ("blobs/modules", &refs.modules, true),
+            ("blobs/strategy", &refs.states, false),
+            ("checkpoints", &refs.checkpoints, false),
+        ] {
+            removed += files::sweep_dir(&self.dir.join(sub), keep, keep_fresh, all_known)?;
+        }
+        Ok(removed)
+    }
+}
+
+impl Blobs for SledStore {
+    fn model_path(&self, digest: &ModelDigest) -> PathBuf {
+        self.dir
+            .join("blobs/models")
+            .join(format!("{}.safetensors", digest.to_hex()))
+    }
+
+    fn module_path(&self, hex_digest: &str) -> PathBuf {
+        self.dir
+            .join("blobs/modules")
+            .join(format!("{hex_digest}.pt"))
+    }
+
+    fn strategy_state_dir(&self) -> PathBuf {
+        self.dir.join("blobs/strategy")
+    }
+
+    fn remove_strategy_state(&self, name: &str) {
+        if crate::strategy::state::valid_name(name) {
+            let _ = fs::remove_file(self.strategy_state_dir().join(name));
+        }
+    }
+
+    fn put_model_bytes(&self, digest: &ModelDigest, safetensors: &[u8]) -> Result<(), StoreError> {
+        let path = self.model_path(digest);
+        if !path.exists() {
+            write_atomic(&path, |w| w.write_all(safetensors))?;
+        }
+        Ok(())
+    }
+
+    fn model_bytes(&self, digest: &ModelDigest) -> Result<Vec<u8>, StoreError> {
+        let path = self.model_path(digest);
+        fs::read(&path).map_err(io(&path))
+    }
+
+    fn put_module(&self, bytes: &[u8]) -> Result<String, StoreError> {
+        let hex_digest = hora_common::sha256_hex(bytes);
+        let path = self.module_path(&hex_digest);
+        if !path.exists() {
+            write_atomic(&path, |w| w.write_all(bytes))?;
+        }
+        Ok(hex_digest)
+    }
+
+    /// Streams the sum to a temporary file, hashing as it writes, then renames it to its
+    /// content address (the sum is the largest thing the server holds: never hold it twice).
+    fn write_checkpoint(&self, sum: &[f64]) -> Result<String, StoreError> {
+        let dir = self.dir.join("checkpoints");
+        let tmp_name = files::temp_name("ckpt-");
+        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+        write_atomic(&dir.join(&tmp_name), |w| {
+            files::encode_checkpoint(sum, |bytes| {
+                hash.update(bytes);
+                w.write_all(bytes)
+            })
+        })?;
+        let name = files::checkpoint_name(hash);
+        let path = dir.join(&name);
+        fs::rename(dir.join(&tmp_name), &path).map_err(io(&path))?;
+        File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(&dir))?;
+        Ok(name)
+    }
+
+    fn read_checkpoint(&self, file: &str, expected_len: usize) -> Result<Vec<f64>, StoreError> {
+        let path = self.checkpoint_path(file);
+        let f = File::open(&path).map_err(io(&path))?;
+        files::decode_checkpoint(f, file, expected_len, |e| io(&path)(e))
+    }
+
+    fn write_masked_sum(&self, sum: &[u32]) -> Result<String, StoreError> {
+        let (name, bytes) = files::encode_masked_sum(sum);
+        let path = self.checkpoint_path(&name);
+        if !path.exists() {
+            write_atomic(&path, |w| w.write_all(&bytes))?;
+        }
+        Ok(name)
+    }
+
+    fn read_masked_sum(&self, file: &str, expected_len: usize) -> Result<Vec<u32>, StoreError> {
+        let path = self.checkpoint_path(file);
+        let bytes = fs::read(&path).map_err(io(&path))?;
+        files::decode_masked_sum(&bytes, file, expected_len)
+    }
+
+    fn remove_checkpoint(&self, file: &str) {
+        let _ = fs::remove_file(self.checkpoint_path(file));
+    }
+}
+
+/// What only the sled store has: files to damage and an on-disk format to keep. The contracts
+/// both stores keep are in `conformance.rs`.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hora_common::model::Model;
+
+    #[test]
+    fn a_damaged_checkpoint_file_is_caught_by_its_content_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(dir.path()).unwrap();
+        let ckpt = store.write_checkpoint(&[1.5, -2.0, 1e300]).unwrap();
+        let path = store.checkpoint_path(&ckpt);
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[20] ^= 1;
+        fs::write(&path, &bytes).unwrap();
+        assert!(matches!(
+            store.read_checkpoint(&ckpt, 3),
+            Err(StoreError::Corrupt { .. })
+        ));
+        fs::write(&path, &bytes[..30]).unwrap();
+        assert!(matches!(
+            store.read_checkpoint(&ckpt, 3),
+            Err(StoreError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn a_corrupt_task_hides_no_other_and_keeps_every_blob_from_the_sweep() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(dir.path()).unwrap();
+        let model = Model::from_tensors([("w", vec![1], vec![1.0])]).unwrap();
+        let digest = store.put_model(&model).unwrap();
+        let orphan = store.write_checkpoint(&[1.0]).unwrap();
+        store.tasks.insert("a", b"{not json".as_slice()).unwrap();
+        store.tasks.insert("b", b"{}".as_slice()).unwrap();
+        let each = store.tasks_each().unwrap();
+        assert_eq!(each.len(), 2);
+        assert!(each
+            .iter()
+            .all(|(_, r)| matches!(r, Err(StoreError::Corrupt { .. }))));
+        assert!(store.tasks().is_err());
+        fs::write(dir.path().join("checkpoints/.tmp-1-2"), b"torn").unwrap();
+        // Nobody can tell the corrupt tasks' blobs from orphans: only the temporary file goes.
+        assert_eq!(store.sweep_orphans().unwrap(), 1);
+        assert!(store.model_path(&digest).exists());
+        assert!(store.checkpoint_path(&orphan).exists());
+    }
+
+    /// Data directories written before the store was split still open: the trees, keys and
+    /// JSON are as they were.
+    #[test]
+    fn the_on_disk_format_is_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = sled::open(dir.path().join("db")).unwrap();
+            let record = |round: u64| {
+                serde_json::json!({
+                    "round": round, "attempt": 0, "outcome": {"status": "published"},
+                    "participants": [], "dropped": [], "examples": 1,
+                    "metrics": {"loss": null, "accuracy": null}, "duration_ms": 1, "model": null,
+                })
+                .to_string()
+            };
+            let history = db.open_tree("history").unwrap();
+            for round in [2, 10] {
+                history
+                    .insert(
+                        format!("t\0{round:020}\0{:010}", 0),
+                        record(round).as_bytes(),
+                    )
+                    .unwrap();
+            }
+            let meta = db.open_tree("meta").unwrap();
+            meta.insert("admin_token_hash", b"\"h\"".as_slice())
+                .unwrap();
+            let secagg = db.open_tree("secagg").unwrap();
+            secagg.insert("t\0adv\0c1", b"1".as_slice()).unwrap();
+            db.open_tree("enrolments")
+                .unwrap()
+                .insert("tok", br#"{"expires_unix_ms": 5}"#.as_slice())
+                .unwrap();
+            db.flush().unwrap();
+        }
+        let store = SledStore::open(dir.path()).unwrap();
+        let rounds: Vec<_> = store
+            .history("t")
+            .unwrap()
+            .iter()
+            .map(|r| r.round)
+            .collect();
+        assert_eq!(rounds, [2, 10]);
+        assert_eq!(
+            store.meta("admin_token_hash").unwrap().as_deref(),
+            Some("h")
+        );
+        assert_eq!(
+            store.secagg_scan_bytes("t\0adv\0").unwrap(),
+            [("c1".to_string(), b"1".to_vec())]
+        );
+        assert!(store.take_enrolment("tok").unwrap().is_some());
+    }
+}
