@@ -7,8 +7,9 @@
 //!    tasks, the module;
 //! 3. train through the [`Trainer`] until its epochs are done or the deadline (less a margin for
 //!    the upload) arrives; the task's `on_deadline` says whether a partial update is sent;
-//! 4. `delta = local − global`, recorded on disk before it is sealed, so a client restarted now
-//!    uploads the same delta instead of training again;
+//! 4. `delta = local − global`, recorded on disk (while it is being uploaded: a write is not
+//!    worth holding up the round for), so a client restarted after that uploads the same delta
+//!    instead of training again;
 //! 5. seal the delta to the round key (bound to task, round, client and base model) and upload it
 //!    with its example count and metrics; retried on transient failures, and an
 //!    `already_contributed` answer to a retry means an earlier attempt got through.
@@ -104,7 +105,8 @@ pub struct RoundTimings {
     pub download: Duration,
     /// Local training (the [`Trainer`]).
     pub train: Duration,
-    /// `local − global`, and recording it on disk so that a restarted client uploads it again.
+    /// `local − global` (its record on disk, for a restarted client to upload it again, is
+    /// written while the upload is under way).
     pub record: Duration,
     /// Sealing the delta to the round key.
     pub seal: Duration,
@@ -177,6 +179,15 @@ pub(crate) fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Runs blocking work on one of the runtime's blocking threads without waiting for it (at once
+/// when there is no runtime): writes to the client's cache that the round need not wait for.
+fn in_background(f: impl FnOnce() + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => drop(h.spawn_blocking(f)),
+        Err(_) => f(),
+    }
 }
 
 /// Runs blocking work (training) without stalling the async runtime's other tasks.
@@ -291,7 +302,14 @@ impl Client {
                 digest.to_hex()
             )));
         }
-        self.state.cache_model(digest, &model)?;
+        // The cache saves a download after a restart or for a retried round; the round itself
+        // need not wait for the write.
+        let (state, cached, digest) = (self.state.clone(), model.clone(), *digest);
+        in_background(move || {
+            if let Err(e) = state.cache_model(&digest, &cached) {
+                tracing::warn!(error = %e, "caching the global model failed");
+            }
+        });
         Ok(model)
     }
 
@@ -596,7 +614,6 @@ impl Client {
                     metrics: outcome.metrics,
                     uploaded: false,
                 };
-                self.state.save_trained(task, &record, &delta)?;
                 timings.record = recording.elapsed();
                 (delta, record, false)
             }
@@ -610,8 +627,20 @@ impl Client {
         let sealed = self.seal(task, offer, &delta)?;
         let uploading = Instant::now();
         timings.seal = uploading - sealing;
+        // The record for a restart is written while the update travels (the server answers a
+        // restarted client's second upload of a round as a duplicate, whichever delta it is).
+        let saving = (!resumed).then(|| {
+            let (state, task, record) = (self.state.clone(), task.to_string(), record.clone());
+            tokio::task::spawn_blocking(move || state.save_trained(&task, &record, &delta))
+        });
         let uploaded = self.upload_sealed(task, offer, sealed, &meta).await;
         timings.upload = uploading.elapsed();
+        if let Some(saving) = saving {
+            saving.await.map_err(|e| ClientError::State {
+                dir: self.config.state_dir.clone(),
+                message: format!("recording the trained update failed: {e}"),
+            })??;
+        }
         let finishing = Instant::now();
         let outcome = match uploaded {
             Ok(receipt) => {
