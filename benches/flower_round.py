@@ -168,6 +168,28 @@ def free_port():
         return s.getsockname()[1]
 
 
+def tail(path, lines=30):
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def wait_listening(port, server, logs, timeout=120):
+    """Waits until the server process accepts connections on `port`."""
+    import socket
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"flower server exited ({server.returncode}):\n"
+                             + tail(os.path.join(logs, "server.log")))
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"flower server not listening after {timeout} s")
+
+
 def run(args):
     """Starts the server and the clients as processes; prints RESULT {json}."""
     port = free_port()
@@ -202,6 +224,7 @@ def run(args):
     try:
         server_out = os.path.join(args.data, "flower-server.json")
         server = spawn("server", ["--out", server_out])
+        wait_listening(port, server, logs)
         for k in range(args.clients):
             spawn(f"client-{k}", ["--index", str(k), "--out",
                                   os.path.join(args.data, f"flower-client-{k}.json")])
@@ -209,7 +232,8 @@ def run(args):
         while server.poll() is None:
             for role, p in procs:
                 if p.poll() not in (None, 0):
-                    raise SystemExit(f"flower {role} failed ({p.returncode}); see {logs}")
+                    raise SystemExit(f"flower {role} failed ({p.returncode}):\n"
+                                     + tail(os.path.join(logs, f"{role}.log")))
             if time.time() > deadline:
                 raise SystemExit(f"flower did not finish within {args.timeout} s; see {logs}")
             time.sleep(0.05)

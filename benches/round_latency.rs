@@ -19,7 +19,8 @@
 //!
 //! `cargo build --release -p hora-server -p hora-client --bins && cargo bench -p hora --bench round_latency`
 //! (`HORA_BENCH_ROUNDS` measured rounds, 30; `HORA_BENCH_WARMUP` rounds first, 5;
-//! `HORA_FLOWER_PYTHON` the Python with flwr, else `scripts/setup-flower.sh` installs it).
+//! `HORA_FLOWER_PYTHON` the Python with flwr, else `scripts/setup-flower.sh` installs it;
+//! `HORA_BENCH_FLOWER=0` runs Hora alone, to profile it).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -453,7 +454,12 @@ fn run_flower(
 async fn run() {
     let warmup = env_or("HORA_BENCH_WARMUP", 5).max(1) as u64;
     let rounds = env_or("HORA_BENCH_ROUNDS", 30).max(2) as u64;
-    let python = flower_python();
+    let with_flower = std::env::var("HORA_BENCH_FLOWER").map_or(true, |v| v != "0");
+    let python = if with_flower {
+        flower_python()
+    } else {
+        String::new()
+    };
     let dir = tempfile::Builder::new()
         .prefix("hora-round-latency-")
         .tempdir()
@@ -468,10 +474,14 @@ async fn run() {
     );
     let (hora, certs) = run_hora(dir.path(), warmup, rounds).await;
 
-    write_shards(dir.path());
-    let (flower_tls, version, flower_fit) =
-        run_flower(&python, dir.path(), Some(&certs), warmup, rounds);
-    let (flower_plain, _, _) = run_flower(&python, dir.path(), None, warmup, rounds);
+    let (flower_tls, version, flower_fit, flower_plain) = if with_flower {
+        write_shards(dir.path());
+        let (tls, version, fit) = run_flower(&python, dir.path(), Some(&certs), warmup, rounds);
+        let (plain, _, _) = run_flower(&python, dir.path(), None, warmup, rounds);
+        (tls, version, fit, plain)
+    } else {
+        (Vec::new(), "(not run)".to_string(), f64::NAN, Vec::new())
+    };
 
     println!();
     println!(
