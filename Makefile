@@ -8,6 +8,8 @@ SHELL := /bin/bash
 TORCH_ENV := eval "$$(scripts/setup-libtorch.sh --print-env)"
 # Exports HORA_SCHEMATHESIS, the fuzzer the server's OpenAPI test runs.
 FUZZ_ENV := eval "$$(scripts/setup-schemathesis.sh --print-env)"
+# Exports HORA_FLOWER_PYTHON, the Flower the round-latency benchmark compares with.
+FLOWER_ENV := eval "$$(scripts/setup-flower.sh --print-env)"
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
 .PHONY: demo test bench lint deps-check setup
@@ -39,7 +41,7 @@ test:
 
 ## Benchmarks that print ratios against baselines measured in the same run.
 bench:
-	@$(TORCH_ENV); \
+	@$(TORCH_ENV); $(FLOWER_ENV); \
 	cargo bench -p hora-client --bench training; \
 	cargo build --release -p hora-server; \
 	cargo bench -p hora-common --bench kernel; \
@@ -48,6 +50,8 @@ bench:
 	cargo bench -p hora-server --bench ingest; \
 	cargo bench -p hora --bench server_memory; \
 	cargo bench -p hora --bench hostile; \
+	cargo build --release -p hora-client --bins; \
+	cargo bench -p hora --bench round_latency; \
 	cargo build --release --example collective; \
 	cargo bench -p hora --bench allreduce
 

@@ -7,11 +7,14 @@
 //!    tasks, the module;
 //! 3. train through the [`Trainer`] until its epochs are done or the deadline (less a margin for
 //!    the upload) arrives; the task's `on_deadline` says whether a partial update is sent;
-//! 4. `delta = local − global`, recorded on disk before it is sealed, so a client restarted now
-//!    uploads the same delta instead of training again;
+//! 4. `delta = local − global`, recorded on disk (while it is being uploaded: a write is not
+//!    worth holding up the round for), so a client restarted after that uploads the same delta
+//!    instead of training again;
 //! 5. seal the delta to the round key (bound to task, round, client and base model) and upload it
 //!    with its example count and metrics; retried on transient failures, and an
 //!    `already_contributed` answer to a retry means an earlier attempt got through.
+//!
+//! Each [`RoundReport`] says where the round's time went, phase by phase ([`RoundTimings`]).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -84,6 +87,60 @@ pub struct RoundReport {
     pub num_examples: u64,
     pub metrics: Metrics,
     pub train_time: Duration,
+    /// Where the round's time went.
+    pub timings: RoundTimings,
+}
+
+/// Where one round's time went for this client, phase by phase in the order they run. A phase
+/// the round did not go through (the update was resumed, the round was missed) is zero; a
+/// secure-aggregation round puts its key exchange, masking and unmasking under `upload`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RoundTimings {
+    /// Long-polling until this round was open, from the start of [`Client::participate`]
+    /// (in [`Client::run`]: from the end of the client's previous round).
+    pub wait: Duration,
+    /// Asking to take part.
+    pub join: Duration,
+    /// The global model (and TorchScript module): from the cache or downloaded and verified.
+    pub download: Duration,
+    /// Local training (the [`Trainer`]).
+    pub train: Duration,
+    /// `local − global` (its record on disk, for a restarted client to upload it again, is
+    /// written while the upload is under way).
+    pub record: Duration,
+    /// Sealing the delta to the round key.
+    pub seal: Duration,
+    /// Sending the sealed update until the server acknowledged it (folded and durable).
+    pub upload: Duration,
+    /// After the acknowledgement: marking the round uploaded on disk.
+    pub finish: Duration,
+    /// When the poll that found the round open returned, in µs since the Unix epoch.
+    pub seen_unix_us: u64,
+    /// When the server's acknowledgement arrived, in µs since the Unix epoch (0: none did).
+    pub acked_unix_us: u64,
+}
+
+impl RoundTimings {
+    /// The phases as (name, time) pairs, in order.
+    pub fn phases(&self) -> [(&'static str, Duration); 8] {
+        [
+            ("wait", self.wait),
+            ("join", self.join),
+            ("download", self.download),
+            ("train", self.train),
+            ("record", self.record),
+            ("seal", self.seal),
+            ("upload", self.upload),
+            ("finish", self.finish),
+        ]
+    }
+}
+
+pub(crate) fn now_unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,6 +179,15 @@ pub(crate) fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Runs blocking work on one of the runtime's blocking threads without waiting for it (at once
+/// when there is no runtime): writes to the client's cache that the round need not wait for.
+fn in_background(f: impl FnOnce() + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => drop(h.spawn_blocking(f)),
+        Err(_) => f(),
+    }
 }
 
 /// Runs blocking work (training) without stalling the async runtime's other tasks.
@@ -236,7 +302,14 @@ impl Client {
                 digest.to_hex()
             )));
         }
-        self.state.cache_model(digest, &model)?;
+        // The cache saves a download after a restart or for a retried round; the round itself
+        // need not wait for the write.
+        let (state, cached, digest) = (self.state.clone(), model.clone(), *digest);
+        in_background(move || {
+            if let Err(e) = state.cache_model(&digest, &cached) {
+                tracing::warn!(error = %e, "caching the global model failed");
+            }
+        });
         Ok(model)
     }
 
@@ -318,13 +391,34 @@ impl Client {
         delta: &Model,
         meta: &UpdateMeta,
     ) -> Result<Option<UpdateReceipt>> {
+        let sealed = self.seal(task, offer, delta)?;
+        self.upload_sealed(task, offer, sealed, meta).await
+    }
+
+    /// `delta` sealed to the round key of `offer`, bound to the task, round, this client and
+    /// the base model.
+    pub fn seal(&self, task: &str, offer: &RoundOffer, delta: &Model) -> Result<Vec<u8>> {
         let binding = Binding {
             task,
             round: offer.round,
             client: &self.id,
             base_model: &offer.model,
         };
-        let sealed = envelope::seal(&delta.to_safetensors(), &offer.round_key, &binding)?;
+        Ok(envelope::seal(
+            &delta.to_safetensors(),
+            &offer.round_key,
+            &binding,
+        )?)
+    }
+
+    /// Uploads an update sealed by [`Client::seal`] (see [`Client::upload`]).
+    pub async fn upload_sealed(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+        sealed: Vec<u8>,
+        meta: &UpdateMeta,
+    ) -> Result<Option<UpdateReceipt>> {
         let path = format!("/v1/tasks/{task}/rounds/{}/update", offer.round);
         let meta = serde_json::to_string(meta).expect("metadata serialises");
         let (resp, attempts) = self
@@ -366,8 +460,11 @@ impl Client {
         trainer: &mut T,
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> Result<Option<RoundReport>> {
+        let waiting = Instant::now();
         loop {
             let poll = self.poll(task, after, self.config.poll_wait).await?;
+            let seen = Instant::now();
+            let seen_unix_us = now_unix_us();
             match poll.state {
                 TaskState::Running => {}
                 TaskState::Paused => {
@@ -395,10 +492,25 @@ impl Client {
             };
             match join.offer {
                 Some(offer) => {
-                    return self
-                        .contribute(task, &offer, trainer, progress)
-                        .await
-                        .map(Some)
+                    let joined = Instant::now();
+                    let mut report = self.contribute(task, &offer, trainer, progress).await?;
+                    report.timings.wait = seen - waiting;
+                    report.timings.join = joined - seen;
+                    report.timings.seen_unix_us = seen_unix_us;
+                    let t = &report.timings;
+                    tracing::debug!(
+                        round = report.round,
+                        wait_ms = t.wait.as_secs_f64() * 1e3,
+                        join_ms = t.join.as_secs_f64() * 1e3,
+                        download_ms = t.download.as_secs_f64() * 1e3,
+                        train_ms = t.train.as_secs_f64() * 1e3,
+                        record_ms = t.record.as_secs_f64() * 1e3,
+                        seal_ms = t.seal.as_secs_f64() * 1e3,
+                        upload_ms = t.upload.as_secs_f64() * 1e3,
+                        finish_ms = t.finish.as_secs_f64() * 1e3,
+                        "round timings"
+                    );
+                    return Ok(Some(report));
                 }
                 None => {
                     tracing::debug!(round = open, "not selected; waiting for the next round");
@@ -435,6 +547,7 @@ impl Client {
                     .is_none_or(|global| global.spec() == delta.spec())
             });
         let started = Instant::now();
+        let mut timings = RoundTimings::default();
         let (delta, record, resumed) = match resumed {
             Some((delta, record)) => {
                 tracing::info!(
@@ -453,10 +566,16 @@ impl Client {
                             num_examples: 0,
                             metrics: Metrics::default(),
                             train_time: started.elapsed(),
+                            timings: RoundTimings {
+                                download: started.elapsed(),
+                                ..timings
+                            },
                         })
                     }
                     Err(e) => return Err(e),
                 };
+                timings.download = started.elapsed();
+                let training = Instant::now();
                 let outcome = train_until(
                     trainer,
                     task,
@@ -466,12 +585,14 @@ impl Client {
                     offer.deadline_unix_ms,
                     progress,
                 )?;
+                timings.train = training.elapsed();
                 let report = |outcome: RoundOutcome| RoundReport {
                     round: offer.round,
                     outcome,
                     num_examples: 0,
                     metrics: Metrics::default(),
                     train_time: started.elapsed(),
+                    timings,
                 };
                 if outcome.stopped_early && offer.training.on_deadline == DeadlinePolicy::Skip {
                     tracing::warn!(round = offer.round, "the deadline came before training finished; skipping the round as the task says");
@@ -484,6 +605,7 @@ impl Client {
                     );
                     return Ok(report(RoundOutcome::Skipped));
                 }
+                let recording = Instant::now();
                 let delta = difference(&outcome.weights, &global)?;
                 let record = RoundState {
                     round: offer.round,
@@ -492,7 +614,7 @@ impl Client {
                     metrics: outcome.metrics,
                     uploaded: false,
                 };
-                self.state.save_trained(task, &record, &delta)?;
+                timings.record = recording.elapsed();
                 (delta, record, false)
             }
         };
@@ -501,8 +623,28 @@ impl Client {
             num_examples: record.num_examples,
             metrics: record.metrics,
         };
-        let outcome = match self.upload(task, offer, &delta, &meta).await {
+        let sealing = Instant::now();
+        let sealed = self.seal(task, offer, &delta)?;
+        let uploading = Instant::now();
+        timings.seal = uploading - sealing;
+        // The record for a restart is written while the update travels (the server answers a
+        // restarted client's second upload of a round as a duplicate, whichever delta it is).
+        let saving = (!resumed).then(|| {
+            let (state, task, record) = (self.state.clone(), task.to_string(), record.clone());
+            tokio::task::spawn_blocking(move || state.save_trained(&task, &record, &delta))
+        });
+        let uploaded = self.upload_sealed(task, offer, sealed, &meta).await;
+        timings.upload = uploading.elapsed();
+        if let Some(saving) = saving {
+            saving.await.map_err(|e| ClientError::State {
+                dir: self.config.state_dir.clone(),
+                message: format!("recording the trained update failed: {e}"),
+            })??;
+        }
+        let finishing = Instant::now();
+        let outcome = match uploaded {
             Ok(receipt) => {
+                timings.acked_unix_us = now_unix_us();
                 self.state.mark_uploaded(task, &record)?;
                 let accepted = receipt.map(|r| r.accepted);
                 if resumed {
@@ -525,12 +667,14 @@ impl Client {
             }
             Err(e) => return Err(e),
         };
+        timings.finish = finishing.elapsed();
         Ok(RoundReport {
             round: offer.round,
             outcome,
             num_examples: record.num_examples,
             metrics: record.metrics,
             train_time,
+            timings,
         })
     }
 

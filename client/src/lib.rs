@@ -37,7 +37,7 @@ pub mod sync;
 pub mod trainer;
 pub mod transport;
 
-pub use client::{Client, ClientConfig, RoundOutcome, RoundReport};
+pub use client::{Client, ClientConfig, RoundOutcome, RoundReport, RoundTimings};
 pub use error::{ClientError, Result};
 pub use supervised::SupervisedTrainer;
 pub use trainer::{Evaluation, Progress, TrainOutcome, TrainRequest, Trainer};

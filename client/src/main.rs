@@ -320,6 +320,11 @@ struct TrainArgs {
     #[arg(long, env = "HORA_NO_PROGRESS")]
     #[serde(default)]
     no_progress: bool,
+    /// Append one JSON line per round to this file: where the round's time went (milliseconds
+    /// per phase: wait, join, download, train, record, seal, upload, finish) and when the round
+    /// was seen open and the update acknowledged (µs since the Unix epoch).
+    #[arg(long, env = "HORA_TIMINGS")]
+    timings: Option<PathBuf>,
     /// Fault drill for secure aggregation: vanish right after this stage of the first round
     /// (advertise, share-keys or masked-input), as a crashed device would.
     #[arg(long, hide = true, value_parser = parse_stage)]
@@ -359,7 +364,8 @@ impl TrainArgs {
             threads,
             rounds,
             retry_for,
-            seed
+            seed,
+            timings
         );
         self.no_progress |= file.no_progress;
         Ok(self)
@@ -410,6 +416,26 @@ fn required<T>(value: Option<T>, flag: &str) -> anyhow::Result<T> {
             flag.replace('-', "_")
         )
     })
+}
+
+/// A round's line for `--timings`.
+fn timings_line(r: &RoundReport) -> String {
+    let mut line = serde_json::json!({
+        "round": r.round,
+        "outcome": match r.outcome {
+            RoundOutcome::Uploaded { .. } => "uploaded",
+            RoundOutcome::Resumed { .. } => "resumed",
+            RoundOutcome::Skipped => "skipped",
+            RoundOutcome::Missed { .. } => "missed",
+            RoundOutcome::Abandoned { .. } => "abandoned",
+        },
+        "seen_unix_us": r.timings.seen_unix_us,
+        "acked_unix_us": r.timings.acked_unix_us,
+    });
+    for (phase, time) in r.timings.phases() {
+        line[format!("{phase}_ms")] = (time.as_secs_f64() * 1e3).into();
+    }
+    line.to_string()
 }
 
 fn summary(task: &str, r: &RoundReport) -> String {
@@ -502,11 +528,27 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
         progress_bar.set_prefix(format!("epoch {}/{}", p.epoch, p.epochs));
         progress_bar.set_message(format!("loss {:.4}", p.loss));
     };
+    let mut timings = match &args.timings {
+        Some(path) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("opening the timings file {}", path.display()))?,
+        ),
+        None => None,
+    };
     let summary_bar = bar.clone();
     let mut on_round = |r: &RoundReport| {
         summary_bar.finish_and_clear();
         summary_bar.reset();
         println!("{}", summary(&task, r));
+        if let Some(file) = &mut timings {
+            use std::io::Write;
+            if let Err(e) = writeln!(file, "{}", timings_line(r)) {
+                tracing::warn!(error = %e, "writing the round's timings failed");
+            }
+        }
     };
     let run = client
         .run(

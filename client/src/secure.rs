@@ -19,7 +19,10 @@ use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::client::{difference, now_ms, receipt, train_until, Client, RoundOutcome, RoundReport};
+use crate::client::{
+    difference, now_ms, now_unix_us, receipt, train_until, Client, RoundOutcome, RoundReport,
+    RoundTimings,
+};
 use crate::error::{ClientError, Result};
 use crate::trainer::{Progress, Trainer};
 use crate::transport::check;
@@ -104,11 +107,19 @@ impl Client {
             num_examples: 0,
             metrics: Metrics::default(),
             train_time: Duration::ZERO,
+            timings: RoundTimings::default(),
         };
         let result = self
             .secure_stages(task, offer, secure, trainer, progress, &mut report)
             .await;
         report.train_time = started.elapsed();
+        let t = &mut report.timings;
+        t.upload = report
+            .train_time
+            .saturating_sub(t.download + t.train + t.record);
+        if matches!(result, Ok(RoundOutcome::Uploaded { .. })) {
+            t.acked_unix_us = now_unix_us();
+        }
         match result {
             Ok(outcome) => report.outcome = outcome,
             Err(ClientError::RoundMovedOn(reason)) => {
@@ -159,7 +170,9 @@ impl Client {
             max_weight: secure.max_weight,
         };
         quantiser.check(1)?;
+        let downloading = Instant::now();
         let (global, module) = self.round_inputs(task, offer).await?;
+        report.timings.download = downloading.elapsed();
         let base = format!("/v1/tasks/{task}/secagg/{}/{}", offer.round, secure.attempt);
         let mut deadline = offer.deadline_unix_ms;
         let mut session =
@@ -194,14 +207,18 @@ impl Client {
         self.drill(Stage::SharedKeys)?;
 
         // Training, until the masked inputs are due (less a margin for masking and upload).
+        let training = Instant::now();
         let outcome = train_until(trainer, task, offer, &global, module, deadline, progress)?;
+        report.timings.train = training.elapsed();
         if outcome.num_examples == 0
             || (outcome.stopped_early && offer.training.on_deadline == DeadlinePolicy::Skip)
         {
             tracing::warn!(round = offer.round, "no update to contribute before the deadline; leaving the round (the others unmask without us)");
             return Ok(RoundOutcome::Skipped);
         }
+        let recording = Instant::now();
         let delta = difference(&outcome.weights, &global)?;
+        report.timings.record = recording.elapsed();
         report.num_examples = outcome.num_examples;
         report.metrics = outcome.metrics;
         let mut rng = rand_chacha::ChaCha20Rng::from_rng(&mut rand::rng());

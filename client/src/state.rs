@@ -3,9 +3,15 @@
 //! fetched twice), and the round it is in the middle of — the trained delta waiting to be
 //! uploaded, and whether the server acknowledged it.
 //!
-//! Every file is written to a temporary name, fsynced and renamed, so a client killed at any
-//! moment finds either the old file or the new one. Credentials and deltas are private to the
-//! user (0600). The delta never leaves the device except sealed to the round key.
+//! Every file is written to a temporary name and renamed, so a client killed at any moment finds
+//! either the old file or the new one. Credentials and the identity key are also fsynced: losing
+//! them to a power cut would mean enrolling again. The model cache and the round in progress
+//! are not: they are rewritten every round, on the round's critical path, where an fsync costs
+//! milliseconds; a killed process loses nothing of them (the page cache outlives it), and what a
+//! power cut takes is only worth a retraining (a damaged record reads as no record, a damaged
+//! cached model as a cache miss), which the server accepts once per client and round.
+//! Credentials and deltas are private to the user (0600). The delta never leaves the device
+//! except sealed to the round key.
 
 use std::fs;
 use std::io::Write;
@@ -40,7 +46,21 @@ pub struct RoundState {
     pub uploaded: bool,
 }
 
+/// Whether a write must survive a power cut (fsync the file and its directory), or only a
+/// crash of the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sync {
+    Durable,
+    ProcessCrash,
+}
+
+/// Writes `path` through a temporary file and a rename (0600 when `private`), fsynced as
+/// `sync` says.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8], private: bool) -> Result<()> {
+    write_file(path, bytes, private, Sync::Durable)
+}
+
+pub(crate) fn write_file(path: &Path, bytes: &[u8], private: bool, sync: Sync) -> Result<()> {
     let tmp = path.with_extension("tmp");
     let result = (|| {
         let mut opts = fs::OpenOptions::new();
@@ -52,6 +72,10 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8], private: bool) -> Result<(
         }
         let mut f = opts.open(&tmp)?;
         f.write_all(bytes)?;
+        if sync == Sync::ProcessCrash {
+            drop(f);
+            return fs::rename(&tmp, path);
+        }
         f.sync_all()?;
         fs::rename(&tmp, path)?;
         // A bare file name's parent is "": the current directory.
@@ -160,7 +184,12 @@ impl StateDir {
 
     /// Caches `model` (whose digest is `digest`) and drops all but the newest few others.
     pub fn cache_model(&self, digest: &ModelDigest, model: &Model) -> Result<()> {
-        write_atomic(&self.model_path(digest), &model.to_safetensors(), false)?;
+        write_file(
+            &self.model_path(digest),
+            &model.to_safetensors(),
+            false,
+            Sync::ProcessCrash,
+        )?;
         let dir = self.dir.join("models");
         let mut others: Vec<(std::time::SystemTime, PathBuf)> = fs::read_dir(&dir)
             .map_err(|e| ClientError::io(&dir, e))?
@@ -197,20 +226,32 @@ impl StateDir {
             .join(format!("{task}.delta.safetensors"))
     }
 
-    /// The round this client was last in for `task`.
+    /// The round this client was last in for `task`. A damaged record (a power cut while it
+    /// was written) is no record: the client trains the round again.
     pub fn round(&self, task: &str) -> Result<Option<RoundState>> {
-        self.read_json(self.round_path(task))
+        match self.read_json(self.round_path(task)) {
+            Err(ClientError::State { message, .. }) => {
+                tracing::warn!("{message}; training the round again");
+                Ok(None)
+            }
+            other => other,
+        }
     }
 
     /// Records a trained, not yet uploaded delta (the delta first, then the record naming it).
     pub fn save_trained(&self, task: &str, state: &RoundState, delta: &Model) -> Result<()> {
-        write_atomic(&self.delta_path(task), &delta.to_safetensors(), true)?;
+        write_file(
+            &self.delta_path(task),
+            &delta.to_safetensors(),
+            true,
+            Sync::ProcessCrash,
+        )?;
         self.save_round(task, state)
     }
 
     pub fn save_round(&self, task: &str, state: &RoundState) -> Result<()> {
         let json = serde_json::to_vec_pretty(state).expect("round state serialises");
-        write_atomic(&self.round_path(task), &json, false)
+        write_file(&self.round_path(task), &json, false, Sync::ProcessCrash)
     }
 
     /// The delta recorded by [`StateDir::save_trained`], if it is still there and readable.
@@ -311,5 +352,13 @@ mod tests {
         fs::write(dir.path().join(CREDENTIALS), b"{").unwrap();
         let err = state.credentials().unwrap_err().to_string();
         assert!(err.contains("credentials.json"), "{err}");
+    }
+
+    #[test]
+    fn a_damaged_round_record_is_no_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        fs::write(state.round_path("t"), b"").unwrap();
+        assert_eq!(state.round("t").unwrap(), None);
     }
 }

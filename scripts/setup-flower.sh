@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Installs Flower (flwr, the baseline of the round-latency benchmark) into a virtual environment
+# cached outside the checkout, and prints the Python interpreter that runs it.
+#
+# torch is not downloaded again: the environment sees the PyTorch of scripts/setup-libtorch.sh
+# (run first, if needed) through a .pth file naming that environment's site-packages.
+#
+# Idempotent: when the cached environment already holds this version it returns in seconds.
+# Usage: scripts/setup-flower.sh [--print-env]
+#   --print-env  print the `export HORA_FLOWER_PYTHON=…` line the benchmark reads
+set -euo pipefail
+
+# 1.42.0 asks for a certifi release newer than the package index had when this was pinned.
+FLWR_VERSION=1.41.0
+here="$(cd "$(dirname "$0")" && pwd)"
+cache_root="${HORA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hora}"
+venv="$cache_root/flower-$FLWR_VERSION"
+python="$venv/bin/python"
+stamp="$venv/.hora-flower-ok"
+
+log() { echo "setup-flower: $*" >&2; }
+
+# The interpreter of the libtorch environment (installs it when missing).
+torch_python="$("$here/setup-libtorch.sh" --print-env | sed -n 's/^export HORA_TORCH_PYTHON=//p')"
+[ -n "$torch_python" ] || { log "scripts/setup-libtorch.sh did not name its Python"; exit 1; }
+
+usable() {
+    [ -x "$python" ] && "$python" -c '
+import importlib.metadata as m, sys, torch, flwr
+from flwr.server import ServerApp
+from flwr.client import ClientApp
+sys.exit(m.version("flwr") != sys.argv[1])' "$FLWR_VERSION" 2>/dev/null
+}
+
+if [ ! -f "$stamp" ] || ! usable; then
+    log "installing flwr==$FLWR_VERSION into $venv (about 100 MB, a minute, once; torch comes from the libtorch environment)"
+    mkdir -p "$cache_root"
+    rm -f "$stamp"
+    [ -x "$python" ] || "$torch_python" -m venv "$venv"
+    site="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    torch_site="$("$torch_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "$torch_site" >"$site/hora-torch.pth"
+    "$python" -m pip install --quiet --disable-pip-version-check "flwr==$FLWR_VERSION"
+    usable || { log "flwr or torch is not importable after the install"; exit 1; }
+    touch "$stamp"
+    log "done"
+fi
+
+if [ "${1:-}" = "--print-env" ]; then
+    echo "export HORA_FLOWER_PYTHON=$(printf %q "$python")"
+fi
