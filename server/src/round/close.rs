@@ -107,7 +107,10 @@ impl Coordinator {
                 acc.phase
                     .close_failed(retry)
                     .map_err(ServerError::internal)?;
+                acc.failed_closes += 1;
                 round.wake.notify_one();
+                // Uploads the close would have acknowledged get a checkpoint meanwhile.
+                self.commit_wanted.notify_one();
                 return Err(e);
             }
         };
@@ -140,6 +143,12 @@ impl Coordinator {
             }
         }
         drop(acc);
+        task.bump();
+        if let Some(next) = next {
+            // Runs on one of the runtime's blocking threads, which can spawn.
+            self.watch(task.clone(), next);
+        }
+        // Off the publish → wake-up path: pollers already know of the next round.
         if tally.abandon.is_none() {
             let published = tally.record.published;
             match self
@@ -152,11 +161,6 @@ impl Coordinator {
                     tracing::warn!(task = %task.id, error = %e, "pruning old round models failed; they stay until the next round")
                 }
             }
-        }
-        task.bump();
-        if let Some(next) = next {
-            // Runs on one of the runtime's blocking threads, which can spawn.
-            self.watch(task.clone(), next);
         }
         Ok(())
     }

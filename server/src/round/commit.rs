@@ -55,7 +55,12 @@ impl Coordinator {
 
     fn checkpoint(&self, task: &Task, round: &Round) -> Result<(), ServerError> {
         let mut acc = lock(&round.acc);
-        if !acc.phase.is_collecting() || acc.durable == acc.contributions.len() {
+        // A full round's close makes its uploads durable (and sooner): no checkpoint for it,
+        // unless a close has failed already.
+        if !acc.phase.is_collecting()
+            || (acc.close_requested && acc.failed_closes == 0)
+            || acc.durable == acc.contributions.len()
+        {
             return Ok(());
         }
         let started = Instant::now();

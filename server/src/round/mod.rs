@@ -96,6 +96,9 @@ pub(crate) struct Accumulator {
     pub(crate) noised: bool,
     /// The round is full: the deadline watcher closes it now rather than at the deadline.
     pub(crate) close_requested: bool,
+    /// Closes of this attempt that failed (storage trouble): from the first, checkpoints make
+    /// uploads durable again while the close is retried.
+    pub(crate) failed_closes: u32,
 }
 
 impl Accumulator {
@@ -109,6 +112,7 @@ impl Accumulator {
             checkpoint: None,
             noised: false,
             close_requested: false,
+            failed_closes: 0,
         }
     }
 }
