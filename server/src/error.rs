@@ -1,11 +1,9 @@
-//! Every refusal the server makes, as one type: each variant knows its HTTP status and its stable
-//! machine-readable code, and renders as `hora_common::wire::ApiError` JSON. Handlers return
-//! `Result<_, ServerError>`; nothing from outside can make the server panic.
-
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
-use hora_common::wire::ApiError;
+//! Every refusal the server makes, as one type: what went wrong, with the stable code clients
+//! match on and a message for people. Handlers return `Result<_, ServerError>`; nothing from
+//! outside can make the server panic.
+//!
+//! This is the domain's word on a refusal, not HTTP's: which status each variant answers with,
+//! and how it renders as `hora_common::wire::ApiError` JSON, is decided in one place, `api::error`.
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -74,26 +72,6 @@ impl ServerError {
         ServerError::Internal(e.to_string())
     }
 
-    pub fn status(&self) -> StatusCode {
-        match self {
-            ServerError::BadRequest(_)
-            | ServerError::Invalid { .. }
-            | ServerError::InvalidUpdate(_) => StatusCode::BAD_REQUEST,
-            ServerError::MissingCredentials | ServerError::Unauthorized(_) => {
-                StatusCode::UNAUTHORIZED
-            }
-            ServerError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ServerError::NotFound(_) => StatusCode::NOT_FOUND,
-            ServerError::Gone { .. } => StatusCode::GONE,
-            ServerError::Timeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ServerError::Conflict { .. } => StatusCode::CONFLICT,
-            ServerError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ServerError::LengthRequired => StatusCode::LENGTH_REQUIRED,
-            ServerError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ServerError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-        }
-    }
-
     /// The stable code clients and metrics use.
     pub fn code(&self) -> &'static str {
         match self {
@@ -111,24 +89,6 @@ impl ServerError {
             ServerError::Unavailable { code, .. } => code,
             ServerError::Internal(_) => "internal",
         }
-    }
-}
-
-impl IntoResponse for ServerError {
-    fn into_response(self) -> Response {
-        let message = match &self {
-            ServerError::Internal(e) => {
-                let reference = format!("{:016x}", rand::random::<u64>());
-                tracing::error!(error = %e, reference, "internal error");
-                format!("internal error (reference {reference}; the operator finds the detail in the server log)")
-            }
-            other => other.to_string(),
-        };
-        let body = ApiError {
-            code: self.code().to_string(),
-            message,
-        };
-        (self.status(), Json(body)).into_response()
     }
 }
 

@@ -3,13 +3,14 @@
 //! (`/healthz`, `/metrics`, `/openapi.json`).
 //!
 //! Every handler returns `Result<_, ServerError>`, so every refusal is a 4xx with an
-//! `ApiError` JSON body. Bodies are size-checked from `Content-Length` before they are read, and
+//! `ApiError` JSON body (`error` gives each refusal its status). Bodies are size-checked from `Content-Length` before they are read, and
 //! read into a buffer of exactly that size.
 
 pub mod admin;
 pub mod body;
 pub mod client;
 pub mod doc;
+mod error;
 pub mod secagg;
 mod strict_json;
 pub mod sync;
