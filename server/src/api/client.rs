@@ -266,8 +266,8 @@ pub async fn update(
             state.coordinator.metrics.uploads_accepted.inc();
         }
         Err(e) => {
-            state.coordinator.metrics.upload_rejected(e.code());
-            tracing::info!(client = %auth.id, round, code = e.code(), error = %e, "update refused");
+            state.coordinator.metrics.upload_rejected(e.code().as_str());
+            tracing::info!(client = %auth.id, round, code = e.code().as_str(), error = %e, "update refused");
         }
     }
     result.map(Json)

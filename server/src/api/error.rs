@@ -1,11 +1,11 @@
 //! How a refusal travels over HTTP: the one place that gives each kind of [`ServerError`] its
 //! status and renders it as an [`ApiError`] body. The domain (`crate::error`) says what went wrong
-//! and with which code; this module says how HTTP expresses it.
+//! and with which [`ErrorCode`]; this module says how HTTP expresses it.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use hora_common::wire::ApiError;
+use hora_common::wire::{ApiError, ErrorCode};
 
 use crate::error::ServerError;
 
@@ -42,10 +42,12 @@ impl IntoResponse for ServerError {
             }
             other => other.to_string(),
         };
-        let body = ApiError {
-            code: self.code().to_string(),
-            message,
-        };
-        (self.status(), Json(body)).into_response()
+        answer(self.status(), self.code(), message)
     }
+}
+
+/// An [`ApiError`] answer, for the refusals the router gives itself (a method a path does not
+/// serve) as well as for every [`ServerError`].
+pub fn answer(status: StatusCode, code: ErrorCode, message: String) -> Response {
+    (status, Json(ApiError { code, message })).into_response()
 }
