@@ -17,7 +17,7 @@ use hora_client::{
     Trainer,
 };
 use hora_common::model::Model;
-use hora_common::wire::{Metrics, RoundRecord, TaskInfo, TaskState, UpdateMeta};
+use hora_common::wire::{ErrorCode, Metrics, RoundRecord, TaskInfo, TaskState, UpdateMeta};
 use reqwest::Method;
 use support::*;
 
@@ -301,7 +301,7 @@ async fn conflicts_are_typed_and_a_late_update_is_a_missed_round() {
     // A replay of an acknowledged upload is a typed conflict, not retried.
     let err = early.upload("t", &offer, &delta, &meta).await.unwrap_err();
     assert!(
-        matches!(&err, ClientError::Conflict { error } if error.code == "already_contributed"),
+        matches!(&err, ClientError::Conflict { error } if error.code == ErrorCode::AlreadyContributed),
         "{err}"
     );
     let receipt = second

@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use hora_common::model::Model;
-use hora_common::wire::{PollResponse, RoundOutcome, RoundRecord, TaskInfo, TaskState};
+use hora_common::wire::{ErrorCode, PollResponse, RoundOutcome, RoundRecord, TaskInfo, TaskState};
 use reqwest::{Method, StatusCode};
 use support::*;
 
@@ -333,7 +333,7 @@ async fn bad_input_gets_a_clear_refusal_and_loses_nothing() {
         Ok(resp) => {
             assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
             let err: hora_common::wire::ApiError = resp.json().await.expect("ApiError body");
-            assert_eq!(err.code, "payload_too_large", "{}", err.message);
+            assert_eq!(err.code, ErrorCode::PayloadTooLarge, "{}", err.message);
         }
         Err(e) => assert!(
             format!("{e:?}").contains("Reset"),

@@ -23,8 +23,8 @@ use hora_common::envelope::{self, Binding};
 use hora_common::model::{Limits, Model, ModelDigest};
 use hora_common::tls::Identity;
 use hora_common::wire::{
-    Credentials, DeadlinePolicy, EnrolRequest, JoinResponse, Metrics, ModelKind, PollResponse,
-    RoundOffer, TaskState, UpdateMeta, UpdateReceipt,
+    Credentials, DeadlinePolicy, EnrolRequest, ErrorCode, JoinResponse, Metrics, ModelKind,
+    PollResponse, RoundOffer, TaskState, UpdateMeta, UpdateReceipt,
 };
 use reqwest::Method;
 
@@ -483,8 +483,8 @@ impl Client {
             }
             let join = match self.join(task).await {
                 Ok(j) => j,
-                Err(e) if e.code() == Some("task_ended") => return Ok(None),
-                Err(e) if e.code() == Some("already_contributed") => {
+                Err(e) if e.code() == Some(&ErrorCode::TaskEnded) => return Ok(None),
+                Err(e) if e.code() == Some(&ErrorCode::AlreadyContributed) => {
                     after = Some(open);
                     continue;
                 }
@@ -655,8 +655,8 @@ impl Client {
             }
             Err(ClientError::Conflict { error })
                 if matches!(
-                    error.code.as_str(),
-                    "round_closed" | "round_abandoned" | "not_selected"
+                    error.code,
+                    ErrorCode::RoundClosed | ErrorCode::RoundAbandoned | ErrorCode::NotSelected
                 ) =>
             {
                 // The update can never be accepted now: do not keep it, nor resume it.
@@ -756,7 +756,7 @@ pub(crate) async fn receipt<T: serde::de::DeserializeOwned>(
                 .map(Some)
                 .map_err(|e| ClientError::Protocol(format!("decoding the receipt: {e}")))
         }
-        Err(e) if attempts > 1 && e.code() == Some("already_contributed") => Ok(None),
+        Err(e) if attempts > 1 && e.code() == Some(&ErrorCode::AlreadyContributed) => Ok(None),
         Err(e) => Err(e),
     }
 }

@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use hora_common::wire::ApiError;
+use hora_common::wire::{ApiError, ErrorCode};
 use thiserror::Error;
 
 use crate::data::DataError;
@@ -74,7 +74,7 @@ pub enum ClientError {
 
 impl ClientError {
     /// The server's error code, for refusals.
-    pub fn code(&self) -> Option<&str> {
+    pub fn code(&self) -> Option<&ErrorCode> {
         match self {
             ClientError::Unauthorized { error, .. }
             | ClientError::NotFound { error }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use hora_common::secagg::{ClientSession, Context, Quantiser, Stage};
 use hora_common::wire::{
-    DeadlinePolicy, Metrics, RoundOffer, SecAggOffer, SecAggReceipt, SecAggRoster,
+    DeadlinePolicy, ErrorCode, Metrics, RoundOffer, SecAggOffer, SecAggReceipt, SecAggRoster,
     SecAggShareBundles, SecAggUnmaskRequest,
 };
 use rand_chacha::rand_core::SeedableRng;
@@ -35,9 +35,14 @@ fn attempt_over(e: &ClientError) -> Option<RoundOutcome> {
         _ => return None,
     };
     match code {
-        "round_abandoned" => Some(RoundOutcome::Abandoned { reason }),
-        "round_closed" | "dropped_out" | "stage_closed" | "not_selected" | "already_advertised"
-        | "already_shared" | "already_revealed" => Some(RoundOutcome::Missed { reason }),
+        ErrorCode::RoundAbandoned => Some(RoundOutcome::Abandoned { reason }),
+        ErrorCode::RoundClosed
+        | ErrorCode::DroppedOut
+        | ErrorCode::StageClosed
+        | ErrorCode::NotSelected
+        | ErrorCode::AlreadyAdvertised
+        | ErrorCode::AlreadyShared
+        | ErrorCode::AlreadyRevealed => Some(RoundOutcome::Missed { reason }),
         _ => None,
     }
 }

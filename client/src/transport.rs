@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use hora_common::tls::{client_config, Identity};
-use hora_common::wire::ApiError;
+use hora_common::wire::{ApiError, ErrorCode};
 use rand::Rng;
 use reqwest::{Method, RequestBuilder, Response, StatusCode};
 
@@ -237,7 +237,8 @@ pub async fn check(resp: Response) -> Result<Response> {
     }
     let text = resp.text().await.unwrap_or_default();
     let error = serde_json::from_str::<ApiError>(&text).unwrap_or_else(|_| ApiError {
-        code: "unknown".into(),
+        // Not an `ApiError` body (a proxy's page, a truncated answer): no code to go by.
+        code: ErrorCode::Other("unknown".into()),
         message: if text.is_empty() {
             status.to_string()
         } else {

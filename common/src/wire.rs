@@ -14,6 +14,10 @@ use utoipa::ToSchema;
 use crate::envelope::RoundPublicKey;
 use crate::model::{ModelDigest, ModelSpec};
 
+mod error_code;
+
+pub use error_code::ErrorCode;
+
 /// Path prefix of the client API.
 pub const CLIENT_API: &str = "/v1";
 /// Path prefix of the admin API.
@@ -23,7 +27,7 @@ pub const ADMIN_API: &str = "/admin/v1";
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ApiError {
     /// e.g. `unauthorized`, `round_closed`, `shape_mismatch`, `payload_too_large`.
-    pub code: String,
+    pub code: ErrorCode,
     pub message: String,
 }
 

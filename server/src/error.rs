@@ -1,20 +1,21 @@
-//! Every refusal the server makes, as one type: each variant knows its HTTP status and its stable
-//! machine-readable code, and renders as `hora_common::wire::ApiError` JSON. Handlers return
-//! `Result<_, ServerError>`; nothing from outside can make the server panic.
+//! Every refusal the server makes, as one type: what went wrong, with the stable code clients
+//! match on ([`ErrorCode`]) and a message for people. Handlers return `Result<_, ServerError>`;
+//! nothing from outside can make the server panic.
+//!
+//! This is the domain's word on a refusal, not HTTP's: which status each variant answers with,
+//! and how it renders as `hora_common::wire::ApiError` JSON, is decided in one place, `api::error`.
 
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
-use hora_common::wire::ApiError;
+use hora_common::wire::ErrorCode;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     #[error("{0}")]
     BadRequest(String),
-    /// A 400 whose cause has its own stable code (for example `world_size_mismatch`), so a client
-    /// can tell a misconfiguration from a malformed request without parsing the message.
+    /// A malformed request whose cause has its own stable code (for example
+    /// [`ErrorCode::WorldSizeMismatch`]), so a client can tell a misconfiguration from a malformed
+    /// request without parsing the message.
     #[error("{message}")]
-    Invalid { code: &'static str, message: String },
+    Invalid { code: ErrorCode, message: String },
     #[error("{0}")]
     InvalidUpdate(String),
     #[error("missing or malformed credentials: send `Authorization: Bearer <token>`")]
@@ -27,13 +28,13 @@ pub enum ServerError {
     NotFound(String),
     /// The thing existed but is gone for good (a sync job deleted while its workers waited).
     #[error("{message}")]
-    Gone { code: &'static str, message: String },
+    Gone { code: ErrorCode, message: String },
     /// A held request (a rendezvous) waited as long as it was allowed to.
     #[error("{message}")]
-    Timeout { code: &'static str, message: String },
+    Timeout { code: ErrorCode, message: String },
     /// Wrong, closed or abandoned round; duplicate upload; task not running.
     #[error("{message}")]
-    Conflict { code: &'static str, message: String },
+    Conflict { code: ErrorCode, message: String },
     #[error("body of {got} bytes exceeds the limit of {limit} bytes for this route")]
     PayloadTooLarge { got: u64, limit: u64 },
     #[error("a Content-Length header is required for uploads")]
@@ -41,7 +42,7 @@ pub enum ServerError {
     /// Not now: shutting down, a task whose state cannot be loaded, a request that ran over its
     /// time, an upload not yet durable. Worth retrying.
     #[error("{message}")]
-    Unavailable { code: &'static str, message: String },
+    Unavailable { code: ErrorCode, message: String },
     /// Something the server got wrong. Its detail (paths, library messages) goes to the log
     /// under a reference; the body says only the reference.
     #[error("internal error: {0}")]
@@ -49,21 +50,21 @@ pub enum ServerError {
 }
 
 impl ServerError {
-    pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn conflict(code: ErrorCode, message: impl Into<String>) -> Self {
         ServerError::Conflict {
             code,
             message: message.into(),
         }
     }
 
-    pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn invalid(code: ErrorCode, message: impl Into<String>) -> Self {
         ServerError::Invalid {
             code,
             message: message.into(),
         }
     }
 
-    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn unavailable(code: ErrorCode, message: impl Into<String>) -> Self {
         ServerError::Unavailable {
             code,
             message: message.into(),
@@ -74,61 +75,23 @@ impl ServerError {
         ServerError::Internal(e.to_string())
     }
 
-    pub fn status(&self) -> StatusCode {
-        match self {
-            ServerError::BadRequest(_)
-            | ServerError::Invalid { .. }
-            | ServerError::InvalidUpdate(_) => StatusCode::BAD_REQUEST,
-            ServerError::MissingCredentials | ServerError::Unauthorized(_) => {
-                StatusCode::UNAUTHORIZED
-            }
-            ServerError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ServerError::NotFound(_) => StatusCode::NOT_FOUND,
-            ServerError::Gone { .. } => StatusCode::GONE,
-            ServerError::Timeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ServerError::Conflict { .. } => StatusCode::CONFLICT,
-            ServerError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ServerError::LengthRequired => StatusCode::LENGTH_REQUIRED,
-            ServerError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ServerError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-        }
-    }
-
     /// The stable code clients and metrics use.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            ServerError::BadRequest(_) => "bad_request",
-            ServerError::Invalid { code, .. } => code,
-            ServerError::InvalidUpdate(_) => "invalid_update",
-            ServerError::MissingCredentials => "missing_credentials",
-            ServerError::Unauthorized(_) => "unauthorized",
-            ServerError::Forbidden(_) => "forbidden",
-            ServerError::NotFound(_) => "not_found",
-            ServerError::Gone { code, .. } | ServerError::Timeout { code, .. } => code,
-            ServerError::Conflict { code, .. } => code,
-            ServerError::PayloadTooLarge { .. } => "payload_too_large",
-            ServerError::LengthRequired => "length_required",
-            ServerError::Unavailable { code, .. } => code,
-            ServerError::Internal(_) => "internal",
+            ServerError::BadRequest(_) => ErrorCode::BadRequest,
+            ServerError::Invalid { code, .. } => code.clone(),
+            ServerError::InvalidUpdate(_) => ErrorCode::InvalidUpdate,
+            ServerError::MissingCredentials => ErrorCode::MissingCredentials,
+            ServerError::Unauthorized(_) => ErrorCode::Unauthorized,
+            ServerError::Forbidden(_) => ErrorCode::Forbidden,
+            ServerError::NotFound(_) => ErrorCode::NotFound,
+            ServerError::Gone { code, .. } | ServerError::Timeout { code, .. } => code.clone(),
+            ServerError::Conflict { code, .. } => code.clone(),
+            ServerError::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
+            ServerError::LengthRequired => ErrorCode::LengthRequired,
+            ServerError::Unavailable { code, .. } => code.clone(),
+            ServerError::Internal(_) => ErrorCode::Internal,
         }
-    }
-}
-
-impl IntoResponse for ServerError {
-    fn into_response(self) -> Response {
-        let message = match &self {
-            ServerError::Internal(e) => {
-                let reference = format!("{:016x}", rand::random::<u64>());
-                tracing::error!(error = %e, reference, "internal error");
-                format!("internal error (reference {reference}; the operator finds the detail in the server log)")
-            }
-            other => other.to_string(),
-        };
-        let body = ApiError {
-            code: self.code().to_string(),
-            message,
-        };
-        (self.status(), Json(body)).into_response()
     }
 }
 

@@ -21,6 +21,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::header::CONTENT_LENGTH;
 use axum::http::HeaderMap;
+use hora_common::wire::ErrorCode;
 use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -72,7 +73,7 @@ pub async fn read_body(
             Err(_) => {
                 let secs = start.elapsed().as_secs_f64();
                 return Err(ServerError::Timeout {
-                    code: "upload_too_slow",
+                    code: ErrorCode::UploadTooSlow,
                     message: format!(
                         "the body arrived too slowly: {received} of {declared} bytes in {secs:.1} s, below the server's minimum of {} bytes/s; check the connection and retry",
                         rate.min_bytes_per_sec
@@ -164,7 +165,7 @@ impl UploadsInFlight {
         let key = (task.to_string(), client.to_string());
         if !self.0.lock().expect("uploads lock").insert(key.clone()) {
             return Err(ServerError::conflict(
-                "upload_in_progress",
+                ErrorCode::UploadInProgress,
                 format!("client `{client}` already has an upload to task `{task}` in flight: wait for its answer"),
             ));
         }
@@ -231,7 +232,7 @@ mod tests {
         let uploads = Arc::new(UploadsInFlight::default());
         let first = uploads.begin("t", "c").unwrap();
         let err = uploads.begin("t", "c").err().unwrap();
-        assert_eq!(err.code(), "upload_in_progress");
+        assert_eq!(err.code(), ErrorCode::UploadInProgress);
         let _other_task = uploads.begin("u", "c").unwrap();
         drop(first);
         assert!(uploads.begin("t", "c").is_ok());

@@ -217,7 +217,7 @@ pub async fn module(
         (status = 409, body = ApiError, description = "wrong, closed or abandoned round; not selected; already uploaded; `upload_in_progress`: another upload of this client to this round is being read"),
         (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
         (status = 413, body = ApiError, description = "`payload_too_large`: over the task's update size"),
-        (status = 503, body = ApiError, description = "`not_durable_yet`: the update could not be made durable in time, or `unavailable`: the server is shutting down (retry the upload); `request_timeout`: the server gave up on the request")))]
+        (status = 503, body = ApiError, description = "`not_durable_yet`: the update could not be made durable in time, or `shutting_down`: the server is shutting down (retry the upload); `request_timeout`: the server gave up on the request")))]
 pub async fn update(
     State(state): State<Shared>,
     auth: ClientAuth,
@@ -266,8 +266,8 @@ pub async fn update(
             state.coordinator.metrics.uploads_accepted.inc();
         }
         Err(e) => {
-            state.coordinator.metrics.upload_rejected(e.code());
-            tracing::info!(client = %auth.id, round, code = e.code(), error = %e, "update refused");
+            state.coordinator.metrics.upload_rejected(e.code().as_str());
+            tracing::info!(client = %auth.id, round, code = e.code().as_str(), error = %e, "update refused");
         }
     }
     result.map(Json)

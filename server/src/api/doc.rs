@@ -356,6 +356,28 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_error_body_lists_every_code_the_server_answers_with() {
+        let doc = document();
+        let schemas = &doc["components"]["schemas"];
+        assert_eq!(
+            schemas["ApiError"]["properties"]["code"]["$ref"],
+            "#/components/schemas/ErrorCode"
+        );
+        let code = &schemas["ErrorCode"];
+        assert_eq!(code["type"], "string");
+        let description = code["description"].as_str().expect("a description");
+        let (_, listed) = description
+            .split_once("answers with: ")
+            .expect("the list of codes");
+        let listed: Vec<&str> = listed.trim_end_matches('.').split(", ").collect();
+        let known: Vec<&str> = hora_common::wire::ErrorCode::KNOWN
+            .iter()
+            .map(|c| c.as_str())
+            .collect();
+        assert_eq!(listed, known);
+    }
+
     fn operations(doc: &Value) -> Vec<(String, String, &Value)> {
         let mut out = Vec::new();
         for (path, item) in doc["paths"].as_object().unwrap() {

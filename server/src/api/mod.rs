@@ -3,13 +3,14 @@
 //! (`/healthz`, `/metrics`, `/openapi.json`).
 //!
 //! Every handler returns `Result<_, ServerError>`, so every refusal is a 4xx with an
-//! `ApiError` JSON body. Bodies are size-checked from `Content-Length` before they are read, and
+//! `ApiError` JSON body (`error` gives each refusal its status). Bodies are size-checked from `Content-Length` before they are read, and
 //! read into a buffer of exactly that size.
 
 pub mod admin;
 pub mod body;
 pub mod client;
 pub mod doc;
+mod error;
 pub mod secagg;
 mod strict_json;
 pub mod sync;
@@ -30,9 +31,8 @@ use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::Json;
 use axum::Router;
-use hora_common::wire::ApiError;
+use hora_common::wire::{ApiError, ErrorCode};
 use serde::de::DeserializeOwned;
 use tokio::sync::Semaphore;
 use utoipa::OpenApi;
@@ -348,16 +348,11 @@ async fn close_when_body_unread(req: Request, next: axum::middleware::Next) -> R
 
 /// A known path asked with a method it does not serve. The router adds the `Allow` header.
 async fn method_not_allowed(method: axum::http::Method) -> Response {
-    (
+    error::answer(
         StatusCode::METHOD_NOT_ALLOWED,
-        Json(ApiError {
-            code: "method_not_allowed".into(),
-            message: format!(
-                "this route does not answer {method}: see the `Allow` header or GET /openapi.json"
-            ),
-        }),
+        ErrorCode::MethodNotAllowed,
+        format!("this route does not answer {method}: see the `Allow` header or GET /openapi.json"),
     )
-        .into_response()
 }
 
 /// Whether a route may legitimately hold a request longer than the request timeout: long polls
@@ -398,7 +393,7 @@ async fn request_timeout(
     match tokio::time::timeout(limit, next.run(request)).await {
         Ok(response) => response,
         Err(_) => ServerError::Unavailable {
-            code: "request_timeout",
+            code: ErrorCode::RequestTimeout,
             message: format!(
                 "the request took longer than the server's limit of {} s; retry later",
                 limit.as_secs()

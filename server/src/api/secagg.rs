@@ -21,8 +21,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use hora_common::wire::{
-    ApiError, SecAggAdvertise, SecAggReceipt, SecAggRoster, SecAggShareBundles, SecAggUnmask,
-    SecAggUnmaskRequest,
+    ApiError, ErrorCode, SecAggAdvertise, SecAggReceipt, SecAggRoster, SecAggShareBundles,
+    SecAggUnmask, SecAggUnmaskRequest,
 };
 use serde::{Deserialize, Serialize};
 
@@ -75,7 +75,7 @@ where
     .await
     .map_err(ServerError::internal)?;
     if let Err(e) = &result {
-        tracing::info!(client, code = e.code(), error = %e, "secure-aggregation message refused");
+        tracing::info!(client, code = e.code().as_str(), error = %e, "secure-aggregation message refused");
     }
     result.map(Json)
 }
@@ -126,7 +126,7 @@ pub async fn advertise(
         .and_then(|c| c.identity_key)
         .ok_or_else(|| {
             ServerError::conflict(
-                "no_identity_key",
+                ErrorCode::NoIdentityKey,
                 format!(
                     "client `{}` registered no identity key at enrolment: enrol it again",
                     auth.id

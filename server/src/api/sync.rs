@@ -36,7 +36,7 @@ pub async fn join(
     let token = auth::bearer(headers.get(AUTHORIZATION))?;
     let result = state.rendezvous.join(&job, token, req).await;
     if let Err(e) = &result {
-        tracing::info!(job = %job, code = e.code(), error = %e, "sync join refused");
+        tracing::info!(job = %job, code = e.code().as_str(), error = %e, "sync join refused");
     }
     result.map(Json)
 }
@@ -48,7 +48,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use hora_common::wire::SyncJobInfo;
+    use hora_common::wire::{ErrorCode, SyncJobInfo};
     use reqwest::{Method, StatusCode};
 
     use super::*;
@@ -257,7 +257,7 @@ mod tests {
             .send()
             .await
             .unwrap();
-        assert_eq!(refusal(resp).await.1.code, "missing_credentials");
+        assert_eq!(refusal(resp).await.1.code, ErrorCode::MissingCredentials);
 
         let wrong_size = serde_json::json!({ "address": "127.0.0.1:29500", "world_size": 2 });
         let (status, e) = server.refused_join("ring", &token, wrong_size).await;
@@ -299,7 +299,7 @@ mod tests {
             (
                 StatusCode::CONFLICT,
                 ApiError {
-                    code: "sync_job_exists".into(),
+                    code: ErrorCode::SyncJobExists,
                     message: "sync job `ring` exists already: delete it first or pick another id"
                         .into()
                 }

@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use hora_common::wire::{self, CreateSyncJob, SyncJobInfo, SyncJoinRequest, SyncWorld};
+use hora_common::wire::{self, CreateSyncJob, ErrorCode, SyncJobInfo, SyncJoinRequest, SyncWorld};
 use tokio::sync::oneshot;
 
 use crate::auth;
@@ -200,7 +200,7 @@ impl Rendezvous {
             let mut jobs = self.jobs();
             if jobs.contains_key(&record.id) || !self.store.create_sync_job(&record)? {
                 return Err(ServerError::conflict(
-                    "sync_job_exists",
+                    ErrorCode::SyncJobExists,
                     format!(
                         "sync job `{}` exists already: delete it first or pick another id",
                         record.id
@@ -243,7 +243,7 @@ impl Rendezvous {
         let waiting = waiters.len();
         for waiter in waiters {
             let _ = waiter.answer.send(Err(ServerError::Gone {
-                code: "job_deleted",
+                code: ErrorCode::JobDeleted,
                 message: format!("sync job `{id}` was deleted while this worker waited"),
             }));
         }
@@ -316,7 +316,7 @@ impl Rendezvous {
         let world_size = job.record.world_size;
         if req.world_size != world_size {
             return Err(ServerError::invalid(
-                "world_size_mismatch",
+                ErrorCode::WorldSizeMismatch,
                 format!(
                     "this worker was launched for a world of {} but sync job `{job_id}` has a \
                      world of {world_size}: launch every worker with world size {world_size}",
@@ -328,7 +328,7 @@ impl Rendezvous {
         let rank = match req.rank {
             Some(rank) if rank >= world_size => {
                 return Err(ServerError::invalid(
-                    "rank_out_of_range",
+                    ErrorCode::RankOutOfRange,
                     format!(
                         "rank {rank} is out of range: sync job `{job_id}` has ranks 0 to {}",
                         world_size - 1
@@ -338,7 +338,7 @@ impl Rendezvous {
             Some(rank) => match &job.slots[rank as usize] {
                 Some(holder) if holder.assigned => {
                     return Err(ServerError::conflict(
-                        "rank_taken",
+                        ErrorCode::RankTaken,
                         format!(
                             "rank {rank} of sync job `{job_id}` was given to a worker that joined \
                              without a rank: give every worker of a job its rank, or none"
@@ -367,7 +367,7 @@ impl Rendezvous {
         if let Some(old) = replaced {
             tracing::info!(job = %job_id, rank, "rank joined again: the earlier worker is replaced");
             let _ = old.answer.send(Err(ServerError::conflict(
-                "replaced",
+                ErrorCode::Replaced,
                 format!("rank {rank} was joined again by a newer worker"),
             )));
         }
@@ -453,7 +453,7 @@ impl Rendezvous {
         self.metrics.sync_join_timed_out(job_id);
         tracing::info!(job = %job_id, rank, joined, world_size, "rendezvous timed out");
         Some(ServerError::Timeout {
-            code: "rendezvous_timeout",
+            code: ErrorCode::RendezvousTimeout,
             message: format!(
                 "the world of job {job_id} is incomplete after {timeout_s} s: {joined} of \
                  {world_size} workers joined; {} not joined",
@@ -508,7 +508,7 @@ fn name_ranks(ranks: &[u32]) -> String {
 fn check_address(address: &str) -> Result<(), ServerError> {
     let bad = |why: &str| {
         Err(ServerError::invalid(
-            "invalid_address",
+            ErrorCode::InvalidAddress,
             format!(
                 "address `{address}` {why}: give the `host:port` where this worker's ring \
                  neighbour can reach it (IPv6 in brackets: `[::1]:29500`)"
@@ -517,7 +517,7 @@ fn check_address(address: &str) -> Result<(), ServerError> {
     };
     if address.len() > MAX_ADDRESS_LEN {
         return Err(ServerError::invalid(
-            "invalid_address",
+            ErrorCode::InvalidAddress,
             format!(
                 "the address is {} bytes long; at most {MAX_ADDRESS_LEN} are allowed",
                 address.len()

@@ -175,7 +175,7 @@ async fn explicit_and_assigned_ranks_mix_but_never_collide() {
         .join("mixed", &token, req("h9:9", Some(0), 3))
         .await
         .unwrap_err();
-    assert_eq!(err.code(), "rank_taken");
+    assert_eq!(err.code(), ErrorCode::RankTaken);
     assert_eq!(err.status(), axum::http::StatusCode::CONFLICT);
     assert_eq!(f.waiting("mixed"), 2);
     let two = f.join("mixed", &token, req("h2:9", None, 3));
@@ -193,7 +193,7 @@ async fn a_newer_join_of_a_rank_replaces_the_waiting_one() {
         .await;
     let new = f.join("again", &token, req("new:1", Some(0), 2));
     let err = answer(old).await.unwrap_err();
-    assert_eq!(err.code(), "replaced");
+    assert_eq!(err.code(), ErrorCode::Replaced);
     assert_eq!(err.status(), axum::http::StatusCode::CONFLICT);
     assert_eq!(err.to_string(), "rank 0 was joined again by a newer worker");
     assert_eq!(f.waiting("again"), 1);
@@ -222,7 +222,7 @@ async fn a_timeout_frees_the_rank_and_names_the_missing_ones() {
         .unwrap_err();
     assert!(started.elapsed() >= Duration::from_secs(1));
     assert_eq!(err.status(), axum::http::StatusCode::REQUEST_TIMEOUT);
-    assert_eq!(err.code(), "rendezvous_timeout");
+    assert_eq!(err.code(), ErrorCode::RendezvousTimeout);
     assert_eq!(
         err.to_string(),
         "the world of job slow is incomplete after 1 s: 2 of 4 workers joined; \
@@ -235,7 +235,7 @@ async fn a_timeout_frees_the_rank_and_names_the_missing_ones() {
     let err = answer(patient).await.unwrap_err();
     assert_eq!(
         (err.status(), err.code()),
-        (axum::http::StatusCode::GONE, "job_deleted")
+        (axum::http::StatusCode::GONE, ErrorCode::JobDeleted)
     );
     assert!(f.rendezvous.list().is_empty());
     assert!(f.store.sync_jobs().unwrap().is_empty());
@@ -303,9 +303,12 @@ async fn bad_joins_are_refused_with_what_to_fix() {
         async move { rendezvous.join(id, &token, r).await.unwrap_err() }
     };
     let e = refuse("nope", &token, req("a:1", None, 4)).await;
-    assert_eq!((e.status().as_u16(), e.code()), (404, "not_found"));
+    assert_eq!((e.status().as_u16(), e.code()), (404, ErrorCode::NotFound));
     let e = refuse("j", "wrong", req("a:1", None, 4)).await;
-    assert_eq!((e.status().as_u16(), e.code()), (401, "unauthorized"));
+    assert_eq!(
+        (e.status().as_u16(), e.code()),
+        (401, ErrorCode::Unauthorized)
+    );
     assert!(
         e.to_string()
             .contains("token printed when the job was created"),
@@ -314,14 +317,17 @@ async fn bad_joins_are_refused_with_what_to_fix() {
     let e = refuse("j", &token, req("a:1", None, 8)).await;
     assert_eq!(
         (e.status().as_u16(), e.code()),
-        (400, "world_size_mismatch")
+        (400, ErrorCode::WorldSizeMismatch)
     );
     assert!(
         e.to_string().contains(" 8 ") && e.to_string().contains(" 4"),
         "{e}"
     );
     let e = refuse("j", &token, req("a:1", Some(4), 4)).await;
-    assert_eq!((e.status().as_u16(), e.code()), (400, "rank_out_of_range"));
+    assert_eq!(
+        (e.status().as_u16(), e.code()),
+        (400, ErrorCode::RankOutOfRange)
+    );
     for address in [
         "",
         "a",
@@ -338,14 +344,14 @@ async fn bad_joins_are_refused_with_what_to_fix() {
         let e = refuse("j", &token, req(address, None, 4)).await;
         assert_eq!(
             (e.status().as_u16(), e.code()),
-            (400, "invalid_address"),
+            (400, ErrorCode::InvalidAddress),
             "{address:?}"
         );
     }
     let long = format!("{}:1", "a".repeat(MAX_ADDRESS_LEN));
     assert_eq!(
         refuse("j", &token, req(&long, None, 4)).await.code(),
-        "invalid_address"
+        ErrorCode::InvalidAddress
     );
     assert_eq!(f.waiting("j"), 0, "no refused join holds a rank");
     for address in [
@@ -370,14 +376,20 @@ fn job_definitions_are_checked() {
     for (id, size) in [("ok", 0), ("ok", MAX_WORLD_SIZE + 1), ("a/b", 2), ("", 2)] {
         assert_eq!(
             create(id, size).unwrap_err().code(),
-            "bad_request",
+            ErrorCode::BadRequest,
             "{id} {size}"
         );
     }
     let info = create("big", MAX_WORLD_SIZE).unwrap();
     assert_eq!(info.token.as_ref().map(String::len), Some(64));
-    assert_eq!(create("big", 2).unwrap_err().code(), "sync_job_exists");
-    assert_eq!(f.rendezvous.delete("none").unwrap_err().code(), "not_found");
+    assert_eq!(
+        create("big", 2).unwrap_err().code(),
+        ErrorCode::SyncJobExists
+    );
+    assert_eq!(
+        f.rendezvous.delete("none").unwrap_err().code(),
+        ErrorCode::NotFound
+    );
 }
 
 #[test]

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hora_common::wire;
+use hora_common::wire::{self, ErrorCode};
 
 use super::{lock, Checkpointed, Coordinator, Durability, Round, Task};
 use crate::error::ServerError;
@@ -117,7 +117,7 @@ impl Coordinator {
         .await
         .map_err(|_| {
             ServerError::unavailable(
-                "not_durable_yet",
+                ErrorCode::NotDurableYet,
                 format!(
                     "the update was accepted but is not durable after {} s (storage is slow); retry the same upload to get its receipt",
                     self.config.durability_timeout.as_secs()
@@ -126,7 +126,7 @@ impl Coordinator {
         })?;
         let outcome = waited.map(|d| d.clone()).map_err(|_| {
             ServerError::unavailable(
-                "shutting_down",
+                ErrorCode::ShuttingDown,
                 "the server is shutting down; retry the upload",
             )
         })?;
@@ -136,7 +136,7 @@ impl Coordinator {
                 accepted: index as u32 + 1,
             }),
             Durability::Abandoned(reason) => Err(ServerError::conflict(
-                "round_abandoned",
+                ErrorCode::RoundAbandoned,
                 format!(
                     "round {} was abandoned ({reason}); poll for the retry",
                     round.number

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use hora_common::envelope::RoundSecretKey;
 use hora_common::kernel::WeightedSum;
-use hora_common::wire::{self, RoundOffer, TaskState};
+use hora_common::wire::{self, ErrorCode, RoundOffer, TaskState};
 use rand::Rng;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
@@ -264,7 +264,7 @@ impl Coordinator {
         }
         if self.broken.read().expect("broken lock").contains_key(id) {
             return Err(ServerError::unavailable(
-                "task_unavailable",
+                ErrorCode::TaskUnavailable,
                 format!("task `{id}` cannot be served: its stored state is damaged (the operator finds the detail in the server log)"),
             ));
         }
@@ -359,7 +359,7 @@ impl Coordinator {
             }
             s => {
                 return Err(ServerError::conflict(
-                    "task_ended",
+                    ErrorCode::TaskEnded,
                     format!("task `{}` is {}", task.id, format!("{s:?}").to_lowercase()),
                 ))
             }

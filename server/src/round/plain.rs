@@ -14,7 +14,7 @@ use std::time::Instant;
 use hora_common::envelope::{self, Binding, RoundSecretKey};
 use hora_common::kernel::WeightedSum;
 use hora_common::model::{ModelSpec, ModelView};
-use hora_common::wire::{self, SecAggOffer, TaskState, UpdateMeta};
+use hora_common::wire::{self, ErrorCode, SecAggOffer, TaskState, UpdateMeta};
 use tokio::sync::watch;
 
 use super::collection::{Collection, Step};
@@ -156,7 +156,7 @@ impl Coordinator {
                         wire::NormPolicy::Clip => bound / norm,
                         wire::NormPolicy::Refuse => {
                             return Err(ServerError::invalid(
-                                "update_norm_exceeded",
+                                ErrorCode::UpdateNormExceeded,
                                 format!("the update's L2 norm {norm:.6e} exceeds the task's bound of {bound}: clip it or lower the learning rate"),
                             ))
                         }
@@ -176,7 +176,7 @@ impl Coordinator {
                 // Re-check under the lock: the round may have closed, or a duplicate raced us.
                 if !acc.phase.is_collecting() {
                     return Err(ServerError::conflict(
-                        "round_closed",
+                        ErrorCode::RoundClosed,
                         format!(
                             "round {} closed while the update was being checked",
                             round.number
@@ -223,7 +223,7 @@ impl Coordinator {
         let state = task.record().state;
         if matches!(state, TaskState::Stopped | TaskState::Finished) {
             return Err(ServerError::conflict(
-                "round_closed",
+                ErrorCode::RoundClosed,
                 format!(
                     "task `{}` is {} and takes no more updates",
                     task.id,
@@ -233,13 +233,13 @@ impl Coordinator {
         }
         let round = task
             .current()
-            .ok_or_else(|| ServerError::conflict("round_closed", "no round is open"))?;
+            .ok_or_else(|| ServerError::conflict(ErrorCode::RoundClosed, "no round is open"))?;
         round.collection.check_sealed_upload(&task.id)?;
         if round_number != round.number {
             let code = if round_number < round.number {
-                "round_closed"
+                ErrorCode::RoundClosed
             } else {
-                "wrong_round"
+                ErrorCode::WrongRound
             };
             return Err(ServerError::conflict(
                 code,
@@ -252,13 +252,13 @@ impl Coordinator {
         let acc = lock(&round.acc);
         if !acc.phase.is_collecting() {
             return Err(ServerError::conflict(
-                "round_closed",
+                ErrorCode::RoundClosed,
                 format!("round {} is closing", round.number),
             ));
         }
         if !acc.selected.contains(client) {
             return Err(ServerError::conflict(
-                "not_selected",
+                ErrorCode::NotSelected,
                 format!(
                     "client `{client}` is not selected for round {}: join it first",
                     round.number
@@ -306,7 +306,7 @@ pub fn open_update<'a>(
 
 pub(crate) fn already_contributed(client: &str, round: u64) -> ServerError {
     ServerError::conflict(
-        "already_contributed",
+        ErrorCode::AlreadyContributed,
         format!("client `{client}` has already uploaded its update for round {round}"),
     )
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use hora_common::kernel::WeightedSum;
-use hora_common::wire::{SecAggOffer, SecureAggregationConfig};
+use hora_common::wire::{ErrorCode, SecAggOffer, SecureAggregationConfig};
 use tokio::sync::watch;
 
 use super::collection::{Collection, Step};
@@ -76,7 +76,7 @@ impl Collection for SecureCollection {
             .is_some_and(|c| c.identity_key.is_some());
         if !registered {
             return Err(ServerError::conflict(
-                "no_identity_key",
+                ErrorCode::NoIdentityKey,
                 format!("task `{task}` uses secure aggregation, which needs an identity key registered at enrolment; client `{client}` has none: enrol it again with a current client"),
             ));
         }
@@ -89,7 +89,7 @@ impl Collection for SecureCollection {
 
     fn check_sealed_upload(&self, task: &str) -> Result<(), ServerError> {
         Err(ServerError::conflict(
-            "secure_aggregation",
+            ErrorCode::SecureAggregation,
             format!("task `{task}` uses secure aggregation: updates go through its stages (/v1/tasks/{{task}}/secagg/…), not a sealed upload"),
         ))
     }
@@ -164,22 +164,22 @@ impl Coordinator {
     ) -> Result<(Arc<Round>, Arc<SecAggRound>), ServerError> {
         let round = task.current().ok_or_else(|| {
             ServerError::conflict(
-                "round_closed",
+                ErrorCode::RoundClosed,
                 format!("task `{}` has no open round", task.id),
             )
         })?;
         let Some(s) = round.collection.secure().cloned() else {
             return Err(ServerError::conflict(
-                "not_secure_aggregation",
+                ErrorCode::NotSecureAggregation,
                 format!("task `{}` does not use secure aggregation", task.id),
             ));
         };
         if round_number != round.number {
             return Err(ServerError::conflict(
                 if round_number < round.number {
-                    "round_closed"
+                    ErrorCode::RoundClosed
                 } else {
-                    "wrong_round"
+                    ErrorCode::WrongRound
                 },
                 format!(
                     "round {round_number} is not open; the open round is {}",
@@ -189,7 +189,7 @@ impl Coordinator {
         }
         if attempt != round.attempt {
             return Err(ServerError::conflict(
-                if attempt < round.attempt { "round_abandoned" } else { "wrong_round" },
+                if attempt < round.attempt { ErrorCode::RoundAbandoned } else { ErrorCode::WrongRound },
                 format!(
                     "attempt {attempt} of round {round_number} is not the open one ({}): poll and join the retry",
                     round.attempt
@@ -198,7 +198,7 @@ impl Coordinator {
         }
         if !lock(&round.acc).selected.contains(client) {
             return Err(ServerError::conflict(
-                "not_selected",
+                ErrorCode::NotSelected,
                 format!(
                     "client `{client}` is not selected for round {round_number}: join it first"
                 ),

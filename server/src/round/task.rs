@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use hora_common::model::{ModelDigest, ModelSpec};
-use hora_common::wire::{self, OpenRoundStatus, RoundRecord, TaskInfo, TaskState};
+use hora_common::wire::{self, ErrorCode, OpenRoundStatus, RoundRecord, TaskInfo, TaskState};
 use tokio::sync::watch;
 
 use super::{capacity, lock, now_ms, Coordinator, Ending, Round};
@@ -90,7 +90,7 @@ impl Coordinator {
         let mut tasks = self.tasks.write().expect("tasks lock");
         if tasks.contains_key(&id) || !self.store.create_task(&id, &record)? {
             return Err(ServerError::conflict(
-                "task_exists",
+                ErrorCode::TaskExists,
                 format!("task `{id}` exists already"),
             ));
         }
@@ -157,7 +157,7 @@ impl Coordinator {
         match (from, to) {
             (TaskState::Stopped | TaskState::Finished, _) => {
                 return Err(ServerError::conflict(
-                    "task_ended",
+                    ErrorCode::TaskEnded,
                     format!("task `{}` is {:?} and cannot change state", task.id, from)
                         .to_lowercase(),
                 ))
@@ -221,7 +221,7 @@ impl Coordinator {
         let digest = published.model.expect("found by its model");
         if published.pruned && !self.store.model_path(&digest).exists() {
             return Err(ServerError::Gone {
-                code: "model_pruned",
+                code: ErrorCode::ModelPruned,
                 message: format!(
                     "round {round}'s model was removed by the server's retention policy (--retain-rounds-last, --retain-rounds-every)"
                 ),

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use hora_common::secagg::client::check_advert;
 use hora_common::secagg::{SecAggError, Unmasker};
 use hora_common::wire::{
-    SecAggAdvertise, SecAggNeighbour, SecAggReceipt, SecAggRoster, SecAggSealedShares,
+    ErrorCode, SecAggAdvertise, SecAggNeighbour, SecAggReceipt, SecAggRoster, SecAggSealedShares,
     SecAggShareBundles, SecAggUnmask, SecAggUnmaskRequest,
 };
 
@@ -26,7 +26,7 @@ impl SecAggRound {
             hex_array::<32>("identity_key", identity_key).map_err(ServerError::internal)?;
         check_advert(&self.ctx, client, &identity, &keys).map_err(|e| match e {
             SecAggError::Forged(_) => ServerError::Invalid {
-                code: "bad_signature",
+                code: ErrorCode::BadSignature,
                 message: format!(
                     "the advertised keys are not signed by the identity key `{client}` registered at enrolment"
                 ),
@@ -39,7 +39,7 @@ impl SecAggRound {
             return self.repeated(
                 existing.keys == keys,
                 inner.adverts.len(),
-                "already_advertised",
+                ErrorCode::AlreadyAdvertised,
                 format!("client `{client}` has already advertised other keys for this attempt"),
             );
         }
@@ -104,7 +104,7 @@ impl SecAggRound {
             return self.repeated(
                 *existing == bundles,
                 inner.mail.len(),
-                "already_shared",
+                ErrorCode::AlreadyShared,
                 format!("client `{client}` has already sent its shares for this attempt"),
             );
         }
@@ -117,7 +117,7 @@ impl SecAggRound {
         for b in &bundles.shares {
             if !neighbours.contains(b.peer.as_str()) {
                 return Err(ServerError::Invalid {
-                    code: "not_a_neighbour",
+                    code: ErrorCode::NotANeighbour,
                     message: format!(
                         "shares addressed to `{}`, which is not a neighbour of `{client}` in this attempt",
                         b.peer
@@ -129,7 +129,7 @@ impl SecAggRound {
                 || hex::decode(&b.ciphertext).is_err()
             {
                 return Err(ServerError::Invalid {
-                    code: "invalid_secagg_message",
+                    code: ErrorCode::InvalidSecaggMessage,
                     message: format!(
                         "the bundle for `{}` is repeated, too long or not hex",
                         b.peer
@@ -139,7 +139,7 @@ impl SecAggRound {
         }
         if addressed.len() != neighbours.len() {
             return Err(ServerError::Invalid {
-                code: "invalid_secagg_message",
+                code: ErrorCode::InvalidSecaggMessage,
                 message: format!(
                     "shares for {} of the {} neighbours: send one bundle to each",
                     addressed.len(),
@@ -197,7 +197,7 @@ impl SecAggRound {
     ) -> Result<(SecAggReceipt, Outcome), ServerError> {
         if body.len() as u64 != self.masked_len() {
             return Err(ServerError::Invalid {
-                code: "shape_mismatch",
+                code: ErrorCode::ShapeMismatch,
                 message: format!(
                     "a masked input of this task is {} bytes ({} values), not {}",
                     self.masked_len(),
@@ -214,7 +214,7 @@ impl SecAggRound {
         }
         if inner.survivors.contains(&me) {
             return Err(ServerError::conflict(
-                "already_contributed",
+                ErrorCode::AlreadyContributed,
                 format!("client `{client}` has already uploaded its masked input for this attempt"),
             ));
         }
@@ -301,13 +301,13 @@ impl SecAggRound {
             return self.repeated(
                 *existing == answer,
                 inner.answers.len(),
-                "already_revealed",
+                ErrorCode::AlreadyRevealed,
                 format!("client `{client}` has already revealed its shares for this attempt"),
             );
         }
         let mut u = self.unmasker_with_answers(&inner)?;
         u.accept(me, &answer).map_err(|e| match e {
-            SecAggError::Stage(m) => ServerError::conflict("dropped_out", m),
+            SecAggError::Stage(m) => ServerError::conflict(ErrorCode::DroppedOut, m),
             e => secagg_error(e),
         })?;
         store.secagg_put(&key(&self.ctx.task, "unmask", client), &answer)?;

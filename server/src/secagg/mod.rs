@@ -36,7 +36,7 @@ use std::sync::Mutex;
 use hora_common::secagg::unmask::Participant;
 use hora_common::secagg::{graph, hex_array, Context, Quantiser, SecAggError};
 use hora_common::wire::{
-    SecAggAdvertise, SecAggOffer, SecAggReceipt, SecAggShareBundles, SecAggUnmask,
+    ErrorCode, SecAggAdvertise, SecAggOffer, SecAggReceipt, SecAggShareBundles, SecAggUnmask,
     SecureAggregationConfig,
 };
 use ring::rand::SecureRandom;
@@ -181,10 +181,10 @@ fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
 
 fn secagg_error(e: SecAggError) -> ServerError {
     let code = match &e {
-        SecAggError::Forged(_) => "forged_message",
-        SecAggError::LowOrderKey => "low_order_key",
-        SecAggError::Stage(_) => "stage_closed",
-        _ => "invalid_secagg_message",
+        SecAggError::Forged(_) => ErrorCode::ForgedMessage,
+        SecAggError::LowOrderKey => ErrorCode::LowOrderKey,
+        SecAggError::Stage(_) => ErrorCode::StageClosed,
+        _ => ErrorCode::InvalidSecaggMessage,
     };
     ServerError::Invalid {
         code,
@@ -194,7 +194,7 @@ fn secagg_error(e: SecAggError) -> ServerError {
 
 fn dropped_out(client: &str, stage: &str) -> ServerError {
     ServerError::conflict(
-        "dropped_out",
+        ErrorCode::DroppedOut,
         format!(
             "client `{client}` is not part of this attempt any more: it missed the {stage} stage"
         ),
@@ -203,7 +203,7 @@ fn dropped_out(client: &str, stage: &str) -> ServerError {
 
 fn stage_closed(stage: Stage, now: Stage) -> ServerError {
     ServerError::conflict(
-        "stage_closed",
+        ErrorCode::StageClosed,
         format!("the {stage:?} stage is closed; the attempt is at {now:?}").to_lowercase(),
     )
 }
@@ -432,7 +432,7 @@ impl SecAggRound {
     fn not_ended(&self, inner: &Inner) -> Result<(), ServerError> {
         if inner.stage == Stage::Ended {
             return Err(ServerError::conflict(
-                "round_abandoned",
+                ErrorCode::RoundAbandoned,
                 format!(
                     "attempt {} of round {} has ended; poll for what comes next",
                     self.ctx.attempt, self.ctx.round
@@ -471,7 +471,7 @@ impl SecAggRound {
         &self,
         same: bool,
         accepted: usize,
-        code: &'static str,
+        code: ErrorCode,
         message: String,
     ) -> Result<(SecAggReceipt, Outcome), ServerError> {
         if same {
