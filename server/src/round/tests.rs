@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use hora_common::envelope::{self, Binding};
 use hora_common::model::{Model, ModelDigest};
-use hora_common::wire::{self, RoundOffer, RoundOutcome, TaskState, UpdateMeta};
+use hora_common::wire::{self, ErrorCode, RoundOffer, RoundOutcome, TaskState, UpdateMeta};
 
 use super::{Coordinator, CoordinatorConfig, Phase, Round, Task};
 use crate::error::ServerError;
@@ -168,7 +168,7 @@ async fn a_closed_round_refuses_late_uploads_and_joins_go_to_the_next() {
     let Err(err) = late else {
         panic!("a late upload was taken")
     };
-    assert_eq!(err.code(), "round_closed", "{err}");
+    assert_eq!(err.code(), ErrorCode::RoundClosed, "{err}");
     assert_eq!(e.join(&task, "b").round, 2);
 }
 
@@ -215,5 +215,5 @@ async fn stopping_the_task_abandons_its_round_and_opens_none() {
     assert_eq!(round.phase(), Phase::Abandoned("task stopped".into()));
     assert!(task.current().is_none());
     let refused = e.coordinator.join(&task, "b").expect_err("refused");
-    assert_eq!(refused.code(), "task_ended", "{refused}");
+    assert_eq!(refused.code(), ErrorCode::TaskEnded, "{refused}");
 }
