@@ -31,14 +31,7 @@ impl Coordinator {
             }
             tokio::time::sleep(self.config.commit_window.max(last)).await;
             let started = Instant::now();
-            let tasks: Vec<_> = self
-                .tasks
-                .read()
-                .expect("tasks lock")
-                .values()
-                .cloned()
-                .collect();
-            for task in tasks {
+            for task in self.all_tasks() {
                 let Some(round) = task.current() else {
                     continue;
                 };

@@ -111,15 +111,18 @@ impl Coordinator {
         Ok(self.info(&task))
     }
 
-    pub fn list(&self) -> Vec<TaskInfo> {
-        let tasks: Vec<_> = self
-            .tasks
+    /// Every task, as they are now (the registry's lock is not held afterwards).
+    pub(crate) fn all_tasks(&self) -> Vec<Arc<Task>> {
+        self.tasks
             .read()
             .expect("tasks lock")
             .values()
             .cloned()
-            .collect();
-        let mut infos: Vec<_> = tasks.iter().map(|t| self.info(t)).collect();
+            .collect()
+    }
+
+    pub fn list(&self) -> Vec<TaskInfo> {
+        let mut infos: Vec<_> = self.all_tasks().iter().map(|t| self.info(t)).collect();
         infos.sort_by(|a, b| a.config.id.cmp(&b.config.id));
         infos
     }

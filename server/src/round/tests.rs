@@ -85,6 +85,26 @@ impl Engine {
             .await
     }
 
+    async fn set_state(&self, task: &Arc<Task>, to: TaskState) {
+        self.coordinator.set_state(task.clone(), to).await.unwrap();
+    }
+
+    /// A task whose round has `a`'s update in it: the task and its round.
+    async fn with_one_update(
+        &self,
+        min: u32,
+        target: u32,
+        deadline_secs: u64,
+    ) -> (Arc<Task>, Arc<Round>) {
+        let task = self.create("t", min, target, deadline_secs);
+        let round = task.current().unwrap();
+        let offer = self.join(&task, "a");
+        self.upload(&task, "a", &offer, 1, [1.0, 0.0, 0.0])
+            .await
+            .unwrap();
+        (task, round)
+    }
+
     fn global(&self, task: &Task) -> Vec<f32> {
         let store = self.coordinator.store();
         store
@@ -175,22 +195,11 @@ async fn a_closed_round_refuses_late_uploads_and_joins_go_to_the_next() {
 #[tokio::test]
 async fn a_paused_round_does_not_close_and_a_resumed_one_gets_a_whole_deadline() {
     let e = engine();
-    let task = e.create("t", 1, 2, 1);
-    let round = task.current().unwrap();
-    let offer = e.join(&task, "a");
-    e.upload(&task, "a", &offer, 1, [1.0, 0.0, 0.0])
-        .await
-        .unwrap();
-    e.coordinator
-        .set_state(task.clone(), TaskState::Paused)
-        .await
-        .unwrap();
+    let (task, round) = e.with_one_update(1, 2, 1).await;
+    e.set_state(&task, TaskState::Paused).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(round.phase(), Phase::Collecting, "closed while paused");
-    e.coordinator
-        .set_state(task.clone(), TaskState::Running)
-        .await
-        .unwrap();
+    e.set_state(&task, TaskState::Running).await;
     assert!(
         round.deadline() > super::now_ms() + 500,
         "the resumed round has a whole deadline"
@@ -202,16 +211,8 @@ async fn a_paused_round_does_not_close_and_a_resumed_one_gets_a_whole_deadline()
 #[tokio::test]
 async fn stopping_the_task_abandons_its_round_and_opens_none() {
     let e = engine();
-    let task = e.create("t", 2, 2, 600);
-    let round = task.current().unwrap();
-    let offer = e.join(&task, "a");
-    e.upload(&task, "a", &offer, 1, [1.0, 0.0, 0.0])
-        .await
-        .unwrap();
-    e.coordinator
-        .set_state(task.clone(), TaskState::Stopped)
-        .await
-        .unwrap();
+    let (task, round) = e.with_one_update(2, 2, 600).await;
+    e.set_state(&task, TaskState::Stopped).await;
     assert_eq!(round.phase(), Phase::Abandoned("task stopped".into()));
     assert!(task.current().is_none());
     let refused = e.coordinator.join(&task, "b").expect_err("refused");
