@@ -4,7 +4,7 @@
 //! tests start the same server in-process on `127.0.0.1:0`.
 
 use std::future::Future;
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -113,10 +113,8 @@ impl Server {
 
     /// Binds the configured `--listen` address.
     pub fn bind(&self) -> Result<TcpListener> {
-        let listener = TcpListener::bind(self.config.listen)
-            .with_context(|| format!("listening on {}", self.config.listen))?;
-        listener.set_nonblocking(true)?;
-        Ok(listener)
+        TcpListener::bind(self.config.listen)
+            .with_context(|| format!("listening on {}", self.config.listen))
     }
 
     /// Serves on `listener` until `shutdown` resolves, then stops accepting connections and
@@ -179,11 +177,6 @@ impl Server {
         self.store.flush()?;
         tracing::info!("stopped");
         Ok(())
-    }
-
-    /// The address `--listen` names (port 0 until bound).
-    pub fn configured_address(&self) -> SocketAddr {
-        self.config.listen
     }
 }
 

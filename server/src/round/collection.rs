@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use hora_common::kernel::WeightedSum;
 
-use super::{now_ms, Ending, Round};
+use super::{Ending, Round};
 use crate::error::ServerError;
 use crate::secagg::SecAggRound;
 use crate::store::{Contribution, OpenRoundRecord, Store, TaskRecord};
@@ -85,13 +85,14 @@ pub trait Collection: Send + Sync {
     fn secure(&self) -> Option<&Arc<SecAggRound>>;
 }
 
-/// The collection a new attempt of `record`'s task uses, and the attempt's deadline.
+/// The collection a new attempt of `record`'s task, opened at `now` (Unix ms), uses, and the
+/// attempt's deadline.
 pub fn for_new_attempt(
     record: &TaskRecord,
     number: u64,
     attempt: u32,
+    now: u64,
 ) -> Result<(Arc<dyn Collection>, u64), ServerError> {
-    let now = now_ms();
     Ok(match &record.config.secure_aggregation {
         Some(config) => {
             let s = super::secure::SecureCollection::new(record, config, number, attempt, now)?;

@@ -242,13 +242,14 @@ impl Coordinator {
         number: u64,
         attempt: u32,
     ) -> Result<Arc<Round>, ServerError> {
-        let (collection, deadline) = collection::for_new_attempt(record, number, attempt)?;
+        let now = now_ms();
+        let (collection, deadline) = collection::for_new_attempt(record, number, attempt, now)?;
         Ok(Arc::new(Round {
             number,
             attempt,
             key: RoundSecretKey::generate().map_err(ServerError::internal)?,
             base: record.global_model,
-            opened_unix_ms: now_ms(),
+            opened_unix_ms: now,
             opened: Instant::now(),
             deadline_unix_ms: deadline.into(),
             acc: Mutex::new(Accumulator::new(record.spec.clone())),
@@ -311,7 +312,7 @@ impl Coordinator {
         let mut changed = task.changed.subscribe();
         let deadline = tokio::time::Instant::now() + wait.min(self.config.max_poll_wait);
         loop {
-            let state = task.record().state;
+            let state = task.state();
             let round = task.current();
             let ready = state != TaskState::Running
                 || round

@@ -57,7 +57,7 @@ impl Coordinator {
             if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &round)) {
                 return; // closed and replaced
             }
-            let state = task.record().state;
+            let state = task.state();
             if matches!(state, TaskState::Stopped | TaskState::Finished) {
                 return;
             }

@@ -220,7 +220,7 @@ impl Coordinator {
         client: &str,
         round_number: u64,
     ) -> Result<Admission, ServerError> {
-        let state = task.record().state;
+        let state = task.state();
         if matches!(state, TaskState::Stopped | TaskState::Finished) {
             return Err(ServerError::conflict(
                 ErrorCode::RoundClosed,

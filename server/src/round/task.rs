@@ -27,6 +27,12 @@ impl Task {
         self.record.lock().expect("task lock").clone()
     }
 
+    /// The task's state, read without copying its record (the long polls and the round's
+    /// watcher look at it on every change).
+    pub(crate) fn state(&self) -> TaskState {
+        lock(&self.record).state
+    }
+
     pub(crate) fn current(&self) -> Option<Arc<Round>> {
         self.round.lock().expect("round slot").clone()
     }
@@ -39,9 +45,7 @@ impl Task {
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.changed.subscribe()
     }
-}
 
-impl Task {
     pub fn spec(&self) -> ModelSpec {
         self.record().spec
     }
@@ -156,7 +160,7 @@ impl Coordinator {
         task: Arc<Task>,
         to: TaskState,
     ) -> Result<TaskInfo, ServerError> {
-        let from = task.record().state;
+        let from = task.state();
         match (from, to) {
             (TaskState::Stopped | TaskState::Finished, _) => {
                 return Err(ServerError::conflict(

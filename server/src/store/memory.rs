@@ -283,15 +283,7 @@ impl Housekeeping for MemoryStore {
         let refs = referenced(self)?;
         let all_known = refs.is_some();
         let refs = refs.unwrap_or_default();
-        let mut removed = 0;
-        for (sub, keep, keep_fresh) in [
-            ("models", &refs.models, true),
-            ("modules", &refs.modules, true),
-            ("strategy", &refs.states, false),
-        ] {
-            removed +=
-                files::sweep_dir(&self.scratch.path().join(sub), keep, keep_fresh, all_known)?;
-        }
+        let mut removed = sweep_blobs(self.scratch.path(), &refs, all_known)?;
         if all_known {
             let mut sums = lock(&self.sums);
             let before = sums.len();

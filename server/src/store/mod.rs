@@ -282,6 +282,24 @@ fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError>
     })
 }
 
+/// Sweeps the model, module and strategy-state directories under `blobs` of the files `refs`
+/// does not name (see [`files::sweep_dir`]); the number of files removed.
+fn sweep_blobs(
+    blobs: &std::path::Path,
+    refs: &Referenced,
+    all_known: bool,
+) -> Result<usize, StoreError> {
+    let mut removed = 0;
+    for (sub, keep, keep_fresh) in [
+        ("models", &refs.models, true),
+        ("modules", &refs.modules, true),
+        ("strategy", &refs.states, false),
+    ] {
+        removed += files::sweep_dir(&blobs.join(sub), keep, keep_fresh, all_known)?;
+    }
+    Ok(removed)
+}
+
 /// The blob files the records refer to, by file name.
 #[derive(Default)]
 struct Referenced {

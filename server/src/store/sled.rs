@@ -11,9 +11,9 @@ use serde::{de::DeserializeOwned, Serialize};
 
 use super::files::{self, io, write_atomic};
 use super::{
-    decode, referenced, remove_unused_models, Blobs, ClientRecord, Durable, EnrolmentRecord,
-    Housekeeping, OpenRoundRecord, Registry, Retention, RoundLog, SecaggLog, StoreError,
-    SyncJobRecord, SyncJobs, TaskRead, TaskRecord,
+    decode, referenced, remove_unused_models, sweep_blobs, Blobs, ClientRecord, Durable,
+    EnrolmentRecord, Housekeeping, OpenRoundRecord, Registry, Retention, RoundLog, SecaggLog,
+    StoreError, SyncJobRecord, SyncJobs, TaskRead, TaskRecord,
 };
 
 pub struct SledStore {
@@ -295,16 +295,14 @@ impl Housekeeping for SledStore {
         let refs = referenced(self)?;
         let all_known = refs.is_some();
         let refs = refs.unwrap_or_default();
-        let mut removed = 0;
-        for (sub, keep, keep_fresh) in [
-            ("blobs/models", &refs.models, true),
-            ("blobs/modules", &refs.modules, true),
-            ("blobs/strategy", &refs.states, false),
-            ("checkpoints", &refs.checkpoints, false),
-        ] {
-            removed += files::sweep_dir(&self.dir.join(sub), keep, keep_fresh, all_known)?;
-        }
-        Ok(removed)
+        let removed = sweep_blobs(&self.dir.join("blobs"), &refs, all_known)?;
+        Ok(removed
+            + files::sweep_dir(
+                &self.dir.join("checkpoints"),
+                &refs.checkpoints,
+                false,
+                all_known,
+            )?)
     }
 }
 
