@@ -14,8 +14,10 @@ use utoipa::ToSchema;
 use crate::envelope::RoundPublicKey;
 use crate::model::{ModelDigest, ModelSpec};
 
+mod asynchronous;
 mod error_code;
 
+pub use asynchronous::{AsynchronousConfig, Staleness};
 pub use error_code::ErrorCode;
 
 /// Path prefix of the client API.
