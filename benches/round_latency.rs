@@ -184,6 +184,7 @@ async fn run_hora(dir: &Path, warmup: u64, rounds: u64) -> (HoraRun, PathBuf) {
             secure_aggregation: None,
             update_bounds: Default::default(),
             differential_privacy: None,
+            asynchronous: None,
         })
         .await;
     let mut clients = Processes(Vec::new());

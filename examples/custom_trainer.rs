@@ -106,6 +106,7 @@ async fn main() -> Result<()> {
         secure_aggregation: None,
         update_bounds: Default::default(),
         differential_privacy: None,
+        asynchronous: None,
     })
     .await?;
 

@@ -145,6 +145,7 @@ async fn main() -> Result<()> {
         secure_aggregation: None,
         update_bounds: Default::default(),
         differential_privacy: args.dp.clone(),
+        asynchronous: None,
     })
     .await?;
     fed.spawn_clients(task, &data, args.clients, &["--seed", "{k}"])

@@ -102,6 +102,7 @@ async fn federation(
         }),
         update_bounds: Default::default(),
         differential_privacy: None,
+        asynchronous: None,
     })
     .await?;
     for (k, drop) in indices {

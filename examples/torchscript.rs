@@ -91,6 +91,7 @@ async fn main() -> Result<()> {
         secure_aggregation: None,
         update_bounds: Default::default(),
         differential_privacy: None,
+        asynchronous: None,
     })
     .await?;
     let mut config = SyntheticConfig::iid(args.clients, 7);

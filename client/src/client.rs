@@ -656,7 +656,10 @@ impl Client {
             Err(ClientError::Conflict { error })
                 if matches!(
                     error.code,
-                    ErrorCode::RoundClosed | ErrorCode::RoundAbandoned | ErrorCode::NotSelected
+                    ErrorCode::RoundClosed
+                        | ErrorCode::RoundAbandoned
+                        | ErrorCode::NotSelected
+                        | ErrorCode::TooStale
                 ) =>
             {
                 // The update can never be accepted now: do not keep it, nor resume it.

@@ -289,6 +289,14 @@ pub struct CreateTask {
     /// weighted 1, Gaussian noise added once to each round's sum, ε accounted over rounds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub differential_privacy: Option<DpConfig>,
+    /// Asynchronous buffered aggregation (FedBuff): no rounds that wait for the slowest client.
+    /// Clients pull the current version whenever they are free and upload when done; every
+    /// `buffer_size` updates (weighted down by their staleness) make the next version. In this
+    /// mode `buffer_size` takes the place of `target_clients` (`min_clients` must not exceed it),
+    /// `rounds` counts versions, and `round_deadline_secs` is how long a client may hold its
+    /// training slot before the slot goes to another (its update is still taken afterwards).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub asynchronous: Option<AsynchronousConfig>,
 }
 
 /// What one client's update may weigh in a round (the plain path; secure aggregation has its
@@ -552,6 +560,50 @@ pub struct RoundRecord {
     /// Under differential privacy: the privacy spent once this round was published.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub privacy: Option<PrivacySpent>,
+    /// For an asynchronous task: how stale the version's updates were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness: Option<VersionStaleness>,
+}
+
+/// How stale the updates of an asynchronous task's version were: an update's staleness is the
+/// number of versions published between the one it was trained from and this one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct VersionStaleness {
+    /// The version each update was trained from, in the order of `participants`.
+    pub bases: Vec<u64>,
+    /// `histogram[s]`: how many updates were `s` versions stale.
+    pub histogram: Vec<u32>,
+    pub mean: f64,
+    pub max: u64,
+}
+
+impl VersionStaleness {
+    /// The statistics of the updates trained from `bases` that make version `version`.
+    pub fn of(version: u64, bases: Vec<u64>) -> Self {
+        let stale: Vec<u64> = bases.iter().map(|b| version.saturating_sub(*b)).collect();
+        let max = stale.iter().copied().max().unwrap_or(0);
+        let mut histogram = vec![
+            0u32;
+            if bases.is_empty() {
+                0
+            } else {
+                max as usize + 1
+            }
+        ];
+        for s in &stale {
+            histogram[*s as usize] += 1;
+        }
+        let mean = match stale.len() {
+            0 => 0.0,
+            n => stale.iter().sum::<u64>() as f64 / n as f64,
+        };
+        VersionStaleness {
+            bases,
+            histogram,
+            mean,
+            max,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]

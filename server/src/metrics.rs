@@ -2,7 +2,9 @@
 //! rejected by reason, bytes received, ingest and aggregation latency; sync-job worlds formed and
 //! rendezvous joins that timed out; connections open and closed by the guard, by reason; tasks
 //! whose stored state could not be loaded; the privacy each task with differential privacy has
-//! spent (ε at the task's δ).
+//! spent (ε at the task's δ); for asynchronous tasks, the updates in each open buffer, the
+//! clients holding a training slot and the staleness of folded updates (versions per second are
+//! the rate of `hora_rounds_published_total`).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -42,6 +44,13 @@ pub struct ServerMetrics {
     connections_closed: Family<ReasonLabel, Counter>,
     pub tasks_broken: Gauge,
     dp_epsilon: Family<TaskLabel, Gauge<f64, AtomicU64>>,
+    async_buffered: Family<TaskLabel, Gauge>,
+    async_training: Family<TaskLabel, Gauge>,
+    update_staleness: Family<TaskLabel, Histogram, fn() -> Histogram>,
+}
+
+fn staleness_histogram() -> Histogram {
+    Histogram::new(std::iter::once(0.0).chain(exponential_buckets(1.0, 2.0, 11)))
 }
 
 impl Default for ServerMetrics {
@@ -61,6 +70,9 @@ impl Default for ServerMetrics {
             connections_closed: Family::default(),
             tasks_broken: Gauge::default(),
             dp_epsilon: Family::default(),
+            async_buffered: Family::default(),
+            async_training: Family::default(),
+            update_staleness: Family::new_with_constructor(staleness_histogram),
             registry: Registry::default(),
         };
         registry.register(
@@ -128,6 +140,21 @@ impl Default for ServerMetrics {
             "Privacy spent by each task with differential privacy: ε at the task's δ over its published rounds",
             m.dp_epsilon.clone(),
         );
+        registry.register(
+            "async_buffered_updates",
+            "Updates in the open buffer of each asynchronous task",
+            m.async_buffered.clone(),
+        );
+        registry.register(
+            "async_training_clients",
+            "Clients holding a training slot of each asynchronous task",
+            m.async_training.clone(),
+        );
+        registry.register(
+            "async_update_staleness",
+            "Versions published between an asynchronous update's base and the version it went into",
+            m.update_staleness.clone(),
+        );
         ServerMetrics { registry, ..m }
     }
 }
@@ -150,6 +177,24 @@ impl ServerMetrics {
         self.dp_epsilon
             .get_or_create(&TaskLabel { task: task.into() })
             .set(epsilon);
+    }
+
+    pub fn async_buffered(&self, task: &str, updates: usize) {
+        self.async_buffered
+            .get_or_create(&TaskLabel { task: task.into() })
+            .set(updates as i64);
+    }
+
+    pub fn async_training(&self, task: &str, clients: usize) {
+        self.async_training
+            .get_or_create(&TaskLabel { task: task.into() })
+            .set(clients as i64);
+    }
+
+    pub fn update_staleness(&self, task: &str, staleness: u64) {
+        self.update_staleness
+            .get_or_create(&TaskLabel { task: task.into() })
+            .observe(staleness as f64);
     }
 
     pub fn upload_rejected(&self, reason: &str) {

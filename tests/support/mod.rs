@@ -316,6 +316,7 @@ pub fn task(
         secure_aggregation: None,
         update_bounds: Default::default(),
         differential_privacy: None,
+        asynchronous: None,
     }
 }
 

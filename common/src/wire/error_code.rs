@@ -112,6 +112,9 @@ error_codes! {
     /// The client has already contributed to this round (or attempt). Nothing to resend; wait for
     /// the next round.
     AlreadyContributed => "already_contributed",
+    /// An asynchronous task's update trained from a version more than the task's
+    /// `max_staleness` behind the current one. Pull the current model and train again.
+    TooStale => "too_stale",
     /// The update's L2 norm is over the task's bound and the task refuses, rather than clips,
     /// such updates. Clip the update or lower the learning rate.
     UpdateNormExceeded => "update_norm_exceeded",

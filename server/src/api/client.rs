@@ -214,7 +214,7 @@ pub async fn module(
         (status = 200, body = UpdateReceipt, description = "folded and durable"),
         (status = 400, body = ApiError, description = "a malformed path or `x-hora-update` header; `invalid_update`: a bad envelope, names, shapes, dtypes or values"),
         (status = 408, body = ApiError, description = "`upload_too_slow`: the body arrived too slowly"),
-        (status = 409, body = ApiError, description = "wrong, closed or abandoned round; not selected; already uploaded; `upload_in_progress`: another upload of this client to this round is being read"),
+        (status = 409, body = ApiError, description = "wrong, closed or abandoned round; not selected; already uploaded; `too_stale`: an asynchronous task's update trained from a version more than `max_staleness` behind; `upload_in_progress`: another upload of this client to this round is being read"),
         (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
         (status = 413, body = ApiError, description = "`payload_too_large`: over the task's update size"),
         (status = 503, body = ApiError, description = "`not_durable_yet`: the update could not be made durable in time, or `shutting_down`: the server is shutting down (retry the upload); `request_timeout`: the server gave up on the request")))]

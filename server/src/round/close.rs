@@ -75,6 +75,7 @@ impl Coordinator {
                             examples: 0,
                             metrics: Metrics::default(),
                             unclipped: None,
+                            base: None,
                         })
                         .collect();
                     acc.durable = acc.contributions.len();
@@ -129,6 +130,9 @@ impl Coordinator {
                     .send_replace(Durability::Upto(tally.updates));
                 self.metrics
                     .round_published(&task.id, started.elapsed().as_secs_f64());
+                if round.collection.asynchronous().is_some() {
+                    self.metrics.async_buffered(&task.id, 0);
+                }
                 if let Some(p) = &history.privacy {
                     self.metrics.dp_epsilon(&task.id, p.epsilon);
                 }
@@ -329,12 +333,20 @@ impl Coordinator {
                     .map(|p| p.spent.clone()),
                 model,
                 pruned: false,
+                staleness: round.collection.staleness(round.number, &acc.contributions),
             };
-            // The retry of an abandoned attempt, or the next round.
+            // The retry of an abandoned attempt, or the next round. An asynchronous task keeps
+            // this version's key for the updates still being trained from it.
+            if let Some(buffer) = round.collection.asynchronous() {
+                buffer.retire(round);
+            }
+            let previous = Some(&round.collection);
             let next = match record.state {
                 TaskState::Running | TaskState::Paused => Some(match &tally.abandon {
-                    None => self.fresh_round(record, round.number + 1, 0)?,
-                    Some(_) => self.fresh_round(record, round.number, round.attempt + 1)?,
+                    None => self.fresh_round(record, round.number + 1, 0, previous)?,
+                    Some(_) => {
+                        self.fresh_round(record, round.number, round.attempt + 1, previous)?
+                    }
                 }),
                 _ => None,
             };

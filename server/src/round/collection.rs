@@ -4,17 +4,19 @@
 //! checkpoints, the deadline watcher, closing and publishing. A [`Collection`] answers the few
 //! questions on which modes differ: may this client join now, what does its offer carry, how do
 //! updates arrive, when must the watcher look next and what happens then, and what the mode
-//! keeps in the store. [`super::plain::PlainCollection`] takes sealed uploads and
-//! [`super::secure::SecureCollection`] runs secure aggregation's stages; a new mode is one more
-//! implementation.
+//! keeps in the store. [`super::plain::PlainCollection`] takes sealed uploads,
+//! [`super::secure::SecureCollection`] runs secure aggregation's stages and
+//! [`super::asynchronous::AsyncCollection`] buffers updates trained from whichever version each
+//! client pulled; a new mode is one more implementation.
 
 use std::sync::Arc;
 
-use hora_common::wire::SecAggOffer;
+use hora_common::wire::{CreateTask, SecAggOffer, VersionStaleness};
 use tokio::sync::watch;
 
 use hora_common::kernel::WeightedSum;
 
+use super::asynchronous::AsyncCollection;
 use super::{Ending, Round};
 use crate::error::ServerError;
 use crate::secagg::SecAggRound;
@@ -83,16 +85,45 @@ pub trait Collection: Send + Sync {
 
     /// The secure-aggregation protocol of the round, when that is its mode.
     fn secure(&self) -> Option<&Arc<SecAggRound>>;
+
+    /// The asynchronous collection, when that is the round's mode.
+    fn asynchronous(&self) -> Option<&AsyncCollection> {
+        None
+    }
+
+    /// How many updates make the round full (it closes then, before its deadline).
+    fn full_at(&self, config: &CreateTask) -> usize {
+        config.target_clients as usize
+    }
+
+    /// How stale the updates that make version `version` were, for its history.
+    fn staleness(
+        &self,
+        _version: u64,
+        _contributions: &[Contribution],
+    ) -> Option<VersionStaleness> {
+        None
+    }
 }
 
 /// The collection a new attempt of `record`'s task, opened at `now` (Unix ms), uses, and the
-/// attempt's deadline.
+/// attempt's deadline. `previous` is the collection of the attempt before it, if any: an
+/// asynchronous task keeps one collection for all its versions.
 pub fn for_new_attempt(
     record: &TaskRecord,
     number: u64,
     attempt: u32,
     now: u64,
+    previous: Option<&Arc<dyn Collection>>,
 ) -> Result<(Arc<dyn Collection>, u64), ServerError> {
+    let deadline = now + record.config.round_deadline_secs * 1000;
+    if let Some(config) = &record.config.asynchronous {
+        let collection = match previous.filter(|p| p.asynchronous().is_some()) {
+            Some(p) => p.clone(),
+            None => Arc::new(AsyncCollection::new(record, config)),
+        };
+        return Ok((collection, deadline));
+    }
     Ok(match &record.config.secure_aggregation {
         Some(config) => {
             let s = super::secure::SecureCollection::new(record, config, number, attempt, now)?;
@@ -100,10 +131,7 @@ pub fn for_new_attempt(
             let deadline = s.round().latest_input_deadline_unix_ms;
             (Arc::new(s), deadline)
         }
-        None => (
-            Arc::new(super::plain::PlainCollection),
-            now + record.config.round_deadline_secs * 1000,
-        ),
+        None => (Arc::new(super::plain::PlainCollection), deadline),
     })
 }
 
@@ -113,6 +141,11 @@ pub fn resume(
     record: &TaskRecord,
     open: &OpenRoundRecord,
 ) -> Result<Arc<dyn Collection>, ServerError> {
+    if let Some(config) = &record.config.asynchronous {
+        return Ok(Arc::new(AsyncCollection::resume(
+            store, record, config, open,
+        )?));
+    }
     Ok(match &record.config.secure_aggregation {
         Some(config) => Arc::new(super::secure::SecureCollection::resume(
             store, record, config, open,

@@ -15,7 +15,8 @@ use tokio_util::task::TaskTracker;
 
 use super::plain::already_contributed;
 use super::{
-    capacity, collection, lock, now_ms, Accumulator, Checkpointed, Durability, Round, Task,
+    capacity, collection, lock, now_ms, Accumulator, Checkpointed, Collection, Durability, Round,
+    Task,
 };
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
@@ -228,7 +229,7 @@ impl Coordinator {
         number: u64,
         attempt: u32,
     ) -> Result<Arc<Round>, ServerError> {
-        let round = self.fresh_round(record, number, attempt)?;
+        let round = self.fresh_round(record, number, attempt, None)?;
         self.store
             .put_open_round(task_id, &round.record(&lock(&round.acc)))?;
         round.collection.persist_new(&*self.store)?;
@@ -236,18 +237,29 @@ impl Coordinator {
         Ok(round)
     }
 
+    /// A new attempt of round `number`, not yet stored; `previous` is the attempt it follows.
     pub(crate) fn fresh_round(
         &self,
         record: &TaskRecord,
         number: u64,
         attempt: u32,
+        previous: Option<&Arc<dyn Collection>>,
     ) -> Result<Arc<Round>, ServerError> {
         let now = now_ms();
-        let (collection, deadline) = collection::for_new_attempt(record, number, attempt, now)?;
+        let (collection, deadline) =
+            collection::for_new_attempt(record, number, attempt, now, previous)?;
+        // A retried asynchronous version keeps the key its clients sealed their updates to.
+        let key = match collection
+            .asynchronous()
+            .and_then(|a| a.attempt_key(number))
+        {
+            Some(key) => key,
+            None => RoundSecretKey::generate().map_err(ServerError::internal)?,
+        };
         Ok(Arc::new(Round {
             number,
             attempt,
-            key: RoundSecretKey::generate().map_err(ServerError::internal)?,
+            key,
             base: record.global_model,
             opened_unix_ms: now,
             opened: Instant::now(),
@@ -292,8 +304,11 @@ impl Coordinator {
     // -- clients ----------------------------------------------------------------------------
 
     fn retry_after(&self, task: &Task) -> u64 {
-        let base = task
-            .current()
+        let round = task.current();
+        if let Some(buffer) = round.as_ref().and_then(|r| r.collection.asynchronous()) {
+            return buffer.retry_after_ms();
+        }
+        let base = round
             .map(|r| r.deadline().saturating_sub(now_ms()))
             .unwrap_or(5_000)
             .clamp(500, 60_000);
@@ -322,6 +337,9 @@ impl Coordinator {
                 let (selected, contributed) = round
                     .as_ref()
                     .map(|r| {
+                        if let Some(buffer) = r.collection.asynchronous() {
+                            return buffer.standing(client, r.number);
+                        }
                         let acc = lock(&r.acc);
                         (
                             acc.selected.contains(client),
@@ -371,6 +389,11 @@ impl Coordinator {
                 retry_after_ms: self.retry_after(task),
             });
         };
+        if let Some(buffer) = round.collection.asynchronous() {
+            let joined = buffer.join(&round, &record, client)?;
+            self.metrics.async_training(&task.id, buffer.training());
+            return Ok(joined);
+        }
         let capacity = capacity(&record.config);
         if !round
             .collection

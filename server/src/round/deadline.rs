@@ -28,7 +28,12 @@ impl Coordinator {
             return;
         }
         let mut acc = lock(&round.acc);
-        if acc.contributions.len() < record.config.target_clients as usize {
+        let full_at = round.collection.full_at(&record.config);
+        if round.collection.asynchronous().is_some() {
+            self.metrics
+                .async_buffered(&task.id, acc.contributions.len());
+        }
+        if acc.contributions.len() < full_at {
             return;
         }
         acc.close_requested = true;

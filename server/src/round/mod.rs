@@ -9,8 +9,10 @@
 //! many clients) — an abandoned round is retried as a new attempt with a fresh key.
 //!
 //! How updates arrive is the round's [`Collection`], the seam between the engine and a round
-//! mode: [`plain`] sealed uploads (each opened, validated and folded on arrival) or [`secure`]
-//! aggregation (Bonawitz et al.'s four stages; the server learns only the sum). Everything else
+//! mode: [`plain`] sealed uploads (each opened, validated and folded on arrival), [`secure`]
+//! aggregation (Bonawitz et al.'s four stages; the server learns only the sum), or
+//! [`asynchronous`] buffers (FedBuff: a round is a version, published every `buffer_size`
+//! updates, whichever version each update was trained from). Everything else
 //! is shared by every mode and read top to bottom:
 //!
 //! - [`coordinator`]: the [`Coordinator`] — tasks loaded and resumed at start, long polls, joins.
@@ -28,6 +30,7 @@
 //! Locks: a round's accumulator lock may be taken while holding nothing, and the task's record
 //! and round slots may be taken while holding it — never the other way round.
 
+pub mod asynchronous;
 mod close;
 pub mod collection;
 mod commit;
@@ -51,7 +54,7 @@ use tokio::sync::{watch, Notify};
 pub use collection::Collection;
 pub use coordinator::{Coordinator, CoordinatorConfig};
 pub use phase::{Ending, Phase};
-pub use plain::{open_update, upload_limit, Admission};
+pub use plain::{open_update, upload_limit, Admission, Sealing};
 pub use task::Task;
 
 use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord};
@@ -176,6 +179,11 @@ impl Round {
                 total_weight: c.total_weight,
                 noised: c.noised,
             }),
+            earlier: self
+                .collection
+                .asynchronous()
+                .map(|a| a.earlier_records())
+                .unwrap_or_default(),
         }
     }
 }

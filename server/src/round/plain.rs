@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use hora_common::envelope::{self, Binding, RoundSecretKey};
 use hora_common::kernel::WeightedSum;
-use hora_common::model::{ModelSpec, ModelView};
+use hora_common::model::{ModelDigest, ModelSpec, ModelView};
 use hora_common::wire::{self, ErrorCode, SecAggOffer, TaskState, UpdateMeta};
 use tokio::sync::watch;
 
@@ -89,10 +89,22 @@ impl Collection for PlainCollection {
 
 /// Whether an upload is worth reading.
 pub enum Admission {
-    /// No update from this client in the round yet.
-    Fresh(Arc<Round>),
+    /// No such update from this client in the round yet; it is sealed as `.1` says.
+    Fresh(Arc<Round>, Sealing),
     /// Its update is the round's contribution `.1`, folded but not yet durable.
     Pending(Arc<Round>, usize),
+}
+
+/// Which version's key an update is sealed to.
+pub enum Sealing {
+    /// The round's own.
+    Current,
+    /// An earlier version's, in an asynchronous task.
+    Earlier {
+        round: u64,
+        key: Arc<RoundSecretKey>,
+        base: ModelDigest,
+    },
 }
 
 impl Coordinator {
@@ -109,8 +121,8 @@ impl Coordinator {
         mut body: Vec<u8>,
         permit: impl Send + 'static,
     ) -> Result<wire::UpdateReceipt, ServerError> {
-        let round = match self.check_upload(&task, &client, round_number)? {
-            Admission::Fresh(round) => round,
+        let (round, sealing) = match self.check_upload(&task, &client, round_number)? {
+            Admission::Fresh(round, sealing) => (round, sealing),
             Admission::Pending(round, index) => return self.receipt(&round, index).await,
         };
         if meta.num_examples == 0 {
@@ -137,13 +149,17 @@ impl Coordinator {
         let me = self.clone();
         let (round, index, _folded) = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
             let started = Instant::now();
+            let (key, sealed_round, base) = match &sealing {
+                Sealing::Current => (&round.key, round.number, round.base),
+                Sealing::Earlier { round, key, base } => (&**key, *round, *base),
+            };
             let binding = Binding {
                 task: &task.id,
-                round: round.number,
+                round: sealed_round,
                 client: &client,
-                base_model: &round.base,
+                base_model: &base,
             };
-            let view = open_update(&mut body, &round.key, &binding, &spec)?;
+            let view = open_update(&mut body, key, &binding, &spec)?;
             let norm = match bounds.max_norm.is_some() || dp.is_some() {
                 true => view.l2_norm(),
                 false => 0.0,
@@ -171,6 +187,22 @@ impl Coordinator {
                 }
                 None => (weight as f64, scale, None),
             };
+            if let Some(buffer) = round.collection.asynchronous() {
+                let update = Contribution {
+                    client,
+                    examples: weight,
+                    metrics: meta.metrics,
+                    unclipped: None,
+                    base: Some(sealed_round),
+                };
+                let (round, index, folded) = buffer.fold(&task, update, scale, &view)?;
+                if folded {
+                    me.metrics.ingest_seconds.observe(started.elapsed().as_secs_f64());
+                    me.metrics.update_staleness(&task.id, round.number - sealed_round);
+                    me.close_if_full(&task, &round);
+                }
+                return Ok((round, index, folded));
+            }
             let index = {
                 let mut acc = lock(&round.acc);
                 // Re-check under the lock: the round may have closed, or a duplicate raced us.
@@ -195,6 +227,7 @@ impl Coordinator {
                     examples: weight,
                     metrics: meta.metrics,
                     unclipped,
+                    base: None,
                 });
                 acc.contributions.len() - 1
             };
@@ -235,6 +268,9 @@ impl Coordinator {
             .current()
             .ok_or_else(|| ServerError::conflict(ErrorCode::RoundClosed, "no round is open"))?;
         round.collection.check_sealed_upload(&task.id)?;
+        if let Some(buffer) = round.collection.asynchronous() {
+            return buffer.check_upload(&round, client, round_number);
+        }
         if round_number != round.number {
             let code = if round_number < round.number {
                 ErrorCode::RoundClosed
@@ -268,7 +304,7 @@ impl Coordinator {
         match acc.contributions.iter().position(|c| c.client == client) {
             Some(index) if index < acc.durable => Err(already_contributed(client, round.number)),
             Some(index) => Ok(Admission::Pending(round.clone(), index)),
-            None => Ok(Admission::Fresh(round.clone())),
+            None => Ok(Admission::Fresh(round.clone(), Sealing::Current)),
         }
     }
 
@@ -281,7 +317,7 @@ impl Coordinator {
         round_number: u64,
     ) -> Result<Option<wire::UpdateReceipt>, ServerError> {
         match self.check_upload(task, client, round_number)? {
-            Admission::Fresh(_) => Ok(None),
+            Admission::Fresh(..) => Ok(None),
             Admission::Pending(round, index) => self.receipt(&round, index).await.map(Some),
         }
     }

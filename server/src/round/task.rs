@@ -258,6 +258,9 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     if c.round_deadline_secs == 0 || c.round_deadline_secs > 7 * 86_400 {
         return bad("round_deadline_secs must be between 1 and 604800".into());
     }
+    if let Some(config) = &c.asynchronous {
+        super::asynchronous::validate(config, c).map_err(ServerError::BadRequest)?;
+    }
     // (Before secure aggregation's checks: combining the two is the first thing to hear about.)
     if let Some(config) = &c.differential_privacy {
         dp::validate(config, c).map_err(ServerError::BadRequest)?;

@@ -218,3 +218,60 @@ async fn stopping_the_task_abandons_its_round_and_opens_none() {
     let refused = e.coordinator.join(&task, "b").expect_err("refused");
     assert_eq!(refused.code(), ErrorCode::TaskEnded, "{refused}");
 }
+
+impl Engine {
+    fn create_async(&self, id: &str, buffer_size: u32, max_staleness: u64) -> Arc<Task> {
+        let config: wire::CreateTask = serde_json::from_value(serde_json::json!({
+            "id": id, "initial_model": self.digest,
+            "model": {"kind": "builtin", "name": "mlp"},
+            "rounds": 10, "min_clients": 1, "target_clients": 1, "round_deadline_secs": 600,
+            "asynchronous": {"buffer_size": buffer_size, "max_staleness": max_staleness,
+                             "concurrency": 4, "staleness": {"kind": "polynomial", "exponent": 1.0}},
+        }))
+        .unwrap();
+        self.coordinator.create_task(config).unwrap();
+        self.coordinator.task(id).unwrap()
+    }
+}
+
+#[tokio::test]
+async fn asynchronous_versions_fold_stale_updates_down_weighted_and_refuse_too_stale_ones() {
+    let e = engine();
+    let task = e.create_async("t", 2, 1);
+    let v1 = task.current().unwrap();
+    let [a, b, c, d] = ["a", "b", "c", "d"].map(|x| e.join(&task, x));
+    assert!(
+        e.coordinator.join(&task, "e").unwrap().offer.is_none(),
+        "four of four slots are taken: pace steering holds the fifth back"
+    );
+    e.upload(&task, "a", &a, 1, [2.0, 0.0, 0.0]).await.unwrap();
+    e.upload(&task, "b", &b, 1, [0.0, 2.0, 0.0]).await.unwrap();
+    let v2 = next_round(&task, &v1).await;
+    assert_eq!(e.global(&task), vec![2.0, 3.0, 3.0], "(a + b) / 2");
+    // c trained from version 1: one version stale, weighted (1 + 1)^-1.
+    e.upload(&task, "c", &c, 3, [4.0, 0.0, 0.0]).await.unwrap();
+    let again = e.join(&task, "a");
+    assert_eq!(again.round, 2, "a trains again from the current version");
+    let dup = e.upload(&task, "a", &a, 1, [2.0, 0.0, 0.0]).await;
+    assert_eq!(dup.unwrap_err().code(), ErrorCode::AlreadyContributed);
+    e.upload(&task, "a", &again, 1, [0.0, 0.0, 8.0])
+        .await
+        .unwrap();
+    let v3 = next_round(&task, &v2).await;
+    // (3 · ½ · c + 1 · a') / (3 + 1)
+    assert_eq!(e.global(&task), vec![3.5, 3.0, 5.0]);
+    // d trained from version 1, two versions ago: more than max_staleness 1.
+    let stale = e.upload(&task, "d", &d, 1, [1.0, 1.0, 1.0]).await;
+    assert_eq!(stale.unwrap_err().code(), ErrorCode::TooStale);
+    assert_eq!(v3.number, 3);
+    let history = e.coordinator.history(&task).unwrap();
+    let s = history[1]
+        .staleness
+        .as_ref()
+        .expect("staleness of version 2");
+    assert_eq!(
+        (s.bases.clone(), s.histogram.clone()),
+        (vec![1, 2], vec![1, 1])
+    );
+    assert_eq!(history[1].participants, ["c", "a"]);
+}

@@ -59,6 +59,9 @@ pub struct Contribution {
     /// (what adaptive clipping counts).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unclipped: Option<bool>,
+    /// In an asynchronous task: the version the update was trained from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<u64>,
 }
 
 /// The durable part of a round's accumulator.
@@ -85,6 +88,19 @@ pub struct OpenRoundRecord {
     pub deadline_unix_ms: u64,
     pub selected: Vec<String>,
     pub checkpoint: Option<CheckpointRecord>,
+    /// In an asynchronous task: the keys of the earlier versions clients may still upload
+    /// updates for (those at most `max_staleness` behind). Deleted with this record.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub earlier: Vec<EarlierVersion>,
+}
+
+/// What opening an update trained from an earlier version of an asynchronous task needs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EarlierVersion {
+    pub round: u64,
+    /// The version's X25519 secret (hex).
+    pub secret: String,
+    pub base_model: ModelDigest,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -361,6 +361,7 @@ fn metrics_are_the_example_weighted_mean_and_selection_is_first_come() {
             accuracy: Some(0.5),
         },
         unclipped: None,
+        base: None,
     };
     let adam = from_config(&StrategyConfig::fed_adam());
     let m = adam.aggregate_metrics(&[c(1, Some(1.0)), c(3, Some(2.0)), c(4, None)]);

@@ -99,10 +99,16 @@ fn open_round(round: u64, checkpoint: Option<&str>) -> OpenRoundRecord {
                 examples: 5,
                 metrics: Default::default(),
                 unclipped: None,
+                base: Some(round),
             }],
             total_weight: 5.0,
             noised: false,
         }),
+        earlier: vec![EarlierVersion {
+            round: round.saturating_sub(1),
+            secret: "11".into(),
+            base_model: model([1.0; 3]).digest(),
+        }],
     }
 }
 
@@ -119,6 +125,7 @@ fn published(round: u64, attempt: u32, model: Option<ModelDigest>) -> RoundRecor
         model,
         pruned: false,
         privacy: None,
+        staleness: None,
     }
 }
 

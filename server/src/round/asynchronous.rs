@@ -1,0 +1,482 @@
+//! The asynchronous round mode (FedBuff, Nguyen et al., AISTATS 2022): no round waits for its
+//! slowest client.
+//!
+//! A task's *version* `v` is its open round `v`, and the round's running sum is the buffer that
+//! makes version `v + 1`'s model. A client pulls the current version whenever it is free — at
+//! most `concurrency` hold a training slot at once; the others are told when to come back (pace
+//! steering) — trains, and uploads its delta sealed to the key of the version it pulled. The
+//! update is folded into whatever buffer is open when it arrives, weighted by its example count
+//! times the staleness factor `w(s)` of the versions published since its base (`s`):
+//!
+//! ```text
+//! model(v+1) = strategy(model(v), Σ nᵢ·w(sᵢ)·Δᵢ / Σ nᵢ)
+//! ```
+//!
+//! which is FedBuff's `1/K · Σ w(sᵢ)·Δᵢ` with equal example counts, and plain FedAvg when nothing
+//! is stale. The buffer is published through the task's strategy (FedAdam and the rest work as
+//! in synchronous rounds) once it holds `buffer_size` updates. An update more than
+//! `max_staleness` versions behind is refused (409 `too_stale`); nothing else is ever refused for
+//! arriving late: an update whose buffer closed while it was being opened goes into the next.
+//!
+//! Every guarantee of the plain path holds: uploads are sealed to the key of their base version
+//! and bound to task, client and base model; each client contributes at most one update per base
+//! version (and only from a version later than its last one), one at a time; an update is
+//! acknowledged only once a checkpoint or the publication that contains it is durable. The keys
+//! of the versions still within `max_staleness` travel in the open round's record, so a restart
+//! opens the updates clients trained before it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use hora_common::envelope::RoundSecretKey;
+use hora_common::kernel::WeightedSum;
+use hora_common::model::{ModelDigest, ModelView};
+use hora_common::wire::{
+    self, AsynchronousConfig, ErrorCode, RoundOffer, SecAggOffer, VersionStaleness,
+};
+use rand::Rng;
+use tokio::sync::watch;
+
+use super::collection::{Collection, Step};
+use super::plain::{already_contributed, Admission, Sealing};
+use super::{lock, now_ms, Ending, Round, Task};
+use crate::error::ServerError;
+use crate::secagg::SecAggRound;
+use crate::store::{Contribution, EarlierVersion, OpenRoundRecord, Store, TaskRecord};
+
+/// Buffered asynchronous aggregation. One collection serves every version of its task.
+pub struct AsyncCollection {
+    config: AsynchronousConfig,
+    /// How long a client may hold a training slot (the task's round deadline).
+    slot_ms: u64,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// The keys and base models of earlier versions that updates may still be trained from.
+    earlier: BTreeMap<u64, Earlier>,
+    /// The base version of each client's newest accepted update: its next one must be trained
+    /// from a later version. (Entries older than the staleness window are refused as too stale
+    /// anyway.)
+    last_base: HashMap<String, u64>,
+    /// Clients holding a training slot, with when the slot lapses (Unix ms).
+    slots: HashMap<String, u64>,
+    /// Moving average of the time between accepted updates (ms), for pace steering.
+    interval_ms: f64,
+    last_fold: Option<Instant>,
+}
+
+struct Earlier {
+    key: Arc<RoundSecretKey>,
+    base: ModelDigest,
+}
+
+impl AsyncCollection {
+    pub fn new(record: &TaskRecord, config: &AsynchronousConfig) -> Self {
+        AsyncCollection {
+            config: config.clone(),
+            slot_ms: record.config.round_deadline_secs * 1000,
+            state: Mutex::new(State {
+                earlier: BTreeMap::new(),
+                last_base: HashMap::new(),
+                slots: HashMap::new(),
+                interval_ms: 1_000.0,
+                last_fold: None,
+            }),
+        }
+    }
+
+    /// The collection of a task resumed after a restart: the earlier versions' keys from the
+    /// open record, and each client's newest base from the history of the versions still within
+    /// the staleness window and from the open buffer's checkpoint.
+    pub fn resume(
+        store: &Store,
+        record: &TaskRecord,
+        config: &AsynchronousConfig,
+        open: &OpenRoundRecord,
+    ) -> Result<Self, ServerError> {
+        let collection = AsyncCollection::new(record, config);
+        let mut state = lock(&collection.state);
+        for e in &open.earlier {
+            let mut secret = [0u8; 32];
+            hex::decode_to_slice(&e.secret, &mut secret)
+                .map_err(|_| ServerError::internal("corrupt key of an earlier version"))?;
+            state.earlier.insert(
+                e.round,
+                Earlier {
+                    key: Arc::new(RoundSecretKey::from_bytes(secret)),
+                    base: e.base_model,
+                },
+            );
+        }
+        let oldest = open.round.saturating_sub(config.max_staleness);
+        let mut note = |client: &str, base: u64| {
+            let last = state.last_base.entry(client.to_string()).or_insert(base);
+            *last = (*last).max(base);
+        };
+        for version in store.history(&record.config.id)? {
+            if version.round < oldest {
+                continue;
+            }
+            if let Some(s) = &version.staleness {
+                for (client, base) in version.participants.iter().zip(&s.bases) {
+                    note(client, *base);
+                }
+            }
+        }
+        for c in open.checkpoint.iter().flat_map(|c| &c.contributions) {
+            if let Some(base) = c.base {
+                note(&c.client, base);
+            }
+        }
+        drop(state);
+        Ok(collection)
+    }
+
+    pub fn config(&self) -> &AsynchronousConfig {
+        &self.config
+    }
+
+    /// The key of an attempt of version `number`: a retry of an abandoned version keeps the key
+    /// its clients sealed to.
+    pub(crate) fn attempt_key(&self, number: u64) -> Option<RoundSecretKey> {
+        let state = lock(&self.state);
+        let e = state.earlier.get(&number)?;
+        Some(RoundSecretKey::from_bytes(*e.key.to_bytes()))
+    }
+
+    /// Keeps the key of `round`, which is closing, for updates trained from it that arrive
+    /// later; forgets keys no update may use any more.
+    pub(crate) fn retire(&self, round: &Round) {
+        let mut state = lock(&self.state);
+        state.earlier.insert(
+            round.number,
+            Earlier {
+                key: Arc::new(RoundSecretKey::from_bytes(*round.key.to_bytes())),
+                base: round.base,
+            },
+        );
+        let oldest = round.number.saturating_sub(self.config.max_staleness);
+        state.earlier.retain(|v, _| *v >= oldest);
+    }
+
+    /// The earlier versions' keys, as the open round's record keeps them.
+    pub(crate) fn earlier_records(&self) -> Vec<EarlierVersion> {
+        lock(&self.state)
+            .earlier
+            .iter()
+            .map(|(round, e)| EarlierVersion {
+                round: *round,
+                secret: hex::encode(*e.key.to_bytes()),
+                base_model: e.base,
+            })
+            .collect()
+    }
+
+    /// How long a client without a slot waits before asking again: about the time until the
+    /// next update frees one, jittered so that waiting clients do not come back as one herd.
+    pub(crate) fn retry_after_ms(&self) -> u64 {
+        let base = (lock(&self.state).interval_ms as u64).clamp(200, 30_000);
+        rand::rng().random_range(base / 2..=base)
+    }
+
+    /// Clients holding a training slot now.
+    pub fn training(&self) -> usize {
+        let now = now_ms();
+        lock(&self.state)
+            .slots
+            .values()
+            .filter(|until| **until > now)
+            .count()
+    }
+
+    /// Whether `client` holds a slot, and whether it has contributed an update trained from
+    /// version `version` (it waits for the next).
+    pub(crate) fn standing(&self, client: &str, version: u64) -> (bool, bool) {
+        let state = lock(&self.state);
+        (
+            state
+                .slots
+                .get(client)
+                .is_some_and(|until| *until > now_ms()),
+            state.last_base.get(client).is_some_and(|b| *b >= version),
+        )
+    }
+
+    /// Gives `client` a training slot on the current version `round` if one is free.
+    pub(crate) fn join(
+        &self,
+        round: &Round,
+        record: &TaskRecord,
+        client: &str,
+    ) -> Result<wire::JoinResponse, ServerError> {
+        let now = now_ms();
+        let mut state = lock(&self.state);
+        if state
+            .last_base
+            .get(client)
+            .is_some_and(|b| *b >= round.number)
+        {
+            return Err(already_contributed(client, round.number));
+        }
+        state.slots.retain(|_, until| *until > now);
+        if !state.slots.contains_key(client)
+            && state.slots.len() >= self.config.concurrency as usize
+        {
+            drop(state);
+            return Ok(wire::JoinResponse {
+                offer: None,
+                retry_after_ms: self.retry_after_ms(),
+            });
+        }
+        let until = now + self.slot_ms;
+        state.slots.insert(client.to_string(), until);
+        Ok(wire::JoinResponse {
+            offer: Some(RoundOffer {
+                round: round.number,
+                model: round.base,
+                model_kind: record.config.model.clone(),
+                round_key: round.key.public_key(),
+                deadline_unix_ms: until,
+                training: record.config.training.clone(),
+                secure_aggregation: None,
+            }),
+            retry_after_ms: 0,
+        })
+    }
+
+    /// The checks an upload trained from version `base` must pass before its body is read.
+    pub(crate) fn check_upload(
+        &self,
+        round: &Arc<Round>,
+        client: &str,
+        base: u64,
+    ) -> Result<Admission, ServerError> {
+        if base > round.number {
+            return Err(ServerError::conflict(
+                ErrorCode::WrongRound,
+                format!(
+                    "version {base} is not published yet; the current version is {}",
+                    round.number
+                ),
+            ));
+        }
+        self.check_staleness(round.number, base)?;
+        let acc = lock(&round.acc);
+        match acc
+            .contributions
+            .iter()
+            .position(|c| c.client == client && c.base == Some(base))
+        {
+            Some(index) if index < acc.durable => return Err(already_contributed(client, base)),
+            Some(index) => return Ok(Admission::Pending(round.clone(), index)),
+            None => {}
+        }
+        let state = lock(&self.state);
+        if let Some(last) = state.last_base.get(client).filter(|b| **b >= base) {
+            return Err(ServerError::conflict(
+                ErrorCode::AlreadyContributed,
+                format!("client `{client}` has already contributed an update trained from version {last}; train from a later version"),
+            ));
+        }
+        let sealing = match base == round.number {
+            true => Sealing::Current,
+            false => match state.earlier.get(&base) {
+                Some(e) => Sealing::Earlier {
+                    round: base,
+                    key: e.key.clone(),
+                    base: e.base,
+                },
+                None => return Err(too_stale(base, round.number, self.config.max_staleness)),
+            },
+        };
+        Ok(Admission::Fresh(round.clone(), sealing))
+    }
+
+    fn check_staleness(&self, version: u64, base: u64) -> Result<u64, ServerError> {
+        let staleness = version - base;
+        match staleness > self.config.max_staleness {
+            true => Err(too_stale(base, version, self.config.max_staleness)),
+            false => Ok(staleness),
+        }
+    }
+
+    /// Folds an opened update (`update.base` says which version it was trained from) into the
+    /// buffer open now (the one checked may have closed meanwhile: the update goes into the
+    /// next), weighted by its example count and its staleness; `scale` is what the task's norm
+    /// bound asks for. Returns the round it went into, its index there, and whether it was
+    /// folded now (false: a retry that raced its first attempt).
+    pub(crate) fn fold(
+        &self,
+        task: &Task,
+        update: Contribution,
+        scale: f64,
+        view: &ModelView<'_>,
+    ) -> Result<(Arc<Round>, usize, bool), ServerError> {
+        let base = update
+            .base
+            .ok_or_else(|| ServerError::internal("an asynchronous update without its base"))?;
+        let client = &update.client;
+        // A close holds the buffer's lock until the next version is installed, so a buffer found
+        // closed has a successor already, unless the task ended.
+        for _ in 0..64 {
+            let round = task.current().ok_or_else(|| {
+                ServerError::conflict(ErrorCode::RoundClosed, "the task takes no more updates")
+            })?;
+            let mut acc = lock(&round.acc);
+            if !acc.phase.is_collecting() {
+                drop(acc);
+                if task.current().is_some_and(|c| !Arc::ptr_eq(&c, &round)) {
+                    continue;
+                }
+                return Err(ServerError::conflict(
+                    ErrorCode::RoundClosed,
+                    "the task took no more updates while this one was being checked",
+                ));
+            }
+            let staleness = self.check_staleness(round.number, base)?;
+            if let Some(index) = acc
+                .contributions
+                .iter()
+                .position(|c| c.client == *client && c.base == Some(base))
+            {
+                return Ok((round.clone(), index, false));
+            }
+            let mut state = lock(&self.state);
+            if state.last_base.get(client).is_some_and(|b| *b >= base) {
+                return Err(already_contributed(client, base));
+            }
+            let factor = self.config.staleness.weight(staleness);
+            acc.sum
+                .add_view_scaled(update.examples as f64, scale * factor, view)
+                .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
+            state.last_base.insert(client.clone(), base);
+            state.slots.remove(client);
+            let now = Instant::now();
+            if let Some(last) = state.last_fold.replace(now) {
+                let ms = (now - last).as_secs_f64() * 1e3;
+                state.interval_ms = 0.8 * state.interval_ms + 0.2 * ms;
+            }
+            drop(state);
+            acc.contributions.push(update);
+            return Ok((round.clone(), acc.contributions.len() - 1, true));
+        }
+        Err(ServerError::unavailable(
+            ErrorCode::RoundClosed,
+            "versions are being published faster than this update could be folded; retry it",
+        ))
+    }
+}
+
+fn too_stale(base: u64, version: u64, max: u64) -> ServerError {
+    ServerError::conflict(
+        ErrorCode::TooStale,
+        format!(
+            "the update was trained from version {base}, {} versions behind the current {version}; this task takes updates at most {max} versions stale: pull the current model and train again",
+            version - base
+        ),
+    )
+}
+
+impl Collection for AsyncCollection {
+    fn mode(&self) -> &'static str {
+        "asynchronous"
+    }
+
+    fn admit_join(&self, _: &Store, _: &str, _: &str) -> Result<bool, ServerError> {
+        Ok(true) // slots are given by `join`
+    }
+
+    fn offer(&self) -> Option<SecAggOffer> {
+        None
+    }
+
+    fn check_sealed_upload(&self, _: &str) -> Result<(), ServerError> {
+        Ok(())
+    }
+
+    fn next_deadline(&self, _: &Round) -> u64 {
+        u64::MAX // a version is published when its buffer is full, never for the time
+    }
+
+    fn changes(&self) -> Option<watch::Receiver<u64>> {
+        None
+    }
+
+    fn at_deadline(&self, _: &Store) -> Result<Step, ServerError> {
+        Ok(Step::Continue)
+    }
+
+    fn retry_after_failed_close(&self, _: Ending) -> Option<Ending> {
+        None // the buffer takes more updates meanwhile; the watcher closes it again
+    }
+
+    fn examples(&self, contributions: &[Contribution], _: &WeightedSum) -> u64 {
+        contributions
+            .iter()
+            .fold(0u64, |sum, c| sum.saturating_add(c.examples))
+    }
+
+    fn restarts_on_resume(&self) -> bool {
+        true
+    }
+
+    fn persist_new(&self, _: &Store) -> Result<(), ServerError> {
+        Ok(()) // the keys travel in the open round's record
+    }
+
+    fn clear(&self, _: &Store, _: &str) -> Result<(), ServerError> {
+        Ok(())
+    }
+
+    fn leftover_file(&self) -> Option<String> {
+        None
+    }
+
+    fn secure(&self) -> Option<&Arc<SecAggRound>> {
+        None
+    }
+
+    fn asynchronous(&self) -> Option<&AsyncCollection> {
+        Some(self)
+    }
+
+    fn full_at(&self, _: &wire::CreateTask) -> usize {
+        self.config.buffer_size as usize
+    }
+
+    fn staleness(&self, version: u64, contributions: &[Contribution]) -> Option<VersionStaleness> {
+        let bases = contributions
+            .iter()
+            .map(|c| c.base.unwrap_or(version))
+            .collect();
+        Some(VersionStaleness::of(version, bases))
+    }
+}
+
+/// Why an asynchronous configuration is refused for this task, if it is.
+pub fn validate(config: &AsynchronousConfig, task: &wire::CreateTask) -> Result<(), String> {
+    config.check()?;
+    if task.secure_aggregation.is_some() {
+        return Err("asynchronous tasks cannot use secure_aggregation: its masks cancel only within one round's fixed set of clients".into());
+    }
+    if task.differential_privacy.is_some() {
+        return Err("asynchronous tasks cannot use differential_privacy yet: its accounting assumes rounds of sampled clients".into());
+    }
+    if task.min_clients > config.buffer_size {
+        return Err(format!(
+            "min_clients ({}) must not exceed asynchronous.buffer_size ({}): a version is published when its buffer holds buffer_size updates",
+            task.min_clients, config.buffer_size
+        ));
+    }
+    if config.max_staleness > MAX_STALENESS {
+        return Err(format!(
+            "asynchronous.max_staleness must be at most {MAX_STALENESS}"
+        ));
+    }
+    Ok(())
+}
+
+/// The largest `max_staleness` a task may set (the keys of that many versions are kept).
+const MAX_STALENESS: u64 = 1_000;
