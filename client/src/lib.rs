@@ -40,4 +40,4 @@ pub mod transport;
 pub use client::{Client, ClientConfig, RoundOutcome, RoundReport, RoundTimings};
 pub use error::{ClientError, Result};
 pub use supervised::SupervisedTrainer;
-pub use trainer::{Evaluation, Progress, TrainOutcome, TrainRequest, Trainer};
+pub use trainer::{Evaluation, Paced, Progress, TrainOutcome, TrainRequest, Trainer};

@@ -25,7 +25,7 @@ use hora_client::device::DeviceChoice;
 use hora_client::network::{Architecture, Network};
 use hora_client::transport::RetryPolicy;
 use hora_client::{
-    Client, ClientConfig, ClientError, RoundOutcome, RoundReport, SupervisedTrainer,
+    Client, ClientConfig, ClientError, Paced, RoundOutcome, RoundReport, SupervisedTrainer, Trainer,
 };
 use hora_common::tls::Identity;
 use hora_common::wire::ModelKind;
@@ -325,6 +325,10 @@ struct TrainArgs {
     /// was seen open and the update acknowledged (µs since the Unix epoch).
     #[arg(long, env = "HORA_TIMINGS")]
     timings: Option<PathBuf>,
+    /// Make every local training take at least this many seconds: simulates a slower device
+    /// (drills and benchmarks of a fleet whose speeds differ).
+    #[arg(long, env = "HORA_MIN_TRAIN_SECS")]
+    min_train_secs: Option<f64>,
     /// Fault drill for secure aggregation: vanish right after this stage of the first round
     /// (advertise, share-keys or masked-input), as a crashed device would.
     #[arg(long, hide = true, value_parser = parse_stage)]
@@ -365,7 +369,8 @@ impl TrainArgs {
             rounds,
             retry_for,
             seed,
-            timings
+            timings,
+            min_train_secs
         );
         self.no_progress |= file.no_progress;
         Ok(self)
@@ -509,7 +514,15 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
     let token = secret_or_file(args.token, args.token_file.as_deref())?;
     let client = Client::connect(config, token.as_deref()).await?;
     tracing::info!(client = client.id(), task = %task, "waiting for rounds");
-    let mut trainer = SupervisedTrainer::new(train, test, device)?.with_seed(args.seed);
+    let supervised = SupervisedTrainer::new(train, test, device)?.with_seed(args.seed);
+    let mut trainer: Box<dyn Trainer> = match args.min_train_secs {
+        Some(secs) if secs.is_finite() && secs >= 0.0 => Box::new(Paced {
+            inner: supervised,
+            min: Duration::from_secs_f64(secs),
+        }),
+        Some(secs) => anyhow::bail!("--min-train-secs must be a number of seconds ≥ 0, not {secs}"),
+        None => Box::new(supervised),
+    };
 
     let bar = if args.no_progress {
         ProgressBar::hidden()
@@ -553,7 +566,7 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
     let run = client
         .run(
             &task,
-            &mut trainer,
+            &mut *trainer,
             args.rounds,
             &mut progress,
             &mut on_round,

@@ -67,3 +67,22 @@ pub trait Trainer: Send + 'static {
     /// Trains from `global` on local data.
     fn train(&mut self, global: &Model, request: TrainRequest<'_>) -> Result<TrainOutcome>;
 }
+
+/// A trainer whose every training takes at least `min` (but never past the request's deadline):
+/// a slower device, simulated, for drills and benchmarks of a fleet whose speeds differ.
+pub struct Paced<T> {
+    pub inner: T,
+    pub min: std::time::Duration,
+}
+
+impl<T: Trainer> Trainer for Paced<T> {
+    fn train(&mut self, global: &Model, request: TrainRequest<'_>) -> Result<TrainOutcome> {
+        let started = Instant::now();
+        let until = (started + self.min).min(request.deadline);
+        let outcome = self.inner.train(global, request)?;
+        if let Some(rest) = until.checked_duration_since(Instant::now()) {
+            std::thread::sleep(rest);
+        }
+        Ok(outcome)
+    }
+}

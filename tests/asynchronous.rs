@@ -1,0 +1,262 @@
+//! Asynchronous (FedBuff) tasks against the real `hora-server` binary on loopback TLS: versions
+//! are the staleness-weighted average their buffers say, an update too stale is refused, a
+//! SIGKILL in the middle of a buffer loses no acknowledged update (and changes no model), and a
+//! fleet of fast and slow `hora-client` processes all contribute.
+
+mod support;
+
+use hora_common::model::Model;
+use hora_common::wire::{AsynchronousConfig, CreateTask, RoundOffer, RoundRecord, Staleness};
+use reqwest::{Method, StatusCode};
+use support::*;
+
+const TASK: &str = "buffered";
+const MAX_STALENESS: u64 = 2;
+const EXPONENT: f64 = 0.5;
+
+fn asynchronous_task(initial: hora_common::model::ModelDigest) -> CreateTask {
+    CreateTask {
+        asynchronous: Some(AsynchronousConfig {
+            buffer_size: 3,
+            max_staleness: MAX_STALENESS,
+            concurrency: 8,
+            staleness: Staleness::Polynomial { exponent: EXPONENT },
+        }),
+        ..task(TASK, initial, 4, 1, 1, 600)
+    }
+}
+
+/// One update of the scenario: the model it was trained from, its example count and delta.
+struct Update {
+    base: u64,
+    examples: u64,
+    delta: Model,
+}
+
+/// `global + Σ nᵢ·(1 + sᵢ)^-½·δᵢ / Σ nᵢ` for version `version`, computed independently in f64.
+fn fedbuff(global: &Model, version: u64, updates: &[&Update]) -> Model {
+    let total: f64 = updates.iter().map(|u| u.examples as f64).sum();
+    let mut out = global.clone();
+    for (i, g) in out.data_mut().iter_mut().enumerate() {
+        let s: f64 = updates
+            .iter()
+            .map(|u| {
+                let w = (1.0 + (version - u.base) as f64).powf(-EXPONENT);
+                u.examples as f64 * w * f64::from(u.delta.data()[i])
+            })
+            .sum();
+        *g = (f64::from(*g) + s / total) as f32;
+    }
+    out
+}
+
+/// The server of a scenario, restarted on the same address after each SIGKILL when `crash`.
+struct Run {
+    dir: tempfile::TempDir,
+    listen: String,
+    server: Option<Server>,
+    crash: bool,
+}
+
+impl Run {
+    fn start(crash: bool) -> Run {
+        let dir = tempfile::tempdir().unwrap();
+        let listen = format!("127.0.0.1:{}", free_port());
+        let server = Server::start_on(dir.path(), &listen, &[]);
+        Run {
+            dir,
+            listen,
+            server: Some(server),
+            crash,
+        }
+    }
+
+    fn server(&self) -> &Server {
+        self.server.as_ref().expect("running")
+    }
+
+    /// SIGKILL and start again, if this run crashes.
+    fn maybe_crash(&mut self) {
+        if self.crash {
+            self.server.take().expect("running").kill();
+            self.server = Some(Server::start_on(self.dir.path(), &self.listen, &[]));
+        }
+    }
+}
+
+/// The scenario: buffers of three, updates up to two versions stale, uploads in a fixed order;
+/// with `crash`, the server is SIGKILLed twice in the middle of a buffer (once with stale
+/// updates in it whose base version's key the restarted server must still have). Returns the
+/// published models of versions 1-3 (v0 is the initial model), the history, and the updates.
+async fn scenario(crash: bool) -> (Vec<Model>, Vec<RoundRecord>, Vec<Update>) {
+    let mut run = Run::start(crash);
+    let admin = run.server().api(ADMIN_TOKEN);
+    let initial = small_model();
+    let digest = admin.upload_model(&initial).await;
+    admin.create_task(&asynchronous_task(digest)).await;
+    let mut clients = Vec::new();
+    for _ in 0..7 {
+        clients.push(admin.enrol().await);
+    }
+    let mut updates: Vec<Update> = Vec::new();
+    // Everyone pulls version 1.
+    let mut offers: Vec<RoundOffer> = Vec::new();
+    for c in &clients {
+        offers.push(c.join(TASK).await);
+    }
+    let up = |k: usize, offer: &RoundOffer, examples: u64, seed: u64| {
+        let delta = delta(&initial, seed);
+        let body = clients[k].seal(TASK, offer, &delta);
+        let req = clients[k].upload_request(TASK, offer.round, examples, body.clone());
+        (
+            req,
+            body,
+            Update {
+                base: offer.round,
+                examples,
+                delta,
+            },
+        )
+    };
+
+    // Version 1's buffer: c0, c1, then a SIGKILL, then c1's acknowledged upload again and c2.
+    for (k, n, seed) in [(0, 10, 1), (1, 20, 2)] {
+        let (req, _, u) = up(k, &offers[k], n, seed);
+        run.server()
+            .api(ADMIN_TOKEN)
+            .ok::<serde_json::Value>(req)
+            .await;
+        updates.push(u);
+    }
+    run.maybe_crash();
+    let (_, body, _) = up(1, &offers[1], 20, 2);
+    let again = clients[1].upload_request(TASK, 1, 20, body);
+    let refused = run
+        .server()
+        .api(ADMIN_TOKEN)
+        .refused(again, StatusCode::CONFLICT, "already_contributed")
+        .await;
+    assert!(refused.contains("already"), "{refused}");
+    let (req, _, u) = up(2, &offers[2], 30, 3);
+    run.server()
+        .api(ADMIN_TOKEN)
+        .ok::<serde_json::Value>(req)
+        .await;
+    updates.push(u);
+
+    // Version 2's buffer: c3 (trained from v1), c0 again (from v2), a SIGKILL, c4 (from v1:
+    // the restarted server opens it with v1's key).
+    let (req, _, u) = up(3, &offers[3], 10, 4);
+    run.server()
+        .api(ADMIN_TOKEN)
+        .ok::<serde_json::Value>(req)
+        .await;
+    updates.push(u);
+    offers[0] = clients[0].join(TASK).await;
+    assert_eq!(offers[0].round, 2, "c0 pulls the current version");
+    let (req, _, u) = up(0, &offers[0], 10, 5);
+    run.server()
+        .api(ADMIN_TOKEN)
+        .ok::<serde_json::Value>(req)
+        .await;
+    updates.push(u);
+    run.maybe_crash();
+    let (req, _, u) = up(4, &offers[4], 40, 6);
+    run.server()
+        .api(ADMIN_TOKEN)
+        .ok::<serde_json::Value>(req)
+        .await;
+    updates.push(u);
+
+    // Version 3's buffer: c1 (from v3), c5 (from v1: two versions stale, the most allowed), c2
+    // (from v3). c6, still on v1, is then three versions behind: refused.
+    offers[1] = clients[1].join(TASK).await;
+    let (req, _, u) = up(1, &offers[1], 20, 7);
+    run.server()
+        .api(ADMIN_TOKEN)
+        .ok::<serde_json::Value>(req)
+        .await;
+    updates.push(u);
+    let (req, _, u) = up(5, &offers[5], 10, 8);
+    run.server()
+        .api(ADMIN_TOKEN)
+        .ok::<serde_json::Value>(req)
+        .await;
+    updates.push(u);
+    offers[2] = clients[2].join(TASK).await;
+    assert_eq!(offers[2].round, 3);
+    let (req, _, u) = up(2, &offers[2], 5, 9);
+    run.server()
+        .api(ADMIN_TOKEN)
+        .ok::<serde_json::Value>(req)
+        .await;
+    updates.push(u);
+
+    let admin = run.server().api(ADMIN_TOKEN);
+    let mut models = vec![initial.clone()];
+    for version in 1..=3 {
+        models.push(admin.round_model(TASK, version).await);
+    }
+    let (req, _, _) = up(6, &offers[6], 10, 10);
+    let refused = admin.refused(req, StatusCode::CONFLICT, "too_stale").await;
+    assert!(refused.contains("3 versions behind"), "{refused}");
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, &format!("/admin/v1/tasks/{TASK}/rounds")))
+        .await;
+    (models, history, updates)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn versions_are_the_staleness_weighted_average_of_their_buffers() {
+    let (models, history, u) = scenario(false).await;
+    // Independently: each version from the one before and the updates in its buffer, each
+    // weighted by its example count and (1 + staleness)^-½.
+    let v1 = fedbuff(&models[0], 1, &[&u[0], &u[1], &u[2]]);
+    assert_close(&models[1], &v1);
+    let v2 = fedbuff(&models[1], 2, &[&u[3], &u[4], &u[5]]);
+    assert_close(&models[2], &v2);
+    let v3 = fedbuff(&models[2], 3, &[&u[6], &u[7], &u[8]]);
+    assert_close(&models[3], &v3);
+    // The chain computed from the initial model alone agrees too.
+    let chained = fedbuff(
+        &fedbuff(&v1, 2, &[&u[3], &u[4], &u[5]]),
+        3,
+        &[&u[6], &u[7], &u[8]],
+    );
+    assert_close(&models[3], &chained);
+
+    let staleness: Vec<_> = history
+        .iter()
+        .map(|h| {
+            let s = h
+                .staleness
+                .as_ref()
+                .expect("an asynchronous version's staleness");
+            (h.round, s.bases.clone(), s.histogram.clone())
+        })
+        .collect();
+    assert_eq!(
+        staleness,
+        [
+            (1, vec![1, 1, 1], vec![3]),
+            (2, vec![1, 2, 1], vec![1, 2]),
+            (3, vec![3, 1, 3], vec![2, 0, 1]),
+        ]
+    );
+    assert_eq!(history[1].examples, 60);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sigkill_mid_buffer_loses_no_acknowledged_update_and_changes_no_model() {
+    let (calm, _, _) = scenario(false).await;
+    let (crashed, history, _) = scenario(true).await;
+    for (version, (a, b)) in calm.iter().zip(&crashed).enumerate() {
+        assert_eq!(
+            a.data(),
+            b.data(),
+            "version {version} differs after the SIGKILLs"
+        );
+    }
+    let contributions: usize = history.iter().map(|h| h.participants.len()).sum();
+    assert_eq!(contributions, 9, "every acknowledged update, once");
+}
