@@ -260,3 +260,61 @@ async fn a_sigkill_mid_buffer_loses_no_acknowledged_update_and_changes_no_model(
     let contributions: usize = history.iter().map(|h| h.participants.len()).sum();
     assert_eq!(contributions, 9, "every acknowledged update, once");
 }
+
+/// Six `hora-client train` processes whose local training takes 0.2 s to 2 s, buffers of four:
+/// every client's updates go into versions, stale ones included, and none is refused for its
+/// staleness; every acknowledged update is in the history.
+#[test]
+fn a_fleet_of_fast_and_slow_clients_all_contribute_and_none_is_refused_for_being_late() {
+    let (stdout, result) = run_example(
+        "asynchronous",
+        &[
+            "--clients",
+            "6",
+            "--fast-secs",
+            "0.2",
+            "--spread",
+            "10",
+            "--buffer",
+            "4",
+            "--versions",
+            "10",
+            "--datasets",
+            "iid",
+            "--json",
+        ],
+    );
+    println!("{stdout}");
+    let run = &result["iid"][0];
+    let counts = |key: &str| -> Vec<u64> {
+        run[key]
+            .as_array()
+            .unwrap_or_else(|| panic!("{key}"))
+            .iter()
+            .map(|v| v.as_u64().expect("count"))
+            .collect()
+    };
+    let acknowledged = counts("acknowledged");
+    let in_history = counts("in_history");
+    assert_eq!(run["published"], 10);
+    assert_eq!(
+        acknowledged, in_history,
+        "every acknowledged update is in a version"
+    );
+    assert_eq!(in_history.iter().sum::<u64>(), 40, "ten versions of four");
+    assert!(
+        in_history.iter().all(|n| *n >= 1),
+        "every client contributed, the slowest too: {in_history:?}"
+    );
+    assert!(
+        in_history[0] > in_history[5],
+        "the fastest contributed more often than the slowest: {in_history:?}"
+    );
+    assert_eq!(run["too_stale"], 0);
+    assert!(
+        run["max_staleness"].as_u64().expect("max staleness") >= 1,
+        "stale updates were taken"
+    );
+    // Only updates still in training when the task finished went unused.
+    assert!(run["updates_wasted"].as_u64().expect("wasted") <= 6);
+}

@@ -291,8 +291,16 @@ impl Client {
         if let Some(m) = self.state.cached_model(digest, &self.config.limits) {
             return Ok(m);
         }
-        let path = format!("/v1/tasks/{task}/model");
-        let bytes = self.download("downloading the model", &path).await?;
+        // Pinned to the digest: in an asynchronous task the version may move on meanwhile, and
+        // the server still hands out the one the offer names.
+        let path = format!("/v1/tasks/{task}/model?digest={}", digest.to_hex());
+        let bytes = match self.download("downloading the model", &path).await {
+            Ok(bytes) => bytes,
+            Err(e) if e.code() == Some(&ErrorCode::RoundClosed) => {
+                return Err(ClientError::RoundMovedOn(e.to_string()))
+            }
+            Err(e) => return Err(e),
+        };
         let model = Model::from_safetensors(&bytes, &self.config.limits)?;
         let got = model.digest();
         if got != *digest {

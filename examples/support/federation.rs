@@ -282,6 +282,19 @@ impl Federation {
         k: usize,
         extra: &[String],
     ) -> Result<String> {
+        self.spawn_named_shard_client(&format!("client-{k}"), task, data, k, extra)
+            .await
+    }
+
+    /// [`Federation::spawn_shard_client`] under the name `name` (its log and state directory).
+    pub async fn spawn_named_shard_client(
+        &mut self,
+        name: &str,
+        task: &str,
+        data: &str,
+        k: usize,
+        extra: &[String],
+    ) -> Result<String> {
         let token = self.enrolment_token().await?;
         let index = k.to_string();
         let mut args: Vec<String> = [
@@ -299,9 +312,43 @@ impl Federation {
         .map(String::from)
         .into();
         args.extend_from_slice(extra);
-        let name = format!("client-{k}");
-        self.spawn_client(&name, &token, &args)?;
-        Ok(name)
+        self.spawn_client(name, &token, &args)?;
+        Ok(name.to_string())
+    }
+
+    /// Kills every client started so far (by its id) and forgets them.
+    pub fn kill_clients(&mut self) {
+        for (_, child) in &mut self.clients {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.clients.clear();
+    }
+
+    /// Every enrolled client's label, by client id.
+    pub async fn client_ids(&self) -> Result<std::collections::HashMap<String, String>> {
+        let clients: Vec<hora_common::wire::ClientInfo> =
+            self.json(self.admin(Method::GET, "/clients")).await?;
+        Ok(clients
+            .into_iter()
+            .filter_map(|c| Some((c.client_id, c.label?)))
+            .collect())
+    }
+
+    /// The server's Prometheus metrics, as text.
+    pub async fn metrics(&self) -> Result<String> {
+        Ok(self
+            .send(self.http.get(format!("{}/metrics", self.url)))
+            .await?
+            .text()
+            .await?)
+    }
+
+    /// Stops `task` (its open round is abandoned; clients still training are told so).
+    pub async fn stop_task(&self, task: &str) -> Result<()> {
+        self.send(self.admin(Method::POST, &format!("/tasks/{task}/stop")))
+            .await?;
+        Ok(())
     }
 
     pub fn log_path(&self, name: &str) -> PathBuf {

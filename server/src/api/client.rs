@@ -125,19 +125,35 @@ pub async fn join(
     Ok(Json(state.coordinator.join(&task, &auth.id)?))
 }
 
-#[utoipa::path(get, path = "/v1/tasks/{task}/model", tag = "client", params(("task" = String, Path)),
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ModelQuery {
+    /// The digest (hex) of the model the client's offer names: the current global model, or in
+    /// an asynchronous task one of the versions updates may still be trained from.
+    #[param(pattern = "^[0-9a-f]{64}$")]
+    digest: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{task}/model", tag = "client", params(("task" = String, Path), ModelQuery),
     security(("client_credentials" = [])),
     responses((status = 200, body = inline(super::doc::Binary), content_type = "application/octet-stream",
-            description = "the global model (safetensors); ETag is its digest"),
-        (status = 304, description = "unchanged: `If-None-Match` names the current digest")))]
+            description = "the global model (safetensors), or the one `digest` names; ETag is its digest"),
+        (status = 304, description = "unchanged: `If-None-Match` names the digest"),
+        (status = 409, body = ApiError, description = "`round_closed`: the model `digest` names is no longer handed out (the task moved on); poll and join again"),
+        (status = 410, body = ApiError, description = "`model_pruned`: the model `digest` names was removed by the retention policy")))]
 pub async fn model(
     State(state): State<Shared>,
     _auth: ClientAuth,
     ApiPath(task): ApiPath<String>,
+    ApiQuery(q): ApiQuery<ModelQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ServerError> {
     let task = state.coordinator.task(&task)?;
-    model_response(&state, task.global_model(), &headers).await
+    let digest = match q.digest {
+        None => task.global_model(),
+        Some(hex) => state.coordinator.served_model(&task, &hex)?,
+    };
+    model_response(&state, digest, &headers).await
 }
 
 pub(crate) async fn model_response(

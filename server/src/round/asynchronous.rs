@@ -161,6 +161,15 @@ impl AsyncCollection {
         state.earlier.retain(|v, _| *v >= oldest);
     }
 
+    /// Whether `digest` is the base model of an earlier version updates may still be trained
+    /// from (clients that pulled it may download it).
+    pub(crate) fn serves(&self, digest: &ModelDigest) -> bool {
+        lock(&self.state)
+            .earlier
+            .values()
+            .any(|e| e.base == *digest)
+    }
+
     /// The earlier versions' keys, as the open round's record keeps them.
     pub(crate) fn earlier_records(&self) -> Vec<EarlierVersion> {
         lock(&self.state)

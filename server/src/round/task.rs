@@ -205,6 +205,35 @@ impl Coordinator {
         Ok(self.info(&task))
     }
 
+    /// The model with digest `hex` if clients of `task` may download it: the current global
+    /// model, or (asynchronous tasks) the base of a version updates may still be trained from.
+    pub fn served_model(&self, task: &Task, hex: &str) -> Result<ModelDigest, ServerError> {
+        let digest = ModelDigest::from_hex(hex)
+            .map_err(|e| ServerError::BadRequest(format!("digest: {e}")))?;
+        let current = task.global_model();
+        let earlier = task.current().is_some_and(|r| {
+            r.collection
+                .asynchronous()
+                .is_some_and(|a| a.serves(&digest))
+        });
+        if digest != current && !earlier {
+            return Err(ServerError::conflict(
+                ErrorCode::RoundClosed,
+                format!(
+                    "model {hex} is no longer handed out: task `{}` moved on; poll and join again",
+                    task.id
+                ),
+            ));
+        }
+        if !self.store.model_path(&digest).exists() {
+            return Err(ServerError::Gone {
+                code: ErrorCode::ModelPruned,
+                message: format!("model {hex} was removed by the server's retention policy (--retain-rounds-last, --retain-rounds-every)"),
+            });
+        }
+        Ok(digest)
+    }
+
     pub fn history(&self, task: &Task) -> Result<Vec<RoundRecord>, ServerError> {
         Ok(self.store.history(&task.id)?)
     }
