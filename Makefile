@@ -52,6 +52,8 @@ bench:
 	cargo bench -p hora --bench hostile; \
 	cargo build --release -p hora-client --bins; \
 	cargo bench -p hora --bench round_latency; \
+	cargo build --release --example asynchronous; \
+	target/release/examples/asynchronous; \
 	cargo build --release --example collective; \
 	cargo bench -p hora --bench allreduce
 

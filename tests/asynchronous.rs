@@ -84,10 +84,49 @@ impl Run {
     }
 }
 
-/// The scenario: buffers of three, updates up to two versions stale, uploads in a fixed order;
-/// with `crash`, the server is SIGKILLed twice in the middle of a buffer (once with stale
-/// updates in it whose base version's key the restarted server must still have). Returns the
-/// published models of versions 1-3 (v0 is the initial model), the history, and the updates.
+/// One step of the scenario.
+enum Step {
+    /// Client `.0` uploads an update of `.1` examples (delta seed `.2`) from the version it
+    /// pulled last.
+    Up(usize, u64, u64),
+    /// Client `.0` pulls again and gets version `.1`.
+    Pull(usize, u64),
+    /// Client `.0` sends its last (acknowledged) upload again: refused as already contributed.
+    Again(usize),
+    /// SIGKILL and restart, in the crashing run.
+    Crash,
+}
+
+use Step::*;
+
+/// Buffers of three, updates up to two versions stale, seven clients that all pull version 1 and
+/// then upload in this order; the crashing run is SIGKILLed twice in the middle of a buffer, the
+/// second time with a stale update in it and more to come trained from version 1 (whose key the
+/// restarted server must still have).
+const SCRIPT: &[Step] = &[
+    // Version 1's buffer.
+    Up(0, 10, 1),
+    Up(1, 20, 2),
+    Crash,
+    Again(1),
+    Up(2, 30, 3),
+    // Version 2's: c3 trained from v1, c0 from v2, then c4 from v1.
+    Up(3, 10, 4),
+    Pull(0, 2),
+    Up(0, 10, 5),
+    Crash,
+    Up(4, 40, 6),
+    // Version 3's: c1 from v3, c5 from v1 (two versions stale, the most allowed), c2 from v3.
+    Pull(1, 3),
+    Up(1, 20, 7),
+    Up(5, 10, 8),
+    Pull(2, 3),
+    Up(2, 5, 9),
+];
+
+/// Runs [`SCRIPT`] (with its SIGKILLs when `crash`); then client 6, still on version 1, three
+/// versions behind, is refused. Returns the models of versions 0-3, the history, and the
+/// updates in the order they were acknowledged.
 async fn scenario(crash: bool) -> (Vec<Model>, Vec<RoundRecord>, Vec<Update>) {
     let mut run = Run::start(crash);
     let admin = run.server().api(ADMIN_TOKEN);
@@ -95,109 +134,52 @@ async fn scenario(crash: bool) -> (Vec<Model>, Vec<RoundRecord>, Vec<Update>) {
     let digest = admin.upload_model(&initial).await;
     admin.create_task(&asynchronous_task(digest)).await;
     let mut clients = Vec::new();
-    for _ in 0..7 {
-        clients.push(admin.enrol().await);
-    }
-    let mut updates: Vec<Update> = Vec::new();
-    // Everyone pulls version 1.
     let mut offers: Vec<RoundOffer> = Vec::new();
-    for c in &clients {
-        offers.push(c.join(TASK).await);
+    for _ in 0..7 {
+        let client = admin.enrol().await;
+        offers.push(client.join(TASK).await);
+        clients.push(client);
     }
-    let up = |k: usize, offer: &RoundOffer, examples: u64, seed: u64| {
-        let delta = delta(&initial, seed);
-        let body = clients[k].seal(TASK, offer, &delta);
-        let req = clients[k].upload_request(TASK, offer.round, examples, body.clone());
-        (
-            req,
-            body,
-            Update {
-                base: offer.round,
-                examples,
-                delta,
-            },
-        )
-    };
-
-    // Version 1's buffer: c0, c1, then a SIGKILL, then c1's acknowledged upload again and c2.
-    for (k, n, seed) in [(0, 10, 1), (1, 20, 2)] {
-        let (req, _, u) = up(k, &offers[k], n, seed);
-        run.server()
-            .api(ADMIN_TOKEN)
-            .ok::<serde_json::Value>(req)
-            .await;
-        updates.push(u);
+    let mut last: Vec<Option<(u64, Vec<u8>)>> = vec![None; clients.len()];
+    let mut updates: Vec<Update> = Vec::new();
+    for step in SCRIPT {
+        match *step {
+            Up(k, examples, seed) => {
+                let delta = delta(&initial, seed);
+                let body = clients[k].seal(TASK, &offers[k], &delta);
+                let req = clients[k].upload_request(TASK, offers[k].round, examples, body.clone());
+                admin.ok::<serde_json::Value>(req).await;
+                last[k] = Some((examples, body));
+                updates.push(Update {
+                    base: offers[k].round,
+                    examples,
+                    delta,
+                });
+            }
+            Pull(k, version) => {
+                offers[k] = clients[k].join(TASK).await;
+                assert_eq!(
+                    offers[k].round, version,
+                    "client {k} pulls the current version"
+                );
+            }
+            Again(k) => {
+                let (examples, body) = last[k].clone().expect("an earlier upload");
+                let req = clients[k].upload_request(TASK, offers[k].round, examples, body);
+                admin
+                    .refused(req, StatusCode::CONFLICT, "already_contributed")
+                    .await;
+            }
+            Crash => run.maybe_crash(),
+        }
     }
-    run.maybe_crash();
-    let (_, body, _) = up(1, &offers[1], 20, 2);
-    let again = clients[1].upload_request(TASK, 1, 20, body);
-    let refused = run
-        .server()
-        .api(ADMIN_TOKEN)
-        .refused(again, StatusCode::CONFLICT, "already_contributed")
-        .await;
-    assert!(refused.contains("already"), "{refused}");
-    let (req, _, u) = up(2, &offers[2], 30, 3);
-    run.server()
-        .api(ADMIN_TOKEN)
-        .ok::<serde_json::Value>(req)
-        .await;
-    updates.push(u);
-
-    // Version 2's buffer: c3 (trained from v1), c0 again (from v2), a SIGKILL, c4 (from v1:
-    // the restarted server opens it with v1's key).
-    let (req, _, u) = up(3, &offers[3], 10, 4);
-    run.server()
-        .api(ADMIN_TOKEN)
-        .ok::<serde_json::Value>(req)
-        .await;
-    updates.push(u);
-    offers[0] = clients[0].join(TASK).await;
-    assert_eq!(offers[0].round, 2, "c0 pulls the current version");
-    let (req, _, u) = up(0, &offers[0], 10, 5);
-    run.server()
-        .api(ADMIN_TOKEN)
-        .ok::<serde_json::Value>(req)
-        .await;
-    updates.push(u);
-    run.maybe_crash();
-    let (req, _, u) = up(4, &offers[4], 40, 6);
-    run.server()
-        .api(ADMIN_TOKEN)
-        .ok::<serde_json::Value>(req)
-        .await;
-    updates.push(u);
-
-    // Version 3's buffer: c1 (from v3), c5 (from v1: two versions stale, the most allowed), c2
-    // (from v3). c6, still on v1, is then three versions behind: refused.
-    offers[1] = clients[1].join(TASK).await;
-    let (req, _, u) = up(1, &offers[1], 20, 7);
-    run.server()
-        .api(ADMIN_TOKEN)
-        .ok::<serde_json::Value>(req)
-        .await;
-    updates.push(u);
-    let (req, _, u) = up(5, &offers[5], 10, 8);
-    run.server()
-        .api(ADMIN_TOKEN)
-        .ok::<serde_json::Value>(req)
-        .await;
-    updates.push(u);
-    offers[2] = clients[2].join(TASK).await;
-    assert_eq!(offers[2].round, 3);
-    let (req, _, u) = up(2, &offers[2], 5, 9);
-    run.server()
-        .api(ADMIN_TOKEN)
-        .ok::<serde_json::Value>(req)
-        .await;
-    updates.push(u);
-
     let admin = run.server().api(ADMIN_TOKEN);
     let mut models = vec![initial.clone()];
     for version in 1..=3 {
         models.push(admin.round_model(TASK, version).await);
     }
-    let (req, _, _) = up(6, &offers[6], 10, 10);
+    let body = clients[6].seal(TASK, &offers[6], &delta(&initial, 10));
+    let req = clients[6].upload_request(TASK, offers[6].round, 10, body);
     let refused = admin.refused(req, StatusCode::CONFLICT, "too_stale").await;
     assert!(refused.contains("3 versions behind"), "{refused}");
     let history: Vec<RoundRecord> = admin

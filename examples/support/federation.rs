@@ -344,9 +344,9 @@ impl Federation {
             .await?)
     }
 
-    /// Stops `task` (its open round is abandoned; clients still training are told so).
-    pub async fn stop_task(&self, task: &str) -> Result<()> {
-        self.send(self.admin(Method::POST, &format!("/tasks/{task}/stop")))
+    /// `pause`s, `resume`s or `stop`s `task`.
+    pub async fn task_verb(&self, task: &str, verb: &str) -> Result<()> {
+        self.send(self.admin(Method::POST, &format!("/tasks/{task}/{verb}")))
             .await?;
         Ok(())
     }

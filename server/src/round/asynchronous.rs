@@ -30,19 +30,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use hora_common::envelope::RoundSecretKey;
-use hora_common::kernel::WeightedSum;
 use hora_common::model::{ModelDigest, ModelView};
-use hora_common::wire::{
-    self, AsynchronousConfig, ErrorCode, RoundOffer, SecAggOffer, VersionStaleness,
-};
+use hora_common::wire::{self, AsynchronousConfig, ErrorCode, VersionStaleness};
 use rand::Rng;
-use tokio::sync::watch;
 
 use super::collection::{Collection, Step};
 use super::plain::{already_contributed, Admission, Sealing};
 use super::{lock, now_ms, Ending, Round, Task};
 use crate::error::ServerError;
-use crate::secagg::SecAggRound;
 use crate::store::{Contribution, EarlierVersion, OpenRoundRecord, Store, TaskRecord};
 
 /// Buffered asynchronous aggregation. One collection serves every version of its task.
@@ -242,15 +237,7 @@ impl AsyncCollection {
         let until = now + self.slot_ms;
         state.slots.insert(client.to_string(), until);
         Ok(wire::JoinResponse {
-            offer: Some(RoundOffer {
-                round: round.number,
-                model: round.base,
-                model_kind: record.config.model.clone(),
-                round_key: round.key.public_key(),
-                deadline_unix_ms: until,
-                training: record.config.training.clone(),
-                secure_aggregation: None,
-            }),
+            offer: Some(round.offer(record, until)),
             retry_after_ms: 0,
         })
     }
@@ -393,24 +380,8 @@ impl Collection for AsyncCollection {
         "asynchronous"
     }
 
-    fn admit_join(&self, _: &Store, _: &str, _: &str) -> Result<bool, ServerError> {
-        Ok(true) // slots are given by `join`
-    }
-
-    fn offer(&self) -> Option<SecAggOffer> {
-        None
-    }
-
-    fn check_sealed_upload(&self, _: &str) -> Result<(), ServerError> {
-        Ok(())
-    }
-
     fn next_deadline(&self, _: &Round) -> u64 {
         u64::MAX // a version is published when its buffer is full, never for the time
-    }
-
-    fn changes(&self) -> Option<watch::Receiver<u64>> {
-        None
     }
 
     fn at_deadline(&self, _: &Store) -> Result<Step, ServerError> {
@@ -421,30 +392,8 @@ impl Collection for AsyncCollection {
         None // the buffer takes more updates meanwhile; the watcher closes it again
     }
 
-    fn examples(&self, contributions: &[Contribution], _: &WeightedSum) -> u64 {
-        contributions
-            .iter()
-            .fold(0u64, |sum, c| sum.saturating_add(c.examples))
-    }
-
     fn restarts_on_resume(&self) -> bool {
         true
-    }
-
-    fn persist_new(&self, _: &Store) -> Result<(), ServerError> {
-        Ok(()) // the keys travel in the open round's record
-    }
-
-    fn clear(&self, _: &Store, _: &str) -> Result<(), ServerError> {
-        Ok(())
-    }
-
-    fn leftover_file(&self) -> Option<String> {
-        None
-    }
-
-    fn secure(&self) -> Option<&Arc<SecAggRound>> {
-        None
     }
 
     fn asynchronous(&self) -> Option<&AsyncCollection> {

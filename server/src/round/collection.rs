@@ -45,19 +45,27 @@ pub trait Collection: Send + Sync {
 
     /// Whether `client` may join now: `Ok(false)` tells it to come back later, an error refuses
     /// it for good (it cannot take part in this mode as it is).
-    fn admit_join(&self, store: &Store, task: &str, client: &str) -> Result<bool, ServerError>;
+    fn admit_join(&self, _store: &Store, _task: &str, _client: &str) -> Result<bool, ServerError> {
+        Ok(true)
+    }
 
     /// What a round offer carries for this mode.
-    fn offer(&self) -> Option<SecAggOffer>;
+    fn offer(&self) -> Option<SecAggOffer> {
+        None
+    }
 
     /// Refuses a sealed upload unless that is how this mode's updates arrive.
-    fn check_sealed_upload(&self, task: &str) -> Result<(), ServerError>;
+    fn check_sealed_upload(&self, _task: &str) -> Result<(), ServerError> {
+        Ok(())
+    }
 
     /// When the deadline watcher must next look at the round (Unix ms).
     fn next_deadline(&self, round: &Round) -> u64;
 
     /// Changes that move [`Collection::next_deadline`] early (a stage that closed).
-    fn changes(&self) -> Option<watch::Receiver<u64>>;
+    fn changes(&self) -> Option<watch::Receiver<u64>> {
+        None
+    }
 
     /// What is due now that the round's deadline has passed. Blocking (it may write the store).
     fn at_deadline(&self, store: &Store) -> Result<Step, ServerError>;
@@ -67,7 +75,11 @@ pub trait Collection: Send + Sync {
     fn retry_after_failed_close(&self, ending: Ending) -> Option<Ending>;
 
     /// The round's example count for its history.
-    fn examples(&self, contributions: &[Contribution], sum: &WeightedSum) -> u64;
+    fn examples(&self, contributions: &[Contribution], _sum: &WeightedSum) -> u64 {
+        contributions
+            .iter()
+            .fold(0u64, |sum, c| sum.saturating_add(c.examples))
+    }
 
     /// The task was resumed after a pause: whether the round gets a whole deadline again (and
     /// closes at once if it is full).
@@ -75,16 +87,24 @@ pub trait Collection: Send + Sync {
 
     /// Stores what a new attempt of this mode needs to survive a restart (and drops what an
     /// older attempt stored).
-    fn persist_new(&self, store: &Store) -> Result<(), ServerError>;
+    fn persist_new(&self, _store: &Store) -> Result<(), ServerError> {
+        Ok(())
+    }
 
     /// Drops what the mode stored for `task` once its rounds are over.
-    fn clear(&self, store: &Store, task: &str) -> Result<(), ServerError>;
+    fn clear(&self, _store: &Store, _task: &str) -> Result<(), ServerError> {
+        Ok(())
+    }
 
     /// A file the mode wrote for the round, removed once the round has closed.
-    fn leftover_file(&self) -> Option<String>;
+    fn leftover_file(&self) -> Option<String> {
+        None
+    }
 
     /// The secure-aggregation protocol of the round, when that is its mode.
-    fn secure(&self) -> Option<&Arc<SecAggRound>>;
+    fn secure(&self) -> Option<&Arc<SecAggRound>> {
+        None
+    }
 
     /// The asynchronous collection, when that is the round's mode.
     fn asynchronous(&self) -> Option<&AsyncCollection> {

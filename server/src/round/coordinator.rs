@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use hora_common::envelope::RoundSecretKey;
 use hora_common::kernel::WeightedSum;
-use hora_common::wire::{self, ErrorCode, RoundOffer, TaskState};
+use hora_common::wire::{self, ErrorCode, TaskState};
 use rand::Rng;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
@@ -329,10 +329,15 @@ impl Coordinator {
         loop {
             let state = task.state();
             let round = task.current();
-            let ready = state != TaskState::Running
-                || round
+            let ready = match state {
+                TaskState::Running => round
                     .as_ref()
-                    .is_some_and(|r| after.is_none_or(|a| r.number > a));
+                    .is_some_and(|r| after.is_none_or(|a| r.number > a)),
+                // A paused task holds the poll until it is resumed (or the wait is over), so a
+                // resumed task has its clients back at once.
+                TaskState::Paused => false,
+                TaskState::Stopped | TaskState::Finished => true,
+            };
             if ready || tokio::time::Instant::now() >= deadline {
                 let (selected, contributed) = round
                     .as_ref()
@@ -353,7 +358,11 @@ impl Coordinator {
                     open_round: round.map(|r| r.number),
                     selected,
                     contributed,
-                    retry_after_ms: self.retry_after(&task),
+                    retry_after_ms: match state {
+                        // The poll has waited already: come straight back.
+                        TaskState::Paused => rand::rng().random_range(100..=1_000),
+                        _ => self.retry_after(&task),
+                    },
                 };
             }
             if tokio::time::timeout_at(deadline, changed.changed())
@@ -428,15 +437,7 @@ impl Coordinator {
         }
         task.bump();
         Ok(wire::JoinResponse {
-            offer: Some(RoundOffer {
-                round: round.number,
-                model: round.base,
-                model_kind: record.config.model.clone(),
-                round_key: round.key.public_key(),
-                deadline_unix_ms: round.deadline(),
-                training: record.config.training.clone(),
-                secure_aggregation: round.collection.offer(),
-            }),
+            offer: Some(round.offer(&record, round.deadline())),
             retry_after_ms: 0,
         })
     }

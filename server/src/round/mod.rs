@@ -57,7 +57,7 @@ pub use phase::{Ending, Phase};
 pub use plain::{open_update, upload_limit, Admission, Sealing};
 pub use task::Task;
 
-use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord};
+use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord, TaskRecord};
 
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -162,6 +162,19 @@ impl Round {
     /// The round's phase now.
     pub fn phase(&self) -> Phase {
         lock(&self.acc).phase.clone()
+    }
+
+    /// What a client admitted to this attempt is told; it must be done by `deadline_unix_ms`.
+    pub(crate) fn offer(&self, record: &TaskRecord, deadline_unix_ms: u64) -> wire::RoundOffer {
+        wire::RoundOffer {
+            round: self.number,
+            model: self.base,
+            model_kind: record.config.model.clone(),
+            round_key: self.key.public_key(),
+            deadline_unix_ms,
+            training: record.config.training.clone(),
+            secure_aggregation: self.collection.offer(),
+        }
     }
 
     pub(crate) fn record(&self, acc: &Accumulator) -> OpenRoundRecord {

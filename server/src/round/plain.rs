@@ -12,15 +12,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hora_common::envelope::{self, Binding, RoundSecretKey};
-use hora_common::kernel::WeightedSum;
 use hora_common::model::{ModelDigest, ModelSpec, ModelView};
-use hora_common::wire::{self, ErrorCode, SecAggOffer, TaskState, UpdateMeta};
-use tokio::sync::watch;
+use hora_common::wire::{self, ErrorCode, TaskState, UpdateMeta};
 
 use super::collection::{Collection, Step};
 use super::{lock, Coordinator, Ending, Round, Task};
 use crate::error::ServerError;
-use crate::secagg::SecAggRound;
 use crate::store::{Contribution, Store};
 
 /// Sealed uploads, folded as they arrive.
@@ -31,24 +28,8 @@ impl Collection for PlainCollection {
         "plain"
     }
 
-    fn admit_join(&self, _: &Store, _: &str, _: &str) -> Result<bool, ServerError> {
-        Ok(true)
-    }
-
-    fn offer(&self) -> Option<SecAggOffer> {
-        None
-    }
-
-    fn check_sealed_upload(&self, _: &str) -> Result<(), ServerError> {
-        Ok(())
-    }
-
     fn next_deadline(&self, round: &Round) -> u64 {
         round.deadline()
-    }
-
-    fn changes(&self) -> Option<watch::Receiver<u64>> {
-        None
     }
 
     fn at_deadline(&self, _: &Store) -> Result<Step, ServerError> {
@@ -60,30 +41,8 @@ impl Collection for PlainCollection {
         None // the sum can take more updates; the watcher closes it again
     }
 
-    fn examples(&self, contributions: &[Contribution], _: &WeightedSum) -> u64 {
-        contributions
-            .iter()
-            .fold(0u64, |sum, c| sum.saturating_add(c.examples))
-    }
-
     fn restarts_on_resume(&self) -> bool {
         true
-    }
-
-    fn persist_new(&self, _: &Store) -> Result<(), ServerError> {
-        Ok(())
-    }
-
-    fn clear(&self, _: &Store, _: &str) -> Result<(), ServerError> {
-        Ok(())
-    }
-
-    fn leftover_file(&self) -> Option<String> {
-        None
-    }
-
-    fn secure(&self) -> Option<&Arc<SecAggRound>> {
-        None
     }
 }
 
@@ -199,6 +158,7 @@ impl Coordinator {
                 if folded {
                     me.metrics.ingest_seconds.observe(started.elapsed().as_secs_f64());
                     me.metrics.update_staleness(&task.id, round.number - sealed_round);
+                    me.metrics.async_training(&task.id, buffer.training());
                     me.close_if_full(&task, &round);
                 }
                 return Ok((round, index, folded));

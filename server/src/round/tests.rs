@@ -275,3 +275,23 @@ async fn asynchronous_versions_fold_stale_updates_down_weighted_and_refuse_too_s
     );
     assert_eq!(history[1].participants, ["c", "a"]);
 }
+
+#[tokio::test]
+async fn a_poll_of_a_paused_task_is_held_until_it_is_resumed() {
+    let e = engine();
+    let task = e.create("t", 1, 1, 600);
+    e.set_state(&task, TaskState::Paused).await;
+    let (c, t) = (e.coordinator.clone(), task.clone());
+    let poll = tokio::spawn(async move { c.poll(t, "a", None, Duration::from_secs(20)).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!poll.is_finished(), "answered while the task is paused");
+    let resumed = std::time::Instant::now();
+    e.set_state(&task, TaskState::Running).await;
+    let answer = poll.await.unwrap();
+    assert_eq!(answer.state, TaskState::Running);
+    assert_eq!(answer.open_round, Some(1));
+    assert!(
+        resumed.elapsed() < Duration::from_secs(10),
+        "held past the resume"
+    );
+}
