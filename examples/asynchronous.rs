@@ -200,7 +200,7 @@ async fn run_mode(
         secure_aggregation: None,
         update_bounds: Default::default(),
         differential_privacy: None,
-        asynchronous: (mode == Mode::Async).then(|| AsynchronousConfig {
+        asynchronous: (mode == Mode::Async).then_some(AsynchronousConfig {
             buffer_size: args.buffer,
             max_staleness: args.max_staleness,
             concurrency: args.clients as u32,
@@ -253,9 +253,10 @@ async fn run_mode(
     }
     // Enrolled clients poll at once; their polls are held while the task is paused.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    fed.task_verb(&task, "resume").await?;
+    // (Clocks first: a client's held poll may see the resume before its answer reaches us.)
     let started = Instant::now();
     let started_us = unix_us();
+    fed.task_verb(&task, "resume").await?;
     let limit = Duration::from_secs(args.time_limit);
     let mut scored = 0;
     let mut best = 0.0f64;
