@@ -13,13 +13,13 @@ use utoipa::ToSchema;
 pub enum Staleness {
     /// Every update weighs the same, however stale.
     Constant,
-    /// `(1 + s)^-exponent`: FedBuff's choice, with exponent 0.5.
+    /// `(1 + s)^-exponent`: FedBuff's choice, with exponent 0.5 (at most 10).
     Polynomial {
         #[serde(default = "half")]
         exponent: f64,
     },
     /// Full weight up to `after` versions, then `1 / (slope·(s − after) + 1)` (Xie et al.,
-    /// FedAsync).
+    /// FedAsync; `slope` at most 1e6).
     Hinge {
         #[serde(default = "ten")]
         slope: f64,
@@ -64,12 +64,12 @@ impl Staleness {
     pub fn check(&self) -> Result<(), String> {
         match *self {
             Staleness::Constant => Ok(()),
-            Staleness::Polynomial { exponent } if exponent.is_finite() && exponent >= 0.0 => Ok(()),
+            Staleness::Polynomial { exponent } if (0.0..=10.0).contains(&exponent) => Ok(()),
             Staleness::Polynomial { .. } => {
-                Err("staleness.exponent must be a finite number ≥ 0".into())
+                Err("staleness.exponent must be between 0 and 10".into())
             }
-            Staleness::Hinge { slope, .. } if slope.is_finite() && slope >= 0.0 => Ok(()),
-            Staleness::Hinge { .. } => Err("staleness.slope must be a finite number ≥ 0".into()),
+            Staleness::Hinge { slope, .. } if (0.0..=1e6).contains(&slope) => Ok(()),
+            Staleness::Hinge { .. } => Err("staleness.slope must be between 0 and 1e6".into()),
         }
     }
 }

@@ -55,6 +55,10 @@ struct State {
     /// from a later version. (Entries older than the staleness window are refused as too stale
     /// anyway.)
     last_base: HashMap<String, u64>,
+    /// What each fold into an attempt that is still open changed in `last_base`: (version,
+    /// attempt, client, the client's base before). An abandoned attempt's updates never count,
+    /// so their clients get their earlier base back (and may train from that version again).
+    undo: Vec<(u64, u32, String, Option<u64>)>,
     /// Clients holding a training slot, with when the slot lapses (Unix ms).
     slots: HashMap<String, u64>,
     /// Moving average of the time between accepted updates (ms), for pace steering.
@@ -75,6 +79,7 @@ impl AsyncCollection {
             state: Mutex::new(State {
                 earlier: BTreeMap::new(),
                 last_base: HashMap::new(),
+                undo: Vec::new(),
                 slots: HashMap::new(),
                 interval_ms: 1_000.0,
                 last_fold: None,
@@ -106,23 +111,24 @@ impl AsyncCollection {
             );
         }
         let oldest = open.round.saturating_sub(config.max_staleness);
-        let mut note = |client: &str, base: u64| {
-            let last = state.last_base.entry(client.to_string()).or_insert(base);
-            *last = (*last).max(base);
-        };
         for version in store.history(&record.config.id)? {
-            if version.round < oldest {
+            // Abandoned versions' updates never counted: they do not hold their clients back.
+            if version.round < oldest || version.model.is_none() {
                 continue;
             }
             if let Some(s) = &version.staleness {
                 for (client, base) in version.participants.iter().zip(&s.bases) {
-                    note(client, *base);
+                    let last = state.last_base.entry(client.clone()).or_insert(*base);
+                    *last = (*last).max(*base);
                 }
             }
         }
         for c in open.checkpoint.iter().flat_map(|c| &c.contributions) {
             if let Some(base) = c.base {
-                note(&c.client, base);
+                let before = state.last_base.insert(c.client.clone(), base);
+                state
+                    .undo
+                    .push((open.round, open.attempt, c.client.clone(), before));
             }
         }
         drop(state);
@@ -163,6 +169,29 @@ impl AsyncCollection {
             .earlier
             .values()
             .any(|e| e.base == *digest)
+    }
+
+    /// The attempt `round` is closed: published, its updates count for good; abandoned, its
+    /// clients get their earlier base back.
+    pub(crate) fn settle(&self, round: &Round, abandoned: bool) {
+        let mut state = lock(&self.state);
+        let State {
+            undo, last_base, ..
+        } = &mut *state;
+        let mut i = undo.len();
+        while i > 0 {
+            i -= 1;
+            if (undo[i].0, undo[i].1) != (round.number, round.attempt) {
+                continue;
+            }
+            let (_, _, client, before) = undo.remove(i);
+            if abandoned {
+                match before {
+                    Some(base) => last_base.insert(client, base),
+                    None => last_base.remove(&client),
+                };
+            }
+        }
     }
 
     /// The earlier versions' keys, as the open round's record keeps them.
@@ -339,15 +368,28 @@ impl AsyncCollection {
             {
                 return Ok((round.clone(), index, false));
             }
-            let mut state = lock(&self.state);
-            if state.last_base.get(client).is_some_and(|b| *b >= base) {
+            // (The collection's state is shared by every version and read by polls and joins:
+            // never held across the model-sized fold. The round's lock, held throughout, keeps
+            // the check and the record together.)
+            if lock(&self.state)
+                .last_base
+                .get(client)
+                .is_some_and(|b| *b >= base)
+            {
                 return Err(already_contributed(client, base));
             }
             let factor = self.config.staleness.weight(staleness);
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(too_stale(base, round.number, self.config.max_staleness));
+            }
             acc.sum
                 .add_view_scaled(update.examples as f64, scale * factor, view)
                 .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
-            state.last_base.insert(client.clone(), base);
+            let mut state = lock(&self.state);
+            let before = state.last_base.insert(client.clone(), base);
+            state
+                .undo
+                .push((round.number, round.attempt, client.clone(), before));
             state.slots.remove(client);
             let now = Instant::now();
             if let Some(last) = state.last_fold.replace(now) {

@@ -121,6 +121,9 @@ impl Coordinator {
         if let Some(file) = round.collection.leftover_file() {
             self.store.remove_checkpoint(&file);
         }
+        if let Some(buffer) = round.collection.asynchronous() {
+            buffer.settle(round, tally.abandon.is_some());
+        }
         let outcome = tally.abandon.clone().map_or(Ok(()), Err);
         acc.phase.closed(outcome).map_err(ServerError::internal)?;
         match &tally.abandon {
@@ -155,10 +158,15 @@ impl Coordinator {
         // Off the publish → wake-up path: pollers already know of the next round.
         if tally.abandon.is_none() {
             let published = tally.record.published;
-            match self
-                .store
-                .prune_models(&task.id, self.config.retention, published)
-            {
+            let mut retention = self.config.retention;
+            if let Some(buffer) = round.collection.asynchronous() {
+                // Clients may still download (and train from) any version within the staleness
+                // window.
+                if retention.last != 0 || retention.every != 0 {
+                    retention.last = retention.last.max(buffer.config().max_staleness + 1);
+                }
+            }
+            match self.store.prune_models(&task.id, retention, published) {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(task = %task.id, files = n, "pruned round models"),
                 Err(e) => {

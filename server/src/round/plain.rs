@@ -80,7 +80,10 @@ impl Coordinator {
         mut body: Vec<u8>,
         permit: impl Send + 'static,
     ) -> Result<wire::UpdateReceipt, ServerError> {
-        let (round, sealing) = match self.check_upload(&task, &client, round_number)? {
+        let admission = self
+            .check_upload_blocking(&task, &client, round_number)
+            .await?;
+        let (round, sealing) = match admission {
             Admission::Fresh(round, sealing) => (round, sealing),
             Admission::Pending(round, index) => return self.receipt(&round, index).await,
         };
@@ -271,15 +274,33 @@ impl Coordinator {
     /// The receipt of `client`'s update to the open round if it is folded but not yet durable
     /// (so a retry need not send its body again).
     pub async fn pending_receipt(
-        &self,
-        task: &Task,
+        self: &Arc<Self>,
+        task: &Arc<Task>,
         client: &str,
         round_number: u64,
     ) -> Result<Option<wire::UpdateReceipt>, ServerError> {
-        match self.check_upload(task, client, round_number)? {
+        match self
+            .check_upload_blocking(task, client, round_number)
+            .await?
+        {
             Admission::Fresh(..) => Ok(None),
             Admission::Pending(round, index) => self.receipt(&round, index).await.map(Some),
         }
+    }
+
+    /// [`Coordinator::check_upload`] on a blocking thread: it waits for the round's lock, which a
+    /// round's publication holds while it writes (and an asynchronous task's uploads keep
+    /// arriving meanwhile).
+    async fn check_upload_blocking(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        client: &str,
+        round_number: u64,
+    ) -> Result<Admission, ServerError> {
+        let (me, task, client) = (self.clone(), task.clone(), client.to_string());
+        tokio::task::spawn_blocking(move || me.check_upload(&task, &client, round_number))
+            .await
+            .map_err(ServerError::internal)?
     }
 }
 

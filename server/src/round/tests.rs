@@ -295,3 +295,37 @@ async fn a_poll_of_a_paused_task_is_held_until_it_is_resumed() {
         "held past the resume"
     );
 }
+
+#[tokio::test]
+async fn an_abandoned_asynchronous_version_does_not_hold_its_clients_back() {
+    let e = engine();
+    let task = e.create_async("t", 2, 4);
+    let v1 = task.current().unwrap();
+    let big = [f32::MAX, 0.0, 0.0];
+    for c in ["a", "b"] {
+        let offer = e.join(&task, c);
+        e.upload(&task, c, &offer, 1, big).await.unwrap();
+    }
+    let v2 = next_round(&task, &v1).await;
+    // Version 2's sum would overflow: the version is abandoned and retried.
+    let first = e.join(&task, "a");
+    e.upload(&task, "a", &first, 1, big).await.unwrap();
+    let offer = e.join(&task, "b");
+    let abandoned = e.upload(&task, "b", &offer, 1, big).await;
+    assert_eq!(abandoned.unwrap_err().code(), ErrorCode::RoundAbandoned);
+    let retry = next_round(&task, &v2).await;
+    assert!(
+        matches!(v2.phase(), Phase::Abandoned(_)),
+        "{:?}",
+        v2.phase()
+    );
+    assert_eq!((retry.number, retry.attempt), (2, 1));
+    // Their abandoned updates never counted: both train from version 2 again, sealed to the
+    // key the version kept.
+    let again = e.join(&task, "a");
+    assert_eq!((again.round, again.round_key), (2, first.round_key));
+    e.upload(&task, "a", &again, 1, [0.0, 1.0, 0.0])
+        .await
+        .unwrap();
+    assert_eq!(e.join(&task, "b").round, 2);
+}
