@@ -478,7 +478,9 @@ pub struct OpenRoundStatus {
     pub round: u64,
     /// Retries of this round after abandoned attempts (0 for the first).
     pub attempt: u32,
+    /// Clients selected for the round; in an asynchronous task, clients holding a training slot.
     pub selected: u32,
+    /// Updates in the round so far; in an asynchronous task, in the open buffer.
     pub accepted: u32,
     pub deadline_unix_ms: u64,
 }

@@ -138,7 +138,10 @@ impl Coordinator {
             OpenRoundStatus {
                 round: r.number,
                 attempt: r.attempt,
-                selected: acc.selected.len() as u32,
+                selected: match r.collection.asynchronous() {
+                    Some(buffer) => buffer.training() as u32,
+                    None => acc.selected.len() as u32,
+                },
                 accepted: acc.contributions.len() as u32,
                 deadline_unix_ms: r.deadline(),
             }

@@ -244,6 +244,12 @@ async fn asynchronous_versions_fold_stale_updates_down_weighted_and_refuse_too_s
         e.coordinator.join(&task, "e").unwrap().offer.is_none(),
         "four of four slots are taken: pace steering holds the fifth back"
     );
+    let open = e.coordinator.info(&task).open_round.expect("open");
+    assert_eq!(
+        (open.selected, open.accepted),
+        (4, 0),
+        "four training, none in"
+    );
     e.upload(&task, "a", &a, 1, [2.0, 0.0, 0.0]).await.unwrap();
     e.upload(&task, "b", &b, 1, [0.0, 2.0, 0.0]).await.unwrap();
     let v2 = next_round(&task, &v1).await;
