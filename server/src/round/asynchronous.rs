@@ -32,11 +32,10 @@ use std::time::Instant;
 use hora_common::envelope::RoundSecretKey;
 use hora_common::model::{ModelDigest, ModelView};
 use hora_common::wire::{self, AsynchronousConfig, ErrorCode, VersionStaleness};
-use rand::Rng;
 
 use super::collection::{Collection, Step};
 use super::plain::{already_contributed, Admission, Sealing};
-use super::{lock, now_ms, Ending, Round, Task};
+use super::{jitter, lock, now_ms, Ending, Round, Task};
 use crate::error::ServerError;
 use crate::store::{Contribution, EarlierVersion, OpenRoundRecord, Store, TaskRecord};
 
@@ -210,8 +209,7 @@ impl AsyncCollection {
     /// How long a client without a slot waits before asking again: about the time until the
     /// next update frees one, jittered so that waiting clients do not come back as one herd.
     pub(crate) fn retry_after_ms(&self) -> u64 {
-        let base = (lock(&self.state).interval_ms as u64).clamp(200, 30_000);
-        rand::rng().random_range(base / 2..=base)
+        jitter((lock(&self.state).interval_ms as u64).clamp(200, 30_000))
     }
 
     /// Clients holding a training slot now.

@@ -15,8 +15,8 @@ use tokio_util::task::TaskTracker;
 
 use super::plain::already_contributed;
 use super::{
-    capacity, collection, lock, now_ms, Accumulator, Checkpointed, Collection, Durability, Round,
-    Task,
+    capacity, collection, jitter, lock, now_ms, Accumulator, Checkpointed, Collection, Durability,
+    Round, Task,
 };
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
@@ -312,8 +312,7 @@ impl Coordinator {
             .map(|r| r.deadline().saturating_sub(now_ms()))
             .unwrap_or(5_000)
             .clamp(500, 60_000);
-        // Jitter spreads reconnects so a federation never comes back as one herd.
-        rand::rng().random_range(base / 2..=base)
+        jitter(base)
     }
 
     /// The task's state for `client`; waits up to `wait` for a round later than `after`.

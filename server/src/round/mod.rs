@@ -66,6 +66,13 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// A wait of between half of `base_ms` and all of it, so that clients told to come back do not
+/// come back as one herd.
+pub(crate) fn jitter(base_ms: u64) -> u64 {
+    use rand::Rng;
+    rand::rng().random_range(base_ms / 2..=base_ms)
+}
+
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock()
         .expect("a round-engine lock was poisoned by an earlier panic")

@@ -229,10 +229,7 @@ impl Coordinator {
             ));
         }
         if !self.store.model_path(&digest).exists() {
-            return Err(ServerError::Gone {
-                code: ErrorCode::ModelPruned,
-                message: format!("model {hex} was removed by the server's retention policy (--retain-rounds-last, --retain-rounds-every)"),
-            });
+            return Err(pruned(&format!("model {hex}")));
         }
         Ok(digest)
     }
@@ -259,14 +256,17 @@ impl Coordinator {
             })?;
         let digest = published.model.expect("found by its model");
         if published.pruned && !self.store.model_path(&digest).exists() {
-            return Err(ServerError::Gone {
-                code: ErrorCode::ModelPruned,
-                message: format!(
-                    "round {round}'s model was removed by the server's retention policy (--retain-rounds-last, --retain-rounds-every)"
-                ),
-            });
+            return Err(pruned(&format!("round {round}'s model")));
         }
         Ok(digest)
+    }
+}
+
+/// 410 for a model (`what`) whose file the retention policy removed.
+fn pruned(what: &str) -> ServerError {
+    ServerError::Gone {
+        code: ErrorCode::ModelPruned,
+        message: format!("{what} was removed by the server's retention policy (--retain-rounds-last, --retain-rounds-every)"),
     }
 }
 
