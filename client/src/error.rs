@@ -10,6 +10,7 @@ use hora_common::wire::{ApiError, ErrorCode};
 use thiserror::Error;
 
 use crate::data::DataError;
+#[cfg(feature = "torch")]
 use crate::device::DeviceError;
 
 #[derive(Debug, Error)]
@@ -53,6 +54,7 @@ pub enum ClientError {
     Envelope(#[from] hora_common::envelope::EnvelopeError),
     #[error(transparent)]
     Data(#[from] DataError),
+    #[cfg(feature = "torch")]
     #[error(transparent)]
     Device(#[from] DeviceError),
     #[error("training: {0}")]
@@ -92,6 +94,7 @@ impl ClientError {
     }
 }
 
+#[cfg(feature = "torch")]
 impl From<tch::TchError> for ClientError {
     fn from(e: tch::TchError) -> Self {
         ClientError::Training(format!("libtorch: {e}"))

@@ -27,11 +27,14 @@
 
 pub mod client;
 pub mod data;
+#[cfg(feature = "torch")]
 pub mod device;
 pub mod error;
+#[cfg(feature = "torch")]
 pub mod network;
 pub mod secure;
 pub mod state;
+#[cfg(feature = "torch")]
 pub mod supervised;
 pub mod sync;
 pub mod trainer;
@@ -39,5 +42,6 @@ pub mod transport;
 
 pub use client::{Client, ClientConfig, RoundOutcome, RoundReport, RoundTimings};
 pub use error::{ClientError, Result};
+#[cfg(feature = "torch")]
 pub use supervised::SupervisedTrainer;
 pub use trainer::{Evaluation, Paced, Progress, TrainOutcome, TrainRequest, Trainer};

@@ -227,6 +227,28 @@ impl WeightedSum {
     }
 }
 
+/// Values a collective received from the wire: f32 values, or half-precision bits when the
+/// wire is compressed.
+#[derive(Debug, Clone, Copy)]
+pub enum Received<'a> {
+    F32(&'a [f32]),
+    /// IEEE binary16 bits.
+    F16(&'a [u16]),
+}
+
+impl Received<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Received::F32(v) => v.len(),
+            Received::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Weights are positive finite numbers (example counts, or 1 for a plain mean). Shared by the
 /// backends so they refuse the same things.
 pub fn check_weight(weight: f64) -> Result<(), KernelError> {

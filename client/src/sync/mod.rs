@@ -23,26 +23,37 @@
 //!   parameters and optimizer state, a distributed optimizer that allreduces gradients after
 //!   `backward_passes_per_step` local passes, learning-rate scaling by world size;
 //! - [`checkpoint`] writes rank 0's checkpoints and finds the one to resume from;
+//! - [`world`] binds, meets and connects: a [`Communicator`] from a launcher's rank;
 //! - [`worker`] is `hora-client sync`: the MLP trained on a sharded dataset.
+//!
+//! Without the `torch` feature, the ring, its links, the rendezvous and [`world`] remain: the
+//! collectives over host `f32` memory that the Python package's `hora.sync` drives.
 
+#[cfg(feature = "torch")]
 pub mod checkpoint;
+#[cfg(feature = "torch")]
 pub mod fusion;
 mod handshake;
 pub mod launch;
 pub mod link;
+#[cfg(feature = "torch")]
 pub mod optimizer;
 pub mod region;
 pub mod rendezvous;
 pub mod ring;
+#[cfg(feature = "torch")]
 pub mod worker;
+pub mod world;
 
 use std::io;
 
 use hora_common::kernel::KernelError;
 use thiserror::Error;
 
+#[cfg(feature = "torch")]
 pub use fusion::Fusion;
 pub use launch::LaunchRank;
+#[cfg(feature = "torch")]
 pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, SyncOptimizer};
 pub use rendezvous::World;
 pub use ring::{CommOptions, Communicator, Wire};
@@ -70,6 +81,7 @@ pub enum SyncError {
     },
     #[error("averaging kernel: {0}")]
     Kernel(#[from] KernelError),
+    #[cfg(feature = "torch")]
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     #[error("{0}")]

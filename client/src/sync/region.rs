@@ -6,11 +6,15 @@
 //! sender can read one while the reducer writes another without locks.
 
 use hora_common::kernel;
+pub use hora_common::kernel::Received;
+#[cfg(feature = "torch")]
 use hora_common_tch::collective;
-pub use hora_common_tch::collective::Received;
+#[cfg(feature = "torch")]
 use tch::{Kind, Tensor};
 
-use super::{Result, SyncError};
+use super::Result;
+#[cfg(feature = "torch")]
+use super::SyncError;
 
 /// How elements travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -160,9 +164,11 @@ impl Region for &mut [f32] {
 }
 
 /// A flat, contiguous f32 tensor (a view into a fusion buffer) on any device.
+#[cfg(feature = "torch")]
 #[derive(Debug)]
 pub struct TensorRegion(pub Tensor);
 
+#[cfg(feature = "torch")]
 impl TensorRegion {
     /// A flat f32 view of `t`, which must be contiguous f32.
     pub fn new(t: &Tensor) -> Result<Self> {
@@ -176,6 +182,7 @@ impl TensorRegion {
     }
 }
 
+#[cfg(feature = "torch")]
 impl Region for TensorRegion {
     fn len(&self) -> usize {
         self.0.numel()

@@ -608,6 +608,7 @@ fn allreduce_plan(rank: usize, n: usize, len: usize) -> Plan {
 pub(crate) mod tests {
     use super::*;
     use crate::sync::link::Links;
+    #[cfg(feature = "torch")]
     use crate::sync::region::TensorRegion;
     use std::net::TcpListener;
 
@@ -766,6 +767,7 @@ pub(crate) mod tests {
         }
     }
 
+    #[cfg(feature = "torch")]
     #[test]
     fn tensors_on_the_tch_backend_reduce_like_host_memory() {
         let mut devices = vec![tch::Device::Cpu];

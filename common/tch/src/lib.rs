@@ -164,36 +164,21 @@ pub mod collective {
     use super::torch;
     use hora_common::kernel::KernelError;
 
-    /// Values received from the wire, before they reach the tensor's device.
-    #[derive(Debug, Clone, Copy)]
-    pub enum Received<'a> {
-        F32(&'a [f32]),
-        /// IEEE binary16 bits.
-        F16(&'a [u16]),
-    }
+    pub use hora_common::kernel::Received;
 
-    impl Received<'_> {
-        fn len(&self) -> usize {
-            match self {
-                Received::F32(v) => v.len(),
-                Received::F16(v) => v.len(),
+    /// The values as an f32 tensor on `device` (half precision crosses to the device as half
+    /// and is widened there).
+    fn to_tensor(received: Received<'_>, device: Device) -> Result<Tensor, KernelError> {
+        let t = match received {
+            Received::F32(v) => Tensor::f_from_slice(v).map_err(torch)?,
+            Received::F16(v) => {
+                Tensor::f_from_slice(v.reinterpret_cast::<half::f16>()).map_err(torch)?
             }
-        }
-
-        /// The values as an f32 tensor on `device` (half precision crosses to the device as
-        /// half and is widened there).
-        fn to_tensor(self, device: Device) -> Result<Tensor, KernelError> {
-            let t = match self {
-                Received::F32(v) => Tensor::f_from_slice(v).map_err(torch)?,
-                Received::F16(v) => {
-                    Tensor::f_from_slice(v.reinterpret_cast::<half::f16>()).map_err(torch)?
-                }
-            };
-            t.f_to_device(device)
-                .map_err(torch)?
-                .f_to_kind(Kind::Float)
-                .map_err(torch)
-        }
+        };
+        t.f_to_device(device)
+            .map_err(torch)?
+            .f_to_kind(Kind::Float)
+            .map_err(torch)
     }
 
     fn check(dst: &Tensor, len: usize) -> Result<(), KernelError> {
@@ -211,7 +196,7 @@ pub mod collective {
     pub fn accumulate(dst: &mut Tensor, received: Received<'_>) -> Result<(), KernelError> {
         check(dst, received.len())?;
         let _guard = tch::no_grad_guard();
-        let src = received.to_tensor(dst.device())?;
+        let src = to_tensor(received, dst.device())?;
         let _ = dst.f_add_(&src).map_err(torch)?;
         Ok(())
     }
@@ -220,7 +205,7 @@ pub mod collective {
     pub fn overwrite(dst: &mut Tensor, received: Received<'_>) -> Result<(), KernelError> {
         check(dst, received.len())?;
         let _guard = tch::no_grad_guard();
-        let src = received.to_tensor(dst.device())?;
+        let src = to_tensor(received, dst.device())?;
         dst.f_copy_(&src).map_err(torch)
     }
 

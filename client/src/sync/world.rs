@@ -1,0 +1,116 @@
+//! Forming a world: bind the ring port, meet the other workers (at the server, or from a list
+//! of peer addresses known in advance), connect to the ring neighbours. Used by
+//! `hora-client sync` and by the Python package's `hora.sync`, which brings its own tensors.
+
+use std::net::TcpListener;
+
+use super::launch::LaunchRank;
+use super::link::Links;
+use super::rendezvous::{ServerRendezvous, World};
+use super::ring::{CommOptions, Communicator};
+use super::{Result, SyncError};
+
+/// How the workers find each other.
+pub enum Meeting<'a> {
+    /// At the Hora server.
+    Server(ServerRendezvous<'a>),
+    /// Ring addresses known in advance, by rank, and the operator's shared secret that every
+    /// worker derives the world's session from (needed unless the world is of one).
+    Peers {
+        peers: Vec<String>,
+        secret: Option<String>,
+    },
+}
+
+/// Binds the ring port, meets the other workers and connects to the neighbours.
+///
+/// `listen` is the local address to accept on (`host:port`, port 0 for any); `advertise` the
+/// host the others should dial (default: the listen address's host).
+pub fn form_world(
+    meeting: Meeting<'_>,
+    launch: &LaunchRank,
+    listen: &str,
+    advertise: Option<&str>,
+    options: CommOptions,
+) -> Result<Communicator> {
+    let (world, listener) = match meeting {
+        Meeting::Peers { peers, secret } => {
+            let rank = launch.rank.ok_or_else(|| {
+                SyncError::Config(
+                    "--peers needs this worker's rank: --rank, or a launcher's environment (mpirun, Slurm)".into(),
+                )
+            })?;
+            if let Some(size) = launch.world_size {
+                if size as usize != peers.len() {
+                    return Err(SyncError::Config(format!(
+                        "the world size is {size} but --peers lists {} addresses",
+                        peers.len()
+                    )));
+                }
+            }
+            let world = World::from_peers(peers, rank, secret.as_deref())?;
+            let own = &world.peers[rank as usize];
+            let port = own.rsplit_once(':').map(|(_, p)| p).unwrap_or_default();
+            // Accept on our listed port on every interface: the listed host may be a name.
+            let listener = if world.size > 1 {
+                Some(Links::listen(own).or_else(|_| Links::listen(&format!("0.0.0.0:{port}")))?)
+            } else {
+                None
+            };
+            (world, listener)
+        }
+        Meeting::Server(rendezvous) => {
+            let size = launch.world_size.ok_or_else(|| {
+                SyncError::Config(
+                    "the world size is unknown: give --world-size, or start the workers with mpirun or srun".into(),
+                )
+            })?;
+            let listener = Links::listen(listen)?;
+            let local = listener
+                .local_addr()
+                .map_err(|e| SyncError::io("reading the ring address", e))?;
+            let host = match advertise {
+                Some(h) => h.to_string(),
+                None if local.ip().is_unspecified() => {
+                    return Err(SyncError::Config(format!(
+                        "listening on {local}: give --advertise HOST, the name or address the other workers can reach this one at"
+                    )))
+                }
+                None => local.ip().to_string(),
+            };
+            let address = if host.contains(':') && !host.starts_with('[') {
+                format!("[{host}]:{}", local.port())
+            } else {
+                format!("{host}:{}", local.port())
+            };
+            tracing::info!(%address, rank = ?launch.rank, size, "joining the job");
+            let world = rendezvous.join(&address, launch.rank, size)?;
+            (world, Some(listener))
+        }
+    };
+    connect(world, listener, options)
+}
+
+/// Connects to the ring neighbours of `world`, accepting the left one on `listener` (bound
+/// before the world was known, by a caller that learned the peers' addresses its own way, such
+/// as a Spark barrier's all-gather; `None` for a world of one).
+pub fn connect(
+    world: World,
+    listener: Option<TcpListener>,
+    options: CommOptions,
+) -> Result<Communicator> {
+    tracing::info!(
+        rank = world.rank,
+        size = world.size,
+        generation = world.generation,
+        "world formed"
+    );
+    let links = match listener {
+        Some(listener) if world.size > 1 => {
+            let slots = options.shared_memory.then_some(options.sub_chunk_bytes);
+            Some(Links::connect(&world, listener, options.timeout, slots)?)
+        }
+        _ => None,
+    };
+    Communicator::new(world, links, options)
+}
