@@ -1,0 +1,126 @@
+"""The federated client: :class:`Client`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _hora
+
+#: What a training function returns: the trained weights (same names and shapes as the global
+#: model), the number of examples the update should be weighted by, and optional metrics
+#: (``{"loss": …, "accuracy": …}``).
+TrainResult = Tuple[Mapping[str, Any], int, Optional[Mapping[str, float]]]
+
+#: ``train_fn(global_weights, config) -> (weights, num_examples, metrics)``.
+TrainFn = Callable[[Dict[str, np.ndarray], Dict[str, Any]], TrainResult]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def to_numpy(weights: Mapping[str, Any]) -> Dict[str, np.ndarray]:
+    """Weights as C-contiguous float32 NumPy arrays.
+
+    Accepts a ``state_dict`` (``torch.Tensor`` values, on any device) or a mapping of arrays.
+    CPU float32 tensors are shared, not copied.
+    """
+    out: Dict[str, np.ndarray] = {}
+    for name, value in weights.items():
+        if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch.Tensor
+            import torch
+
+            value = value.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+        out[str(name)] = np.ascontiguousarray(value, dtype=np.float32)
+    return out
+
+
+class Client:
+    """A federated client of one Hora server.
+
+    The first time, pass the one-time enrolment ``token`` an operator made
+    (``Admin.enrol()`` or ``hora-server admin enrol``); the credentials are kept in
+    ``state_dir`` and later runs need no token. ``state_dir`` also holds cached models and the
+    round in progress: a client restarted with the same ``state_dir`` uploads the update it had
+    trained instead of training again.
+
+    Args:
+        server: ``https://host:port`` of the server.
+        ca: the CA certificate (PEM) the server's certificate chains to.
+        state_dir: where credentials, cached models and the round in progress live.
+        token: one-time enrolment token (first run only).
+        label: shown to operators in the client list.
+        poll_wait_secs: how long one long poll for a round may be held open.
+
+    Raises:
+        Refused: the server refused the enrolment (``e.code`` says why).
+        Unavailable: the server could not be reached within the retry budget.
+        HoraError: a bad ``ca`` file or ``state_dir``.
+    """
+
+    def __init__(
+        self,
+        server: str,
+        ca: PathLike,
+        state_dir: PathLike,
+        token: Optional[str] = None,
+        *,
+        label: Optional[str] = None,
+        poll_wait_secs: float = 30.0,
+    ) -> None:
+        self._inner = _hora.Client(
+            server,
+            os.fspath(ca),
+            os.fspath(state_dir),
+            token=token,
+            label=label,
+            poll_wait_secs=poll_wait_secs,
+        )
+
+    @property
+    def id(self) -> str:
+        """The id the server knows this client by."""
+        return self._inner.id
+
+    def run(
+        self,
+        task: str,
+        train_fn: TrainFn,
+        *,
+        rounds: Optional[int] = None,
+        on_round: Optional[Callable[[Dict[str, Any]], None]] = None,
+    ) -> Dict[str, Any]:
+        """Takes part in ``task`` until it ends (or ``rounds`` rounds have been contributed to).
+
+        Each round, ``train_fn(global_weights, config)`` is called with the round's global model
+        (``dict[str, np.ndarray]``, float32) and the task's training settings (``epochs``,
+        ``batch_size``, ``learning_rate``, ``optimizer``, ``proximal_mu``, plus ``task``,
+        ``round``, ``model`` and ``seconds_left`` before the round's deadline). It returns
+        ``(weights, num_examples, metrics)``; weights may be tensors or arrays. Everything else
+        (``local − global``, sealing to the round key, secure aggregation's masking, the upload
+        with retries, asynchronous tasks' versions) is the Rust client's, the same as
+        ``hora-client train``.
+
+        Returns ``{"rounds": [report, ...], "final_state": "finished" | "stopped"}``; each report
+        is a dict with ``round``, ``outcome`` (``uploaded``, ``resumed``, ``missed``,
+        ``skipped``, ``abandoned``), ``accepted``, ``num_examples``, ``metrics``,
+        ``train_secs`` and ``timings`` (seconds per phase). ``on_round(report)`` is called as
+        each round ends. An exception raised by ``train_fn`` stops the run and propagates;
+        Ctrl-C stops it too, and the next run resumes where it left off.
+        """
+
+        def call(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> TrainResult:
+            result = train_fn(weights, config)
+            if not isinstance(result, tuple) or len(result) != 3:
+                raise TypeError(
+                    "train_fn must return (weights, num_examples, metrics), "
+                    f"not {type(result).__name__}"
+                )
+            trained, num_examples, metrics = result
+            return to_numpy(trained), int(num_examples), metrics
+
+        return self._inner.run(task, call, rounds=rounds, on_round=on_round)
+
+    def __repr__(self) -> str:
+        return f"hora.Client(id={self.id!r})"

@@ -1,0 +1,100 @@
+"""Runs a :mod:`hora.sync` training function on Spark barrier tasks, like Databricks'
+``HorovodRunner``::
+
+    import hora.spark, hora.sync as hs
+
+    def main(epochs):
+        hs.init()                      # the world is already formed: rank, size, the ring
+        ...train with hs.DistributedOptimizer...
+        return accuracy                # rank 0's result is what run() returns
+
+    accuracy = hora.spark.run(main, args=(10,), num_proc=4)
+
+Each of the ``num_proc`` tasks of one barrier stage is a worker: its rank is the task's
+partition id, and the workers learn each other's ring addresses through the barrier's
+all-gather, with a fresh random session secret from the driver. A task that raises (or dies)
+fails the whole stage; :func:`run` raises :class:`hora.HoraError` naming the rank.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import _hora
+
+_RANK_FAILED = re.compile(r"hora worker rank (\d+) failed: (.*)")
+
+
+def run(
+    main: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Optional[Dict[str, Any]] = None,
+    *,
+    num_proc: Optional[int] = None,
+    spark: Any = None,
+    host: Optional[str] = None,
+    timeout_secs: float = 60.0,
+    half_precision: bool = False,
+    all_results: bool = False,
+) -> Any:
+    """Runs ``main(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, each a
+    :mod:`hora.sync` worker, and returns rank 0's result (every rank's, in rank order, with
+    ``all_results=True``).
+
+    Args:
+        spark: the ``SparkSession`` (default: the active one, or a new one).
+        num_proc: the number of workers (default: the context's default parallelism). The
+            cluster must be able to run that many tasks at once (barrier mode's rule).
+        host: the address the workers' ring ports are advertised at (default: the executor's
+            host as Spark reports it; ``127.0.0.1`` on a ``local`` master).
+        timeout_secs: how long a silent worker is given before the others fail and name it.
+    """
+    from pyspark.sql import SparkSession
+
+    session = spark or SparkSession.builder.getOrCreate()
+    sc = session.sparkContext
+    num_proc = int(num_proc or sc.defaultParallelism)
+    if num_proc < 1:
+        raise ValueError("num_proc must be at least 1")
+    if host is None and sc.master.startswith("local"):
+        host = "127.0.0.1"
+    secret = secrets.token_hex(16)
+    kwargs = dict(kwargs or {})
+
+    def worker(_: Any) -> Any:
+        from pyspark import BarrierTaskContext
+
+        from . import sync
+
+        ctx = BarrierTaskContext.get()
+        rank = ctx.partitionId()
+        advertise = host or ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0]
+        pending = _hora.PendingRing(listen=f"{advertise}:0" if host else "0.0.0.0:0", advertise=advertise)
+        peers = ctx.allGather(pending.address)
+        try:
+            ring = pending.connect(
+                list(peers), rank, secret, timeout_secs=timeout_secs, half_precision=half_precision
+            )
+            sync._set_ring(ring)
+            result = main(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - every failure must name its rank
+            raise RuntimeError(f"hora worker rank {rank} failed: {type(e).__name__}: {e}") from e
+        finally:
+            sync.shutdown()
+        yield rank, result
+
+    rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(worker)
+    try:
+        results = sorted(rdd.collect(), key=lambda r: r[0])
+    except Exception as e:  # py4j's error carries the failed task's Python traceback
+        text = str(e)
+        found = _RANK_FAILED.search(text)
+        if found:
+            raise _hora.HoraError(
+                f"the Spark job failed: rank {found.group(1)} failed: {found.group(2).strip()}"
+            ) from None
+        raise _hora.HoraError(f"the Spark job failed: {text.splitlines()[0] if text else e!r}") from e
+    values: List[Any] = [r for _, r in results]
+    return values if all_results else values[0]

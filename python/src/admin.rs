@@ -1,0 +1,102 @@
+//! `AdminConnection`: the admin API over the client's TLS transport (same CA handling, same
+//! retries of transient failures, same error types). `hora.Admin` in Python gives it its verbs.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use hora_client::transport::{check, Connection, RetryPolicy};
+use hora_client::ClientError;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use reqwest::Method;
+
+use crate::{block_on, client_error};
+
+#[pyclass(module = "hora._hora", frozen)]
+pub(crate) struct AdminConnection {
+    conn: Connection,
+}
+
+fn method(name: &str) -> PyResult<Method> {
+    match name {
+        "GET" => Ok(Method::GET),
+        "POST" => Ok(Method::POST),
+        "DELETE" => Ok(Method::DELETE),
+        other => Err(PyValueError::new_err(format!(
+            "unsupported method {other}"
+        ))),
+    }
+}
+
+/// The body of a 2xx answer, or the refusal as an error.
+async fn answer(
+    conn: Connection,
+    method: Method,
+    path: String,
+    body: Option<(Vec<u8>, &'static str)>,
+) -> Result<Vec<u8>, ClientError> {
+    let what = format!("{method} {path}");
+    let (resp, _) = conn
+        .send(&what, || {
+            let req = conn.request(method.clone(), &path, Duration::ZERO);
+            match &body {
+                Some((bytes, kind)) => req
+                    .header(reqwest::header::CONTENT_TYPE, *kind)
+                    .body(bytes.clone()),
+                None => req,
+            }
+        })
+        .await?;
+    let resp = check(resp).await?;
+    resp.bytes()
+        .await
+        .map(|b| b.to_vec())
+        .map_err(|e| ClientError::Protocol(format!("{what}: reading the answer: {e}")))
+}
+
+#[pymethods]
+impl AdminConnection {
+    #[new]
+    fn new(url: &str, ca: PathBuf, token: String) -> PyResult<Self> {
+        let conn = Connection::new(url, &ca, None, RetryPolicy::default())
+            .map_err(|e| crate::HoraError::new_err(e.to_string()))?
+            .with_token(token);
+        Ok(AdminConnection { conn })
+    }
+
+    /// request(method, path, json=None) -> bytes
+    /// --
+    ///
+    /// Sends `json` (a JSON text) to `path` and returns the answer's body.
+    #[pyo3(signature = (method, path, json=None))]
+    fn request<'py>(
+        &self,
+        py: Python<'py>,
+        method: &str,
+        path: String,
+        json: Option<String>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let method = self::method(method)?;
+        let body = json.map(|j| (j.into_bytes(), "application/json"));
+        let answer = block_on(py, answer(self.conn.clone(), method, path, body))?
+            .map_err(|e| client_error(py, e))?;
+        Ok(PyBytes::new(py, &answer))
+    }
+
+    /// upload(path, data) -> bytes
+    /// --
+    ///
+    /// POSTs `data` as `application/octet-stream` (a model or a TorchScript module).
+    fn upload<'py>(
+        &self,
+        py: Python<'py>,
+        path: String,
+        data: Vec<u8>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let body = Some((data, "application/octet-stream"));
+        let answer = block_on(py, answer(self.conn.clone(), Method::POST, path, body))?
+            .map_err(|e| client_error(py, e))?;
+        Ok(PyBytes::new(py, &answer))
+    }
+}

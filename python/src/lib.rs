@@ -1,0 +1,162 @@
+//! `hora._hora`: the native half of the Python package `hora`.
+//!
+//! The Python package is a thin layer over the Rust client, not a reimplementation: enrolment,
+//! polling, sealing (X25519, HKDF, AES-256-GCM), uploads with retries, the round on disk and its
+//! resumption after a crash, secure aggregation and asynchronous tasks all run here, in
+//! `hora-client` built without libtorch. Python brings its own `torch`; weights cross the
+//! boundary as NumPy `float32` arrays, one copy each way (the Rust model is one flat buffer).
+//!
+//! - [`client`]: `Client` — a federated client whose training step is a Python callable;
+//! - [`admin`]: `AdminConnection` — the admin API over the same TLS transport;
+//! - [`ring`]: `Ring` and `PendingRing` — the sync ring's collectives over NumPy buffers;
+//! - here: the exceptions, model and dataset conversions, the runtime.
+//!
+//! Long calls release the GIL and check for Ctrl-C every tenth of a second.
+
+mod admin;
+mod client;
+mod convert;
+mod ring;
+
+use std::future::Future;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use hora_client::sync::SyncError;
+use hora_client::ClientError;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(
+    _hora,
+    HoraError,
+    PyException,
+    "Anything Hora could not do; the message says what to do about it."
+);
+create_exception!(
+    _hora,
+    Refused,
+    HoraError,
+    "The server refused a request (4xx). `code` is the server's error code (`round_closed`, `unauthorized`, …)."
+);
+create_exception!(
+    _hora,
+    Unavailable,
+    HoraError,
+    "The server could not be reached (or kept failing) for the whole retry budget."
+);
+create_exception!(
+    _hora,
+    TaskEnded,
+    HoraError,
+    "The task was stopped or has finished."
+);
+create_exception!(
+    _hora,
+    SyncFailed,
+    HoraError,
+    "A collective failed. `rank` names the worker that died, stalled or disagreed (None when unknown)."
+);
+
+/// The runtime every network call of the module runs on.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("hora")
+            .enable_all()
+            .build()
+            .expect("starting the Tokio runtime")
+    })
+}
+
+/// Runs `future` on the runtime with the GIL released, checking for signals (Ctrl-C) every
+/// 100 ms; a signal cancels the future and raises its exception.
+fn block_on<T: Send + 'static>(
+    py: Python<'_>,
+    future: impl Future<Output = T> + Send + 'static,
+) -> PyResult<T> {
+    let mut handle = runtime().spawn(future);
+    loop {
+        let done = py.detach(|| {
+            runtime().block_on(async {
+                tokio::time::timeout(Duration::from_millis(100), &mut handle).await
+            })
+        });
+        match done {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(e)) => {
+                return Err(HoraError::new_err(format!(
+                    "internal error (please report it): {e}"
+                )))
+            }
+            Err(_) => {
+                if let Err(e) = py.check_signals() {
+                    handle.abort();
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// A client error as the matching Python exception.
+fn client_error(py: Python<'_>, e: ClientError) -> PyErr {
+    let message = e.to_string();
+    match &e {
+        ClientError::Unavailable { .. } => Unavailable::new_err(message),
+        ClientError::TaskEnded { .. } => TaskEnded::new_err(message),
+        _ => match e.code() {
+            Some(code) => {
+                let err = Refused::new_err(message);
+                let _ = err.value(py).setattr("code", code.to_string());
+                err
+            }
+            None => HoraError::new_err(message),
+        },
+    }
+}
+
+/// A sync error as `SyncFailed`, with the failed rank when one is known.
+fn sync_error(py: Python<'_>, e: SyncError) -> PyErr {
+    let rank = match &e {
+        SyncError::PeerFailed { rank, .. } => Some(*rank),
+        _ => None,
+    };
+    let err = SyncFailed::new_err(e.to_string());
+    let _ = err.value(py).setattr("rank", rank);
+    err
+}
+
+/// Logs of the Rust core go to stderr, filtered by `HORA_LOG` (default `info`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("HORA_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+#[pymodule]
+fn _hora(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
+    let py = m.py();
+    m.add("HoraError", py.get_type::<HoraError>())?;
+    m.add("Refused", py.get_type::<Refused>())?;
+    m.add("Unavailable", py.get_type::<Unavailable>())?;
+    m.add("TaskEnded", py.get_type::<TaskEnded>())?;
+    m.add("SyncFailed", py.get_type::<SyncFailed>())?;
+    m.add_class::<client::Client>()?;
+    m.add_class::<admin::AdminConnection>()?;
+    m.add_class::<ring::Ring>()?;
+    m.add_class::<ring::PendingRing>()?;
+    m.add_function(wrap_pyfunction!(convert::encode_model, m)?)?;
+    m.add_function(wrap_pyfunction!(convert::decode_model, m)?)?;
+    m.add_function(wrap_pyfunction!(convert::load_dataset, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

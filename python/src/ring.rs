@@ -1,0 +1,314 @@
+//! `Ring`: Hora's sync ring (the same links, handshake, pipelining and failure reports as
+//! `hora-client sync`) over NumPy `float32` buffers, reduced in place with the GIL released.
+//! `hora.sync` builds Horovod's API on it; `PendingRing` is for launchers (Spark's barrier mode)
+//! that learn the peers' addresses only after every worker has bound its port.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use hora_client::sync::launch::LaunchRank;
+use hora_client::sync::rendezvous::{ServerRendezvous, World};
+use hora_client::sync::ring::{fingerprint, Reduce};
+use hora_client::sync::world::{connect, form_world, Meeting};
+use hora_client::sync::{CommOptions, Communicator, SyncError, Wire};
+use numpy::{PyArrayDyn, PyArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::sync_error;
+
+fn options(timeout_secs: f64, half_precision: bool) -> CommOptions {
+    CommOptions {
+        timeout: Duration::from_secs_f64(timeout_secs.clamp(0.1, 3600.0)),
+        wire: if half_precision { Wire::F16 } else { Wire::F32 },
+        ..CommOptions::default()
+    }
+}
+
+/// A connected worker of a sync job.
+#[pyclass(module = "hora._hora", frozen)]
+pub(crate) struct Ring {
+    comm: Mutex<Communicator>,
+    rank: u32,
+    size: u32,
+}
+
+impl Ring {
+    fn new(comm: Communicator) -> Ring {
+        Ring {
+            rank: comm.rank(),
+            size: comm.size(),
+            comm: Mutex::new(comm),
+        }
+    }
+
+    /// Runs a collective on `array`'s memory with the GIL released.
+    fn collective(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyArrayDyn<f32>>,
+        op: impl FnOnce(&mut Communicator, &mut [f32]) -> Result<(), SyncError> + Send,
+    ) -> PyResult<()> {
+        let mut guard = array.try_readwrite().map_err(|e| {
+            PyValueError::new_err(format!("the buffer is borrowed elsewhere: {e}"))
+        })?;
+        let values = guard.as_slice_mut().map_err(|_| {
+            PyValueError::new_err("the buffer must be a C-contiguous float32 array")
+        })?;
+        let comm = &self.comm;
+        py.detach(move || {
+            let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+            op(&mut comm, values)
+        })
+        .map_err(|e| sync_error(py, e))
+    }
+}
+
+/// The tag ranks compare before a collective: the call's name and element count.
+fn tag(name: &str, len: usize) -> u64 {
+    fingerprint(name.bytes().map(u64::from).chain([len as u64]))
+}
+
+#[pymethods]
+impl Ring {
+    /// single() -> Ring
+    /// --
+    ///
+    /// A world of one: every collective is local.
+    #[staticmethod]
+    fn single() -> Ring {
+        Ring::new(Communicator::single())
+    }
+
+    /// from_peers(peers, rank, secret=None, timeout_secs=30.0, half_precision=False) -> Ring
+    /// --
+    ///
+    /// Joins the ring whose workers listen at `peers` (by rank); this worker is `rank` and
+    /// accepts on `peers[rank]`. `secret` (16+ characters, the same on every worker) keeps
+    /// strangers out.
+    #[staticmethod]
+    #[pyo3(signature = (peers, rank, secret=None, timeout_secs=30.0, half_precision=false))]
+    fn from_peers(
+        py: Python<'_>,
+        peers: Vec<String>,
+        rank: u32,
+        secret: Option<String>,
+        timeout_secs: f64,
+        half_precision: bool,
+    ) -> PyResult<Ring> {
+        let launch = LaunchRank {
+            rank: Some(rank),
+            world_size: Some(peers.len() as u32),
+            local_rank: None,
+            source: "python",
+        };
+        let options = options(timeout_secs, half_precision);
+        py.detach(|| {
+            form_world(
+                Meeting::Peers { peers, secret },
+                &launch,
+                "127.0.0.1:0",
+                None,
+                options,
+            )
+        })
+        .map(Ring::new)
+        .map_err(|e| sync_error(py, e))
+    }
+
+    /// from_server(server, ca, job, token, world_size, rank=None, listen="127.0.0.1:0",
+    ///             advertise=None, timeout_secs=30.0, half_precision=False) -> Ring
+    /// --
+    ///
+    /// Meets the job's other workers at the Hora server (`hora-server admin sync-create`).
+    #[staticmethod]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (server, ca, job, token, world_size, rank=None, listen="127.0.0.1:0".to_string(), advertise=None, timeout_secs=30.0, half_precision=false))]
+    fn from_server(
+        py: Python<'_>,
+        server: String,
+        ca: PathBuf,
+        job: String,
+        token: String,
+        world_size: u32,
+        rank: Option<u32>,
+        listen: String,
+        advertise: Option<String>,
+        timeout_secs: f64,
+        half_precision: bool,
+    ) -> PyResult<Ring> {
+        let launch = LaunchRank {
+            rank,
+            world_size: Some(world_size),
+            local_rank: None,
+            source: "python",
+        };
+        let options = options(timeout_secs, half_precision);
+        py.detach(|| {
+            let rendezvous = ServerRendezvous {
+                server: &server,
+                ca: &ca,
+                identity: None,
+                job: &job,
+                token: &token,
+                timeout: Duration::from_secs(600),
+                retry_for: Duration::from_secs(600),
+            };
+            form_world(
+                Meeting::Server(rendezvous),
+                &launch,
+                &listen,
+                advertise.as_deref(),
+                options,
+            )
+        })
+        .map(Ring::new)
+        .map_err(|e| sync_error(py, e))
+    }
+
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    #[getter]
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    /// allreduce(array, average=True, name="") -> None
+    /// --
+    ///
+    /// Sums (or averages) a C-contiguous float32 array over all workers, in place. Every
+    /// worker must make the same calls with arrays of the same size (and `name`), in the same
+    /// order; a mismatch fails every worker instead of hanging.
+    #[pyo3(signature = (array, average=true, name=""))]
+    fn allreduce(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyArrayDyn<f32>>,
+        average: bool,
+        name: &str,
+    ) -> PyResult<()> {
+        let reduce = if average { Reduce::Average } else { Reduce::Sum };
+        self.collective(py, array, move |comm, values| {
+            let fp = tag(name, values.len());
+            comm.allreduce(values, reduce, fp)
+        })
+    }
+
+    /// broadcast(array, root=0, name="") -> None
+    /// --
+    ///
+    /// Copies `root`'s array into every worker's, in place.
+    #[pyo3(signature = (array, root=0, name=""))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyArrayDyn<f32>>,
+        root: u32,
+        name: &str,
+    ) -> PyResult<()> {
+        self.collective(py, array, move |comm, values| {
+            let fp = tag(name, values.len());
+            comm.broadcast(values, root, fp)
+        })
+    }
+
+    /// allgather(data) -> list[bytes]
+    /// --
+    ///
+    /// Every worker's small `data` (metrics, counters; at most a few KiB), in rank order.
+    fn allgather<'py>(&self, py: Python<'py>, data: Vec<u8>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let comm = &self.comm;
+        let all = py
+            .detach(move || {
+                let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+                comm.allgather(&data)
+            })
+            .map_err(|e| sync_error(py, e))?;
+        Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
+    }
+}
+
+/// A worker that has bound its ring port but does not know its peers yet.
+#[pyclass(module = "hora._hora")]
+pub(crate) struct PendingRing {
+    listener: Option<TcpListener>,
+    address: String,
+}
+
+#[pymethods]
+impl PendingRing {
+    /// PendingRing(listen="127.0.0.1:0", advertise=None)
+    /// --
+    ///
+    /// Binds the ring port now; `address` is what to tell the other workers.
+    #[new]
+    #[pyo3(signature = (listen="127.0.0.1:0", advertise=None))]
+    fn new(py: Python<'_>, listen: &str, advertise: Option<&str>) -> PyResult<Self> {
+        let listener = hora_client::sync::link::Links::listen(listen).map_err(|e| sync_error(py, e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|source| {
+                let context = "reading the ring address".to_string();
+                sync_error(py, SyncError::Io { context, source })
+            })?;
+        let host = match advertise {
+            Some(h) => h.to_string(),
+            None if local.ip().is_unspecified() => {
+                return Err(PyValueError::new_err(format!(
+                    "listening on {local}: give advertise=HOST, the address the other workers reach this one at"
+                )))
+            }
+            None => local.ip().to_string(),
+        };
+        Ok(PendingRing {
+            listener: Some(listener),
+            address: format!("{host}:{}", local.port()),
+        })
+    }
+
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// connect(peers, rank, secret, timeout_secs=30.0, half_precision=False) -> Ring
+    /// --
+    ///
+    /// Joins the ring once every worker's `address` is known (`peers`, by rank, this one's
+    /// among them at `rank`).
+    #[pyo3(signature = (peers, rank, secret, timeout_secs=30.0, half_precision=false))]
+    fn connect(
+        &mut self,
+        py: Python<'_>,
+        peers: Vec<String>,
+        rank: u32,
+        secret: String,
+        timeout_secs: f64,
+        half_precision: bool,
+    ) -> PyResult<Ring> {
+        if peers.get(rank as usize) != Some(&self.address) {
+            return Err(PyValueError::new_err(format!(
+                "peers[{rank}] should be this worker's address {}",
+                self.address
+            )));
+        }
+        let listener = self
+            .listener
+            .take()
+            .ok_or_else(|| PyValueError::new_err("this PendingRing was connected already"))?;
+        let options = options(timeout_secs, half_precision);
+        py.detach(move || {
+            let world = World::from_peers(peers, rank, Some(&secret))?;
+            let listener = (world.size > 1).then_some(listener);
+            connect(world, listener, options)
+        })
+        .map(Ring::new)
+        .map_err(|e| sync_error(py, e))
+    }
+}
