@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import _hora
@@ -80,9 +81,16 @@ def run(
             sync._set_ring(ring)
             result = main(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - every failure must name its rank
+            sync.shutdown()  # the others learn at once that this worker is gone
+            if isinstance(e, _hora.SyncFailed) and e.rank is not None:
+                # Lost a peer: give the peer's own error a head start to be the one Spark
+                # reports, and name the peer either way.
+                time.sleep(2)
+                raise RuntimeError(
+                    f"hora worker rank {e.rank} failed: (seen by rank {rank}) {e}"
+                ) from e
             raise RuntimeError(f"hora worker rank {rank} failed: {type(e).__name__}: {e}") from e
-        finally:
-            sync.shutdown()
+        sync.shutdown()
         yield rank, result
 
     rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(worker)

@@ -1,0 +1,61 @@
+"""hora.sync with 2–4 local processes meeting at the real server: allreduce is the mean, two
+workers follow one worker on the combined batch, and a dead worker is named."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HERE, log
+
+WORKER = str(HERE / "sync_main.py")
+
+
+def world(server, procs, n: int, *args: str, timeout: str = "10"):
+    job = f"job-{len(procs.procs)}"
+    token = server.admin.create_sync_job(job, n)["token"]
+    env = {"HORA_SERVER": server.url, "HORA_CA": str(server.ca), "HORA_JOB": job,
+           "HORA_SYNC_TOKEN": token, "HORA_WORLD_SIZE": str(n), "TIMEOUT": timeout,
+           "HORA_LOG": "warn"}
+    workers = [procs.start(f"{job}-{r}", [sys.executable, WORKER, *args], env={**env, "HORA_RANK": str(r)})
+               for r in range(n)]
+    results = []
+    for w in workers:
+        w.wait(timeout=180)
+        text = Path(w.log_path).read_text(errors="replace")
+        lines = [l for l in text.splitlines() if l.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][7:]) if lines else None)
+    return workers, results
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_allreduce_is_the_mean(server, procs, n):
+    workers, results = world(server, procs, n, "allreduce")
+    mean = sum(range(1, n + 1)) / n
+    for w, r in zip(workers, results):
+        assert w.returncode == 0 and r is not None, log(w)
+        assert r["min"] == pytest.approx(mean, rel=1e-6) and r["max"] == pytest.approx(mean, rel=1e-6)
+        assert r["mean"] == pytest.approx([i * mean for i in range(10)], rel=1e-6)
+        assert r["sum"] == pytest.approx([i * mean * n for i in range(10)], rel=1e-6)
+        assert r["ranks"] == list(range(n))
+
+
+def test_two_workers_match_one_worker_on_the_combined_batch(server, procs):
+    _, [one] = world(server, procs, 1, "train", "--batch", "32")
+    _, two = world(server, procs, 2, "train", "--batch", "16")
+    assert one is not None and two[0] is not None and two[1] is not None
+    assert two[0] == two[1], "the workers of one job hold the same model"
+    for name, values in one.items():
+        assert two[0][name] == pytest.approx(values, abs=2e-5), name
+
+
+def test_a_killed_worker_fails_the_others_naming_its_rank(server, procs):
+    workers, results = world(server, procs, 3, "die", timeout="5")
+    assert workers[1].returncode == 3
+    for r in (0, 2):
+        assert workers[r].returncode == 0, log(workers[r])
+        assert results[r]["rank"] == 1, results[r]
+        assert "rank 1" in results[r]["message"], results[r]
