@@ -10,14 +10,20 @@ TORCH_ENV := eval "$$(scripts/setup-libtorch.sh --print-env)"
 FUZZ_ENV := eval "$$(scripts/setup-schemathesis.sh --print-env)"
 # Exports HORA_FLOWER_PYTHON, the Flower the round-latency benchmark compares with.
 FLOWER_ENV := eval "$$(scripts/setup-flower.sh --print-env)"
+# Exports HORA_PYTHON_ENV and HORA_PYTHON: the environment (maturin, pytest, pyspark; torch from
+# the libtorch environment) the Python package is built into and tested from; installs Java.
+PY_ENV := eval "$$(scripts/setup-python.sh --print-env)"
+# Builds the Python package `hora` (python/) into that environment; $(1): extra maturin flags.
+PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PYTHON_ENV" "$$HORA_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
-.PHONY: demo test bench lint deps-check setup
+.PHONY: demo test bench lint deps-check setup python
 
-## Set up libtorch and the API fuzzer (idempotent; seconds once installed).
+## Set up libtorch, the API fuzzer and the Python environment (idempotent; seconds once installed).
 setup:
 	@scripts/setup-libtorch.sh
 	@scripts/setup-schemathesis.sh
+	@scripts/setup-python.sh
 
 ## The federated Synthetic(1,1) benchmark with real processes: a server, 10 clients, 20 rounds,
 ## a per-round table and the centralised baseline. Leaves nothing running.
@@ -27,17 +33,24 @@ demo:
 	cargo build --release --example federated; \
 	target/release/examples/federated
 
-## Every test, then the dependency policy. The binaries and examples are built first: the
-## cross-process tests in tests/ run them.
+## Every test (Rust, then the Python package's pytest suite), then the dependency policy. The
+## binaries and examples are built first: the cross-process tests in tests/ and python/tests run them.
 test:
-	@$(TORCH_ENV); $(FUZZ_ENV); \
+	@$(TORCH_ENV); $(FUZZ_ENV); $(PY_ENV); \
 	cargo build --workspace --bins --examples; \
 	if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --all-targets --profile $(NEXTEST_PROFILE); \
 	else \
 		cargo test --workspace --all-targets; \
-	fi
+	fi; \
+	$(call PY_INSTALL,); \
+	"$$HORA_PYTHON" -m pytest python/tests -q -p no:cacheprovider
 	@scripts/check-deps.sh
+
+## Installs the Python package `hora` (release build) into the cached environment and prints
+## the interpreter that has it (for notebooks and scripts: `$$(make -s python) my_script.py`).
+python:
+	@$(TORCH_ENV); $(PY_ENV); $(call PY_INSTALL,--release) >&2; echo "$$HORA_PYTHON"
 
 ## Benchmarks that print ratios against baselines measured in the same run.
 bench:
@@ -55,7 +68,9 @@ bench:
 	cargo build --release --example asynchronous; \
 	target/release/examples/asynchronous; \
 	cargo build --release --example collective; \
-	cargo bench -p hora --bench allreduce
+	cargo bench -p hora --bench allreduce; \
+	$(PY_ENV); $(call PY_INSTALL,--release); \
+	"$$HORA_PYTHON" python/bench/bench.py
 
 ## Formatting and clippy, warnings as errors.
 lint:

@@ -2,7 +2,7 @@
 # The dependency policy, checked against Cargo.lock's resolution:
 # - no OpenSSL and no aws-lc anywhere (rustls with ring is our TLS; ring is our crypto);
 # - tch is exactly 0.24.0 (it pairs with PyTorch 2.11.0);
-# - the server does not link libtorch.
+# - neither the server nor the Python package links libtorch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fail=0
@@ -22,5 +22,9 @@ if cargo tree -p hora-server -e normal,build --prefix none 2>/dev/null | grep -q
     echo "check-deps: hora-server depends on libtorch (tch/torch-sys): the server must not link it"
     fail=1
 fi
-[ "$fail" = 0 ] && echo "check-deps: ok (no openssl, no aws-lc; tch $tch; hora-server free of libtorch)"
+if cargo tree -p hora-python -e normal,build --prefix none 2>/dev/null | grep -qE '^(tch|torch-sys) '; then
+    echo "check-deps: hora-python depends on libtorch (tch/torch-sys): the Python package must use the user's torch, not load a second libtorch"
+    fail=1
+fi
+[ "$fail" = 0 ] && echo "check-deps: ok (no openssl, no aws-lc; tch $tch; hora-server and hora-python free of libtorch)"
 exit "$fail"

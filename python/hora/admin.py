@@ -10,7 +10,7 @@ from urllib.parse import quote
 import numpy as np
 
 from . import _hora
-from .client import PathLike, to_numpy
+from .client import PathLike, load_state, to_numpy
 
 Weights = Mapping[str, Any]
 
@@ -65,19 +65,7 @@ class Admin:
     def load_round_model(self, module: Any, task: str, round: int) -> None:
         """Loads round ``round``'s model of ``task`` into a ``torch.nn.Module`` (every entry
         of its ``state_dict`` must be in the model, with its shape; dtypes are kept)."""
-        import torch
-
-        arrays = self.round_model(task, round)
-        own = module.state_dict()
-        missing = sorted(set(own) - set(arrays))
-        extra = sorted(set(arrays) - set(own))
-        if missing or extra:
-            raise ValueError(
-                f"round {round} of task {task!r} does not fit this module: missing {missing}, unexpected {extra}"
-            )
-        module.load_state_dict(
-            {k: torch.from_numpy(v).to(dtype=own[k].dtype) for k, v in arrays.items()}
-        )
+        load_state(module, self.round_model(task, round), f"round {round} of task {task!r}")
 
     # Tasks ------------------------------------------------------------------------------------
 

@@ -36,6 +36,21 @@ def to_numpy(weights: Mapping[str, Any]) -> Dict[str, np.ndarray]:
     return out
 
 
+def load_state(module: Any, weights: Mapping[str, np.ndarray], what: str) -> None:
+    """Loads float32 arrays by name into ``module`` (a ``torch.nn.Module``), keeping the dtypes of
+    its ``state_dict``; every entry must be there, and nothing else."""
+    import torch
+
+    own = module.state_dict()
+    missing = sorted(set(own) - set(weights))
+    extra = sorted(set(weights) - set(own))
+    if missing or extra:
+        raise ValueError(f"{what} does not fit this module: missing {missing}, unexpected {extra}")
+    module.load_state_dict(
+        {k: torch.from_numpy(np.asarray(v)).to(own[k].dtype) for k, v in weights.items()}
+    )
+
+
 class Client:
     """A federated client of one Hora server.
 

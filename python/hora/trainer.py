@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .client import TrainResult, to_numpy
+from .client import TrainResult, load_state, to_numpy
 
 
 class TorchTrainer:
@@ -51,17 +51,7 @@ class TorchTrainer:
 
     def load(self, weights: Mapping[str, np.ndarray]) -> None:
         """Loads global weights (float32 arrays by name) into the model, keeping its dtypes."""
-        torch = self.torch
-        own = self.model.state_dict()
-        missing = sorted(set(own) - set(weights))
-        extra = sorted(set(weights) - set(own))
-        if missing or extra:
-            raise ValueError(
-                f"the task's model does not fit this module: missing {missing}, unexpected {extra}"
-            )
-        self.model.load_state_dict(
-            {k: torch.from_numpy(np.asarray(v)).to(own[k].dtype) for k, v in weights.items()}
-        )
+        load_state(self.model, weights, "the task's model")
 
     def _optimizer(self, config: Mapping[str, Any]) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -23,9 +23,7 @@ fn method(name: &str) -> PyResult<Method> {
         "GET" => Ok(Method::GET),
         "POST" => Ok(Method::POST),
         "DELETE" => Ok(Method::DELETE),
-        other => Err(PyValueError::new_err(format!(
-            "unsupported method {other}"
-        ))),
+        other => Err(PyValueError::new_err(format!("unsupported method {other}"))),
     }
 }
 

@@ -79,8 +79,8 @@ impl Client {
             let mut on_report = |report: &RoundReport| {
                 let Some(callback) = &on_round else { return };
                 Python::attach(|py| {
-                    let result = report_dict(py, report)
-                        .and_then(|d| callback.call1(py, (d,)).map(drop));
+                    let result =
+                        report_dict(py, report).and_then(|d| callback.call1(py, (d,)).map(drop));
                     if let Err(e) = result {
                         e.print(py);
                         callback_failure.lock().unwrap().get_or_insert(e);
@@ -115,8 +115,11 @@ struct PyTrainer {
 }
 
 impl Trainer for PyTrainer {
-    fn train(&mut self, global: &Model, request: TrainRequest<'_>) -> hora_client::Result<TrainOutcome> {
-        let spent = Instant::now();
+    fn train(
+        &mut self,
+        global: &Model,
+        request: TrainRequest<'_>,
+    ) -> hora_client::Result<TrainOutcome> {
         Python::attach(|py| {
             let outcome = self.call(py, global, &request);
             outcome.map_err(|e| {
@@ -132,7 +135,8 @@ impl Trainer for PyTrainer {
             })
         })
         .map(|mut outcome| {
-            outcome.stopped_early = Instant::now() > request.deadline && spent < request.deadline;
+            // The function decides when to stop; past the deadline, it stopped late, not early.
+            outcome.stopped_early = Instant::now() >= request.deadline;
             outcome
         })
     }

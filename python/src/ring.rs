@@ -52,9 +52,9 @@ impl Ring {
         array: &Bound<'_, PyArrayDyn<f32>>,
         op: impl FnOnce(&mut Communicator, &mut [f32]) -> Result<(), SyncError> + Send,
     ) -> PyResult<()> {
-        let mut guard = array.try_readwrite().map_err(|e| {
-            PyValueError::new_err(format!("the buffer is borrowed elsewhere: {e}"))
-        })?;
+        let mut guard = array
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("the buffer is borrowed elsewhere: {e}")))?;
         let values = guard.as_slice_mut().map_err(|_| {
             PyValueError::new_err("the buffer must be a C-contiguous float32 array")
         })?;
@@ -193,7 +193,11 @@ impl Ring {
         average: bool,
         name: &str,
     ) -> PyResult<()> {
-        let reduce = if average { Reduce::Average } else { Reduce::Sum };
+        let reduce = if average {
+            Reduce::Average
+        } else {
+            Reduce::Sum
+        };
         self.collective(py, array, move |comm, values| {
             let fp = tag(name, values.len());
             comm.allreduce(values, reduce, fp)
@@ -250,13 +254,12 @@ impl PendingRing {
     #[new]
     #[pyo3(signature = (listen="127.0.0.1:0", advertise=None))]
     fn new(py: Python<'_>, listen: &str, advertise: Option<&str>) -> PyResult<Self> {
-        let listener = hora_client::sync::link::Links::listen(listen).map_err(|e| sync_error(py, e))?;
-        let local = listener
-            .local_addr()
-            .map_err(|source| {
-                let context = "reading the ring address".to_string();
-                sync_error(py, SyncError::Io { context, source })
-            })?;
+        let listener =
+            hora_client::sync::link::Links::listen(listen).map_err(|e| sync_error(py, e))?;
+        let local = listener.local_addr().map_err(|source| {
+            let context = "reading the ring address".to_string();
+            sync_error(py, SyncError::Io { context, source })
+        })?;
         let host = match advertise {
             Some(h) => h.to_string(),
             None if local.ip().is_unspecified() => {

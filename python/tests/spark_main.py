@@ -6,6 +6,7 @@ import torch
 import hora
 import hora.sync as hs
 from client_main import MLP
+from sync_main import fit
 
 DATA = "synthetic-iid:clients=1,seed=3,min_samples=4000,max_samples=4000"
 
@@ -21,20 +22,7 @@ def train(epochs: int, batch: int) -> float:
     # Kaiming-uniform weights for ReLU; PyTorch's default is three times narrower).
     for layer in (model.fc1, model.fc2):
         torch.nn.init.kaiming_uniform_(layer.weight, nonlinearity="relu")
-    hs.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hs.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        named_parameters=model.named_parameters(),
-    )
-    world, rank = hs.size(), hs.rank()
-    g = batch * world
-    for epoch in range(epochs):
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
-        for start in range(0, len(y) - g + 1, g):
-            mine = order[start + rank * batch : start + (rank + 1) * batch]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
-            opt.step()
+    fit(model, x, y, batch, epochs)
     with torch.no_grad():
         predicted = model(torch.from_numpy(tx)).argmax(1)
     return float((predicted == torch.from_numpy(ty)).float().mean())

@@ -20,14 +20,10 @@ from client_main import MLP
 DATA = "synthetic-iid:clients=1,seed=3,min_samples=400,max_samples=400"
 
 
-def train(batch: int, epochs: int) -> dict:
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    (x, y), _, _ = hora.load_dataset(DATA, 0)
-    x, y = torch.from_numpy(x), torch.from_numpy(y)
-    model = MLP() if hs.rank() == 0 else MLP(hidden=32)
-    if hs.rank() != 0:  # other ranks start elsewhere: broadcast must make them equal
-        torch.nn.init.constant_(model.fc1.weight, 0.3)
+def fit(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, epochs: int) -> None:
+    """Trains `model` in lock-step: rank 0's parameters first, then every rank its slice of
+    each global batch of `size() × batch` (one seeded permutation per epoch, on every rank), SGD
+    with momentum through the DistributedOptimizer."""
     hs.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt = hs.DistributedOptimizer(opt, named_parameters=model.named_parameters())
@@ -40,6 +36,17 @@ def train(batch: int, epochs: int) -> dict:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
             opt.step()
+
+
+def train(batch: int, epochs: int) -> dict:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    (x, y), _, _ = hora.load_dataset(DATA, 0)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    model = MLP() if hs.rank() == 0 else MLP(hidden=32)
+    if hs.rank() != 0:  # other ranks start elsewhere: broadcast must make them equal
+        torch.nn.init.constant_(model.fc1.weight, 0.3)
+    fit(model, x, y, batch, epochs)
     return {k: v.flatten().tolist() for k, v in model.state_dict().items()}
 
 

@@ -198,3 +198,49 @@ def test_errors_are_python_exceptions_with_the_servers_message(server, tmp_path)
 
     with pytest.raises(hora.HoraError, match="another layout"):
         client.run("fails", wrong_shape)
+
+
+def run_in_threads(server: Server, task: str, clients: int, tmp_path: Path) -> list:
+    """`clients` Python clients of `task`, each on a thread of this process (run releases the
+    GIL while it waits, seals and uploads), training the MLP on their own shards."""
+    import threading
+    from torch.utils.data import DataLoader, TensorDataset
+
+    results: list = [None] * clients
+    errors: list = []
+
+    def one(k: int) -> None:
+        try:
+            (x, y), _, _ = hora.load_dataset(DATA, k)
+            loader = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=16)
+            client = hora.Client(server.url, server.ca, tmp_path / f"{task}-{k}", token=server.enrol())
+            results[k] = client.run(task, hora.TorchTrainer(MLP(), loader))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+def test_secure_aggregation_and_asynchronous_tasks_through_the_same_call(server, tmp_path):
+    digest = server.admin.upload_model(initial_model().state_dict())
+    server.create_mlp_task("secure", digest, rounds=2, target_clients=3,
+                           secure_aggregation={"stage_secs": 30})
+    results = run_in_threads(server, "secure", 3, tmp_path)
+    for r in results:
+        assert [x["outcome"] for x in r["rounds"]] == ["uploaded", "uploaded"], r
+    history = server.admin.rounds("secure")
+    assert [len(r["participants"]) for r in history] == [3, 3]
+    assert accuracy(server, "secure", 2) > accuracy(server, "secure", 0) + 0.1
+
+    server.create_mlp_task("async", digest, rounds=4, target_clients=2, min_clients=1,
+                           asynchronous={"buffer_size": 2})
+    results = run_in_threads(server, "async", 3, tmp_path)
+    assert server.admin.task("async")["published_rounds"] == 4
+    assert sum(len(r["rounds"]) for r in results) >= 8, "every version takes two updates"
+    assert accuracy(server, "async", 4) > accuracy(server, "async", 0) + 0.1

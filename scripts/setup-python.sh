@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Sets up what the Python package's build and tests need, cached outside the checkout:
+# a virtual environment with maturin, pytest and pyspark (torch and numpy come from the
+# libtorch environment of scripts/setup-libtorch.sh through a .pth file, not a second
+# download), and a Java runtime for Spark (Debian's openjdk-17-jre-headless, installed with
+# apt-get when `java` is missing).
+#
+# Idempotent: when the cached environment already holds these versions it returns in seconds.
+# Usage: scripts/setup-python.sh [--print-env]
+#   --print-env  print `export VAR=value` lines: HORA_PYTHON_ENV (the environment, for
+#                `maturin develop`) and HORA_PYTHON (its interpreter, for pytest)
+set -euo pipefail
+
+MATURIN_VERSION=1.16.0
+PYTEST_VERSION=9.2.0
+PYSPARK_VERSION=4.3.0
+here="$(cd "$(dirname "$0")" && pwd)"
+cache_root="${HORA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hora}"
+venv="$cache_root/python-env"
+python="$venv/bin/python"
+stamp="$venv/.hora-python-ok"
+want="maturin==$MATURIN_VERSION pytest==$PYTEST_VERSION pyspark==$PYSPARK_VERSION"
+
+log() { echo "setup-python: $*" >&2; }
+
+torch_python="$("$here/setup-libtorch.sh" --print-env | sed -n 's/^export HORA_TORCH_PYTHON=//p')"
+[ -n "$torch_python" ] || { log "scripts/setup-libtorch.sh did not name its Python"; exit 1; }
+
+if ! command -v java >/dev/null 2>&1; then
+    log "installing a Java runtime for Spark (openjdk-17-jre-headless, from Debian's packages)"
+    if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
+    $sudo apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends openjdk-17-jre-headless >&2
+    command -v java >/dev/null 2>&1 || { log "java is still missing after the install"; exit 1; }
+fi
+
+usable() {
+    [ -x "$python" ] && [ -x "$venv/bin/maturin" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$python" -c '
+import numpy, torch, pytest, pyspark, maturin' 2>/dev/null
+}
+
+if ! usable; then
+    log "installing $want into $venv (about 450 MB, a minute, once; torch comes from the libtorch environment)"
+    mkdir -p "$cache_root"
+    rm -f "$stamp"
+    [ -x "$python" ] || "$torch_python" -m venv "$venv"
+    site="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    torch_site="$("$torch_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "$torch_site" >"$site/hora-torch.pth"
+    # Into this environment even where the libtorch one has them too (maturin's binary must be here).
+    # shellcheck disable=SC2086
+    "$python" -m pip install --quiet --disable-pip-version-check --ignore-installed $want
+    "$python" -c 'import numpy, torch, pytest, pyspark, maturin' || { log "the environment is not usable after the install"; exit 1; }
+    echo "$want" >"$stamp"
+    log "done"
+fi
+
+if [ "${1:-}" = "--print-env" ]; then
+    echo "export HORA_PYTHON_ENV=$(printf %q "$venv")"
+    echo "export HORA_PYTHON=$(printf %q "$python")"
+fi
