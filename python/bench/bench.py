@@ -37,6 +37,7 @@ ADMIN = "bench-admin-token"
 HIDDEN = [1024, 1024]
 DATA = "synthetic-iid:clients=2,seed=0,min_samples=256,max_samples=256"
 ROUNDS = 12
+REPEATS = 3
 
 
 def free_port() -> int:
@@ -156,20 +157,38 @@ def allreduce_bandwidth() -> None:
     iterations, warmup = 5, 2
     joined = ",".join(map(str, sizes))
     env = {**os.environ, "HORA_SYNC_SECRET": secrets.token_hex(16), "HORA_LOG": "warn"}
-    print("\nallreduce bus bandwidth (GB/s; busbw = bytes / time × 2(n−1)/n), loopback, this machine:")
+    print(f"\nallreduce bus bandwidth (GB/s; busbw = bytes / time × 2(n−1)/n), loopback, this machine, best of {REPEATS} interleaved runs:")
     print(f"  {'ranks':>5} {'MiB':>5} {'python':>8} {'rust':>8} {'gloo':>8} {'py/rust':>8} {'py/gloo':>8}")
     for n in (2, 4):
-        peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n))
-        python = run_ranks(lambda r: [sys.executable, str(Path(__file__).parent / "sync_allreduce.py"),
-                                      str(r), peers, joined, str(iterations), str(warmup)], n, env)
-        peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n))
-        rust = run_ranks(lambda r: [str(RELEASE / "examples" / "collective"), "--peers", peers,
-                                    "--rank", str(r), "--bench", "--bytes", joined,
-                                    "--iterations", str(iterations), "--warmup", str(warmup)], n, env)
-        gloo = subprocess.run([sys.executable, str(REPO / "benches" / "gloo_allreduce.py"), str(n), joined,
-                               str(iterations), str(warmup), str(free_port())],
-                              check=True, capture_output=True, text=True).stdout
-        gloo = [json.loads(l) for l in gloo.splitlines() if l.startswith("{")]
+        def hora_python():
+            peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n))
+            return run_ranks(lambda r: [sys.executable, str(Path(__file__).parent / "sync_allreduce.py"),
+                                        str(r), peers, joined, str(iterations), str(warmup)], n, env)
+
+        def hora_rust():
+            peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n))
+            return run_ranks(lambda r: [str(RELEASE / "examples" / "collective"), "--peers", peers,
+                                        "--rank", str(r), "--bench", "--bytes", joined,
+                                        "--iterations", str(iterations), "--warmup", str(warmup)], n, env)
+
+        def gloo():
+            out = subprocess.run([sys.executable, str(REPO / "benches" / "gloo_allreduce.py"), str(n), joined,
+                                  str(iterations), str(warmup), str(free_port())],
+                                 check=True, capture_output=True, text=True).stdout
+            return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+
+        # Interleaved, best of REPEATS each: this shared machine's noise is larger than the
+        # differences between the three.
+        best: dict = {}
+        for _ in range(REPEATS):
+            for name, run in (("python", hora_python), ("rust", hora_rust), ("gloo", gloo)):
+                for row in run():
+                    key = (name, row["bytes"])
+                    if key not in best or row["busbw"] > best[key]["busbw"]:
+                        best[key] = row
+        python = [best[("python", b)] for b in sizes]
+        rust = [best[("rust", b)] for b in sizes]
+        gloo = [best[("gloo", b)] for b in sizes]
         for p, r, g in zip(python, rust, gloo):
             mib = p["bytes"] >> 20
             print(f"  {n:>5} {mib:>5} {p['busbw'] / 1e9:8.2f} {r['busbw'] / 1e9:8.2f} {g['busbw'] / 1e9:8.2f} "
