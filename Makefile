@@ -10,11 +10,11 @@ TORCH_ENV := eval "$$(scripts/setup-libtorch.sh --print-env)"
 FUZZ_ENV := eval "$$(scripts/setup-schemathesis.sh --print-env)"
 # Exports HORA_FLOWER_PYTHON, the Flower the round-latency benchmark compares with.
 FLOWER_ENV := eval "$$(scripts/setup-flower.sh --print-env)"
-# Exports HORA_PYTHON_ENV and HORA_PYTHON: the environment (maturin, pytest, pyspark; torch from
+# Exports HORA_PACKAGE_ENV and HORA_PACKAGE_PYTHON: the environment (maturin, pytest, pyspark; torch from
 # the libtorch environment) the Python package is built into and tested from; installs Java.
 PY_ENV := eval "$$(scripts/setup-python.sh --print-env)"
 # Builds the Python package `hora` (python/) into that environment; $(1): extra maturin flags.
-PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PYTHON_ENV" "$$HORA_PYTHON" -m maturin develop --quiet $(1))
+PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
 .PHONY: demo test bench lint deps-check setup python
@@ -44,13 +44,13 @@ test:
 		cargo test --workspace --all-targets; \
 	fi; \
 	$(call PY_INSTALL,); \
-	"$$HORA_PYTHON" -m pytest python/tests -q -p no:cacheprovider
+	"$$HORA_PACKAGE_PYTHON" -m pytest python/tests -q -p no:cacheprovider
 	@scripts/check-deps.sh
 
 ## Installs the Python package `hora` (release build) into the cached environment and prints
 ## the interpreter that has it (for notebooks and scripts: `$$(make -s python) my_script.py`).
 python:
-	@$(TORCH_ENV); $(PY_ENV); $(call PY_INSTALL,--release) >&2; echo "$$HORA_PYTHON"
+	@$(TORCH_ENV); $(PY_ENV); $(call PY_INSTALL,--release) >&2; echo "$$HORA_PACKAGE_PYTHON"
 
 ## Benchmarks that print ratios against baselines measured in the same run.
 bench:
@@ -70,7 +70,7 @@ bench:
 	cargo build --release --example collective; \
 	cargo bench -p hora --bench allreduce; \
 	$(PY_ENV); $(call PY_INSTALL,--release); \
-	"$$HORA_PYTHON" python/bench/bench.py
+	"$$HORA_PACKAGE_PYTHON" python/bench/bench.py
 
 ## Formatting and clippy, warnings as errors.
 lint:

@@ -16,25 +16,31 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def worker(rank, n, sizes, iterations, warmup, port):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=n)
+def time_allreduce(rank, n, sizes, iterations, warmup, allreduce, barrier):
+    """Times `allreduce(tensor)` on float32 tensors of each size (bytes) and prints rank 0's JSON
+    line per size. Shared with python/bench/sync_allreduce.py (hora.sync's twin of this)."""
     for size in sizes:
         t = torch.arange(size // 4, dtype=torch.float32) * 0.25 - rank
         for _ in range(warmup):
-            dist.all_reduce(t)
-        dist.barrier()
+            allreduce(t)
+        barrier()
         start = time.perf_counter()
         for _ in range(iterations):
-            dist.all_reduce(t)
-        dist.barrier()
+            allreduce(t)
+        barrier()
         seconds = (time.perf_counter() - start) / iterations
         if rank == 0:
             algbw = size / seconds
             print(json.dumps({"ranks": n, "bytes": size, "seconds": seconds, "algbw": algbw,
                               "busbw": algbw * 2 * (n - 1) / n}), flush=True)
+
+
+def worker(rank, n, sizes, iterations, warmup, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    time_allreduce(rank, n, sizes, iterations, warmup, dist.all_reduce, dist.barrier)
     dist.destroy_process_group()
 
 

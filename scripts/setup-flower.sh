@@ -13,16 +13,15 @@ set -euo pipefail
 # 1.42.0 asks for a certifi release newer than the package index had when this was pinned.
 FLWR_VERSION=1.41.0
 here="$(cd "$(dirname "$0")" && pwd)"
-cache_root="${HORA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hora}"
+# shellcheck source=scripts/venv-lib.sh
+. "$here/venv-lib.sh"
 venv="$cache_root/flower-$FLWR_VERSION"
 python="$venv/bin/python"
 stamp="$venv/.hora-flower-ok"
 
 log() { echo "setup-flower: $*" >&2; }
 
-# The interpreter of the libtorch environment (installs it when missing).
-torch_python="$("$here/setup-libtorch.sh" --print-env | sed -n 's/^export HORA_TORCH_PYTHON=//p')"
-[ -n "$torch_python" ] || { log "scripts/setup-libtorch.sh did not name its Python"; exit 1; }
+torch_python="$(libtorch_python)"
 
 usable() {
     [ -x "$python" ] && "$python" -c '
@@ -34,12 +33,8 @@ sys.exit(m.version("flwr") != sys.argv[1])' "$FLWR_VERSION" 2>/dev/null
 
 if [ ! -f "$stamp" ] || ! usable; then
     log "installing flwr==$FLWR_VERSION into $venv (about 100 MB, a minute, once; torch comes from the libtorch environment)"
-    mkdir -p "$cache_root"
     rm -f "$stamp"
-    [ -x "$python" ] || "$torch_python" -m venv "$venv"
-    site="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    torch_site="$("$torch_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    echo "$torch_site" >"$site/hora-torch.pth"
+    venv_seeing "$venv" "$torch_python"
     "$python" -m pip install --quiet --disable-pip-version-check "flwr==$FLWR_VERSION"
     usable || { log "flwr or torch is not importable after the install"; exit 1; }
     touch "$stamp"

@@ -7,15 +7,16 @@
 #
 # Idempotent: when the cached environment already holds these versions it returns in seconds.
 # Usage: scripts/setup-python.sh [--print-env]
-#   --print-env  print `export VAR=value` lines: HORA_PYTHON_ENV (the environment, for
-#                `maturin develop`) and HORA_PYTHON (its interpreter, for pytest)
+#   --print-env  print `export VAR=value` lines: HORA_PACKAGE_ENV (the environment, for
+#                `maturin develop`) and HORA_PACKAGE_PYTHON (its interpreter, for pytest)
 set -euo pipefail
 
 MATURIN_VERSION=1.16.0
 PYTEST_VERSION=9.2.0
 PYSPARK_VERSION=4.3.0
 here="$(cd "$(dirname "$0")" && pwd)"
-cache_root="${HORA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hora}"
+# shellcheck source=scripts/venv-lib.sh
+. "$here/venv-lib.sh"
 venv="$cache_root/python-env"
 python="$venv/bin/python"
 stamp="$venv/.hora-python-ok"
@@ -23,8 +24,7 @@ want="maturin==$MATURIN_VERSION pytest==$PYTEST_VERSION pyspark==$PYSPARK_VERSIO
 
 log() { echo "setup-python: $*" >&2; }
 
-torch_python="$("$here/setup-libtorch.sh" --print-env | sed -n 's/^export HORA_TORCH_PYTHON=//p')"
-[ -n "$torch_python" ] || { log "scripts/setup-libtorch.sh did not name its Python"; exit 1; }
+torch_python="$(libtorch_python)"
 
 if ! command -v java >/dev/null 2>&1; then
     log "installing a Java runtime for Spark (openjdk-17-jre-headless, from Debian's packages)"
@@ -41,12 +41,8 @@ import numpy, torch, pytest, pyspark, maturin' 2>/dev/null
 
 if ! usable; then
     log "installing $want into $venv (about 450 MB, a minute, once; torch comes from the libtorch environment)"
-    mkdir -p "$cache_root"
     rm -f "$stamp"
-    [ -x "$python" ] || "$torch_python" -m venv "$venv"
-    site="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    torch_site="$("$torch_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    echo "$torch_site" >"$site/hora-torch.pth"
+    venv_seeing "$venv" "$torch_python"
     # Into this environment even where the libtorch one has them too (maturin's binary must be here).
     # shellcheck disable=SC2086
     "$python" -m pip install --quiet --disable-pip-version-check --ignore-installed $want
@@ -56,6 +52,6 @@ if ! usable; then
 fi
 
 if [ "${1:-}" = "--print-env" ]; then
-    echo "export HORA_PYTHON_ENV=$(printf %q "$venv")"
-    echo "export HORA_PYTHON=$(printf %q "$python")"
+    echo "export HORA_PACKAGE_ENV=$(printf %q "$venv")"
+    echo "export HORA_PACKAGE_PYTHON=$(printf %q "$python")"
 fi

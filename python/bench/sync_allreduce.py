@@ -6,13 +6,15 @@ size with nccl-tests' algbw and busbw.
 usage: sync_allreduce.py RANK PEERS BYTES[,BYTES...] ITERATIONS WARMUP   (HORA_SYNC_SECRET set)
 """
 
-import json
 import sys
-import time
+from pathlib import Path
 
 import torch
 
 import hora.sync as hs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+from gloo_allreduce import time_allreduce  # noqa: E402 - the same timing loop as the baseline's
 
 
 def main() -> None:
@@ -21,21 +23,7 @@ def main() -> None:
     iterations, warmup = int(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(1)
     hs.init(peers=peers, rank=rank)
-    n = hs.size()
-    for size in sizes:
-        t = torch.arange(size // 4, dtype=torch.float32) * 0.25 - rank
-        for _ in range(warmup):
-            hs.allreduce_(t)
-        hs.barrier()
-        start = time.perf_counter()
-        for _ in range(iterations):
-            hs.allreduce_(t)
-        hs.barrier()
-        seconds = (time.perf_counter() - start) / iterations
-        if rank == 0:
-            algbw = size / seconds
-            print(json.dumps({"ranks": n, "bytes": size, "seconds": seconds, "algbw": algbw,
-                              "busbw": algbw * 2 * (n - 1) / n}), flush=True)
+    time_allreduce(rank, hs.size(), sizes, iterations, warmup, hs.allreduce_, hs.barrier)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ use std::time::Duration;
 use hora_client::sync::launch::LaunchRank;
 use hora_client::sync::rendezvous::{ServerRendezvous, World};
 use hora_client::sync::ring::{fingerprint, Reduce};
-use hora_client::sync::world::{connect, form_world, Meeting};
+use hora_client::sync::world::{bind, connect, form_world, Meeting};
 use hora_client::sync::{CommOptions, Communicator, SyncError, Wire};
 use numpy::{PyArrayDyn, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -254,24 +254,10 @@ impl PendingRing {
     #[new]
     #[pyo3(signature = (listen="127.0.0.1:0", advertise=None))]
     fn new(py: Python<'_>, listen: &str, advertise: Option<&str>) -> PyResult<Self> {
-        let listener =
-            hora_client::sync::link::Links::listen(listen).map_err(|e| sync_error(py, e))?;
-        let local = listener.local_addr().map_err(|source| {
-            let context = "reading the ring address".to_string();
-            sync_error(py, SyncError::Io { context, source })
-        })?;
-        let host = match advertise {
-            Some(h) => h.to_string(),
-            None if local.ip().is_unspecified() => {
-                return Err(PyValueError::new_err(format!(
-                    "listening on {local}: give advertise=HOST, the address the other workers reach this one at"
-                )))
-            }
-            None => local.ip().to_string(),
-        };
+        let (listener, address) = bind(listen, advertise).map_err(|e| sync_error(py, e))?;
         Ok(PendingRing {
             listener: Some(listener),
-            address: format!("{host}:{}", local.port()),
+            address,
         })
     }
 

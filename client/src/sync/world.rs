@@ -65,30 +65,38 @@ pub fn form_world(
                     "the world size is unknown: give --world-size, or start the workers with mpirun or srun".into(),
                 )
             })?;
-            let listener = Links::listen(listen)?;
-            let local = listener
-                .local_addr()
-                .map_err(|e| SyncError::io("reading the ring address", e))?;
-            let host = match advertise {
-                Some(h) => h.to_string(),
-                None if local.ip().is_unspecified() => {
-                    return Err(SyncError::Config(format!(
-                        "listening on {local}: give --advertise HOST, the name or address the other workers can reach this one at"
-                    )))
-                }
-                None => local.ip().to_string(),
-            };
-            let address = if host.contains(':') && !host.starts_with('[') {
-                format!("[{host}]:{}", local.port())
-            } else {
-                format!("{host}:{}", local.port())
-            };
+            let (listener, address) = bind(listen, advertise)?;
             tracing::info!(%address, rank = ?launch.rank, size, "joining the job");
             let world = rendezvous.join(&address, launch.rank, size)?;
             (world, Some(listener))
         }
     };
     connect(world, listener, options)
+}
+
+/// Binds the ring port on `listen` and returns it with the address the other workers should
+/// dial: `advertise`'s host (default: the bound address, which must then not be a wildcard)
+/// with the bound port.
+pub fn bind(listen: &str, advertise: Option<&str>) -> Result<(TcpListener, String)> {
+    let listener = Links::listen(listen)?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| SyncError::io("reading the ring address", e))?;
+    let host = match advertise {
+        Some(h) => h.to_string(),
+        None if local.ip().is_unspecified() => {
+            return Err(SyncError::Config(format!(
+                "listening on {local}: give --advertise HOST, the name or address the other workers can reach this one at"
+            )))
+        }
+        None => local.ip().to_string(),
+    };
+    let address = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{}", local.port())
+    } else {
+        format!("{host}:{}", local.port())
+    };
+    Ok((listener, address))
 }
 
 /// Connects to the ring neighbours of `world`, accepting the left one on `listener` (bound
