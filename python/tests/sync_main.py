@@ -65,9 +65,21 @@ def main() -> None:
         mean = hs.allreduce(t)
         total = hs.allreduce(t, average=False)
         objs = hs.allgather_object({"rank": r})
+        # Rank 0's checkpoint (written by it alone), read back by every rank through rank 0; an
+        # optimizer's state (momentum buffers) from rank 0 to all.
+        wrote = hs.save_checkpoint(os.environ["CKPT"], {"step": 7, "w": torch.full((3,), 1.5 + r)})
+        hs.barrier()
+        state = hs.load_checkpoint(os.environ["CKPT"])
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+        w.grad = torch.full((3,), float(r + 1))
+        opt.step()
+        hs.broadcast_optimizer_state(opt, root_rank=0)
         print("RESULT " + json.dumps({
             "min": float(a.min()), "max": float(a.max()),
             "mean": mean.tolist(), "sum": total.tolist(), "ranks": [o["rank"] for o in objs],
+            "wrote": wrote, "step": state["step"], "w": state["w"].tolist(),
+            "momentum": opt.state[w]["momentum_buffer"].tolist(),
         }), flush=True)
     elif args.mode == "train":
         result = train(args.batch, args.epochs)

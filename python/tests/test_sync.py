@@ -15,11 +15,12 @@ WORKER = str(HERE / "sync_main.py")
 
 
 def world(server, procs, n: int, *args: str, timeout: str = "10"):
+    ckpt = procs.dir / f"ckpt-{len(procs.procs)}.pt"
     job = f"job-{len(procs.procs)}"
     token = server.admin.create_sync_job(job, n)["token"]
     env = {"HORA_SERVER": server.url, "HORA_CA": str(server.ca), "HORA_JOB": job,
            "HORA_SYNC_TOKEN": token, "HORA_WORLD_SIZE": str(n), "TIMEOUT": timeout,
-           "HORA_LOG": "warn"}
+           "HORA_LOG": "warn", "CKPT": str(ckpt)}
     workers = [procs.start(f"{job}-{r}", [sys.executable, WORKER, *args], env={**env, "HORA_RANK": str(r)})
                for r in range(n)]
     results = []
@@ -41,6 +42,9 @@ def test_allreduce_is_the_mean(server, procs, n):
         assert r["mean"] == pytest.approx([i * mean for i in range(10)], rel=1e-6)
         assert r["sum"] == pytest.approx([i * mean * n for i in range(10)], rel=1e-6)
         assert r["ranks"] == list(range(n))
+        # Rank 0 alone wrote the checkpoint; every rank read rank 0's.
+        assert r["wrote"] == (r is results[0]) and r["step"] == 7 and r["w"] == [1.5] * 3
+        assert r["momentum"] == [1.0] * 3, "rank 0's optimizer state everywhere"
 
 
 def test_two_workers_match_one_worker_on_the_combined_batch(server, procs):
