@@ -35,13 +35,15 @@ demo:
 
 ## Every test (Rust, then the Python package's pytest suite), then the dependency policy. The
 ## binaries and examples are built first: the cross-process tests in tests/ and python/tests run them.
+## hora-python's tests are the pytest suite (a Rust test binary of a Python extension has no
+## interpreter to run in).
 test:
 	@$(TORCH_ENV); $(FUZZ_ENV); $(PY_ENV); \
 	cargo build --workspace --bins --examples; \
 	if cargo nextest --version >/dev/null 2>&1; then \
-		cargo nextest run --workspace --all-targets --profile $(NEXTEST_PROFILE); \
+		cargo nextest run --workspace --exclude hora-python --all-targets --profile $(NEXTEST_PROFILE); \
 	else \
-		cargo test --workspace --all-targets; \
+		cargo test --workspace --exclude hora-python --all-targets; \
 	fi; \
 	$(call PY_INSTALL,); \
 	"$$HORA_PACKAGE_PYTHON" -m pytest python/tests -q -p no:cacheprovider
