@@ -121,7 +121,8 @@ class Client:
         is a dict with ``round``, ``outcome`` (``uploaded``, ``resumed``, ``missed``,
         ``skipped``, ``abandoned``), ``accepted``, ``num_examples``, ``metrics``,
         ``train_secs`` and ``timings`` (seconds per phase). ``on_round(report)`` is called as
-        each round ends. An exception raised by ``train_fn`` stops the run and propagates;
+        each round ends. An exception raised by ``train_fn`` stops the run and propagates (one
+        raised by ``on_round`` does so before the next round is trained);
         Ctrl-C stops it too, and the next run resumes where it left off.
         """
 

@@ -120,6 +120,12 @@ impl Trainer for PyTrainer {
         global: &Model,
         request: TrainRequest<'_>,
     ) -> hora_client::Result<TrainOutcome> {
+        // An exception from `on_round` stops the run here, before the next round is trained.
+        if self.failure.lock().unwrap().is_some() {
+            return Err(ClientError::Training(
+                "stopping: the on_round callback raised".into(),
+            ));
+        }
         Python::attach(|py| {
             let outcome = self.call(py, global, &request);
             outcome.map_err(|e| {

@@ -199,6 +199,21 @@ def test_errors_are_python_exceptions_with_the_servers_message(server, tmp_path)
     with pytest.raises(hora.HoraError, match="another layout"):
         client.run("fails", wrong_shape)
 
+    # An exception from on_round stops the run before the next round is trained.
+    server.create_mlp_task("callback", digest, rounds=3, target_clients=1)
+    trained = []
+
+    def counting(weights, config):
+        trained.append(config["round"])
+        return weights, 1, None
+
+    def stop(report):
+        raise Boom(f"seen round {report['round']}")
+
+    with pytest.raises(Boom, match="seen round 1"):
+        client.run("callback", counting, on_round=stop)
+    assert trained == [1]
+
 
 def run_in_threads(server: Server, task: str, clients: int, tmp_path: Path) -> list:
     """`clients` Python clients of `task`, each on a thread of this process (run releases the
