@@ -63,3 +63,17 @@ def test_a_killed_worker_fails_the_others_naming_its_rank(server, procs):
         assert workers[r].returncode == 0, log(workers[r])
         assert results[r]["rank"] == 1, results[r]
         assert "rank 1" in results[r]["message"], results[r]
+
+
+def test_workers_given_their_peers_need_no_server(procs):
+    from conftest import free_port
+
+    n = 2
+    env = {"HORA_PEERS": ",".join(f"127.0.0.1:{free_port()}" for _ in range(n)),
+           "HORA_SYNC_SECRET": "a secret of the tests, long enough", "TIMEOUT": "10",
+           "CKPT": str(procs.dir / "peers.pt"), "HORA_LOG": "warn"}
+    workers = [procs.start(f"peer-{r}", [sys.executable, WORKER, "allreduce"], env={**env, "HORA_RANK": str(r)})
+               for r in range(n)]
+    for w in workers:
+        assert w.wait(timeout=120) == 0, log(w)
+        assert '"ranks": [0, 1]' in Path(w.log_path).read_text()
