@@ -159,6 +159,19 @@ pub enum RoundOutcome {
     Abandoned { reason: String },
 }
 
+impl RoundOutcome {
+    /// The outcome's name in reports (`uploaded`, `resumed`, `skipped`, `missed`, `abandoned`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            RoundOutcome::Uploaded { .. } => "uploaded",
+            RoundOutcome::Resumed { .. } => "resumed",
+            RoundOutcome::Skipped => "skipped",
+            RoundOutcome::Missed { .. } => "missed",
+            RoundOutcome::Abandoned { .. } => "abandoned",
+        }
+    }
+}
+
 /// What [`Client::run`] did before the task ended.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunSummary {

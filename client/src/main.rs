@@ -427,13 +427,7 @@ fn required<T>(value: Option<T>, flag: &str) -> anyhow::Result<T> {
 fn timings_line(r: &RoundReport) -> String {
     let mut line = serde_json::json!({
         "round": r.round,
-        "outcome": match r.outcome {
-            RoundOutcome::Uploaded { .. } => "uploaded",
-            RoundOutcome::Resumed { .. } => "resumed",
-            RoundOutcome::Skipped => "skipped",
-            RoundOutcome::Missed { .. } => "missed",
-            RoundOutcome::Abandoned { .. } => "abandoned",
-        },
+        "outcome": r.outcome.name(),
         "seen_unix_us": r.timings.seen_unix_us,
         "acked_unix_us": r.timings.acked_unix_us,
     });

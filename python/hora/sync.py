@@ -31,32 +31,6 @@ from . import _hora
 
 _ring: Optional[_hora.Ring] = None
 
-# Launchers' variables, in the order they are consulted: (rank, size, local rank).
-_LAUNCHERS = (
-    ("HORA_RANK", "HORA_WORLD_SIZE", "HORA_LOCAL_RANK"),
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-)
-
-
-def _env_int(name: str) -> Optional[int]:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise _hora.HoraError(f"{name}={value!r} is not an integer (set by your launcher?)") from None
-
-
-def _launcher() -> Tuple[Optional[int], Optional[int]]:
-    for rank_var, size_var, _ in _LAUNCHERS:
-        if rank_var in os.environ:
-            return _env_int(rank_var), _env_int(size_var)
-    return None, None
-
-
 def init(
     *,
     peers: Optional[Sequence[str]] = None,
@@ -90,9 +64,7 @@ def init(
     global _ring
     if _ring is not None and peers is None and server is None:
         return
-    env_rank, env_size = _launcher()
-    rank = rank if rank is not None else env_rank
-    size = size if size is not None else env_size
+    rank, size, _, _ = _hora.launch_rank(rank, size)
     if peers is None and os.environ.get("HORA_PEERS"):
         peers = [p for p in os.environ["HORA_PEERS"].split(",") if p]
     server = server or os.environ.get("HORA_SERVER")
@@ -167,10 +139,8 @@ def size() -> int:
 
 def local_rank() -> int:
     """This worker's rank among those on its host (from the launcher; else its rank)."""
-    for _, _, local in _LAUNCHERS:
-        if local in os.environ:
-            return int(os.environ[local])
-    return rank()
+    local = _hora.launch_rank()[2]
+    return local if local is not None else rank()
 
 
 def _host(tensor: Any) -> Tuple[np.ndarray, Any]:

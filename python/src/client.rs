@@ -221,14 +221,16 @@ pub(crate) fn json_value(py: Python<'_>, value: &impl serde::Serialize) -> PyRes
 fn report_dict<'py>(py: Python<'py>, report: &RoundReport) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("round", report.round)?;
-    let (outcome, accepted, reason) = match &report.outcome {
-        RoundOutcome::Uploaded { accepted } => ("uploaded", *accepted, None),
-        RoundOutcome::Resumed { accepted } => ("resumed", *accepted, None),
-        RoundOutcome::Skipped => ("skipped", None, None),
-        RoundOutcome::Missed { reason } => ("missed", None, Some(reason.clone())),
-        RoundOutcome::Abandoned { reason } => ("abandoned", None, Some(reason.clone())),
+    let (accepted, reason) = match &report.outcome {
+        RoundOutcome::Uploaded { accepted } | RoundOutcome::Resumed { accepted } => {
+            (*accepted, None)
+        }
+        RoundOutcome::Skipped => (None, None),
+        RoundOutcome::Missed { reason } | RoundOutcome::Abandoned { reason } => {
+            (None, Some(reason.clone()))
+        }
     };
-    d.set_item("outcome", outcome)?;
+    d.set_item("outcome", report.outcome.name())?;
     d.set_item("accepted", accepted)?;
     d.set_item("reason", reason)?;
     d.set_item("num_examples", report.num_examples)?;

@@ -155,6 +155,7 @@ fn _hora(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<admin::AdminConnection>()?;
     m.add_class::<ring::Ring>()?;
     m.add_class::<ring::PendingRing>()?;
+    m.add_function(wrap_pyfunction!(ring::launch_rank, m)?)?;
     m.add_function(wrap_pyfunction!(convert::encode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::decode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::load_dataset, m)?)?;

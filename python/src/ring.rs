@@ -238,6 +238,41 @@ impl Ring {
     }
 }
 
+/// (rank, world size, local rank, where they came from).
+type Launch = (Option<u32>, Option<u32>, Option<u32>, &'static str);
+
+/// launch_rank(rank=None, size=None) -> tuple[int | None, int | None, int | None, str]
+/// --
+///
+/// This worker's (rank, world size, local rank, source) as `hora-client sync` finds them:
+/// `rank`/`size` (or `HORA_RANK`/`HORA_WORLD_SIZE`) first, then mpirun's, Slurm's or PMI's
+/// variables; None where nothing says.
+#[pyfunction]
+#[pyo3(signature = (rank=None, size=None))]
+pub(crate) fn launch_rank(
+    py: Python<'_>,
+    rank: Option<u32>,
+    size: Option<u32>,
+) -> PyResult<Launch> {
+    let env = |name: &str| std::env::var(name).ok();
+    let flag = |value: Option<u32>, name: &str| -> PyResult<Option<u32>> {
+        match (value, env(name)) {
+            (Some(v), _) => Ok(Some(v)),
+            (None, None) => Ok(None),
+            (None, Some(v)) => v.trim().parse().map(Some).map_err(|_| {
+                PyValueError::new_err(format!("{name}={v:?} is not a non-negative integer"))
+            }),
+        }
+    };
+    let found = LaunchRank::detect(
+        flag(rank, "HORA_RANK")?,
+        flag(size, "HORA_WORLD_SIZE")?,
+        env,
+    )
+    .map_err(|e| sync_error(py, e))?;
+    Ok((found.rank, found.world_size, found.local_rank, found.source))
+}
+
 /// A worker that has bound its ring port but does not know its peers yet.
 #[pyclass(module = "hora._hora")]
 pub(crate) struct PendingRing {

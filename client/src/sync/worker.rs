@@ -1,8 +1,8 @@
 //! `hora-client sync`: a datacenter worker that trains a built-in model on its shard of a
 //! dataset in lock-step with the other workers of its job.
 //!
-//! Forming the world ([`form_world`], in [`super::world`]): bind the ring port, meet the others (at the server or
-//! from `--peers`), connect to the ring neighbours. Training ([`train`]): every rank builds the
+//! Forming the world ([`form_world`], in [`super::world`]): bind the ring port, meet the others
+//! (at the server or from `--peers`), connect to the ring neighbours. Training ([`train`]): every rank builds the
 //! model from the same seed, then takes rank 0's parameters and optimizer state (restored from
 //! rank 0's newest checkpoint when there is one); each step, every rank computes gradients on its
 //! part of the global batch and the [`DistributedOptimizer`] averages them on the ring.
