@@ -1,13 +1,17 @@
 //! Connection guard: what keeps a flood of connections from locking the server out.
 //!
 //! Every accepted TCP connection is registered here before its TLS handshake and wrapped in a
-//! [`GuardedStream`] that notes when bytes last moved either way. A connection that has no
-//! request in flight and has moved nothing for the idle timeout is closed: that covers clients
-//! that connect and say nothing, that send half a request line and stall, and keep-alive
-//! connections nobody uses (HTTP/1.1 and HTTP/2 alike, since it looks at bytes, not frames). A
-//! request in flight (a long poll, an upload being folded) keeps its connection; those are
-//! bounded by their own limits (the long poll's wait, the body's minimum rate, the request
-//! timeout).
+//! [`GuardedStream`] that notes when bytes last moved either way, and when a request on it last
+//! began or ended. A connection that has no request in flight and has been quiet for the idle
+//! timeout is closed: that covers clients that connect and say nothing, that send half a request
+//! line and stall, and keep-alive connections nobody uses (HTTP/1.1 and HTTP/2 alike, since it
+//! looks at bytes, not frames). A request in flight (a long poll, an upload being folded) keeps
+//! its connection; those are bounded by their own limits (the long poll's wait, the body's
+//! minimum rate, the request timeout).
+//!
+//! The end of a request counts as activity: over HTTP/2 a handler's answer is written by the
+//! connection's task after the handler returns, and a long poll that moved no byte while it
+//! waited must not find its connection "idle since it began" in between and lose its answer.
 //!
 //! The number of connections is capped well under the process's file-descriptor limit. When a
 //! connection arrives at the cap, the connection that has been idle longest is closed to make
@@ -49,7 +53,9 @@ pub struct Connections {
 /// One connection's bookkeeping, shared by its stream and the requests on it.
 pub struct ConnState {
     id: u64,
-    /// Milliseconds since [`Connections::epoch`] when bytes last moved.
+    /// [`Connections::epoch`].
+    epoch: Instant,
+    /// Milliseconds since `epoch` when bytes last moved or a request began or ended.
     last_activity_ms: AtomicU64,
     in_flight: AtomicUsize,
     /// Set to close the connection at its next read (idle at the cap).
@@ -60,6 +66,11 @@ pub struct ConnState {
 impl ConnState {
     fn idle(&self) -> bool {
         self.in_flight.load(Ordering::SeqCst) == 0
+    }
+
+    fn touch(&self) {
+        self.last_activity_ms
+            .store(self.epoch.elapsed().as_millis() as u64, Ordering::SeqCst);
     }
 
     fn evict(&self) {
@@ -134,6 +145,7 @@ impl Connections {
         }
         let state = Arc::new(ConnState {
             id: self.next_id.fetch_add(1, Ordering::SeqCst),
+            epoch: self.epoch,
             last_activity_ms: AtomicU64::new(self.now_ms()),
             in_flight: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
@@ -209,9 +221,7 @@ impl Drop for GuardedStream {
 
 impl GuardedStream {
     fn touch(&self) {
-        self.state
-            .last_activity_ms
-            .store(self.connections.now_ms(), Ordering::SeqCst);
+        self.state.touch();
     }
 
     /// While the read is pending: whether the connection should end now, else arms the timer
@@ -321,11 +331,13 @@ pub struct TrackRequests<S> {
     state: Arc<ConnState>,
 }
 
-/// Marks one request in flight; dropped when the handler's future ends (or is dropped).
+/// Marks one request in flight; dropped when the handler's future ends (or is dropped). Its end
+/// restarts the idle clock, so the answer has the idle timeout to be written.
 struct InFlight(Arc<ConnState>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.0.touch();
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -346,6 +358,7 @@ where
 
     fn call(&mut self, request: R) -> Self::Future {
         self.state.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.state.touch();
         let guard = InFlight(self.state.clone());
         let future = self.inner.call(request);
         Box::pin(async move {
@@ -365,6 +378,45 @@ mod tests {
         assert_eq!(default_max_connections(Some(1024)), 720);
         assert_eq!(default_max_connections(Some(1 << 20)), 16_384);
         assert_eq!(default_max_connections(Some(10)), 16);
+    }
+
+    #[tokio::test]
+    async fn the_end_of_a_request_restarts_the_idle_clock() {
+        let connections = Connections::new(
+            ConnectionLimits {
+                max_connections: 2,
+                idle_timeout: Duration::from_secs(60),
+            },
+            Arc::new(ServerMetrics::default()),
+        );
+        let conn = connections.admit().unwrap();
+        /// A handler that answers at once.
+        struct Answer;
+        impl tower::Service<()> for Answer {
+            type Response = ();
+            type Error = std::convert::Infallible;
+            type Future = Ready<Result<(), Self::Error>>;
+            fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+                Poll::Ready(Ok(()))
+            }
+            fn call(&mut self, (): ()) -> Self::Future {
+                std::future::ready(Ok(()))
+            }
+        }
+        let mut service = TrackRequests {
+            inner: Answer,
+            state: conn.clone(),
+        };
+        // A request that began long ago (a long poll that moved no byte while it waited).
+        let call = tower::Service::call(&mut service, ());
+        conn.last_activity_ms.store(0, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!conn.idle());
+        call.await.unwrap();
+        // Answered: idle now, but quiet only since the answer, so the answer has the whole idle
+        // timeout to be written.
+        assert!(conn.idle());
+        assert!(conn.last_activity_ms.load(Ordering::SeqCst) >= 20);
     }
 
     #[tokio::test]
