@@ -605,6 +605,85 @@ async fn a_round_short_of_min_clients_at_its_deadline_is_abandoned_and_retried()
     assert_ne!(retry.round_key, offer.round_key);
 }
 
+/// An HTTPS client for `server` that speaks only HTTP/1.1, or only HTTP/2.
+fn http_client(server: &Server, http2: bool) -> reqwest::Client {
+    let mut tls = hora_common::tls::client_config(&server.ca, None).unwrap();
+    tls.alpn_protocols = vec![if http2 {
+        b"h2".to_vec()
+    } else {
+        b"http/1.1".to_vec()
+    }];
+    let builder = reqwest::Client::builder().use_preconfigured_tls(tls);
+    match http2 {
+        true => builder.http2_prior_knowledge(),
+        false => builder.http1_only(),
+    }
+    .build()
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_held_past_the_idle_timeout_are_answered_over_http1_and_http2() {
+    let dir = tempfile::tempdir().unwrap();
+    // Connections idle out after 2 s; polls are capped at four fifths of that.
+    let server = Server::start_with(dir.path(), &["--idle-timeout-secs", "2"]);
+    let admin = server.api(ADMIN_TOKEN);
+    let digest = admin.upload_model(&small_model()).await;
+    admin.create_task(&task("t", digest, 1, 1, 1, 600)).await;
+    let client = admin.enrol().await;
+    for (http2, version) in [
+        (false, reqwest::Version::HTTP_11),
+        (true, reqwest::Version::HTTP_2),
+    ] {
+        let http = http_client(&server, http2);
+        // Round 1 is open: a poll for a later one waits, for 30 s if the server let it.
+        let started = std::time::Instant::now();
+        let resp = http
+            .get(format!(
+                "{}/v1/tasks/t/poll?after=1&wait_ms=30000",
+                server.url
+            ))
+            .bearer_auth(&client.api.token)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{version:?} poll: {e:?}"));
+        assert_eq!((resp.version(), resp.status()), (version, StatusCode::OK));
+        let poll: PollResponse = resp.json().await.unwrap();
+        assert_eq!(poll.max_wait_ms, 1600, "the cap is reported");
+        assert!(started.elapsed() >= Duration::from_millis(1600));
+        assert_eq!((poll.open_round, poll.attempt), (Some(1), Some(0)));
+
+        // A sync join waits for the job's second worker: 3 s, longer than the idle timeout,
+        // with no byte moving.
+        let job = format!("held-{}", u8::from(http2));
+        let info: serde_json::Value = admin
+            .ok(admin
+                .request(Method::POST, "/admin/v1/sync-jobs")
+                .json(&serde_json::json!({"id": job, "world_size": 2})))
+            .await;
+        let token = info["token"].as_str().unwrap().to_string();
+        let join = |http: reqwest::Client, port: u16| {
+            let (url, token) = (format!("{}/v1/sync/{job}/join", server.url), token.clone());
+            async move {
+                http.post(url)
+                    .bearer_auth(token)
+                    .json(&serde_json::json!({"address": format!("127.0.0.1:{port}"), "world_size": 2, "timeout_s": 30}))
+                    .send()
+                    .await
+            }
+        };
+        let first = tokio::spawn(join(http.clone(), 9001));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let second = join(admin.http.clone(), 9002).await.unwrap();
+        assert_eq!(second.status(), StatusCode::OK);
+        let first = first
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{version:?} join held past the idle timeout: {e:?}"));
+        assert_eq!((first.version(), first.status()), (version, StatusCode::OK));
+    }
+}
+
 /// Runs `hora-server admin … <args>` against `server` and returns its JSON output.
 fn admin_cli(server: &Server, args: &[&str]) -> serde_json::Value {
     let out = std::process::Command::new(binary("hora-server"))

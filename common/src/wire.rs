@@ -650,20 +650,51 @@ pub struct Credentials {
     pub secret: String,
 }
 
-/// `GET /v1/tasks/{task}/poll?after=N&wait_ms=W`: the task's state, answered as soon as a round
-/// later than `after` is open (or the task stops), else after `wait_ms` (a long poll).
+/// `GET /v1/tasks/{task}/poll?after=N&attempt=A&wait_ms=W`: the task's state, answered as soon
+/// as a round later than `after` is open — or, with `attempt`, a later attempt of round `after`
+/// (the retry of an abandoned attempt, which wants this client's update again) — or the task
+/// stops; else after `wait_ms`, capped at [`PollResponse::max_wait_ms`] (a long poll).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct PollResponse {
     pub task: String,
     pub state: TaskState,
     /// The round open now, if any.
     pub open_round: Option<u64>,
-    /// Whether this client is selected for that round already.
+    /// The attempt of that round (0 first; an abandoned attempt is retried as the next one).
+    /// Absent from servers older than attempts in polls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    /// Whether this client is selected for that attempt already.
     pub selected: bool,
-    /// Whether this client has already contributed to that round.
+    /// Whether this client's update is in that attempt already. False in a retried attempt
+    /// whose earlier attempt took the client's update: the retry wants it again.
     pub contributed: bool,
     /// When to come back if there is nothing to do (pace steering, jittered).
     pub retry_after_ms: u64,
+    /// The longest this server holds a poll (below its idle and request timeouts, so a poll is
+    /// answered before any timeout of the server's can end it). A longer `wait_ms` is cut to it.
+    #[serde(default)]
+    pub max_wait_ms: u64,
+}
+
+impl PollResponse {
+    /// Whether the open attempt wants this client's update, given the last attempt the client
+    /// dealt with (`done`: round and attempt): a later round, or a later attempt of the same
+    /// round, that the client has not contributed to.
+    pub fn wants_update(&self, done: Option<(u64, u32)>) -> bool {
+        let Some(open) = self.open_round else {
+            return false;
+        };
+        if self.state != TaskState::Running || self.contributed {
+            return false;
+        }
+        match done {
+            None => true,
+            Some((round, attempt)) => {
+                open > round || (open == round && self.attempt.is_some_and(|a| a > attempt))
+            }
+        }
+    }
 }
 
 /// `POST /v1/tasks/{task}/join`: an offer, or when to come back.
@@ -677,6 +708,9 @@ pub struct JoinResponse {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct RoundOffer {
     pub round: u64,
+    /// The attempt of the round (0 first; an abandoned attempt is retried as the next one).
+    #[serde(default)]
+    pub attempt: u32,
     /// Digest of the global model to train from (also its ETag).
     pub model: ModelDigest,
     /// What the weights are: a built-in architecture or the task's TorchScript module.
@@ -1107,6 +1141,7 @@ mod tests {
         let poll = JoinResponse {
             offer: Some(RoundOffer {
                 round: 4,
+                attempt: 1,
                 model: ModelDigest([9; 32]),
                 model_kind: ModelKind::Builtin {
                     name: "mlp".into(),

@@ -59,7 +59,11 @@ impl Server {
                 commit_window: config.commit_window(),
                 durability_timeout: config.durability_timeout,
                 retention: config.retention,
-                ..Default::default()
+                max_poll_wait: CoordinatorConfig::poll_cap(
+                    CoordinatorConfig::default().max_poll_wait,
+                    config.idle_timeout,
+                    config.request_timeout,
+                ),
             },
             metrics.clone(),
         )

@@ -89,7 +89,10 @@ pub async fn enrol(
 pub struct PollQuery {
     /// Answer as soon as a round later than this one is open.
     after: Option<u64>,
-    /// How long to hold the request open (capped by the server, 30 s by default).
+    /// With `after`: answer as soon as an attempt of round `after` later than this one is open
+    /// too (the client dealt with this attempt; a retry of the round wants its update again).
+    attempt: Option<u32>,
+    /// How long to hold the request open (capped by the server: the answer's `max_wait_ms`).
     #[serde(default)]
     wait_ms: u64,
 }
@@ -107,7 +110,13 @@ pub async fn poll(
     Ok(Json(
         state
             .coordinator
-            .poll(task, &auth.id, q.after, Duration::from_millis(q.wait_ms))
+            .poll(
+                task,
+                &auth.id,
+                q.after,
+                q.attempt,
+                Duration::from_millis(q.wait_ms),
+            )
             .await,
     ))
 }
@@ -122,7 +131,7 @@ pub async fn join(
     ApiPath(task): ApiPath<String>,
 ) -> Result<Json<JoinResponse>, ServerError> {
     let task = state.coordinator.task(&task)?;
-    Ok(Json(state.coordinator.join(&task, &auth.id)?))
+    Ok(Json(state.coordinator.join(&task, &auth.id).await?))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

@@ -20,7 +20,7 @@ use hora_common::kernel::{KernelError, WeightedSum};
 use hora_common::wire::{Metrics, RoundOutcome, RoundRecord, TaskState};
 
 use super::collection::Step;
-use super::{lock, Accumulator, Coordinator, Durability, Ending, Round, Task};
+use super::{lock, Accumulator, Coordinator, Durability, Ending, Round, SelectionDurability, Task};
 use crate::dp;
 use crate::error::ServerError;
 use crate::store::{Contribution, TaskRecord};
@@ -126,6 +126,7 @@ impl Coordinator {
         }
         let outcome = tally.abandon.clone().map_or(Ok(()), Err);
         acc.phase.closed(outcome).map_err(ServerError::internal)?;
+        round.selection.send_replace(SelectionDurability::Closed);
         match &tally.abandon {
             None => {
                 round

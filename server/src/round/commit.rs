@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use hora_common::wire::{self, ErrorCode};
 
-use super::{lock, Checkpointed, Coordinator, Durability, Round, Task};
+use super::{
+    lock, Accumulator, Checkpointed, Coordinator, Durability, Round, SelectionDurability, Task,
+};
 use crate::error::ServerError;
 
 impl Coordinator {
@@ -48,13 +50,18 @@ impl Coordinator {
 
     fn checkpoint(&self, task: &Task, round: &Round) -> Result<(), ServerError> {
         let mut acc = lock(&round.acc);
+        if !acc.phase.is_collecting() {
+            return Ok(());
+        }
         // A full round's close makes its uploads durable (and sooner): no checkpoint for it,
         // unless a close has failed already.
-        if !acc.phase.is_collecting()
-            || (acc.close_requested && acc.failed_closes == 0)
-            || acc.durable == acc.contributions.len()
-        {
-            return Ok(());
+        let updates = acc.durable < acc.contributions.len()
+            && !(acc.close_requested && acc.failed_closes == 0);
+        if !updates {
+            return match acc.selected_durable < acc.selected.len() {
+                true => self.record_selection(task, round, &mut acc),
+                false => Ok(()),
+            };
         }
         let started = Instant::now();
         let file = self.store.write_checkpoint(acc.sum.sum())?;
@@ -87,7 +94,23 @@ impl Coordinator {
             self.store.remove_checkpoint(&old.file);
         }
         round.durability.send_replace(Durability::Upto(acc.durable));
+        selection_recorded(round, &mut acc);
         tracing::debug!(task = %task.id, round = round.number, durable = acc.durable, ms = started.elapsed().as_millis() as u64, "checkpoint");
+        Ok(())
+    }
+
+    /// Makes the round's selections durable when no update is pending: the open-round record
+    /// (which lists them) alone, no checkpoint of the sum.
+    fn record_selection(
+        &self,
+        task: &Task,
+        round: &Round,
+        acc: &mut Accumulator,
+    ) -> Result<(), ServerError> {
+        self.store
+            .put_open_round(&task.id, &round.record(acc))
+            .and_then(|_| self.store.flush())?;
+        selection_recorded(round, acc);
         Ok(())
     }
 
@@ -137,4 +160,12 @@ impl Coordinator {
             )),
         }
     }
+}
+
+/// A record listing every selection of `acc` is durable now: their joins are answered.
+fn selection_recorded(round: &Round, acc: &mut Accumulator) {
+    acc.selected_durable = acc.selected.len();
+    round
+        .selection
+        .send_replace(SelectionDurability::Upto(acc.selected_durable));
 }

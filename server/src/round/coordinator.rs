@@ -16,7 +16,7 @@ use tokio_util::task::TaskTracker;
 use super::plain::already_contributed;
 use super::{
     capacity, collection, jitter, lock, now_ms, Accumulator, Checkpointed, Collection, Durability,
-    Round, Task,
+    Round, SelectionDurability, Task,
 };
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
@@ -28,12 +28,28 @@ use crate::strategy;
 pub struct CoordinatorConfig {
     /// How long the committer waits after the first pending update for more to join the commit.
     pub commit_window: Duration,
-    /// The longest a long poll is held open.
+    /// The longest a long poll is held open: see [`CoordinatorConfig::poll_cap`].
     pub max_poll_wait: Duration,
     /// The longest an upload waits for durability before it is answered 503 (and retried).
     pub durability_timeout: Duration,
     /// Which published round models are kept.
     pub retention: crate::store::Retention,
+}
+
+impl CoordinatorConfig {
+    /// The longest a long poll may be held on a server whose connections idle out after
+    /// `idle_timeout` and whose requests time out after `request_timeout`: `max_poll_wait`, but
+    /// at most four fifths of either, so a poll is answered before any timeout of the server's
+    /// (or of a proxy configured like it) can end it. Clients learn the cap from each answer.
+    pub fn poll_cap(
+        max_poll_wait: Duration,
+        idle_timeout: Duration,
+        request_timeout: Duration,
+    ) -> Duration {
+        max_poll_wait
+            .min(idle_timeout * 4 / 5)
+            .min(request_timeout * 4 / 5)
+    }
 }
 
 impl Default for CoordinatorConfig {
@@ -198,6 +214,8 @@ impl Coordinator {
             ),
         };
         let durable = contributions.len();
+        let selected: std::collections::BTreeSet<String> = open.selected.into_iter().collect();
+        let selected_durable = selected.len();
         Ok(Arc::new(Round {
             number: open.round,
             attempt: open.attempt,
@@ -208,7 +226,8 @@ impl Coordinator {
             deadline_unix_ms: open.deadline_unix_ms.into(),
             acc: Mutex::new(Accumulator {
                 sum,
-                selected: open.selected.into_iter().collect(),
+                selected,
+                selected_durable,
                 contributions,
                 durable,
                 checkpoint,
@@ -216,6 +235,7 @@ impl Coordinator {
                 ..Accumulator::new(record.spec.clone())
             }),
             durability: watch::channel(Durability::Upto(durable)).0,
+            selection: watch::channel(SelectionDurability::Upto(selected_durable)).0,
             collection,
             wake: Notify::new(),
         }))
@@ -266,6 +286,7 @@ impl Coordinator {
             deadline_unix_ms: deadline.into(),
             acc: Mutex::new(Accumulator::new(record.spec.clone())),
             durability: watch::channel(Durability::Upto(0)).0,
+            selection: watch::channel(SelectionDurability::Upto(0)).0,
             collection,
             wake: Notify::new(),
         }))
@@ -315,23 +336,28 @@ impl Coordinator {
         jitter(base)
     }
 
-    /// The task's state for `client`; waits up to `wait` for a round later than `after`.
+    /// The task's state for `client`; waits up to `wait` (at most the poll cap) for a round later
+    /// than `after`, or, with `attempt`, for a later attempt of round `after` too: the retry of
+    /// an abandoned attempt wants the updates of the attempt it replaces again.
     pub async fn poll(
         &self,
         task: Arc<Task>,
         client: &str,
         after: Option<u64>,
+        attempt: Option<u32>,
         wait: Duration,
     ) -> wire::PollResponse {
         let mut changed = task.changed.subscribe();
         let deadline = tokio::time::Instant::now() + wait.min(self.config.max_poll_wait);
+        let later = |r: &Round| match after {
+            None => true,
+            Some(a) => r.number > a || (r.number == a && attempt.is_some_and(|x| r.attempt > x)),
+        };
         loop {
             let state = task.state();
             let round = task.current();
             let ready = match state {
-                TaskState::Running => round
-                    .as_ref()
-                    .is_some_and(|r| after.is_none_or(|a| r.number > a)),
+                TaskState::Running => round.as_deref().is_some_and(later),
                 // A paused task holds the poll until it is resumed (or the wait is over), so a
                 // resumed task has its clients back at once.
                 TaskState::Paused => false,
@@ -354,9 +380,11 @@ impl Coordinator {
                 return wire::PollResponse {
                     task: task.id.clone(),
                     state,
-                    open_round: round.map(|r| r.number),
+                    open_round: round.as_ref().map(|r| r.number),
+                    attempt: round.map(|r| r.attempt),
                     selected,
                     contributed,
+                    max_wait_ms: self.config.max_poll_wait.as_millis() as u64,
                     retry_after_ms: match state {
                         // The poll has waited already: come straight back.
                         TaskState::Paused => rand::rng().random_range(100..=1_000),
@@ -373,17 +401,78 @@ impl Coordinator {
         }
     }
 
-    /// Selects `client` for the open round if there is room.
-    pub fn join(&self, task: &Task, client: &str) -> Result<wire::JoinResponse, ServerError> {
+    /// Selects `client` for the open round if there is room, and answers once the selection is
+    /// durable: a selected client's upload is never refused as `not_selected` after a crash.
+    pub async fn join(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        client: &str,
+    ) -> Result<wire::JoinResponse, ServerError> {
+        let (me, t, c) = (self.clone(), task.clone(), client.to_string());
+        // Selection takes the round's lock (and may read the store): on a blocking thread.
+        let joined = tokio::task::spawn_blocking(move || me.select(&t, &c))
+            .await
+            .map_err(ServerError::internal)??;
+        let (round, upto, answer) = match joined {
+            Joined::Answer(answer) => return Ok(answer),
+            Joined::Selected {
+                round,
+                upto,
+                answer,
+            } => (round, upto, answer),
+        };
+        let mut selection = round.selection.subscribe();
+        let durable = |s: &SelectionDurability| match s {
+            SelectionDurability::Upto(n) => *n >= upto,
+            SelectionDurability::Closed => true,
+        };
+        if !durable(&selection.borrow()) {
+            self.commit_wanted.notify_one();
+        }
+        let waited = tokio::time::timeout(
+            self.config.durability_timeout,
+            selection.wait_for(durable),
+        )
+        .await
+        .map_err(|_| {
+            ServerError::unavailable(
+                ErrorCode::NotDurableYet,
+                format!(
+                    "the selection for round {} is not durable after {} s (storage is slow); join again",
+                    round.number,
+                    self.config.durability_timeout.as_secs()
+                ),
+            )
+        })?
+        .map(|s| s.clone())
+        .map_err(|_| {
+            ServerError::unavailable(
+                ErrorCode::ShuttingDown,
+                "the server is shutting down; join again",
+            )
+        })?;
+        match waited {
+            SelectionDurability::Upto(_) => Ok(answer),
+            // The attempt closed before the selection was recorded: nothing to train for.
+            SelectionDurability::Closed => Ok(wire::JoinResponse {
+                offer: None,
+                retry_after_ms: self.retry_after(task),
+            }),
+        }
+    }
+
+    /// The selection itself (blocking): an answer now, or a selection that must be durable first.
+    fn select(&self, task: &Task, client: &str) -> Result<Joined, ServerError> {
         let record = task.record();
+        let wait = || {
+            Ok(Joined::Answer(wire::JoinResponse {
+                offer: None,
+                retry_after_ms: self.retry_after(task),
+            }))
+        };
         match record.state {
             TaskState::Running => {}
-            TaskState::Paused => {
-                return Ok(wire::JoinResponse {
-                    offer: None,
-                    retry_after_ms: self.retry_after(task),
-                })
-            }
+            TaskState::Paused => return wait(),
             s => {
                 return Err(ServerError::conflict(
                     ErrorCode::TaskEnded,
@@ -392,27 +481,21 @@ impl Coordinator {
             }
         }
         let Some(round) = task.current() else {
-            return Ok(wire::JoinResponse {
-                offer: None,
-                retry_after_ms: self.retry_after(task),
-            });
+            return wait();
         };
         if let Some(buffer) = round.collection.asynchronous() {
             let joined = buffer.join(&round, &record, client)?;
             self.metrics.async_training(&task.id, buffer.training());
-            return Ok(joined);
+            return Ok(Joined::Answer(joined));
         }
         let capacity = capacity(&record.config);
         if !round
             .collection
             .admit_join(&*self.store, &task.id, client)?
         {
-            return Ok(wire::JoinResponse {
-                offer: None,
-                retry_after_ms: self.retry_after(task),
-            });
+            return wait();
         }
-        {
+        let upto = {
             let mut acc = lock(&round.acc);
             if acc.contributions.iter().any(|c| c.client == client) {
                 return Err(already_contributed(client, round.number));
@@ -422,22 +505,39 @@ impl Coordinator {
                 if !acc.phase.is_collecting()
                     || !strategy.admits(client, acc.selected.len(), capacity)
                 {
-                    return Ok(wire::JoinResponse {
-                        offer: None,
-                        retry_after_ms: self.retry_after(task),
-                    });
+                    return wait();
                 }
+                // Recorded by the next commit, which the join waits for (a repeat join of a
+                // selected client writes nothing and wakes nobody).
                 acc.selected.insert(client.to_string());
-                // Selection survives a restart on a best-effort basis (the next commit or close
-                // flushes it); a client that loses it simply joins again.
-                let rec = round.record(&acc);
-                self.store.put_open_round(&task.id, &rec)?;
+                let upto = acc.selected.len();
+                drop(acc);
+                task.bump();
+                upto
+            } else {
+                acc.selected.len()
             }
-        }
-        task.bump();
-        Ok(wire::JoinResponse {
+        };
+        let answer = wire::JoinResponse {
             offer: Some(round.offer(&record, round.deadline())),
             retry_after_ms: 0,
+        };
+        Ok(Joined::Selected {
+            round,
+            upto,
+            answer,
         })
     }
+}
+
+/// What [`Coordinator::select`] decided.
+enum Joined {
+    /// The answer as it is (not selected now, or an asynchronous task's training slot).
+    Answer(wire::JoinResponse),
+    /// Selected: `answer` goes out once the first `upto` selections are durable.
+    Selected {
+        round: Arc<Round>,
+        upto: usize,
+        answer: wire::JoinResponse,
+    },
 }

@@ -92,11 +92,23 @@ pub(crate) enum Durability {
     Abandoned(String),
 }
 
+/// What joining clients learn about their selection: a client is told it is selected only once
+/// a record listing it is durable, so a crash can never turn its upload into `not_selected`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum SelectionDurability {
+    /// The first `n` selections (in the order they were made) are durable.
+    Upto(usize),
+    /// The attempt closed: it takes no more clients.
+    Closed,
+}
+
 /// A round's running state, under one lock.
 pub(crate) struct Accumulator {
     pub(crate) phase: Phase,
     pub(crate) sum: WeightedSum,
     pub(crate) selected: BTreeSet<String>,
+    /// How many of `selected` a durable record lists (selections only grow within an attempt).
+    pub(crate) selected_durable: usize,
     /// Every accepted contribution, the durable ones first.
     pub(crate) contributions: Vec<Contribution>,
     pub(crate) durable: usize,
@@ -117,6 +129,7 @@ impl Accumulator {
             phase: Phase::Collecting,
             sum: WeightedSum::new(spec),
             selected: BTreeSet::new(),
+            selected_durable: 0,
             contributions: Vec::new(),
             durable: 0,
             checkpoint: None,
@@ -148,6 +161,8 @@ pub struct Round {
     pub(crate) deadline_unix_ms: std::sync::atomic::AtomicU64,
     pub(crate) acc: Mutex<Accumulator>,
     pub(crate) durability: watch::Sender<Durability>,
+    /// What waiting joins learn about their selection.
+    pub(crate) selection: watch::Sender<SelectionDurability>,
     /// How the round's updates arrive.
     pub collection: Arc<dyn Collection>,
     /// Wakes the round's deadline watcher (a close was requested, the clock moved).
@@ -175,6 +190,7 @@ impl Round {
     pub(crate) fn offer(&self, record: &TaskRecord, deadline_unix_ms: u64) -> wire::RoundOffer {
         wire::RoundOffer {
             round: self.number,
+            attempt: self.attempt,
             model: self.base,
             model_kind: record.config.model.clone(),
             round_key: self.key.public_key(),

@@ -52,9 +52,10 @@ impl Engine {
         self.coordinator.task(id).unwrap()
     }
 
-    fn join(&self, task: &Task, client: &str) -> RoundOffer {
+    async fn join(&self, task: &Arc<Task>, client: &str) -> RoundOffer {
         self.coordinator
             .join(task, client)
+            .await
             .unwrap()
             .offer
             .expect("selected")
@@ -98,7 +99,7 @@ impl Engine {
     ) -> (Arc<Task>, Arc<Round>) {
         let task = self.create("t", min, target, deadline_secs);
         let round = task.current().unwrap();
-        let offer = self.join(&task, "a");
+        let offer = self.join(&task, "a").await;
         self.upload(&task, "a", &offer, 1, [1.0, 0.0, 0.0])
             .await
             .unwrap();
@@ -132,8 +133,8 @@ async fn a_full_round_goes_from_collecting_through_closing_to_published() {
     let task = e.create("t", 2, 2, 600);
     let round = task.current().unwrap();
     assert_eq!(round.phase(), Phase::Collecting);
-    let offer = e.join(&task, "a");
-    e.join(&task, "b");
+    let offer = e.join(&task, "a").await;
+    e.join(&task, "b").await;
     e.upload(&task, "a", &offer, 1, [3.0, 0.0, 0.0])
         .await
         .unwrap();
@@ -159,7 +160,7 @@ async fn a_round_short_at_its_deadline_is_abandoned_and_retried_with_a_fresh_key
     let e = engine();
     let task = e.create("t", 2, 3, 1);
     let round = task.current().unwrap();
-    let offer = e.join(&task, "a");
+    let offer = e.join(&task, "a").await;
     e.upload(&task, "a", &offer, 1, [1.0, 1.0, 1.0])
         .await
         .unwrap();
@@ -169,9 +170,36 @@ async fn a_round_short_at_its_deadline_is_abandoned_and_retried_with_a_fresh_key
     };
     assert!(reason.contains("1 of the required 2"), "{reason}");
     assert_eq!((retry.number, retry.attempt), (1, 1));
-    let again = e.join(&task, "a");
+    // A poll of a client that dealt with attempt 0 is answered at once: the retry wants its
+    // update again.
+    let poll = e
+        .coordinator
+        .poll(task.clone(), "a", Some(1), Some(0), Duration::from_secs(20))
+        .await;
+    assert_eq!(
+        (poll.open_round, poll.attempt, poll.contributed),
+        (Some(1), Some(1), false)
+    );
+    assert!(poll.wants_update(Some((1, 0))));
+    let again = e.join(&task, "a").await;
+    assert_eq!(again.attempt, 1);
     assert_ne!(again.round_key, offer.round_key, "a retry gets a fresh key");
     assert_eq!(e.global(&task), e.initial.data(), "nothing was published");
+}
+
+#[tokio::test]
+async fn a_join_is_answered_once_a_record_lists_the_client() {
+    let e = engine();
+    let task = e.create("t", 2, 2, 60);
+    for client in ["a", "b"] {
+        e.join(&task, client).await;
+        let stored = e.coordinator.store().open_round("t").unwrap().unwrap();
+        assert!(stored.selected.iter().any(|s| s == client), "{client}");
+    }
+    // A repeat join of a selected client is answered without waking pollers.
+    let changes = task.subscribe();
+    e.join(&task, "a").await;
+    assert!(!changes.has_changed().unwrap());
 }
 
 #[tokio::test]
@@ -179,7 +207,7 @@ async fn a_closed_round_refuses_late_uploads_and_joins_go_to_the_next() {
     let e = engine();
     let task = e.create("t", 1, 1, 600);
     let round = task.current().unwrap();
-    let offer = e.join(&task, "a");
+    let offer = e.join(&task, "a").await;
     e.upload(&task, "a", &offer, 1, [1.0, 0.0, 0.0])
         .await
         .unwrap();
@@ -189,7 +217,7 @@ async fn a_closed_round_refuses_late_uploads_and_joins_go_to_the_next() {
         panic!("a late upload was taken")
     };
     assert_eq!(err.code(), ErrorCode::RoundClosed, "{err}");
-    assert_eq!(e.join(&task, "b").round, 2);
+    assert_eq!(e.join(&task, "b").await.round, 2);
 }
 
 #[tokio::test]
@@ -215,7 +243,7 @@ async fn stopping_the_task_abandons_its_round_and_opens_none() {
     e.set_state(&task, TaskState::Stopped).await;
     assert_eq!(round.phase(), Phase::Abandoned("task stopped".into()));
     assert!(task.current().is_none());
-    let refused = e.coordinator.join(&task, "b").expect_err("refused");
+    let refused = e.coordinator.join(&task, "b").await.expect_err("refused");
     assert_eq!(refused.code(), ErrorCode::TaskEnded, "{refused}");
 }
 
@@ -239,9 +267,18 @@ async fn asynchronous_versions_fold_stale_updates_down_weighted_and_refuse_too_s
     let e = engine();
     let task = e.create_async("t", 2, 1);
     let v1 = task.current().unwrap();
-    let [a, b, c, d] = ["a", "b", "c", "d"].map(|x| e.join(&task, x));
+    let mut offers = Vec::new();
+    for x in ["a", "b", "c", "d"] {
+        offers.push(e.join(&task, x).await);
+    }
+    let [a, b, c, d] = offers.try_into().ok().unwrap();
     assert!(
-        e.coordinator.join(&task, "e").unwrap().offer.is_none(),
+        e.coordinator
+            .join(&task, "e")
+            .await
+            .unwrap()
+            .offer
+            .is_none(),
         "four of four slots are taken: pace steering holds the fifth back"
     );
     let open = e.coordinator.info(&task).open_round.expect("open");
@@ -256,7 +293,7 @@ async fn asynchronous_versions_fold_stale_updates_down_weighted_and_refuse_too_s
     assert_eq!(e.global(&task), vec![2.0, 3.0, 3.0], "(a + b) / 2");
     // c trained from version 1: one version stale, weighted (1 + 1)^-1.
     e.upload(&task, "c", &c, 3, [4.0, 0.0, 0.0]).await.unwrap();
-    let again = e.join(&task, "a");
+    let again = e.join(&task, "a").await;
     assert_eq!(again.round, 2, "a trains again from the current version");
     let dup = e.upload(&task, "a", &a, 1, [2.0, 0.0, 0.0]).await;
     assert_eq!(dup.unwrap_err().code(), ErrorCode::AlreadyContributed);
@@ -288,7 +325,8 @@ async fn a_poll_of_a_paused_task_is_held_until_it_is_resumed() {
     let task = e.create("t", 1, 1, 600);
     e.set_state(&task, TaskState::Paused).await;
     let (c, t) = (e.coordinator.clone(), task.clone());
-    let poll = tokio::spawn(async move { c.poll(t, "a", None, Duration::from_secs(20)).await });
+    let poll =
+        tokio::spawn(async move { c.poll(t, "a", None, None, Duration::from_secs(20)).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!poll.is_finished(), "answered while the task is paused");
     let resumed = std::time::Instant::now();
@@ -309,14 +347,14 @@ async fn an_abandoned_asynchronous_version_does_not_hold_its_clients_back() {
     let v1 = task.current().unwrap();
     let big = [f32::MAX, 0.0, 0.0];
     for c in ["a", "b"] {
-        let offer = e.join(&task, c);
+        let offer = e.join(&task, c).await;
         e.upload(&task, c, &offer, 1, big).await.unwrap();
     }
     let v2 = next_round(&task, &v1).await;
     // Version 2's sum would overflow: the version is abandoned and retried.
-    let first = e.join(&task, "a");
+    let first = e.join(&task, "a").await;
     e.upload(&task, "a", &first, 1, big).await.unwrap();
-    let offer = e.join(&task, "b");
+    let offer = e.join(&task, "b").await;
     let abandoned = e.upload(&task, "b", &offer, 1, big).await;
     assert_eq!(abandoned.unwrap_err().code(), ErrorCode::RoundAbandoned);
     let retry = next_round(&task, &v2).await;
@@ -328,10 +366,10 @@ async fn an_abandoned_asynchronous_version_does_not_hold_its_clients_back() {
     assert_eq!((retry.number, retry.attempt), (2, 1));
     // Their abandoned updates never counted: both train from version 2 again, sealed to the
     // key the version kept.
-    let again = e.join(&task, "a");
+    let again = e.join(&task, "a").await;
     assert_eq!((again.round, again.round_key), (2, first.round_key));
     e.upload(&task, "a", &again, 1, [0.0, 1.0, 0.0])
         .await
         .unwrap();
-    assert_eq!(e.join(&task, "b").round, 2);
+    assert_eq!(e.join(&task, "b").await.round, 2);
 }
