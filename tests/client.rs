@@ -17,7 +17,7 @@ use hora_client::{
     Trainer,
 };
 use hora_common::model::Model;
-use hora_common::wire::{ErrorCode, Metrics, RoundRecord, TaskInfo, TaskState, UpdateMeta};
+use hora_common::wire::{self, ErrorCode, Metrics, RoundRecord, TaskInfo, TaskState, UpdateMeta};
 use reqwest::Method;
 use support::*;
 
@@ -72,8 +72,20 @@ async fn token(admin: &Api) -> String {
 
 /// `hora-client train` against `url`, on shard `k` of the Synthetic-IID data.
 fn client_command(url: &str, ca: &Path, state: &Path, task: &str, k: usize) -> Command {
+    data_client_command(url, ca, state, task, IID, k)
+}
+
+/// `hora-client train` against `url`, on shard `k` of `data`.
+fn data_client_command(
+    url: &str,
+    ca: &Path,
+    state: &Path,
+    task: &str,
+    data: &str,
+    k: usize,
+) -> Command {
     let mut cmd = Command::new(binary("hora-client"));
-    cmd.args(["train", "--server", url, "--task", task, "--data", IID])
+    cmd.args(["train", "--server", url, "--task", task, "--data", data])
         .args([
             "--client-index",
             &k.to_string(),
@@ -185,6 +197,193 @@ async fn a_client_survives_a_server_restart_mid_round() {
             );
         }
         assert!(stdout.contains("the task is Finished"), "{stdout}");
+    }
+}
+
+/// Clients in the federations below: `min_clients` = `target_clients` = all of them.
+const FLEET: usize = 10;
+const FLEET_DATA: &str = "synthetic-iid:clients=10,seed=5";
+
+/// A federation of [`FLEET`] `hora-client` processes, seeded so that every run trains the same
+/// updates from the same `initial` model, for `rounds` rounds. With `kills`, the server is
+/// SIGKILLed that many times at random moments 0.05–1.5 s apart from the moment the clients
+/// start (while they join, train and upload), each time restarted on the same port and data
+/// directory. Returns the round history and the last round's model.
+async fn federation(initial: &Model, rounds: u64, kills: usize) -> (Vec<RoundRecord>, Model) {
+    use rand::Rng;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("server");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut server = Server::start_on(&data, &listen, &[]);
+    let (url, ca) = (server.url.clone(), server.ca.clone());
+    let admin = server.api(ADMIN_TOKEN);
+    let digest = admin.upload_model(initial).await;
+    let mut config = logreg_task("t", digest, rounds, FLEET as u32, FLEET as u32);
+    config.round_deadline_secs = 30;
+    admin.create_task(&config).await;
+    let mut clients = Vec::new();
+    for k in 0..FLEET {
+        let state = dir.path().join(format!("client-{k}"));
+        let mut cmd = data_client_command(&url, &ca, &state, "t", FLEET_DATA, k);
+        cmd.args(["--token", &token(&admin).await, "--seed", &k.to_string()]);
+        clients.push(spawn(cmd));
+    }
+    for kill in 0..kills {
+        let pause = rand::rng().random_range(50..=1500);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        // Where the federation stood a moment before (the server may be starting still).
+        let open = admin
+            .request(Method::GET, "/admin/v1/tasks/t")
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success());
+        let stood = match open {
+            Some(r) => match r.json::<TaskInfo>().await.ok().and_then(|i| i.open_round) {
+                Some(o) => format!(
+                    "round {} attempt {}, {} accepted",
+                    o.round, o.attempt, o.accepted
+                ),
+                None => "no round open".into(),
+            },
+            None => "not answering yet".into(),
+        };
+        server.kill();
+        server = Server::start_on(&data, &listen, &[]);
+        eprintln!("kill {} after {pause} ms ({stood})", kill + 1);
+    }
+    let admin = server.api(ADMIN_TOKEN);
+    wait_for(
+        "the federation to finish",
+        Duration::from_secs(600),
+        async || task_info(&admin, "t").await.state == TaskState::Finished,
+    )
+    .await;
+    for child in clients {
+        finish(child);
+    }
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/t/rounds"))
+        .await;
+    (history, admin.round_model("t", rounds).await)
+}
+
+/// Every round published once, each with the whole fleet; abandoned attempts are allowed.
+fn assert_every_round_has_the_fleet(history: &[RoundRecord], rounds: u64) {
+    for round in 1..=rounds {
+        let published: Vec<_> = history
+            .iter()
+            .filter(|r| r.round == round && r.outcome == wire::RoundOutcome::Published)
+            .collect();
+        assert_eq!(published.len(), 1, "round {round}: {history:#?}");
+        let participants: std::collections::BTreeSet<_> =
+            published[0].participants.iter().collect();
+        assert_eq!(
+            participants.len(),
+            FLEET,
+            "round {round}: {:?}",
+            published[0]
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_federation_whose_server_is_killed_again_and_again_ends_as_if_it_never_was() {
+    const ROUNDS: u64 = 3;
+    let initial = Network::builtin(&arch(), tch::Device::Cpu)
+        .unwrap()
+        .weights()
+        .unwrap();
+    let (calm, want) = federation(&initial, ROUNDS, 0).await;
+    assert_every_round_has_the_fleet(&calm, ROUNDS);
+    // Twice, with different random kill schedules.
+    for run in 1..=2 {
+        let (history, got) = federation(&initial, ROUNDS, 15).await;
+        assert_every_round_has_the_fleet(&history, ROUNDS);
+        let abandoned = history.len() as u64 - ROUNDS;
+        let scale = want.data().iter().fold(1f32, |m, v| m.max(v.abs()));
+        let worst = got
+            .data()
+            .iter()
+            .zip(want.data())
+            .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+        eprintln!(
+            "crashed run {run}: {abandoned} abandoned attempts; final model {} (largest difference {worst:e})",
+            if got.digest() == want.digest() { "bit-identical to the uncrashed run's" } else { "differs" }
+        );
+        // Equal up to the order in which the server folded the same updates.
+        assert!(worst <= 1e-6 * scale, "largest difference {worst:e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_abandoned_attempts_contributors_all_rejoin_its_retry() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+    let admin = server.api(ADMIN_TOKEN);
+    let (_, digest) = upload_initial(&admin).await;
+    let mut config = logreg_task("t", digest, 2, 3, 3);
+    config.round_deadline_secs = 15;
+    admin.create_task(&config).await;
+    let start = |k: usize, token: String| {
+        let state = dir.path().join(format!("c{k}"));
+        let data = "synthetic-iid:clients=3,seed=5";
+        let mut cmd = data_client_command(&server.url, &server.ca, &state, "t", data, k);
+        cmd.args(["--token", &token]);
+        spawn(cmd)
+    };
+    // Two of the three upload to attempt 0, which is abandoned at its deadline.
+    let early = [start(0, token(&admin).await), start(1, token(&admin).await)];
+    wait_for(
+        "attempt 0 to be abandoned",
+        Duration::from_secs(120),
+        async || {
+            task_info(&admin, "t")
+                .await
+                .open_round
+                .is_some_and(|r| r.attempt >= 1)
+        },
+    )
+    .await;
+    let late = start(2, token(&admin).await);
+    wait_for("the task to finish", Duration::from_secs(300), async || {
+        task_info(&admin, "t").await.state == TaskState::Finished
+    })
+    .await;
+    let outputs: Vec<_> = early.into_iter().chain([late]).map(finish).collect();
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/t/rounds"))
+        .await;
+    let first = &history[0];
+    assert_eq!((first.round, first.attempt), (1, 0));
+    assert!(
+        matches!(first.outcome, wire::RoundOutcome::Abandoned { .. }),
+        "{first:?}"
+    );
+    assert!(!first.participants.is_empty(), "{first:?}");
+    let published = history
+        .iter()
+        .find(|r| r.round == 1 && r.outcome == wire::RoundOutcome::Published)
+        .expect("round 1 published");
+    for c in &first.participants {
+        assert!(
+            published.participants.contains(c),
+            "{c} is missing from {published:?}"
+        );
+    }
+    assert_eq!(published.participants.len(), 3);
+    // The early clients that were in attempt 0 report its retry with the update they trained
+    // for it (no second training).
+    for out in outputs[..2]
+        .iter()
+        .filter(|o| String::from_utf8_lossy(&o.stdout).contains("t round 1 ·"))
+    {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains(&format!("t round 1 (attempt {}) ·", published.attempt))
+                && stdout.contains("an update trained earlier"),
+            "{stdout}"
+        );
     }
 }
 
@@ -350,6 +549,7 @@ async fn a_restarted_client_uploads_the_update_it_trained_before() {
     let delta = delta(&initial, 7);
     let record = RoundState {
         round: offer.round,
+        attempt: offer.attempt,
         base: offer.model,
         num_examples: 42,
         metrics: Metrics::default(),

@@ -83,6 +83,8 @@ impl ClientConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoundReport {
     pub round: u64,
+    /// The attempt of the round (0 first; an abandoned attempt is retried as the next one).
+    pub attempt: u32,
     pub outcome: RoundOutcome,
     pub num_examples: u64,
     pub metrics: Metrics,
@@ -154,23 +156,51 @@ pub enum RoundOutcome {
     Skipped,
     /// The round closed before our update arrived (the server answered 409).
     Missed { reason: String },
-    /// The secure-aggregation attempt was abandoned (too many clients dropped out); the
-    /// server retries the round, and this client joins the retry.
+    /// The server refused the update as not selected for an attempt it had admitted this
+    /// client to, even after the client joined again (see [`Client::participate`]).
+    NotSelected { reason: String },
+    /// The attempt was abandoned (too few updates by its deadline, too many secure-aggregation
+    /// dropouts); the server retries the round, and this client joins the retry with the same
+    /// update.
     Abandoned { reason: String },
 }
 
 impl RoundOutcome {
-    /// The outcome's name in reports (`uploaded`, `resumed`, `skipped`, `missed`, `abandoned`).
+    /// The outcome's name in reports (`uploaded`, `resumed`, `skipped`, `missed`,
+    /// `not_selected`, `abandoned`).
     pub fn name(&self) -> &'static str {
         match self {
             RoundOutcome::Uploaded { .. } => "uploaded",
             RoundOutcome::Resumed { .. } => "resumed",
             RoundOutcome::Skipped => "skipped",
             RoundOutcome::Missed { .. } => "missed",
+            RoundOutcome::NotSelected { .. } => "not_selected",
             RoundOutcome::Abandoned { .. } => "abandoned",
         }
     }
 }
+
+/// A round attempt a client dealt with (contributed to, skipped or missed): its polls wait for
+/// a later round, or for a later attempt of this round, which wants the client's update again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt {
+    pub round: u64,
+    pub attempt: u32,
+}
+
+impl RoundReport {
+    /// The attempt this report dealt with.
+    pub fn dealt_with(&self) -> Attempt {
+        Attempt {
+            round: self.round,
+            attempt: self.attempt,
+        }
+    }
+}
+
+/// How often in a row an upload may be refused as `not_selected` before the client gives the
+/// attempt up (it rejoins after each: a selection that went missing is made again).
+const REJOINS: u32 = 3;
 
 /// What [`Client::run`] did before the task ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -273,16 +303,17 @@ impl Client {
         &self.state
     }
 
-    /// The task's state; held open up to `wait` until a round later than `after` opens.
+    /// The task's state; held open up to `wait` (at most the server's cap) until a round later
+    /// than `after` opens, or a later attempt of `after`'s round.
     pub async fn poll(
         &self,
         task: &str,
-        after: Option<u64>,
+        after: Option<Attempt>,
         wait: Duration,
     ) -> Result<PollResponse> {
         let mut path = format!("/v1/tasks/{task}/poll?wait_ms={}", wait.as_millis());
         if let Some(a) = after {
-            path.push_str(&format!("&after={a}"));
+            path.push_str(&format!("&after={}&attempt={}", a.round, a.attempt));
         }
         self.conn
             .json("polling", || self.conn.request(Method::GET, &path, wait))
@@ -472,16 +503,18 @@ impl Client {
         self.participate_after(task, None, trainer, progress).await
     }
 
-    /// [`Client::participate`] in a round later than `after` (the last one this client dealt
-    /// with: a skipped or missed round is not tried again).
+    /// [`Client::participate`] in a round attempt later than `after` (the last one this client
+    /// dealt with: a skipped or missed attempt is not tried again, but the retry of an abandoned
+    /// attempt is a later attempt of the same round, and wants this client's update again).
     pub async fn participate_after<T: Trainer + ?Sized>(
         &self,
         task: &str,
-        mut after: Option<u64>,
+        mut after: Option<Attempt>,
         trainer: &mut T,
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> Result<Option<RoundReport>> {
         let waiting = Instant::now();
+        let mut rejoins = 0;
         loop {
             let poll = self.poll(task, after, self.config.poll_wait).await?;
             let seen = Instant::now();
@@ -498,15 +531,22 @@ impl Client {
             let Some(open) = poll.open_round else {
                 continue; // the long poll ran out with nothing open: poll again
             };
-            if poll.contributed {
-                after = Some(open);
+            let current = Attempt {
+                round: open,
+                attempt: poll.attempt.unwrap_or(0),
+            };
+            if !poll.wants_update(after.map(|a| (a.round, a.attempt))) {
+                // In already, or an attempt dealt with: wait for a later one.
+                if poll.contributed {
+                    after = Some(current);
+                }
                 continue;
             }
             let join = match self.join(task).await {
                 Ok(j) => j,
                 Err(e) if e.code() == Some(&ErrorCode::TaskEnded) => return Ok(None),
                 Err(e) if e.code() == Some(&ErrorCode::AlreadyContributed) => {
-                    after = Some(open);
+                    after = Some(current);
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -515,6 +555,15 @@ impl Client {
                 Some(offer) => {
                     let joined = Instant::now();
                     let mut report = self.contribute(task, &offer, trainer, progress).await?;
+                    if matches!(report.outcome, RoundOutcome::NotSelected { .. })
+                        && rejoins < REJOINS
+                    {
+                        // Refused as not selected for an attempt we were told we are in: join
+                        // again (the update is kept, and goes up once we are in).
+                        rejoins += 1;
+                        tracing::warn!(round = offer.round, attempt = offer.attempt, "the server no longer lists this client as selected; joining the round again");
+                        continue;
+                    }
                     report.timings.wait = seen - waiting;
                     report.timings.join = joined - seen;
                     report.timings.seen_unix_us = seen_unix_us;
@@ -535,7 +584,7 @@ impl Client {
                 }
                 None => {
                     tracing::debug!(round = open, "not selected; waiting for the next round");
-                    after = Some(open);
+                    after = Some(current);
                     tokio::time::sleep(Duration::from_millis(join.retry_after_ms.min(1_000))).await;
                 }
             }
@@ -555,10 +604,14 @@ impl Client {
                 .contribute_secure(task, offer, secure, trainer, progress)
                 .await;
         }
-        let saved = self
-            .state
-            .round(task)?
-            .filter(|s| s.round == offer.round && s.base == offer.model && !s.uploaded);
+        // An update trained for this round and not yet taken: not uploaded (a restart, or a
+        // refusal that kept it), or uploaded to an earlier attempt that was abandoned (its retry
+        // trains from the same base, and takes the same update).
+        let saved = self.state.round(task)?.filter(|s| {
+            s.round == offer.round
+                && s.base == offer.model
+                && (!s.uploaded || s.attempt < offer.attempt)
+        });
         let resumed = saved
             .and_then(|s| Some((self.state.trained_delta(task, &self.config.limits)?, s)))
             .filter(|(delta, _)| {
@@ -573,7 +626,8 @@ impl Client {
             Some((delta, record)) => {
                 tracing::info!(
                     round = offer.round,
-                    "resuming: uploading the update trained before the restart"
+                    attempt = offer.attempt,
+                    "uploading the update trained for this round before"
                 );
                 (delta, record, true)
             }
@@ -583,6 +637,7 @@ impl Client {
                     Err(ClientError::RoundMovedOn(reason)) => {
                         return Ok(RoundReport {
                             round: offer.round,
+                            attempt: offer.attempt,
                             outcome: RoundOutcome::Missed { reason },
                             num_examples: 0,
                             metrics: Metrics::default(),
@@ -609,6 +664,7 @@ impl Client {
                 timings.train = training.elapsed();
                 let report = |outcome: RoundOutcome| RoundReport {
                     round: offer.round,
+                    attempt: offer.attempt,
                     outcome,
                     num_examples: 0,
                     metrics: Metrics::default(),
@@ -630,6 +686,7 @@ impl Client {
                 let delta = difference(&outcome.weights, &global)?;
                 let record = RoundState {
                     round: offer.round,
+                    attempt: offer.attempt,
                     base: offer.model,
                     num_examples: outcome.num_examples,
                     metrics: outcome.metrics,
@@ -666,7 +723,7 @@ impl Client {
         let outcome = match uploaded {
             Ok(receipt) => {
                 timings.acked_unix_us = now_unix_us();
-                self.state.mark_uploaded(task, &record)?;
+                self.state.mark_uploaded(task, &record, offer.attempt)?;
                 let accepted = receipt.map(|r| r.accepted);
                 if resumed {
                     RoundOutcome::Resumed { accepted }
@@ -674,14 +731,20 @@ impl Client {
                     RoundOutcome::Uploaded { accepted }
                 }
             }
+            // Kept for the retry of the round, which takes the same update.
+            Err(ClientError::Conflict { error }) if error.code == ErrorCode::RoundAbandoned => {
+                RoundOutcome::Abandoned {
+                    reason: error.message,
+                }
+            }
+            // Kept for joining again.
+            Err(ClientError::Conflict { error }) if error.code == ErrorCode::NotSelected => {
+                RoundOutcome::NotSelected {
+                    reason: error.message,
+                }
+            }
             Err(ClientError::Conflict { error })
-                if matches!(
-                    error.code,
-                    ErrorCode::RoundClosed
-                        | ErrorCode::RoundAbandoned
-                        | ErrorCode::NotSelected
-                        | ErrorCode::TooStale
-                ) =>
+                if matches!(error.code, ErrorCode::RoundClosed | ErrorCode::TooStale) =>
             {
                 // The update can never be accepted now: do not keep it, nor resume it.
                 self.state.clear_round(task)?;
@@ -694,6 +757,7 @@ impl Client {
         timings.finish = finishing.elapsed();
         Ok(RoundReport {
             round: offer.round,
+            attempt: offer.attempt,
             outcome,
             num_examples: record.num_examples,
             metrics: record.metrics,
@@ -715,11 +779,9 @@ impl Client {
     ) -> Result<RunSummary> {
         let mut rounds = Vec::new();
         while max_rounds.is_none_or(|m| (rounds.len() as u64) < m) {
-            // After an abandoned attempt the same round is open again, for a retry.
-            let last = rounds.last().map(|r: &RoundReport| match r.outcome {
-                RoundOutcome::Abandoned { .. } => r.round - 1,
-                _ => r.round,
-            });
+            // After an abandoned attempt the same round is open again as a later attempt, which
+            // the poll finds.
+            let last = rounds.last().map(RoundReport::dealt_with);
             match self
                 .participate_after(task, last, trainer, progress)
                 .await?

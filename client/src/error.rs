@@ -1,8 +1,9 @@
 //! What can go wrong on a client, as types a program can match on and sentences a person can act
 //! on. The server's 4xx answers are never retried blindly: each becomes a variant that says what
 //! the server refused and what to do about it. Transient failures (connection errors, timeouts,
-//! 5xx, 429) are retried by the transport and surface only as [`ClientError::Unavailable`] once the
-//! retry budget is spent.
+//! 5xx, 429) are retried by the transport; once the retry budget is spent they surface as
+//! [`ClientError::Unavailable`] when the server never answered, or [`ClientError::Failing`] when
+//! it answered with refusals, so the person reading knows which side to look at.
 
 use std::path::PathBuf;
 
@@ -28,13 +29,25 @@ pub enum ClientError {
     /// Any other 4xx: the request itself was wrong (a bug or a version mismatch).
     #[error("the server rejected the request ({status} {}): {}", .error.code, .error.message)]
     Rejected { status: u16, error: ApiError },
-    /// Transient failures that outlasted the retry budget.
-    #[error("the server at {url} is unreachable or failing after {attempts} attempts over {secs} s (last: {last}); check the URL, the network and the server's logs")]
+    /// No answer (no connection, or connections that broke off before an answer) for the whole
+    /// retry budget.
+    #[error("the server at {url} is unreachable: no answer in {attempts} attempts over {secs} s (last: {last}); check the URL, the network, and that the server is running")]
     Unavailable {
         url: String,
         attempts: u32,
         secs: u64,
         last: String,
+    },
+    /// The server answered, but only with a transient refusal (5xx, 429), for the whole retry
+    /// budget: it is up and cannot serve the request.
+    #[error("the server at {url} is up but kept refusing {what} ({attempts} attempts over {secs} s; last answer {status} {}: {}); the server's operator finds the cause in its logs and `/healthz`", .error.code, .error.message)]
+    Failing {
+        url: String,
+        what: String,
+        attempts: u32,
+        secs: u64,
+        status: u16,
+        error: ApiError,
     },
     #[error("TLS setup: {0}")]
     Tls(#[from] hora_common::tls::TlsError),
@@ -81,7 +94,8 @@ impl ClientError {
             ClientError::Unauthorized { error, .. }
             | ClientError::NotFound { error }
             | ClientError::Conflict { error }
-            | ClientError::Rejected { error, .. } => Some(&error.code),
+            | ClientError::Rejected { error, .. }
+            | ClientError::Failing { error, .. } => Some(&error.code),
             _ => None,
         }
     }

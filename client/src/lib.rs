@@ -40,7 +40,7 @@ pub mod sync;
 pub mod trainer;
 pub mod transport;
 
-pub use client::{Client, ClientConfig, RoundOutcome, RoundReport, RoundTimings};
+pub use client::{Attempt, Client, ClientConfig, RoundOutcome, RoundReport, RoundTimings};
 pub use error::{ClientError, Result};
 #[cfg(feature = "torch")]
 pub use supervised::SupervisedTrainer;

@@ -448,15 +448,24 @@ fn summary(task: &str, r: &RoundReport) -> String {
                 .unwrap_or_default();
             format!(
                 "uploaded{}{count}",
-                if resumed { " after restart" } else { "" }
+                if resumed {
+                    " (an update trained earlier)"
+                } else {
+                    ""
+                }
             )
         }
         RoundOutcome::Skipped => "skipped (deadline)".to_string(),
         RoundOutcome::Missed { reason } => format!("missed: {reason}"),
+        RoundOutcome::NotSelected { reason } => format!("not selected: {reason}"),
         RoundOutcome::Abandoned { reason } => format!("abandoned, will retry: {reason}"),
     };
+    let attempt = match r.attempt {
+        0 => String::new(),
+        a => format!(" (attempt {a})"),
+    };
     format!(
-        "{task} round {} · {} examples{}{} · trained {:.1} s · {outcome}",
+        "{task} round {}{attempt} · {} examples{}{} · trained {:.1} s · {outcome}",
         r.round,
         r.num_examples,
         metric("loss", r.metrics.loss),

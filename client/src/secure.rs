@@ -108,6 +108,7 @@ impl Client {
         let started = Instant::now();
         let mut report = RoundReport {
             round: offer.round,
+            attempt: offer.attempt,
             outcome: RoundOutcome::Skipped,
             num_examples: 0,
             metrics: Metrics::default(),

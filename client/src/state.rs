@@ -38,6 +38,10 @@ pub struct StateDir {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RoundState {
     pub round: u64,
+    /// The attempt of the round the delta was uploaded to (a retried attempt of the same round
+    /// trains from the same base, so it takes the same delta again).
+    #[serde(default)]
+    pub attempt: u32,
     /// The global model the delta was trained from.
     pub base: ModelDigest,
     pub num_examples: u64,
@@ -271,17 +275,18 @@ impl StateDir {
         Ok(())
     }
 
-    /// Marks the round uploaded and removes its delta.
-    pub fn mark_uploaded(&self, task: &str, state: &RoundState) -> Result<()> {
+    /// Marks the round uploaded to `attempt`. The delta stays (until the next round's replaces
+    /// it): should that attempt be abandoned, its retry trains from the same base and takes the
+    /// same delta again, without training twice.
+    pub fn mark_uploaded(&self, task: &str, state: &RoundState, attempt: u32) -> Result<()> {
         self.save_round(
             task,
             &RoundState {
                 uploaded: true,
+                attempt,
                 ..state.clone()
             },
-        )?;
-        let _ = fs::remove_file(self.delta_path(task));
-        Ok(())
+        )
     }
 }
 
@@ -307,6 +312,7 @@ mod tests {
         state.cache_model(&m.digest(), &m).unwrap();
         let round = RoundState {
             round: 3,
+            attempt: 0,
             base: m.digest(),
             num_examples: 12,
             metrics: Metrics::default(),
@@ -320,9 +326,12 @@ mod tests {
         assert_eq!(state.cached_model(&m.digest(), &limits), Some(m.clone()));
         assert_eq!(state.round("t").unwrap(), Some(round.clone()));
         assert_eq!(state.trained_delta("t", &limits), Some(model(0.5)));
-        state.mark_uploaded("t", &round).unwrap();
-        assert!(state.round("t").unwrap().unwrap().uploaded);
-        assert_eq!(state.trained_delta("t", &limits), None);
+        state.mark_uploaded("t", &round, 2).unwrap();
+        let uploaded = state.round("t").unwrap().unwrap();
+        assert!(uploaded.uploaded);
+        assert_eq!(uploaded.attempt, 2);
+        // Kept for a retried attempt of the same round.
+        assert_eq!(state.trained_delta("t", &limits), Some(model(0.5)));
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;

@@ -162,6 +162,9 @@ impl Connection {
         let mut attempt = 0u32;
         loop {
             attempt += 1;
+            // The last failure: an answer of the server's, or none (no connection, or one that
+            // broke off before an answer).
+            let mut answered = None;
             let last = match make().send().await {
                 Ok(resp)
                     if !transient(resp.status()) || idempotence == Idempotence::OnlyIfUnsent =>
@@ -171,7 +174,14 @@ impl Connection {
                 Ok(resp) => {
                     let status = resp.status();
                     let body = resp.text().await.unwrap_or_default();
-                    format!("{status}: {}", body.chars().take(200).collect::<String>())
+                    let error =
+                        serde_json::from_str::<ApiError>(&body).unwrap_or_else(|_| ApiError {
+                            code: ErrorCode::Other("unknown".into()),
+                            message: body.chars().take(200).collect(),
+                        });
+                    let last = format!("{status}: {} ({})", error.message, error.code);
+                    answered = Some((status.as_u16(), error));
+                    last
                 }
                 Err(e) => {
                     let chain = error_chain(&e);
@@ -187,11 +197,22 @@ impl Connection {
             };
             let delay = self.retry.backoff(attempt);
             if start.elapsed() + delay > self.retry.budget {
-                return Err(ClientError::Unavailable {
-                    url: self.base.clone(),
-                    attempts: attempt,
-                    secs: start.elapsed().as_secs(),
-                    last,
+                let (url, attempts, secs) = (self.base.clone(), attempt, start.elapsed().as_secs());
+                return Err(match answered {
+                    Some((status, error)) => ClientError::Failing {
+                        url,
+                        what: what.to_string(),
+                        attempts,
+                        secs,
+                        status,
+                        error,
+                    },
+                    None => ClientError::Unavailable {
+                        url,
+                        attempts,
+                        secs,
+                        last,
+                    },
                 });
             }
             tracing::warn!(

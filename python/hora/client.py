@@ -118,10 +118,11 @@ class Client:
         ``hora-client train``.
 
         Returns ``{"rounds": [report, ...], "final_state": "finished" | "stopped"}``; each report
-        is a dict with ``round``, ``outcome`` (``uploaded``, ``resumed``, ``missed``,
-        ``skipped``, ``abandoned``), ``accepted``, ``num_examples``, ``metrics``,
-        ``train_secs`` and ``timings`` (seconds per phase). ``on_round(report)`` is called as
-        each round ends. An exception raised by ``train_fn`` stops the run and propagates (one
+        is a dict with ``round``, ``attempt`` (0 first; an abandoned attempt's retry, which
+        this client rejoins with the update it trained, is the next), ``outcome``
+        (``uploaded``, ``resumed``, ``missed``, ``not_selected``, ``skipped``, ``abandoned``),
+        ``accepted``, ``num_examples``, ``metrics``, ``train_secs`` and ``timings`` (seconds
+        per phase). ``on_round(report)`` is called as each round ends. An exception raised by ``train_fn`` stops the run and propagates (one
         raised by ``on_round`` does so before the next round is trained);
         Ctrl-C stops it too, and the next run resumes where it left off.
         """

@@ -221,14 +221,15 @@ pub(crate) fn json_value(py: Python<'_>, value: &impl serde::Serialize) -> PyRes
 fn report_dict<'py>(py: Python<'py>, report: &RoundReport) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("round", report.round)?;
+    d.set_item("attempt", report.attempt)?;
     let (accepted, reason) = match &report.outcome {
         RoundOutcome::Uploaded { accepted } | RoundOutcome::Resumed { accepted } => {
             (*accepted, None)
         }
         RoundOutcome::Skipped => (None, None),
-        RoundOutcome::Missed { reason } | RoundOutcome::Abandoned { reason } => {
-            (None, Some(reason.clone()))
-        }
+        RoundOutcome::Missed { reason }
+        | RoundOutcome::NotSelected { reason }
+        | RoundOutcome::Abandoned { reason } => (None, Some(reason.clone())),
     };
     d.set_item("outcome", report.outcome.name())?;
     d.set_item("accepted", accepted)?;

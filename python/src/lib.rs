@@ -106,7 +106,9 @@ fn block_on<T: Send + 'static>(
 fn client_error(py: Python<'_>, e: ClientError) -> PyErr {
     let message = e.to_string();
     match &e {
-        ClientError::Unavailable { .. } => Unavailable::new_err(message),
+        ClientError::Unavailable { .. } | ClientError::Failing { .. } => {
+            Unavailable::new_err(message)
+        }
         ClientError::TaskEnded { .. } => TaskEnded::new_err(message),
         _ => match e.code() {
             Some(code) => {
