@@ -84,8 +84,9 @@ error_codes! {
     RequestTimeout => "request_timeout",
     /// The server is shutting down. Retry the same request (an upload gets its receipt then).
     ShuttingDown => "shutting_down",
-    /// The update was accepted but is not durable yet (storage is slow). Retry the same upload to
-    /// get its receipt; it is not counted twice.
+    /// The update (or a join's selection) was accepted but is not durable yet (storage is slow).
+    /// Retry the same upload to get its receipt, or the same join to get its offer; neither is
+    /// counted twice.
     NotDurableYet => "not_durable_yet",
     /// The task's stored state is damaged, so the server cannot serve it. The operator has the
     /// detail in the server log; retrying does not help until they act.

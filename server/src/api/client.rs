@@ -124,7 +124,8 @@ pub async fn poll(
 #[utoipa::path(post, path = "/v1/tasks/{task}/join", tag = "client", params(("task" = String, Path)),
     security(("client_credentials" = [])),
     responses((status = 200, body = JoinResponse, description = "an offer, or when to come back"),
-        (status = 409, body = ApiError, description = "`task_ended`: the task is stopped or finished; or the round cannot take this client")))]
+        (status = 409, body = ApiError, description = "`task_ended`: the task is stopped or finished; or the round cannot take this client"),
+        (status = 503, body = ApiError, description = "`not_durable_yet`: the selection could not be made durable in time, or `shutting_down`: the server is shutting down (join again)")))]
 pub async fn join(
     State(state): State<Shared>,
     auth: ClientAuth,
