@@ -210,7 +210,13 @@ const FLEET_DATA: &str = "synthetic-iid:clients=10,seed=5";
 /// start (while they join, train and upload), each time restarted on the same port and data
 /// directory. Returns the round history and the last round's model.
 async fn federation(initial: &Model, rounds: u64, kills: usize) -> (Vec<RoundRecord>, Model) {
-    use rand::Rng;
+    use rand::{Rng, SeedableRng};
+    // Printed, so that a failing schedule can be replayed (HORA_KILL_SEED).
+    let seed = std::env::var("HORA_KILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    let mut schedule = rand::rngs::StdRng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("server");
     let listen = format!("127.0.0.1:{}", free_port());
@@ -225,11 +231,15 @@ async fn federation(initial: &Model, rounds: u64, kills: usize) -> (Vec<RoundRec
     for k in 0..FLEET {
         let state = dir.path().join(format!("client-{k}"));
         let mut cmd = data_client_command(&url, &ca, &state, "t", FLEET_DATA, k);
-        cmd.args(["--token", &token(&admin).await, "--seed", &k.to_string()]);
+        // Local training of 0.5 to 1.4 s: rounds last long enough for the kills to fall while
+        // they are open, and the uploads of a round arrive spread out.
+        let train_secs = format!("{:.1}", 0.5 + 0.1 * k as f64);
+        cmd.args(["--token", &token(&admin).await, "--seed", &k.to_string()])
+            .args(["--min-train-secs", &train_secs]);
         clients.push(spawn(cmd));
     }
     for kill in 0..kills {
-        let pause = rand::rng().random_range(50..=1500);
+        let pause = schedule.random_range(50..=1500);
         tokio::time::sleep(Duration::from_millis(pause)).await;
         // Where the federation stood a moment before (the server may be starting still).
         let open = admin
@@ -250,7 +260,10 @@ async fn federation(initial: &Model, rounds: u64, kills: usize) -> (Vec<RoundRec
         };
         server.kill();
         server = Server::start_on(&data, &listen, &[]);
-        eprintln!("kill {} after {pause} ms ({stood})", kill + 1);
+        eprintln!(
+            "kill {} of schedule {seed} after {pause} ms ({stood})",
+            kill + 1
+        );
     }
     let admin = server.api(ADMIN_TOKEN);
     wait_for(
@@ -289,7 +302,7 @@ fn assert_every_round_has_the_fleet(history: &[RoundRecord], rounds: u64) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_federation_whose_server_is_killed_again_and_again_ends_as_if_it_never_was() {
-    const ROUNDS: u64 = 3;
+    const ROUNDS: u64 = 6;
     let initial = Network::builtin(&arch(), tch::Device::Cpu)
         .unwrap()
         .weights()
