@@ -135,6 +135,76 @@ async fn idle_and_half_open_connections_are_closed_and_healthz_answers_throughou
 }
 
 /// A task over the small model, its initial weights uploaded.
+#[tokio::test(flavor = "multi_thread")]
+async fn bodies_are_read_only_after_their_credentials_and_job_ids_cannot_be_probed() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(dir.path(), &["--upload-grace-secs", "1"]);
+    let admin = server.api(ADMIN_TOKEN);
+    let job: serde_json::Value = admin
+        .ok(admin
+            .request(Method::POST, "/admin/v1/sync-jobs")
+            .json(&serde_json::json!({"id": "real", "world_size": 2})))
+        .await;
+    let job_token = job["token"].as_str().unwrap().to_string();
+    // Nearly complete 1 MiB JSON bodies that then stall, with no, a wrong, or a client's
+    // credentials, to an unknown job, a real job, and the admin API: each is answered 401 from
+    // its headers at once (not after its body, which never comes), on a connection the server
+    // then closes.
+    let heads = [
+        ("/v1/sync/nojob/join", None),
+        ("/v1/sync/nojob/join", Some(job_token.as_str())),
+        ("/v1/sync/real/join", None),
+        ("/v1/sync/real/join", Some("not-the-token")),
+        ("/admin/v1/sync-jobs", Some("not-the-admin-token")),
+        ("/v1/enrol", Some("not-an-enrolment-token")),
+    ];
+    let started = Instant::now();
+    let mut conns = Vec::new();
+    for (path, token) in heads {
+        let mut conn = raw_tls(&server).await;
+        let auth = token
+            .map(|t| format!("authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: localhost\r\n{auth}content-type: application/json\r\ncontent-length: 1048576\r\n\r\n{{\"address\": \""
+        );
+        conn.write_all(head.as_bytes()).await.unwrap();
+        conn.write_all(&[b'a'; 4096]).await.unwrap();
+        conn.flush().await.unwrap();
+        conns.push((path, token, conn));
+    }
+    for (path, token, conn) in &mut conns {
+        let answer = answer_within(conn, "\r\n\r\n", Duration::from_secs(5)).await;
+        let status = answer.lines().next().unwrap_or_default().to_string();
+        assert!(status.contains(" 401 "), "{path} with {token:?}: {answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("connection: close"),
+            "{answer}"
+        );
+        assert!(
+            closed_within(conn, Duration::from_secs(5)).await.is_some(),
+            "{path}: still open after its refusal"
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // With the job's token the body is read, under the rate floor: a stalled one is cut off
+    // with 408 once it falls behind (after the 1 s grace here), not held.
+    let mut conn = raw_tls(&server).await;
+    let head = format!(
+        "POST /v1/sync/real/join HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {job_token}\r\ncontent-type: application/json\r\ncontent-length: 1048576\r\n\r\n{{"
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.flush().await.unwrap();
+    let answer = answer_within(&mut conn, "upload_too_slow", Duration::from_secs(6)).await;
+    assert!(answer.contains(" 408 "), "{answer}");
+    // Honest work meanwhile: the admin API answers.
+    healthz_ok(&server).await;
+    let jobs: Vec<serde_json::Value> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/sync-jobs"))
+        .await;
+    assert_eq!(jobs.len(), 1);
+}
+
 async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, CreateTask) {
     let model = small_model();
     let digest = admin.upload_model(&model).await;
@@ -369,9 +439,9 @@ async fn enrol_for(admin: &Api, tasks: &[&str]) -> Api {
         .await;
     let creds: Credentials = admin
         .ok(admin
-            .with_token("")
+            .with_token(token["token"].as_str().unwrap())
             .request(Method::POST, "/v1/enrol")
-            .json(&serde_json::json!({"token": token["token"]})))
+            .json(&serde_json::json!({})))
         .await;
     admin.with_token(&format!("{}.{}", creds.client_id, creds.secret))
 }
@@ -391,12 +461,12 @@ async fn a_client_sees_only_its_tasks_and_a_malformed_enrolment_keeps_the_token(
             .request(Method::POST, "/admin/v1/enrolments")
             .json(&serde_json::json!({"tasks": ["mine"]})))
         .await;
-    let anonymous = admin.with_token("");
+    let anonymous = admin.with_token(token["token"].as_str().unwrap());
     anonymous
         .refused(
             anonymous
                 .request(Method::POST, "/v1/enrol")
-                .json(&serde_json::json!({"token": token["token"], "identity_key": "zz"})),
+                .json(&serde_json::json!({"identity_key": "zz"})),
             StatusCode::BAD_REQUEST,
             "bad_request",
         )
@@ -404,7 +474,7 @@ async fn a_client_sees_only_its_tasks_and_a_malformed_enrolment_keeps_the_token(
     let creds: Credentials = anonymous
         .ok(anonymous
             .request(Method::POST, "/v1/enrol")
-            .json(&serde_json::json!({"token": token["token"]})))
+            .json(&serde_json::json!({})))
         .await;
     let client = admin.with_token(&format!("{}.{}", creds.client_id, creds.secret));
 
@@ -601,6 +671,18 @@ async fn an_upload_waits_for_durability_for_a_bounded_time_and_its_retry_gets_th
     let (model, config) = small_task(&admin, "slowdisk", 2, 3).await;
     admin.create_task(&config).await;
     let c = admin.enrol().await;
+    // A join is answered once its selection is durable: not within 2 s here, so it is told to
+    // join again, and the repeat (made while the checkpoint it asked for is written) gets the
+    // offer.
+    let msg = c
+        .api
+        .refused(
+            c.api.request(Method::POST, "/v1/tasks/slowdisk/join"),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_durable_yet",
+        )
+        .await;
+    assert!(msg.contains("join again"), "{msg}");
     let offer = c.join("slowdisk").await;
     let body = c.seal("slowdisk", &offer, &delta(&model, 4));
     let msg = c
