@@ -98,9 +98,10 @@ async fn enrol(admin: &Api) -> (Client, Identity) {
         .await;
     let (identity, _) = Identity::generate().unwrap();
     let creds: Credentials = admin
-        .ok(admin.with_token("").request(Method::POST, "/v1/enrol").json(
-            &serde_json::json!({"token": token["token"], "identity_key": hex::encode(identity.public_key())}),
-        ))
+        .ok(admin
+            .with_token(token["token"].as_str().unwrap())
+            .request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({"identity_key": hex::encode(identity.public_key())})))
         .await;
     let client = Client {
         api: admin.with_token(&format!("{}.{}", creds.client_id, creds.secret)),

@@ -178,18 +178,52 @@ async fn bad_input_gets_a_clear_refusal_and_loses_nothing() {
             .request(Method::POST, "/admin/v1/enrolments")
             .json(&serde_json::json!({})))
         .await;
+    let enrolling = anon.with_token(token["token"].as_str().unwrap());
     anon.ok::<serde_json::Value>(
-        anon.request(Method::POST, "/v1/enrol")
-            .json(&serde_json::json!({"token": token["token"]})),
+        enrolling
+            .request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({})),
     )
     .await;
     anon.refused(
-        anon.request(Method::POST, "/v1/enrol")
-            .json(&serde_json::json!({"token": token["token"]})),
+        enrolling
+            .request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({})),
         StatusCode::UNAUTHORIZED,
         "unauthorized",
     )
     .await;
+    // A client that brings its own secret can repeat an enrolment whose answer it lost: the
+    // same token and secret get the same credentials, another secret nothing.
+    let token: serde_json::Value = admin
+        .ok(admin
+            .request(Method::POST, "/admin/v1/enrolments")
+            .json(&serde_json::json!({})))
+        .await;
+    let enrolling = anon.with_token(token["token"].as_str().unwrap());
+    let secret = "ab".repeat(32);
+    let enrol = |secret: &str| {
+        enrolling
+            .request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({ "secret": secret }))
+    };
+    let first: hora_common::wire::Credentials = anon.ok(enrol(&secret)).await;
+    let again: hora_common::wire::Credentials = anon.ok(enrol(&secret)).await;
+    assert_eq!(first, again);
+    assert_eq!(first.secret, secret);
+    anon.refused(
+        enrol(&"cd".repeat(32)),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    )
+    .await;
+    // The credentials work.
+    anon.with_token(&format!("{}.{}", first.client_id, first.secret))
+        .ok::<serde_json::Value>(
+            anon.with_token(&format!("{}.{}", first.client_id, first.secret))
+                .request(Method::GET, "/v1/tasks/t/poll?wait_ms=0"),
+        )
+        .await;
 
     // Malformed JSON, unknown task.
     admin
@@ -740,14 +774,14 @@ async fn the_admin_cli_drives_a_task_from_model_upload_to_published_model() {
 
     // A client enrols with a token the CLI made, and finishes the round.
     let token = admin_cli(&server, &["enrol", "--ttl-secs", "60"]);
-    let anon = server.api("");
-    let creds: hora_common::wire::Credentials = anon
-        .ok(anon
+    let enrolling = server.api(token["token"].as_str().unwrap());
+    let creds: hora_common::wire::Credentials = enrolling
+        .ok(enrolling
             .request(Method::POST, "/v1/enrol")
-            .json(&serde_json::json!({"token": token["token"]})))
+            .json(&serde_json::json!({})))
         .await;
     let client = Client {
-        api: anon.with_token(&format!("{}.{}", creds.client_id, creds.secret)),
+        api: enrolling.with_token(&format!("{}.{}", creds.client_id, creds.secret)),
         id: creds.client_id.clone(),
     };
     let offer = client.join("cli").await;

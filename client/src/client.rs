@@ -270,18 +270,22 @@ impl Client {
                     Some(identity) => identity,
                     None => state.create_identity()?,
                 };
+                // Our own secret, recorded before it is sent: enrolment is then idempotent, and
+                // retried like any other request (a repeat whose first answer was lost gets the
+                // same credentials; so does a client restarted meanwhile).
                 let request = EnrolRequest {
-                    token: token.to_string(),
+                    secret: Some(state.enrolment_secret()?),
                     label: config.label.clone(),
                     identity_key: Some(hex::encode(identity.public_key())),
                 };
                 let creds: Credentials = conn
-                    .json_with("enrolling", Idempotence::OnlyIfUnsent, || {
+                    .json_with("enrolling", Idempotence::Idempotent, || {
                         conn.request(Method::POST, "/v1/enrol", Duration::ZERO)
+                            .bearer_auth(token)
                             .json(&request)
                     })
                     .await?;
-                state.save_credentials(&creds)?;
+                state.save_enrolled(&creds)?;
                 tracing::info!(client = %creds.client_id, "enrolled");
                 creds
             }
@@ -794,6 +798,10 @@ impl Client {
             }
         }
         let final_state = self.poll(task, None, Duration::ZERO).await?.state;
+        if matches!(final_state, TaskState::Finished | TaskState::Stopped) {
+            // No retry of any attempt can want the last update now: do not keep it.
+            self.state.clear_round(task)?;
+        }
         Ok(RunSummary {
             rounds,
             final_state,

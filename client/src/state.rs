@@ -25,6 +25,9 @@ use crate::error::{ClientError, Result};
 
 const CREDENTIALS: &str = "credentials.json";
 const IDENTITY: &str = "identity.pk8";
+/// The secret a client enrols with, chosen before it asks, so that a repeat of an enrolment
+/// whose answer was lost gets the same credentials.
+const ENROLMENT_SECRET: &str = "enrolment-secret";
 /// Downloaded models kept besides the newest (older ones are removed).
 const MODELS_KEPT: usize = 2;
 
@@ -158,6 +161,35 @@ impl StateDir {
     }
 
     /// Makes and stores (0600) a new identity.
+    /// The secret to enrol with: the one chosen for an enrolment not yet answered, else a new
+    /// one (32 bytes from the system's RNG, hex), recorded durably before it is sent.
+    pub fn enrolment_secret(&self) -> Result<String> {
+        let path = self.dir.join(ENROLMENT_SECRET);
+        match fs::read_to_string(&path) {
+            Ok(s) if s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) => return Ok(s),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(ClientError::io(path, e)),
+        }
+        let mut bytes = [0u8; 32];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).map_err(
+            |_| ClientError::State {
+                dir: self.dir.clone(),
+                message: "the system RNG failed".into(),
+            },
+        )?;
+        let secret = hex::encode(bytes);
+        write_atomic(&path, secret.as_bytes(), true)?;
+        Ok(secret)
+    }
+
+    /// Stores the credentials enrolment returned, and forgets the enrolment secret.
+    pub fn save_enrolled(&self, creds: &Credentials) -> Result<()> {
+        self.save_credentials(creds)?;
+        let _ = fs::remove_file(self.dir.join(ENROLMENT_SECRET));
+        Ok(())
+    }
+
     pub fn create_identity(&self) -> Result<hora_common::secagg::Identity> {
         let (identity, doc) =
             hora_common::secagg::Identity::generate().map_err(|e| ClientError::State {

@@ -160,11 +160,11 @@ impl Connection {
     ) -> Result<(Response, u32)> {
         let start = Instant::now();
         let mut attempt = 0u32;
+        // The server's last refusal, if any attempt got an answer at all: then it is up, and
+        // failing, whatever became of the other attempts' connections.
+        let mut answered = None;
         loop {
             attempt += 1;
-            // The last failure: an answer of the server's, or none (no connection, or one that
-            // broke off before an answer).
-            let mut answered = None;
             let last = match make().send().await {
                 Ok(resp)
                     if !transient(resp.status()) || idempotence == Idempotence::OnlyIfUnsent =>

@@ -628,11 +628,18 @@ pub struct EnrolmentToken {
 // ---------------------------------------------------------------------------------------------
 // Clients (client API)
 
-/// `POST /v1/enrol`.
+/// `POST /v1/enrol`, with the one-time enrolment token as its bearer credentials
+/// (`Authorization: Bearer <token>`), checked before the body is read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EnrolRequest {
-    pub token: String,
+    /// The secret the client chose for itself (64 hex digits, from a cryptographic RNG; the
+    /// server keeps only its hash). With it, enrolment is idempotent: a repeat with the same
+    /// token and secret (the first answer was lost) gets the same credentials. Without it the
+    /// server draws one, and a lost answer loses the enrolment.
+    #[serde(default)]
+    #[schema(pattern = "^[0-9a-f]{64}$")]
+    pub secret: Option<String>,
     /// A label for operators (host name, site); not an identity. At most 256 bytes of UTF-8.
     #[serde(default)]
     #[schema(max_length = 256)]

@@ -232,21 +232,20 @@ impl GuardedStream {
         }
         *self.state.reader.lock().expect("waker slot") = Some(cx.waker().clone());
         loop {
+            // Idleness first: a request's end touches the clock before it leaves the count, so
+            // a connection seen idle here is seen with its last request's end.
+            let idle = self.state.idle();
             let since = self
                 .connections
                 .now_ms()
                 .saturating_sub(self.state.last_activity_ms.load(Ordering::SeqCst));
             let idle_ms = self.idle.as_millis() as u64;
-            if self.state.idle() && since >= idle_ms {
+            if idle && since >= idle_ms {
                 return Some("idle_timeout");
             }
             // Busy connections are looked at again after a whole timeout; idle ones when theirs
             // runs out.
-            let wait = if self.state.idle() {
-                idle_ms - since
-            } else {
-                idle_ms
-            };
+            let wait = if idle { idle_ms - since } else { idle_ms };
             self.timer
                 .as_mut()
                 .reset(tokio::time::Instant::now() + Duration::from_millis(wait.max(1)));

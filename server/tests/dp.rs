@@ -126,7 +126,8 @@ async fn enrol(http: &Http) -> String {
         .send(
             http.http
                 .post(format!("{}/v1/enrol", http.url))
-                .json(&json!({ "token": token["token"] })),
+                .bearer_auth(token["token"].as_str().unwrap())
+                .json(&json!({})),
         )
         .await;
     assert!(status.is_success(), "{}", creds.text());

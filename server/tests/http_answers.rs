@@ -47,7 +47,8 @@ async fn malformed_parameters_and_wrong_methods_answer_api_errors() {
         .unwrap();
     let credentials: Value = http
         .post(url("/v1/enrol"))
-        .json(&json!({ "token": enrolment["token"] }))
+        .bearer_auth(enrolment["token"].as_str().unwrap())
+        .json(&json!({}))
         .send()
         .await
         .unwrap()

@@ -126,7 +126,8 @@ fn prepare(server: &Server) -> Fixtures {
         .await;
         let credentials = call(
             http.post(format!("{}/v1/enrol", server.url))
-                .json(&json!({ "token": enrolment["token"], "label": "fuzzer" })),
+                .bearer_auth(enrolment["token"].as_str().expect("the enrolment token"))
+                .json(&json!({ "label": "fuzzer" })),
             "enrol",
         )
         .await;

@@ -280,9 +280,9 @@ impl Api {
             .await;
         let creds: Credentials = self
             .ok(self
-                .with_token("")
+                .with_token(token["token"].as_str().expect("the enrolment token"))
                 .request(Method::POST, "/v1/enrol")
-                .json(&serde_json::json!({"token": token["token"]})))
+                .json(&serde_json::json!({})))
             .await;
         Client {
             api: self.with_token(&format!("{}.{}", creds.client_id, creds.secret)),

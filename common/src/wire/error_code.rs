@@ -82,6 +82,9 @@ error_codes! {
 
     /// The request took longer than the server's limit. Retry later.
     RequestTimeout => "request_timeout",
+    /// The server's memory budget for bodies stayed full for as long as a request may wait for
+    /// it (slow senders hold it). Retry later.
+    Busy => "busy",
     /// The server is shutting down. Retry the same request (an upload gets its receipt then).
     ShuttingDown => "shutting_down",
     /// The update (or a join's selection) was accepted but is not durable yet (storage is slow).

@@ -61,9 +61,22 @@ pub async fn read_body(
     rate: &BodyRate,
 ) -> Result<Vec<u8>, ServerError> {
     let declared = declared_length(headers, limit)?;
+    read_frames(body, Some(declared), limit, rate).await
+}
+
+/// Reads `body` at no less than `rate`: exactly `declared` bytes when its length was declared,
+/// else at most `limit` (413 past it).
+async fn read_frames(
+    body: Body,
+    declared: Option<u64>,
+    limit: u64,
+    rate: &BodyRate,
+) -> Result<Vec<u8>, ServerError> {
     let start = tokio::time::Instant::now();
-    let mut buf = Vec::with_capacity(declared as usize);
+    let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
     let mut body = body;
+    let shown =
+        |d: Option<u64>| d.map_or_else(|| "an undeclared number of".into(), |d| d.to_string());
     loop {
         let received = buf.len() as u64;
         let frame = match tokio::time::timeout_at(rate.cutoff(start, received), body.frame()).await
@@ -75,7 +88,8 @@ pub async fn read_body(
                 return Err(ServerError::Timeout {
                     code: ErrorCode::UploadTooSlow,
                     message: format!(
-                        "the body arrived too slowly: {received} of {declared} bytes in {secs:.1} s, below the server's minimum of {} bytes/s; check the connection and retry",
+                        "the body arrived too slowly: {received} of {} bytes in {secs:.1} s, below the server's minimum of {} bytes/s; check the connection and retry",
+                        shown(declared),
                         rate.min_bytes_per_sec
                     ),
                 });
@@ -84,21 +98,48 @@ pub async fn read_body(
         let frame =
             frame.map_err(|e| ServerError::BadRequest(format!("reading the body failed: {e}")))?;
         if let Ok(data) = frame.into_data() {
-            if buf.len() + data.len() > declared as usize {
-                return Err(ServerError::BadRequest(
-                    "body is longer than its Content-Length".into(),
-                ));
+            let len = (buf.len() + data.len()) as u64;
+            match declared {
+                Some(d) if len > d => {
+                    return Err(ServerError::BadRequest(
+                        "body is longer than its Content-Length".into(),
+                    ))
+                }
+                None if len > limit => {
+                    return Err(ServerError::PayloadTooLarge { got: len, limit })
+                }
+                _ => {}
             }
             buf.extend_from_slice(&data);
         }
     }
-    if buf.len() as u64 != declared {
+    if let Some(declared) = declared.filter(|d| buf.len() as u64 != *d) {
         return Err(ServerError::BadRequest(format!(
             "body ended after {} of {declared} bytes",
             buf.len()
         )));
     }
     Ok(buf)
+}
+
+/// Reads a small body (JSON) of at most `limit` bytes through the same byte budget and rate
+/// floor as uploads. Its credentials were checked before this is called; its length need not be
+/// declared (then `limit` is reserved).
+pub async fn read_small(
+    state: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+) -> Result<Vec<u8>, ServerError> {
+    let declared = match headers.get(CONTENT_LENGTH) {
+        Some(_) => Some(declared_length(headers, limit)?),
+        None => None,
+    };
+    let _memory = state
+        .budget
+        .reserve_within(declared.unwrap_or(limit), state.limits.body_wait)
+        .await?;
+    read_frames(body, declared, limit, &state.limits.body_rate).await
 }
 
 /// The declared `Content-Length`, checked against `limit`.
@@ -140,6 +181,26 @@ impl IngestBudget {
             .acquire_many_owned(kib)
             .await
             .map_err(ServerError::internal)
+    }
+
+    /// [`IngestBudget::reserve`], waiting at most `wait`: then 503 `busy`, to be retried later,
+    /// rather than a request queued behind slow senders for as long as they take.
+    async fn reserve_within(
+        &self,
+        bytes: u64,
+        wait: Duration,
+    ) -> Result<OwnedSemaphorePermit, ServerError> {
+        tokio::time::timeout(wait, self.reserve(bytes))
+            .await
+            .map_err(|_| {
+                ServerError::unavailable(
+                    ErrorCode::Busy,
+                    format!(
+                        "the server is reading as many bodies as its memory budget allows and none made room within {} s; retry later",
+                        wait.as_secs()
+                    ),
+                )
+            })?
     }
 }
 

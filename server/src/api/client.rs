@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE, ETAG};
+use axum::http::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, ETAG};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -15,7 +15,7 @@ use hora_common::wire::{
 };
 use serde::Deserialize;
 
-use super::{not_modified, read_upload, ApiJson, ApiPath, ApiQuery, ClientAuth, Shared};
+use super::{json_body, not_modified, read_upload, ApiPath, ApiQuery, ClientAuth, Shared};
 use crate::auth;
 use crate::error::ServerError;
 use crate::round::{now_ms, upload_limit};
@@ -35,15 +35,80 @@ pub fn routes() -> axum::Router<Shared> {
 }
 
 #[utoipa::path(post, path = "/v1/enrol", tag = "client", request_body = EnrolRequest,
+    security(("enrolment_token" = [])),
     responses((status = 200, body = Credentials),
         (status = 400, body = ApiError, description = "`bad_request`: a malformed body, a label over 256 bytes, an identity key that is not 32 bytes of hex"),
-        (status = 401, body = ApiError, description = "`unauthorized`: unknown, used or expired enrolment token")))]
+        (status = 401, body = ApiError, description = "`missing_credentials` or `unauthorized`: no, an unknown, a used or an expired enrolment token (checked before the body is read)")))]
 pub async fn enrol(
     State(state): State<Shared>,
-    ApiJson(req): ApiJson<EnrolRequest>,
+    headers: HeaderMap,
+    body: Body,
 ) -> Result<Json<Credentials>, ServerError> {
-    // Everything that can be wrong with the request is checked before the one-time token is
-    // spent: a malformed request does not burn it.
+    let token = auth::bearer(headers.get(AUTHORIZATION))?;
+    let token_hash = auth::hash_secret(token);
+    // The id a client that brings its own secret gets: derived from the token, so that a repeat
+    // of a lost answer finds the client the first request made.
+    let derived_id = format!(
+        "c-{}",
+        &hora_common::sha256_hex(format!("hora-client-id\0{token}").as_bytes())[..16]
+    );
+    // The token is checked before a byte of the body is read, and spent only in the transaction
+    // that creates the client: a malformed request, a crash or a lost answer before then leaves
+    // it usable.
+    let (me, hash, id) = (state.clone(), token_hash.clone(), derived_id.clone());
+    let (enrolment, enrolled) = tokio::task::spawn_blocking(move || {
+        let store = me.coordinator.store();
+        let enrolment = store.enrolment(&hash)?;
+        let enrolled = match enrolment {
+            Some(_) => None,
+            None => store.client(&id)?,
+        };
+        Ok::<_, ServerError>((enrolment, enrolled))
+    })
+    .await
+    .map_err(ServerError::internal)??;
+    let spent = || {
+        ServerError::Unauthorized(
+            "unknown or already used enrolment token: ask the operator for a new one".into(),
+        )
+    };
+    if enrolment.is_none() && enrolled.is_none() {
+        return Err(spent());
+    }
+    if enrolment
+        .as_ref()
+        .is_some_and(|e| e.expires_unix_ms < now_ms())
+    {
+        return Err(ServerError::Unauthorized(
+            "the enrolment token has expired: ask the operator for a new one".into(),
+        ));
+    }
+    let req: EnrolRequest = json_body(&state, &headers, body).await?;
+    if let Some(secret) = &req.secret {
+        if secret.len() != 64
+            || !secret
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
+            return Err(ServerError::BadRequest(
+                "secret must be 64 lowercase hex digits (32 bytes from a cryptographic RNG)".into(),
+            ));
+        }
+    }
+    if let Some(client) = enrolled {
+        // The token was spent by the enrolment that made `derived_id`: a repeat of it with the
+        // same secret (its answer was lost) gets the same credentials; anything else is refused.
+        return match &req.secret {
+            Some(secret) if !client.revoked && auth::verify_secret(secret, &client.secret_hash) => {
+                Ok(Json(Credentials {
+                    client_id: derived_id,
+                    secret: secret.clone(),
+                }))
+            }
+            _ => Err(spent()),
+        };
+    }
+    let record = enrolment.ok_or_else(spent)?;
     if req.label.as_ref().is_some_and(|l| l.len() > 256) {
         return Err(ServerError::BadRequest(
             "label must be at most 256 bytes".into(),
@@ -53,33 +118,35 @@ pub async fn enrol(
         hora_common::secagg::hex_array::<32>("identity_key", key)
             .map_err(|e| ServerError::BadRequest(e.to_string()))?;
     }
-    let store = state.coordinator.store();
-    let record = store
-        .take_enrolment(&auth::hash_secret(&req.token))?
-        .ok_or_else(|| {
-            ServerError::Unauthorized(
-                "unknown or already used enrolment token: ask the operator for a new one".into(),
-            )
-        })?;
-    if record.expires_unix_ms < now_ms() {
+    let (client_id, secret) = match req.secret {
+        Some(secret) => (derived_id, secret),
+        None => (
+            format!("c-{}", &auth::new_secret()?[..16]),
+            auth::new_secret()?,
+        ),
+    };
+    let client = ClientRecord {
+        secret_hash: auth::hash_secret(&secret),
+        label: req.label,
+        enrolled_unix_ms: now_ms(),
+        revoked: false,
+        identity_key: req.identity_key,
+        tasks: record.tasks,
+    };
+    let (me, id) = (state.clone(), client_id.clone());
+    let spent_now = tokio::task::spawn_blocking(move || {
+        let store = me.coordinator.store();
+        let spent = store.enrol(&token_hash, &id, &client)?;
+        store.flush()?;
+        Ok::<_, ServerError>(spent)
+    })
+    .await
+    .map_err(ServerError::internal)??;
+    if spent_now.is_none() {
         return Err(ServerError::Unauthorized(
-            "the enrolment token has expired: ask the operator for a new one".into(),
+            "the enrolment token was used by another request meanwhile: ask the operator for a new one".into(),
         ));
     }
-    let client_id = format!("c-{}", &auth::new_secret()?[..16]);
-    let secret = auth::new_secret()?;
-    store.put_client(
-        &client_id,
-        &ClientRecord {
-            secret_hash: auth::hash_secret(&secret),
-            label: req.label,
-            enrolled_unix_ms: now_ms(),
-            revoked: false,
-            identity_key: req.identity_key,
-            tasks: record.tasks,
-        },
-    )?;
-    store.flush()?;
     tracing::info!(client = %client_id, "client enrolled");
     Ok(Json(Credentials { client_id, secret }))
 }
@@ -125,7 +192,7 @@ pub async fn poll(
     security(("client_credentials" = [])),
     responses((status = 200, body = JoinResponse, description = "an offer, or when to come back"),
         (status = 409, body = ApiError, description = "`task_ended`: the task is stopped or finished; or the round cannot take this client"),
-        (status = 503, body = ApiError, description = "`not_durable_yet`: the selection could not be made durable in time, or `shutting_down`: the server is shutting down (join again)")))]
+        (status = 503, body = ApiError, description = "`not_durable_yet` or `request_timeout`: the selection could not be made durable in time (join again)")))]
 pub async fn join(
     State(state): State<Shared>,
     auth: ClientAuth,

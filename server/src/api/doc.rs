@@ -84,7 +84,12 @@ struct BearerAuth;
 impl utoipa::Modify for BearerAuth {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         let components = openapi.components.get_or_insert_with(Default::default);
-        for name in ["admin_token", "client_credentials", "sync_job_token"] {
+        for name in [
+            "admin_token",
+            "client_credentials",
+            "enrolment_token",
+            "sync_job_token",
+        ] {
             components.add_security_scheme(
                 name,
                 SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),

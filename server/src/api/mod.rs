@@ -24,7 +24,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request, State};
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
 use axum::http::request::Parts;
@@ -62,6 +61,8 @@ pub struct HttpLimits {
     pub metrics_require_token: bool,
     /// Updates opened and folded at once (CPU work; their bodies are already in memory).
     pub max_concurrent_uploads: usize,
+    /// The longest a body waits for room in the byte budget before it is answered 503 `busy`.
+    pub body_wait: Duration,
 }
 
 impl Default for HttpLimits {
@@ -74,6 +75,7 @@ impl Default for HttpLimits {
             request_timeout: Duration::from_secs(30),
             metrics_require_token: false,
             max_concurrent_uploads: 1,
+            body_wait: Duration::from_secs(30),
         }
     }
 }
@@ -181,30 +183,45 @@ impl FromRequestParts<Shared> for ClientAuth {
     }
 }
 
-/// `axum::Json` whose rejections are `ApiError` bodies, read as the document's JSON Schema reads
-/// JSON (see [`strict_json`]).
+/// A JSON body, read (after the route's credentials, which its handler's earlier extractors
+/// check) through [`json_body`]; rejections are `ApiError` bodies.
 pub struct ApiJson<T>(pub T);
 
-impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+impl<T: DeserializeOwned> FromRequest<Shared> for ApiJson<T> {
     type Rejection = ServerError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, ServerError> {
-        match axum::Json::<serde_json::Value>::from_request(req, state).await {
-            Ok(axum::Json(v)) => strict_json::from_value(v)
-                .map(ApiJson)
-                .map_err(|e| ServerError::BadRequest(format!("malformed JSON body: {e}"))),
-            Err(JsonRejection::MissingJsonContentType(_)) => Err(ServerError::BadRequest(
-                "send the body as JSON with `Content-Type: application/json`".into(),
-            )),
-            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                Err(ServerError::PayloadTooLarge { got: 0, limit: 0 })
-            }
-            Err(e) => Err(ServerError::BadRequest(format!(
-                "malformed JSON body: {}",
-                e.body_text()
-            ))),
-        }
+    async fn from_request(req: Request, state: &Shared) -> Result<Self, ServerError> {
+        let (parts, body) = req.into_parts();
+        json_body(state, &parts.headers, body).await.map(ApiJson)
     }
+}
+
+/// A JSON body read through the byte budget and rate floor every body goes through
+/// ([`body::read_small`]), at most `max_json_bytes`, and parsed as the document's JSON Schema
+/// reads JSON (see [`strict_json`]).
+pub async fn json_body<T: DeserializeOwned>(
+    state: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<T, ServerError> {
+    let json = headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase())
+        .is_some_and(|v| {
+            v == "application/json" || (v.starts_with("application/") && v.ends_with("+json"))
+        });
+    if !json {
+        return Err(ServerError::BadRequest(
+            "send the body as JSON with `Content-Type: application/json`".into(),
+        ));
+    }
+    let bytes = body::read_small(state, headers, body, state.limits.max_json_bytes as u64).await?;
+    let value: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ServerError::BadRequest(format!("malformed JSON body: {e}")))?;
+    strict_json::from_value(value)
+        .map_err(|e| ServerError::BadRequest(format!("malformed JSON body: {e}")))
 }
 
 /// `axum::extract::Path` whose rejections are `ApiError` bodies: a path parameter that does not

@@ -2,6 +2,7 @@
 //! job's token (not client credentials: the workers of a job are one launcher's processes, not
 //! enrolled devices) and is held until its world is complete; see [`crate::rendezvous`].
 
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::header::AUTHORIZATION;
 use axum::http::HeaderMap;
@@ -9,7 +10,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use hora_common::wire::{ApiError, SyncJoinRequest, SyncWorld};
 
-use super::{ApiJson, ApiPath, Shared};
+use super::{json_body, ApiPath, Shared};
 use crate::auth;
 use crate::error::ServerError;
 
@@ -22,8 +23,7 @@ pub fn routes() -> axum::Router<Shared> {
     responses(
         (status = 200, body = SyncWorld, description = "the world is complete: this worker's rank, and every peer's address by rank"),
         (status = 400, body = ApiError, description = "`world_size_mismatch`, `rank_out_of_range`, `invalid_address`, or a malformed body"),
-        (status = 401, body = ApiError, description = "missing or wrong job token"),
-        (status = 404, body = ApiError, description = "no such sync job"),
+        (status = 401, body = ApiError, description = "missing or wrong job token, or no such job (the same answer, checked before the body is read)"),
         (status = 408, body = ApiError, description = "`rendezvous_timeout`: the world was still incomplete at the timeout; the message names the ranks that did not join"),
         (status = 409, body = ApiError, description = "`replaced`: a newer worker joined this rank; `rank_taken`: the rank was given to a worker that joined without one"),
         (status = 410, body = ApiError, description = "`job_deleted`: the job was deleted while this worker waited")))]
@@ -31,12 +31,19 @@ pub async fn join(
     State(state): State<Shared>,
     ApiPath(job): ApiPath<String>,
     headers: HeaderMap,
-    ApiJson(req): ApiJson<SyncJoinRequest>,
+    body: Body,
 ) -> Result<Json<SyncWorld>, ServerError> {
-    let token = auth::bearer(headers.get(AUTHORIZATION))?;
-    let result = state.rendezvous.join(&job, token, req).await;
+    let result = async {
+        // The job's token, from the headers, before a byte of the body is read.
+        let token = auth::bearer(headers.get(AUTHORIZATION))?;
+        state.rendezvous.authenticate(&job, token)?;
+        let req: SyncJoinRequest = json_body(&state, &headers, body).await?;
+        state.rendezvous.join(&job, token, req).await
+    }
+    .await;
     if let Err(e) = &result {
-        tracing::info!(job = %job, code = e.code().as_str(), error = %e, "sync join refused");
+        // The job id is the caller's text: logged escaped.
+        tracing::info!(job = ?job, code = e.code().as_str(), error = %e, "sync join refused");
     }
     result.map(Json)
 }
@@ -271,10 +278,11 @@ mod tests {
             e.message
         );
 
+        // An unknown job answers as a wrong token does (no probing for job ids).
         let (status, e) = server.refused_join("nope", &token, body.clone()).await;
         assert_eq!(
             (status, e.code.as_str()),
-            (StatusCode::NOT_FOUND, "not_found")
+            (StatusCode::UNAUTHORIZED, "unauthorized")
         );
 
         let typo = serde_json::json!({ "adress": "127.0.0.1:29500", "world_size": 4 });

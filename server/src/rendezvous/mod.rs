@@ -296,6 +296,16 @@ impl Rendezvous {
         Ok(world.for_rank(rank))
     }
 
+    /// Whether `token` is the token of sync job `job_id`. An unknown job is refused exactly as
+    /// a wrong token is (401), so the refusal does not reveal which job ids exist.
+    pub fn authenticate(&self, job_id: &str, token: &str) -> Result<(), ServerError> {
+        let jobs = self.jobs();
+        match jobs.get(job_id) {
+            Some(job) if auth::verify_secret(token, &job.record.token_hash) => Ok(()),
+            _ => Err(unknown_job_or_token(job_id)),
+        }
+    }
+
     /// Checks a join and takes a rank for it; completes the world if it was the last one.
     fn enter(
         &self,
@@ -304,15 +314,10 @@ impl Rendezvous {
         req: SyncJoinRequest,
     ) -> Result<Entered, ServerError> {
         let mut jobs = self.jobs();
-        let job = jobs
-            .get_mut(job_id)
-            .ok_or_else(|| ServerError::NotFound(format!("no sync job `{job_id}`")))?;
-        if !auth::verify_secret(token, &job.record.token_hash) {
-            return Err(ServerError::Unauthorized(format!(
-                "invalid token for sync job `{job_id}`: use the token printed when the job was \
-                 created (hora-server admin sync-create)"
-            )));
-        }
+        let job = match jobs.get_mut(job_id) {
+            Some(job) if auth::verify_secret(token, &job.record.token_hash) => job,
+            _ => return Err(unknown_job_or_token(job_id)),
+        };
         let world_size = job.record.world_size;
         if req.world_size != world_size {
             return Err(ServerError::invalid(
@@ -554,6 +559,14 @@ fn check_address(address: &str) -> Result<(), ServerError> {
         return bad("is neither an IP address with a port nor a host name with a port");
     }
     Ok(())
+}
+
+/// The one refusal for a join whose job does not exist or whose token is wrong.
+fn unknown_job_or_token(job_id: &str) -> ServerError {
+    ServerError::Unauthorized(format!(
+        "sync job {job_id:?} does not accept this token: check the job id and use the token \
+         printed when the job was created (hora-server admin sync-create)"
+    ))
 }
 
 #[cfg(test)]

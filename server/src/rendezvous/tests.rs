@@ -302,8 +302,12 @@ async fn bad_joins_are_refused_with_what_to_fix() {
         let token = token.to_string();
         async move { rendezvous.join(id, &token, r).await.unwrap_err() }
     };
+    // An unknown job answers as a wrong token does: no way to probe for job ids.
     let e = refuse("nope", &token, req("a:1", None, 4)).await;
-    assert_eq!((e.status().as_u16(), e.code()), (404, ErrorCode::NotFound));
+    assert_eq!(
+        (e.status().as_u16(), e.code()),
+        (401, ErrorCode::Unauthorized)
+    );
     let e = refuse("j", "wrong", req("a:1", None, 4)).await;
     assert_eq!(
         (e.status().as_u16(), e.code()),

@@ -40,7 +40,7 @@ impl CoordinatorConfig {
     /// The longest a long poll may be held on a server whose connections idle out after
     /// `idle_timeout` and whose requests time out after `request_timeout`: `max_poll_wait`, but
     /// at most four fifths of either, so a poll is answered before any timeout of the server's
-    /// (or of a proxy configured like it) can end it. Clients learn the cap from each answer.
+    /// (or of a proxy configured like it) can end it. Each answer reports the cap.
     pub fn poll_cap(
         max_poll_wait: Duration,
         idle_timeout: Duration,
@@ -445,12 +445,8 @@ impl Coordinator {
             )
         })?
         .map(|s| s.clone())
-        .map_err(|_| {
-            ServerError::unavailable(
-                ErrorCode::ShuttingDown,
-                "the server is shutting down; join again",
-            )
-        })?;
+        // The round (held here) owns the sender: it cannot be gone.
+        .map_err(ServerError::internal)?;
         match waited {
             SelectionDurability::Upto(_) => Ok(answer),
             // The attempt closed before the selection was recorded: nothing to train for.

@@ -172,10 +172,13 @@ async fn a_round_short_at_its_deadline_is_abandoned_and_retried_with_a_fresh_key
     assert_eq!((retry.number, retry.attempt), (1, 1));
     // A poll of a client that dealt with attempt 0 is answered at once: the retry wants its
     // update again.
-    let poll = e
-        .coordinator
-        .poll(task.clone(), "a", Some(1), Some(0), Duration::from_secs(20))
-        .await;
+    let poll = tokio::time::timeout(
+        Duration::from_secs(5),
+        e.coordinator
+            .poll(task.clone(), "a", Some(1), Some(0), Duration::from_secs(20)),
+    )
+    .await
+    .expect("answered at once, not after the 20 s wait");
     assert_eq!(
         (poll.open_round, poll.attempt, poll.contributed),
         (Some(1), Some(1), false)

@@ -209,8 +209,22 @@ impl Registry for MemoryStore {
         Ok(())
     }
 
-    fn take_enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError> {
-        Ok(self.records().enrolments.remove(token_hash))
+    fn enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError> {
+        Ok(self.records().enrolments.get(token_hash).cloned())
+    }
+
+    fn enrol(
+        &self,
+        token_hash: &str,
+        id: &str,
+        client: &ClientRecord,
+    ) -> Result<Option<EnrolmentRecord>, StoreError> {
+        let mut records = self.records();
+        let spent = records.enrolments.remove(token_hash);
+        if spent.is_some() {
+            records.clients.insert(id.to_string(), client.clone());
+        }
+        Ok(spent)
     }
 }
 

@@ -198,8 +198,18 @@ pub trait Registry: Durable {
 
     fn put_enrolment(&self, token_hash: &str, e: &EnrolmentRecord) -> Result<(), StoreError>;
 
-    /// Removes and returns an enrolment: a token works once.
-    fn take_enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError>;
+    /// The enrolment of a token, still unspent.
+    fn enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError>;
+
+    /// Spends an enrolment and creates client `id` in one transaction: a token works once, and
+    /// is spent only by the enrolment that creates a client. Returns the spent enrolment, or
+    /// None (and creates nothing) when the token was not there (spent meanwhile).
+    fn enrol(
+        &self,
+        token_hash: &str,
+        id: &str,
+        client: &ClientRecord,
+    ) -> Result<Option<EnrolmentRecord>, StoreError>;
 }
 
 /// Synchronous allreduce jobs.

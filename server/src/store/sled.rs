@@ -218,11 +218,33 @@ impl Registry for SledStore {
         Ok(())
     }
 
-    fn take_enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError> {
-        match self.enrolments.remove(token_hash)? {
-            None => Ok(None),
-            Some(v) => decode("enrolment", &v).map(Some),
-        }
+    fn enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError> {
+        get(&self.enrolments, token_hash)
+    }
+
+    fn enrol(
+        &self,
+        token_hash: &str,
+        id: &str,
+        client: &ClientRecord,
+    ) -> Result<Option<EnrolmentRecord>, StoreError> {
+        use sled::Transactional;
+        let spent = (&self.enrolments, &self.clients)
+            .transaction(|(enrolments, clients)| {
+                let spent = enrolments.remove(token_hash)?;
+                if spent.is_some() {
+                    clients.insert(id, json(client))?;
+                }
+                Ok(spent)
+            })
+            .map_err(|e: sled::transaction::TransactionError<()>| match e {
+                sled::transaction::TransactionError::Storage(e) => StoreError::Db(e),
+                sled::transaction::TransactionError::Abort(()) => StoreError::Corrupt {
+                    key: id.into(),
+                    reason: "transaction aborted".into(),
+                },
+            })?;
+        spent.map(|v| decode("enrolment", &v)).transpose()
     }
 }
 
@@ -498,6 +520,6 @@ mod tests {
             store.secagg_scan_bytes("t\0adv\0").unwrap(),
             [("c1".to_string(), b"1".to_vec())]
         );
-        assert!(store.take_enrolment("tok").unwrap().is_some());
+        assert!(store.enrolment("tok").unwrap().is_some());
     }
 }

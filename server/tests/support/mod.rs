@@ -175,17 +175,13 @@ impl Api {
                 Some(json!({})),
             )
             .await;
-        let anonymous = Api {
-            token: String::new(),
+        let enrolling = Api {
+            token: token["token"].as_str().expect("the enrolment token").into(),
             ..self.clone()
         };
         let creds: Credentials = serde_json::from_value(
-            anonymous
-                .call(
-                    reqwest::Method::POST,
-                    "/v1/enrol",
-                    Some(json!({ "token": token["token"] })),
-                )
+            enrolling
+                .call(reqwest::Method::POST, "/v1/enrol", Some(json!({})))
                 .await,
         )
         .expect("Credentials");

@@ -207,14 +207,16 @@ pub(super) fn everything_written_is_there_after_reopening(f: &mut dyn Fixture) {
         s.client("c1").unwrap().unwrap().label.as_deref(),
         Some("one")
     );
-    assert_eq!(s.take_enrolment("h").unwrap().unwrap().expires_unix_ms, 9);
+    assert_eq!(s.enrolment("h").unwrap().unwrap().expires_unix_ms, 9);
+    assert!(s.enrol("h", "c9", &client("nine")).unwrap().is_some());
     assert_eq!(s.sync_jobs().unwrap(), vec![job("ring", 2)]);
     assert_eq!(
         s.secagg_get::<SecaggState>("t\0state\0").unwrap(),
         Some(secagg_state(Some(&msum)))
     );
     assert_eq!(s.meta("admin_token_hash").unwrap().as_deref(), Some("h"));
-    // A taken enrolment stays taken.
+    // A taken enrolment stays taken, and its client stays.
     f.reopen();
-    assert!(f.store().take_enrolment("h").unwrap().is_none());
+    assert!(f.store().enrolment("h").unwrap().is_none());
+    assert!(f.store().client("c9").unwrap().is_some());
 }

@@ -167,14 +167,27 @@ pub(super) fn enrolment_tokens_work_once(f: &mut dyn Fixture) {
     };
     s.put_enrolment("h", &enrolment).unwrap();
     s.put_enrolment("other", &enrolment).unwrap();
-    let taken = s.take_enrolment("h").unwrap().unwrap();
+    // Looking does not spend.
+    assert_eq!(s.enrolment("h").unwrap().unwrap().expires_unix_ms, 5);
+    assert!(s.enrolment("h").unwrap().is_some());
+    // Spending creates the client in the same step, once.
+    let taken = s.enrol("h", "c1", &client("one")).unwrap().unwrap();
     assert_eq!(
         (taken.expires_unix_ms, taken.tasks),
         (5, Some(vec!["t".into()]))
     );
-    assert!(s.take_enrolment("h").unwrap().is_none());
-    assert!(s.take_enrolment("never").unwrap().is_none());
-    assert!(s.take_enrolment("other").unwrap().is_some());
+    assert_eq!(
+        s.client("c1").unwrap().unwrap().label.as_deref(),
+        Some("one")
+    );
+    assert!(s.enrolment("h").unwrap().is_none());
+    assert!(s.enrol("h", "c2", &client("two")).unwrap().is_none());
+    assert!(
+        s.client("c2").unwrap().is_none(),
+        "a spent token creates no client"
+    );
+    assert!(s.enrol("never", "c3", &client("three")).unwrap().is_none());
+    assert!(s.enrol("other", "c4", &client("four")).unwrap().is_some());
 }
 
 pub(super) fn sync_jobs_are_created_once_updated_and_removed(f: &mut dyn Fixture) {
