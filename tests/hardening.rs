@@ -213,6 +213,64 @@ async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, Cre
 
 use hora_common::wire::CreateTask;
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_body_budget_answers_busy_within_the_body_wait_and_a_retry_gets_through() {
+    let dir = tempfile::tempdir().unwrap();
+    // A 1 KiB body budget (one body at a time), a 1 s body wait, a 3 s grace before the floor.
+    let server = Server::start_with(
+        dir.path(),
+        &[
+            "--upload-buffer-bytes",
+            "1024",
+            "--body-wait-secs",
+            "1",
+            "--upload-grace-secs",
+            "3",
+        ],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, config) = small_task(&admin, "busy", 2, 3).await;
+    admin.create_task(&config).await;
+    let (staller, honest) = (admin.enrol().await, admin.enrol().await);
+    let stalled = staller.join("busy").await;
+    let body = staller.seal("busy", &stalled, &delta(&model, 1));
+    assert!(body.len() > 1024, "the body must take the whole budget");
+    let mut conn = raw_tls(&server).await;
+    let head = upload_head(&staller, "busy", stalled.round, body.len());
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(&body[..4]).await.unwrap();
+    conn.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The honest upload is not queued behind the stalled body for as long as it takes: it is
+    // told the server is busy once the body wait is over.
+    let offer = honest.join("busy").await;
+    let update = delta(&model, 2);
+    let sealed = honest.seal("busy", &offer, &update);
+    let asked = Instant::now();
+    let msg = honest
+        .api
+        .refused(
+            honest.upload_request("busy", offer.round, 5, sealed.clone()),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy",
+        )
+        .await;
+    assert!(msg.contains("retry later"), "{msg}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        asked.elapsed()
+    );
+    // The stalled body is cut off at the floor (408); the retry is read and acknowledged.
+    let answer = answer_within(&mut conn, "upload_too_slow", Duration::from_secs(8)).await;
+    assert!(answer.contains(" 408 "), "{answer}");
+    let receipt: UpdateReceipt = honest
+        .api
+        .ok(honest.upload_request("busy", offer.round, 5, sealed))
+        .await;
+    assert_eq!(receipt.accepted, 1);
+}
+
 #[tokio::test]
 async fn a_stalled_upload_body_is_cut_off_and_other_uploads_are_acknowledged_promptly() {
     let dir = tempfile::tempdir().unwrap();

@@ -64,6 +64,10 @@ pub struct ServeArgs {
     /// this is read alone).
     #[arg(long, env = "HORA_UPLOAD_BUFFER_BYTES")]
     pub upload_buffer_bytes: Option<u64>,
+    /// Seconds a body waits for room in that budget before it is answered 503 `busy` (and
+    /// retried by its client).
+    #[arg(long, env = "HORA_BODY_WAIT_SECS")]
+    pub body_wait_secs: Option<u64>,
     /// Longest an upload waits for the checkpoint that makes it durable before it is answered
     /// 503 `not_durable_yet` (the client retries; the update is not folded twice).
     #[arg(long, env = "HORA_DURABILITY_TIMEOUT_SECS")]
@@ -111,6 +115,7 @@ struct FileConfig {
     min_upload_rate: Option<u64>,
     upload_grace_secs: Option<u64>,
     upload_buffer_bytes: Option<u64>,
+    body_wait_secs: Option<u64>,
     durability_timeout_secs: Option<u64>,
     retain_rounds_last: Option<u64>,
     retain_rounds_every: Option<u64>,
@@ -139,6 +144,7 @@ pub struct ServeConfig {
     pub min_upload_rate: u64,
     pub upload_grace: Duration,
     pub upload_buffer_bytes: u64,
+    pub body_wait: Duration,
     pub durability_timeout: Duration,
     pub retention: crate::store::Retention,
     pub metrics_require_token: bool,
@@ -198,6 +204,7 @@ impl ServeConfig {
                 .or(file.min_upload_rate)
                 .unwrap_or(16 << 10),
             upload_grace: secs(args.upload_grace_secs.or(file.upload_grace_secs), 10),
+            body_wait: secs(args.body_wait_secs.or(file.body_wait_secs), 30),
             upload_buffer_bytes: args
                 .upload_buffer_bytes
                 .or(file.upload_buffer_bytes)

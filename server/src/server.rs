@@ -80,6 +80,7 @@ impl Server {
                     grace: config.upload_grace,
                 },
                 upload_buffer_bytes: config.upload_buffer_bytes,
+                body_wait: config.body_wait,
                 request_timeout: config.request_timeout,
                 metrics_require_token: config.metrics_require_token,
                 max_concurrent_uploads: config.max_concurrent_uploads,

@@ -45,6 +45,17 @@ impl Default for BodyRate {
 }
 
 impl BodyRate {
+    /// The floor for a body of `bytes` that must arrive within `within` (its task's round
+    /// deadline): at least the configured floor, and fast enough to arrive in time, so a client
+    /// selected for a large model cannot hold a share of the budget for hours.
+    pub fn within(&self, bytes: u64, within: Duration) -> BodyRate {
+        let needed = (bytes as f64 / within.as_secs_f64().max(1.0)).ceil() as u64;
+        BodyRate {
+            min_bytes_per_sec: self.min_bytes_per_sec.max(needed),
+            grace: self.grace,
+        }
+    }
+
     /// When a body that has delivered `received` bytes falls behind the minimum rate.
     fn cutoff(&self, start: tokio::time::Instant, received: u64) -> tokio::time::Instant {
         let rate = self.min_bytes_per_sec.max(1) as f64;
@@ -245,16 +256,23 @@ pub struct IngestPermit {
 }
 
 /// Reads an upload body of at most `limit` bytes under the byte budget, then takes one of the
-/// ingest slots (so a slow body never holds one).
+/// ingest slots (so a slow body never holds one). The body must arrive within `within` (its
+/// round's deadline) as well as above the configured floor; room in the budget is waited for at
+/// most the configured body wait (then 503 `busy`, and the client retries).
 pub async fn read_upload(
     state: &Shared,
     headers: &HeaderMap,
     body: Body,
     limit: u64,
+    within: Duration,
 ) -> Result<(Vec<u8>, IngestPermit), ServerError> {
     let declared = declared_length(headers, limit)?;
-    let memory = state.budget.reserve(declared).await?;
-    let bytes = read_body(headers, body, limit, &state.limits.body_rate).await?;
+    let memory = state
+        .budget
+        .reserve_within(declared, state.limits.body_wait)
+        .await?;
+    let rate = state.limits.body_rate.within(declared, within);
+    let bytes = read_body(headers, body, limit, &rate).await?;
     let slot = state
         .ingest
         .clone()
@@ -273,6 +291,25 @@ pub async fn read_upload(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_large_body_must_arrive_within_its_deadline() {
+        let floor = BodyRate::default();
+        // Small bodies keep the configured floor.
+        assert_eq!(
+            floor
+                .within(1 << 20, Duration::from_secs(600))
+                .min_bytes_per_sec,
+            16 << 10
+        );
+        // 200 MB due in 600 s: at least 333,334 bytes/s.
+        assert_eq!(
+            floor
+                .within(200_000_000, Duration::from_secs(600))
+                .min_bytes_per_sec,
+            333_334
+        );
+    }
 
     #[test]
     fn the_cutoff_grows_with_what_arrived() {

@@ -197,7 +197,7 @@ pub async fn inbox(
         (status = 409, body = ApiError, description = "no round open, not selected, already uploaded, stage closed, dropped out; `upload_in_progress`: another masked upload of this client is being read"),
         (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
         (status = 413, body = ApiError, description = "`payload_too_large`: longer than the masked input"),
-        (status = 503, body = ApiError, description = "`not_durable_yet`: the masked input could not be made durable in time (retry); `request_timeout`: the server gave up on the request")))]
+        (status = 503, body = ApiError, description = "`not_durable_yet`: the masked input could not be made durable in time (retry); `busy`: no room to read the body within the body wait (retry later); `request_timeout`: the server gave up on the request")))]
 pub async fn masked(
     State(state): State<Shared>,
     auth: ClientAuth,
@@ -210,7 +210,8 @@ pub async fn masked(
         .coordinator
         .secagg_round(&task, &auth.id, at.1, at.2)?;
     let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
-    let (body, permit) = read_upload(&state, &headers, body, s.masked_len()).await?;
+    let within = std::time::Duration::from_secs(task.record().config.round_deadline_secs);
+    let (body, permit) = read_upload(&state, &headers, body, s.masked_len(), within).await?;
     let client = auth.id.clone();
     let receipt = submit(&state, &auth.id, at, move |s, store| {
         s.masked(store, &client, &body)
