@@ -639,6 +639,27 @@ async fn a_round_short_of_min_clients_at_its_deadline_is_abandoned_and_retried()
     assert_ne!(retry.round_key, offer.round_key);
 }
 
+#[test]
+fn a_short_admin_token_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(binary("hora-server"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-token",
+            "hunter2",
+        ])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .env("HORA_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("at least 16"), "{stderr}");
+}
+
 /// An HTTPS client for `server` that speaks only HTTP/1.1, or only HTTP/2.
 fn http_client(server: &Server, http2: bool) -> reqwest::Client {
     let mut tls = hora_common::tls::client_config(&server.ca, None).unwrap();

@@ -403,23 +403,29 @@ impl Client {
                 self.conn.request(Method::GET, path, Duration::ZERO)
             })
             .await?;
-        let resp = check(resp).await?;
-        if resp.content_length().is_some_and(|n| n > max) {
-            return Err(ClientError::Protocol(format!(
-                "{what}: {} bytes exceed the client's limit of {max} bytes",
-                resp.content_length().unwrap_or_default()
-            )));
-        }
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| ClientError::Protocol(format!("{what}: {e}")))?;
-        if bytes.len() as u64 > max {
-            return Err(ClientError::Protocol(format!(
+        let mut resp = check(resp).await?;
+        let too_large = || {
+            ClientError::Protocol(format!(
                 "{what}: the answer exceeds the client's limit of {max} bytes"
-            )));
+            ))
+        };
+        if resp.content_length().is_some_and(|n| n > max) {
+            return Err(too_large());
         }
-        Ok(bytes.to_vec())
+        // Read chunk by chunk against the limit: an answer without a Content-Length (or one that
+        // runs past it) is cut off at the limit, not buffered whole.
+        let mut bytes = Vec::with_capacity(resp.content_length().unwrap_or(0) as usize);
+        while let Some(chunk) = resp
+            .chunk()
+            .await
+            .map_err(|e| ClientError::Protocol(format!("{what}: {e}")))?
+        {
+            if (bytes.len() + chunk.len()) as u64 > max {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(bytes)
     }
 
     /// What round `offer` trains from: the global model and, for a TorchScript task, its module.

@@ -185,10 +185,19 @@ impl Server {
     }
 }
 
+/// The shortest admin token the server accepts from its configuration (a generated one is 64).
+const MIN_ADMIN_TOKEN_CHARS: usize = 16;
+
 /// The hash of the admin token: the configured token's, else the stored one, else a new token's
 /// (returned, to be shown once).
 fn admin_token(store: &Store, config: &ServeConfig) -> Result<(String, Option<String>)> {
     if let Some(token) = &config.admin_token {
+        if token.chars().count() < MIN_ADMIN_TOKEN_CHARS {
+            anyhow::bail!(
+                "the admin token is {} characters long; use at least {MIN_ADMIN_TOKEN_CHARS} (for example `openssl rand -hex 32`), or give none and the server makes one",
+                token.chars().count()
+            );
+        }
         let hash = auth::hash_secret(token);
         store.put_meta("admin_token_hash", &hash)?;
         return Ok((hash, None));

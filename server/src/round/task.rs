@@ -278,6 +278,14 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     if c.rounds == 0 {
         return bad("rounds must be at least 1".into());
     }
+    // The digest becomes a file name: 64 hex digits and nothing else (no path can hide in it).
+    if let wire::ModelKind::TorchScript { module_digest } = &c.model {
+        if module_digest.len() != 64 || !module_digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return bad(format!(
+                "module_digest {module_digest:?} must be the 64 hex digits POST /admin/v1/modules answered"
+            ));
+        }
+    }
     if c.min_clients == 0 || c.target_clients < c.min_clients {
         return bad(format!(
             "need 1 <= min_clients ({}) <= target_clients ({})",

@@ -376,3 +376,25 @@ async fn an_abandoned_asynchronous_version_does_not_hold_its_clients_back() {
         .unwrap();
     assert_eq!(e.join(&task, "b").await.round, 2);
 }
+
+#[tokio::test]
+async fn a_module_digest_that_is_not_64_hex_digits_is_refused_before_it_becomes_a_path() {
+    let e = engine();
+    for digest in [
+        "../../../etc/passwd".to_string(),
+        "ab".repeat(31),
+        "zz".repeat(32),
+    ] {
+        let config: wire::CreateTask = serde_json::from_value(serde_json::json!({
+            "id": "ts", "initial_model": e.digest,
+            "model": {"kind": "torch_script", "module_digest": digest},
+            "rounds": 1, "min_clients": 1, "target_clients": 1, "round_deadline_secs": 60,
+        }))
+        .unwrap();
+        let refused = e.coordinator.create_task(config).unwrap_err();
+        assert!(
+            refused.to_string().contains("64 hex digits"),
+            "{digest}: {refused}"
+        );
+    }
+}

@@ -390,6 +390,9 @@ fn remove_unused_models(
             }
         }
     }
+    // The records that stopped naming these models are durable before any file goes: a crash in
+    // between must not leave a record that names a deleted model.
+    store.flush()?;
     let mut removed = 0;
     for digest in dropped.into_iter().filter(|d| !in_use.contains(d)) {
         if std::fs::remove_file(store.model_path(&digest)).is_ok() {
