@@ -7,6 +7,8 @@ mod support;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hora_client::data::synthetic::{self, SyntheticConfig};
@@ -646,4 +648,78 @@ async fn the_deadline_policy_decides_whether_a_partial_update_is_sent() {
             }
         }
     }
+}
+
+/// A hostile server: answers every request with an endless chunked body (no Content-Length).
+/// Returns its URL, its CA, and the count of body bytes it got out.
+async fn endless_server(dir: &Path) -> (String, std::path::PathBuf, Arc<AtomicU64>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let certs = hora_server::tls::make_dev_certs(dir, &[]).unwrap();
+    let mut config = hora_server::tls::server_config(&certs, None).unwrap();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "https://localhost:{}",
+        listener.local_addr().unwrap().port()
+    );
+    let sent = Arc::new(AtomicU64::new(0));
+    let counter = sent.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, counter) = (acceptor.clone(), counter.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut head = [0u8; 4096];
+                let _ = tls.read(&mut head).await;
+                let _ = tls
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                    .await;
+                let chunk = [7u8; 1 << 16];
+                // Bounded: 256 MiB at most, far past the client's limit.
+                for _ in 0..4096 {
+                    let frame =
+                        [format!("{:x}\r\n", chunk.len()).as_bytes(), &chunk, b"\r\n"].concat();
+                    if tls.write_all(&frame).await.is_err() {
+                        return;
+                    }
+                    counter.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    (url, dir.join(hora_server::tls::CA_CERT), sent)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_download_without_content_length_is_cut_off_at_the_clients_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, ca, sent) = endless_server(&dir.path().join("certs")).await;
+    let state = dir.path().join("client");
+    // Stored credentials: no enrolment needed.
+    hora_client::state::StateDir::open(&state)
+        .unwrap()
+        .save_credentials(&hora_common::wire::Credentials {
+            client_id: "c-1".into(),
+            secret: "s".into(),
+        })
+        .unwrap();
+    let mut config = ClientConfig::new(&url, &ca, &state);
+    config.limits.max_bytes = 1 << 20;
+    let client = Client::connect(config, None).await.unwrap();
+    let err = client
+        .model("t", &hora_common::model::ModelDigest([0; 32]))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("exceeds the client's limit of 1048576 bytes"),
+        "{err}"
+    );
+    // Cut off near the limit (socket buffers aside), not after reading all 256 MiB.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sent = sent.load(Ordering::SeqCst);
+    assert!(sent < 32 << 20, "the client read {sent} bytes");
 }
