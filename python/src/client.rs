@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use hora_client::trainer::{TrainOutcome, TrainRequest, Trainer};
 use hora_client::{ClientConfig, ClientError, RoundOutcome, RoundReport};
@@ -39,7 +39,7 @@ impl Client {
     ) -> PyResult<Self> {
         let mut config = ClientConfig::new(server, ca, state_dir);
         config.label = label;
-        config.poll_wait = Duration::from_secs_f64(poll_wait_secs.clamp(0.0, 300.0));
+        config.poll_wait = crate::seconds("poll_wait_secs", poll_wait_secs, 0.0, 300.0)?;
         let connected = block_on(py, async move {
             hora_client::Client::connect(config, token.as_deref()).await
         })?;

@@ -20,12 +20,12 @@ use pyo3::types::PyBytes;
 
 use crate::sync_error;
 
-fn options(timeout_secs: f64, half_precision: bool) -> CommOptions {
-    CommOptions {
-        timeout: Duration::from_secs_f64(timeout_secs.clamp(0.1, 3600.0)),
+fn options(timeout_secs: f64, half_precision: bool) -> PyResult<CommOptions> {
+    Ok(CommOptions {
+        timeout: crate::seconds("timeout_secs", timeout_secs, 0.1, 3600.0)?,
         wire: if half_precision { Wire::F16 } else { Wire::F32 },
         ..CommOptions::default()
-    }
+    })
 }
 
 /// A connected worker of a sync job.
@@ -105,7 +105,7 @@ impl Ring {
             local_rank: None,
             source: "python",
         };
-        let options = options(timeout_secs, half_precision);
+        let options = options(timeout_secs, half_precision)?;
         py.detach(|| {
             form_world(
                 Meeting::Peers { peers, secret },
@@ -146,7 +146,7 @@ impl Ring {
             local_rank: None,
             source: "python",
         };
-        let options = options(timeout_secs, half_precision);
+        let options = options(timeout_secs, half_precision)?;
         py.detach(|| {
             let rendezvous = ServerRendezvous {
                 server: &server,
@@ -326,7 +326,7 @@ impl PendingRing {
             .listener
             .take()
             .ok_or_else(|| PyValueError::new_err("this PendingRing was connected already"))?;
-        let options = options(timeout_secs, half_precision);
+        let options = options(timeout_secs, half_precision)?;
         py.detach(move || {
             let world = World::from_peers(peers, rank, Some(&secret))?;
             let listener = (world.size > 1).then_some(listener);

@@ -77,3 +77,16 @@ def test_workers_given_their_peers_need_no_server(procs):
     for w in workers:
         assert w.wait(timeout=120) == 0, log(w)
         assert '"ranks": [0, 1]' in Path(w.log_path).read_text()
+
+
+def test_a_timeout_that_is_not_a_number_is_a_value_error(tmp_path):
+    """NaN or infinite seconds raise ValueError from the binding, never a Rust panic."""
+    import hora
+    from hora import _hora
+
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            _hora.Ring.from_peers(["127.0.0.1:1"], 0, timeout_secs=bad)
+        with pytest.raises(ValueError, match="finite"):
+            hora.Client("https://127.0.0.1:1", tmp_path / "ca.pem", tmp_path / "state",
+                        poll_wait_secs=bad)
