@@ -134,7 +134,6 @@ async fn idle_and_half_open_connections_are_closed_and_healthz_answers_throughou
     assert!(metric(&admin, "hora_connections_closed_total").await >= 150.0);
 }
 
-/// A task over the small model, its initial weights uploaded.
 #[tokio::test(flavor = "multi_thread")]
 async fn bodies_are_read_only_after_their_credentials_and_job_ids_cannot_be_probed() {
     let dir = tempfile::tempdir().unwrap();
@@ -205,6 +204,7 @@ async fn bodies_are_read_only_after_their_credentials_and_job_ids_cannot_be_prob
     assert_eq!(jobs.len(), 1);
 }
 
+/// A task over the small model, its initial weights uploaded.
 async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, CreateTask) {
     let model = small_model();
     let digest = admin.upload_model(&model).await;

@@ -211,6 +211,15 @@ async fn bad_input_gets_a_clear_refusal_and_loses_nothing() {
     let again: hora_common::wire::Credentials = anon.ok(enrol(&secret)).await;
     assert_eq!(first, again);
     assert_eq!(first.secret, secret);
+    // A repeat that changes what it asked for is refused, not silently half-applied.
+    anon.refused(
+        enrolling
+            .request(Method::POST, "/v1/enrol")
+            .json(&serde_json::json!({ "secret": secret, "label": "another" })),
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+    )
+    .await;
     anon.refused(
         enrol(&"cd".repeat(32)),
         StatusCode::UNAUTHORIZED,
@@ -642,7 +651,7 @@ async fn a_round_short_of_min_clients_at_its_deadline_is_abandoned_and_retried()
 #[test]
 fn a_short_admin_token_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(binary("hora-server"))
+    let mut child = std::process::Command::new(binary("hora-server"))
         .args([
             "serve",
             "--listen",
@@ -653,10 +662,25 @@ fn a_short_admin_token_is_refused_at_start() {
         .arg("--data-dir")
         .arg(dir.path())
         .env("HORA_LOG", "warn")
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    // It must stop by itself, not serve (bounded: killed after 30 s).
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("hora-server started with a 7-character admin token");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success());
     assert!(stderr.contains("at least 16"), "{stderr}");
 }
 

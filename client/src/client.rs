@@ -31,7 +31,7 @@ use reqwest::Method;
 use crate::error::{ClientError, Result};
 use crate::state::{RoundState, StateDir};
 use crate::trainer::{Progress, TrainRequest, Trainer};
-use crate::transport::{check, Connection, Idempotence, RetryPolicy};
+use crate::transport::{check, Connection, RetryPolicy};
 
 /// Header carrying an update's [`UpdateMeta`] (the body is the sealed envelope).
 pub const UPDATE_META_HEADER: &str = "x-hora-update";
@@ -279,7 +279,7 @@ impl Client {
                     identity_key: Some(hex::encode(identity.public_key())),
                 };
                 let creds: Credentials = conn
-                    .json_with("enrolling", Idempotence::Idempotent, || {
+                    .json("enrolling", || {
                         conn.request(Method::POST, "/v1/enrol", Duration::ZERO)
                             .bearer_auth(token)
                             .json(&request)

@@ -160,7 +160,6 @@ impl StateDir {
         }
     }
 
-    /// Makes and stores (0600) a new identity.
     /// The secret to enrol with: the one chosen for an enrolment not yet answered, else a new
     /// one (32 bytes from the system's RNG, hex), recorded durably before it is sent.
     pub fn enrolment_secret(&self) -> Result<String> {
@@ -190,6 +189,7 @@ impl StateDir {
         Ok(())
     }
 
+    /// Makes and stores (0600) a new identity.
     pub fn create_identity(&self) -> Result<hora_common::secagg::Identity> {
         let (identity, doc) =
             hora_common::secagg::Identity::generate().map_err(|e| ClientError::State {

@@ -78,16 +78,6 @@ fn transient_error(e: &reqwest::Error, chain: &str) -> bool {
     !tls && (e.is_connect() || e.is_timeout() || e.is_request() || e.is_body())
 }
 
-/// Whether a request may be sent again after a failure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Idempotence {
-    /// Sending it twice does no harm (reads, joins, uploads: the server refuses a duplicate).
-    Idempotent,
-    /// It must not be repeated once it may have reached the server (enrolment consumes a
-    /// one-time token): only failures to connect are retried.
-    OnlyIfUnsent,
-}
-
 impl Connection {
     /// A connection to `server` (an `https://host:port` URL) trusting `ca`.
     pub fn new(
@@ -141,21 +131,12 @@ impl Connection {
     }
 
     /// Sends what `make` builds until the answer is final: success or a non-transient status.
-    /// `on_retry` hears of each transient failure (for "retrying…" logs). Returns the final
-    /// answer and the number of attempts it took.
+    /// Every request of the client may be sent twice without harm (reads, joins and uploads:
+    /// the server refuses a duplicate; enrolment: a repeat with the same secret gets the same
+    /// credentials). Returns the final answer and the number of attempts it took.
     pub async fn send(
         &self,
         what: &str,
-        make: impl Fn() -> RequestBuilder,
-    ) -> Result<(Response, u32)> {
-        self.send_with(what, Idempotence::Idempotent, make).await
-    }
-
-    /// [`Connection::send`] for requests of either [`Idempotence`].
-    pub async fn send_with(
-        &self,
-        what: &str,
-        idempotence: Idempotence,
         make: impl Fn() -> RequestBuilder,
     ) -> Result<(Response, u32)> {
         let start = Instant::now();
@@ -166,11 +147,7 @@ impl Connection {
         loop {
             attempt += 1;
             let last = match make().send().await {
-                Ok(resp)
-                    if !transient(resp.status()) || idempotence == Idempotence::OnlyIfUnsent =>
-                {
-                    return Ok((resp, attempt))
-                }
+                Ok(resp) if !transient(resp.status()) => return Ok((resp, attempt)),
                 Ok(resp) => {
                     let status = resp.status();
                     let body = resp.text().await.unwrap_or_default();
@@ -185,9 +162,7 @@ impl Connection {
                 }
                 Err(e) => {
                     let chain = error_chain(&e);
-                    let retry = transient_error(&e, &chain)
-                        && (idempotence == Idempotence::Idempotent || e.is_connect());
-                    if !retry {
+                    if !transient_error(&e, &chain) {
                         return Err(ClientError::Protocol(format!(
                             "{what}: {chain} (not retried: check --server, --ca and the network)"
                         )));
@@ -229,17 +204,7 @@ impl Connection {
         what: &str,
         make: impl Fn() -> RequestBuilder,
     ) -> Result<T> {
-        self.json_with(what, Idempotence::Idempotent, make).await
-    }
-
-    /// [`Connection::json`] for requests of either [`Idempotence`].
-    pub async fn json_with<T: serde::de::DeserializeOwned>(
-        &self,
-        what: &str,
-        idempotence: Idempotence,
-        make: impl Fn() -> RequestBuilder,
-    ) -> Result<T> {
-        let (resp, _) = self.send_with(what, idempotence, make).await?;
+        let (resp, _) = self.send(what, make).await?;
         let resp = check(resp).await?;
         let bytes = resp
             .bytes()

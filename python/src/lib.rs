@@ -102,7 +102,6 @@ fn block_on<T: Send + 'static>(
     }
 }
 
-/// A client error as the matching Python exception.
 /// `secs` seconds as a duration within `[min, max]`, or `ValueError` when it is not a number
 /// (NaN, ±inf): never a panic from Rust's duration conversion.
 fn seconds(name: &str, secs: f64, min: f64, max: f64) -> PyResult<Duration> {
@@ -114,6 +113,7 @@ fn seconds(name: &str, secs: f64, min: f64, max: f64) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(secs.clamp(min, max)))
 }
 
+/// A client error as the matching Python exception.
 fn client_error(py: Python<'_>, e: ClientError) -> PyErr {
     let message = e.to_string();
     match &e {

@@ -65,7 +65,7 @@ pub struct ServeArgs {
     #[arg(long, env = "HORA_UPLOAD_BUFFER_BYTES")]
     pub upload_buffer_bytes: Option<u64>,
     /// Seconds a body waits for room in that budget before it is answered 503 `busy` (and
-    /// retried by its client).
+    /// retried by its client); below the request timeout, so `busy` is what a waiter hears.
     #[arg(long, env = "HORA_BODY_WAIT_SECS")]
     pub body_wait_secs: Option<u64>,
     /// Longest an upload waits for the checkpoint that makes it durable before it is answered
@@ -204,7 +204,7 @@ impl ServeConfig {
                 .or(file.min_upload_rate)
                 .unwrap_or(16 << 10),
             upload_grace: secs(args.upload_grace_secs.or(file.upload_grace_secs), 10),
-            body_wait: secs(args.body_wait_secs.or(file.body_wait_secs), 30),
+            body_wait: secs(args.body_wait_secs.or(file.body_wait_secs), 10),
             upload_buffer_bytes: args
                 .upload_buffer_bytes
                 .or(file.upload_buffer_bytes)

@@ -133,9 +133,9 @@ async fn read_frames(
     Ok(buf)
 }
 
-/// Reads a small body (JSON) of at most `limit` bytes through the same byte budget and rate
-/// floor as uploads. Its credentials were checked before this is called; its length need not be
-/// declared (then `limit` is reserved).
+/// Reads a small body (JSON) of at most `limit` bytes through its own byte budget (waited for at
+/// most the body wait) and the rate floor uploads have. Its credentials were checked before this
+/// is called; its length need not be declared (then `limit` is reserved).
 pub async fn read_small(
     state: &Shared,
     headers: &HeaderMap,
@@ -147,7 +147,7 @@ pub async fn read_small(
         None => None,
     };
     let _memory = state
-        .budget
+        .json_budget
         .reserve_within(declared.unwrap_or(limit), state.limits.body_wait)
         .await?;
     read_frames(body, declared, limit, &state.limits.body_rate).await

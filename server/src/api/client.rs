@@ -72,6 +72,10 @@ pub async fn enrol(
             "unknown or already used enrolment token: ask the operator for a new one".into(),
         )
     };
+    // A spent token reads a body again only for a repeat soon after its enrolment.
+    let enrolled = enrolled.filter(|c| {
+        !c.revoked && now_ms().saturating_sub(c.enrolled_unix_ms) < REPEAT_ENROLMENT_MS
+    });
     if enrolment.is_none() && enrolled.is_none() {
         return Err(spent());
     }
@@ -96,17 +100,7 @@ pub async fn enrol(
         }
     }
     if let Some(client) = enrolled {
-        // The token was spent by the enrolment that made `derived_id`: a repeat of it with the
-        // same secret (its answer was lost) gets the same credentials; anything else is refused.
-        return match &req.secret {
-            Some(secret) if !client.revoked && auth::verify_secret(secret, &client.secret_hash) => {
-                Ok(Json(Credentials {
-                    client_id: derived_id,
-                    secret: secret.clone(),
-                }))
-            }
-            _ => Err(spent()),
-        };
+        return repeat(&state, &req, derived_id, client).await;
     }
     let record = enrolment.ok_or_else(spent)?;
     if req.label.as_ref().is_some_and(|l| l.len() > 256) {
@@ -133,6 +127,7 @@ pub async fn enrol(
         identity_key: req.identity_key,
         tasks: record.tasks,
     };
+    let asked = (client.label.clone(), client.identity_key.clone());
     let (me, id) = (state.clone(), client_id.clone());
     let spent_now = tokio::task::spawn_blocking(move || {
         let store = me.coordinator.store();
@@ -143,12 +138,65 @@ pub async fn enrol(
     .await
     .map_err(ServerError::internal)??;
     if spent_now.is_none() {
-        return Err(ServerError::Unauthorized(
-            "the enrolment token was used by another request meanwhile: ask the operator for a new one".into(),
-        ));
+        // Spent meanwhile: by a concurrent repeat of this very enrolment (answer it as one), or
+        // by another request.
+        let (me, id) = (state.clone(), client_id.clone());
+        let made = tokio::task::spawn_blocking(move || me.coordinator.store().client(&id))
+            .await
+            .map_err(ServerError::internal)??;
+        return match made {
+            Some(made) => {
+                let req = EnrolRequest {
+                    secret: Some(secret),
+                    label: asked.0,
+                    identity_key: asked.1,
+                };
+                repeat(&state, &req, client_id, made).await
+            }
+            None => Err(ServerError::Unauthorized(
+                "the enrolment token was used by another request meanwhile: ask the operator for a new one".into(),
+            )),
+        };
     }
     tracing::info!(client = %client_id, "client enrolled");
     Ok(Json(Credentials { client_id, secret }))
+}
+
+/// How long after an enrolment a repeat of it (its answer was lost) is answered.
+const REPEAT_ENROLMENT_MS: u64 = 60 * 60 * 1000;
+
+/// A repeat of the enrolment that made `client` (`id`, derived from the token): the same
+/// secret, label and identity key get the same credentials, once they are durable; anything
+/// else is refused.
+async fn repeat(
+    state: &Shared,
+    req: &EnrolRequest,
+    id: String,
+    client: ClientRecord,
+) -> Result<Json<Credentials>, ServerError> {
+    let Some(secret) = req
+        .secret
+        .clone()
+        .filter(|s| auth::verify_secret(s, &client.secret_hash))
+    else {
+        return Err(ServerError::Unauthorized(
+            "unknown or already used enrolment token: ask the operator for a new one".into(),
+        ));
+    };
+    if req.label != client.label || req.identity_key != client.identity_key {
+        return Err(ServerError::BadRequest(format!(
+            "this enrolment already made client `{id}` with another label or identity key: repeat it unchanged, or ask the operator for a new token"
+        )));
+    }
+    // The first request may still be flushing (or have failed to): durable before answering.
+    let me = state.clone();
+    tokio::task::spawn_blocking(move || me.coordinator.store().flush())
+        .await
+        .map_err(ServerError::internal)??;
+    Ok(Json(Credentials {
+        client_id: id,
+        secret,
+    }))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

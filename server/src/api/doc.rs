@@ -11,7 +11,7 @@
 //! | a security scheme | 401 (missing, malformed or wrong credentials) |
 //! | the admin token as its only scheme | 403 (client credentials on the admin API) |
 //! | path parameters | 404 (no such task, round, client or job) |
-//! | a JSON body | 413 (over the JSON size limit) |
+//! | a JSON body | 408 (below the minimum rate), 413 (over the JSON size limit) |
 //!
 //! Every string path parameter is an id, and gets [`ID_PATTERN`] ([`IdPatterns`]); every
 //! unsigned integer gets the range of its Rust type ([`UnsignedBounds`]), since `uint32` and
@@ -185,6 +185,10 @@ impl utoipa::Modify for CommonAnswers {
             }
             if json_body {
                 answers.push((
+                    "408",
+                    "`upload_too_slow`: the body arrived below the server's minimum rate",
+                ));
+                answers.push((
                     "413",
                     "`payload_too_large`: the body is over the server's JSON size limit",
                 ));
@@ -192,9 +196,9 @@ impl utoipa::Modify for CommonAnswers {
             answers.push(("500", "`internal`: the server failed; the log says why"));
             answers.push((
                 "503",
-                "`request_timeout`: the server gave up on the request after its time limit, or \
-                 `task_unavailable`: the task's stored state is damaged (the server log says \
-                 how); retry later",
+                "`request_timeout`: the server gave up on the request after its time limit, \
+                 `busy`: no room to read the body in time, or `task_unavailable`: the task's \
+                 stored state is damaged (the server log says how); retry later",
             ));
             for (status, description) in answers {
                 if !op.responses.responses.contains_key(status) {

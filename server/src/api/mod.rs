@@ -75,7 +75,7 @@ impl Default for HttpLimits {
             request_timeout: Duration::from_secs(30),
             metrics_require_token: false,
             max_concurrent_uploads: 1,
-            body_wait: Duration::from_secs(30),
+            body_wait: Duration::from_secs(10),
         }
     }
 }
@@ -88,6 +88,9 @@ pub struct AppState {
     pub ingest: Arc<Semaphore>,
     /// Bytes of upload bodies in memory at once: bounds memory whatever the client count.
     pub budget: body::IngestBudget,
+    /// Bytes of JSON bodies in memory at once, apart from uploads: slow uploaders never make
+    /// the admin API or a secure-aggregation stage wait.
+    pub json_budget: body::IngestBudget,
     /// One upload per client and task in flight.
     pub uploads: Arc<body::UploadsInFlight>,
     /// Sync jobs and the worlds their workers are forming.
@@ -106,6 +109,7 @@ impl AppState {
             admin_token_hash,
             ingest: Arc::new(Semaphore::new(limits.max_concurrent_uploads.max(1))),
             budget: body::IngestBudget::new(limits.upload_buffer_bytes),
+            json_budget: body::IngestBudget::new(limits.max_json_bytes as u64 * JSON_BODIES),
             uploads: Arc::default(),
             limits,
             rendezvous,
@@ -114,6 +118,9 @@ impl AppState {
 }
 
 pub type Shared = Arc<AppState>;
+
+/// How many JSON bodies of the largest size fit in their budget at once.
+const JSON_BODIES: u64 = 16;
 
 /// Proof that the request carries the admin token.
 pub struct AdminAuth;
@@ -436,7 +443,7 @@ pub fn router(state: Shared) -> Router {
         ))
         // After every route is in place: it is set on the routes registered so far.
         .method_not_allowed_fallback(method_not_allowed)
-        // Bodies are bounded per route (read_body, ApiJson's limit below).
+        // Bodies are bounded per route (read_body, json_body); this catches any other reader.
         .layer(axum::extract::DefaultBodyLimit::max(
             state.limits.max_json_bytes,
         ))

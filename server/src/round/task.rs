@@ -280,9 +280,13 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     }
     // The digest becomes a file name: 64 hex digits and nothing else (no path can hide in it).
     if let wire::ModelKind::TorchScript { module_digest } = &c.model {
-        if module_digest.len() != 64 || !module_digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+        if module_digest.len() != 64
+            || !module_digest
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
             return bad(format!(
-                "module_digest {module_digest:?} must be the 64 hex digits POST /admin/v1/modules answered"
+                "module_digest {module_digest:?} must be the 64 lowercase hex digits POST /admin/v1/modules answered"
             ));
         }
     }

@@ -384,6 +384,7 @@ async fn a_module_digest_that_is_not_64_hex_digits_is_refused_before_it_becomes_
         "../../../etc/passwd".to_string(),
         "ab".repeat(31),
         "zz".repeat(32),
+        "AB".repeat(32),
     ] {
         let config: wire::CreateTask = serde_json::from_value(serde_json::json!({
             "id": "ts", "initial_model": e.digest,
@@ -393,7 +394,7 @@ async fn a_module_digest_that_is_not_64_hex_digits_is_refused_before_it_becomes_
         .unwrap();
         let refused = e.coordinator.create_task(config).unwrap_err();
         assert!(
-            refused.to_string().contains("64 hex digits"),
+            refused.to_string().contains("64 lowercase hex digits"),
             "{digest}: {refused}"
         );
     }

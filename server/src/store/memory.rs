@@ -220,6 +220,9 @@ impl Registry for MemoryStore {
         client: &ClientRecord,
     ) -> Result<Option<EnrolmentRecord>, StoreError> {
         let mut records = self.records();
+        if records.clients.contains_key(id) {
+            return Ok(None); // never replace a client (the token stays unspent)
+        }
         let spent = records.enrolments.remove(token_hash);
         if spent.is_some() {
             records.clients.insert(id.to_string(), client.clone());

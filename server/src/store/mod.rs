@@ -203,7 +203,8 @@ pub trait Registry: Durable {
 
     /// Spends an enrolment and creates client `id` in one transaction: a token works once, and
     /// is spent only by the enrolment that creates a client. Returns the spent enrolment, or
-    /// None (and creates nothing) when the token was not there (spent meanwhile).
+    /// None (and changes nothing) when the token was not there (spent meanwhile) or a client
+    /// `id` exists already (never replaced).
     fn enrol(
         &self,
         token_hash: &str,

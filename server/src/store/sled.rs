@@ -231,6 +231,9 @@ impl Registry for SledStore {
         use sled::Transactional;
         let spent = (&self.enrolments, &self.clients)
             .transaction(|(enrolments, clients)| {
+                if clients.get(id)?.is_some() {
+                    return Ok(None); // never replace a client (the token stays unspent)
+                }
                 let spent = enrolments.remove(token_hash)?;
                 if spent.is_some() {
                     clients.insert(id, json(client))?;

@@ -187,6 +187,17 @@ pub(super) fn enrolment_tokens_work_once(f: &mut dyn Fixture) {
         "a spent token creates no client"
     );
     assert!(s.enrol("never", "c3", &client("three")).unwrap().is_none());
+    // An existing client is never replaced, and the token stays unspent.
+    s.put_enrolment("again", &enrolment).unwrap();
+    assert!(s
+        .enrol("again", "c1", &client("impostor"))
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        s.client("c1").unwrap().unwrap().label.as_deref(),
+        Some("one")
+    );
+    assert!(s.enrolment("again").unwrap().is_some());
     assert!(s.enrol("other", "c4", &client("four")).unwrap().is_some());
 }
 
