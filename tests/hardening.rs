@@ -376,6 +376,7 @@ async fn huge_norm_and_weight_updates_are_bounded_and_the_model_stays_finite() {
         max_weight: 100,
         max_norm: Some(1.0),
         on_norm_exceeded: NormPolicy::Clip,
+        ..Default::default()
     };
     admin.create_task(&config).await;
     let (poisoner, honest) = (admin.enrol().await, admin.enrol().await);

@@ -308,20 +308,33 @@ pub struct UpdateBounds {
     #[serde(default = "defaults::update_max_weight")]
     #[schema(minimum = 1)]
     pub max_weight: u64,
-    /// Bound on the L2 norm of each delta (over all its tensors); None: unbounded.
+    /// Bound on the L2 norm of each delta (over all its tensors); None: the adaptive bound.
     #[serde(default)]
     #[schema(exclusive_minimum = 0.0)]
     pub max_norm: Option<f64>,
-    /// What happens to a delta whose norm exceeds `max_norm`: scaled down to it, or refused.
+    /// Without `max_norm`: the bound is this many times the median L2 norm of the task's last
+    /// [`ADAPTIVE_NORM_WINDOW`] accepted updates, once [`ADAPTIVE_NORM_WARMUP`] were accepted
+    /// (since the server started), so one poisoned update cannot outweigh the round. None: no
+    /// bound at all.
+    #[serde(default = "defaults::adaptive_norm_factor")]
+    #[schema(exclusive_minimum = 1.0)]
+    pub adaptive_norm_factor: Option<f64>,
+    /// What happens to a delta whose norm exceeds the bound: scaled down to it, or refused.
     #[serde(default)]
     pub on_norm_exceeded: NormPolicy,
 }
+
+/// How many accepted update norms the adaptive bound takes its median of.
+pub const ADAPTIVE_NORM_WINDOW: usize = 64;
+/// How many accepted updates the adaptive bound waits for before it applies.
+pub const ADAPTIVE_NORM_WARMUP: usize = 8;
 
 impl Default for UpdateBounds {
     fn default() -> Self {
         UpdateBounds {
             max_weight: defaults::update_max_weight(),
             max_norm: None,
+            adaptive_norm_factor: defaults::adaptive_norm_factor(),
             on_norm_exceeded: NormPolicy::default(),
         }
     }
@@ -884,6 +897,10 @@ mod defaults {
     pub fn clip() -> f64 {
         1.0
     }
+    pub fn adaptive_norm_factor() -> Option<f64> {
+        Some(10.0)
+    }
+
     pub fn update_max_weight() -> u64 {
         1_000_000
     }

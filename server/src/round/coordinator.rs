@@ -154,6 +154,7 @@ impl Coordinator {
                 record: Mutex::new(record),
                 round: Mutex::new(round),
                 changed: watch::channel(0).0,
+                norms: Mutex::default(),
             });
             coordinator
                 .tasks

@@ -122,11 +122,19 @@ impl Coordinator {
                 base_model: &base,
             };
             let view = open_update(&mut body, key, &binding, &spec)?;
-            let norm = match bounds.max_norm.is_some() || dp.is_some() {
+            // The task's bound: the configured one, else the adaptive one (a multiple of the
+            // median norm of recent accepted updates, once there are enough of them).
+            let adaptive = bounds.max_norm.is_none() && bounds.adaptive_norm_factor.is_some();
+            let bound = bounds.max_norm.or_else(|| {
+                bounds
+                    .adaptive_norm_factor
+                    .and_then(|f| lock(&task.norms).bound(f))
+            });
+            let norm = match bounds.max_norm.is_some() || adaptive || dp.is_some() {
                 true => view.l2_norm(),
                 false => 0.0,
             };
-            let scale = match bounds.max_norm {
+            let scale = match bound {
                 None => 1.0,
                 Some(bound) => {
                     match bounds.on_norm_exceeded {
@@ -135,7 +143,7 @@ impl Coordinator {
                         wire::NormPolicy::Refuse => {
                             return Err(ServerError::invalid(
                                 ErrorCode::UpdateNormExceeded,
-                                format!("the update's L2 norm {norm:.6e} exceeds the task's bound of {bound}: clip it or lower the learning rate"),
+                                format!("the update's L2 norm {norm:.6e} exceeds the task's bound of {bound:.6e}: clip it or lower the learning rate"),
                             ))
                         }
                     }
@@ -159,6 +167,9 @@ impl Coordinator {
                 };
                 let (round, index, folded) = buffer.fold(&task, update, scale, &view)?;
                 if folded {
+                    if adaptive {
+                        lock(&task.norms).record(norm * scale);
+                    }
                     me.metrics.ingest_seconds.observe(started.elapsed().as_secs_f64());
                     me.metrics.update_staleness(&task.id, round.number - sealed_round);
                     me.metrics.async_training(&task.id, buffer.training());
@@ -194,6 +205,9 @@ impl Coordinator {
                 });
                 acc.contributions.len() - 1
             };
+            if adaptive {
+                lock(&task.norms).record(norm * scale);
+            }
             me.metrics
                 .ingest_seconds
                 .observe(started.elapsed().as_secs_f64());

@@ -20,6 +20,35 @@ pub struct Task {
     pub(crate) record: Mutex<TaskRecord>,
     pub(crate) round: Mutex<Option<Arc<Round>>>,
     pub(crate) changed: watch::Sender<u64>,
+    /// The L2 norms of the task's last accepted updates, for the adaptive norm bound.
+    pub(crate) norms: Mutex<NormWindow>,
+}
+
+/// The L2 norms of a task's last [`wire::ADAPTIVE_NORM_WINDOW`] accepted updates (as folded,
+/// after any clipping), kept in memory: after a restart the bound waits for its warm-up again.
+#[derive(Default)]
+pub(crate) struct NormWindow(std::collections::VecDeque<f64>);
+
+impl NormWindow {
+    /// `factor` times the median, once the warm-up is over.
+    pub(crate) fn bound(&self, factor: f64) -> Option<f64> {
+        if self.0.len() < wire::ADAPTIVE_NORM_WARMUP {
+            return None;
+        }
+        let mut sorted: Vec<f64> = self.0.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        (median > 0.0).then_some(factor * median)
+    }
+
+    pub(crate) fn record(&mut self, norm: f64) {
+        if norm.is_finite() {
+            if self.0.len() == wire::ADAPTIVE_NORM_WINDOW {
+                self.0.pop_front();
+            }
+            self.0.push_back(norm);
+        }
+    }
 }
 
 impl Task {
@@ -107,6 +136,7 @@ impl Coordinator {
             record: Mutex::new(record),
             round: Mutex::new(Some(round.clone())),
             changed: watch::channel(0).0,
+            norms: Mutex::default(),
         });
         tasks.insert(id.clone(), task.clone());
         drop(tasks);
@@ -321,6 +351,11 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     }
     if b.max_norm.is_some_and(|n| !(n.is_finite() && n > 0.0)) {
         return bad("update_bounds.max_norm must be a positive finite number".into());
+    }
+    if b.adaptive_norm_factor
+        .is_some_and(|f| !(f.is_finite() && f > 1.0))
+    {
+        return bad("update_bounds.adaptive_norm_factor must be a finite number above 1 (or null for no bound)".into());
     }
     let t = &c.training;
     if t.epochs == 0

@@ -399,3 +399,29 @@ async fn a_module_digest_that_is_not_64_hex_digits_is_refused_before_it_becomes_
         );
     }
 }
+
+#[tokio::test]
+async fn after_its_warm_up_the_adaptive_bound_clips_a_poisoned_update_to_ten_medians() {
+    let e = engine();
+    // Default bounds: no max_norm, the adaptive factor 10.
+    let task = e.create("t", 9, 9, 60);
+    let round = task.current().unwrap();
+    for client in ["a", "b", "c", "d", "e", "f", "g", "h"] {
+        let offer = e.join(&task, client).await;
+        e.upload(&task, client, &offer, 1, [1.0, 0.0, 0.0])
+            .await
+            .unwrap();
+    }
+    // Eight updates of norm 1 are in: the ninth, of norm ~5e38, is clipped to norm 10.
+    let offer = e.join(&task, "z").await;
+    e.upload(&task, "z", &offer, 1, [3e38, 3e38, 3e38])
+        .await
+        .unwrap();
+    next_round(&task, &round).await;
+    let c = 10.0 / 3f64.sqrt();
+    let want = [1.0 + (8.0 + c) / 9.0, 2.0 + c / 9.0, 3.0 + c / 9.0];
+    let got = e.global(&task);
+    for (g, w) in got.iter().zip(want) {
+        assert!((f64::from(*g) - w).abs() < 1e-5, "{got:?} vs {want:?}");
+    }
+}
