@@ -173,12 +173,7 @@ async fn bad_input_gets_a_clear_refusal_and_loses_nothing() {
             "unauthorized",
         )
         .await;
-    let token: serde_json::Value = admin
-        .ok(admin
-            .request(Method::POST, "/admin/v1/enrolments")
-            .json(&serde_json::json!({})))
-        .await;
-    let enrolling = anon.with_token(token["token"].as_str().unwrap());
+    let enrolling = admin.enrolling().await;
     anon.ok::<serde_json::Value>(
         enrolling
             .request(Method::POST, "/v1/enrol")
@@ -195,12 +190,7 @@ async fn bad_input_gets_a_clear_refusal_and_loses_nothing() {
     .await;
     // A client that brings its own secret can repeat an enrolment whose answer it lost: the
     // same token and secret get the same credentials, another secret nothing.
-    let token: serde_json::Value = admin
-        .ok(admin
-            .request(Method::POST, "/admin/v1/enrolments")
-            .json(&serde_json::json!({})))
-        .await;
-    let enrolling = anon.with_token(token["token"].as_str().unwrap());
+    let enrolling = admin.enrolling().await;
     let secret = "ab".repeat(32);
     let enrol = |secret: &str| {
         enrolling

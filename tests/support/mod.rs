@@ -271,16 +271,21 @@ impl Api {
             .expect("model")
     }
 
-    /// Enrols a new client through a fresh one-time token.
-    pub async fn enrol(&self) -> Client {
+    /// A fresh one-time enrolment token, as an API that presents it.
+    pub async fn enrolling(&self) -> Api {
         let token: serde_json::Value = self
             .ok(self
                 .request(Method::POST, "/admin/v1/enrolments")
                 .json(&serde_json::json!({})))
             .await;
-        let creds: Credentials = self
-            .ok(self
-                .with_token(token["token"].as_str().expect("the enrolment token"))
+        self.with_token(token["token"].as_str().expect("the enrolment token"))
+    }
+
+    /// Enrols a new client through a fresh one-time token.
+    pub async fn enrol(&self) -> Client {
+        let enrolling = self.enrolling().await;
+        let creds: Credentials = enrolling
+            .ok(enrolling
                 .request(Method::POST, "/v1/enrol")
                 .json(&serde_json::json!({})))
             .await;

@@ -163,13 +163,7 @@ impl RoundLog for SledStore {
                 };
                 Ok(())
             })
-            .map_err(|e: sled::transaction::TransactionError<()>| match e {
-                sled::transaction::TransactionError::Storage(e) => StoreError::Db(e),
-                sled::transaction::TransactionError::Abort(()) => StoreError::Corrupt {
-                    key: task_id.into(),
-                    reason: "transaction aborted".into(),
-                },
-            })?;
+            .map_err(|e| transaction_failed(e, task_id))?;
         Ok(())
     }
 
@@ -196,6 +190,17 @@ impl RoundLog for SledStore {
             }
         }
         remove_unused_models(self, dropped)
+    }
+}
+
+/// A failed sled transaction as a store error (`key`: what it was about).
+fn transaction_failed(e: sled::transaction::TransactionError<()>, key: &str) -> StoreError {
+    match e {
+        sled::transaction::TransactionError::Storage(e) => StoreError::Db(e),
+        sled::transaction::TransactionError::Abort(()) => StoreError::Corrupt {
+            key: key.into(),
+            reason: "transaction aborted".into(),
+        },
     }
 }
 
@@ -240,13 +245,7 @@ impl Registry for SledStore {
                 }
                 Ok(spent)
             })
-            .map_err(|e: sled::transaction::TransactionError<()>| match e {
-                sled::transaction::TransactionError::Storage(e) => StoreError::Db(e),
-                sled::transaction::TransactionError::Abort(()) => StoreError::Corrupt {
-                    key: id.into(),
-                    reason: "transaction aborted".into(),
-                },
-            })?;
+            .map_err(|e| transaction_failed(e, id))?;
         spent.map(|v| decode("enrolment", &v)).transpose()
     }
 }
