@@ -204,6 +204,47 @@ async fn bodies_are_read_only_after_their_credentials_and_job_ids_cannot_be_prob
     assert_eq!(jobs.len(), 1);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn one_source_cannot_take_every_connection_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(dir.path(), &["--max-connections-per-source", "5"]);
+    // Another source's connection, idle, older than all of the first source's.
+    let mut other = raw_tls_from(&server, "127.0.0.2").await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(raw_tls(&server).await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A sixth from the same source closes that source's idlest connection, not the other
+    // source's older one.
+    let _sixth = raw_tls(&server).await;
+    assert!(
+        closed_within(&mut held[0], Duration::from_secs(3))
+            .await
+            .is_some(),
+        "the source's idlest connection is still open"
+    );
+    assert!(closed_within(&mut other, Duration::from_millis(500))
+        .await
+        .is_none());
+    other
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = answer_within(&mut other, "ok", Duration::from_secs(3)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let admin = server.api(ADMIN_TOKEN);
+    assert!(
+        metric(
+            &admin,
+            "hora_connections_closed_total{reason=\"evicted_at_source_cap\"}"
+        )
+        .await
+            >= 1.0
+    );
+}
+
 /// A task over the small model, its initial weights uploaded.
 async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, CreateTask) {
     let model = small_model();

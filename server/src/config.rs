@@ -44,6 +44,11 @@ pub struct ServeArgs {
     /// the cap the longest-idle connection is closed to make room.
     #[arg(long, env = "HORA_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// Most connections held at once from one IP address (default: a quarter of the cap). At
+    /// this limit that address's longest-idle connection is closed to make room; a NAT gateway
+    /// in front of many devices may need it raised.
+    #[arg(long, env = "HORA_MAX_CONNECTIONS_PER_SOURCE")]
+    pub max_connections_per_source: Option<usize>,
     /// A connection with no request in flight that moves no byte for this long is closed.
     #[arg(long, env = "HORA_IDLE_TIMEOUT_SECS")]
     pub idle_timeout_secs: Option<u64>,
@@ -109,6 +114,7 @@ struct FileConfig {
     max_concurrent_uploads: Option<usize>,
     max_model_bytes: Option<u64>,
     max_connections: Option<usize>,
+    max_connections_per_source: Option<usize>,
     idle_timeout_secs: Option<u64>,
     header_timeout_secs: Option<u64>,
     request_timeout_secs: Option<u64>,
@@ -138,6 +144,7 @@ pub struct ServeConfig {
     pub max_model_bytes: u64,
     /// None: derived from the open-file limit at start.
     pub max_connections: Option<usize>,
+    pub max_connections_per_source: Option<usize>,
     pub idle_timeout: Duration,
     pub header_timeout: Duration,
     pub request_timeout: Duration,
@@ -196,6 +203,9 @@ impl ServeConfig {
                 .or(file.max_model_bytes)
                 .unwrap_or(4 << 30),
             max_connections: args.max_connections.or(file.max_connections),
+            max_connections_per_source: args
+                .max_connections_per_source
+                .or(file.max_connections_per_source),
             idle_timeout: secs(args.idle_timeout_secs.or(file.idle_timeout_secs), 15),
             header_timeout: secs(args.header_timeout_secs.or(file.header_timeout_secs), 10),
             request_timeout: secs(args.request_timeout_secs.or(file.request_timeout_secs), 30),

@@ -13,15 +13,18 @@
 //! connection's task after the handler returns, and a long poll that moved no byte while it
 //! waited must not find its connection "idle since it began" in between and lose its answer.
 //!
-//! The number of connections is capped well under the process's file-descriptor limit. When a
-//! connection arrives at the cap, the connection that has been idle longest is closed to make
-//! room (an attacker's idle sockets go first, honest clients reconnect), and only when every
-//! connection has a request in flight is the newcomer refused. Either way the server keeps
-//! descriptors for its own files and `/healthz` keeps answering.
+//! The number of connections is capped well under the process's file-descriptor limit, and so is
+//! the number from one IP address (a quarter of the cap by default), so one source cannot take
+//! every slot. When a connection arrives at either cap, the longest-idle connection (of its
+//! source, at the source's cap) is closed to make room (an attacker's idle sockets go first,
+//! honest clients reconnect), and only when every such connection has a request in flight is
+//! the newcomer refused. Either way the server keeps descriptors for its own files and
+//! `/healthz` keeps answering.
 
 use std::collections::HashMap;
 use std::future::{Future, Ready};
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,6 +41,8 @@ use crate::metrics::ServerMetrics;
 #[derive(Debug, Clone)]
 pub struct ConnectionLimits {
     pub max_connections: usize,
+    /// Connections from one IP address.
+    pub max_per_source: usize,
     pub idle_timeout: Duration,
 }
 
@@ -53,6 +58,8 @@ pub struct Connections {
 /// One connection's bookkeeping, shared by its stream and the requests on it.
 pub struct ConnState {
     id: u64,
+    /// The peer's address (None where it could not be read).
+    source: Option<IpAddr>,
     /// [`Connections::epoch`].
     epoch: Instant,
     /// Milliseconds since `epoch` when bytes last moved or a request began or ended.
@@ -122,22 +129,43 @@ impl Connections {
         self.live.lock().expect("connection table").len()
     }
 
-    /// Admits a connection, closing the longest-idle one if the cap is reached; None when every
-    /// connection is busy and the newcomer must be refused.
-    fn admit(self: &Arc<Self>) -> Option<Arc<ConnState>> {
+    /// Admits a connection from `source`, closing the longest-idle one (of that source, at its
+    /// cap) if a cap is reached; None when every candidate is busy and the newcomer must be
+    /// refused.
+    fn admit(self: &Arc<Self>, source: Option<IpAddr>) -> Option<Arc<ConnState>> {
         let mut live = self.live.lock().expect("connection table");
-        if live.len() >= self.limits.max_connections {
+        let evictable = |c: &&Arc<ConnState>| c.idle() && !c.evicted.load(Ordering::SeqCst);
+        let from_source = |c: &&Arc<ConnState>| source.is_some() && c.source == source;
+        let held = live
+            .values()
+            .filter(|c| from_source(c) && !c.evicted.load(Ordering::SeqCst))
+            .count();
+        let (over, why) = match () {
+            _ if source.is_some() && held >= self.limits.max_per_source => (true, "source"),
+            _ if live.len() >= self.limits.max_connections => (true, "cap"),
+            _ => (false, ""),
+        };
+        if over {
             let idlest = live
                 .values()
-                .filter(|c| c.idle() && !c.evicted.load(Ordering::SeqCst))
+                .filter(evictable)
+                .filter(|c| why != "source" || from_source(c))
                 .min_by_key(|c| c.last_activity_ms.load(Ordering::SeqCst))
                 .cloned();
-            match idlest {
-                Some(c) => {
+            match (idlest, why) {
+                (Some(c), "source") => {
+                    c.evict();
+                    self.metrics.connections_closed("evicted_at_source_cap");
+                }
+                (Some(c), _) => {
                     c.evict();
                     self.metrics.connections_closed("evicted_at_cap");
                 }
-                None => {
+                (None, "source") => {
+                    self.metrics.connections_closed("refused_at_source_cap");
+                    return None;
+                }
+                (None, _) => {
                     self.metrics.connections_closed("refused_at_cap");
                     return None;
                 }
@@ -145,6 +173,7 @@ impl Connections {
         }
         let state = Arc::new(ConnState {
             id: self.next_id.fetch_add(1, Ordering::SeqCst),
+            source,
             epoch: self.epoch,
             last_activity_ms: AtomicU64::new(self.now_ms()),
             in_flight: AtomicUsize::new(0),
@@ -181,7 +210,8 @@ impl<S> axum_server::accept::Accept<TcpStream, S> for GuardAcceptor {
     type Future = Ready<io::Result<(GuardedStream, TrackRequests<S>)>>;
 
     fn accept(&self, stream: TcpStream, service: S) -> Self::Future {
-        let Some(state) = self.connections.admit() else {
+        let source = stream.peer_addr().ok().map(|a| a.ip());
+        let Some(state) = self.connections.admit(source) else {
             return std::future::ready(Err(io::Error::other(
                 "connection refused: every connection slot has a request in flight",
             )));
@@ -384,11 +414,12 @@ mod tests {
         let connections = Connections::new(
             ConnectionLimits {
                 max_connections: 2,
+                max_per_source: 2,
                 idle_timeout: Duration::from_secs(60),
             },
             Arc::new(ServerMetrics::default()),
         );
-        let conn = connections.admit().unwrap();
+        let conn = connections.admit(None).unwrap();
         /// A handler that answers at once.
         struct Answer;
         impl tower::Service<()> for Answer {
@@ -419,26 +450,56 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn at_the_cap_the_idlest_connection_makes_room_and_busy_ones_stay() {
+    async fn one_source_makes_room_among_its_own_connections_and_leaves_the_others() {
         let connections = Connections::new(
             ConnectionLimits {
-                max_connections: 2,
+                max_connections: 10,
+                max_per_source: 2,
                 idle_timeout: Duration::from_secs(60),
             },
             Arc::new(ServerMetrics::default()),
         );
-        let a = connections.admit().unwrap();
+        let (a, b): (IpAddr, IpAddr) = ("127.0.0.1".parse().unwrap(), "127.0.0.2".parse().unwrap());
+        let other = connections.admit(Some(b)).unwrap();
         tokio::time::sleep(Duration::from_millis(5)).await;
-        let b = connections.admit().unwrap();
+        let first = connections.admit(Some(a)).unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let second = connections.admit(Some(a)).unwrap();
+        // A third from `a` evicts `a`'s idlest, not the older connection of `b`.
+        let third = connections.admit(Some(a)).unwrap();
+        assert!(first.evicted.load(Ordering::SeqCst));
+        assert!(!other.evicted.load(Ordering::SeqCst));
+        assert!(!second.evicted.load(Ordering::SeqCst));
+        connections.release(first.id);
+        // With both of `a`'s connections busy, `a` is refused while `b` is still welcome.
+        second.in_flight.fetch_add(1, Ordering::SeqCst);
+        third.in_flight.fetch_add(1, Ordering::SeqCst);
+        assert!(connections.admit(Some(a)).is_none());
+        assert!(connections.admit(Some(b)).is_some());
+    }
+
+    #[tokio::test]
+    async fn at_the_cap_the_idlest_connection_makes_room_and_busy_ones_stay() {
+        let connections = Connections::new(
+            ConnectionLimits {
+                max_connections: 2,
+                max_per_source: 2,
+                idle_timeout: Duration::from_secs(60),
+            },
+            Arc::new(ServerMetrics::default()),
+        );
+        let a = connections.admit(None).unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let b = connections.admit(None).unwrap();
         // A third evicts `a`, the longest idle.
-        let c = connections.admit().unwrap();
+        let c = connections.admit(None).unwrap();
         assert!(a.evicted.load(Ordering::SeqCst));
         assert!(!b.evicted.load(Ordering::SeqCst));
         connections.release(a.id);
         // With every connection busy, a newcomer is refused.
         b.in_flight.fetch_add(1, Ordering::SeqCst);
         c.in_flight.fetch_add(1, Ordering::SeqCst);
-        assert!(connections.admit().is_none());
+        assert!(connections.admit(None).is_none());
         assert_eq!(connections.open(), 2);
     }
 }

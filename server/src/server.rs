@@ -93,13 +93,18 @@ impl Server {
             .unwrap_or_else(|| conn::default_max_connections(fd_limit));
         tracing::info!(
             max_connections,
+            max_connections_per_source = ?config.max_connections_per_source,
             open_file_limit = fd_limit,
             idle_timeout_secs = config.idle_timeout.as_secs(),
             "connection limits"
         );
+        let max_per_source = config
+            .max_connections_per_source
+            .unwrap_or((max_connections / 4).max(1));
         let connections = conn::Connections::new(
             conn::ConnectionLimits {
                 max_connections,
+                max_per_source,
                 idle_timeout: config.idle_timeout,
             },
             metrics,

@@ -152,13 +152,24 @@ pub type RawTls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
 
 /// A raw TLS connection speaking HTTP/1.1, for requests no well-behaved client would send.
 pub async fn raw_tls(server: &Server) -> RawTls {
+    raw_tls_from(server, "127.0.0.1").await
+}
+
+/// [`raw_tls`] from another loopback address (`127.0.0.2`: another source to the server).
+pub async fn raw_tls_from(server: &Server, source: &str) -> RawTls {
     let mut config = hora_common::tls::client_config(&server.ca, None).expect("tls config");
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
-    let addr = server.url.trim_start_matches("https://").to_string();
-    let tcp = tokio::net::TcpStream::connect(&addr)
-        .await
-        .expect("connect");
+    let addr: std::net::SocketAddr = server
+        .url
+        .trim_start_matches("https://")
+        .parse()
+        .expect("the server's address");
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind(format!("{source}:0").parse().expect("a source address"))
+        .expect("bind the source address");
+    let tcp = socket.connect(addr).await.expect("connect");
     let name = rustls_pki_types::ServerName::try_from("localhost").expect("name");
     connector.connect(name, tcp).await.expect("tls handshake")
 }
