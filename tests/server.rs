@@ -623,6 +623,19 @@ async fn a_round_short_of_min_clients_at_its_deadline_is_abandoned_and_retried()
         other => panic!("expected an abandoned round, got {other:?}"),
     }
     assert_eq!(history[0].participants, vec![a.id.clone()]);
+    // The history in pages: after round 0 (the first page), after round 1 (nothing yet).
+    let page: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/d/rounds?after=0&limit=1"))
+        .await;
+    assert_eq!(page, history[..1]);
+    let page: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/d/rounds?after=1&limit=10"))
+        .await;
+    assert!(page.is_empty());
+    let page: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/d/rounds?limit=0"))
+        .await;
+    assert!(page.is_empty());
     let info: TaskInfo = admin
         .ok(admin.request(Method::GET, "/admin/v1/tasks/d"))
         .await;

@@ -139,9 +139,15 @@ class Admin:
         """Stops the task for good; its published rounds stay readable."""
         return self._json("POST", f"/admin/v1/tasks/{self._id(task)}/stop")
 
-    def rounds(self, task: str) -> List[Dict[str, Any]]:
-        """The task's round history, oldest first: participants, examples, metrics, outcome."""
-        return self._json("GET", f"/admin/v1/tasks/{self._id(task)}/rounds")
+    def rounds(
+        self, task: str, after: int = 0, limit: Optional[int] = None
+    ) -> List[Dict[str, Any]]:
+        """The task's round history, oldest first: participants, examples, metrics, outcome.
+
+        With ``limit``, one page: at most that many entries (every attempt) of the rounds after
+        ``after``, read without the rest of the history (at most 10,000 a page)."""
+        query = f"?after={int(after)}" + ("" if limit is None else f"&limit={int(limit)}")
+        return self._json("GET", f"/admin/v1/tasks/{self._id(task)}/rounds{query}")
 
     # Clients ----------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ use hora_common::wire::{
 };
 
 use super::client::model_response;
-use super::{read_body, AdminAuth, ApiJson, ApiPath, Shared};
+use super::{read_body, AdminAuth, ApiJson, ApiPath, ApiQuery, Shared};
 use crate::auth;
 use crate::error::ServerError;
 use crate::round::now_ms;
@@ -196,15 +196,40 @@ pub async fn stop(
     set_state(state, task, TaskState::Stopped).await
 }
 
-#[utoipa::path(get, path = "/admin/v1/tasks/{task}/rounds", tag = "admin", security(("admin_token" = [])), params(("task" = String, Path)),
-    responses((status = 200, body = Vec<RoundRecord>)))]
+/// The largest page of round history one request gets.
+const MAX_ROUNDS_PAGE: u32 = 10_000;
+
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct RoundsQuery {
+    /// Only rounds after this one (every attempt of each).
+    #[serde(default)]
+    after: u64,
+    /// At most this many entries (at most 10,000), oldest first: a page, read without the rest
+    /// of the history. Without it, the whole history.
+    limit: Option<u32>,
+}
+
+#[utoipa::path(get, path = "/admin/v1/tasks/{task}/rounds", tag = "admin", security(("admin_token" = [])),
+    params(("task" = String, Path), RoundsQuery),
+    responses((status = 200, body = Vec<RoundRecord>, description = "the round history (every attempt), oldest first; a page with `after` and `limit`")))]
 pub async fn rounds(
     State(state): State<Shared>,
     _a: AdminAuth,
     ApiPath(task): ApiPath<String>,
+    ApiQuery(q): ApiQuery<RoundsQuery>,
 ) -> Result<Json<Vec<RoundRecord>>, ServerError> {
     let task = state.coordinator.task(&task)?;
-    Ok(Json(state.coordinator.history(&task)?))
+    let limit = q
+        .limit
+        .map_or(usize::MAX, |l| l.min(MAX_ROUNDS_PAGE) as usize);
+    let (me, id) = (state.clone(), task.id.clone());
+    let page = tokio::task::spawn_blocking(move || {
+        me.coordinator.store().history_page(&id, q.after, limit)
+    })
+    .await
+    .map_err(ServerError::internal)??;
+    Ok(Json(page))
 }
 
 #[utoipa::path(get, path = "/admin/v1/tasks/{task}/rounds/{round}/model", tag = "admin", security(("admin_token" = [])),

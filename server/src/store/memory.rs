@@ -160,6 +160,27 @@ impl RoundLog for MemoryStore {
             .unwrap_or_default())
     }
 
+    fn history_page(
+        &self,
+        task: &str,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<RoundRecord>, StoreError> {
+        Ok(self
+            .records()
+            .history
+            .get(task)
+            .map(|rounds| {
+                rounds
+                    .values()
+                    .filter(|r| r.round > after)
+                    .take(limit)
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
     fn prune_models(
         &self,
         task: &str,

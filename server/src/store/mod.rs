@@ -118,6 +118,15 @@ pub trait RoundLog: Durable {
     /// A task's finished rounds, by round then attempt.
     fn history(&self, task: &str) -> Result<Vec<RoundRecord>, StoreError>;
 
+    /// At most `limit` history entries (every attempt) of rounds after `after`, oldest first:
+    /// one page, read without reading the rest of the history.
+    fn history_page(
+        &self,
+        task: &str,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<RoundRecord>, StoreError>;
+
     /// Applies `retention` to `task`'s published models now that `published` rounds are out:
     /// marks the rounds that fall out of it as pruned and deletes their model files, unless
     /// another retained round or task still uses the same model (content-addressed). Returns the

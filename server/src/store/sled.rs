@@ -175,6 +175,28 @@ impl RoundLog for SledStore {
             .collect())
     }
 
+    fn history_page(
+        &self,
+        task: &str,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<RoundRecord>, StoreError> {
+        // Keys sort by round: the page starts at round `after + 1`, wherever that is.
+        let Some(first) = after.checked_add(1) else {
+            return Ok(Vec::new());
+        };
+        let prefix = format!("{task}\0");
+        let rows = self
+            .history
+            .range(history_key(task, first, 0).into_bytes()..)
+            .take_while(|kv| {
+                kv.as_ref()
+                    .map_or(true, |(k, _)| k.starts_with(prefix.as_bytes()))
+            })
+            .take(limit);
+        Ok(all(rows)?.into_iter().map(|(_, r)| r).collect())
+    }
+
     fn prune_models(
         &self,
         task: &str,

@@ -85,6 +85,20 @@ pub(super) fn finish_round_records_the_round_and_moves_the_task_on(f: &mut dyn F
         .map(|r| (r.round, r.attempt))
         .collect();
     assert_eq!(rounds, vec![(1, 0), (2, 0), (10, 1), (10, 2)]);
+    // Pages: every attempt of the rounds after `after`, oldest first, at most `limit`.
+    let page = |after: u64, limit: usize| -> Vec<(u64, u32)> {
+        s.history_page("t", after, limit)
+            .unwrap()
+            .iter()
+            .map(|r| (r.round, r.attempt))
+            .collect()
+    };
+    assert_eq!(page(0, 2), vec![(1, 0), (2, 0)]);
+    assert_eq!(page(2, 10), vec![(10, 1), (10, 2)]);
+    assert_eq!(page(1, 2), vec![(2, 0), (10, 1)]);
+    assert!(page(10, 10).is_empty());
+    assert!(page(u64::MAX, 10).is_empty());
+    assert!(s.history_page("t2", 0, 10).unwrap().is_empty());
     assert!(
         s.open_round("t").unwrap().is_none(),
         "no next round: removed"
