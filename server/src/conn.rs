@@ -140,36 +140,27 @@ impl Connections {
             .values()
             .filter(|c| from_source(c) && !c.evicted.load(Ordering::SeqCst))
             .count();
-        let (over, why) = match () {
-            _ if source.is_some() && held >= self.limits.max_per_source => (true, "source"),
-            _ if live.len() >= self.limits.max_connections => (true, "cap"),
-            _ => (false, ""),
+        // Which cap is reached, if any: the source's first (its own connections make room).
+        let full = if source.is_some() && held >= self.limits.max_per_source {
+            Some(("evicted_at_source_cap", "refused_at_source_cap", true))
+        } else if live.len() >= self.limits.max_connections {
+            Some(("evicted_at_cap", "refused_at_cap", false))
+        } else {
+            None
         };
-        if over {
+        if let Some((evicted, refused, same_source)) = full {
             let idlest = live
                 .values()
                 .filter(evictable)
-                .filter(|c| why != "source" || from_source(c))
+                .filter(|c| !same_source || from_source(c))
                 .min_by_key(|c| c.last_activity_ms.load(Ordering::SeqCst))
                 .cloned();
-            match (idlest, why) {
-                (Some(c), "source") => {
-                    c.evict();
-                    self.metrics.connections_closed("evicted_at_source_cap");
-                }
-                (Some(c), _) => {
-                    c.evict();
-                    self.metrics.connections_closed("evicted_at_cap");
-                }
-                (None, "source") => {
-                    self.metrics.connections_closed("refused_at_source_cap");
-                    return None;
-                }
-                (None, _) => {
-                    self.metrics.connections_closed("refused_at_cap");
-                    return None;
-                }
-            }
+            let Some(c) = idlest else {
+                self.metrics.connections_closed(refused);
+                return None;
+            };
+            c.evict();
+            self.metrics.connections_closed(evicted);
         }
         let state = Arc::new(ConnState {
             id: self.next_id.fetch_add(1, Ordering::SeqCst),
@@ -409,16 +400,21 @@ mod tests {
         assert_eq!(default_max_connections(Some(10)), 16);
     }
 
-    #[tokio::test]
-    async fn the_end_of_a_request_restarts_the_idle_clock() {
-        let connections = Connections::new(
+    /// A connection table with these caps and a one-minute idle timeout.
+    fn table(max_connections: usize, max_per_source: usize) -> Arc<Connections> {
+        Connections::new(
             ConnectionLimits {
-                max_connections: 2,
-                max_per_source: 2,
+                max_connections,
+                max_per_source,
                 idle_timeout: Duration::from_secs(60),
             },
             Arc::new(ServerMetrics::default()),
-        );
+        )
+    }
+
+    #[tokio::test]
+    async fn the_end_of_a_request_restarts_the_idle_clock() {
+        let connections = table(2, 2);
         let conn = connections.admit(None).unwrap();
         /// A handler that answers at once.
         struct Answer;
@@ -451,14 +447,7 @@ mod tests {
 
     #[tokio::test]
     async fn one_source_makes_room_among_its_own_connections_and_leaves_the_others() {
-        let connections = Connections::new(
-            ConnectionLimits {
-                max_connections: 10,
-                max_per_source: 2,
-                idle_timeout: Duration::from_secs(60),
-            },
-            Arc::new(ServerMetrics::default()),
-        );
+        let connections = table(10, 2);
         let (a, b): (IpAddr, IpAddr) = ("127.0.0.1".parse().unwrap(), "127.0.0.2".parse().unwrap());
         let other = connections.admit(Some(b)).unwrap();
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -480,14 +469,7 @@ mod tests {
 
     #[tokio::test]
     async fn at_the_cap_the_idlest_connection_makes_room_and_busy_ones_stay() {
-        let connections = Connections::new(
-            ConnectionLimits {
-                max_connections: 2,
-                max_per_source: 2,
-                idle_timeout: Duration::from_secs(60),
-            },
-            Arc::new(ServerMetrics::default()),
-        );
+        let connections = table(2, 2);
         let a = connections.admit(None).unwrap();
         tokio::time::sleep(Duration::from_millis(5)).await;
         let b = connections.admit(None).unwrap();

@@ -151,15 +151,6 @@ impl RoundLog for MemoryStore {
         Ok(())
     }
 
-    fn history(&self, task: &str) -> Result<Vec<RoundRecord>, StoreError> {
-        Ok(self
-            .records()
-            .history
-            .get(task)
-            .map(|rounds| rounds.values().cloned().collect())
-            .unwrap_or_default())
-    }
-
     fn history_page(
         &self,
         task: &str,

@@ -115,8 +115,10 @@ pub trait RoundLog: Durable {
         next: Option<&OpenRoundRecord>,
     ) -> Result<(), StoreError>;
 
-    /// A task's finished rounds, by round then attempt.
-    fn history(&self, task: &str) -> Result<Vec<RoundRecord>, StoreError>;
+    /// A task's finished rounds, by round then attempt (rounds are numbered from 1).
+    fn history(&self, task: &str) -> Result<Vec<RoundRecord>, StoreError> {
+        self.history_page(task, 0, usize::MAX)
+    }
 
     /// At most `limit` history entries (every attempt) of rounds after `after`, oldest first:
     /// one page, read without reading the rest of the history.

@@ -167,14 +167,6 @@ impl RoundLog for SledStore {
         Ok(())
     }
 
-    fn history(&self, task: &str) -> Result<Vec<RoundRecord>, StoreError> {
-        let prefix = format!("{task}\0");
-        Ok(all(self.history.scan_prefix(prefix))?
-            .into_iter()
-            .map(|(_, r)| r)
-            .collect())
-    }
-
     fn history_page(
         &self,
         task: &str,
