@@ -395,37 +395,63 @@ impl Client {
         self.state.save_module(digest, &bytes)
     }
 
+    /// A download, sent again (within the retry budget) when its body breaks off midway, as it
+    /// does when the server is restarted while it answers.
     async fn download(&self, what: &str, path: &str) -> Result<Vec<u8>> {
+        let start = Instant::now();
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            match self.download_once(what, path).await {
+                Err(Cut(e)) if start.elapsed() < self.config.retry.budget => {
+                    let delay = self.config.retry.backoff(attempt);
+                    tracing::warn!(
+                        "{what}: the answer broke off ({e}); retrying in {:.1} s",
+                        delay.as_secs_f64()
+                    );
+                    tokio::time::sleep(delay).await;
+                }
+                Err(Cut(e)) => return Err(ClientError::Protocol(format!("{what}: {e}"))),
+                Ok(result) => return result,
+            }
+        }
+    }
+
+    /// One download: the answer (or a refusal) in `Ok`, a body that broke off in `Err`.
+    async fn download_once(&self, what: &str, path: &str) -> Result<Result<Vec<u8>>, Cut> {
         let max = self.config.limits.max_bytes;
-        let (resp, _) = self
+        let sent = self
             .conn
             .send(what, || {
                 self.conn.request(Method::GET, path, Duration::ZERO)
             })
-            .await?;
-        let mut resp = check(resp).await?;
+            .await;
+        let (resp, _) = match sent {
+            Ok(sent) => sent,
+            Err(e) => return Ok(Err(e)),
+        };
+        let mut resp = match check(resp).await {
+            Ok(resp) => resp,
+            Err(e) => return Ok(Err(e)),
+        };
         let too_large = || {
             ClientError::Protocol(format!(
                 "{what}: the answer exceeds the client's limit of {max} bytes"
             ))
         };
         if resp.content_length().is_some_and(|n| n > max) {
-            return Err(too_large());
+            return Ok(Err(too_large()));
         }
         // Read chunk by chunk against the limit: an answer without a Content-Length (or one that
         // runs past it) is cut off at the limit, not buffered whole.
         let mut bytes = Vec::with_capacity(resp.content_length().unwrap_or(0) as usize);
-        while let Some(chunk) = resp
-            .chunk()
-            .await
-            .map_err(|e| ClientError::Protocol(format!("{what}: {e}")))?
-        {
+        while let Some(chunk) = resp.chunk().await.map_err(Cut)? {
             if (bytes.len() + chunk.len()) as u64 > max {
-                return Err(too_large());
+                return Ok(Err(too_large()));
             }
             bytes.extend_from_slice(&chunk);
         }
-        Ok(bytes)
+        Ok(Ok(bytes))
     }
 
     /// What round `offer` trains from: the global model and, for a TorchScript task, its module.
@@ -814,6 +840,9 @@ impl Client {
         })
     }
 }
+
+/// A download whose body broke off before its end (worth sending again).
+struct Cut(reqwest::Error);
 
 /// Trains round `offer` from `global` until `deadline_unix_ms`, less a tenth of the time left
 /// (at most 5 s) for what must follow (sealing or masking, and the upload).
