@@ -23,7 +23,7 @@ use hora_common::model::Model;
 use hora_common::secagg::Quantiser;
 use hora_common::wire::{
     CreateTask, OptimizerConfig, RoundOutcome, RoundRecord, SecureAggregationConfig,
-    StrategyConfig, TrainingConfig,
+    StrategyConfig, TrainingConfig, UpdateBounds,
 };
 use tch::Device;
 
@@ -100,7 +100,13 @@ async fn federation(
             stage_secs: args.stage_secs,
             ..Default::default()
         }),
-        update_bounds: Default::default(),
+        // The comparison is of the aggregation alone: secure rounds have no adaptive bounds, so
+        // the plain round has none either.
+        update_bounds: UpdateBounds {
+            adaptive_norm_factor: None,
+            adaptive_weight_factor: None,
+            ..Default::default()
+        },
         differential_privacy: None,
         asynchronous: None,
     })

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use hora_common::model::Model;
 use hora_common::wire::{
-    Credentials, NormPolicy, PollResponse, RoundOutcome, RoundRecord, TaskInfo, UpdateBounds,
-    UpdateReceipt,
+    ClientInfo, Credentials, NormPolicy, PollResponse, RoundOutcome, RoundRecord, TaskInfo,
+    UpdateBounds, UpdateReceipt,
 };
 use reqwest::{Method, StatusCode};
 use support::*;
@@ -408,9 +408,9 @@ async fn a_second_upload_of_a_client_in_flight_is_refused() {
 }
 
 #[tokio::test]
-async fn huge_norm_and_weight_updates_are_bounded_and_the_model_stays_finite() {
+async fn huge_norm_and_weight_updates_are_bounded_and_a_repeat_offender_is_quarantined() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(dir.path());
+    let server = Server::start_with(dir.path(), &["--quarantine-after", "3"]);
     let admin = server.api(ADMIN_TOKEN);
     let (model, mut config) = small_task(&admin, "bounded", 2, 2).await;
     config.update_bounds = UpdateBounds {
@@ -439,7 +439,10 @@ async fn huge_norm_and_weight_updates_are_bounded_and_the_model_stays_finite() {
         .data_mut()
         .iter_mut()
         .for_each(|v| *v = (3e38f64 * (1.0 / (3e38f64 * n))) as f32);
-    assert_close(&published, &fedavg(&model, &[(100, clipped), (40, d)]));
+    assert_close(
+        &published,
+        &fedavg(&model, &[(100, clipped), (40, d.clone())]),
+    );
     let history: Vec<RoundRecord> = admin
         .ok(admin.request(Method::GET, "/admin/v1/tasks/bounded/rounds"))
         .await;
@@ -465,6 +468,85 @@ async fn huge_norm_and_weight_updates_are_bounded_and_the_model_stays_finite() {
         .ok(admin.request(Method::GET, "/admin/v1/tasks/strict"))
         .await;
     assert_eq!(info.open_round.expect("open").accepted, 0);
+
+    // Two more refusals in a row (a non-finite update, then the oversized one again) make
+    // three: the poisoner is quarantined, refused everything until the operator releases it,
+    // and says so in the admin API and the metrics. The honest client is served meanwhile.
+    let mut nan = Model::zeros(&model.spec());
+    nan.data_mut()[0] = f32::NAN;
+    for (update, code) in [(&nan, "invalid_update"), (&huge, "update_norm_exceeded")] {
+        let body = poisoner.seal("strict", &offer, update);
+        poisoner
+            .api
+            .refused(
+                poisoner.upload_request("strict", offer.round, 10, body),
+                StatusCode::BAD_REQUEST,
+                code,
+            )
+            .await;
+    }
+    let poll = |who: &Client| {
+        who.api
+            .request(Method::GET, "/v1/tasks/bounded/poll?wait_ms=0")
+    };
+    let msg = poisoner
+        .api
+        .refused(poll(&poisoner), StatusCode::FORBIDDEN, "quarantined")
+        .await;
+    assert!(msg.contains("release"), "{msg}");
+    let _: PollResponse = honest.api.ok(poll(&honest)).await;
+    let offer = honest.join("bounded").await;
+    assert_eq!(offer.round, 2);
+    honest.upload("bounded", &offer, 40, &d).await;
+    let clients: Vec<ClientInfo> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/clients"))
+        .await;
+    let listed = |id: &str| clients.iter().find(|c| c.client_id == id).unwrap().clone();
+    let quarantined = listed(&poisoner.id);
+    assert_eq!(quarantined.strikes, 3);
+    assert!(
+        quarantined
+            .quarantined
+            .as_deref()
+            .is_some_and(|r| r.contains("3 updates in a row refused")),
+        "{quarantined:?}"
+    );
+    assert_eq!(
+        (listed(&honest.id).strikes, listed(&honest.id).quarantined),
+        (0, None)
+    );
+    assert_eq!(metric(&admin, "hora_clients_quarantined_total").await, 1.0);
+    // Released, it is served again, with a clean count.
+    let released: ClientInfo = admin
+        .ok(admin.request(
+            Method::POST,
+            &format!("/admin/v1/clients/{}/release", poisoner.id),
+        ))
+        .await;
+    assert_eq!((released.strikes, released.quarantined), (0, None));
+    let _: PollResponse = poisoner.api.ok(poll(&poisoner)).await;
+
+    // Weights: once 8 updates are in, a claimed count above 10 times their median counts as
+    // that.
+    let (_, mut weighed) = small_task(&admin, "weighed", 10, 10).await;
+    weighed.rounds = 1;
+    admin.create_task(&weighed).await;
+    for i in 0..10u64 {
+        let who = if i == 8 {
+            &poisoner
+        } else {
+            &admin.enrol().await
+        };
+        let offer = who.join("weighed").await;
+        let claimed = if i == 8 { 1_000_000 } else { 10 };
+        who.upload("weighed", &offer, claimed, &delta(&model, 50 + i))
+            .await;
+    }
+    admin.round_model("weighed", 1).await;
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/weighed/rounds"))
+        .await;
+    assert_eq!(history[0].examples, 9 * 10 + 100);
 }
 
 #[tokio::test]
@@ -914,4 +996,165 @@ async fn a_failed_round_close_is_retried_until_it_publishes() {
         &admin.round_model("retry", 1).await,
         &fedavg(&model, &[(5, d)]),
     );
+}
+
+/// The `q` quantile of `samples` (sorted in place).
+fn quantile(samples: &mut [Duration], q: f64) -> Duration {
+    samples.sort();
+    samples[((samples.len() - 1) as f64 * q).round() as usize]
+}
+
+/// While the round of a task with a 1 GiB model is checkpointed (its 2 GiB f64 sum written
+/// and flushed) and published (the model aggregated, written and recorded), and that task's own
+/// clients and its operator keep asking about it, the server serves everyone else: `/healthz`,
+/// polls of another task and uploads to it keep answering. Their p99 is printed and held to a
+/// generous bound; a handler waiting on the big round's lock, or one task's checkpoint ahead of
+/// another's acknowledgements, takes seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn while_a_gigabyte_model_is_published_everyone_else_is_served() {
+    const PARAMS: usize = 256 << 20; // 1 GiB of f32
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(
+        dir.path(),
+        &[
+            "--max-model-bytes",
+            "1100000000",
+            "--upload-buffer-bytes",
+            "2400000000",
+            "--request-timeout-secs",
+            "600",
+            "--durability-timeout-secs",
+            "600",
+        ],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let big = Model::from_tensors([("w", vec![PARAMS], vec![0.0f32; PARAMS])]).unwrap();
+    let big_digest = admin.upload_model(&big).await;
+    admin
+        .create_task(&task("big", big_digest, 1, 1, 1, 600))
+        .await;
+    let (small_model, small) = small_task(&admin, "small", 1, 1).await;
+    admin
+        .create_task(&CreateTask {
+            rounds: 10_000,
+            ..small
+        })
+        .await;
+    let (writer, other) = (admin.enrol().await, admin.enrol().await);
+    let offer = writer.join("big").await;
+    let sealed = writer.seal("big", &offer, &delta(&big, 7));
+    drop(big);
+
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let running = |done: &std::sync::Arc<std::sync::atomic::AtomicBool>| {
+        !done.load(std::sync::atomic::Ordering::SeqCst)
+    };
+    // The big task's own clients and operator keep asking about it throughout.
+    let mut askers = Vec::new();
+    for i in 0..3 {
+        let (done, api) = (done.clone(), admin.enrol().await.api);
+        askers.push(tokio::spawn(async move {
+            while running(&done) {
+                let path = match i {
+                    0 => "/admin/v1/tasks/big".to_string(),
+                    _ => "/v1/tasks/big/poll?wait_ms=0".to_string(),
+                };
+                let api = if i == 0 {
+                    api.with_token(ADMIN_TOKEN)
+                } else {
+                    api.clone()
+                };
+                let _ = api.request(Method::GET, &path).send().await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }));
+    }
+    // Uploads to the small task, one round after another.
+    let uploads = {
+        let done = done.clone();
+        tokio::spawn(async move {
+            let mut took = Vec::new();
+            let mut seed = 100;
+            while running(&done) {
+                let Some(offer) = other.try_join("small").await else {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                };
+                seed += 1;
+                let body = other.seal("small", &offer, &delta(&small_model, seed));
+                let asked = Instant::now();
+                let _: UpdateReceipt = other
+                    .api
+                    .ok(other.upload_request("small", offer.round, 5, body))
+                    .await;
+                took.push(asked.elapsed());
+            }
+            took
+        })
+    };
+    let started = Instant::now();
+    let upload = tokio::spawn(async move {
+        writer
+            .api
+            .ok::<UpdateReceipt>(
+                writer
+                    .upload_request("big", offer.round, 10, sealed)
+                    .timeout(Duration::from_secs(600)),
+            )
+            .await
+    });
+    let poller = admin.enrol().await;
+    let (mut healthz, mut polls) = (Vec::new(), Vec::new());
+    loop {
+        healthz.push(healthz_ok(&server).await);
+        let asked = Instant::now();
+        let _: PollResponse = poller
+            .api
+            .ok(poller
+                .api
+                .request(Method::GET, "/v1/tasks/small/poll?wait_ms=0"))
+            .await;
+        polls.push(asked.elapsed());
+        let info: TaskInfo = admin
+            .ok(admin.request(Method::GET, "/admin/v1/tasks/big"))
+            .await;
+        if info.published_rounds == 1 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(540),
+            "the big round was not published"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let published = started.elapsed();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(upload.await.unwrap().accepted, 1);
+    for a in askers {
+        a.await.unwrap();
+    }
+    let mut uploads = uploads.await.unwrap();
+    assert!(
+        healthz.len() >= 5 && uploads.len() >= 3,
+        "too few requests overlapped the publication: {} healthz, {} uploads",
+        healthz.len(),
+        uploads.len()
+    );
+    let (h, p, u) = (
+        quantile(&mut healthz, 0.99),
+        quantile(&mut polls, 0.99),
+        quantile(&mut uploads, 0.99),
+    );
+    println!(
+        "1 GiB upload to publication: {:.1} s; meanwhile p99 /healthz {} ms ({} requests), other task's poll {} ms ({}), other task's upload to receipt {} ms ({})",
+        published.as_secs_f64(),
+        h.as_millis(),
+        healthz.len(),
+        p.as_millis(),
+        polls.len(),
+        u.as_millis(),
+        uploads.len()
+    );
+    let bound = Duration::from_secs(3);
+    assert!(h < bound && p < bound && u < bound, "a p99 above {bound:?}");
 }

@@ -131,7 +131,8 @@ async fn a_sigkill_mid_round_loses_no_acknowledged_upload() {
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_input_gets_a_clear_refusal_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(dir.path());
+    // One client sends every kind of bad update here: no quarantine (tests/hardening.rs has it).
+    let server = Server::start_with(dir.path(), &["--quarantine-after", "0"]);
     let admin = server.api(ADMIN_TOKEN);
     let initial = small_model();
     let digest = admin.upload_model(&initial).await;

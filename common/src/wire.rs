@@ -319,6 +319,13 @@ pub struct UpdateBounds {
     #[serde(default = "defaults::adaptive_norm_factor")]
     #[schema(exclusive_minimum = 1.0)]
     pub adaptive_norm_factor: Option<f64>,
+    /// Example counts above this many times the median weight of the task's last
+    /// [`ADAPTIVE_NORM_WINDOW`] accepted updates count as that (after the same warm-up), so one
+    /// client claiming a huge count cannot outweigh the round. None: only `max_weight`. Raise
+    /// it (or set None) where clients' data sizes legitimately differ by more, as across silos.
+    #[serde(default = "defaults::adaptive_weight_factor")]
+    #[schema(exclusive_minimum = 1.0)]
+    pub adaptive_weight_factor: Option<f64>,
     /// What happens to a delta whose norm exceeds the bound: scaled down to it, or refused.
     #[serde(default)]
     pub on_norm_exceeded: NormPolicy,
@@ -335,6 +342,7 @@ impl Default for UpdateBounds {
             max_weight: defaults::update_max_weight(),
             max_norm: None,
             adaptive_norm_factor: defaults::adaptive_norm_factor(),
+            adaptive_weight_factor: defaults::adaptive_weight_factor(),
             on_norm_exceeded: NormPolicy::default(),
         }
     }
@@ -553,6 +561,12 @@ pub struct ClientInfo {
     pub label: Option<String>,
     pub enrolled_unix_ms: u64,
     pub revoked: bool,
+    /// Its updates refused in a row (invalid or out of bounds) since its last accepted one.
+    #[serde(default)]
+    pub strikes: u32,
+    /// Why the server quarantined it (refused everything until the operator releases it).
+    #[serde(default)]
+    pub quarantined: Option<String>,
 }
 
 /// One finished (or abandoned) round, for the admin's history.
@@ -898,6 +912,9 @@ mod defaults {
         1.0
     }
     pub fn adaptive_norm_factor() -> Option<f64> {
+        Some(10.0)
+    }
+    pub fn adaptive_weight_factor() -> Option<f64> {
         Some(10.0)
     }
 

@@ -167,6 +167,11 @@ class Admin:
         """Revokes a client's credentials."""
         return self._json("POST", f"/admin/v1/clients/{self._id(client)}/revoke")
 
+    def release(self, client: str) -> Any:
+        """Releases a client the server quarantined after repeated refused updates (its
+        ``strikes`` start again); ``clients()`` shows who is quarantined and why."""
+        return self._json("POST", f"/admin/v1/clients/{self._id(client)}/release")
+
     # Sync jobs --------------------------------------------------------------------------------
 
     def create_sync_job(self, job: str, world_size: int) -> Dict[str, Any]:

@@ -85,6 +85,10 @@ pub enum AdminCommand {
     Revoke {
         client: String,
     },
+    /// Release a quarantined client (its count of refused updates starts again).
+    Release {
+        client: String,
+    },
     /// Create a synchronous allreduce job; prints it with the token its workers present (shown
     /// once).
     SyncCreate {
@@ -255,6 +259,14 @@ pub async fn run(args: AdminArgs) -> Result<()> {
             c.json(
                 Method::POST,
                 &format!("/admin/v1/clients/{client}/revoke"),
+                None,
+            )
+            .await?
+        }
+        AdminCommand::Release { client } => {
+            c.json(
+                Method::POST,
+                &format!("/admin/v1/clients/{client}/release"),
                 None,
             )
             .await?

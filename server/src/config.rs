@@ -73,6 +73,10 @@ pub struct ServeArgs {
     /// retried by its client); below the request timeout, so `busy` is what a waiter hears.
     #[arg(long, env = "HORA_BODY_WAIT_SECS")]
     pub body_wait_secs: Option<u64>,
+    /// Quarantine a client after this many of its updates in a row are refused as invalid or
+    /// out of bounds (0: never); the operator releases it with `clients release`.
+    #[arg(long, env = "HORA_QUARANTINE_AFTER")]
+    pub quarantine_after: Option<u32>,
     /// Longest an upload waits for the checkpoint that makes it durable before it is answered
     /// 503 `not_durable_yet` (the client retries; the update is not folded twice).
     #[arg(long, env = "HORA_DURABILITY_TIMEOUT_SECS")]
@@ -122,6 +126,7 @@ struct FileConfig {
     upload_grace_secs: Option<u64>,
     upload_buffer_bytes: Option<u64>,
     body_wait_secs: Option<u64>,
+    quarantine_after: Option<u32>,
     durability_timeout_secs: Option<u64>,
     retain_rounds_last: Option<u64>,
     retain_rounds_every: Option<u64>,
@@ -152,6 +157,7 @@ pub struct ServeConfig {
     pub upload_grace: Duration,
     pub upload_buffer_bytes: u64,
     pub body_wait: Duration,
+    pub quarantine_after: u32,
     pub durability_timeout: Duration,
     pub retention: crate::store::Retention,
     pub metrics_require_token: bool,
@@ -215,6 +221,7 @@ impl ServeConfig {
                 .unwrap_or(16 << 10),
             upload_grace: secs(args.upload_grace_secs.or(file.upload_grace_secs), 10),
             body_wait: secs(args.body_wait_secs.or(file.body_wait_secs), 10),
+            quarantine_after: args.quarantine_after.or(file.quarantine_after).unwrap_or(5),
             upload_buffer_bytes: args
                 .upload_buffer_bytes
                 .or(file.upload_buffer_bytes)

@@ -24,6 +24,9 @@ pub enum ServerError {
     Unauthorized(String),
     #[error("{0}")]
     Forbidden(String),
+    /// The client is quarantined (see [`crate::api::client`]'s strikes).
+    #[error("{0}")]
+    Quarantined(String),
     #[error("{0}")]
     NotFound(String),
     /// The thing existed but is gone for good (a sync job deleted while its workers waited).
@@ -84,6 +87,7 @@ impl ServerError {
             ServerError::MissingCredentials => ErrorCode::MissingCredentials,
             ServerError::Unauthorized(_) => ErrorCode::Unauthorized,
             ServerError::Forbidden(_) => ErrorCode::Forbidden,
+            ServerError::Quarantined(_) => ErrorCode::Quarantined,
             ServerError::NotFound(_) => ErrorCode::NotFound,
             ServerError::Gone { code, .. } | ServerError::Timeout { code, .. } => code.clone(),
             ServerError::Conflict { code, .. } => code.clone(),

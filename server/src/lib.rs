@@ -49,6 +49,20 @@ use anyhow::Result;
 
 pub use crate::server::Server;
 
+/// Runs `work` on one of the runtime's blocking threads and waits for it: store writes and
+/// flushes, file I/O, hashing, and anything that takes a lock some other thread holds across
+/// I/O. The runtime's workers never wait on a disk, so `/healthz`, long polls and the other
+/// tasks answer while a large model is written.
+pub(crate) async fn blocking<T, F>(work: F) -> Result<T, error::ServerError>
+where
+    F: FnOnce() -> Result<T, error::ServerError> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(error::ServerError::internal)?
+}
+
 /// Runs the server until SIGINT/SIGTERM: [`Server::build`], bind `--listen`, [`Server::run`].
 pub async fn serve(config: config::ServeConfig) -> Result<()> {
     // Everything the server writes (database, blobs, certificates and keys) is its user's alone.

@@ -43,6 +43,7 @@ pub struct ServerMetrics {
     pub connections_open: Gauge,
     connections_closed: Family<ReasonLabel, Counter>,
     pub tasks_broken: Gauge,
+    pub clients_quarantined: Counter,
     dp_epsilon: Family<TaskLabel, Gauge<f64, AtomicU64>>,
     async_buffered: Family<TaskLabel, Gauge>,
     async_training: Family<TaskLabel, Gauge>,
@@ -69,6 +70,7 @@ impl Default for ServerMetrics {
             connections_open: Gauge::default(),
             connections_closed: Family::default(),
             tasks_broken: Gauge::default(),
+            clients_quarantined: Counter::default(),
             dp_epsilon: Family::default(),
             async_buffered: Family::default(),
             async_training: Family::default(),
@@ -129,6 +131,11 @@ impl Default for ServerMetrics {
             "connections_closed",
             "Connections the server closed or refused, by reason (idle_timeout, evicted_at_cap, refused_at_cap)",
             m.connections_closed.clone(),
+        );
+        registry.register(
+            "clients_quarantined",
+            "Clients quarantined after repeated refused updates (--quarantine-after)",
+            m.clients_quarantined.clone(),
         );
         registry.register(
             "tasks_broken",

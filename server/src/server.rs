@@ -81,6 +81,7 @@ impl Server {
                 },
                 upload_buffer_bytes: config.upload_buffer_bytes,
                 body_wait: config.body_wait,
+                quarantine_after: config.quarantine_after,
                 request_timeout: config.request_timeout,
                 metrics_require_token: config.metrics_require_token,
                 max_concurrent_uploads: config.max_concurrent_uploads,

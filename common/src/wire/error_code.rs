@@ -62,6 +62,10 @@ error_codes! {
     Unauthorized => "unauthorized",
     /// The credentials are valid but not for this API (a client token on the admin API).
     Forbidden => "forbidden",
+    /// The server quarantined this client after repeated refused updates (not finite, out of
+    /// bounds, malformed): it is refused everything until the operator releases it
+    /// (`POST /admin/v1/clients/{id}/release`). Find out why its updates were refused first.
+    Quarantined => "quarantined",
     /// No such task, round model, module, sync job or route, or a task the client's enrolment
     /// does not allow. Check the id.
     NotFound => "not_found",

@@ -38,6 +38,7 @@ pub fn routes() -> axum::Router<Shared> {
         .route("/admin/v1/enrolments", post(create_enrolment))
         .route("/admin/v1/clients", get(list_clients))
         .route("/admin/v1/clients/{client}/revoke", post(revoke_client))
+        .route("/admin/v1/clients/{client}/release", post(release_client))
         .route(
             "/admin/v1/sync-jobs",
             post(create_sync_job).get(list_sync_jobs),
@@ -118,7 +119,9 @@ pub async fn upload_module(
             "not a TorchScript module (expected the zip archive torch.jit.save writes)".into(),
         ));
     }
-    let digest = state.coordinator.store().put_module(&bytes)?;
+    // Hashing and writing up to the model size limit: on a blocking thread.
+    let me = state.clone();
+    let digest = crate::blocking(move || Ok(me.coordinator.store().put_module(&bytes)?)).await?;
     Ok((StatusCode::CREATED, Json(ModuleUploaded { digest })))
 }
 
@@ -245,7 +248,8 @@ pub async fn round_model(
     headers: HeaderMap,
 ) -> Result<Response, ServerError> {
     let task = state.coordinator.task(&task)?;
-    let digest = state.coordinator.round_model(&task, round)?;
+    let me = state.clone();
+    let digest = crate::blocking(move || me.coordinator.round_model(&task, round)).await?;
     model_response(&state, digest, &headers).await
 }
 
@@ -271,15 +275,17 @@ pub async fn create_enrolment(
     }
     let token = auth::new_secret()?;
     let expires_unix_ms = now_ms() + ttl * 1000;
-    let store = state.coordinator.store();
-    store.put_enrolment(
-        &auth::hash_secret(&token),
-        &EnrolmentRecord {
+    let (me, hash) = (state.clone(), auth::hash_secret(&token));
+    crate::blocking(move || {
+        let store = me.coordinator.store();
+        let record = EnrolmentRecord {
             expires_unix_ms,
             tasks: req.tasks,
-        },
-    )?;
-    store.flush()?;
+        };
+        store.put_enrolment(&hash, &record)?;
+        Ok(store.flush()?)
+    })
+    .await?;
     Ok((
         StatusCode::CREATED,
         Json(EnrolmentToken {
@@ -295,6 +301,8 @@ fn client_info(id: String, c: crate::store::ClientRecord) -> ClientInfo {
         label: c.label,
         enrolled_unix_ms: c.enrolled_unix_ms,
         revoked: c.revoked,
+        strikes: c.strikes,
+        quarantined: c.quarantined.map(|q| q.reason),
     }
 }
 
@@ -304,11 +312,9 @@ pub async fn list_clients(
     State(state): State<Shared>,
     _a: AdminAuth,
 ) -> Result<Json<Vec<ClientInfo>>, ServerError> {
+    let clients = crate::blocking(move || Ok(state.coordinator.store().clients()?)).await?;
     Ok(Json(
-        state
-            .coordinator
-            .store()
-            .clients()?
+        clients
             .into_iter()
             .map(|(id, c)| client_info(id, c))
             .collect(),
@@ -322,14 +328,44 @@ pub async fn revoke_client(
     _a: AdminAuth,
     ApiPath(client): ApiPath<String>,
 ) -> Result<Json<ClientInfo>, ServerError> {
-    let store = state.coordinator.store();
-    let mut record = store
-        .client(&client)?
-        .ok_or_else(|| ServerError::NotFound(format!("no client `{client}`")))?;
-    record.revoked = true;
-    store.put_client(&client, &record)?;
-    store.flush()?;
+    let id = client.clone();
+    let record = crate::blocking(move || {
+        let store = state.coordinator.store();
+        let mut record = store
+            .client(&id)?
+            .ok_or_else(|| ServerError::NotFound(format!("no client `{id}`")))?;
+        record.revoked = true;
+        store.put_client(&id, &record)?;
+        store.flush()?;
+        Ok(record)
+    })
+    .await?;
     tracing::info!(client = %client, "client revoked");
+    Ok(Json(client_info(client, record)))
+}
+
+#[utoipa::path(post, path = "/admin/v1/clients/{client}/release", tag = "admin", security(("admin_token" = [])), params(("client" = String, Path)),
+    responses((status = 200, body = ClientInfo, description = "released from quarantine, its strikes cleared (releasing a client that is not quarantined is harmless)"),
+        (status = 404, body = ApiError, description = "`not_found`: no such client")))]
+pub async fn release_client(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    ApiPath(client): ApiPath<String>,
+) -> Result<Json<ClientInfo>, ServerError> {
+    let id = client.clone();
+    let record = crate::blocking(move || {
+        let store = state.coordinator.store();
+        let record = store
+            .update_client(&id, &mut |c| {
+                c.quarantined = None;
+                c.strikes = 0;
+            })?
+            .ok_or_else(|| ServerError::NotFound(format!("no client `{id}`")))?;
+        store.flush()?;
+        Ok(record)
+    })
+    .await?;
+    tracing::info!(client = %client, "client released from quarantine");
     Ok(Json(client_info(client, record)))
 }
 
@@ -342,7 +378,8 @@ pub async fn create_sync_job(
     _a: AdminAuth,
     ApiJson(req): ApiJson<CreateSyncJob>,
 ) -> Result<(StatusCode, Json<SyncJobInfo>), ServerError> {
-    Ok((StatusCode::CREATED, Json(state.rendezvous.create(req)?)))
+    let info = crate::blocking(move || state.rendezvous.create(req)).await?;
+    Ok((StatusCode::CREATED, Json(info)))
 }
 
 #[utoipa::path(get, path = "/admin/v1/sync-jobs", tag = "admin", security(("admin_token" = [])),
@@ -358,6 +395,6 @@ pub async fn delete_sync_job(
     _a: AdminAuth,
     ApiPath(id): ApiPath<String>,
 ) -> Result<StatusCode, ServerError> {
-    state.rendezvous.delete(&id)?;
+    crate::blocking(move || state.rendezvous.delete(&id)).await?;
     Ok(StatusCode::NO_CONTENT)
 }

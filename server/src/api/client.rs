@@ -11,7 +11,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use hora_common::wire::{
-    ApiError, Credentials, EnrolRequest, JoinResponse, PollResponse, UpdateMeta, UpdateReceipt,
+    ApiError, Credentials, EnrolRequest, ErrorCode, JoinResponse, PollResponse, UpdateMeta,
+    UpdateReceipt,
 };
 use serde::Deserialize;
 
@@ -126,6 +127,8 @@ pub async fn enrol(
         revoked: false,
         identity_key: req.identity_key,
         tasks: record.tasks,
+        strikes: 0,
+        quarantined: None,
     };
     let asked = (client.label.clone(), client.identity_key.clone());
     let (me, id) = (state.clone(), client_id.clone());
@@ -406,11 +409,71 @@ pub async fn update(
     match &result {
         Ok(_) => {
             state.coordinator.metrics.uploads_accepted.inc();
+            if auth.strikes > 0 {
+                strikes(&state, &auth.id, None).await;
+            }
         }
         Err(e) => {
             state.coordinator.metrics.upload_rejected(e.code().as_str());
-            tracing::info!(client = %auth.id, round, code = e.code().as_str(), error = %e, "update refused");
+            tracing::info!(client = %auth.id, round, code = e.code().as_str(), error = ?e.to_string(), "update refused");
+            if matches!(
+                e.code(),
+                ErrorCode::InvalidUpdate | ErrorCode::UpdateNormExceeded
+            ) {
+                strikes(&state, &auth.id, Some(e)).await;
+            }
         }
     }
     result.map(Json)
+}
+
+/// Counts an update refused as invalid or out of bounds against its client (`refused`), or
+/// starts the count again after an accepted one (None). At `--quarantine-after` refusals in a
+/// row the client is quarantined: refused everything until the operator releases it, so a
+/// client that keeps sending poison costs the server one refusal, not one per round for ever.
+async fn strikes(state: &Shared, client: &str, refused: Option<&ServerError>) {
+    let after = state.limits.quarantine_after;
+    if after == 0 {
+        return;
+    }
+    let (me, id) = (state.clone(), client.to_string());
+    let reason = refused.map(|e| e.to_string().chars().take(300).collect::<String>());
+    let counted = crate::blocking(move || {
+        let store = me.coordinator.store();
+        let mut quarantined = None;
+        store.update_client(&id, &mut |c| {
+            quarantined = None;
+            match &reason {
+                None => c.strikes = 0,
+                Some(_) if c.quarantined.is_some() => {}
+                Some(last) => {
+                    c.strikes = c.strikes.saturating_add(1);
+                    if c.strikes >= after {
+                        let reason =
+                            format!("{} updates in a row refused; the last: {last}", c.strikes);
+                        quarantined = Some(reason.clone());
+                        c.quarantined = Some(crate::store::Quarantine {
+                            since_unix_ms: now_ms(),
+                            reason,
+                        });
+                    }
+                }
+            }
+        })?;
+        if quarantined.is_some() {
+            store.flush()?;
+        }
+        Ok(quarantined)
+    })
+    .await;
+    match counted {
+        Ok(Some(reason)) => {
+            state.coordinator.metrics.clients_quarantined.inc();
+            tracing::warn!(client = %client, reason = ?reason, "client quarantined: it is refused everything until the operator releases it");
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(client = %client, error = %e, "could not count a refused update against its client")
+        }
+    }
 }

@@ -19,7 +19,7 @@ impl ServerError {
             ServerError::MissingCredentials | ServerError::Unauthorized(_) => {
                 StatusCode::UNAUTHORIZED
             }
-            ServerError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ServerError::Forbidden(_) | ServerError::Quarantined(_) => StatusCode::FORBIDDEN,
             ServerError::NotFound(_) => StatusCode::NOT_FOUND,
             ServerError::Gone { .. } => StatusCode::GONE,
             ServerError::Timeout { .. } => StatusCode::REQUEST_TIMEOUT,

@@ -63,6 +63,8 @@ pub struct HttpLimits {
     pub max_concurrent_uploads: usize,
     /// The longest a body waits for room in the byte budget before it is answered 503 `busy`.
     pub body_wait: Duration,
+    /// Refused updates in a row after which a client is quarantined (0: never).
+    pub quarantine_after: u32,
 }
 
 impl Default for HttpLimits {
@@ -76,6 +78,7 @@ impl Default for HttpLimits {
             metrics_require_token: false,
             max_concurrent_uploads: 1,
             body_wait: Duration::from_secs(10),
+            quarantine_after: 5,
         }
     }
 }
@@ -142,9 +145,11 @@ impl FromRequestParts<Shared> for AdminAuth {
     }
 }
 
-/// An authenticated, enrolled, unrevoked client.
+/// An authenticated, enrolled, unrevoked client that is not quarantined.
 pub struct ClientAuth {
     pub id: String,
+    /// Its updates refused in a row so far.
+    pub strikes: u32,
 }
 
 fn authenticate_client(state: &Shared, token: &str) -> Result<ClientRecord, ServerError> {
@@ -161,6 +166,12 @@ fn authenticate_client(state: &Shared, token: &str) -> Result<ClientRecord, Serv
     if record.revoked {
         return Err(ServerError::Unauthorized(format!(
             "client `{id}` has been revoked by the operator"
+        )));
+    }
+    if let Some(q) = &record.quarantined {
+        return Err(ServerError::Quarantined(format!(
+            "client `{id}` is quarantined ({}); the operator can release it with `hora-server admin release {id}` once its training is fixed",
+            q.reason
         )));
     }
     Ok(record)
@@ -186,7 +197,10 @@ impl FromRequestParts<Shared> for ClientAuth {
                 return Err(ServerError::NotFound(format!("no task `{task}`")));
             }
         }
-        Ok(ClientAuth { id: id.to_string() })
+        Ok(ClientAuth {
+            id: id.to_string(),
+            strikes: record.strikes,
+        })
     }
 }
 

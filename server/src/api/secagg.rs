@@ -80,14 +80,15 @@ where
     result.map(Json)
 }
 
-/// Holds the request until `read` has an answer (the stage closed), the attempt ends, or the
-/// wait runs out (204).
-async fn wait_for<T: Serialize>(
+/// Holds the request until `read` has an answer for `client` (the stage closed), the attempt
+/// ends, or the wait runs out (204). `read` runs on a blocking thread: the stage's lock is held
+/// across the store's writes by the messages that change it.
+async fn wait_for<T: Serialize + Send + 'static>(
     state: &Shared,
     client: &str,
     (task, round, attempt): (String, u64, u32),
     wait_ms: u64,
-    read: impl Fn(&SecAggRound) -> Result<Option<T>, ServerError>,
+    read: fn(&SecAggRound, &str) -> Result<Option<T>, ServerError>,
 ) -> Result<Response, ServerError> {
     let task = state.coordinator.task(&task)?;
     let until = tokio::time::Instant::now() + Duration::from_millis(wait_ms.min(30_000));
@@ -96,7 +97,8 @@ async fn wait_for<T: Serialize>(
             .coordinator
             .secagg_round(&task, client, round, attempt)?;
         let mut changed = s.changed.subscribe();
-        if let Some(answer) = read(&s)? {
+        let who = client.to_string();
+        if let Some(answer) = crate::blocking(move || read(&s, &who)).await? {
             return Ok(Json(answer).into_response());
         }
         let mut moved = task.subscribe();
@@ -151,7 +153,7 @@ pub async fn neighbours(
     ApiPath(at): AttemptPath,
     ApiQuery(q): ApiQuery<WaitQuery>,
 ) -> Result<Response, ServerError> {
-    wait_for(&state, &auth.id, at, q.wait_ms, |s| s.roster(&auth.id)).await
+    wait_for(&state, &auth.id, at, q.wait_ms, SecAggRound::roster).await
 }
 
 #[utoipa::path(post, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/shares", tag = "secure aggregation",
@@ -184,7 +186,7 @@ pub async fn inbox(
     ApiPath(at): AttemptPath,
     ApiQuery(q): ApiQuery<WaitQuery>,
 ) -> Result<Response, ServerError> {
-    wait_for(&state, &auth.id, at, q.wait_ms, |s| s.inbox(&auth.id)).await
+    wait_for(&state, &auth.id, at, q.wait_ms, SecAggRound::inbox).await
 }
 
 #[utoipa::path(post, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/masked", tag = "secure aggregation",
@@ -232,10 +234,7 @@ pub async fn unmask_request(
     ApiPath(at): AttemptPath,
     ApiQuery(q): ApiQuery<WaitQuery>,
 ) -> Result<Response, ServerError> {
-    wait_for(&state, &auth.id, at, q.wait_ms, |s| {
-        s.unmask_request(&auth.id)
-    })
-    .await
+    wait_for(&state, &auth.id, at, q.wait_ms, SecAggRound::unmask_request).await
 }
 
 #[utoipa::path(post, path = "/v1/tasks/{task}/secagg/{round}/{attempt}/unmask", tag = "secure aggregation",

@@ -278,7 +278,10 @@ impl Rendezvous {
             waiter,
         };
         if let Some(completed) = completed {
-            self.announce(completed);
+            // The flush runs on a blocking thread, and to its end (answering every member) even
+            // if this worker's request is dropped meanwhile.
+            let (store, metrics) = (self.store.clone(), self.metrics.clone());
+            tokio::task::spawn_blocking(move || announce(&*store, &metrics, completed));
         }
         let timeout = Duration::from_secs(u64::from(timeout_s));
         let answer = match tokio::time::timeout(timeout, &mut answer).await {
@@ -413,32 +416,6 @@ impl Rendezvous {
         }
     }
 
-    /// Makes a formed world's generation durable, then answers its members. Synchronous, so
-    /// that no dropped future can come between taking the waiters and answering them.
-    fn announce(&self, completed: Completed) {
-        let Completed {
-            job,
-            world,
-            waiters,
-            recorded,
-        } = completed;
-        if let Err(e) = recorded.and_then(|()| self.store.flush()) {
-            tracing::error!(job = %job, error = %e, "could not record a new generation");
-            for waiter in waiters {
-                let _ = waiter.answer.send(Err(ServerError::internal(format!(
-                    "recording generation {} of sync job `{job}` failed: {e}",
-                    world.generation
-                ))));
-            }
-            return;
-        }
-        for waiter in waiters {
-            let _ = waiter.answer.send(Ok(world.clone()));
-        }
-        self.metrics.sync_world_formed(&job);
-        tracing::info!(job = %job, generation = world.generation, world_size = world.world_size, "world formed");
-    }
-
     /// Frees the rank of a join whose time ran out and says what was missing; `None` if the join
     /// no longer holds its rank (it has been answered meanwhile).
     fn time_out(
@@ -570,6 +547,33 @@ fn unknown_job_or_token(job_id: &str) -> ServerError {
         "sync job {job_id:?} does not accept this token: check the job id and use the token \
          printed when the job was created (hora-server admin sync-create)"
     ))
+}
+
+/// Makes a formed world's generation durable, then answers its members. Synchronous (on a
+/// blocking thread), so that no dropped future can come between taking the waiters and
+/// answering them.
+fn announce(store: &Store, metrics: &ServerMetrics, completed: Completed) {
+    let Completed {
+        job,
+        world,
+        waiters,
+        recorded,
+    } = completed;
+    if let Err(e) = recorded.and_then(|()| store.flush()) {
+        tracing::error!(job = %job, error = %e, "could not record a new generation");
+        for waiter in waiters {
+            let _ = waiter.answer.send(Err(ServerError::internal(format!(
+                "recording generation {} of sync job `{job}` failed: {e}",
+                world.generation
+            ))));
+        }
+        return;
+    }
+    for waiter in waiters {
+        let _ = waiter.answer.send(Ok(world.clone()));
+    }
+    metrics.sync_world_formed(&job);
+    tracing::info!(job = %job, generation = world.generation, world_size = world.world_size, "world formed");
 }
 
 #[cfg(test)]

@@ -79,6 +79,7 @@ impl Coordinator {
                         })
                         .collect();
                     acc.durable = acc.contributions.len();
+                    *lock(&round.roster) = super::Roster::of(&acc);
                 }
                 self.close(task, round, Ending::Publish)
             }
@@ -111,7 +112,7 @@ impl Coordinator {
                 acc.failed_closes += 1;
                 round.wake.notify_one();
                 // Uploads the close would have acknowledged get a checkpoint meanwhile.
-                self.commit_wanted.notify_one();
+                task.commit_wanted.notify_one();
                 return Err(e);
             }
         };
@@ -289,11 +290,13 @@ impl Coordinator {
         // Set once the task record naming the new state is written: from then on the file may be
         // what the store names, and only the startup sweep may judge it unused.
         let recorded = std::cell::Cell::new(false);
-        // The task record is held from here until the new one is in memory, so an operator's
-        // pause or resume (`set_state`, which writes the record under the same lock) is neither
-        // lost nor able to write back the record this close replaces. One made since the close
-        // began is kept; a stop closes the round itself, and a finished task stays finished.
-        let mut current = lock(&task.record);
+        // The task's writing turn is held from here until the new record is in memory, so an
+        // operator's pause or resume (`set_state`, which takes the same turn) is neither lost nor
+        // able to write back the record this close replaces. One made since the close began is
+        // kept; a stop closes the round itself, and a finished task stays finished. Readers of
+        // the record never wait for this: they copy the one in memory.
+        let writing = lock(&task.writing);
+        let current = task.record();
         let record = &mut tally.record;
         if matches!(current.state, TaskState::Running | TaskState::Paused)
             && matches!(record.state, TaskState::Running | TaskState::Paused)
@@ -376,12 +379,12 @@ impl Coordinator {
             Ok((history, next))
         })();
         if let Ok((_, next)) = &written {
-            // The record and the open round change together: whoever sees the new count of
-            // published rounds can join the next one.
-            *current = record.clone();
+            // The open round first: whoever sees the new count of published rounds can join the
+            // next one.
             *lock(&task.round) = next.clone();
+            *lock(&task.record) = record.clone();
         }
-        drop(current);
+        drop(writing);
         let (history, next) = match written {
             Ok(v) => v,
             Err(e) => {

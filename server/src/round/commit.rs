@@ -1,6 +1,7 @@
 //! Group commit: uploads are acknowledged only once a checkpoint that contains them is durable.
 //!
-//! A folded update is *pending*. The committer, woken by the first pending update, waits a short
+//! A folded update is *pending*. Each task has its own committer, so a large model's checkpoint
+//! never holds up the acknowledgements of another task. It is woken by the first pending update, waits a short
 //! window for more (at least as long as the last checkpoint took: while one is written, uploads
 //! queue behind the accumulator lock, so one checkpoint covers many uploads when the model is
 //! large), then per round writes the sum (atomic file, fsync, rename), then the round's record
@@ -19,30 +20,33 @@ use super::{
 use crate::error::ServerError;
 
 impl Coordinator {
-    /// Group commit: whenever uploads are pending, wait a short window for more, then write one
-    /// checkpoint per round that has any.
-    pub(crate) async fn committer(self: Arc<Self>) {
+    /// Starts `task`'s group committer, which runs until the coordinator stops.
+    pub(crate) fn commit_for(self: &Arc<Self>, task: Arc<Task>) {
+        let me = self.clone();
+        self.background
+            .spawn(async move { me.committer(task).await });
+    }
+
+    /// Group commit of one task: whenever uploads (or selections) are pending, wait a short
+    /// window for more, then write one checkpoint of the open round.
+    async fn committer(self: Arc<Self>, task: Arc<Task>) {
         // Checkpoints are spaced by at least the time the last one took: while one is written
         // uploads queue behind the accumulator lock, and between two of them several uploads
         // fold, so one checkpoint covers many uploads when the model is large.
         let mut last = Duration::ZERO;
         loop {
             tokio::select! {
-                _ = self.commit_wanted.notified() => {}
+                _ = task.commit_wanted.notified() => {}
                 _ = self.stopping.cancelled() => return,
             }
             tokio::time::sleep(self.config.commit_window.max(last)).await;
             let started = Instant::now();
-            for task in self.all_tasks() {
-                let Some(round) = task.current() else {
-                    continue;
-                };
-                let me = self.clone();
-                let result =
-                    tokio::task::spawn_blocking(move || me.checkpoint(&task, &round)).await;
-                if let Ok(Err(e)) | Err(e) = result.map_err(ServerError::internal) {
-                    tracing::error!(error = %e, "checkpoint failed; uploads stay unacknowledged and will be retried");
-                }
+            let Some(round) = task.current() else {
+                continue;
+            };
+            let (me, t) = (self.clone(), task.clone());
+            if let Err(e) = crate::blocking(move || me.checkpoint(&t, &round)).await {
+                tracing::error!(task = %task.id, error = %e, "checkpoint failed; uploads stay unacknowledged and will be retried");
             }
             last = started.elapsed();
         }

@@ -16,7 +16,7 @@ use tokio_util::task::TaskTracker;
 use super::plain::already_contributed;
 use super::{
     capacity, collection, jitter, lock, now_ms, Accumulator, Checkpointed, Collection, Durability,
-    Round, SelectionDurability, Task,
+    Roster, Round, SelectionDurability, Task,
 };
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
@@ -71,7 +71,6 @@ pub struct Coordinator {
     /// other tasks serve.
     broken: RwLock<HashMap<String, String>>,
     pub(crate) config: CoordinatorConfig,
-    pub(crate) commit_wanted: Notify,
     /// The background work (the committer, the rounds' watchers), stopped by [`Coordinator::stop`].
     pub(crate) background: TaskTracker,
     pub(crate) stopping: CancellationToken,
@@ -90,7 +89,6 @@ impl Coordinator {
             tasks: RwLock::new(HashMap::new()),
             broken: RwLock::new(HashMap::new()),
             config,
-            commit_wanted: Notify::new(),
             background: TaskTracker::new(),
             stopping: CancellationToken::new(),
             metrics,
@@ -152,9 +150,11 @@ impl Coordinator {
             let task = Arc::new(Task {
                 id: id.clone(),
                 record: Mutex::new(record),
+                writing: Mutex::default(),
                 round: Mutex::new(round),
+                commit_wanted: Notify::new(),
                 changed: watch::channel(0).0,
-                norms: Mutex::default(),
+                recent: Mutex::default(),
             });
             coordinator
                 .tasks
@@ -165,13 +165,12 @@ impl Coordinator {
         Ok(coordinator)
     }
 
-    /// Starts the background work: the group committer and the round deadlines.
+    /// Starts the background work: each task's group committer and its round's deadlines.
     pub fn start(self: &Arc<Self>) {
-        let me = self.clone();
-        self.background.spawn(async move { me.committer().await });
-        for task in self.tasks.read().expect("tasks lock").values() {
+        for task in self.all_tasks() {
+            self.commit_for(task.clone());
             if let Some(round) = task.current() {
-                self.watch(task.clone(), round);
+                self.watch(task, round);
             }
         }
     }
@@ -217,6 +216,16 @@ impl Coordinator {
         let durable = contributions.len();
         let selected: std::collections::BTreeSet<String> = open.selected.into_iter().collect();
         let selected_durable = selected.len();
+        let acc = Accumulator {
+            sum,
+            selected,
+            selected_durable,
+            contributions,
+            durable,
+            checkpoint,
+            noised,
+            ..Accumulator::new(record.spec.clone())
+        };
         Ok(Arc::new(Round {
             number: open.round,
             attempt: open.attempt,
@@ -225,16 +234,8 @@ impl Coordinator {
             opened_unix_ms: open.opened_unix_ms,
             opened: Instant::now(),
             deadline_unix_ms: open.deadline_unix_ms.into(),
-            acc: Mutex::new(Accumulator {
-                sum,
-                selected,
-                selected_durable,
-                contributions,
-                durable,
-                checkpoint,
-                noised,
-                ..Accumulator::new(record.spec.clone())
-            }),
+            roster: Mutex::new(Roster::of(&acc)),
+            acc: Mutex::new(acc),
             durability: watch::channel(Durability::Upto(durable)).0,
             selection: watch::channel(SelectionDurability::Upto(selected_durable)).0,
             collection,
@@ -286,6 +287,7 @@ impl Coordinator {
             opened: Instant::now(),
             deadline_unix_ms: deadline.into(),
             acc: Mutex::new(Accumulator::new(record.spec.clone())),
+            roster: Mutex::default(),
             durability: watch::channel(Durability::Upto(0)).0,
             selection: watch::channel(SelectionDurability::Upto(0)).0,
             collection,
@@ -371,11 +373,7 @@ impl Coordinator {
                         if let Some(buffer) = r.collection.asynchronous() {
                             return buffer.standing(client, r.number);
                         }
-                        let acc = lock(&r.acc);
-                        (
-                            acc.selected.contains(client),
-                            acc.contributions.iter().any(|c| c.client == client),
-                        )
+                        r.standing(client)
                     })
                     .unwrap_or((false, false));
                 return wire::PollResponse {
@@ -428,7 +426,7 @@ impl Coordinator {
             SelectionDurability::Closed => true,
         };
         if !durable(&selection.borrow()) {
-            self.commit_wanted.notify_one();
+            task.commit_wanted.notify_one();
         }
         let waited = tokio::time::timeout(
             self.config.durability_timeout,
@@ -507,6 +505,7 @@ impl Coordinator {
                 // Recorded by the next commit, which the join waits for (a repeat join of a
                 // selected client writes nothing and wakes nobody).
                 acc.selected.insert(client.to_string());
+                lock(&round.roster).selected.insert(client.to_string());
                 let upto = acc.selected.len();
                 drop(acc);
                 task.bump();

@@ -66,11 +66,19 @@ impl Coordinator {
             if matches!(state, TaskState::Stopped | TaskState::Finished) {
                 return;
             }
-            let (phase, requested) = {
-                let acc = lock(&round.acc);
-                (acc.phase.clone(), acc.close_requested)
+            // The round's lock is held across a checkpoint's write (and a secure round's across
+            // its store writes): read on a blocking thread, never on the runtime's workers.
+            let r = round.clone();
+            let read = crate::blocking(move || {
+                let (phase, requested) = {
+                    let acc = lock(&r.acc);
+                    (acc.phase.clone(), acc.close_requested)
+                };
+                Ok((phase, requested, r.collection.next_deadline(&r)))
+            });
+            let Ok((phase, requested, deadline)) = read.await else {
+                return; // the runtime is shutting down
             };
-            let deadline = round.collection.next_deadline(&round);
             let now = now_ms();
             let due = match phase {
                 _ if state != TaskState::Running => None, // paused: nothing closes

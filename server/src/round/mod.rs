@@ -41,7 +41,7 @@ pub mod plain;
 pub mod secure;
 pub mod task;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -150,6 +150,25 @@ pub(crate) struct Checkpointed {
     pub(crate) noised: bool,
 }
 
+/// Who is in an attempt, for the readers that must never wait behind its accumulator (whose
+/// lock a checkpoint holds across a model-sized write): the long polls, the task's status and
+/// the secure-aggregation messages. Changed together with the accumulator, under its lock, and
+/// itself never held across anything.
+#[derive(Default)]
+pub(crate) struct Roster {
+    pub(crate) selected: HashSet<String>,
+    pub(crate) contributed: HashSet<String>,
+}
+
+impl Roster {
+    pub(crate) fn of(acc: &Accumulator) -> Roster {
+        Roster {
+            selected: acc.selected.iter().cloned().collect(),
+            contributed: acc.contributions.iter().map(|c| c.client.clone()).collect(),
+        }
+    }
+}
+
 /// One attempt of one round.
 pub struct Round {
     pub number: u64,
@@ -160,6 +179,8 @@ pub struct Round {
     pub(crate) opened: Instant,
     pub(crate) deadline_unix_ms: std::sync::atomic::AtomicU64,
     pub(crate) acc: Mutex<Accumulator>,
+    /// Who `acc` has selected and taken updates from, readable while `acc` is busy.
+    pub(crate) roster: Mutex<Roster>,
     pub(crate) durability: watch::Sender<Durability>,
     /// What waiting joins learn about their selection.
     pub(crate) selection: watch::Sender<SelectionDurability>,
@@ -184,6 +205,23 @@ impl Round {
     /// The round's phase now.
     pub fn phase(&self) -> Phase {
         lock(&self.acc).phase.clone()
+    }
+
+    /// Whether `client` is selected for this attempt, and whether its update is in (never
+    /// waits on the accumulator).
+    pub(crate) fn standing(&self, client: &str) -> (bool, bool) {
+        let roster = lock(&self.roster);
+        (
+            roster.selected.contains(client),
+            roster.contributed.contains(client),
+        )
+    }
+
+    /// How many clients this attempt has selected and taken updates from (never waits on the
+    /// accumulator).
+    pub(crate) fn counts(&self) -> (usize, usize) {
+        let roster = lock(&self.roster);
+        (roster.selected.len(), roster.contributed.len())
     }
 
     /// What a client admitted to this attempt is told; it must be done by `deadline_unix_ms`.

@@ -106,9 +106,16 @@ impl Coordinator {
         let spec = record.spec;
         let bounds = record.config.update_bounds;
         let dp = record.dp;
-        // Example counts above the task's bound count as the bound.
-        let weight = meta.num_examples.min(bounds.max_weight.max(1));
-        let me = self.clone();
+        // Example counts above the task's bound count as the bound, and so do those above the
+        // adaptive bound (a multiple of the median weight of recent accepted updates).
+        let mut weight = meta.num_examples.min(bounds.max_weight.max(1));
+        if let Some(cap) = bounds
+            .adaptive_weight_factor
+            .and_then(|f| lock(&task.recent).weights.bound(f))
+        {
+            weight = weight.min(cap.ceil() as u64).max(1);
+        }
+        let (me, waker) = (self.clone(), task.clone());
         let (round, index, _folded) = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
             let started = Instant::now();
             let (key, sealed_round, base) = match &sealing {
@@ -128,7 +135,7 @@ impl Coordinator {
             let bound = bounds.max_norm.or_else(|| {
                 bounds
                     .adaptive_norm_factor
-                    .and_then(|f| lock(&task.norms).bound(f))
+                    .and_then(|f| lock(&task.recent).norms.bound(f))
             });
             let norm = match bounds.max_norm.is_some() || adaptive || dp.is_some() {
                 true => view.l2_norm(),
@@ -167,9 +174,7 @@ impl Coordinator {
                 };
                 let (round, index, folded) = buffer.fold(&task, update, scale, &view)?;
                 if folded {
-                    if adaptive {
-                        lock(&task.norms).record(norm * scale);
-                    }
+                    task.accepted(adaptive.then_some(norm * scale), weight);
                     me.metrics.ingest_seconds.observe(started.elapsed().as_secs_f64());
                     me.metrics.update_staleness(&task.id, round.number - sealed_round);
                     me.metrics.async_training(&task.id, buffer.training());
@@ -196,6 +201,7 @@ impl Coordinator {
                 acc.sum
                     .add_view_scaled(fold_weight, scale, &view)
                     .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
+                lock(&round.roster).contributed.insert(client.clone());
                 acc.contributions.push(Contribution {
                     client,
                     examples: weight,
@@ -205,9 +211,7 @@ impl Coordinator {
                 });
                 acc.contributions.len() - 1
             };
-            if adaptive {
-                lock(&task.norms).record(norm * scale);
-            }
+            task.accepted(adaptive.then_some(norm * scale), weight);
             me.metrics
                 .ingest_seconds
                 .observe(started.elapsed().as_secs_f64());
@@ -217,7 +221,7 @@ impl Coordinator {
         .await
         .map_err(ServerError::internal)??;
         drop(permit);
-        self.commit_wanted.notify_one();
+        waker.commit_wanted.notify_one();
         self.receipt(&round, index).await
     }
 

@@ -10,7 +10,7 @@ use hora_common::wire::{ErrorCode, SecAggOffer, SecureAggregationConfig};
 use tokio::sync::watch;
 
 use super::collection::{Collection, Step};
-use super::{capacity, lock, Coordinator, Ending, Round, Task};
+use super::{capacity, Coordinator, Ending, Round, Task};
 use crate::error::ServerError;
 use crate::secagg::{self, Outcome, SecAggRound};
 use crate::store::{Contribution, OpenRoundRecord, Store, TaskRecord};
@@ -196,7 +196,7 @@ impl Coordinator {
                 ),
             ));
         }
-        if !lock(&round.acc).selected.contains(client) {
+        if !round.standing(client).0 {
             return Err(ServerError::conflict(
                 ErrorCode::NotSelected,
                 format!(

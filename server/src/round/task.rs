@@ -17,19 +17,33 @@ use crate::strategy;
 /// A task the coordinator serves.
 pub struct Task {
     pub id: String,
+    /// The record as stored: copied out by readers, replaced only once a new one is durable.
     pub(crate) record: Mutex<TaskRecord>,
+    /// Held by whoever writes the record (a round's close, a pause, a resume, a stop) from
+    /// reading it to replacing it, across the store's write and flush: writers take turns,
+    /// readers never wait on the disk.
+    pub(crate) writing: Mutex<()>,
     pub(crate) round: Mutex<Option<Arc<Round>>>,
+    /// Wakes the task's group committer: an update or a selection waits to be made durable.
+    pub(crate) commit_wanted: tokio::sync::Notify,
     pub(crate) changed: watch::Sender<u64>,
-    /// The L2 norms of the task's last accepted updates, for the adaptive norm bound.
-    pub(crate) norms: Mutex<NormWindow>,
+    /// The L2 norms and weights of the task's last accepted updates, for the adaptive bounds.
+    pub(crate) recent: Mutex<Recent>,
 }
 
-/// The L2 norms of a task's last [`wire::ADAPTIVE_NORM_WINDOW`] accepted updates (as folded,
-/// after any clipping), kept in memory: after a restart the bound waits for its warm-up again.
+/// The L2 norms and the weights of a task's last accepted updates (as folded, after any
+/// clipping), kept in memory: after a restart the adaptive bounds wait for their warm-up again.
 #[derive(Default)]
-pub(crate) struct NormWindow(std::collections::VecDeque<f64>);
+pub(crate) struct Recent {
+    pub(crate) norms: Window,
+    pub(crate) weights: Window,
+}
 
-impl NormWindow {
+/// The last [`wire::ADAPTIVE_NORM_WINDOW`] values of something about accepted updates.
+#[derive(Default)]
+pub(crate) struct Window(std::collections::VecDeque<f64>);
+
+impl Window {
     /// `factor` times the median, once the warm-up is over.
     pub(crate) fn bound(&self, factor: f64) -> Option<f64> {
         if self.0.len() < wire::ADAPTIVE_NORM_WARMUP {
@@ -64,6 +78,16 @@ impl Task {
 
     pub(crate) fn current(&self) -> Option<Arc<Round>> {
         self.round.lock().expect("round slot").clone()
+    }
+
+    /// An update was accepted: its norm (when the adaptive norm bound is on) and its weight
+    /// join the windows the adaptive bounds take their medians of.
+    pub(crate) fn accepted(&self, norm: Option<f64>, weight: u64) {
+        let mut recent = lock(&self.recent);
+        if let Some(norm) = norm {
+            recent.norms.record(norm);
+        }
+        recent.weights.record(weight as f64);
     }
 
     pub(crate) fn bump(&self) {
@@ -120,12 +144,14 @@ impl Coordinator {
             ended_reason: None,
             config,
         };
-        let mut tasks = self.tasks.write().expect("tasks lock");
-        if tasks.contains_key(&id) || !self.store.create_task(&id, &record)? {
-            return Err(ServerError::conflict(
-                ErrorCode::TaskExists,
-                format!("task `{id}` exists already"),
-            ));
+        // The registry is read by every request: its lock is never held across the store. The
+        // store's create is the arbiter between two creates of one id.
+        let exists =
+            || ServerError::conflict(ErrorCode::TaskExists, format!("task `{id}` exists already"));
+        if self.tasks.read().expect("tasks lock").contains_key(&id)
+            || !self.store.create_task(&id, &record)?
+        {
+            return Err(exists());
         }
         let round = self.new_round(&id, &record, 1, 0)?;
         if record.dp.is_some() {
@@ -134,12 +160,17 @@ impl Coordinator {
         let task = Arc::new(Task {
             id: id.clone(),
             record: Mutex::new(record),
+            writing: Mutex::default(),
             round: Mutex::new(Some(round.clone())),
+            commit_wanted: tokio::sync::Notify::new(),
             changed: watch::channel(0).0,
-            norms: Mutex::default(),
+            recent: Mutex::default(),
         });
-        tasks.insert(id.clone(), task.clone());
-        drop(tasks);
+        self.tasks
+            .write()
+            .expect("tasks lock")
+            .insert(id.clone(), task.clone());
+        self.commit_for(task.clone());
         self.watch(task.clone(), round);
         tracing::info!(task = %id, "task created");
         Ok(self.info(&task))
@@ -164,15 +195,15 @@ impl Coordinator {
     pub fn info(&self, task: &Task) -> TaskInfo {
         let record = task.record();
         let open_round = task.current().map(|r| {
-            let acc = lock(&r.acc);
+            let (selected, accepted) = r.counts();
             OpenRoundStatus {
                 round: r.number,
                 attempt: r.attempt,
                 selected: match r.collection.asynchronous() {
                     Some(buffer) => buffer.training() as u32,
-                    None => acc.selected.len() as u32,
+                    None => selected as u32,
                 },
-                accepted: acc.contributions.len() as u32,
+                accepted: accepted as u32,
                 deadline_unix_ms: r.deadline(),
             }
         });
@@ -205,12 +236,17 @@ impl Coordinator {
             (a, b) if a == b => return Ok(self.info(&task)),
             _ => {}
         }
-        {
-            let mut record = lock(&task.record);
+        let (me, t) = (self.clone(), task.clone());
+        crate::blocking(move || {
+            let _writing = lock(&t.writing);
+            let mut record = t.record();
             record.state = to;
-            self.store.put_task(&task.id, &record)?;
-            self.store.flush()?;
-        }
+            me.store.put_task(&t.id, &record)?;
+            me.store.flush()?;
+            *lock(&t.record) = record;
+            Ok(())
+        })
+        .await?;
         tracing::info!(task = %task.id, state = ?to, "task state changed");
         match to {
             TaskState::Stopped => {
@@ -229,7 +265,12 @@ impl Coordinator {
                 // full (its watcher wakes at the bump below).
                 if let Some(round) = task.current().filter(|r| r.collection.restarts_on_resume()) {
                     round.set_deadline(now_ms() + task.record().config.round_deadline_secs * 1000);
-                    self.close_if_full(&task, &round);
+                    let (me, t) = (self.clone(), task.clone());
+                    crate::blocking(move || {
+                        me.close_if_full(&t, &round);
+                        Ok(())
+                    })
+                    .await?;
                 }
             }
             _ => {}
@@ -356,6 +397,11 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
         .is_some_and(|f| !(f.is_finite() && f > 1.0))
     {
         return bad("update_bounds.adaptive_norm_factor must be a finite number above 1 (or null for no bound)".into());
+    }
+    if b.adaptive_weight_factor
+        .is_some_and(|f| !(f.is_finite() && f > 1.0))
+    {
+        return bad("update_bounds.adaptive_weight_factor must be a finite number above 1 (or null for no bound)".into());
     }
     let t = &c.training;
     if t.epochs == 0

@@ -214,6 +214,17 @@ impl Registry for MemoryStore {
         Ok(())
     }
 
+    fn update_client(
+        &self,
+        id: &str,
+        change: &mut dyn FnMut(&mut ClientRecord),
+    ) -> Result<Option<ClientRecord>, StoreError> {
+        Ok(self.records().clients.get_mut(id).map(|c| {
+            change(c);
+            c.clone()
+        }))
+    }
+
     fn put_enrolment(&self, token_hash: &str, e: &EnrolmentRecord) -> Result<(), StoreError> {
         self.records()
             .enrolments

@@ -207,6 +207,15 @@ pub trait Registry: Durable {
 
     fn put_client(&self, id: &str, c: &ClientRecord) -> Result<(), StoreError>;
 
+    /// Changes client `id` in place, atomically with respect to every other write of it (a
+    /// strike never undoes a revocation made meanwhile); the record as changed, or None if
+    /// there is no such client. `change` may run more than once.
+    fn update_client(
+        &self,
+        id: &str,
+        change: &mut dyn FnMut(&mut ClientRecord),
+    ) -> Result<Option<ClientRecord>, StoreError>;
+
     fn put_enrolment(&self, token_hash: &str, e: &EnrolmentRecord) -> Result<(), StoreError>;
 
     /// The enrolment of a token, still unspent.

@@ -116,6 +116,24 @@ pub struct ClientRecord {
     /// The tasks this client may use; None: every task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks: Option<Vec<String>>,
+    /// Updates of this client refused in a row as invalid or out of bounds (an accepted one
+    /// starts the count again).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub strikes: u32,
+    /// Why and since when the client is quarantined: refused everything until released.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quarantined: Option<Quarantine>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A client's quarantine: after `--quarantine-after` refused updates in a row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Quarantine {
+    pub since_unix_ms: u64,
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -232,6 +232,31 @@ impl Registry for SledStore {
         Ok(())
     }
 
+    fn update_client(
+        &self,
+        id: &str,
+        change: &mut dyn FnMut(&mut ClientRecord),
+    ) -> Result<Option<ClientRecord>, StoreError> {
+        let mut corrupt = None;
+        let changed = self.clients.update_and_fetch(id, |old| {
+            let old = old?;
+            match decode::<ClientRecord>(id, old) {
+                Ok(mut c) => {
+                    change(&mut c);
+                    Some(json(&c))
+                }
+                Err(e) => {
+                    corrupt = Some(e);
+                    Some(old.to_vec())
+                }
+            }
+        })?;
+        if let Some(e) = corrupt {
+            return Err(e);
+        }
+        changed.map(|bytes| decode(id, &bytes)).transpose()
+    }
+
     fn put_enrolment(&self, token_hash: &str, e: &EnrolmentRecord) -> Result<(), StoreError> {
         self.enrolments.insert(token_hash, json(e))?;
         Ok(())

@@ -137,6 +137,8 @@ fn client(label: &str) -> ClientRecord {
         revoked: false,
         identity_key: None,
         tasks: Some(vec!["t".into()]),
+        strikes: 0,
+        quarantined: None,
     }
 }
 

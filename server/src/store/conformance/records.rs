@@ -161,6 +161,14 @@ pub(super) fn clients_are_read_back_in_id_order(f: &mut dyn Fixture) {
     revoked.revoked = true;
     s.put_client("c1", &revoked).unwrap();
     assert!(s.client("c1").unwrap().unwrap().revoked);
+    // An update changes the record in place, keeping what it does not touch.
+    let struck = s.update_client("c1", &mut |c| c.strikes += 2).unwrap();
+    assert_eq!(struck.map(|c| (c.strikes, c.revoked)), Some((2, true)));
+    assert_eq!(s.client("c1").unwrap().unwrap().strikes, 2);
+    assert!(s
+        .update_client("c9", &mut |c| c.strikes += 1)
+        .unwrap()
+        .is_none());
     let all: Vec<_> = s
         .clients()
         .unwrap()
