@@ -316,7 +316,8 @@ impl Coordinator {
             return Ok(record.config.initial_model);
         }
         let published = self
-            .history(task)?
+            .store
+            .round_attempts(&task.id, round)?
             .into_iter()
             .find(|r| r.round == round && r.model.is_some())
             .ok_or_else(|| {

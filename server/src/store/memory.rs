@@ -172,6 +172,29 @@ impl RoundLog for MemoryStore {
             .unwrap_or_default())
     }
 
+    fn round_attempts(&self, task: &str, round: u64) -> Result<Vec<RoundRecord>, StoreError> {
+        Ok(self
+            .records()
+            .history
+            .get(task)
+            .map(|rounds| {
+                rounds
+                    .range((round, 0)..=(round, u32::MAX))
+                    .map(|(_, r)| r.clone())
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    fn model_in_history(&self, digest: &ModelDigest) -> Result<bool, StoreError> {
+        Ok(self
+            .records()
+            .history
+            .values()
+            .flat_map(BTreeMap::values)
+            .any(|r| !r.pruned && r.model.as_ref() == Some(digest)))
+    }
+
     fn prune_models(
         &self,
         task: &str,

@@ -129,6 +129,13 @@ pub trait RoundLog: Durable {
         limit: usize,
     ) -> Result<Vec<RoundRecord>, StoreError>;
 
+    /// Every attempt of round `round` of `task`, read without the rest of the history.
+    fn round_attempts(&self, task: &str, round: u64) -> Result<Vec<RoundRecord>, StoreError>;
+
+    /// Whether a history entry not yet pruned (of any task) names model `digest`. Answered
+    /// without reading the histories (an index of the models they name).
+    fn model_in_history(&self, digest: &ModelDigest) -> Result<bool, StoreError>;
+
     /// Applies `retention` to `task`'s published models now that `published` rounds are out:
     /// marks the rounds that fall out of it as pruned and deletes their model files, unless
     /// another retained round or task still uses the same model (content-addressed). Returns the
@@ -398,17 +405,19 @@ fn remove_unused_models(
     if dropped.is_empty() {
         return Ok(0);
     }
+    // The tasks' own models, then the history's index: the cost does not grow with the
+    // history, so the 100,000th publication of a task prunes as cheaply as the 10th.
     let mut in_use = HashSet::new();
-    for (id, t) in store.tasks_each()? {
+    for (_, t) in store.tasks_each()? {
         let Ok(t) = t else {
             return Ok(0); // an unreadable task may use any model: delete nothing
         };
         in_use.insert(t.global_model);
         in_use.insert(t.config.initial_model);
-        for r in store.history(&id)? {
-            if !r.pruned {
-                in_use.extend(r.model);
-            }
+    }
+    for digest in &dropped {
+        if store.model_in_history(digest)? {
+            in_use.insert(*digest);
         }
     }
     // The records that stopped naming these models are durable before any file goes: a crash in

@@ -28,6 +28,9 @@ pub struct SledStore {
     /// Secure-aggregation attempts' protocol state (see `secagg`), keyed `task\0kind\0client`.
     secagg: sled::Tree,
     meta: sled::Tree,
+    /// The models history entries name, keyed `digest\0task\0round\0attempt` (entries not
+    /// pruned only): whether a model is still used is one prefix lookup, not a history scan.
+    model_rounds: sled::Tree,
 }
 
 fn get<T: DeserializeOwned>(tree: &sled::Tree, key: &str) -> Result<Option<T>, StoreError> {
@@ -58,6 +61,28 @@ fn history_key(task: &str, round: u64, attempt: u32) -> String {
     format!("{task}\0{round:020}\0{attempt:010}")
 }
 
+/// The index entry of a history entry that names `model`.
+fn model_round_key(model: &ModelDigest, task: &str, round: u64, attempt: u32) -> String {
+    format!("{}\0{}", model.to_hex(), history_key(task, round, attempt))
+}
+
+/// The meta key under which pruning remembers how far it has looked (see `prune_models`).
+fn pruned_key(task: &str) -> String {
+    format!("pruned_below\0{task}")
+}
+
+/// How far pruning has looked in a task's history, and under which retention.
+#[derive(serde::Serialize, serde::Deserialize, PartialEq)]
+struct PrunedBelow {
+    last: u64,
+    every: u64,
+    /// Every round below this one has been judged under this retention.
+    below: u64,
+}
+
+/// The meta flag saying the model index covers the whole history.
+const MODEL_INDEX: &str = "model_rounds_v1";
+
 impl SledStore {
     /// Opens the store in `dir`, creating it (private to this user) if needed.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
@@ -71,7 +96,7 @@ impl SledStore {
             fs::create_dir_all(dir.join(sub)).map_err(io(dir))?;
         }
         let db = sled::Config::new().path(dir.join("db")).open()?;
-        Ok(SledStore {
+        SledStore {
             dir: dir.to_path_buf(),
             tasks: db.open_tree("tasks")?,
             open_rounds: db.open_tree("open_rounds")?,
@@ -81,8 +106,28 @@ impl SledStore {
             sync_jobs: db.open_tree("sync_jobs")?,
             secagg: db.open_tree("secagg")?,
             meta: db.open_tree("meta")?,
+            model_rounds: db.open_tree("model_rounds")?,
             db,
-        })
+        }
+        .with_model_index()
+    }
+
+    /// Builds the index of the models history entries name when the store predates it (once).
+    fn with_model_index(self) -> Result<Self, StoreError> {
+        if self.meta.get(MODEL_INDEX)?.is_some() {
+            return Ok(self);
+        }
+        for (key, r) in all::<RoundRecord>(self.history.iter())? {
+            let Some(model) = r.model.filter(|_| !r.pruned) else {
+                continue;
+            };
+            let task = key.split('\0').next().unwrap_or_default();
+            self.model_rounds
+                .insert(model_round_key(&model, task, r.round, r.attempt), &[])?;
+        }
+        self.meta.insert(MODEL_INDEX, json(&true))?;
+        self.db.flush()?;
+        Ok(self)
     }
 
     pub fn dir(&self) -> &Path {
@@ -150,13 +195,24 @@ impl RoundLog for SledStore {
         next: Option<&OpenRoundRecord>,
     ) -> Result<(), StoreError> {
         use sled::Transactional;
-        (&self.tasks, &self.open_rounds, &self.history)
-            .transaction(|(tasks, open, history)| {
+        (
+            &self.tasks,
+            &self.open_rounds,
+            &self.history,
+            &self.model_rounds,
+        )
+            .transaction(|(tasks, open, history, models)| {
                 tasks.insert(task_id, json(task))?;
                 history.insert(
                     history_key(task_id, record.round, attempt).as_bytes(),
                     json(record),
                 )?;
+                if let Some(model) = record.model.filter(|_| !record.pruned) {
+                    models.insert(
+                        model_round_key(&model, task_id, record.round, attempt).as_bytes(),
+                        &[],
+                    )?;
+                }
                 match next {
                     Some(n) => open.insert(task_id, json(n))?,
                     None => open.remove(task_id)?,
@@ -189,20 +245,69 @@ impl RoundLog for SledStore {
         Ok(all(rows)?.into_iter().map(|(_, r)| r).collect())
     }
 
+    fn round_attempts(&self, task: &str, round: u64) -> Result<Vec<RoundRecord>, StoreError> {
+        let Some(next) = round.checked_add(1) else {
+            return Ok(Vec::new());
+        };
+        let rows = self.history.range(
+            history_key(task, round, 0).into_bytes()..history_key(task, next, 0).into_bytes(),
+        );
+        Ok(all(rows)?.into_iter().map(|(_, r)| r).collect())
+    }
+
+    fn model_in_history(&self, digest: &ModelDigest) -> Result<bool, StoreError> {
+        Ok(self
+            .model_rounds
+            .scan_prefix(format!("{}\0", digest.to_hex()))
+            .next()
+            .transpose()?
+            .is_some())
+    }
+
+    /// Looks only at the rounds that can have fallen out of `retention` since the last prune
+    /// under the same retention (a round kept once is kept until the window passes it, and
+    /// then for good), so a publication's prune costs the same however long the history is.
     fn prune_models(
         &self,
         task: &str,
         retention: Retention,
         published: u64,
     ) -> Result<usize, StoreError> {
+        if retention.last == 0 && retention.every == 0 {
+            return Ok(0);
+        }
+        // Rounds up to `upto` are out of the window of the last rounds.
+        let upto = published.saturating_sub(retention.last);
+        let looked = get::<PrunedBelow>(&self.meta, &pruned_key(task))?;
+        let from = looked
+            .filter(|p| (p.last, p.every) == (retention.last, retention.every))
+            .map_or(0, |p| p.below);
         let mut dropped = Vec::new();
-        for (key, mut r) in all::<RoundRecord>(self.history.scan_prefix(format!("{task}\0")))? {
-            if r.model.is_some() && !r.pruned && !retention.keeps(r.round, published) {
+        if from <= upto {
+            let rows = self.history.range(
+                history_key(task, from, 0).into_bytes()
+                    ..history_key(task, upto + 1, 0).into_bytes(),
+            );
+            for (key, mut r) in all::<RoundRecord>(rows)? {
+                let Some(model) = r.model.filter(|_| !r.pruned) else {
+                    continue;
+                };
+                if retention.keeps(r.round, published) {
+                    continue;
+                }
                 r.pruned = true;
                 self.history.insert(key.as_bytes(), json(&r))?;
-                dropped.extend(r.model);
+                self.model_rounds
+                    .remove(model_round_key(&model, task, r.round, r.attempt))?;
+                dropped.push(model);
             }
         }
+        let below = PrunedBelow {
+            last: retention.last,
+            every: retention.every,
+            below: upto + 1,
+        };
+        self.meta.insert(pruned_key(task), json(&below))?;
         remove_unused_models(self, dropped)
     }
 }
@@ -486,6 +591,40 @@ mod tests {
             store.read_checkpoint(&ckpt, 3),
             Err(StoreError::Corrupt { .. })
         ));
+    }
+
+    #[test]
+    fn a_store_from_before_the_model_index_gets_it_built_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = Model::from_tensors([("w", vec![1], vec![1.0])]).unwrap();
+        let digest = {
+            let store = SledStore::open(dir.path()).unwrap();
+            let digest = store.put_model(&model).unwrap();
+            let round = RoundRecord {
+                round: 1,
+                attempt: 0,
+                outcome: hora_common::wire::RoundOutcome::Published,
+                participants: vec![],
+                dropped: vec![],
+                examples: 1,
+                metrics: Default::default(),
+                duration_ms: 1,
+                model: Some(digest),
+                pruned: false,
+                privacy: None,
+                staleness: None,
+            };
+            // As an older server wrote it: the history entry, no index and no flag.
+            store
+                .history
+                .insert(history_key("t", 1, 0).as_bytes(), json(&round))
+                .unwrap();
+            store.meta.remove(MODEL_INDEX).unwrap();
+            store.flush().unwrap();
+            digest
+        };
+        let store = SledStore::open(dir.path()).unwrap();
+        assert!(store.model_in_history(&digest).unwrap());
     }
 
     #[test]

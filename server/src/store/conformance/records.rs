@@ -129,8 +129,16 @@ pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dy
     s.finish_round("t", &t, &published(6, 0, Some(initial)), 0, None)
         .unwrap();
     let keep_two = Retention { last: 2, every: 0 };
+    assert!(s.model_in_history(&models[2]).unwrap());
+    assert_eq!(
+        s.round_attempts("t", 3).unwrap(),
+        vec![published(3, 0, Some(models[2]))]
+    );
+    assert!(s.round_attempts("t", 9).unwrap().is_empty());
     // Rounds 1 to 4 fall out; round 1's model is the other task's, so 2, 3 and 4 go.
     assert_eq!(s.prune_models("t", keep_two, 6).unwrap(), 3);
+    assert!(!s.model_in_history(&models[2]).unwrap());
+    assert!(s.model_in_history(&models[4]).unwrap());
     let pruned: Vec<_> = s.history("t").unwrap().iter().map(|r| r.pruned).collect();
     assert_eq!(pruned, vec![true, true, true, true, false, false]);
     for (i, m) in models.iter().enumerate() {
@@ -150,6 +158,29 @@ pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dy
             .unwrap(),
         0
     );
+    // A stricter retention (after a restart with other flags) judges the rounds an earlier
+    // prune kept again: round 5 goes now. Round 6's model is the task's own.
+    f.reopen();
+    let s = f.store();
+    assert!(s.model_in_history(&models[4]).unwrap());
+    let keep_one = Retention { last: 1, every: 0 };
+    assert_eq!(s.prune_models("t", keep_one, 6).unwrap(), 1);
+    assert!(!s.model_path(&models[4]).exists() && s.model_path(&initial).exists());
+    // Both attempts of a retried round are its attempts.
+    let mut abandoned = published(7, 0, None);
+    abandoned.outcome = RoundOutcome::Abandoned {
+        reason: "short".into(),
+    };
+    s.finish_round("t", &t, &abandoned, 0, None).unwrap();
+    s.finish_round("t", &t, &published(7, 1, Some(models[5])), 1, None)
+        .unwrap();
+    let attempts: Vec<_> = s
+        .round_attempts("t", 7)
+        .unwrap()
+        .iter()
+        .map(|r| (r.attempt, r.model))
+        .collect();
+    assert_eq!(attempts, vec![(0, None), (1, Some(models[5]))]);
 }
 
 pub(super) fn clients_are_read_back_in_id_order(f: &mut dyn Fixture) {
