@@ -1342,6 +1342,8 @@ enum FirstBytes {
     Hello,
     /// Nothing yet, or the start of a hello.
     Waiting,
+    /// A hello's header with another length: a worker of another Hora version.
+    OtherVersion,
     /// Something that is not a hello, or it hung up.
     Wrong(&'static str),
 }
@@ -1353,6 +1355,13 @@ impl Pending {
         let mut buf = [0u8; HEADER_LEN + HELLO_LEN];
         match self.stream.peek(&mut buf) {
             Ok(0) => FirstBytes::Wrong("it hung up before its hello"),
+            Ok(n)
+                if n >= HEADER_LEN
+                    && buf[..8] == expected[..8]
+                    && buf[8..16] != expected[8..16] =>
+            {
+                FirstBytes::OtherVersion
+            }
             Ok(n) if buf[..n.min(HEADER_LEN)] != expected[..n.min(HEADER_LEN)] => {
                 FirstBytes::Wrong("it sent what is not a hello")
             }
@@ -1499,13 +1508,22 @@ fn accept_left(
                 }
                 FirstBytes::Hello => pending[i].ready = true,
                 FirstBytes::Waiting if now < pending[i].speak_by => {}
-                FirstBytes::Waiting | FirstBytes::Wrong(_) => {
-                    let why = match verdict {
-                        FirstBytes::Wrong(why) => why,
-                        _ => "it said nothing in time",
-                    };
+                FirstBytes::Waiting | FirstBytes::Wrong(_) | FirstBytes::OtherVersion => {
                     let p = pending.swap_remove(i);
-                    tracing::debug!(from = %p.from, "closed a ring connection: {why}");
+                    match verdict {
+                        FirstBytes::OtherVersion => tracing::warn!(
+                            from = %p.from,
+                            "refused a ring connection: it sent a hello of another length (a \
+                             worker of another Hora version? run the same version everywhere)"
+                        ),
+                        FirstBytes::Wrong(why) => {
+                            tracing::debug!(from = %p.from, "closed a ring connection: {why}")
+                        }
+                        _ => tracing::debug!(
+                            from = %p.from,
+                            "closed a ring connection: it said nothing in time"
+                        ),
+                    }
                     backoff.strike(p.from.ip(), now);
                     p.refuse();
                     continue;
