@@ -54,6 +54,9 @@ struct Args {
     /// TCP only, even between workers on this host (no shared-memory slots).
     #[arg(long)]
     tcp_only: bool,
+    /// Frames unsealed (no AES-256-GCM after the handshake), as `--ring-unsealed`.
+    #[arg(long)]
+    unsealed: bool,
     /// Seconds a silent neighbour is given.
     #[arg(long, default_value_t = 30)]
     timeout: u64,
@@ -125,7 +128,7 @@ fn bench(comm: &mut Communicator, args: &Args) -> Result<()> {
             let busbw = algbw * 2.0 * f64::from(n - 1) / f64::from(n);
             println!(
                 "{}",
-                serde_json::json!({"ranks": n, "bytes": bytes, "seconds": seconds, "algbw": algbw, "busbw": busbw, "fp16": args.fp16, "tcp_only": args.tcp_only})
+                serde_json::json!({"ranks": n, "bytes": bytes, "seconds": seconds, "algbw": algbw, "busbw": busbw, "fp16": args.fp16, "tcp_only": args.tcp_only, "sealed": !args.unsealed})
             );
         }
     }
@@ -139,6 +142,7 @@ fn run(args: &Args) -> Result<()> {
         wire: if args.fp16 { Wire::F16 } else { Wire::F32 },
         timeout: Duration::from_secs(args.timeout.clamp(1, 86_400)),
         shared_memory: !args.tcp_only,
+        seal_frames: !args.unsealed,
     };
     let mut comm = form_world(
         Meeting::Peers {

@@ -648,13 +648,15 @@ fn crowd(port: u16, guess: &str) -> Vec<JoinHandle<Told>> {
                             break;
                         }
                     }
-                    // A challenge is a 16-byte header and 36 bytes: version, nonce.
-                    if stranger == Stranger::GuessedProof && !answered && bytes.len() >= 52 {
+                    // A challenge is a 16-byte header and 37 bytes: version, nonce, sealing.
+                    if stranger == Stranger::GuessedProof && !answered && bytes.len() >= 53 {
                         answered = true;
-                        let mut hello = 2u32.to_le_bytes().to_vec();
+                        // A hello of this version (3), sealed, with a guessed proof.
+                        let mut hello = 3u32.to_le_bytes().to_vec();
                         hello.extend_from_slice(&0u64.to_le_bytes());
                         hello.extend_from_slice(&2u32.to_le_bytes());
                         hello.extend_from_slice(&1u32.to_le_bytes());
+                        hello.push(1);
                         hello.extend_from_slice(&[7; 32]);
                         hello.extend_from_slice(&[9; 32]);
                         let _ = stream.write_all(&frame(1, &hello));

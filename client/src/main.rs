@@ -184,6 +184,11 @@ struct SyncArgs {
     #[arg(long, env = "HORA_FP16")]
     #[serde(default)]
     fp16: bool,
+    /// Leave the ring's frames unsealed (no AES-256-GCM after the handshake): only on a network
+    /// that nobody else can reach, and on every worker of the job alike.
+    #[arg(long, env = "HORA_RING_UNSEALED")]
+    #[serde(default)]
+    ring_unsealed: bool,
     /// Seed of the initialisation and of the shuffling (the same on every worker) [default: 0].
     #[arg(long, env = "HORA_SEED")]
     seed: Option<u64>,
@@ -690,6 +695,7 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
         wire: if args.fp16 { Wire::F16 } else { Wire::F32 },
         // A day at most: longer is a hang in all but name (and would overflow deadlines).
         timeout: Duration::from_secs(args.timeout.unwrap_or(30).clamp(1, 86_400)),
+        seal_frames: !args.ring_unsealed,
         ..CommOptions::default()
     };
 

@@ -44,7 +44,12 @@ class Ring:
     def single() -> Ring: ...
     @staticmethod
     def from_peers(
-        peers: List[str], rank: int, secret: Optional[str] = ..., timeout_secs: float = ..., half_precision: bool = ...
+        peers: List[str],
+        rank: int,
+        secret: Optional[str] = ...,
+        timeout_secs: float = ...,
+        half_precision: bool = ...,
+        seal_frames: bool = ...,
     ) -> Ring: ...
     @staticmethod
     def from_server(
@@ -58,13 +63,16 @@ class Ring:
         advertise: Optional[str] = ...,
         timeout_secs: float = ...,
         half_precision: bool = ...,
+        seal_frames: bool = ...,
     ) -> Ring: ...
     @property
     def rank(self) -> int: ...
     @property
     def size(self) -> int: ...
-    def allreduce(self, array: np.ndarray, average: bool = ..., name: str = ...) -> None: ...
-    def broadcast(self, array: np.ndarray, root: int = ..., name: str = ...) -> None: ...
+    # copy=False runs on the array's own memory with the GIL released: only for an array that
+    # no other thread can reach (one resized meanwhile would be freed under the ring).
+    def allreduce(self, array: np.ndarray, average: bool = ..., name: str = ..., copy: bool = ...) -> None: ...
+    def broadcast(self, array: np.ndarray, root: int = ..., name: str = ..., copy: bool = ...) -> None: ...
     def allgather(self, data: bytes) -> List[bytes]: ...
 
 class PendingRing:
@@ -72,7 +80,13 @@ class PendingRing:
     @property
     def address(self) -> str: ...
     def connect(
-        self, peers: List[str], rank: int, secret: str, timeout_secs: float = ..., half_precision: bool = ...
+        self,
+        peers: List[str],
+        rank: int,
+        secret: str,
+        timeout_secs: float = ...,
+        half_precision: bool = ...,
+        seal_frames: bool = ...,
     ) -> Ring: ...
 
 def launch_rank(

@@ -14,22 +14,53 @@
         hs.save_checkpoint("ckpt.pt", {"model": model.state_dict()})
 
 The ring is the one ``hora-client sync`` uses (pipelined reduce-scatter and allgather, a
-handshake that keeps strangers out, timeouts); a worker that dies or stalls fails every other
-worker with :class:`hora.SyncFailed`, whose ``rank`` names it. Collectives run on host memory:
-CUDA tensors are copied to the host and back.
+handshake that keeps strangers out, frames sealed with AES-256-GCM, timeouts); a worker that dies
+or stalls fails every other worker with :class:`hora.SyncFailed`, whose ``rank`` names it.
+Collectives run on host memory: CUDA tensors are copied to the host and back.
+
+No bytes from another worker reach :mod:`pickle`. Objects (:func:`allgather_object`,
+:func:`broadcast_object`) travel as JSON: ``None``, ``bool``, ``int``, ``float`` (NaN and
+infinities included), ``str``, and ``list``, ``tuple`` and ``dict`` of those, with ``str`` keys,
+nested at most 100 deep. They arrive as the same values, except that a tuple arrives as a list
+and a subclass of one of these types as the type itself. Anything else (a tensor, an array, a
+set, a dict with an ``int`` key, an object of your own) raises :class:`TypeError` on the worker
+that tried to send it, before anything is sent, and the other workers raise
+:class:`hora.HoraError` naming it: nobody waits for a value that will never come. States with
+tensors (:func:`broadcast_state`, :func:`broadcast_optimizer_state`, :func:`load_checkpoint`)
+travel in ``torch.save``'s format and are read with ``torch.load(weights_only=True)``, torch's
+restricted unpickler, which builds tensors, numbers, strings and containers and nothing else. Every length that arrives is
+checked against a limit before anything is allocated for it: :data:`MAX_OBJECT_BYTES` for an
+object, :data:`MAX_STATE_BYTES` for a state.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
-import pickle
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+import struct
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _hora
 
 _ring: Optional[_hora.Ring] = None
+
+#: The most bytes of JSON one object may take in :func:`broadcast_object`; a larger length
+#: announced by the root is refused before anything is allocated.
+MAX_OBJECT_BYTES = 64 << 20
+#: The most bytes of JSON one worker's object may take in :func:`allgather_object` (the ring's
+#: limit on a small frame, less one byte).
+MAX_GATHERED_BYTES = (64 << 10) - 1
+#: The most bytes a state may take in ``torch.save``'s format (:func:`broadcast_state`,
+#: :func:`broadcast_optimizer_state`, :func:`load_checkpoint`).
+MAX_STATE_BYTES = 16 << 30
+#: How deep an object's lists and dicts may nest.
+MAX_DEPTH = 100
+
+# What precedes a value on the wire: JSON, a torch.save state, no state, or the sender's failure.
+_JSON, _STATE, _NONE, _FAILED = b"J", b"T", b"N", b"E"
 
 def init(
     *,
@@ -45,6 +76,7 @@ def init(
     advertise: Optional[str] = None,
     timeout_secs: float = 30.0,
     half_precision: bool = False,
+    seal_frames: bool = True,
 ) -> None:
     """Joins this process to its job's ring.
 
@@ -60,11 +92,16 @@ def init(
 
     Under :func:`hora.spark.run` the world is already formed and ``init()`` does nothing.
     ``timeout_secs`` is how long a silent worker is given before the others fail and name it.
+    ``seal_frames=False`` (or ``HORA_RING_UNSEALED=1``) leaves the ring's TCP frames unsealed (no
+    AES-256-GCM after the handshake): only on a network nobody else can reach, and on every
+    worker alike (a worker that seals and one that does not refuse each other).
     """
     global _ring
     if _ring is not None and peers is None and server is None:
         return
     rank, size, _, _ = _hora.launch_rank(rank, size)
+    if os.environ.get("HORA_RING_UNSEALED", "").lower() in ("1", "true", "yes"):
+        seal_frames = False
     if peers is None and os.environ.get("HORA_PEERS"):
         peers = [p for p in os.environ["HORA_PEERS"].split(",") if p]
     server = server or os.environ.get("HORA_SERVER")
@@ -80,6 +117,7 @@ def init(
             secret or os.environ.get("HORA_SYNC_SECRET"),
             timeout_secs=timeout_secs,
             half_precision=half_precision,
+            seal_frames=seal_frames,
         )
     elif server:
         ca = ca or os.environ.get("HORA_CA")
@@ -101,6 +139,7 @@ def init(
             advertise=advertise,
             timeout_secs=timeout_secs,
             half_precision=half_precision,
+            seal_frames=seal_frames,
         )
     else:
         _ring = _hora.Ring.single()
@@ -143,75 +182,270 @@ def local_rank() -> int:
     return local if local is not None else rank()
 
 
+def _resized(size: int) -> ValueError:
+    return ValueError(
+        f"the array or tensor was resized while the collective ran (it had {size} elements): its "
+        "result was not written back; do not resize what a collective is using"
+    )
+
+
 def _host(tensor: Any) -> Tuple[np.ndarray, Any]:
-    """A float32 C-contiguous host array holding ``tensor``'s values, and a function that
-    writes the array's values back into ``tensor`` (a no-op when they share memory)."""
+    """A float32 C-contiguous host array of this module's own holding ``tensor``'s values (no
+    other thread can reach it, so the ring may run on it with the GIL released), and a function
+    that writes its values back into ``tensor`` as ``tensor`` is then. Never a view of the
+    caller's memory: another thread's ``ndarray.resize(refcheck=False)``, ``Tensor.resize_()``
+    or ``set_()`` would free it under the ring."""
     if isinstance(tensor, np.ndarray):
-        if tensor.dtype == np.float32 and tensor.flags.c_contiguous and tensor.flags.writeable:
-            return tensor, lambda: None
-        array = np.ascontiguousarray(tensor, dtype=np.float32)
+        array = np.array(tensor, dtype=np.float32, order="C", copy=True)
 
         def back() -> None:
-            tensor[...] = array.astype(tensor.dtype, copy=False)
+            if tensor.size != array.size:
+                raise _resized(array.size)
+            tensor[...] = array.reshape(tensor.shape)
 
         return array, back
     import torch
 
-    t = tensor.detach()
-    if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
-        return t.numpy(), lambda: None
-    array = t.to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    array = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous().numpy()
 
     def copy_back() -> None:
+        if tensor.numel() != array.size:
+            raise _resized(array.size)
         with torch.no_grad():
-            tensor.copy_(torch.from_numpy(array))
+            tensor.copy_(torch.from_numpy(array).view(tensor.shape))
 
     return array, copy_back
 
 
 def allreduce_(tensor: Any, average: bool = True, name: Optional[str] = None) -> Any:
     """Sums (or averages) ``tensor`` over all workers, in place, and returns it. Every worker
-    must call it with a tensor of the same size, in the same order."""
+    must call it with a tensor of the same size, in the same order. The ring works on a copy
+    (see :func:`_host`), written back once it is done."""
     array, back = _host(tensor)
-    _the_ring().allreduce(array.reshape(-1), average=average, name=name or "allreduce")
+    _the_ring().allreduce(array.reshape(-1), average=average, name=name or "allreduce", copy=False)
     back()
     return tensor
 
 
 def allreduce(tensor: Any, average: bool = True, name: Optional[str] = None) -> Any:
     """The mean (or sum) of ``tensor`` over all workers, as a new tensor (or array)."""
+    # The result's memory is this function's own until it returns: no second copy.
+    ring, name = _the_ring(), name or "allreduce"
     if isinstance(tensor, np.ndarray):
         out = np.array(tensor, dtype=np.float32, copy=True, order="C")
-    else:
-        out = tensor.detach().clone()
-    return allreduce_(out, average=average, name=name)
+        ring.allreduce(out.reshape(-1), average=average, name=name, copy=False)
+        return out
+    import torch
+
+    array = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous().numpy()
+    ring.allreduce(array.reshape(-1), average=average, name=name, copy=False)
+    return torch.from_numpy(array).view(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
 
 
 def broadcast_(tensor: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
     """Copies ``root_rank``'s ``tensor`` into every worker's, in place, and returns it."""
     array, back = _host(tensor)
-    _the_ring().broadcast(array.reshape(-1), root=root_rank, name=name or "broadcast")
+    _the_ring().broadcast(array.reshape(-1), root=root_rank, name=name or "broadcast", copy=False)
     back()
     return tensor
 
 
+def _check_json(value: Any, where: str, depth: int, open_: set) -> None:
+    """Raises TypeError unless ``value`` is made of what travels as JSON (see the module)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if not isinstance(value, (list, tuple, dict)):
+        kind = type(value)
+        raise TypeError(
+            f"{where} is a {kind.__module__}.{kind.__qualname__}: hora.sync sends objects as JSON "
+            "(None, bool, int, float, str, and lists, tuples and dicts with str keys of those); "
+            "send tensors with broadcast_parameters, allreduce or broadcast_state"
+        )
+    if depth >= MAX_DEPTH:
+        raise TypeError(f"{where} nests deeper than {MAX_DEPTH} lists and dicts")
+    if id(value) in open_:
+        raise TypeError(f"{where} contains itself")
+    open_.add(id(value))
+    try:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise TypeError(
+                        f"{where} has the key {k!r} of type {type(k).__name__}: JSON's keys are "
+                        "strings, so only str keys are sent (convert the others yourself)"
+                    )
+                _check_json(v, f"{where}[{k!r}]", depth + 1, open_)
+        else:
+            for i, v in enumerate(value):
+                _check_json(v, f"{where}[{i}]", depth + 1, open_)
+    finally:
+        open_.discard(id(value))
+
+
+def _encode_json(obj: Any) -> bytes:
+    _check_json(obj, "the object", 0, set())
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _decode_json(data: bytes, rank: int, what: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise _hora.HoraError(
+            f"rank {rank} sent, as its {what}, what is not valid JSON ({type(e).__name__}): is "
+            "every worker running the same hora version?"
+        ) from None
+
+
+def _failure(error: BaseException) -> bytes:
+    """The note a worker sends in place of a value it could not encode."""
+    return _FAILED + f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:4096]
+
+
+def _their_failure(note: bytes, rank: int, what: str) -> _hora.HoraError:
+    text = note[1:].decode("utf-8", "replace")
+    return _hora.HoraError(f"rank {rank} could not send its {what}: {text}")
+
+
 def allgather_object(obj: Any) -> List[Any]:
-    """Every worker's (small, picklable) ``obj``, in rank order."""
-    return [pickle.loads(b) for b in _the_ring().allgather(pickle.dumps(obj))]
-
-
-def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
-    """``root_rank``'s picklable ``obj`` (of any size: a state dict, an optimizer's state) on
-    every worker."""
+    """Every worker's small ``obj`` (JSON: see the module; at most :data:`MAX_GATHERED_BYTES`
+    bytes of it), in rank order. A worker whose ``obj`` cannot be sent raises TypeError (or
+    ValueError, too large) and the others :class:`hora.HoraError` naming it."""
     ring = _the_ring()
-    data = pickle.dumps(obj) if ring.rank == root_rank else b""
-    length = pickle.loads(ring.allgather(pickle.dumps(len(data)))[root_rank])
-    # The bytes travel as float32 words: broadcast copies exact bits.
+    error: Optional[BaseException] = None
+    try:
+        mine = _encode_json(obj)
+        if len(mine) > MAX_GATHERED_BYTES:
+            raise ValueError(
+                f"allgather_object carries at most {MAX_GATHERED_BYTES} bytes of JSON per worker, "
+                f"and this object takes {len(mine)}: gather less, or send a large object from one "
+                "worker with broadcast_object"
+            )
+        frame = _JSON + mine
+    except (TypeError, ValueError) as e:
+        error, frame = e, _failure(e)
+    gathered = ring.allgather(frame)
+    if error is not None:
+        raise error
+    values = []
+    for r, data in enumerate(gathered):
+        if data[:1] == _FAILED:
+            raise _their_failure(data, r, "object")
+        if data[:1] != _JSON:
+            raise _hora.HoraError(f"rank {r} sent something other than an object to allgather_object")
+        values.append(_decode_json(data[1:], r, "object"))
+    return values
+
+
+def _broadcast_bytes(
+    encode: Callable[[], Tuple[bytes, bytes]], root_rank: int, what: str, limit: int
+) -> Tuple[bytes, bytes]:
+    """Root's ``encode()`` (a tag and bytes) on every worker. The root announces the length (or
+    its failure to encode) first, and every worker checks it against ``limit`` before allocating;
+    the bytes then travel as float32 words, which broadcast copies bit for bit."""
+    ring = _the_ring()
+    if not 0 <= root_rank < ring.size:
+        raise ValueError(f"root_rank {root_rank} is not a rank of a world of {ring.size}")
+    error: Optional[BaseException] = None
+    tag, data = _NONE, b""
+    announce = b""
+    if ring.rank == root_rank:
+        try:
+            tag, data = encode()
+            if len(data) > limit:
+                raise ValueError(
+                    f"the {what} takes {len(data)} bytes, more than the {limit} that hora.sync "
+                    "sends in one piece"
+                )
+            announce = struct.pack("<cQ", tag, len(data))
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised here
+            error, announce = e, _failure(e)
+    theirs = ring.allgather(announce)[root_rank]
+    if error is not None:
+        raise error
+    if theirs[:1] == _FAILED:
+        raise _their_failure(theirs, root_rank, what)
+    if len(theirs) != 9:
+        raise _hora.HoraError(f"rank {root_rank} announced its {what} in a malformed header")
+    tag, length = struct.unpack("<cQ", theirs)
+    if length > limit:
+        raise _hora.HoraError(
+            f"rank {root_rank} announced {length} bytes of its {what}, more than the {limit} this "
+            "worker accepts"
+        )
+    if length == 0:
+        return tag, b""
     buffer = np.zeros((length + 3) // 4, dtype=np.float32)
     if ring.rank == root_rank:
         buffer.view(np.uint8)[:length] = np.frombuffer(data, dtype=np.uint8)
-    ring.broadcast(buffer, root=root_rank, name="broadcast_object")
-    return pickle.loads(buffer.view(np.uint8)[:length].tobytes())
+    # Its own buffer, reachable by no other thread: no copy.
+    ring.broadcast(buffer, root=root_rank, name=what, copy=False)
+    if ring.rank == root_rank:
+        return tag, data
+    return tag, buffer.view(np.uint8)[:length].tobytes()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+    """``root_rank``'s ``obj`` (JSON: see the module; at most :data:`MAX_OBJECT_BYTES` bytes of
+    it) on every worker; the others' ``obj`` is ignored. States with tensors go with
+    :func:`broadcast_state`."""
+    tag, data = _broadcast_bytes(lambda: (_JSON, _encode_json(obj)), root_rank, "object", MAX_OBJECT_BYTES)
+    if tag != _JSON:
+        raise _hora.HoraError(f"rank {root_rank} sent something other than an object to broadcast_object")
+    return _decode_json(data, root_rank, "object")
+
+
+def _unsafe_in(saved: Any) -> List[str]:
+    """The globals in a ``torch.save`` file or buffer that ``torch.load(weights_only=True)`` refuses."""
+    import torch
+
+    return list(torch.serialization.get_unsafe_globals_in_checkpoint(saved))
+
+
+def _refuse_unsafe(unsafe: List[str], what: str) -> TypeError:
+    return TypeError(
+        f"{what} holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) refuses "
+        "to build: keep tensors, numbers, strings, None and lists, tuples and dicts of them in it "
+        "(a state_dict() is fine)"
+    )
+
+
+def _encode_state(state: Any) -> Tuple[bytes, bytes]:
+    if state is None:
+        return _NONE, b""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    unsafe = _unsafe_in(io.BytesIO(buffer.getbuffer()))
+    if unsafe:
+        raise _refuse_unsafe(unsafe, "the state")
+    return _STATE, buffer.getvalue()
+
+
+def _decode_state(tag: bytes, data: bytes, root_rank: int) -> Any:
+    if tag == _NONE:
+        return None
+    if tag != _STATE:
+        raise _hora.HoraError(f"rank {root_rank} sent something other than a state")
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the bytes were, they are refused
+        raise _hora.HoraError(
+            f"rank {root_rank} sent a state that torch.load(weights_only=True) refuses: {e}"
+        ) from None
+
+
+def broadcast_state(state: Any, root_rank: int = 0) -> Any:
+    """``root_rank``'s ``state`` — tensors, numbers, strings, None, and lists, tuples and dicts
+    of them (a ``state_dict()``, an optimizer's state) — on every worker, as CPU tensors; the
+    others' ``state`` is ignored. It travels in ``torch.save``'s format (at most
+    :data:`MAX_STATE_BYTES`) and is read with ``torch.load(weights_only=True)``; a state that
+    would not load that way raises TypeError on the root, and the others :class:`hora.HoraError`."""
+    tag, data = _broadcast_bytes(lambda: _encode_state(state), root_rank, "state", MAX_STATE_BYTES)
+    return _decode_state(tag, data, root_rank)
 
 
 def barrier() -> None:
@@ -237,10 +471,11 @@ def _fused(
         array = flat.numpy()
         shapes = ";".join("x".join(map(str, t.shape)) for t in bucket)
         name = f"{op}:{index}:{shapes}"
+        # `flat` is this function's own, reachable by no other thread: no copy.
         if op == "allreduce":
-            ring.allreduce(array, name=name, **kwargs)
+            ring.allreduce(array, name=name, copy=False, **kwargs)
         else:
-            ring.broadcast(array, name=name, **kwargs)
+            ring.broadcast(array, name=name, copy=False, **kwargs)
         at = 0
         with torch.no_grad():
             for t in bucket:
@@ -271,7 +506,7 @@ def _named(params: Params) -> List[Tuple[str, Any]]:
 def broadcast_parameters(params: Params, root_rank: int = 0, fusion_mib: int = 64) -> None:
     """Copies ``root_rank``'s parameters into every worker's (a ``state_dict`` or
     ``named_parameters()``), so that every worker starts from the same model. Floating-point
-    entries travel as float32; integer buffers are broadcast exactly through pickling."""
+    entries travel as float32; integer buffers are broadcast exactly (:func:`broadcast_state`)."""
     import torch
 
     named = _named(params)
@@ -279,7 +514,7 @@ def broadcast_parameters(params: Params, root_rank: int = 0, fusion_mib: int = 6
     others = {k: t for k, t in named if torch.is_tensor(t) and not t.is_floating_point()}
     _fused(floats, "broadcast", fusion_mib << 20, root=root_rank)
     if others:
-        theirs = broadcast_object({k: t.cpu() for k, t in others.items()}, root_rank)
+        theirs = broadcast_state({k: t.cpu() for k, t in others.items()}, root_rank)
         with torch.no_grad():
             for k, t in others.items():
                 t.copy_(theirs[k])
@@ -289,7 +524,7 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
     """Copies ``root_rank``'s optimizer state (momentum buffers, Adam's moments, step counts)
     into every worker's optimizer: needed when resuming from a checkpoint only rank 0 read."""
     state = optimizer.state_dict()
-    optimizer.load_state_dict(broadcast_object(state if rank() == root_rank else None, root_rank))
+    optimizer.load_state_dict(broadcast_state(state if rank() == root_rank else None, root_rank))
 
 
 class DistributedOptimizer:
@@ -353,27 +588,53 @@ class DistributedOptimizer:
 def save_checkpoint(path: Union[str, "os.PathLike[str]"], state: Mapping[str, Any]) -> bool:
     """On rank 0, writes ``state`` with ``torch.save`` atomically (a temporary file, then a
     rename, so a crash never leaves half a checkpoint); other ranks do nothing. Returns whether
-    this worker wrote it."""
+    this worker wrote it.
+
+    The checkpoint must load with ``torch.load(weights_only=True)``, as :func:`load_checkpoint`
+    reads it: a state holding anything but tensors, numbers, strings, None and lists, tuples and
+    dicts of them raises TypeError here, and no file is written."""
     if rank() != 0:
         return False
     import torch
 
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(dict(state), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(dict(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        unsafe = _unsafe_in(tmp)
+        if unsafe:
+            raise _refuse_unsafe(unsafe, "the checkpoint's state")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return True
 
 
 def load_checkpoint(path: Union[str, "os.PathLike[str]"], root_rank: int = 0) -> Optional[Dict[str, Any]]:
     """``root_rank``'s checkpoint at ``path`` (None if it has none), on every worker: only the
-    root reads the file, so the others need not see the same disk."""
-    state = None
-    if rank() == root_rank and os.path.exists(path):
-        import torch
+    root reads the file, so the others need not see the same disk. It is read with
+    ``torch.load(weights_only=True)`` on every worker (a checkpoint of arbitrary objects, such as
+    one written by an older hora, is refused with an error that says so) and must be at most
+    :data:`MAX_STATE_BYTES`."""
 
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    return broadcast_object(state, root_rank)
+    def read() -> Tuple[bytes, bytes]:
+        if not os.path.exists(path):
+            return _NONE, b""
+        size = os.path.getsize(path)
+        if size > MAX_STATE_BYTES:
+            raise ValueError(f"{os.fspath(path)} takes {size} bytes, more than MAX_STATE_BYTES")
+        unsafe = _unsafe_in(path)
+        if unsafe:
+            raise _refuse_unsafe(
+                unsafe,
+                f"{os.fspath(path)} (written by something other than this hora's save_checkpoint?)",
+            )
+        with open(path, "rb") as f:
+            return _STATE, f.read()
+
+    tag, data = _broadcast_bytes(read, root_rank, "checkpoint", MAX_STATE_BYTES)
+    return _decode_state(tag, data, root_rank)

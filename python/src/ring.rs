@@ -1,7 +1,17 @@
 //! `Ring`: Hora's sync ring (the same links, handshake, pipelining and failure reports as
-//! `hora-client sync`) over NumPy `float32` buffers, reduced in place with the GIL released.
+//! `hora-client sync`) over NumPy `float32` buffers, with the GIL released.
 //! `hora.sync` builds Horovod's API on it; `PendingRing` is for launchers (Spark's barrier mode)
 //! that learn the peers' addresses only after every worker has bound its port.
+//!
+//! While the GIL is released, any other Python thread may run, and a NumPy array's memory is
+//! not pinned by anything Rust can hold: `ndarray.resize(refcheck=False)` frees it whatever
+//! buffer exports exist, and a tensor's `set_()` or `resize_()` frees what its `.numpy()` view
+//! points at. So by default a collective copies the array into memory of its own (with the
+//! GIL held), runs on that, and copies the result back (with the GIL held again, into the
+//! array as it is then: one resized meanwhile is refused with ValueError; a *view* whose base
+//! was resized points at freed memory in NumPy itself, which is why `hora.sync` hands the ring
+//! only arrays of its own). `copy=False` runs in place, for an array that no other thread can
+//! reach (`hora.sync`'s own copies and fusion buffers).
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -20,10 +30,11 @@ use pyo3::types::PyBytes;
 
 use crate::sync_error;
 
-fn options(timeout_secs: f64, half_precision: bool) -> PyResult<CommOptions> {
+fn options(timeout_secs: f64, half_precision: bool, seal_frames: bool) -> PyResult<CommOptions> {
     Ok(CommOptions {
         timeout: crate::seconds("timeout_secs", timeout_secs, 0.1, 3600.0)?,
         wire: if half_precision { Wire::F16 } else { Wire::F32 },
+        seal_frames,
         ..CommOptions::default()
     })
 }
@@ -45,25 +56,48 @@ impl Ring {
         }
     }
 
-    /// Runs a collective on `array`'s memory with the GIL released.
+    /// Runs a collective on `array`'s values with the GIL released: on a copy that Rust owns,
+    /// copied back into the array afterwards (`copy`), or on the array's memory itself.
     fn collective(
         &self,
         py: Python<'_>,
         array: &Bound<'_, PyArrayDyn<f32>>,
+        copy: bool,
         op: impl FnOnce(&mut Communicator, &mut [f32]) -> Result<(), SyncError> + Send,
     ) -> PyResult<()> {
-        let mut guard = array
-            .try_readwrite()
-            .map_err(|e| PyValueError::new_err(format!("the buffer is borrowed elsewhere: {e}")))?;
-        let values = guard.as_slice_mut().map_err(|_| {
-            PyValueError::new_err("the buffer must be a C-contiguous float32 array")
-        })?;
+        let borrowed = |e| PyValueError::new_err(format!("the buffer is borrowed elsewhere: {e}"));
+        let layout = || PyValueError::new_err("the buffer must be a C-contiguous float32 array");
         let comm = &self.comm;
-        py.detach(move || {
-            let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
-            op(&mut comm, values)
-        })
-        .map_err(|e| sync_error(py, e))
+        let run = |values: &mut [f32]| {
+            py.detach(move || {
+                let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+                op(&mut comm, values)
+            })
+            .map_err(|e| sync_error(py, e))
+        };
+        if !copy {
+            let mut guard = array.try_readwrite().map_err(borrowed)?;
+            return run(guard.as_slice_mut().map_err(|_| layout())?);
+        }
+        // With the GIL held nothing else runs: the copy is of the array as it is.
+        let mut owned = {
+            let mut guard = array.try_readwrite().map_err(borrowed)?;
+            guard.as_slice_mut().map_err(|_| layout())?.to_vec()
+        };
+        run(&mut owned)?;
+        let mut guard = array.try_readwrite().map_err(borrowed)?;
+        match guard.as_slice_mut() {
+            Ok(values) if values.len() == owned.len() => {
+                values.copy_from_slice(&owned);
+                Ok(())
+            }
+            _ => Err(PyValueError::new_err(format!(
+                "the array was resized or replaced while the collective ran (it had {} \
+                 elements): its result was not written back; do not resize an array that a \
+                 collective is using",
+                owned.len()
+            ))),
+        }
     }
 }
 
@@ -83,14 +117,15 @@ impl Ring {
         Ring::new(Communicator::single())
     }
 
-    /// from_peers(peers, rank, secret=None, timeout_secs=30.0, half_precision=False) -> Ring
+    /// from_peers(peers, rank, secret=None, timeout_secs=30.0, half_precision=False,
+    ///            seal_frames=True) -> Ring
     /// --
     ///
     /// Joins the ring whose workers listen at `peers` (by rank); this worker is `rank` and
     /// accepts on `peers[rank]`. `secret` (16+ characters, the same on every worker) keeps
-    /// strangers out.
+    /// strangers out. `seal_frames=False` leaves the frames unsealed (on every worker alike).
     #[staticmethod]
-    #[pyo3(signature = (peers, rank, secret=None, timeout_secs=30.0, half_precision=false))]
+    #[pyo3(signature = (peers, rank, secret=None, timeout_secs=30.0, half_precision=false, seal_frames=true))]
     fn from_peers(
         py: Python<'_>,
         peers: Vec<String>,
@@ -98,6 +133,7 @@ impl Ring {
         secret: Option<String>,
         timeout_secs: f64,
         half_precision: bool,
+        seal_frames: bool,
     ) -> PyResult<Ring> {
         let launch = LaunchRank {
             rank: Some(rank),
@@ -105,7 +141,7 @@ impl Ring {
             local_rank: None,
             source: "python",
         };
-        let options = options(timeout_secs, half_precision)?;
+        let options = options(timeout_secs, half_precision, seal_frames)?;
         py.detach(|| {
             form_world(
                 Meeting::Peers { peers, secret },
@@ -120,13 +156,13 @@ impl Ring {
     }
 
     /// from_server(server, ca, job, token, world_size, rank=None, listen="127.0.0.1:0",
-    ///             advertise=None, timeout_secs=30.0, half_precision=False) -> Ring
+    ///             advertise=None, timeout_secs=30.0, half_precision=False, seal_frames=True) -> Ring
     /// --
     ///
     /// Meets the job's other workers at the Hora server (`hora-server admin sync-create`).
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (server, ca, job, token, world_size, rank=None, listen="127.0.0.1:0".to_string(), advertise=None, timeout_secs=30.0, half_precision=false))]
+    #[pyo3(signature = (server, ca, job, token, world_size, rank=None, listen="127.0.0.1:0".to_string(), advertise=None, timeout_secs=30.0, half_precision=false, seal_frames=true))]
     fn from_server(
         py: Python<'_>,
         server: String,
@@ -139,6 +175,7 @@ impl Ring {
         advertise: Option<String>,
         timeout_secs: f64,
         half_precision: bool,
+        seal_frames: bool,
     ) -> PyResult<Ring> {
         let launch = LaunchRank {
             rank,
@@ -146,7 +183,7 @@ impl Ring {
             local_rank: None,
             source: "python",
         };
-        let options = options(timeout_secs, half_precision)?;
+        let options = options(timeout_secs, half_precision, seal_frames)?;
         py.detach(|| {
             let rendezvous = ServerRendezvous {
                 server: &server,
@@ -179,44 +216,48 @@ impl Ring {
         self.size
     }
 
-    /// allreduce(array, average=True, name="") -> None
+    /// allreduce(array, average=True, name="", copy=True) -> None
     /// --
     ///
     /// Sums (or averages) a C-contiguous float32 array over all workers, in place. Every
     /// worker must make the same calls with arrays of the same size (and `name`), in the same
-    /// order; a mismatch fails every worker instead of hanging.
-    #[pyo3(signature = (array, average=true, name=""))]
+    /// order; a mismatch fails every worker instead of hanging. The ring works on a copy of the
+    /// array unless `copy=False`, which is only for an array no other thread can reach.
+    #[pyo3(signature = (array, average=true, name="", copy=true))]
     fn allreduce(
         &self,
         py: Python<'_>,
         array: &Bound<'_, PyArrayDyn<f32>>,
         average: bool,
         name: &str,
+        copy: bool,
     ) -> PyResult<()> {
         let reduce = if average {
             Reduce::Average
         } else {
             Reduce::Sum
         };
-        self.collective(py, array, move |comm, values| {
+        self.collective(py, array, copy, move |comm, values| {
             let fp = tag(name, values.len());
             comm.allreduce(values, reduce, fp)
         })
     }
 
-    /// broadcast(array, root=0, name="") -> None
+    /// broadcast(array, root=0, name="", copy=True) -> None
     /// --
     ///
-    /// Copies `root`'s array into every worker's, in place.
-    #[pyo3(signature = (array, root=0, name=""))]
+    /// Copies `root`'s array into every worker's, in place (on a copy unless `copy=False`, as
+    /// `allreduce`).
+    #[pyo3(signature = (array, root=0, name="", copy=true))]
     fn broadcast(
         &self,
         py: Python<'_>,
         array: &Bound<'_, PyArrayDyn<f32>>,
         root: u32,
         name: &str,
+        copy: bool,
     ) -> PyResult<()> {
-        self.collective(py, array, move |comm, values| {
+        self.collective(py, array, copy, move |comm, values| {
             let fp = tag(name, values.len());
             comm.broadcast(values, root, fp)
         })
@@ -301,12 +342,14 @@ impl PendingRing {
         &self.address
     }
 
-    /// connect(peers, rank, secret, timeout_secs=30.0, half_precision=False) -> Ring
+    /// connect(peers, rank, secret, timeout_secs=30.0, half_precision=False, seal_frames=True)
+    ///     -> Ring
     /// --
     ///
     /// Joins the ring once every worker's `address` is known (`peers`, by rank, this one's
     /// among them at `rank`).
-    #[pyo3(signature = (peers, rank, secret, timeout_secs=30.0, half_precision=false))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (peers, rank, secret, timeout_secs=30.0, half_precision=false, seal_frames=true))]
     fn connect(
         &mut self,
         py: Python<'_>,
@@ -315,6 +358,7 @@ impl PendingRing {
         secret: String,
         timeout_secs: f64,
         half_precision: bool,
+        seal_frames: bool,
     ) -> PyResult<Ring> {
         if peers.get(rank as usize) != Some(&self.address) {
             return Err(PyValueError::new_err(format!(
@@ -326,7 +370,7 @@ impl PendingRing {
             .listener
             .take()
             .ok_or_else(|| PyValueError::new_err("this PendingRing was connected already"))?;
-        let options = options(timeout_secs, half_precision)?;
+        let options = options(timeout_secs, half_precision, seal_frames)?;
         py.detach(move || {
             let world = World::from_peers(peers, rank, Some(&secret))?;
             let listener = (world.size > 1).then_some(listener);

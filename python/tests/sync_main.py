@@ -3,12 +3,20 @@
 allreduce: rank r holds r+1 everywhere (and a ramp); prints the averages.
 train:     the MLP on its slice of each global batch; prints a digest of the final weights.
 die:       rank 1 exits abruptly before the first allreduce; the others print the error.
+objects:   (2 ranks) objects as JSON, states by torch.load(weights_only=True), and what is
+           refused: unsendable objects (on the sender, the others told), pickles a member sends,
+           a checkpoint that would run code, a length past the limit; prints the outcomes.
+resize:    (2 ranks) while rank 0's allreduce_ waits for rank 1 with the GIL released, another
+           thread of rank 0 resizes its array and its tensor; prints the outcomes.
 """
 
 import argparse
 import json
 import os
+import struct
 import sys
+import threading
+import time
 
 import numpy as np
 import torch
@@ -50,6 +58,101 @@ def train(batch: int, epochs: int) -> dict:
     return {k: v.flatten().tolist() for k, v in model.state_dict().items()}
 
 
+def outcome(f) -> str:
+    """What calling ``f`` did: ``ok <json>`` or ``<ExceptionType>: <message>``."""
+    try:
+        return "ok " + json.dumps(f())
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+
+
+class Evil:
+    """Runs ``touch MARKER`` when unpickled."""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['MARKER']}",))
+
+
+def objects() -> dict:
+    r = hs.rank()
+    out = {}
+    out["gather"] = outcome(lambda: hs.allgather_object({"rank": r, "pair": (r, "x"), "f": 0.5}))
+    out["bcast"] = outcome(lambda: hs.broadcast_object([None, True, {"k": [1, 2.5]}] if r == 1 else 0, 1))
+    # What JSON cannot carry fails on the sender, before anything is sent; the others are told.
+    out["set"] = outcome(lambda: hs.broadcast_object({1, 2} if r == 1 else None, 1))
+    out["int_key"] = outcome(lambda: hs.allgather_object({1: "a"} if r == 0 else "fine"))
+    out["tensor"] = outcome(lambda: hs.broadcast_object(torch.ones(2), 0))
+    out["too_big"] = outcome(lambda: hs.allgather_object("x" * 70_000 if r == 1 else "small"))
+    # A state with tensors, and the ring is still in step after every refusal.
+    out["state"] = outcome(
+        lambda: {k: v.tolist() for k, v in hs.broadcast_state({"w": torch.arange(3.0) + r}, 0).items()}
+    )
+    # A member that sends a pickle instead (straight onto the ring, as a modified worker
+    # could): refused as JSON, and refused by torch.load(weights_only=True) as a state.
+    import io
+    import pickle
+
+    evil = pickle.dumps(Evil())
+    buffer = io.BytesIO()
+    torch.save({"x": Evil()}, buffer)
+    def send_raw(tag: bytes, data: bytes, what: str) -> None:
+        hs._broadcast_bytes(lambda: (tag, data), 0, what, hs.MAX_STATE_BYTES)
+
+    out["pickle_as_object"] = outcome(
+        lambda: send_raw(b"J", evil, "object") if r == 0 else hs.broadcast_object(None, 0)
+    )
+    out["pickle_as_state"] = outcome(
+        lambda: send_raw(b"T", buffer.getvalue(), "state") if r == 0 else hs.broadcast_state(None, 0)
+    )
+    # A length past the limit is refused before anything is allocated for it.
+    if r == 0:
+        hs._the_ring().allgather(struct.pack("<cQ", b"J", 1 << 60))
+        out["huge"] = "sent"
+    else:
+        out["huge"] = outcome(lambda: hs.broadcast_object(None, 0))
+    # Checkpoints: one holding an object refuses to be saved; one written by plain torch.save
+    # with an object that runs code when unpickled is refused on load, on every rank.
+    ckpt = os.environ["CKPT"]
+    out["save_object"] = outcome(lambda: hs.save_checkpoint(ckpt, {"step": 1, "cut": slice(1, 2)}))
+    out["saved"] = os.path.exists(ckpt)
+    if r == 0:
+        torch.save({"evil": Evil()}, ckpt)
+    hs.barrier()
+    out["load_evil"] = outcome(lambda: hs.load_checkpoint(ckpt))
+    out["ran_code"] = os.path.exists(os.environ["MARKER"])
+    out["barrier"] = outcome(hs.barrier)
+    return out
+
+
+def resize() -> dict:
+    r = hs.rank()
+    n = 8 << 20  # 32 MiB: memory that is returned to the system when freed
+    out = {}
+    a = np.full(n, float(r + 1), np.float32)
+    t = torch.full((n,), float(r + 1))
+    if r == 0:
+        def meddle() -> None:
+            time.sleep(0.3)  # rank 0 is then inside allreduce_, waiting for rank 1
+            a.resize(10, refcheck=False)
+            time.sleep(1.0)
+            t.set_()  # frees the tensor's storage
+            garbage = [np.full(n, 7.0, np.float32) for _ in range(4)]  # reuse what was freed
+            del garbage
+
+        meddler = threading.Thread(target=meddle)
+        meddler.start()
+    else:
+        time.sleep(0.8)
+    out["array"] = outcome(lambda: float(hs.allreduce_(a).max()))
+    if r == 1:
+        time.sleep(1.0)
+    out["tensor"] = outcome(lambda: float(hs.allreduce_(t).max()))
+    if r == 0:
+        meddler.join()
+    out["after"] = outcome(lambda: float(hs.allreduce(torch.ones(4)).max()))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode")
@@ -84,6 +187,10 @@ def main() -> None:
     elif args.mode == "train":
         result = train(args.batch, args.epochs)
         print("RESULT " + json.dumps(result), flush=True)
+    elif args.mode == "objects":
+        print("RESULT " + json.dumps(objects()), flush=True)
+    elif args.mode == "resize":
+        print("RESULT " + json.dumps(resize()), flush=True)
     elif args.mode == "die":
         if hs.rank() == 1:
             os._exit(3)

@@ -79,6 +79,67 @@ def test_workers_given_their_peers_need_no_server(procs):
         assert '"ranks": [0, 1]' in Path(w.log_path).read_text()
 
 
+def peers_world(procs, n: int, mode: str, **env: str):
+    """`n` workers of `mode` given their peers (no server); their processes and RESULTs."""
+    from conftest import free_port
+
+    env = {"HORA_PEERS": ",".join(f"127.0.0.1:{free_port()}" for _ in range(n)),
+           "HORA_SYNC_SECRET": "a secret of the tests, long enough", "TIMEOUT": "10",
+           "HORA_LOG": "warn", **env}
+    workers = [procs.start(f"{mode}-{r}", [sys.executable, WORKER, mode], env={**env, "HORA_RANK": str(r)})
+               for r in range(n)]
+    results = []
+    for w in workers:
+        w.wait(timeout=120)
+        lines = [l for l in Path(w.log_path).read_text(errors="replace").splitlines() if l.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][7:]) if lines else None)
+    return workers, results
+
+
+def test_objects_travel_as_json_and_nothing_is_unpickled(procs):
+    marker = procs.dir / "code-ran"
+    workers, results = peers_world(procs, 2, "objects", CKPT=str(procs.dir / "objects.pt"), MARKER=str(marker))
+    for w, r in zip(workers, results):
+        assert w.returncode == 0 and r is not None, log(w)
+    zero, one = results
+    gathered = [{"rank": 0, "pair": [0, "x"], "f": 0.5}, {"rank": 1, "pair": [1, "x"], "f": 0.5}]
+    assert zero["gather"] == one["gather"] == "ok " + json.dumps(gathered)
+    assert zero["bcast"] == one["bcast"] == "ok " + json.dumps([None, True, {"k": [1, 2.5]}])
+    # Refused on the sender, before sending; the others are told who and why; nobody hangs.
+    assert one["set"].startswith("TypeError: the object is a builtins.set"), one["set"]
+    assert zero["set"].startswith("HoraError: rank 1 could not send its object: TypeError"), zero["set"]
+    assert zero["int_key"].startswith("TypeError: the object has the key 1 of type int"), zero["int_key"]
+    assert one["int_key"].startswith("HoraError: rank 0 could not send its object"), one["int_key"]
+    assert zero["tensor"].startswith("TypeError: the object is a torch.Tensor"), zero["tensor"]
+    assert one["tensor"].startswith("HoraError: rank 0 could not send its object"), one["tensor"]
+    assert one["too_big"].startswith("ValueError: allgather_object carries at most"), one["too_big"]
+    assert zero["too_big"].startswith("HoraError: rank 1 could not send its object: ValueError")
+    assert zero["state"] == one["state"] == "ok " + json.dumps({"w": [0.0, 1.0, 2.0]})
+    # A pickle from a member is refused, not run.
+    assert one["pickle_as_object"].startswith("HoraError: rank 0 sent, as its object, what is not valid JSON")
+    assert one["pickle_as_state"].startswith("HoraError: rank 0 sent a state that torch.load(weights_only=True) refuses")
+    assert one["huge"].startswith("HoraError: rank 0 announced 1152921504606846976 bytes of its object"), one["huge"]
+    assert zero["save_object"].startswith("TypeError: the checkpoint's state holds builtins.slice"), zero["save_object"]
+    assert one["save_object"] == "ok false" and zero["saved"] is False
+    assert zero["load_evil"].startswith("TypeError: ") and "weights_only" in zero["load_evil"], zero["load_evil"]
+    assert one["load_evil"].startswith("HoraError: rank 0 could not send its checkpoint"), one["load_evil"]
+    assert not marker.exists() and not zero["ran_code"] and not one["ran_code"]
+    assert zero["barrier"] == one["barrier"] == "ok null"
+
+
+def test_an_array_resized_by_another_thread_during_a_collective_is_refused_not_freed_under_rust(procs):
+    workers, results = peers_world(procs, 2, "resize")
+    for w, r in zip(workers, results):
+        assert w.returncode == 0 and r is not None, log(w)
+    zero, one = results
+    # Rank 0's arrays were resized under it: the collective ran on its own copy and says so.
+    for what in ("array", "tensor"):
+        assert zero[what].startswith("ValueError: the array or tensor was resized"), zero[what]
+        # Rank 1 got the mean of the values rank 0 handed in.
+        assert one[what] == "ok 1.5", one[what]
+    assert zero["after"] == one["after"] == "ok 1.0"
+
+
 def test_a_timeout_that_is_not_a_number_is_a_value_error(tmp_path):
     """NaN or infinite seconds raise ValueError from the binding, never a Rust panic."""
     import hora

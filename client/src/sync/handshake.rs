@@ -15,14 +15,20 @@
 //! back as the other's; the nonces make every proof good for one connection only. A stranger
 //! learns a random nonce and, at most, that it was refused.
 //!
-//! What this does not do: the frames after the handshake are neither encrypted nor
-//! authenticated (the ring is meant for a datacenter network), and a proof captured by whoever
-//! can impersonate a neighbour's address is a guess-checker for the session: at a server the
-//! session is random, but a `--peers` secret must be long and random for the same reason.
+//! The same transcript keys what follows: every frame after the proofs is sealed with
+//! AES-256-GCM under a key of its own connection and direction, derived from the session with
+//! HKDF over both nonces and the terms (see `sealed`), so nothing after the handshake can be
+//! read, altered or injected by whoever sits between two workers.
+//!
+//! What this does not do: a proof captured by whoever can impersonate a neighbour's address is a
+//! guess-checker for the session: at a server the session is random, but a `--peers` secret
+//! must be long and random for the same reason. And there is no forward secrecy: whoever learns
+//! the session later can read a recorded ring's traffic.
 
 use ring::rand::{SecureRandom, SystemRandom};
-use ring::{hkdf, hmac};
+use ring::{aead, hkdf, hmac};
 
+use super::sealed::DirectionKey;
 use super::{Result, SyncError};
 
 /// Bytes of each side's nonce.
@@ -33,6 +39,8 @@ pub(crate) const PROOF_LEN: usize = 32;
 /// HKDF salt and purpose: this key authenticates ring handshakes and nothing else.
 const SALT: &[u8] = b"hora sync ring";
 const PURPOSE: &[u8] = b"hora sync ring handshake key v2";
+/// HKDF purpose of the keys that seal the frames after the handshake.
+const FRAMES: &[u8] = b"hora sync ring frame key v3";
 
 /// Which end of a connection a proof comes from; each end proves under its own label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +70,9 @@ pub(crate) struct LinkTerms {
     pub from: u32,
     /// The accepting (receiving) rank.
     pub to: u32,
+    /// Whether the frames after the handshake are sealed (proved, so nobody on the way can turn
+    /// it off).
+    pub sealed: bool,
 }
 
 /// The two nonces of one connection.
@@ -71,9 +82,21 @@ pub(crate) struct Nonces {
     pub connector: [u8; NONCE_LEN],
 }
 
-/// The key a world's members prove membership with.
+/// The keys of one connection's frames, one per direction.
+pub(crate) struct FrameKeys {
+    /// What the connecting side sends (collective headers, data, aborts).
+    pub to_acceptor: DirectionKey,
+    /// What the accepting side sends back (slot credits).
+    pub to_connector: DirectionKey,
+}
+
+/// The key a world's members prove membership with, and the secret the frame keys come from.
 #[derive(Clone)]
-pub(crate) struct RingKey(hmac::Key);
+pub(crate) struct RingKey {
+    proofs: hmac::Key,
+    /// HKDF-SHA256's pseudo-random key of the session.
+    prk: hkdf::Prk,
+}
 
 impl std::fmt::Debug for RingKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -89,12 +112,15 @@ impl RingKey {
             .expand(&[PURPOSE], hmac::HMAC_SHA256)
             // Cannot fail: HKDF-SHA256 gives up to 8160 bytes and an HMAC key takes 32.
             .expect("an HMAC-SHA256 key is within HKDF-SHA256's output limit");
-        RingKey(hmac::Key::from(okm))
+        RingKey {
+            proofs: hmac::Key::from(okm),
+            prk,
+        }
     }
 
     /// `role`'s proof for one connection.
     pub fn prove(&self, role: Role, terms: &LinkTerms, nonces: &Nonces) -> [u8; PROOF_LEN] {
-        let tag = hmac::sign(&self.0, &transcript(role, terms, nonces));
+        let tag = hmac::sign(&self.proofs, &transcript(role, terms, nonces));
         let mut proof = [0u8; PROOF_LEN];
         proof.copy_from_slice(tag.as_ref());
         proof
@@ -102,7 +128,27 @@ impl RingKey {
 
     /// Whether `proof` is `role`'s proof for this connection (compared in constant time).
     pub fn verify(&self, role: Role, terms: &LinkTerms, nonces: &Nonces, proof: &[u8]) -> bool {
-        hmac::verify(&self.0, &transcript(role, terms, nonces), proof).is_ok()
+        hmac::verify(&self.proofs, &transcript(role, terms, nonces), proof).is_ok()
+    }
+
+    /// The AES-256-GCM keys of one connection's frames: HKDF-SHA256 of the session over the
+    /// connection's transcript and the direction, so that every connection and direction has
+    /// keys of its own (the nonces are fresh for each connection).
+    pub fn frame_keys(&self, terms: &LinkTerms, nonces: &Nonces) -> FrameKeys {
+        let fields = fields(terms, nonces);
+        let key = |direction: &[u8]| {
+            let info = [FRAMES, direction, &fields];
+            let okm = self
+                .prk
+                .expand(&info, &aead::AES_256_GCM)
+                // Cannot fail: an AES-256 key is 32 bytes, far within HKDF-SHA256's limit.
+                .expect("an AES-256-GCM key is within HKDF-SHA256's output limit");
+            DirectionKey(aead::UnboundKey::from(okm))
+        };
+        FrameKeys {
+            to_acceptor: key(b"connector to acceptor"),
+            to_connector: key(b"acceptor to connector"),
+        }
     }
 }
 
@@ -112,11 +158,19 @@ fn transcript(role: Role, terms: &LinkTerms, nonces: &Nonces) -> Vec<u8> {
     let mut t = Vec::with_capacity(1 + label.len() + 24 + 2 * NONCE_LEN);
     t.push(label.len() as u8);
     t.extend_from_slice(label);
+    t.extend_from_slice(&fields(terms, nonces));
+    t
+}
+
+/// The connection's terms and nonces, at fixed widths.
+fn fields(terms: &LinkTerms, nonces: &Nonces) -> Vec<u8> {
+    let mut t = Vec::with_capacity(24 + 2 * NONCE_LEN);
     t.extend_from_slice(&terms.version.to_le_bytes());
     t.extend_from_slice(&terms.generation.to_le_bytes());
     t.extend_from_slice(&terms.size.to_le_bytes());
     t.extend_from_slice(&terms.from.to_le_bytes());
     t.extend_from_slice(&terms.to.to_le_bytes());
+    t.push(u8::from(terms.sealed));
     t.extend_from_slice(&nonces.acceptor);
     t.extend_from_slice(&nonces.connector);
     t
@@ -142,6 +196,7 @@ mod tests {
             size: 4,
             from: 3,
             to: 0,
+            sealed: true,
         }
     }
 
@@ -166,6 +221,10 @@ mod tests {
             LinkTerms { to: 1, ..terms() },
             LinkTerms { size: 5, ..terms() },
             LinkTerms {
+                sealed: false,
+                ..terms()
+            },
+            LinkTerms {
                 version: 1,
                 ..terms()
             },
@@ -178,6 +237,39 @@ mod tests {
         };
         assert!(!key.verify(Role::Connector, &terms(), &fresh, &proof));
         assert!(!key.verify(Role::Connector, &terms(), &nonces, &proof[..31]));
+    }
+
+    #[test]
+    fn frame_keys_are_the_connections_and_the_directions_own() {
+        use crate::sync::sealed::{Opener, Sealer};
+        let nonces = Nonces {
+            acceptor: nonce().unwrap(),
+            connector: nonce().unwrap(),
+        };
+        let key = RingKey::derive("session-a");
+        let mut sealer = Sealer::new(key.frame_keys(&terms(), &nonces).to_acceptor);
+        let (mut body, mut tag) = (b"gradients".to_vec(), [0u8; 16]);
+        sealer.seal(&mut body, &mut tag).unwrap();
+        // The other end of the same connection opens it...
+        let mut same = body.clone();
+        Opener::new(key.frame_keys(&terms(), &nonces).to_acceptor)
+            .open(&mut same, &tag)
+            .unwrap();
+        assert_eq!(same, b"gradients");
+        // ...and nothing else does: the other direction, another connection, another session.
+        let fresh = Nonces {
+            connector: nonce().unwrap(),
+            ..nonces
+        };
+        for other in [
+            key.frame_keys(&terms(), &nonces).to_connector,
+            key.frame_keys(&terms(), &fresh).to_acceptor,
+            RingKey::derive("session-b")
+                .frame_keys(&terms(), &nonces)
+                .to_acceptor,
+        ] {
+            assert!(Opener::new(other).open(&mut body.clone(), &tag).is_err());
+        }
     }
 
     #[test]

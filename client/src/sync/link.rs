@@ -2,6 +2,11 @@
 //! over one TCP connection each (for two workers, two connections between the same pair).
 //!
 //! Frames are a 16-byte header — kind, an auxiliary word, payload length — and the payload.
+//! After the handshake every frame is sealed (AES-256-GCM, a key per connection and direction
+//! derived from the session over the handshake's transcript, a counter nonce; see `sealed`):
+//! its header and its payload are two records, each with its tag, so a frame that was altered,
+//! dropped, replayed or injected on the way stops the ring with an error naming the rank it
+//! came from, and nothing a worker sends can be read on the way.
 //!
 //! **Who gets in.** The ring port is open to anyone who can reach it, so a connection is a
 //! stranger until it proves otherwise. The accepting side speaks first with a `Challenge` (the
@@ -12,9 +17,12 @@
 //! So a worker of another job, generation or version is refused instead of corrupting a
 //! reduction, and neither side sends anything secret, or derived from a secret other than the
 //! proofs. A refused connection is told "not a member of this ring" and nothing else; the
-//! refusing worker logs the details. Each accepted connection gets its own short-lived thread and
-//! a few seconds (never past the ring's deadline) to finish: strangers that say nothing, send
-//! garbage or send a wrong proof cannot hold up the real neighbour, however many there are.
+//! refusing worker logs the details. Every accepted connection is challenged at once and has a
+//! few seconds (never past the ring's deadline) to answer; only one whose answer has arrived and
+//! starts as a hello should is given a thread to check it, and addresses whose connections stayed
+//! silent, sent garbage or proved nothing are suspect for a backoff that doubles (see
+//! `accept_left`): strangers cannot hold up the real neighbour, however many there are and
+//! however often they reconnect.
 //!
 //! Failure is loud and fast. Reads and writes have a timeout (`--timeout`, 30 s by default); a
 //! closed connection or a timeout is turned into an error naming the rank at the other end; and
@@ -31,7 +39,10 @@
 //! system calls — what NCCL and MPI do within a node. The sender maps only a regular file of
 //! its own user with mode 0600, opened without following links. The TCP connection stays: it
 //! carries the headers, credits, aborts and timeouts, so failure detection is the same either
-//! way. `HORA_RING_SHM=0` turns it off.
+//! way. `HORA_RING_SHM=0` turns it off. The slots' contents are not sealed: shared memory is
+//! reachable only by this user on this host (a file of mode 0600 that is unlinked at once), who
+//! can read and write both processes' memory anyway; the headers, credits and aborts that cross
+//! the socket are sealed like every other frame.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -43,26 +54,33 @@ use std::time::{Duration, Instant};
 
 use super::handshake::{self, LinkTerms, Nonces, RingKey, Role, NONCE_LEN, PROOF_LEN};
 use super::rendezvous::World;
+use super::sealed::{Opener, SealError, Sealer, TAG_LEN};
 use super::{Result, SyncError};
 
 /// Bumped whenever frames or the handshake change: workers of different versions refuse each
-/// other. Version 2: the challenge-response handshake (version 1 sent the session in the clear).
-const PROTOCOL_VERSION: u32 = 2;
-/// The most one accepted connection is given to complete the handshake (less when the ring's
-/// deadline is nearer). A real neighbour needs milliseconds.
+/// other. Version 2: the challenge-response handshake (version 1 sent the session in the clear);
+/// version 3: frames sealed after the handshake.
+const PROTOCOL_VERSION: u32 = 3;
+/// The most one accepted connection is given to send its hello and prove itself (less when the
+/// ring's deadline is nearer, or its address is suspect). A real neighbour needs milliseconds.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Handshakes in progress at once; a connection beyond them is closed at once (a real
-/// neighbour that meets this tries again).
+/// Handshakes in progress at once, each for a connection whose hello is in; another waits for
+/// one of them to end (which takes microseconds: the proof is checked at once).
 const MAX_HANDSHAKES: usize = 32;
+/// How a worker is told to leave its frames unsealed, for error messages.
+const UNSEALED_KNOB: &str = "--ring-unsealed (seal_frames=False in Python)";
 /// All a refused connection is told.
 pub(crate) const REFUSAL: &str = "not a member of this ring";
-/// `Challenge`: version, the accepting side's nonce.
-const CHALLENGE_LEN: usize = 4 + NONCE_LEN;
-/// `Hello`: version, generation, world size, rank, the connecting side's nonce, its proof.
-const HELLO_LEN: usize = 4 + 8 + 4 + 4 + NONCE_LEN + PROOF_LEN;
+/// `Challenge`: version, the accepting side's nonce, whether it seals its frames.
+const CHALLENGE_LEN: usize = 4 + NONCE_LEN + 1;
+/// `Hello`: version, generation, world size, rank, whether it seals its frames, the connecting
+/// side's nonce, its proof.
+const HELLO_LEN: usize = 4 + 8 + 4 + 4 + 1 + NONCE_LEN + PROOF_LEN;
 /// The longest host id (a boot id is 36 characters) or shared-memory offer.
 const MAX_HOST_FRAME: usize = 512;
 const HEADER_LEN: usize = 16;
+/// The most a header record takes: the header, then its tag (none when unsealed).
+const HEADER_RECORD: usize = HEADER_LEN + TAG_LEN;
 const MAGIC: u8 = 0xA7;
 /// The largest control payload (hello, op header, abort) accepted.
 pub(crate) const MAX_CONTROL: u64 = 64 << 10;
@@ -133,6 +151,73 @@ fn encode_header(kind: Kind, aux: u32, len: u64) -> [u8; HEADER_LEN] {
     h
 }
 
+/// A header's fields, if it is one of ours.
+fn decode_header(h: &[u8]) -> Option<Header> {
+    let kind = Kind::from_u8(*h.get(1)?).filter(|_| h[0] == MAGIC)?;
+    Some(Header {
+        kind,
+        aux: u32::from_le_bytes(h.get(4..8)?.try_into().ok()?),
+        len: u64::from_le_bytes(h.get(8..16)?.try_into().ok()?),
+    })
+}
+
+/// Bytes a frame with a stream payload of `len` bytes takes with tags of `tag` bytes: its
+/// header record, then (unless the payload is empty) the payload record.
+fn framed_len(len: usize, tag: usize) -> usize {
+    HEADER_LEN + tag + if len == 0 { 0 } else { len + tag }
+}
+
+/// Seals a header announcing `kind`, `aux` and `len` into `record` (`HEADER_LEN` bytes and a
+/// tag's).
+fn seal_header(
+    sealer: &mut Sealer,
+    kind: Kind,
+    aux: u32,
+    len: usize,
+    record: &mut [u8],
+) -> Result<(), SealError> {
+    let (header, tag) = record.split_at_mut(HEADER_LEN);
+    header.copy_from_slice(&encode_header(kind, aux, len as u64));
+    sealer.seal(header, tag)
+}
+
+/// Seals a frame laid out in `frame` (`framed_len(len, tag)` bytes, its payload of `len` bytes
+/// already after the header record).
+fn seal_frame(
+    sealer: &mut Sealer,
+    kind: Kind,
+    aux: u32,
+    len: usize,
+    frame: &mut [u8],
+) -> Result<(), SealError> {
+    let (record, rest) = frame.split_at_mut(HEADER_LEN + sealer.tag_len());
+    seal_header(sealer, kind, aux, len, record)?;
+    if len > 0 {
+        let (body, tag) = rest.split_at_mut(len);
+        sealer.seal(body, tag)?;
+    }
+    Ok(())
+}
+
+/// What a record that does not open says about the rank it came from (or, sealing, what
+/// 2^64 records on one connection mean).
+fn unsealed(peer: u32, e: SealError) -> SyncError {
+    match e {
+        SealError::Forged => SyncError::PeerFailed {
+            rank: peer,
+            what: "sent a frame that failed authentication: the connection from it was tampered \
+                   with on the way (bytes altered, dropped, replayed or injected), so this worker \
+                   stopped trusting it. Check the network between the workers, then restart the \
+                   job"
+            .into(),
+        },
+        SealError::Exhausted => SyncError::Protocol(format!(
+            "the connection with rank {peer} carried 2^64 frames, the most one key may seal; \
+             restart the job to form a new ring"
+        )),
+    }
+}
+
 /// How a relayed failure is marked: "(reported around the ring by rank N)".
 const RELAYED: &str = "reported around the ring by rank";
 
@@ -155,6 +240,10 @@ pub struct Outbound {
     pub peer: u32,
     timeout: Duration,
     slots: Option<SenderSlots>,
+    /// Seals what this side sends.
+    seal: Sealer,
+    /// Opens the slot credits that come back.
+    open: Opener,
 }
 
 /// The receiving end (from the left neighbour).
@@ -163,6 +252,10 @@ pub struct Inbound {
     pub peer: u32,
     timeout: Duration,
     slots: Option<ReceiverSlots>,
+    /// Opens what the left neighbour sends.
+    open: Opener,
+    /// Seals the slot credits sent back.
+    seal: Sealer,
 }
 
 /// The sender's side of a shared-memory slot ring.
@@ -194,13 +287,14 @@ const SLOTS: u32 = 8;
 const MAX_SLOT_BYTES: usize = 16 << 20;
 
 impl Outbound {
-    /// Writes one frame: header, then payload.
+    /// Writes one frame, sealed: header, then payload.
     pub fn send(&mut self, kind: Kind, aux: u32, payload: &[u8]) -> Result<()> {
-        let header = encode_header(kind, aux, payload.len() as u64);
-        self.stream
-            .write_all(&header)
-            .and_then(|()| self.stream.write_all(payload))
-            .map_err(|e| self.failed(e))
+        let at = HEADER_LEN + self.seal.tag_len();
+        let mut frame = vec![0u8; framed_len(payload.len(), self.seal.tag_len())];
+        frame[at..at + payload.len()].copy_from_slice(payload);
+        seal_frame(&mut self.seal, kind, aux, payload.len(), &mut frame)
+            .map_err(|e| unsealed(self.peer, e))?;
+        self.stream.write_all(&frame).map_err(|e| self.failed(e))
     }
 
     /// Sends one data piece of `len` bytes: `direct` as it is, or what `fill` writes. Over
@@ -231,18 +325,33 @@ impl Outbound {
             }
             // The slot's bytes are written before the header that announces them.
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-            let header = encode_header(Kind::SlotData, slot, len as u64);
-            return self.stream.write_all(&header).map_err(|e| self.failed(e));
+            let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.seal.tag_len()];
+            seal_header(&mut self.seal, Kind::SlotData, slot, len, record)
+                .map_err(|e| unsealed(self.peer, e))?;
+            return self.stream.write_all(record).map_err(|e| self.failed(e));
         }
+        let tag = self.seal.tag_len();
+        if let (0, Some(bytes)) = (tag, direct) {
+            // Unsealed, a piece in host memory goes as it is: no copy.
+            let header = encode_header(Kind::Data, 0, len as u64);
+            return self
+                .stream
+                .write_all(&header)
+                .and_then(|()| self.stream.write_all(bytes))
+                .map_err(|e| self.failed(e));
+        }
+        // The frame is laid out in `scratch` (sealing is in place), then written at once.
+        let total = framed_len(len, tag);
+        scratch.resize(total.div_ceil(4), 0);
+        let frame = &mut bytemuck::cast_slice_mut::<u32, u8>(scratch)[..total];
+        let body = &mut frame[HEADER_LEN + tag..HEADER_LEN + tag + len];
         match direct {
-            Some(bytes) => self.send(Kind::Data, 0, bytes),
-            None => {
-                scratch.resize(len.div_ceil(4), 0);
-                let buf = &mut bytemuck::cast_slice_mut::<u32, u8>(scratch)[..len];
-                fill(buf)?;
-                self.send(Kind::Data, 0, buf)
-            }
+            Some(bytes) => body.copy_from_slice(bytes),
+            None => fill(body)?,
         }
+        seal_frame(&mut self.seal, Kind::Data, 0, len, frame)
+            .map_err(|e| unsealed(self.peer, e))?;
+        self.stream.write_all(frame).map_err(|e| self.failed(e))
     }
 
     /// Waits until the receiver has handed back every slot. Called at the end of each
@@ -277,24 +386,30 @@ impl Outbound {
     }
 
     fn read_credit(&mut self) -> Result<u32> {
-        {
-            let mut h = [0u8; HEADER_LEN];
-            self.stream.read_exact(&mut h).map_err(|e| self.failed(e))?;
-            if h[0] != MAGIC || Kind::from_u8(h[1]) != Some(Kind::Credit) {
+        let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.open.tag_len()];
+        self.stream.read_exact(record).map_err(|e| self.failed(e))?;
+        let (h, tag) = record.split_at_mut(HEADER_LEN);
+        self.open.open(h, tag).map_err(|e| unsealed(self.peer, e))?;
+        let slot = match decode_header(h) {
+            Some(Header {
+                kind: Kind::Credit,
+                aux,
+                ..
+            }) => aux,
+            _ => {
                 return Err(SyncError::Protocol(format!(
                     "rank {} sent something other than a slot credit back",
                     self.peer
-                )));
+                )))
             }
-            let slot = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
-            if slot >= SLOTS {
-                return Err(SyncError::Protocol(format!(
-                    "rank {} returned slot {slot} of {SLOTS}",
-                    self.peer
-                )));
-            }
-            Ok(slot)
+        };
+        if slot >= SLOTS {
+            return Err(SyncError::Protocol(format!(
+                "rank {} returned slot {slot} of {SLOTS}",
+                self.peer
+            )));
         }
+        Ok(slot)
     }
 
     /// Tells the right neighbour that `rank` failed (best effort: it may be the one that died).
@@ -324,20 +439,15 @@ impl Inbound {
 
     /// The next header as it is, `Abort` included.
     fn raw_header(&mut self) -> Result<Header> {
-        let mut h = [0u8; HEADER_LEN];
-        self.stream.read_exact(&mut h).map_err(|e| self.failed(e))?;
-        let kind = Kind::from_u8(h[1])
-            .filter(|_| h[0] == MAGIC)
-            .ok_or_else(|| {
-                SyncError::Protocol(format!(
-                    "rank {} sent a malformed frame header (is it running the same Hora version?)",
-                    self.peer
-                ))
-            })?;
-        Ok(Header {
-            kind,
-            aux: u32::from_le_bytes([h[4], h[5], h[6], h[7]]),
-            len: u64::from_le_bytes([h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]]),
+        let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.open.tag_len()];
+        self.stream.read_exact(record).map_err(|e| self.failed(e))?;
+        let (h, tag) = record.split_at_mut(HEADER_LEN);
+        self.open.open(h, tag).map_err(|e| unsealed(self.peer, e))?;
+        decode_header(h).ok_or_else(|| {
+            SyncError::Protocol(format!(
+                "rank {} sent a malformed frame header (is it running the same Hora version?)",
+                self.peer
+            ))
         })
     }
 
@@ -422,10 +532,18 @@ impl Inbound {
     ) -> Result<T> {
         match incoming {
             Incoming::Stream => {
-                scratch.resize(len.div_ceil(4), 0);
-                let buf = &mut bytemuck::cast_slice_mut::<u32, u8>(scratch)[..len];
-                self.payload(buf)?;
-                f(buf)
+                // The payload and its tag in one read.
+                let total = len + if len == 0 { 0 } else { self.open.tag_len() };
+                scratch.resize(total.div_ceil(4), 0);
+                let buf = &mut bytemuck::cast_slice_mut::<u32, u8>(scratch)[..total];
+                if len > 0 {
+                    self.stream.read_exact(buf).map_err(|e| self.failed(e))?;
+                    let (body, tag) = buf.split_at_mut(len);
+                    self.open
+                        .open(body, tag)
+                        .map_err(|e| unsealed(self.peer, e))?;
+                }
+                f(&buf[..len])
             }
             Incoming::Slot(slot) => {
                 let result = f(self.slot(slot, len)?);
@@ -455,13 +573,23 @@ impl Inbound {
     }
 
     fn credit(&mut self, slot: u32) -> Result<()> {
-        let header = encode_header(Kind::Credit, slot, 0);
-        self.stream.write_all(&header).map_err(|e| self.failed(e))
+        let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.seal.tag_len()];
+        seal_header(&mut self.seal, Kind::Credit, slot, 0, record)
+            .map_err(|e| unsealed(self.peer, e))?;
+        self.stream.write_all(record).map_err(|e| self.failed(e))
     }
 
-    /// Reads a payload whose length the header gave (already checked by the caller).
+    /// Reads and opens a payload whose length the header gave (already checked by the caller).
     pub fn payload(&mut self, buf: &mut [u8]) -> Result<()> {
-        self.stream.read_exact(buf).map_err(|e| self.failed(e))
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let tag = &mut [0u8; TAG_LEN][..self.open.tag_len()];
+        self.stream
+            .read_exact(buf)
+            .and_then(|()| self.stream.read_exact(tag))
+            .map_err(|e| self.failed(e))?;
+        self.open.open(buf, tag).map_err(|e| unsealed(self.peer, e))
     }
 
     /// Reads a small payload, refusing anything over the control limit before allocating.
@@ -480,6 +608,18 @@ impl Inbound {
     fn failed(&self, e: io::Error) -> SyncError {
         peer_failed(self.peer, self.timeout, "sent nothing", e)
     }
+}
+
+/// How a worker's links are made.
+#[derive(Debug, Clone, Copy)]
+pub struct LinkOptions {
+    /// The ring's deadline to connect, and its read and write timeout afterwards.
+    pub timeout: Duration,
+    /// Shared-memory slots of this many bytes offered to a same-host left neighbour (`None`:
+    /// TCP only).
+    pub slot_bytes: Option<usize>,
+    /// Seal every frame after the handshake (see `sealed`); every worker of a world must agree.
+    pub seal_frames: bool,
 }
 
 /// Both ends of one worker's place in the ring (none in a world of one).
@@ -630,15 +770,14 @@ impl Links {
         })
     }
 
-    /// Connects to the right neighbour and accepts the left one, both within `timeout`, each
-    /// proving to the other that it is a member of `world`. A same-host left neighbour is
-    /// offered shared-memory slots of `slot_bytes` (`None`: TCP).
-    pub fn connect(
-        world: &World,
-        listener: TcpListener,
-        timeout: Duration,
-        slot_bytes: Option<usize>,
-    ) -> Result<Links> {
+    /// Connects to the right neighbour and accepts the left one, both within `options.timeout`,
+    /// each proving to the other that it is a member of `world`.
+    pub fn connect(world: &World, listener: TcpListener, options: &LinkOptions) -> Result<Links> {
+        let LinkOptions {
+            timeout,
+            slot_bytes,
+            seal_frames,
+        } = *options;
         if world.size < 2 {
             return Err(SyncError::Config(
                 "a world of one has no ring to connect".into(),
@@ -653,6 +792,7 @@ impl Links {
             size: world.size,
             from,
             to,
+            sealed: seal_frames,
         };
         let right = world.right();
         let connector = Connector {
@@ -757,6 +897,65 @@ fn write_frame_by(
     stream.write_all(&frame)
 }
 
+/// Writes one sealed frame by `deadline` (the handshake's last frames, once both sides proved
+/// themselves).
+fn write_sealed_by(
+    stream: &mut TcpStream,
+    sealer: &mut Sealer,
+    kind: Kind,
+    payload: &[u8],
+    deadline: Instant,
+) -> io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    stream.set_write_timeout(Some(left))?;
+    let at = HEADER_LEN + sealer.tag_len();
+    let mut frame = vec![0u8; framed_len(payload.len(), sealer.tag_len())];
+    frame[at..at + payload.len()].copy_from_slice(payload);
+    seal_frame(sealer, kind, 0, payload.len(), &mut frame)
+        .map_err(|_| io::Error::other("no more frames may be sealed on this connection"))?;
+    stream.write_all(&frame)
+}
+
+/// Reads one sealed frame by `deadline`: its kind and a payload of at most `max` bytes. One
+/// that does not open, or is longer, is `InvalidData`.
+fn read_sealed_by(
+    stream: &mut TcpStream,
+    opener: &mut Opener,
+    max: usize,
+    deadline: Instant,
+) -> io::Result<(Kind, Vec<u8>)> {
+    let forged = || {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            "a frame that failed authentication",
+        )
+    };
+    let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + opener.tag_len()];
+    read_by(stream, record, deadline)?;
+    let (h, tag) = record.split_at_mut(HEADER_LEN);
+    opener.open(h, tag).map_err(|_| forged())?;
+    let header = decode_header(h)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "not a Hora ring frame"))?;
+    if header.len > max as u64 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a {:?} frame of {} bytes", header.kind, header.len),
+        ));
+    }
+    let len = header.len as usize;
+    let mut payload = vec![0u8; len + if len == 0 { 0 } else { opener.tag_len() }];
+    if len > 0 {
+        read_by(stream, &mut payload, deadline)?;
+        let (body, tag) = payload.split_at_mut(len);
+        opener.open(body, tag).map_err(|_| forged())?;
+        payload.truncate(len);
+    }
+    Ok((header.kind, payload))
+}
+
 /// The text of an `Abort` frame's payload (after the rank).
 fn abort_text(payload: &[u8]) -> String {
     String::from_utf8_lossy(payload.get(4..).unwrap_or_default()).into_owned()
@@ -769,6 +968,7 @@ struct Hello {
     generation: u64,
     size: u32,
     rank: u32,
+    sealed: bool,
     nonce: [u8; NONCE_LEN],
     proof: [u8; PROOF_LEN],
 }
@@ -780,6 +980,7 @@ impl Hello {
         b.extend_from_slice(&self.generation.to_le_bytes());
         b.extend_from_slice(&self.size.to_le_bytes());
         b.extend_from_slice(&self.rank.to_le_bytes());
+        b.push(u8::from(self.sealed));
         b.extend_from_slice(&self.nonce);
         b.extend_from_slice(&self.proof);
         b
@@ -793,12 +994,18 @@ impl Hello {
         let (generation, rest) = rest.split_at(8);
         let (size, rest) = rest.split_at(4);
         let (rank, rest) = rest.split_at(4);
+        let (sealed, rest) = rest.split_at(1);
         let (nonce, proof) = rest.split_at(NONCE_LEN);
         Some(Hello {
             version: u32::from_le_bytes(version.try_into().ok()?),
             generation: u64::from_le_bytes(generation.try_into().ok()?),
             size: u32::from_le_bytes(size.try_into().ok()?),
             rank: u32::from_le_bytes(rank.try_into().ok()?),
+            sealed: match sealed[0] {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
             nonce: nonce.try_into().ok()?,
             proof: proof.try_into().ok()?,
         })
@@ -908,16 +1115,38 @@ impl Connector<'_> {
         let (kind, challenge) =
             read_frame_by(&mut stream, MAX_HOST_FRAME, deadline).map_err(io_failed)?;
         match kind {
-            Kind::Challenge if challenge.len() == CHALLENGE_LEN => {}
+            Kind::Challenge if challenge.len() >= 4 => {}
             Kind::Abort => return Err(refused(&challenge)),
             kind => return Err(unexpected(kind, "a challenge")),
         }
-        let (version, their_nonce) = challenge.split_at(4);
+        // The version first: another version's challenge may have another length.
+        let (version, rest) = challenge.split_at(4);
         let version = u32::from_le_bytes(version.try_into().unwrap_or_default());
         if version != PROTOCOL_VERSION {
             return Err(Attempt::Failed(SyncError::Protocol(format!(
                 "rank {rank} at {address} speaks ring protocol {version}, this worker \
                  {PROTOCOL_VERSION}: run the same Hora version on every worker"
+            ))));
+        }
+        if challenge.len() != CHALLENGE_LEN {
+            return Err(unexpected(Kind::Challenge, "a challenge of another length"));
+        }
+        let (their_nonce, their_sealed) = rest.split_at(NONCE_LEN);
+        if their_sealed != [u8::from(self.terms.sealed)] {
+            return Err(Attempt::Failed(SyncError::Protocol(format!(
+                "rank {rank} at {address} {} its ring frames and this worker {}: give every \
+                 worker the same setting (sealing is on unless a worker is started with \
+                 {UNSEALED_KNOB})",
+                if self.terms.sealed {
+                    "does not seal"
+                } else {
+                    "seals"
+                },
+                if self.terms.sealed {
+                    "does"
+                } else {
+                    "does not"
+                },
             ))));
         }
         let nonces = Nonces {
@@ -929,6 +1158,7 @@ impl Connector<'_> {
             generation: self.terms.generation,
             size: self.terms.size,
             rank: self.terms.from,
+            sealed: self.terms.sealed,
             nonce: nonces.connector,
             proof: self.key.prove(Role::Connector, &self.terms, &nonces),
         };
@@ -950,11 +1180,28 @@ impl Connector<'_> {
             ))));
         }
 
-        // Proved both ways: the host id and the offer are for a member only.
+        // Proved both ways: from here on every frame is sealed, and the host id and the offer
+        // are for a member only.
+        let (mut seal, mut open) = if self.terms.sealed {
+            let keys = self.key.frame_keys(&self.terms, &nonces);
+            (
+                Sealer::new(keys.to_acceptor),
+                Opener::new(keys.to_connector),
+            )
+        } else {
+            (Sealer::plain(), Opener::plain())
+        };
         let host = self.host.unwrap_or_default();
-        write_frame_by(&mut stream, Kind::Host, host.as_bytes(), deadline).map_err(io_failed)?;
+        write_sealed_by(
+            &mut stream,
+            &mut seal,
+            Kind::Host,
+            host.as_bytes(),
+            deadline,
+        )
+        .map_err(io_failed)?;
         let (kind, offer) =
-            read_frame_by(&mut stream, MAX_HOST_FRAME, deadline).map_err(io_failed)?;
+            read_sealed_by(&mut stream, &mut open, MAX_HOST_FRAME, deadline).map_err(io_failed)?;
         if kind != Kind::Offer {
             return Err(unexpected(kind, "an offer"));
         }
@@ -977,7 +1224,8 @@ impl Connector<'_> {
                     b"no".as_slice()
                 }
             };
-            write_frame_by(&mut stream, Kind::Attached, answer, deadline).map_err(io_failed)?;
+            write_sealed_by(&mut stream, &mut seal, Kind::Attached, answer, deadline)
+                .map_err(io_failed)?;
         }
         tune(&stream, self.timeout)
             .map_err(|e| Attempt::Failed(SyncError::io("tuning the ring socket", e)))?;
@@ -986,6 +1234,8 @@ impl Connector<'_> {
             peer: rank,
             timeout: self.timeout,
             slots,
+            seal,
+            open,
         })
     }
 }
@@ -1021,30 +1271,163 @@ impl Drop for Running {
     }
 }
 
-/// Accepts connections until one proves to be the left neighbour, or until `deadline`. Each
-/// connection's handshake runs on its own short-lived thread ([`MAX_HANDSHAKES`] at most, each
-/// for [`HANDSHAKE_TIMEOUT`] at most), so that strangers that connect and say nothing hold up
-/// neither the real neighbour nor the deadline, however many there are.
+/// Connections waiting to show their first bytes, at most; past it the oldest (of a suspect
+/// address first) is closed to make room.
+const MAX_PENDING: usize = 256;
+/// How long a connection from a suspect address is given to send its hello (others are given
+/// [`HANDSHAKE_TIMEOUT`]). A real neighbour needs milliseconds.
+const SUSPECT_SILENCE: Duration = Duration::from_secs(1);
+/// The first backoff of an address whose connection failed; it doubles with each failure.
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Addresses remembered at most.
+const MAX_SUSPECTS: usize = 4096;
+
+/// Addresses whose connections stayed silent, sent what is not a hello, or did not prove
+/// themselves: each is suspect for a backoff that doubles with every failure. A suspect's
+/// connections are still accepted (a real neighbour may share its address: a NAT, a host
+/// running several workers), but they get [`SUSPECT_SILENCE`] to speak and are the first closed
+/// when the pending connections are at their limit.
+#[derive(Default)]
+struct Backoff {
+    /// Failures in a row and until when the address is suspect.
+    addresses: std::collections::HashMap<std::net::IpAddr, (u32, Instant)>,
+}
+
+impl Backoff {
+    fn strike(&mut self, ip: std::net::IpAddr, now: Instant) {
+        if self.addresses.len() >= MAX_SUSPECTS {
+            self.addresses.retain(|_, (_, until)| *until > now);
+            if self.addresses.len() >= MAX_SUSPECTS {
+                return;
+            }
+        }
+        let (strikes, until) = self.addresses.entry(ip).or_insert((0, now));
+        // A failure long after the last backoff ended starts over.
+        if now > *until + MAX_BACKOFF {
+            *strikes = 0;
+        }
+        let backoff = FIRST_BACKOFF
+            .saturating_mul(1 << (*strikes).min(16))
+            .min(MAX_BACKOFF);
+        *strikes = strikes.saturating_add(1);
+        *until = now + backoff;
+    }
+
+    fn suspect(&self, ip: std::net::IpAddr, now: Instant) -> bool {
+        self.addresses
+            .get(&ip)
+            .is_some_and(|&(_, until)| until > now)
+    }
+}
+
+/// An accepted connection that has been challenged and has not yet sent a whole hello.
+struct Pending {
+    stream: TcpStream,
+    from: SocketAddr,
+    /// The nonce of the challenge it was sent.
+    nonce: [u8; NONCE_LEN],
+    accepted: Instant,
+    /// When it must have sent its hello.
+    speak_by: Instant,
+    suspect: bool,
+    /// Its hello is in; it waits for a handshake thread.
+    ready: bool,
+}
+
+/// What a pending connection has sent so far.
+#[derive(Clone, Copy)]
+enum FirstBytes {
+    /// A whole hello's worth, under a hello's header: worth a handshake.
+    Hello,
+    /// Nothing yet, or the start of a hello.
+    Waiting,
+    /// A hello's header with another length: a worker of another Hora version.
+    OtherVersion,
+    /// Something that is not a hello, or it hung up.
+    Wrong(&'static str),
+}
+
+impl Pending {
+    /// Looks at what has arrived, without taking it.
+    fn first_bytes(&self) -> FirstBytes {
+        let expected = encode_header(Kind::Hello, 0, HELLO_LEN as u64);
+        let mut buf = [0u8; HEADER_LEN + HELLO_LEN];
+        match self.stream.peek(&mut buf) {
+            Ok(0) => FirstBytes::Wrong("it hung up before its hello"),
+            Ok(n)
+                if n >= HEADER_LEN
+                    && buf[..8] == expected[..8]
+                    && buf[8..16] != expected[8..16] =>
+            {
+                FirstBytes::OtherVersion
+            }
+            Ok(n) if buf[..n.min(HEADER_LEN)] != expected[..n.min(HEADER_LEN)] => {
+                FirstBytes::Wrong("it sent what is not a hello")
+            }
+            Ok(n) if n == buf.len() => FirstBytes::Hello,
+            Ok(_) => FirstBytes::Waiting,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => FirstBytes::Waiting,
+            Err(_) => FirstBytes::Wrong("its connection failed"),
+        }
+    }
+
+    /// Tells it, as far as the socket takes it at once, that it is not a member; and closes it.
+    fn refuse(self) {
+        let mut frame = encode_header(Kind::Abort, 0, (4 + REFUSAL.len()) as u64).to_vec();
+        frame.extend_from_slice(&u32::MAX.to_le_bytes());
+        frame.extend_from_slice(REFUSAL.as_bytes());
+        let _ = (&self.stream).write(&frame);
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+/// What a handshake thread reports.
+enum Outcome {
+    Admitted(Box<Inbound>),
+    /// The connection from this address was refused: it did not prove itself.
+    Refused(std::net::IpAddr),
+}
+
+/// Accepts connections until one proves to be the left neighbour, or until `deadline`.
+///
+/// Strangers must not be able to keep the real neighbour out, however many there are and however
+/// often they reconnect. So a connection costs a thread only once it has shown the expected first
+/// bytes: every accepted connection is sent its challenge at once and waits, in a pool of at
+/// most [`MAX_PENDING`] watched with `poll(2)`, until a whole hello has arrived under a hello's
+/// header — then its handshake runs on a short-lived thread ([`MAX_HANDSHAKES`] at most), which
+/// checks the proof in microseconds. A connection that sends anything else is closed at once; one
+/// that stays silent is closed after [`HANDSHAKE_TIMEOUT`]; and their addresses are suspect for a
+/// while ([`Backoff`]). The real neighbour answers its challenge within a round trip, so it is
+/// through before silent strangers can matter.
 fn accept_left(
     gate: Gate,
     listener: &TcpListener,
     deadline: Instant,
     own_address: &str,
 ) -> Result<Inbound> {
+    use std::os::fd::AsRawFd;
+
     let left = gate.terms.from;
     let timeout = gate.timeout;
     let gate = Arc::new(gate);
-    let (admit_tx, admitted) = mpsc::channel::<Inbound>();
+    let (report, outcomes) = mpsc::channel::<Outcome>();
     let running = Arc::new(AtomicUsize::new(0));
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut backoff = Backoff::default();
     let mut came = 0u64;
     listener
         .set_nonblocking(true)
         .map_err(|e| SyncError::io("configuring the ring listener", e))?;
     loop {
-        if let Ok(inbound) = admitted.try_recv() {
-            return Ok(inbound);
+        let now = Instant::now();
+        while let Ok(outcome) = outcomes.try_recv() {
+            match outcome {
+                Outcome::Admitted(inbound) => return Ok(*inbound),
+                Outcome::Refused(ip) => backoff.strike(ip, now),
+            }
         }
-        if Instant::now() >= deadline {
+        if now >= deadline {
             let others = match came {
                 0 => String::new(),
                 n => format!(" ({n} connections came and none proved to be rank {left})"),
@@ -1057,77 +1440,200 @@ fn accept_left(
                 ),
             });
         }
-        match listener.accept() {
-            Ok((stream, from)) => {
-                came += 1;
-                if running.load(Ordering::Acquire) >= MAX_HANDSHAKES {
-                    tracing::debug!(%from, "{MAX_HANDSHAKES} ring handshakes under way: closed a connection");
+
+        // Everyone who knocked: challenged at once, then pending.
+        loop {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    came += 1;
+                    let nonce = match challenge(&stream, gate.terms.sealed) {
+                        Ok(nonce) => nonce,
+                        Err(e) => {
+                            tracing::debug!(%from, "challenging a ring connection: {e}");
+                            continue;
+                        }
+                    };
+                    if pending.len() >= MAX_PENDING {
+                        // Make room: the oldest of a suspect address, else the oldest.
+                        let victim = (0..pending.len())
+                            .min_by_key(|&i| (!pending[i].suspect, pending[i].accepted))
+                            .unwrap_or(0);
+                        let evicted = pending.swap_remove(victim);
+                        tracing::debug!(from = %evicted.from, "{MAX_PENDING} ring connections pending: closed the oldest");
+                        evicted.refuse();
+                    }
+                    let suspect = backoff.suspect(from.ip(), now);
+                    let allowance = if suspect {
+                        SUSPECT_SILENCE
+                    } else {
+                        HANDSHAKE_TIMEOUT
+                    };
+                    pending.push(Pending {
+                        stream,
+                        from,
+                        nonce,
+                        accepted: now,
+                        speak_by: deadline.min(now + allowance),
+                        suspect,
+                        ready: false,
+                    });
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                // What one connection did (it reset before it was accepted), or too many open
+                // files for a moment: the listener is fine.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionAborted
+                            | io::ErrorKind::ConnectionReset
+                            | io::ErrorKind::Interrupted
+                    ) || matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) =>
+                {
+                    tracing::debug!("accepting on the ring port: {e}");
+                    break;
+                }
+                Err(e) => return Err(SyncError::io("accepting the left neighbour", e)),
+            }
+        }
+
+        // Those that have shown a hello go to a handshake; the wrong and the silent go.
+        let mut i = 0;
+        while i < pending.len() {
+            let verdict = pending[i].first_bytes();
+            match verdict {
+                FirstBytes::Hello if running.load(Ordering::Acquire) < MAX_HANDSHAKES => {
+                    let p = pending.swap_remove(i);
+                    handshake_thread(&gate, p, deadline, &running, &report);
                     continue;
                 }
-                running.fetch_add(1, Ordering::AcqRel);
-                let counted = Running(Arc::clone(&running));
-                let (gate, admit_tx) = (Arc::clone(&gate), admit_tx.clone());
-                let proof_by = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
-                let spawned = thread::Builder::new()
-                    .name("hora-ring-handshake".into())
-                    .stack_size(256 << 10)
-                    .spawn(move || {
-                        let _counted = counted;
-                        if let Some(inbound) = admit(&gate, stream, from, proof_by, deadline) {
-                            // Nobody listens any more if the deadline passed meanwhile.
-                            let _ = admit_tx.send(inbound);
+                FirstBytes::Hello => pending[i].ready = true,
+                FirstBytes::Waiting if now < pending[i].speak_by => {}
+                FirstBytes::Waiting | FirstBytes::Wrong(_) | FirstBytes::OtherVersion => {
+                    let p = pending.swap_remove(i);
+                    match verdict {
+                        FirstBytes::OtherVersion => tracing::warn!(
+                            from = %p.from,
+                            "refused a ring connection: it sent a hello of another length (a \
+                             worker of another Hora version? run the same version everywhere)"
+                        ),
+                        FirstBytes::Wrong(why) => {
+                            tracing::debug!(from = %p.from, "closed a ring connection: {why}")
                         }
-                    });
-                if let Err(e) = spawned {
-                    tracing::warn!(%from, "no thread for a ring handshake ({e}): closed the connection");
+                        _ => tracing::debug!(
+                            from = %p.from,
+                            "closed a ring connection: it said nothing in time"
+                        ),
+                    }
+                    backoff.strike(p.from.ip(), now);
+                    p.refuse();
+                    continue;
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if let Ok(inbound) = admitted.recv_timeout(Duration::from_millis(10)) {
-                    return Ok(inbound);
-                }
-            }
-            // What one connection did (it reset before it was accepted), or too many open
-            // files for a moment: the listener is fine.
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::ConnectionAborted
-                        | io::ErrorKind::ConnectionReset
-                        | io::ErrorKind::Interrupted
-                ) || matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) =>
-            {
-                tracing::debug!("accepting on the ring port: {e}");
-                if let Ok(inbound) = admitted.recv_timeout(Duration::from_millis(10)) {
-                    return Ok(inbound);
-                }
-            }
-            Err(e) => return Err(SyncError::io("accepting the left neighbour", e)),
+            i += 1;
         }
+
+        // Wait for a knock, first bytes, or (every 10 ms) a handshake's outcome. A connection
+        // whose hello is in waits for a thread, not for bytes: it is not watched.
+        let mut fds = vec![libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        for p in &pending {
+            if !p.ready {
+                fds.push(libc::pollfd {
+                    fd: p.stream.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+            }
+        }
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(10));
+        // SAFETY: `fds` is a live array of `fds.len()` pollfd structs whose descriptors stay
+        // open for the call (the listener and the pending streams are borrowed meanwhile).
+        let _ = unsafe {
+            libc::poll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                wait.as_millis() as libc::c_int,
+            )
+        };
     }
 }
 
-/// Runs one accepted connection's handshake: the left neighbour, proved, or `None` — the
-/// connection told only that it is not a member, closed, and the reason logged. It has until
-/// `proof_by` to prove itself and, once it has, until the ring's `deadline` to finish.
+/// Sends an accepted connection its challenge (the version, a fresh nonce, whether this world
+/// seals its frames) without waiting, and returns the nonce.
+fn challenge(stream: &TcpStream, sealed: bool) -> io::Result<[u8; NONCE_LEN]> {
+    stream.set_nonblocking(true)?;
+    let nonce = handshake::nonce().map_err(|e| io::Error::other(e.to_string()))?;
+    let mut frame = encode_header(Kind::Challenge, 0, CHALLENGE_LEN as u64).to_vec();
+    frame.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    frame.extend_from_slice(&nonce);
+    frame.push(u8::from(sealed));
+    // A fresh socket's buffer takes these few bytes at once.
+    match (&*stream).write(&frame)? {
+        n if n == frame.len() => Ok(nonce),
+        _ => Err(io::Error::other("the challenge did not fit the socket")),
+    }
+}
+
+/// Runs the rest of `p`'s handshake on a short-lived thread, which reports its outcome.
+fn handshake_thread(
+    gate: &Arc<Gate>,
+    p: Pending,
+    deadline: Instant,
+    running: &Arc<AtomicUsize>,
+    report: &mpsc::Sender<Outcome>,
+) {
+    running.fetch_add(1, Ordering::AcqRel);
+    let counted = Running(Arc::clone(running));
+    let (gate, report) = (Arc::clone(gate), report.clone());
+    let from = p.from;
+    let spawned = thread::Builder::new()
+        .name("hora-ring-handshake".into())
+        .stack_size(256 << 10)
+        .spawn(move || {
+            let _counted = counted;
+            let outcome = match admit(&gate, p.stream, p.from, p.nonce, p.speak_by, deadline) {
+                Ok(inbound) => Outcome::Admitted(Box::new(inbound)),
+                Err(Some(ip)) => Outcome::Refused(ip),
+                Err(None) => return,
+            };
+            // Nobody listens any more if the deadline passed meanwhile.
+            let _ = report.send(outcome);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(%from, "no thread for a ring handshake ({e}): closed the connection");
+    }
+}
+
+/// Runs the rest of one challenged connection's handshake: the left neighbour, proved; or the
+/// connection told only that it is not a member, closed, the reason logged, and its address if
+/// it failed to prove itself (`None`: it did, and failed afterwards). It has until `proof_by`
+/// to prove itself and, once it has, until the ring's `deadline` to finish.
 fn admit(
     gate: &Gate,
     mut stream: TcpStream,
     from: SocketAddr,
+    ours: [u8; NONCE_LEN],
     proof_by: Instant,
     deadline: Instant,
-) -> Option<Inbound> {
-    match handshake_left(gate, &mut stream, proof_by, deadline) {
-        Ok(slots) => {
+) -> Result<Inbound, Option<std::net::IpAddr>> {
+    match handshake_left(gate, &mut stream, ours, proof_by, deadline) {
+        Ok(Admitted { slots, open, seal }) => {
             if let Err(e) = tune(&stream, gate.timeout) {
                 tracing::warn!(%from, "tuning the left neighbour's socket: {e}");
-                return None;
+                return Err(None);
             }
-            Some(Inbound {
+            Ok(Inbound {
                 stream,
                 peer: gate.terms.from,
                 timeout: gate.timeout,
                 slots,
+                open,
+                seal,
             })
         }
         Err(refused) => {
@@ -1152,19 +1658,28 @@ fn admit(
                 let _ = write_frame_by(&mut stream, Kind::Abort, &payload, soon);
             }
             let _ = stream.shutdown(Shutdown::Both);
-            None
+            Err(tell.then_some(from.ip()))
         }
     }
 }
 
-/// The accepting side of the handshake: challenge, hello, welcome — then, proved both ways, the
-/// shared-memory offer. The slots mapped, if the neighbour took them.
+/// What the accepting side's handshake settled.
+struct Admitted {
+    /// The slots mapped, if the neighbour took them.
+    slots: Option<ReceiverSlots>,
+    open: Opener,
+    seal: Sealer,
+}
+
+/// The accepting side of the handshake after its challenge (nonce `ours`): hello, welcome —
+/// then, proved both ways and sealed, the shared-memory offer.
 fn handshake_left(
     gate: &Gate,
     stream: &mut TcpStream,
+    ours: [u8; NONCE_LEN],
     proof_by: Instant,
     deadline: Instant,
-) -> Result<Option<ReceiverSlots>, Refused> {
+) -> Result<Admitted, Refused> {
     let terms = &gate.terms;
     let silent = |e: io::Error| {
         Refused::Silent(match e.kind() {
@@ -1181,10 +1696,6 @@ fn handshake_left(
         .set_nonblocking(false)
         .and_then(|()| tune(stream, HANDSHAKE_TIMEOUT))
         .map_err(failed)?;
-    let ours = handshake::nonce().map_err(|e| Refused::Failed(e.to_string()))?;
-    let mut challenge = PROTOCOL_VERSION.to_le_bytes().to_vec();
-    challenge.extend_from_slice(&ours);
-    write_frame_by(stream, Kind::Challenge, &challenge, proof_by).map_err(silent)?;
     let (kind, hello) = read_frame_by(stream, HELLO_LEN, proof_by).map_err(silent)?;
     let hello = match (kind, Hello::decode(&hello)) {
         (Kind::Hello, Some(hello)) => hello,
@@ -1208,6 +1719,19 @@ fn handshake_left(
             hello.version
         )));
     }
+    if hello.sealed != terms.sealed {
+        return Err(Refused::Unproven(format!(
+            "it says it is rank {} and {} its frames, and this worker {}: give every worker the \
+             same setting (sealing is on unless a worker is started with {UNSEALED_KNOB})",
+            hello.rank,
+            if hello.sealed {
+                "seals"
+            } else {
+                "does not seal"
+            },
+            if terms.sealed { "does" } else { "does not" },
+        )));
+    }
     let nonces = Nonces {
         acceptor: ours,
         connector: hello.nonce,
@@ -1227,9 +1751,20 @@ fn handshake_left(
     let proof = gate.key.prove(Role::Acceptor, terms, &nonces);
     write_frame_by(stream, Kind::Welcome, &proof, deadline).map_err(failed)?;
 
-    // Proved both ways: the host id and the offer are for a member only, which is given until
-    // the ring's deadline (not cut off mid-way by the strangers' short one).
-    let (kind, host) = read_frame_by(stream, MAX_HOST_FRAME, deadline).map_err(failed)?;
+    // Proved both ways: from here on every frame is sealed, and the host id and the offer are
+    // for a member only, which is given until the ring's deadline (not cut off mid-way by the
+    // strangers' short one).
+    let (mut open, mut seal) = if terms.sealed {
+        let keys = gate.key.frame_keys(terms, &nonces);
+        (
+            Opener::new(keys.to_acceptor),
+            Sealer::new(keys.to_connector),
+        )
+    } else {
+        (Opener::plain(), Sealer::plain())
+    };
+    let (kind, host) =
+        read_sealed_by(stream, &mut open, MAX_HOST_FRAME, deadline).map_err(failed)?;
     if kind != Kind::Host {
         return Err(Refused::Failed(format!(
             "it sent a {kind:?} frame where its host id was due"
@@ -1246,21 +1781,28 @@ fn handshake_left(
                 .map(|(path, slots)| (path, slots, slot_bytes))
         });
     let Some((path, slots, slot_bytes)) = created else {
-        write_frame_by(stream, Kind::Offer, b"", deadline).map_err(failed)?;
-        return Ok(None);
+        write_sealed_by(stream, &mut seal, Kind::Offer, b"", deadline).map_err(failed)?;
+        return Ok(Admitted {
+            slots: None,
+            open,
+            seal,
+        });
     };
     let offer = format!("shm {} {slot_bytes}", path.display());
-    let answer = write_frame_by(stream, Kind::Offer, offer.as_bytes(), deadline)
-        .and_then(|()| read_frame_by(stream, 16, deadline));
+    let answer = write_sealed_by(stream, &mut seal, Kind::Offer, offer.as_bytes(), deadline)
+        .and_then(|()| read_sealed_by(stream, &mut open, 16, deadline));
     // Both sides have it mapped (or never will): the name can go.
     let _ = std::fs::remove_file(&path);
-    match answer.map_err(failed)? {
-        (Kind::Attached, yes) if yes == b"yes" => Ok(Some(slots)),
-        (Kind::Attached, _) => Ok(None),
-        (kind, _) => Err(Refused::Failed(format!(
-            "it sent a {kind:?} frame where its answer to the shared-memory offer was due"
-        ))),
-    }
+    let slots = match answer.map_err(failed)? {
+        (Kind::Attached, yes) if yes == b"yes" => Some(slots),
+        (Kind::Attached, _) => None,
+        (kind, _) => {
+            return Err(Refused::Failed(format!(
+                "it sent a {kind:?} frame where its answer to the shared-memory offer was due"
+            )))
+        }
+    };
+    Ok(Admitted { slots, open, seal })
 }
 
 #[cfg(test)]
@@ -1295,6 +1837,7 @@ mod tests {
             size: world.size,
             from,
             to,
+            sealed: true,
         }
     }
 
@@ -1353,7 +1896,7 @@ mod tests {
             let (kind, challenge) = read_frame_by(&mut stranger, 64, deadline).unwrap();
             assert_eq!((kind, challenge.len()), (Kind::Challenge, CHALLENGE_LEN));
             let nonces = Nonces {
-                acceptor: challenge[4..].try_into().unwrap(),
+                acceptor: challenge[4..4 + NONCE_LEN].try_into().unwrap(),
                 connector: [7; NONCE_LEN],
             };
             let hello = Hello {
@@ -1361,6 +1904,7 @@ mod tests {
                 generation: 0,
                 size: 2,
                 rank: 1,
+                sealed: true,
                 nonce: nonces.connector,
                 proof: RingKey::derive(&theirs.session).prove(
                     Role::Connector,
@@ -1482,6 +2026,210 @@ mod tests {
         drop(strangers);
     }
 
+    /// A stranger at `at` until `stop`: it connects, does what `kind` says (0: nothing, 1:
+    /// garbage, 2: a hello-shaped answer with a wrong proof), waits until it is closed, and
+    /// connects again at once.
+    fn stranger(at: SocketAddr, kind: usize, stop: &std::sync::atomic::AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            let Ok(mut c) = TcpStream::connect(at) else {
+                thread::sleep(Duration::from_millis(1));
+                continue;
+            };
+            let _ = c.set_read_timeout(Some(Duration::from_millis(100)));
+            match kind {
+                1 => drop(c.write_all(&[0x5a; 64])),
+                2 => {
+                    let mut frame = encode_header(Kind::Hello, 0, HELLO_LEN as u64).to_vec();
+                    frame.extend_from_slice(&[3; HELLO_LEN]);
+                    frame[HEADER_LEN..HEADER_LEN + 4]
+                        .copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+                    frame[HEADER_LEN + 20] = 1; // sealed
+                    let _ = c.write_all(&frame);
+                }
+                _ => {}
+            }
+            let mut buf = [0u8; 256];
+            while !stop.load(Ordering::Relaxed) {
+                match c.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(_) => break,
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn strangers_that_reconnect_in_a_loop_do_not_keep_the_neighbour_out() {
+        let listener = Links::listen("127.0.0.1:0").unwrap();
+        let ours = world(&listener, 0, SECRET);
+        let at = listener.local_addr().unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(10);
+        thread::scope(|s| {
+            // More silent strangers than handshakes may run at once, and others that send
+            // garbage or a wrong proof; each reconnects the moment it is closed.
+            for i in 0..MAX_HANDSHAKES + 24 {
+                let kind = if i < MAX_HANDSHAKES + 8 { 0 } else { 1 + i % 2 };
+                let stop = &stop;
+                s.spawn(move || stranger(at, kind, stop));
+            }
+            let accepting = s.spawn(|| accept_left(gate(&ours), &listener, deadline, "here"));
+            // Let them take whatever they can first.
+            thread::sleep(Duration::from_millis(500));
+            let out = connect_as_rank_1(&world(&listener, 1, SECRET), deadline);
+            let inbound = accepting.join().unwrap();
+            stop.store(true, Ordering::Relaxed);
+            let (out, inbound) = (out.unwrap(), inbound.unwrap());
+            assert_eq!((inbound.peer, out.peer), (1, 0));
+        });
+        assert!(
+            start.elapsed() < Duration::from_millis(500) + HANDSHAKE_TIMEOUT,
+            "the real neighbour got in after {:?}",
+            start.elapsed()
+        );
+    }
+
+    #[test]
+    fn workers_that_disagree_on_sealing_refuse_each_other_and_say_why() {
+        let listeners: Vec<TcpListener> = (0..2)
+            .map(|_| Links::listen("127.0.0.1:0").unwrap())
+            .collect();
+        let peers: Vec<String> = listeners
+            .iter()
+            .map(|l| l.local_addr().unwrap().to_string())
+            .collect();
+        let errors: Vec<String> = thread::scope(|s| {
+            let handles: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(rank, listener)| {
+                    let world =
+                        World::from_peers(peers.clone(), rank as u32, Some(SECRET)).unwrap();
+                    s.spawn(move || {
+                        let options = LinkOptions {
+                            timeout: Duration::from_secs(5),
+                            slot_bytes: None,
+                            seal_frames: rank == 0,
+                        };
+                        Links::connect(&world, listener, &options)
+                            .err()
+                            .unwrap()
+                            .to_string()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(
+            errors[0].contains("does not seal its ring frames and this worker does"),
+            "{}",
+            errors[0]
+        );
+        assert!(
+            errors[1].contains("seals its ring frames and this worker does not"),
+            "{}",
+            errors[1]
+        );
+    }
+
+    /// A world of two whose rank 1 reaches rank 0 through a proxy that records what rank 1
+    /// sends and, at byte `flip`, flips a bit of it. Every rank allreduces a buffer of its own
+    /// (rank r: all r + 1234.5); returns each rank's outcome and what the proxy saw.
+    fn through_a_proxy(seal_frames: bool, flip: Option<usize>) -> (Vec<Result<()>>, Vec<u8>) {
+        let listeners: Vec<TcpListener> = (0..2)
+            .map(|_| Links::listen("127.0.0.1:0").unwrap())
+            .collect();
+        let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
+        let peers = vec![
+            proxy.local_addr().unwrap().to_string(),
+            listeners[1].local_addr().unwrap().to_string(),
+        ];
+        let rank_0 = listeners[0].local_addr().unwrap();
+        let seen = std::sync::Mutex::new(Vec::new());
+        let outcomes = thread::scope(|s| {
+            let seen = &seen;
+            s.spawn(move || {
+                let (from_1, _) = proxy.accept().unwrap();
+                let to_0 = TcpStream::connect(rank_0).unwrap();
+                let (mut back_from, mut back_to) =
+                    (to_0.try_clone().unwrap(), from_1.try_clone().unwrap());
+                thread::spawn(move || io::copy(&mut back_from, &mut back_to));
+                let (mut from_1, mut to_0) = (from_1, to_0);
+                let mut buf = [0u8; 4096];
+                let mut at = 0;
+                while let Ok(n @ 1..) = from_1.read(&mut buf) {
+                    if let Some(i) = flip.filter(|&i| (at..at + n).contains(&i)) {
+                        buf[i - at] ^= 0x10;
+                    }
+                    seen.lock().unwrap().extend_from_slice(&buf[..n]);
+                    at += n;
+                    if to_0.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = to_0.shutdown(Shutdown::Both);
+            });
+            let handles: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(rank, listener)| {
+                    let world =
+                        World::from_peers(peers.clone(), rank as u32, Some(SECRET)).unwrap();
+                    s.spawn(move || {
+                        let options = crate::sync::ring::CommOptions {
+                            timeout: Duration::from_secs(5),
+                            shared_memory: false,
+                            seal_frames,
+                            ..Default::default()
+                        };
+                        let links = Links::connect(&world, listener, &options.links())?;
+                        let mut comm =
+                            crate::sync::ring::Communicator::new(world, Some(links), options)?;
+                        let mut buf = vec![rank as f32 + 1234.5; 100_000];
+                        comm.allreduce(&mut buf[..], crate::sync::ring::Reduce::Sum, 0)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        (outcomes, seen.into_inner().unwrap())
+    }
+
+    #[test]
+    fn sealed_frames_cannot_be_read_or_altered_on_the_way() {
+        // Rank 1's values as they would cross the wire in the clear.
+        let clear: Vec<u8> = [1235.5f32; 8]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        // Unsealed (the test's own check): the values cross in the clear.
+        let (outcomes, seen) = through_a_proxy(false, None);
+        assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+        assert!(contains(&seen, &clear));
+        // Sealed: nothing readable, and the reduction is right.
+        let (outcomes, seen) = through_a_proxy(true, None);
+        assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+        assert!(seen.len() > 200_000 && !contains(&seen, &clear));
+        // One bit flipped in a data frame: rank 0 stops and names rank 1, the sender.
+        let (outcomes, _) = through_a_proxy(true, Some(50_000));
+        let e = outcomes[0].as_ref().err().unwrap().to_string();
+        assert!(
+            e.starts_with("rank 1 sent a frame that failed authentication"),
+            "{e}"
+        );
+        assert!(outcomes[1].is_err());
+    }
+
     #[test]
     fn an_impostor_at_the_neighbours_address_is_not_trusted() {
         let impostor = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -1492,6 +2240,7 @@ mod tests {
             let (mut stream, _) = impostor.accept().unwrap();
             let mut challenge = PROTOCOL_VERSION.to_le_bytes().to_vec();
             challenge.extend_from_slice(&[1; NONCE_LEN]);
+            challenge.push(1);
             write_frame_by(&mut stream, Kind::Challenge, &challenge, deadline).unwrap();
             let (kind, hello) = read_frame_by(&mut stream, HELLO_LEN, deadline).unwrap();
             assert_eq!(kind, Kind::Hello);
@@ -1577,8 +2326,12 @@ mod tests {
                     let world =
                         World::from_peers(peers.clone(), rank as u32, Some(SECRET)).unwrap();
                     s.spawn(move || {
-                        Links::connect(&world, listener, Duration::from_secs(10), Some(4096))
-                            .unwrap()
+                        let options = LinkOptions {
+                            timeout: Duration::from_secs(10),
+                            slot_bytes: Some(4096),
+                            seal_frames: true,
+                        };
+                        Links::connect(&world, listener, &options).unwrap()
                     })
                 })
                 .collect();
@@ -1599,6 +2352,7 @@ mod tests {
             generation: 3,
             size: 4,
             rank: 2,
+            sealed: false,
             nonce: [5; NONCE_LEN],
             proof: [6; PROOF_LEN],
         };
@@ -1621,11 +2375,35 @@ mod tests {
         }
     }
 
+    /// One connection's frame keys (to the acceptor, to the connector), as both ends derive them.
+    fn frame_keys() -> (
+        super::super::sealed::DirectionKey,
+        super::super::sealed::DirectionKey,
+    ) {
+        let nonces = Nonces {
+            acceptor: [1; NONCE_LEN],
+            connector: [2; NONCE_LEN],
+        };
+        let keys = RingKey::derive("a session").frame_keys(
+            &LinkTerms {
+                version: PROTOCOL_VERSION,
+                generation: 0,
+                size: 2,
+                from: 1,
+                to: 0,
+                sealed: true,
+            },
+            &nonces,
+        );
+        (keys.to_acceptor, keys.to_connector)
+    }
+
     #[test]
     fn abort_frames_name_the_failed_rank_once() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let timeout = Duration::from_secs(5);
+        let (to_acceptor, to_connector) = frame_keys();
         let sender = thread::spawn(move || {
             let stream = TcpStream::connect(addr).unwrap();
             let mut out = Outbound {
@@ -1633,15 +2411,20 @@ mod tests {
                 peer: 1,
                 timeout,
                 slots: None,
+                seal: Sealer::new(to_acceptor),
+                open: Opener::new(to_connector),
             };
             out.abort(Some(7), "closed its connection");
         });
         let (stream, _) = listener.accept().unwrap();
+        let (to_acceptor, to_connector) = frame_keys();
         let mut inbound = Inbound {
             stream,
             peer: 3,
             timeout,
             slots: None,
+            open: Opener::new(to_acceptor),
+            seal: Sealer::new(to_connector),
         };
         let e = inbound.header().unwrap_err().to_string();
         assert_eq!(

@@ -9,7 +9,8 @@
 //!   of peer addresses; every worker learns its rank, the world size and its ring neighbours;
 //! - [`link`] connects each worker to its ring neighbours over TCP: a small frame protocol with a
 //!   handshake in which neighbours prove to each other that they know the world's session (a
-//!   challenge-response, `handshake`; strangers learn nothing), timeouts, and abort frames that
+//!   challenge-response, `handshake`; strangers learn nothing), every frame after it sealed with
+//!   AES-256-GCM under keys of the connection (`sealed`), timeouts, and abort frames that
 //!   carry the name of a failed rank around the ring so that every survivor can say who is
 //!   missing;
 //! - [`ring`] runs the collectives over those links — allreduce (ring reduce-scatter, then
@@ -41,6 +42,7 @@ pub mod optimizer;
 pub mod region;
 pub mod rendezvous;
 pub mod ring;
+mod sealed;
 #[cfg(feature = "torch")]
 pub mod worker;
 pub mod world;

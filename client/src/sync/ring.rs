@@ -27,7 +27,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use super::link::{Kind, Links};
+use super::link::{Kind, LinkOptions, Links};
 pub use super::region::Wire;
 use super::region::{Apply, Received, Region};
 use super::rendezvous::World;
@@ -44,6 +44,9 @@ pub struct CommOptions {
     pub timeout: Duration,
     /// Pass pieces through shared memory to a neighbour on the same host (see [`super::link`]).
     pub shared_memory: bool,
+    /// Seal every frame on the ring's TCP connections (AES-256-GCM; see [`super::link`]). On by
+    /// default; every worker of a world must agree. Off only on a network nobody else can reach.
+    pub seal_frames: bool,
 }
 
 impl Default for CommOptions {
@@ -53,6 +56,18 @@ impl Default for CommOptions {
             wire: Wire::F32,
             timeout: Duration::from_secs(30),
             shared_memory: true,
+            seal_frames: true,
+        }
+    }
+}
+
+impl CommOptions {
+    /// How this worker's links are made.
+    pub fn links(&self) -> LinkOptions {
+        LinkOptions {
+            timeout: self.timeout,
+            slot_bytes: self.shared_memory.then_some(self.sub_chunk_bytes),
+            seal_frames: self.seal_frames,
         }
     }
 }
@@ -644,10 +659,8 @@ pub(crate) mod tests {
                             .unwrap();
                     let (options, f) = (options(rank as u32), &f);
                     s.spawn(move || {
-                        let links = (n > 1).then(|| {
-                            let slots = options.shared_memory.then_some(options.sub_chunk_bytes);
-                            Links::connect(&world, listener, options.timeout, slots).unwrap()
-                        });
+                        let links = (n > 1)
+                            .then(|| Links::connect(&world, listener, &options.links()).unwrap());
                         let mut comm = Communicator::new(world, links, options).unwrap();
                         f(&mut comm)
                     })

@@ -115,8 +115,7 @@ pub fn connect(
     );
     let links = match listener {
         Some(listener) if world.size > 1 => {
-            let slots = options.shared_memory.then_some(options.sub_chunk_bytes);
-            Some(Links::connect(&world, listener, options.timeout, slots)?)
+            Some(Links::connect(&world, listener, &options.links())?)
         }
         _ => None,
     };
