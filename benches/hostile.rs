@@ -2,10 +2,14 @@
 //! loopback TLS, first alone, then while attackers hold idle and half-open connections, stall
 //! upload bodies and send poisoned (NaN and huge-norm) updates. Prints the honest round latency
 //! both ways and their ratio, what happened to each kind of attack, the attackers' connections
-//! still held at the end, and the server's peak RSS.
+//! still held at the end, and the server's peak RSS. Then, in the same run: unauthenticated
+//! stalled bodies over HTTP/1.1 and HTTP/2 (the server's RSS growth, connections held at the
+//! end), honest rounds beside a client uploading at the rate floor and beside a join flood (their
+//! latency against the calm run's), and `/healthz` while a 1 GiB model is published.
 //!
 //! `cargo build --release -p hora-server && cargo bench -p hora --bench hostile`
-//! (`HORA_BENCH_ROUNDS`, `HORA_BENCH_IDLE_CONNECTIONS` change the sizes).
+//! (`HORA_BENCH_ROUNDS`, `HORA_BENCH_IDLE_CONNECTIONS`, `HORA_BENCH_UNAUTHENTICATED`,
+//! `HORA_BENCH_PUBLISH_MIB` change the sizes).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -148,6 +152,10 @@ async fn run() {
             "4",
             "--upload-grace-secs",
             "3",
+            "--request-timeout-secs",
+            "120",
+            "--durability-timeout-secs",
+            "120",
         ],
     );
     let admin = server.api(ADMIN_TOKEN);
@@ -336,6 +344,7 @@ async fn run() {
     for s in stalling {
         s.abort();
     }
+    let mut next = first + attacked.len() as u64;
 
     // Stop reopening; every attacker connection still held must be closed by the server
     // within the idle timeout.
@@ -364,6 +373,72 @@ async fn run() {
         .iter()
         .all(|v| v.is_finite());
     let rss = peak_rss_mib(server.pid());
+    let clients: Vec<serde_json::Value> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/clients"))
+        .await;
+    let quarantined = clients
+        .iter()
+        .filter(|c| !c["quarantined"].is_null())
+        .count();
+
+    // Unauthenticated stalled bodies.
+    let unauthenticated = env_or("HORA_BENCH_UNAUTHENTICATED", 150);
+    let unauth = unauthenticated_stalls(&server, unauthenticated).await;
+
+    // Honest rounds beside a client uploading a larger model at the rate floor.
+    let large = Model::from_tensors([("w", vec![2 << 20], vec![0.0f32; 2 << 20])]).expect("model");
+    let large_digest = admin.upload_model(&large).await;
+    admin
+        .create_task(&task("floor", large_digest, 1, 1, 1, 60))
+        .await;
+    let slow = floor_rate_uploader(server.clone(), admin.enrol().await, "floor", large, 60);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let floored = honest_rounds(
+        "hostile",
+        &honest,
+        &model,
+        next,
+        (rounds, Duration::ZERO),
+        |_| Vec::new(),
+    )
+    .await;
+    let slow_still_sending = !slow.is_finished();
+    slow.abort();
+    next += floored.len() as u64;
+
+    // Honest rounds beside a join flood on another task.
+    admin
+        .create_task(&task("flooded", digest, 1_000_000, 1, 1, 60))
+        .await;
+    let mut flooders = Vec::new();
+    for _ in 0..20 {
+        flooders.push(admin.enrol().await);
+    }
+    let (flood, joins) = join_flood(flooders, "flooded");
+    let flood_started = Instant::now();
+    let flooded = honest_rounds(
+        "hostile",
+        &honest,
+        &model,
+        next,
+        (rounds, Duration::ZERO),
+        |_| Vec::new(),
+    )
+    .await;
+    let join_rate = joins.load(Ordering::Relaxed) as f64 / flood_started.elapsed().as_secs_f64();
+    for f in flood {
+        f.abort();
+    }
+
+    // `/healthz` calm, then while a large model is published.
+    let mut calm_healthz = Vec::new();
+    let count = Arc::new(AtomicUsize::new(0));
+    calm_healthz
+        .extend(healthz_while(&server, || count.fetch_add(1, Ordering::Relaxed) >= 40).await);
+    let mib = env_or("HORA_BENCH_PUBLISH_MIB", 1024);
+    let (mut during, publication) = publish_large(&admin, &server, &honest[0], mib).await;
+    calm_healthz.sort();
+    during.sort();
 
     let (c50, c95, cmax) = summary(&calm);
     let (a50, a95, amax) = summary(&attacked);
@@ -413,4 +488,294 @@ async fn run() {
         IDLE_TIMEOUT_SECS + 2
     );
     println!("RESULT server peak RSS: {rss:.1} MiB");
+    println!(
+        "poisoners quarantined (after 5 refused updates in a row): {quarantined} of {POISONERS}"
+    );
+    println!();
+    println!("second-pass attacks, in the same run:");
+    println!(
+        "RESULT unauthenticated stalled bodies ({unauthenticated} over HTTP/1.1 and {unauthenticated} HTTP/2 streams, 1 MiB declared, 1 MiB - 1 sent, no token): server RSS growth {:.1} MiB, answered 401 {} of {}, attacker connections held at the end {} (HTTP/1.1) + {} (HTTP/2 streams unanswered)",
+        unauth.rss_growth_mib,
+        unauth.answered,
+        2 * unauthenticated,
+        unauth.held_h1,
+        unauth.unanswered_h2
+    );
+    let (f50, f95, fmax) = summary(&floored);
+    let (j50, j95, jmax) = summary(&flooded);
+    println!("| phase | rounds | p50 ms | p95 ms | max ms |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| honest alone | {} | {:.1} | {:.1} | {:.1} |",
+        calm.len(),
+        ms(c50),
+        ms(c95),
+        ms(cmax)
+    );
+    println!(
+        "| beside a floor-rate uploader (8 MiB model, deadline 60 s; still sending at the end: {slow_still_sending}) | {} | {:.1} | {:.1} | {:.1} |",
+        floored.len(),
+        ms(f50),
+        ms(f95),
+        ms(fmax)
+    );
+    println!(
+        "| beside a join flood (20 clients, {join_rate:.0} joins/s answered) | {} | {:.1} | {:.1} | {:.1} |",
+        flooded.len(),
+        ms(j50),
+        ms(j95),
+        ms(jmax)
+    );
+    println!(
+        "RESULT honest round latency beside a floor-rate uploader / alone: p50 {:.2}, p95 {:.2} (target p95 <= 2)",
+        ms(f50) / ms(c50),
+        ms(f95) / ms(c95)
+    );
+    println!(
+        "RESULT honest round latency beside a join flood / alone: p50 {:.2}, p95 {:.2}",
+        ms(j50) / ms(c50),
+        ms(j95) / ms(c95)
+    );
+    println!(
+        "RESULT /healthz p99 while a {mib} MiB model is uploaded, checkpointed and published ({:.1} s, {} requests): {:.1} ms; calm: {:.1} ms",
+        publication.as_secs_f64(),
+        during.len(),
+        ms(percentile(&during, 0.99)),
+        ms(percentile(&calm_healthz, 0.99))
+    );
+}
+
+// -- The second pass's attacks (issue 21), each in its own phase of the same run ------------
+
+/// The server's resident set now (VmRSS), in MiB.
+fn rss_now_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kib| kib / 1024.0)
+}
+
+/// A request body that sends `len` bytes of a JSON object and then never finishes.
+fn nearly_complete(len: usize) -> reqwest::Body {
+    struct Stall(Option<Vec<u8>>);
+    impl futures_core::Stream for Stall {
+        type Item = Result<Vec<u8>, std::io::Error>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            match self.0.take() {
+                Some(body) => std::task::Poll::Ready(Some(Ok(body))),
+                None => std::task::Poll::Pending,
+            }
+        }
+    }
+    let mut body = b"{\"rank\":0,\"address\":\"".to_vec();
+    body.resize(len, b'a');
+    reqwest::Body::wrap_stream(Stall(Some(body)))
+}
+
+/// What became of unauthenticated stalled bodies.
+struct Unauthenticated {
+    rss_growth_mib: f64,
+    answered: usize,
+    held_h1: usize,
+    unanswered_h2: usize,
+}
+
+/// `n` HTTP/1.1 connections and `n` HTTP/2 streams (from another loopback address) each send
+/// a sync join for a job that does not exist with no token and a nearly complete 1 MiB body,
+/// then stall. Nothing may be buffered for them, and nothing held once the idle timeout passed.
+async fn unauthenticated_stalls(server: &Server, n: usize) -> Unauthenticated {
+    const MIB: usize = 1 << 20;
+    let before = rss_now_mib(server.pid());
+    let answered = Arc::new(AtomicUsize::new(0));
+    let mut h1 = Vec::new();
+    for _ in 0..n {
+        let mut conn = raw_tls_from(server, "127.0.0.3").await;
+        let head = format!("POST /v1/sync/nojob/join HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {MIB}\r\n\r\n");
+        let mut body = head.into_bytes();
+        body.extend(std::iter::repeat_n(b'a', MIB - 1));
+        // The server may answer (and stop reading) before the body is in: do not wait on it.
+        let _ = tokio::time::timeout(Duration::from_secs(2), conn.write_all(&body)).await;
+        h1.push(conn);
+    }
+    let mut tls = hora_common::tls::client_config(&server.ca, None).expect("tls config");
+    tls.alpn_protocols = vec![b"h2".to_vec()];
+    let h2 = reqwest::Client::builder()
+        .use_preconfigured_tls(tls)
+        .http2_prior_knowledge()
+        .local_address(Some(
+            "127.0.0.3".parse::<std::net::IpAddr>().expect("an address"),
+        ))
+        .build()
+        .expect("an HTTP/2 client");
+    let mut streams = Vec::new();
+    for _ in 0..n {
+        let (h2, url, answered) = (h2.clone(), server.url.clone(), answered.clone());
+        streams.push(tokio::spawn(async move {
+            let sent = h2
+                .post(format!("{url}/v1/sync/nojob/join"))
+                .header("content-type", "application/json")
+                .header("content-length", (1 << 20).to_string())
+                .body(nearly_complete((1 << 20) - 1))
+                .send()
+                .await;
+            if sent.is_ok_and(|r| r.status() == StatusCode::UNAUTHORIZED) {
+                answered.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_growth_mib = rss_now_mib(server.pid()) - before;
+    tokio::time::sleep(Duration::from_secs(IDLE_TIMEOUT_SECS + 2)).await;
+    let mut held_h1 = 0;
+    for conn in &mut h1 {
+        let mut buf = [0u8; 4096];
+        let answer = async {
+            loop {
+                match conn.read(&mut buf).await {
+                    Ok(0) | Err(_) => return true, // closed
+                    Ok(_) => {}                    // the 401, then the close
+                }
+            }
+        };
+        if tokio::time::timeout(Duration::from_millis(100), answer)
+            .await
+            .is_err()
+        {
+            held_h1 += 1;
+        }
+    }
+    let unanswered_h2 = streams.iter().filter(|s| !s.is_finished()).count();
+    for s in streams {
+        s.abort();
+    }
+    let h1_answered = h1.len() - held_h1;
+    Unauthenticated {
+        rss_growth_mib,
+        answered: answered.load(Ordering::Relaxed) + h1_answered,
+        held_h1,
+        unanswered_h2,
+    }
+}
+
+/// A client selected for a task of a larger model uploads it at just above the rate floor (its
+/// body would take the whole round deadline), for as long as it is let to.
+fn floor_rate_uploader(
+    server: Arc<Server>,
+    client: Client,
+    task: &'static str,
+    model: Model,
+    deadline_secs: u64,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let offer = client.join(task).await;
+        let body = client.seal(task, &offer, &delta(&model, 9));
+        let rate = (body.len() as f64 / deadline_secs as f64).max(16.0 * 1024.0) * 1.1;
+        let mut conn = raw_tls(&server).await;
+        let head = upload_head(&client, task, offer.round, body.len());
+        let _ = conn.write_all(head.as_bytes()).await;
+        let chunk = (rate / 10.0) as usize;
+        for piece in body.chunks(chunk.max(1)) {
+            if conn.write_all(piece).await.is_err() {
+                return;
+            }
+            let _ = conn.flush().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+/// `clients` clients joining task `task` again and again, as fast as they are answered.
+fn join_flood(
+    clients: Vec<Client>,
+    task: &'static str,
+) -> (Vec<tokio::task::JoinHandle<()>>, Arc<AtomicUsize>) {
+    let joins = Arc::new(AtomicUsize::new(0));
+    let flood = clients
+        .into_iter()
+        .map(|c| {
+            let joins = joins.clone();
+            tokio::spawn(async move {
+                loop {
+                    let _ = c
+                        .api
+                        .request(Method::POST, &format!("/v1/tasks/{task}/join"))
+                        .send()
+                        .await;
+                    joins.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    (flood, joins)
+}
+
+/// `/healthz` latencies, one every 50 ms, until `until` says stop.
+async fn healthz_while(server: &Server, until: impl Fn() -> bool) -> Vec<Duration> {
+    let http = hora_server::tls::https_client(&server.ca, None).expect("client");
+    let mut took = Vec::new();
+    while !until() {
+        let asked = Instant::now();
+        let ok = http
+            .get(format!("{}/healthz", server.url))
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == StatusCode::OK);
+        assert!(ok, "/healthz did not answer");
+        took.push(asked.elapsed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    took
+}
+
+/// One round of a task with a model of `mib` MiB, its delta uploaded by `writer`: `/healthz`
+/// latencies while it is uploaded, checkpointed and published, and how long that took.
+async fn publish_large(
+    admin: &Api,
+    server: &Server,
+    writer: &Client,
+    mib: usize,
+) -> (Vec<Duration>, Duration) {
+    let params = mib << 18;
+    let big = Model::from_tensors([("w", vec![params], vec![0.0f32; params])]).expect("model");
+    let digest = admin.upload_model(&big).await;
+    admin
+        .create_task(&task("large-publish", digest, 1, 1, 1, 600))
+        .await;
+    let offer = writer.join("large-publish").await;
+    let sealed = writer.seal("large-publish", &offer, &delta(&big, 3));
+    drop(big);
+    let started = Instant::now();
+    let upload = writer
+        .upload_request("large-publish", offer.round, 10, sealed)
+        .timeout(Duration::from_secs(600))
+        .send();
+    let published = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = {
+        let (admin, published) = (admin.clone(), published.clone());
+        tokio::spawn(async move {
+            let receipt = upload.await.expect("the large upload");
+            assert_eq!(receipt.status(), StatusCode::OK, "the large upload");
+            loop {
+                let info: serde_json::Value = admin
+                    .ok(admin.request(Method::GET, "/admin/v1/tasks/large-publish"))
+                    .await;
+                if info["published_rounds"].as_u64() == Some(1) {
+                    published.store(true, Ordering::SeqCst);
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let healthz = healthz_while(server, || published.load(Ordering::SeqCst)).await;
+    watch.await.expect("the publication");
+    (healthz, started.elapsed())
 }

@@ -1030,8 +1030,10 @@ async fn while_a_gigabyte_model_is_published_everyone_else_is_served() {
     let admin = server.api(ADMIN_TOKEN);
     let big = Model::from_tensors([("w", vec![PARAMS], vec![0.0f32; PARAMS])]).unwrap();
     let big_digest = admin.upload_model(&big).await;
+    // A target of two: the one update is acknowledged only once a checkpoint of the 2 GiB sum
+    // holds it, and the round publishes at its deadline.
     admin
-        .create_task(&task("big", big_digest, 1, 1, 1, 600))
+        .create_task(&task("big", big_digest, 1, 1, 2, 45))
         .await;
     let (small_model, small) = small_task(&admin, "small", 1, 1).await;
     admin

@@ -74,7 +74,7 @@ pub struct ServeArgs {
     #[arg(long, env = "HORA_BODY_WAIT_SECS")]
     pub body_wait_secs: Option<u64>,
     /// Quarantine a client after this many of its updates in a row are refused as invalid or
-    /// out of bounds (0: never); the operator releases it with `clients release`.
+    /// out of bounds (0: never); the operator releases it with `hora-server admin release`.
     #[arg(long, env = "HORA_QUARANTINE_AFTER")]
     pub quarantine_after: Option<u32>,
     /// Longest an upload waits for the checkpoint that makes it durable before it is answered

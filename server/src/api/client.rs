@@ -409,9 +409,8 @@ pub async fn update(
     match &result {
         Ok(_) => {
             state.coordinator.metrics.uploads_accepted.inc();
-            if auth.strikes > 0 {
-                strikes(&state, &auth.id, None).await;
-            }
+            // (A refusal may have been counted since this request was authenticated.)
+            strikes(&state, &auth.id, None).await;
         }
         Err(e) => {
             state.coordinator.metrics.upload_rejected(e.code().as_str());
@@ -441,6 +440,9 @@ async fn strikes(state: &Shared, client: &str, refused: Option<&ServerError>) {
     let counted = crate::blocking(move || {
         let store = me.coordinator.store();
         let mut quarantined = None;
+        if reason.is_none() && store.client(&id)?.is_none_or(|c| c.strikes == 0) {
+            return Ok(None); // nothing to start again: no write
+        }
         store.update_client(&id, &mut |c| {
             quarantined = None;
             match &reason {

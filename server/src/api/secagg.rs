@@ -75,7 +75,7 @@ where
     .await
     .map_err(ServerError::internal)?;
     if let Err(e) = &result {
-        tracing::info!(client, code = e.code().as_str(), error = %e, "secure-aggregation message refused");
+        tracing::info!(client, code = e.code().as_str(), error = ?e.to_string(), "secure-aggregation message refused");
     }
     result.map(Json)
 }

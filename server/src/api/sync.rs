@@ -43,7 +43,7 @@ pub async fn join(
     .await;
     if let Err(e) = &result {
         // The job id is the caller's text: logged escaped.
-        tracing::info!(job = ?job, code = e.code().as_str(), error = %e, "sync join refused");
+        tracing::info!(job = ?job, code = e.code().as_str(), error = ?e.to_string(), "sync join refused");
     }
     result.map(Json)
 }

@@ -395,9 +395,7 @@ impl AsyncCollection {
                 state.interval_ms = 0.8 * state.interval_ms + 0.2 * ms;
             }
             drop(state);
-            lock(&round.roster)
-                .contributed
-                .insert(update.client.clone());
+            lock(&round.roster).contributed(&update.client);
             acc.contributions.push(update);
             return Ok((round.clone(), acc.contributions.len() - 1, true));
         }

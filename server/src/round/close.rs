@@ -172,7 +172,7 @@ impl Coordinator {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(task = %task.id, files = n, "pruned round models"),
                 Err(e) => {
-                    tracing::warn!(task = %task.id, error = %e, "pruning old round models failed; they stay until the next round")
+                    tracing::warn!(task = %task.id, error = %e, "pruning old round models failed; files left behind are removed by the sweep at the next start")
                 }
             }
         }

@@ -153,6 +153,7 @@ impl Coordinator {
                 writing: Mutex::default(),
                 round: Mutex::new(round),
                 commit_wanted: Notify::new(),
+                lock_waiters: tokio::sync::Semaphore::new(super::LOCK_WAITERS),
                 changed: watch::channel(0).0,
                 recent: Mutex::default(),
             });
@@ -409,9 +410,9 @@ impl Coordinator {
     ) -> Result<wire::JoinResponse, ServerError> {
         let (me, t, c) = (self.clone(), task.clone(), client.to_string());
         // Selection takes the round's lock (and may read the store): on a blocking thread.
-        let joined = tokio::task::spawn_blocking(move || me.select(&t, &c))
-            .await
-            .map_err(ServerError::internal)??;
+        let waiting = task.lock_waiters.acquire().await;
+        let joined = crate::blocking(move || me.select(&t, &c)).await?;
+        drop(waiting);
         let (round, upto, answer) = match joined {
             Joined::Answer(answer) => return Ok(answer),
             Joined::Selected {

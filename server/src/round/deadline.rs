@@ -76,8 +76,12 @@ impl Coordinator {
                 };
                 Ok((phase, requested, r.collection.next_deadline(&r)))
             });
-            let Ok((phase, requested, deadline)) = read.await else {
-                return; // the runtime is shutting down
+            let (phase, requested, deadline) = match read.await {
+                Ok(read) => read,
+                Err(e) => {
+                    tracing::warn!(task = %task.id, round = round.number, error = %e, "the round's watcher stops (the runtime is shutting down)");
+                    return;
+                }
             };
             let now = now_ms();
             let due = match phase {

@@ -78,6 +78,9 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .expect("a round-engine lock was poisoned by an earlier panic")
 }
 
+/// How many requests of one task may wait on its round's lock on blocking threads at once.
+pub(crate) const LOCK_WAITERS: usize = 16;
+
 /// Clients selected per round: the target plus the over-selection.
 pub(crate) fn capacity(config: &wire::CreateTask) -> usize {
     (f64::from(config.target_clients) * (1.0 + config.over_selection)).ceil() as usize
@@ -158,6 +161,9 @@ pub(crate) struct Checkpointed {
 pub(crate) struct Roster {
     pub(crate) selected: HashSet<String>,
     pub(crate) contributed: HashSet<String>,
+    /// Contributions taken (an asynchronous buffer may hold two of one client, from two base
+    /// versions).
+    pub(crate) accepted: usize,
 }
 
 impl Roster {
@@ -165,7 +171,14 @@ impl Roster {
         Roster {
             selected: acc.selected.iter().cloned().collect(),
             contributed: acc.contributions.iter().map(|c| c.client.clone()).collect(),
+            accepted: acc.contributions.len(),
         }
+    }
+
+    /// `client`'s update was taken.
+    pub(crate) fn contributed(&mut self, client: &str) {
+        self.contributed.insert(client.to_string());
+        self.accepted += 1;
     }
 }
 
@@ -221,7 +234,7 @@ impl Round {
     /// accumulator).
     pub(crate) fn counts(&self) -> (usize, usize) {
         let roster = lock(&self.roster);
-        (roster.selected.len(), roster.contributed.len())
+        (roster.selected.len(), roster.accepted)
     }
 
     /// What a client admitted to this attempt is told; it must be done by `deadline_unix_ms`.

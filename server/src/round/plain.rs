@@ -201,7 +201,7 @@ impl Coordinator {
                 acc.sum
                     .add_view_scaled(fold_weight, scale, &view)
                     .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
-                lock(&round.roster).contributed.insert(client.clone());
+                lock(&round.roster).contributed(&client);
                 acc.contributions.push(Contribution {
                     client,
                     examples: weight,
@@ -315,10 +315,9 @@ impl Coordinator {
         client: &str,
         round_number: u64,
     ) -> Result<Admission, ServerError> {
-        let (me, task, client) = (self.clone(), task.clone(), client.to_string());
-        tokio::task::spawn_blocking(move || me.check_upload(&task, &client, round_number))
-            .await
-            .map_err(ServerError::internal)?
+        let (me, t, client) = (self.clone(), task.clone(), client.to_string());
+        let _waiting = task.lock_waiters.acquire().await;
+        crate::blocking(move || me.check_upload(&t, &client, round_number)).await
     }
 }
 

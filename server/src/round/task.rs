@@ -26,6 +26,10 @@ pub struct Task {
     pub(crate) round: Mutex<Option<Arc<Round>>>,
     /// Wakes the task's group committer: an update or a selection waits to be made durable.
     pub(crate) commit_wanted: tokio::sync::Notify,
+    /// Requests of this task that may wait on its round's lock on a blocking thread at once
+    /// (joins, upload checks): the rest wait here, on the runtime, so a flood at one task whose
+    /// large checkpoint holds that lock for seconds cannot take every blocking thread.
+    pub(crate) lock_waiters: tokio::sync::Semaphore,
     pub(crate) changed: watch::Sender<u64>,
     /// The L2 norms and weights of the task's last accepted updates, for the adaptive bounds.
     pub(crate) recent: Mutex<Recent>,
@@ -163,6 +167,7 @@ impl Coordinator {
             writing: Mutex::default(),
             round: Mutex::new(Some(round.clone())),
             commit_wanted: tokio::sync::Notify::new(),
+            lock_waiters: tokio::sync::Semaphore::new(super::LOCK_WAITERS),
             changed: watch::channel(0).0,
             recent: Mutex::default(),
         });
