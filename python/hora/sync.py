@@ -395,17 +395,37 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     return _decode_json(data, root_rank, "object")
 
 
-def _unsafe_in(saved: Any) -> List[str]:
-    """The globals in a ``torch.save`` file or buffer that ``torch.load(weights_only=True)`` refuses."""
+def _check_loadable(saved: Any, what: str) -> None:
+    """Raises TypeError if ``torch.load(weights_only=True)`` refuses the ``torch.save`` file or
+    buffer ``saved``, naming the globals it refuses where this torch can list them (2.5 and
+    later); an older torch tries the load itself (which builds nothing it does not allow) and
+    its error says why."""
     import torch
 
-    return list(torch.serialization.get_unsafe_globals_in_checkpoint(saved))
+    find = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if find is not None:
+        unsafe = list(find(saved))
+        if unsafe:
+            raise _refuse(
+                f"{what} holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) "
+                "refuses to build"
+            )
+        return
+    try:
+        torch.load(saved, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever it refused, the state is refused
+        # torch says why after its advice: "... WeightsUnpickler error: Unsupported global: ...".
+        reason = " ".join(str(e).split()).rpartition("WeightsUnpickler error:")[2].strip()
+        reason = reason.split(". ")[0].split(" Check the documentation")[0].rstrip(".")
+        raise _refuse(
+            f"{what} holds what torch.load(weights_only=True) refuses to build "
+            f"({reason or type(e).__name__})"
+        ) from None
 
 
-def _refuse_unsafe(unsafe: List[str], what: str) -> TypeError:
+def _refuse(what: str) -> TypeError:
     return TypeError(
-        f"{what} holds {', '.join(sorted(unsafe))}, which torch.load(weights_only=True) refuses "
-        "to build: keep tensors, numbers, strings, None and lists, tuples and dicts of them in it "
+        f"{what}: keep tensors, numbers, strings, None and lists, tuples and dicts of them in it "
         "(a state_dict() is fine)"
     )
 
@@ -417,9 +437,7 @@ def _encode_state(state: Any) -> Tuple[bytes, bytes]:
 
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    unsafe = _unsafe_in(io.BytesIO(buffer.getbuffer()))
-    if unsafe:
-        raise _refuse_unsafe(unsafe, "the state")
+    _check_loadable(io.BytesIO(buffer.getvalue()), "the state")
     return _STATE, buffer.getvalue()
 
 
@@ -604,9 +622,7 @@ def save_checkpoint(path: Union[str, "os.PathLike[str]"], state: Mapping[str, An
             torch.save(dict(state), f)
             f.flush()
             os.fsync(f.fileno())
-        unsafe = _unsafe_in(tmp)
-        if unsafe:
-            raise _refuse_unsafe(unsafe, "the checkpoint's state")
+        _check_loadable(tmp, "the checkpoint's state")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -627,12 +643,9 @@ def load_checkpoint(path: Union[str, "os.PathLike[str]"], root_rank: int = 0) ->
         size = os.path.getsize(path)
         if size > MAX_STATE_BYTES:
             raise ValueError(f"{os.fspath(path)} takes {size} bytes, more than MAX_STATE_BYTES")
-        unsafe = _unsafe_in(path)
-        if unsafe:
-            raise _refuse_unsafe(
-                unsafe,
-                f"{os.fspath(path)} (written by something other than this hora's save_checkpoint?)",
-            )
+        _check_loadable(
+            path, f"{os.fspath(path)} (written by something other than this hora's save_checkpoint?)"
+        )
         with open(path, "rb") as f:
             return _STATE, f.read()
 

@@ -151,3 +151,35 @@ def test_a_timeout_that_is_not_a_number_is_a_value_error(tmp_path):
         with pytest.raises(ValueError, match="finite"):
             hora.Client("https://127.0.0.1:1", tmp_path / "ca.pem", tmp_path / "state",
                         poll_wait_secs=bad)
+
+
+class _RunsCode:
+    """Creates ``marker`` when unpickled."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("torch_lists_globals", [True, False])
+def test_states_torch_refuses_to_load_are_refused_with_or_without_torchs_list_of_globals(
+        tmp_path, monkeypatch, torch_lists_globals):
+    """torch before 2.5 has no get_unsafe_globals_in_checkpoint: a test load with
+    weights_only=True says what is refused, and builds nothing it does not allow."""
+    torch = pytest.importorskip("torch")
+    from hora import sync
+
+    if not torch_lists_globals:
+        monkeypatch.delattr(torch.serialization, "get_unsafe_globals_in_checkpoint")
+    tag, data = sync._encode_state({"w": torch.arange(3.0), "step": 2, "names": ["a", None]})
+    assert sync._decode_state(tag, data, 0)["step"] == 2
+    with pytest.raises(TypeError, match="^the state holds .*weights_only=True"):
+        sync._encode_state({"cut": slice(1, 2)})
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"evil": _RunsCode(str(marker))}, evil)
+    with pytest.raises(TypeError, match="weights_only=True"):
+        sync._check_loadable(str(evil), "the checkpoint")
+    assert not marker.exists()

@@ -1251,11 +1251,9 @@ struct Gate {
     offer: Option<(String, usize)>,
 }
 
-/// Why a connection was not admitted: logged by this worker, never sent.
+/// Why a connection was not admitted: logged by this worker, never sent. (The silent, and
+/// those that send what is not a hello, are closed by the accept loop before any handshake.)
 enum Refused {
-    /// It said nothing in time, hung up, or sent what is not a Hora frame: a port scanner or a
-    /// stranger.
-    Silent(String),
     /// It spoke the protocol and proved nothing: another job, generation, version or secret.
     Unproven(String),
     /// It proved itself, and then its handshake failed.
@@ -1333,6 +1331,10 @@ struct Pending {
     suspect: bool,
     /// Its hello is in; it waits for a handshake thread.
     ready: bool,
+    /// What it has sent so far (the first `got` bytes), taken off the socket: bytes left unread
+    /// would wake `poll(2)` again at once, and the accept loop would spin until `speak_by`.
+    first: [u8; HEADER_LEN + HELLO_LEN],
+    got: usize,
 }
 
 /// What a pending connection has sent so far.
@@ -1349,27 +1351,35 @@ enum FirstBytes {
 }
 
 impl Pending {
-    /// Looks at what has arrived, without taking it.
-    fn first_bytes(&self) -> FirstBytes {
+    /// Takes what has arrived (up to a hello's worth) and judges all it has sent so far.
+    fn first_bytes(&mut self) -> FirstBytes {
         let expected = encode_header(Kind::Hello, 0, HELLO_LEN as u64);
-        let mut buf = [0u8; HEADER_LEN + HELLO_LEN];
-        match self.stream.peek(&mut buf) {
-            Ok(0) => FirstBytes::Wrong("it hung up before its hello"),
-            Ok(n)
-                if n >= HEADER_LEN
-                    && buf[..8] == expected[..8]
-                    && buf[8..16] != expected[8..16] =>
-            {
-                FirstBytes::OtherVersion
+        while self.got < self.first.len() {
+            match (&self.stream).read(&mut self.first[self.got..]) {
+                Ok(0) => return FirstBytes::Wrong("it hung up before its hello"),
+                Ok(n) => self.got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => return FirstBytes::Wrong("its connection failed"),
             }
-            Ok(n) if buf[..n.min(HEADER_LEN)] != expected[..n.min(HEADER_LEN)] => {
-                FirstBytes::Wrong("it sent what is not a hello")
-            }
-            Ok(n) if n == buf.len() => FirstBytes::Hello,
-            Ok(_) => FirstBytes::Waiting,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => FirstBytes::Waiting,
-            Err(_) => FirstBytes::Wrong("its connection failed"),
         }
+        let (n, got) = (self.got, &self.first);
+        if n >= HEADER_LEN && got[..8] == expected[..8] && got[8..16] != expected[8..16] {
+            FirstBytes::OtherVersion
+        } else if got[..n.min(HEADER_LEN)] != expected[..n.min(HEADER_LEN)] {
+            FirstBytes::Wrong("it sent what is not a hello")
+        } else if n == got.len() {
+            FirstBytes::Hello
+        } else {
+            FirstBytes::Waiting
+        }
+    }
+
+    /// The body of its hello, once [`Pending::first_bytes`] has found it whole.
+    fn hello(&self) -> [u8; HELLO_LEN] {
+        let mut hello = [0u8; HELLO_LEN];
+        hello.copy_from_slice(&self.first[HEADER_LEN..]);
+        hello
     }
 
     /// Tells it, as far as the socket takes it at once, that it is not a member; and closes it.
@@ -1389,13 +1399,20 @@ enum Outcome {
     Refused(std::net::IpAddr),
 }
 
+#[cfg(test)]
+thread_local! {
+    /// How many times the accept loop has gone round on this thread.
+    static ACCEPT_ROUNDS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Accepts connections until one proves to be the left neighbour, or until `deadline`.
 ///
 /// Strangers must not be able to keep the real neighbour out, however many there are and however
 /// often they reconnect. So a connection costs a thread only once it has shown the expected first
 /// bytes: every accepted connection is sent its challenge at once and waits, in a pool of at
 /// most [`MAX_PENDING`] watched with `poll(2)`, until a whole hello has arrived under a hello's
-/// header — then its handshake runs on a short-lived thread ([`MAX_HANDSHAKES`] at most), which
+/// header (what it sends is read as it comes, so a partial hello does not keep `poll` awake) —
+/// then its handshake runs on a short-lived thread ([`MAX_HANDSHAKES`] at most), which
 /// checks the proof in microseconds. A connection that sends anything else is closed at once; one
 /// that stays silent is closed after [`HANDSHAKE_TIMEOUT`]; and their addresses are suspect for a
 /// while ([`Backoff`]). The real neighbour answers its challenge within a round trip, so it is
@@ -1420,6 +1437,8 @@ fn accept_left(
         .set_nonblocking(true)
         .map_err(|e| SyncError::io("configuring the ring listener", e))?;
     loop {
+        #[cfg(test)]
+        ACCEPT_ROUNDS.with(|n| n.set(n.get() + 1));
         let now = Instant::now();
         while let Ok(outcome) = outcomes.try_recv() {
             match outcome {
@@ -1476,6 +1495,8 @@ fn accept_left(
                         speak_by: deadline.min(now + allowance),
                         suspect,
                         ready: false,
+                        first: [0; HEADER_LEN + HELLO_LEN],
+                        got: 0,
                     });
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -1532,8 +1553,9 @@ fn accept_left(
             i += 1;
         }
 
-        // Wait for a knock, first bytes, or (every 10 ms) a handshake's outcome. A connection
-        // whose hello is in waits for a thread, not for bytes: it is not watched.
+        // Wait for a knock, more first bytes, or (every 10 ms) a handshake's outcome. What came
+        // has been read, so `poll` sleeps until something new does. A connection whose hello is
+        // in waits for a thread, not for bytes: it is not watched.
         let mut fds = vec![libc::pollfd {
             fd: listener.as_raw_fd(),
             events: libc::POLLIN,
@@ -1596,7 +1618,8 @@ fn handshake_thread(
         .stack_size(256 << 10)
         .spawn(move || {
             let _counted = counted;
-            let outcome = match admit(&gate, p.stream, p.from, p.nonce, p.speak_by, deadline) {
+            let hello = p.hello();
+            let outcome = match admit(&gate, p.stream, p.from, p.nonce, &hello, deadline) {
                 Ok(inbound) => Outcome::Admitted(Box::new(inbound)),
                 Err(Some(ip)) => Outcome::Refused(ip),
                 Err(None) => return,
@@ -1611,17 +1634,17 @@ fn handshake_thread(
 
 /// Runs the rest of one challenged connection's handshake: the left neighbour, proved; or the
 /// connection told only that it is not a member, closed, the reason logged, and its address if
-/// it failed to prove itself (`None`: it did, and failed afterwards). It has until `proof_by`
-/// to prove itself and, once it has, until the ring's `deadline` to finish.
+/// it failed to prove itself (`None`: it did, and failed afterwards). Its `hello` (the body, its
+/// proof in it) has been read already; once proved, it has until the ring's `deadline` to finish.
 fn admit(
     gate: &Gate,
     mut stream: TcpStream,
     from: SocketAddr,
     ours: [u8; NONCE_LEN],
-    proof_by: Instant,
+    hello: &[u8; HELLO_LEN],
     deadline: Instant,
 ) -> Result<Inbound, Option<std::net::IpAddr>> {
-    match handshake_left(gate, &mut stream, ours, proof_by, deadline) {
+    match handshake_left(gate, &mut stream, ours, hello, deadline) {
         Ok(Admitted { slots, open, seal }) => {
             if let Err(e) = tune(&stream, gate.timeout) {
                 tracing::warn!(%from, "tuning the left neighbour's socket: {e}");
@@ -1638,10 +1661,6 @@ fn admit(
         }
         Err(refused) => {
             let tell = match refused {
-                Refused::Silent(why) => {
-                    tracing::debug!(%from, "closed a ring connection: {why}");
-                    true
-                }
                 Refused::Unproven(why) => {
                     tracing::warn!(%from, "refused a ring connection: {why}");
                     true
@@ -1671,47 +1690,25 @@ struct Admitted {
     seal: Sealer,
 }
 
-/// The accepting side of the handshake after its challenge (nonce `ours`): hello, welcome —
-/// then, proved both ways and sealed, the shared-memory offer.
+/// The accepting side of the handshake after its challenge (nonce `ours`) and the `hello` that
+/// answered it (read by the accept loop): welcome — then, proved both ways and sealed, the
+/// shared-memory offer.
 fn handshake_left(
     gate: &Gate,
     stream: &mut TcpStream,
     ours: [u8; NONCE_LEN],
-    proof_by: Instant,
+    hello: &[u8; HELLO_LEN],
     deadline: Instant,
 ) -> Result<Admitted, Refused> {
     let terms = &gate.terms;
-    let silent = |e: io::Error| {
-        Refused::Silent(match e.kind() {
-            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
-                "it did not complete the handshake in time".to_string()
-            }
-            io::ErrorKind::UnexpectedEof => "it hung up during the handshake".to_string(),
-            _ => format!("during the handshake: {e}"),
-        })
-    };
     let failed = |e: io::Error| Refused::Failed(e.to_string());
 
     stream
         .set_nonblocking(false)
         .and_then(|()| tune(stream, HANDSHAKE_TIMEOUT))
         .map_err(failed)?;
-    let (kind, hello) = read_frame_by(stream, HELLO_LEN, proof_by).map_err(silent)?;
-    let hello = match (kind, Hello::decode(&hello)) {
-        (Kind::Hello, Some(hello)) => hello,
-        (Kind::Hello, None) => {
-            return Err(Refused::Unproven(format!(
-                "it sent a hello of {} bytes, not {HELLO_LEN}: a worker of another Hora version?",
-                hello.len()
-            )))
-        }
-        _ => {
-            return Err(Refused::Silent(format!(
-                "it sent a {kind:?} frame of {} bytes instead of a hello",
-                hello.len()
-            )))
-        }
-    };
+    let hello = Hello::decode(hello)
+        .ok_or_else(|| Refused::Unproven(format!("a hello is {HELLO_LEN} bytes")))?;
     if hello.version != PROTOCOL_VERSION {
         return Err(Refused::Unproven(format!(
             "it speaks ring protocol {}, this worker {PROTOCOL_VERSION}: run the same Hora \
@@ -2023,6 +2020,44 @@ mod tests {
             "{:?}",
             start.elapsed()
         );
+        drop(strangers);
+    }
+
+    #[test]
+    fn strangers_that_stop_after_the_first_byte_do_not_make_the_accept_loop_spin() {
+        let listener = Links::listen("127.0.0.1:0").unwrap();
+        let ours = world(&listener, 0, SECRET);
+        let at = listener.local_addr().unwrap();
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(20);
+        // Each sends the first byte of a hello's header, and then nothing.
+        let strangers: Vec<TcpStream> = (0..4)
+            .map(|_| {
+                let mut c = TcpStream::connect(at).unwrap();
+                c.write_all(&[MAGIC]).unwrap();
+                c
+            })
+            .collect();
+        let wait = Duration::from_secs(1);
+        thread::scope(|s| {
+            let accepting = s.spawn(|| {
+                let inbound = accept_left(gate(&ours), &listener, deadline, "here");
+                (inbound, ACCEPT_ROUNDS.with(|n| n.get()))
+            });
+            thread::sleep(wait);
+            let out = connect_as_rank_1(&world(&listener, 1, SECRET), deadline).unwrap();
+            let (inbound, rounds) = accepting.join().unwrap();
+            assert_eq!((inbound.unwrap().peer, out.peer), (1, 0));
+            // It wakes every 10 ms to look for a handshake's outcome, and for each knock and
+            // byte: about 100 rounds a second; allowed ten times that. Spinning on an unread
+            // byte goes round hundreds of thousands of times a second.
+            let bound = start.elapsed().as_millis() as u64 + 200;
+            assert!(
+                rounds < bound,
+                "the accept loop went round {rounds} times in {:?}",
+                start.elapsed()
+            );
+        });
         drop(strangers);
     }
 
