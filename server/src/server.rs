@@ -204,7 +204,14 @@ fn admin_token(store: &Store, config: &ServeConfig) -> Result<(String, Option<St
                 token.chars().count()
             );
         }
-        let hash = auth::hash_secret(token);
+        // Kept when it is this token's already (salted once); else salted and stored.
+        if let Some(stored) = store
+            .meta("admin_token_hash")?
+            .filter(|s| s.starts_with("pbkdf2-") && auth::verify_admin_token(token, s))
+        {
+            return Ok((stored, None));
+        }
+        let hash = auth::hash_admin_token(token).map_err(|e| anyhow::anyhow!("{e}"))?;
         store.put_meta("admin_token_hash", &hash)?;
         return Ok((hash, None));
     }
@@ -212,7 +219,7 @@ fn admin_token(store: &Store, config: &ServeConfig) -> Result<(String, Option<St
         return Ok((hash, None));
     }
     let token = auth::new_secret().map_err(|e| anyhow::anyhow!("{e}"))?;
-    let hash = auth::hash_secret(&token);
+    let hash = auth::hash_admin_token(&token).map_err(|e| anyhow::anyhow!("{e}"))?;
     store.put_meta("admin_token_hash", &hash)?;
     store.flush()?;
     Ok((hash, Some(token)))
