@@ -637,9 +637,20 @@ async fn a_round_short_of_min_clients_at_its_deadline_is_abandoned_and_retried()
         .ok(admin.request(Method::GET, "/admin/v1/tasks/d/rounds?limit=0"))
         .await;
     assert!(page.is_empty());
-    let info: TaskInfo = admin
+    // The history is durable a moment before the close installs the retry in memory (status
+    // readers never wait on a close): wait, bounded, for the retry.
+    let mut info: TaskInfo = admin
         .ok(admin.request(Method::GET, "/admin/v1/tasks/d"))
         .await;
+    for _ in 0..100 {
+        if info.open_round.as_ref().is_some_and(|o| o.attempt >= 1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        info = admin
+            .ok(admin.request(Method::GET, "/admin/v1/tasks/d"))
+            .await;
+    }
     let open = info.open_round.unwrap();
     // Retried as the same round under a new attempt (more may have lapsed meanwhile), empty.
     assert_eq!(
