@@ -116,6 +116,32 @@ fn summary(latencies: &[Duration]) -> (Duration, Duration, Duration) {
     )
 }
 
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// A row of the latency table: `phase`, its rounds, their p50, p95 and max.
+fn row(phase: &str, latencies: &[Duration]) {
+    let (p50, p95, max) = summary(latencies);
+    println!(
+        "| {phase} | {} | {:.1} | {:.1} | {:.1} |",
+        latencies.len(),
+        ms(p50),
+        ms(p95),
+        ms(max)
+    );
+}
+
+/// The RESULT line of a phase's honest round latency against the calm run's.
+fn ratios(phase: &str, latencies: &[Duration], calm: &[Duration], note: &str) {
+    let ((p50, p95, _), (c50, c95, _)) = (summary(latencies), summary(calm));
+    println!(
+        "RESULT honest round latency {phase} / alone: p50 {:.2}, p95 {:.2}{note}",
+        ms(p50) / ms(c50),
+        ms(p95) / ms(c95)
+    );
+}
+
 fn peak_rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
@@ -440,34 +466,15 @@ async fn run() {
     calm_healthz.sort();
     during.sort();
 
-    let (c50, c95, cmax) = summary(&calm);
-    let (a50, a95, amax) = summary(&attacked);
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!("hostile-load benchmark: {HONEST} honest clients, small MLP (356 parameters), release hora-server on loopback TLS");
     println!("attack: {STALLERS} clients stalling upload bodies (4 bytes of a whole update) and {idle} idle/half-open TLS connections throughout (reopened when closed), {POISONERS} poisoned updates per round (NaN, 3e38 everywhere, num_examples = u64::MAX); attack phase at least {} s", 3 * IDLE_TIMEOUT_SECS);
     println!();
     println!("| phase | rounds | p50 ms | p95 ms | max ms |");
     println!("|---|---|---|---|---|");
-    println!(
-        "| honest alone | {} | {:.1} | {:.1} | {:.1} |",
-        calm.len(),
-        ms(c50),
-        ms(c95),
-        ms(cmax)
-    );
-    println!(
-        "| under attack | {} | {:.1} | {:.1} | {:.1} |",
-        attacked.len(),
-        ms(a50),
-        ms(a95),
-        ms(amax)
-    );
+    row("honest alone", &calm);
+    row("under attack", &attacked);
     println!();
-    println!(
-        "RESULT honest round latency under attack / alone: p50 {:.2}, p95 {:.2}",
-        ms(a50) / ms(c50),
-        ms(a95) / ms(c95)
-    );
+    ratios("under attack", &attacked, &calm, "");
     println!(
         "idle/half-open connections opened by attackers: {} ({idle} at a time; each closed by the server is reopened)",
         attacks.idle_opened.load(Ordering::Relaxed)
@@ -501,41 +508,21 @@ async fn run() {
         unauth.held_h1,
         unauth.unanswered_h2
     );
-    let (f50, f95, fmax) = summary(&floored);
-    let (j50, j95, jmax) = summary(&flooded);
     println!("| phase | rounds | p50 ms | p95 ms | max ms |");
     println!("|---|---|---|---|---|");
-    println!(
-        "| honest alone | {} | {:.1} | {:.1} | {:.1} |",
-        calm.len(),
-        ms(c50),
-        ms(c95),
-        ms(cmax)
+    row("honest alone", &calm);
+    row(&format!("beside a floor-rate uploader (8 MiB model, deadline 60 s; still sending at the end: {slow_still_sending})"), &floored);
+    row(
+        &format!("beside a join flood (20 clients, {join_rate:.0} joins/s answered)"),
+        &flooded,
     );
-    println!(
-        "| beside a floor-rate uploader (8 MiB model, deadline 60 s; still sending at the end: {slow_still_sending}) | {} | {:.1} | {:.1} | {:.1} |",
-        floored.len(),
-        ms(f50),
-        ms(f95),
-        ms(fmax)
+    ratios(
+        "beside a floor-rate uploader",
+        &floored,
+        &calm,
+        " (target p95 <= 2)",
     );
-    println!(
-        "| beside a join flood (20 clients, {join_rate:.0} joins/s answered) | {} | {:.1} | {:.1} | {:.1} |",
-        flooded.len(),
-        ms(j50),
-        ms(j95),
-        ms(jmax)
-    );
-    println!(
-        "RESULT honest round latency beside a floor-rate uploader / alone: p50 {:.2}, p95 {:.2} (target p95 <= 2)",
-        ms(f50) / ms(c50),
-        ms(f95) / ms(c95)
-    );
-    println!(
-        "RESULT honest round latency beside a join flood / alone: p50 {:.2}, p95 {:.2}",
-        ms(j50) / ms(c50),
-        ms(j95) / ms(c95)
-    );
+    ratios("beside a join flood", &flooded, &calm, "");
     println!(
         "RESULT /healthz p99 while a {mib} MiB model is uploaded, checkpointed and published ({:.1} s, {} requests): {:.1} ms; calm: {:.1} ms",
         publication.as_secs_f64(),

@@ -64,6 +64,19 @@ fn task(global: ModelDigest, spec: ModelSpec, published: u64) -> TaskRecord {
     }
 }
 
+/// Records round `round` of task `t`, published with model `digest`.
+fn finish(store: &SledStore, round: u64, digest: ModelDigest, spec: ModelSpec) {
+    store
+        .finish_round(
+            "t",
+            &task(digest, spec, round),
+            &record(round, digest),
+            0,
+            None,
+        )
+        .expect("finish");
+}
+
 /// Publishes rounds `from..=to` of task `t`, each with its own small model, and prunes after
 /// each; the mean time of one publication's record and prune.
 fn publish(store: &SledStore, from: u64, to: u64) -> Duration {
@@ -72,15 +85,7 @@ fn publish(store: &SledStore, from: u64, to: u64) -> Duration {
         let model = Model::from_tensors([("w", vec![4], vec![round as f32; 4])]).expect("model");
         let digest = store.put_model(&model).expect("model file");
         let started = Instant::now();
-        store
-            .finish_round(
-                "t",
-                &task(digest, model.spec(), round),
-                &record(round, digest),
-                0,
-                None,
-            )
-            .expect("finish");
+        finish(store, round, digest, model.spec());
         store.prune_models("t", RETENTION, round).expect("prune");
         spent += started.elapsed();
     }
@@ -108,15 +113,7 @@ fn main() {
         .spec();
     for round in 11..=99_985u64 {
         let digest = ModelDigest::from_hex(&format!("{round:064x}")).expect("a digest");
-        store
-            .finish_round(
-                "t",
-                &task(digest, spec.clone(), round),
-                &record(round, digest),
-                0,
-                None,
-            )
-            .expect("finish");
+        finish(&store, round, digest, spec.clone());
     }
     let caught_up = Instant::now();
     store.prune_models("t", RETENTION, 99_985).expect("prune");

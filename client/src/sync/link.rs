@@ -2131,8 +2131,8 @@ mod tests {
         );
     }
 
-    #[test]
-    fn workers_that_disagree_on_sealing_refuse_each_other_and_say_why() {
+    /// Links a world of two on loopback, each rank with `options(rank)`: each rank's outcome.
+    fn connect_two(options: impl Fn(u32) -> LinkOptions + Sync) -> Vec<Result<Links>> {
         let listeners: Vec<TcpListener> = (0..2)
             .map(|_| Links::listen("127.0.0.1:0").unwrap())
             .collect();
@@ -2140,28 +2140,31 @@ mod tests {
             .iter()
             .map(|l| l.local_addr().unwrap().to_string())
             .collect();
-        let errors: Vec<String> = thread::scope(|s| {
+        let options = &options;
+        thread::scope(|s| {
             let handles: Vec<_> = listeners
                 .into_iter()
                 .enumerate()
                 .map(|(rank, listener)| {
                     let world =
                         World::from_peers(peers.clone(), rank as u32, Some(SECRET)).unwrap();
-                    s.spawn(move || {
-                        let options = LinkOptions {
-                            timeout: Duration::from_secs(5),
-                            slot_bytes: None,
-                            seal_frames: rank == 0,
-                        };
-                        Links::connect(&world, listener, &options)
-                            .err()
-                            .unwrap()
-                            .to_string()
-                    })
+                    s.spawn(move || Links::connect(&world, listener, &options(rank as u32)))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        })
+    }
+
+    #[test]
+    fn workers_that_disagree_on_sealing_refuse_each_other_and_say_why() {
+        let errors: Vec<String> = connect_two(|rank| LinkOptions {
+            timeout: Duration::from_secs(5),
+            slot_bytes: None,
+            seal_frames: rank == 0,
+        })
+        .into_iter()
+        .map(|l| l.err().unwrap().to_string())
+        .collect();
         assert!(
             errors[0].contains("does not seal its ring frames and this worker does"),
             "{}",
@@ -2346,32 +2349,14 @@ mod tests {
         if host_id().is_none() {
             return; // No /dev/shm here, or HORA_RING_SHM=0: nothing to offer.
         }
-        let listeners: Vec<TcpListener> = (0..2)
-            .map(|_| Links::listen("127.0.0.1:0").unwrap())
-            .collect();
-        let peers: Vec<String> = listeners
-            .iter()
-            .map(|l| l.local_addr().unwrap().to_string())
-            .collect();
-        let links: Vec<Links> = thread::scope(|s| {
-            let handles: Vec<_> = listeners
-                .into_iter()
-                .enumerate()
-                .map(|(rank, listener)| {
-                    let world =
-                        World::from_peers(peers.clone(), rank as u32, Some(SECRET)).unwrap();
-                    s.spawn(move || {
-                        let options = LinkOptions {
-                            timeout: Duration::from_secs(10),
-                            slot_bytes: Some(4096),
-                            seal_frames: true,
-                        };
-                        Links::connect(&world, listener, &options).unwrap()
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let links: Vec<Links> = connect_two(|_| LinkOptions {
+            timeout: Duration::from_secs(10),
+            slot_bytes: Some(4096),
+            seal_frames: true,
+        })
+        .into_iter()
+        .map(|l| l.unwrap())
+        .collect();
         for (rank, l) in links.iter().enumerate() {
             assert!(
                 l.inbound.slots.is_some() && l.outbound.slots.is_some(),

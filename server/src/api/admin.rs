@@ -328,19 +328,28 @@ pub async fn revoke_client(
     _a: AdminAuth,
     ApiPath(client): ApiPath<String>,
 ) -> Result<Json<ClientInfo>, ServerError> {
+    let info = change_client(state, client.clone(), |c| c.revoked = true).await?;
+    tracing::info!(client = %client, "client revoked");
+    Ok(info)
+}
+
+/// Changes client `client` in place, durably, atomically with any strike counted meanwhile
+/// (404 when there is no such client).
+async fn change_client(
+    state: Shared,
+    client: String,
+    change: fn(&mut crate::store::ClientRecord),
+) -> Result<Json<ClientInfo>, ServerError> {
     let id = client.clone();
     let record = crate::blocking(move || {
         let store = state.coordinator.store();
-        let mut record = store
-            .client(&id)?
+        let record = store
+            .update_client(&id, &mut |c| change(c))?
             .ok_or_else(|| ServerError::NotFound(format!("no client `{id}`")))?;
-        record.revoked = true;
-        store.put_client(&id, &record)?;
         store.flush()?;
         Ok(record)
     })
     .await?;
-    tracing::info!(client = %client, "client revoked");
     Ok(Json(client_info(client, record)))
 }
 
@@ -352,21 +361,13 @@ pub async fn release_client(
     _a: AdminAuth,
     ApiPath(client): ApiPath<String>,
 ) -> Result<Json<ClientInfo>, ServerError> {
-    let id = client.clone();
-    let record = crate::blocking(move || {
-        let store = state.coordinator.store();
-        let record = store
-            .update_client(&id, &mut |c| {
-                c.quarantined = None;
-                c.strikes = 0;
-            })?
-            .ok_or_else(|| ServerError::NotFound(format!("no client `{id}`")))?;
-        store.flush()?;
-        Ok(record)
+    let info = change_client(state, client.clone(), |c| {
+        c.quarantined = None;
+        c.strikes = 0;
     })
     .await?;
     tracing::info!(client = %client, "client released from quarantine");
-    Ok(Json(client_info(client, record)))
+    Ok(info)
 }
 
 #[utoipa::path(post, path = "/admin/v1/sync-jobs", tag = "admin", security(("admin_token" = [])), request_body = CreateSyncJob,

@@ -62,6 +62,19 @@ impl MemoryStore {
         })
     }
 
+    /// What `pick` takes of `task`'s history (nothing when it has none).
+    fn history_of(
+        &self,
+        task: &str,
+        pick: impl FnOnce(&BTreeMap<(u64, u32), RoundRecord>) -> Vec<RoundRecord>,
+    ) -> Vec<RoundRecord> {
+        self.records()
+            .history
+            .get(task)
+            .map(pick)
+            .unwrap_or_default()
+    }
+
     fn records(&self) -> MutexGuard<'_, Records> {
         lock(&self.records)
     }
@@ -157,33 +170,23 @@ impl RoundLog for MemoryStore {
         after: u64,
         limit: usize,
     ) -> Result<Vec<RoundRecord>, StoreError> {
-        Ok(self
-            .records()
-            .history
-            .get(task)
-            .map(|rounds| {
-                rounds
-                    .values()
-                    .filter(|r| r.round > after)
-                    .take(limit)
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default())
+        Ok(self.history_of(task, |rounds| {
+            rounds
+                .values()
+                .filter(|r| r.round > after)
+                .take(limit)
+                .cloned()
+                .collect()
+        }))
     }
 
     fn round_attempts(&self, task: &str, round: u64) -> Result<Vec<RoundRecord>, StoreError> {
-        Ok(self
-            .records()
-            .history
-            .get(task)
-            .map(|rounds| {
-                rounds
-                    .range((round, 0)..=(round, u32::MAX))
-                    .map(|(_, r)| r.clone())
-                    .collect()
-            })
-            .unwrap_or_default())
+        Ok(self.history_of(task, |rounds| {
+            rounds
+                .range((round, 0)..=(round, u32::MAX))
+                .map(|(_, r)| r.clone())
+                .collect()
+        }))
     }
 
     fn model_in_history(&self, digest: &ModelDigest) -> Result<bool, StoreError> {

@@ -134,6 +134,20 @@ impl SledStore {
         &self.dir
     }
 
+    /// `task`'s history entries (key, record) of rounds `first` up to `end` (not included; None:
+    /// to the last), oldest first, read without the rest of the history.
+    fn history_rows(
+        &self,
+        task: &str,
+        first: u64,
+        end: Option<u64>,
+    ) -> impl Iterator<Item = sled::Result<(sled::IVec, sled::IVec)>> {
+        // Every key of the task starts `task\0`: `task\x01` sorts after all of them.
+        let end = end.map_or(format!("{task}\u{1}"), |e| history_key(task, e, 0));
+        self.history
+            .range(history_key(task, first, 0).into_bytes()..end.into_bytes())
+    }
+
     /// Where a checkpoint or masked sum lives.
     pub fn checkpoint_path(&self, file: &str) -> PathBuf {
         self.dir.join("checkpoints").join(file)
@@ -233,15 +247,7 @@ impl RoundLog for SledStore {
         let Some(first) = after.checked_add(1) else {
             return Ok(Vec::new());
         };
-        let prefix = format!("{task}\0");
-        let rows = self
-            .history
-            .range(history_key(task, first, 0).into_bytes()..)
-            .take_while(|kv| {
-                kv.as_ref()
-                    .map_or(true, |(k, _)| k.starts_with(prefix.as_bytes()))
-            })
-            .take(limit);
+        let rows = self.history_rows(task, first, None).take(limit);
         Ok(all(rows)?.into_iter().map(|(_, r)| r).collect())
     }
 
@@ -249,9 +255,7 @@ impl RoundLog for SledStore {
         let Some(next) = round.checked_add(1) else {
             return Ok(Vec::new());
         };
-        let rows = self.history.range(
-            history_key(task, round, 0).into_bytes()..history_key(task, next, 0).into_bytes(),
-        );
+        let rows = self.history_rows(task, round, Some(next));
         Ok(all(rows)?.into_iter().map(|(_, r)| r).collect())
     }
 
@@ -284,10 +288,7 @@ impl RoundLog for SledStore {
             .map_or(0, |p| p.below);
         let mut dropped = Vec::new();
         if from <= upto {
-            let rows = self.history.range(
-                history_key(task, from, 0).into_bytes()
-                    ..history_key(task, upto + 1, 0).into_bytes(),
-            );
+            let rows = self.history_rows(task, from, Some(upto + 1));
             for (key, mut r) in all::<RoundRecord>(rows)? {
                 let Some(model) = r.model.filter(|_| !r.pruned) else {
                     continue;
