@@ -30,14 +30,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use hora_common::envelope::RoundSecretKey;
-use hora_common::model::{ModelDigest, ModelView};
+use hora_common::model::ModelDigest;
 use hora_common::wire::{self, AsynchronousConfig, ErrorCode, VersionStaleness};
 
-use super::collection::{Collection, Step};
-use super::plain::{already_contributed, Admission, Sealing};
-use super::{jitter, lock, now_ms, Ending, Round, Task};
+use super::collection::{Collection, Folded, Joined, Opened, Step};
+use super::plain::already_contributed;
+use super::upload::{Admission, Sealing};
+use super::{jitter, lock, now_ms, Coordinator, Round, Task};
 use crate::error::ServerError;
-use crate::store::{Contribution, EarlierVersion, OpenRoundRecord, Store, TaskRecord};
+use crate::metrics::ServerMetrics;
+use crate::store::{Contribution, EarlierVersion, OpenRoundRecord, Retention, Store, TaskRecord};
 
 /// Buffered asynchronous aggregation. One collection serves every version of its task.
 pub struct AsyncCollection {
@@ -134,81 +136,9 @@ impl AsyncCollection {
         Ok(collection)
     }
 
-    pub fn config(&self) -> &AsynchronousConfig {
-        &self.config
-    }
-
-    /// The key of an attempt of version `number`: a retry of an abandoned version keeps the key
-    /// its clients sealed to.
-    pub(crate) fn attempt_key(&self, number: u64) -> Option<RoundSecretKey> {
-        let state = lock(&self.state);
-        let e = state.earlier.get(&number)?;
-        Some(RoundSecretKey::from_bytes(*e.key.to_bytes()))
-    }
-
-    /// Keeps the key of `round`, which is closing, for updates trained from it that arrive
-    /// later; forgets keys no update may use any more.
-    pub(crate) fn retire(&self, round: &Round) {
-        let mut state = lock(&self.state);
-        state.earlier.insert(
-            round.number,
-            Earlier {
-                key: Arc::new(RoundSecretKey::from_bytes(*round.key.to_bytes())),
-                base: round.base,
-            },
-        );
-        let oldest = round.number.saturating_sub(self.config.max_staleness);
-        state.earlier.retain(|v, _| *v >= oldest);
-    }
-
-    /// Whether `digest` is the base model of an earlier version updates may still be trained
-    /// from (clients that pulled it may download it).
-    pub(crate) fn serves(&self, digest: &ModelDigest) -> bool {
-        lock(&self.state)
-            .earlier
-            .values()
-            .any(|e| e.base == *digest)
-    }
-
-    /// The attempt `round` is closed: published, its updates count for good; abandoned, its
-    /// clients get their earlier base back.
-    pub(crate) fn settle(&self, round: &Round, abandoned: bool) {
-        let mut state = lock(&self.state);
-        let State {
-            undo, last_base, ..
-        } = &mut *state;
-        let mut i = undo.len();
-        while i > 0 {
-            i -= 1;
-            if (undo[i].0, undo[i].1) != (round.number, round.attempt) {
-                continue;
-            }
-            let (_, _, client, before) = undo.remove(i);
-            if abandoned {
-                match before {
-                    Some(base) => last_base.insert(client, base),
-                    None => last_base.remove(&client),
-                };
-            }
-        }
-    }
-
-    /// The earlier versions' keys, as the open round's record keeps them.
-    pub(crate) fn earlier_records(&self) -> Vec<EarlierVersion> {
-        lock(&self.state)
-            .earlier
-            .iter()
-            .map(|(round, e)| EarlierVersion {
-                round: *round,
-                secret: hex::encode(*e.key.to_bytes()),
-                base_model: e.base,
-            })
-            .collect()
-    }
-
     /// How long a client without a slot waits before asking again: about the time until the
     /// next update frees one, jittered so that waiting clients do not come back as one herd.
-    pub(crate) fn retry_after_ms(&self) -> u64 {
+    fn pace(&self) -> u64 {
         jitter((lock(&self.state).interval_ms as u64).clamp(200, 30_000))
     }
 
@@ -224,7 +154,7 @@ impl AsyncCollection {
 
     /// Whether `client` holds a slot, and whether it has contributed an update trained from
     /// version `version` (it waits for the next).
-    pub(crate) fn standing(&self, client: &str, version: u64) -> (bool, bool) {
+    fn standing_at(&self, client: &str, version: u64) -> (bool, bool) {
         let state = lock(&self.state);
         (
             state
@@ -236,12 +166,12 @@ impl AsyncCollection {
     }
 
     /// Gives `client` a training slot on the current version `round` if one is free.
-    pub(crate) fn join(
+    fn join(
         &self,
-        round: &Round,
+        round: &Arc<Round>,
         record: &TaskRecord,
         client: &str,
-    ) -> Result<wire::JoinResponse, ServerError> {
+    ) -> Result<Joined, ServerError> {
         let now = now_ms();
         let mut state = lock(&self.state);
         if state
@@ -255,22 +185,22 @@ impl AsyncCollection {
         if !state.slots.contains_key(client)
             && state.slots.len() >= self.config.concurrency as usize
         {
-            drop(state);
-            return Ok(wire::JoinResponse {
-                offer: None,
-                retry_after_ms: self.retry_after_ms(),
-            });
+            return Ok(Joined::Wait);
         }
         let until = now + self.slot_ms;
         state.slots.insert(client.to_string(), until);
-        Ok(wire::JoinResponse {
-            offer: Some(round.offer(record, until)),
-            retry_after_ms: 0,
+        Ok(Joined::Selected {
+            round: round.clone(),
+            upto: 0,
+            answer: Box::new(wire::JoinResponse {
+                offer: Some(round.offer(record, until)),
+                retry_after_ms: 0,
+            }),
         })
     }
 
     /// The checks an upload trained from version `base` must pass before its body is read.
-    pub(crate) fn check_upload(
+    fn admit_upload(
         &self,
         round: &Arc<Round>,
         client: &str,
@@ -330,16 +260,15 @@ impl AsyncCollection {
     /// next), weighted by its example count and its staleness; `scale` is what the task's norm
     /// bound asks for. Returns the round it went into, its index there, and whether it was
     /// folded now (false: a retry that raced its first attempt).
-    pub(crate) fn fold(
-        &self,
-        task: &Task,
-        update: Contribution,
-        scale: f64,
-        view: &ModelView<'_>,
-    ) -> Result<(Arc<Round>, usize, bool), ServerError> {
-        let base = update
-            .base
-            .ok_or_else(|| ServerError::internal("an asynchronous update without its base"))?;
+    fn fold_into_open(&self, task: &Task, opened: Opened<'_>) -> Result<Folded, ServerError> {
+        let Opened {
+            mut update,
+            sealed: base,
+            scale,
+            view,
+            ..
+        } = opened;
+        update.base = Some(base);
         let client = &update.client;
         // A close holds the buffer's lock until the next version is installed, so a buffer found
         // closed has a successor already, unless the task ended.
@@ -364,7 +293,11 @@ impl AsyncCollection {
                 .iter()
                 .position(|c| c.client == *client && c.base == Some(base))
             {
-                return Ok((round.clone(), index, false));
+                return Ok(Folded {
+                    round: round.clone(),
+                    index,
+                    now: false,
+                });
             }
             // (The collection's state is shared by every version and read by polls and joins:
             // never held across the model-sized fold. The round's lock, held throughout, keeps
@@ -397,7 +330,11 @@ impl AsyncCollection {
             drop(state);
             lock(&round.roster).contributed(&update.client);
             acc.contributions.push(update);
-            return Ok((round.clone(), acc.contributions.len() - 1, true));
+            return Ok(Folded {
+                round: round.clone(),
+                index: acc.contributions.len() - 1,
+                now: true,
+            });
         }
         Err(ServerError::unavailable(
             ErrorCode::RoundClosed,
@@ -421,24 +358,91 @@ impl Collection for AsyncCollection {
         "asynchronous"
     }
 
+    fn select(
+        &self,
+        engine: &Coordinator,
+        task: &Task,
+        record: &TaskRecord,
+        round: &Arc<Round>,
+        client: &str,
+    ) -> Result<Joined, ServerError> {
+        let joined = self.join(round, record, client);
+        self.report(&engine.metrics, &task.id, round.counts().1);
+        joined
+    }
+
+    fn standing(&self, round: &Round, client: &str) -> (bool, bool) {
+        self.standing_at(client, round.number)
+    }
+
+    fn selected(&self, _: &Round) -> usize {
+        self.training()
+    }
+
+    fn retry_after_ms(&self, _: &Round) -> u64 {
+        self.pace()
+    }
+
+    fn check_upload(
+        &self,
+        _: &Task,
+        round: &Arc<Round>,
+        client: &str,
+        base: u64,
+    ) -> Result<Admission, ServerError> {
+        self.admit_upload(round, client, base)
+    }
+
+    fn fold(
+        &self,
+        engine: &Coordinator,
+        task: &Task,
+        _: &Arc<Round>,
+        opened: Opened<'_>,
+    ) -> Result<Folded, ServerError> {
+        let sealed = opened.sealed;
+        let folded = self.fold_into_open(task, opened)?;
+        if folded.now {
+            engine
+                .metrics
+                .update_staleness(&task.id, folded.round.number - sealed);
+            engine.metrics.async_training(&task.id, self.training());
+        }
+        Ok(folded)
+    }
+
+    fn report(&self, metrics: &ServerMetrics, task: &str, buffered: usize) {
+        metrics.async_buffered(task, buffered);
+        metrics.async_training(task, self.training());
+    }
+
+    fn attempt_key(&self, number: u64) -> Option<RoundSecretKey> {
+        let state = lock(&self.state);
+        let e = state.earlier.get(&number)?;
+        Some(RoundSecretKey::from_bytes(*e.key.to_bytes()))
+    }
+
+    fn serves(&self, digest: &ModelDigest) -> bool {
+        lock(&self.state)
+            .earlier
+            .values()
+            .any(|e| e.base == *digest)
+    }
+
+    fn retention(&self, mut policy: Retention) -> Retention {
+        // Clients may still download (and train from) any version within the staleness window.
+        if policy.last != 0 || policy.every != 0 {
+            policy.last = policy.last.max(self.config.max_staleness + 1);
+        }
+        policy
+    }
+
     fn next_deadline(&self, _: &Round) -> u64 {
         u64::MAX // a version is published when its buffer is full, never for the time
     }
 
     fn at_deadline(&self, _: &Store) -> Result<Step, ServerError> {
         Ok(Step::Continue)
-    }
-
-    fn retry_after_failed_close(&self, _: Ending) -> Option<Ending> {
-        None // the buffer takes more updates meanwhile; the watcher closes it again
-    }
-
-    fn restarts_on_resume(&self) -> bool {
-        true
-    }
-
-    fn asynchronous(&self) -> Option<&AsyncCollection> {
-        Some(self)
     }
 
     fn full_at(&self, _: &wire::CreateTask) -> usize {
@@ -451,6 +455,58 @@ impl Collection for AsyncCollection {
             .map(|c| c.base.unwrap_or(version))
             .collect();
         Some(VersionStaleness::of(version, bases))
+    }
+
+    /// Keeps the key of `round`, which is closing, for updates trained from it that arrive
+    /// later (and for a retry of it, which keeps the key its clients sealed to); forgets keys no
+    /// update may use any more.
+    fn retire(&self, round: &Round) {
+        let mut state = lock(&self.state);
+        state.earlier.insert(
+            round.number,
+            Earlier {
+                key: Arc::new(RoundSecretKey::from_bytes(*round.key.to_bytes())),
+                base: round.base,
+            },
+        );
+        let oldest = round.number.saturating_sub(self.config.max_staleness);
+        state.earlier.retain(|v, _| *v >= oldest);
+    }
+
+    /// The attempt `round` is closed: published, its updates count for good; abandoned, its
+    /// clients get their earlier base back.
+    fn settle(&self, round: &Round, abandoned: bool) {
+        let mut state = lock(&self.state);
+        let State {
+            undo, last_base, ..
+        } = &mut *state;
+        let mut i = undo.len();
+        while i > 0 {
+            i -= 1;
+            if (undo[i].0, undo[i].1) != (round.number, round.attempt) {
+                continue;
+            }
+            let (_, _, client, before) = undo.remove(i);
+            if abandoned {
+                match before {
+                    Some(base) => last_base.insert(client, base),
+                    None => last_base.remove(&client),
+                };
+            }
+        }
+    }
+
+    /// The earlier versions' keys travel in the open round's record.
+    fn record(&self, record: &mut OpenRoundRecord) {
+        record.earlier = lock(&self.state)
+            .earlier
+            .iter()
+            .map(|(round, e)| EarlierVersion {
+                round: *round,
+                secret: hex::encode(*e.key.to_bytes()),
+                base_model: e.base,
+            })
+            .collect();
     }
 }
 

@@ -122,9 +122,7 @@ impl Coordinator {
         if let Some(file) = round.collection.leftover_file() {
             self.store.remove_checkpoint(&file);
         }
-        if let Some(buffer) = round.collection.asynchronous() {
-            buffer.settle(round, tally.abandon.is_some());
-        }
+        round.collection.settle(round, tally.abandon.is_some());
         let outcome = tally.abandon.clone().map_or(Ok(()), Err);
         acc.phase.closed(outcome).map_err(ServerError::internal)?;
         round.selection.send_replace(SelectionDurability::Closed);
@@ -135,9 +133,7 @@ impl Coordinator {
                     .send_replace(Durability::Upto(tally.updates));
                 self.metrics
                     .round_published(&task.id, started.elapsed().as_secs_f64());
-                if round.collection.asynchronous().is_some() {
-                    self.metrics.async_buffered(&task.id, 0);
-                }
+                round.collection.report(&self.metrics, &task.id, 0);
                 if let Some(p) = &history.privacy {
                     self.metrics.dp_epsilon(&task.id, p.epsilon);
                 }
@@ -160,14 +156,7 @@ impl Coordinator {
         // Off the publish → wake-up path: pollers already know of the next round.
         if tally.abandon.is_none() {
             let published = tally.record.published;
-            let mut retention = self.config.retention;
-            if let Some(buffer) = round.collection.asynchronous() {
-                // Clients may still download (and train from) any version within the staleness
-                // window.
-                if retention.last != 0 || retention.every != 0 {
-                    retention.last = retention.last.max(buffer.config().max_staleness + 1);
-                }
-            }
+            let retention = round.collection.retention(self.config.retention);
             match self.store.prune_models(&task.id, retention, published) {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(task = %task.id, files = n, "pruned round models"),
@@ -198,8 +187,7 @@ impl Coordinator {
             .cloned()
             .collect();
         let examples = round.collection.examples(&acc.contributions, &acc.sum);
-        let strategy = strategy::from_config(&record.config.strategy);
-        let metrics = strategy.aggregate_metrics(&acc.contributions);
+        let metrics = task.strategy.aggregate_metrics(&acc.contributions);
         let mut abandon = match ending {
             Ending::Abandon(r) => Some(r.clone()),
             Ending::Publish if updates < record.config.min_clients as usize => Some(format!(
@@ -248,6 +236,7 @@ impl Coordinator {
     /// recorded below with the model); the previous state stays until then.
     fn aggregate(
         &self,
+        task: &Task,
         round: &Round,
         acc: &Accumulator,
         tally: &mut Tally,
@@ -255,10 +244,9 @@ impl Coordinator {
         if tally.abandon.is_some() {
             return Ok(None);
         }
-        let strategy = strategy::from_config(&tally.record.config.strategy);
         let mut bytes = self.store.model_bytes(&round.base)?;
         match strategy::aggregate_round(
-            strategy.as_ref(),
+            task.strategy.as_ref(),
             &mut bytes,
             &acc.sum,
             &self.store.strategy_state_dir(),
@@ -284,7 +272,7 @@ impl Coordinator {
         acc: &Accumulator,
         mut tally: Tally,
     ) -> Result<(Tally, RoundRecord, Option<Arc<Round>>), ServerError> {
-        let aggregated = self.aggregate(round, acc, &mut tally)?;
+        let aggregated = self.aggregate(task, round, acc, &mut tally)?;
         let previous_state = tally.record.strategy_state.clone();
         let new_state = aggregated.as_ref().and_then(|(_, _, state)| state.clone());
         // Set once the task record naming the new state is written: from then on the file may be
@@ -347,11 +335,9 @@ impl Coordinator {
                 pruned: false,
                 staleness: round.collection.staleness(round.number, &acc.contributions),
             };
-            // The retry of an abandoned attempt, or the next round. An asynchronous task keeps
-            // this version's key for the updates still being trained from it.
-            if let Some(buffer) = round.collection.asynchronous() {
-                buffer.retire(round);
-            }
+            // The retry of an abandoned attempt, or the next round (the mode may keep what the
+            // closing attempt's clients still need, such as its key).
+            round.collection.retire(round);
             let previous = Some(&round.collection);
             let next = match record.state {
                 TaskState::Running | TaskState::Paused => Some(match &tally.abandon {

@@ -1,26 +1,33 @@
-//! The seam between the round engine and a round mode: how a round's updates come in.
+//! The seam between the round engine and a round mode: how a round's clients are admitted and
+//! how their updates come in.
 //!
-//! The engine ([`super`]) owns everything every mode shares — selection, the running sum and its
-//! checkpoints, the deadline watcher, closing and publishing. A [`Collection`] answers the few
-//! questions on which modes differ: may this client join now, what does its offer carry, how do
-//! updates arrive, when must the watcher look next and what happens then, and what the mode
-//! keeps in the store. [`super::plain::PlainCollection`] takes sealed uploads,
+//! The engine ([`super`]) owns everything every mode shares — the long poll, the upload path
+//! (envelope, validation, update bounds), the running sum and its checkpoints, the deadline
+//! watcher, closing and publishing. A [`Collection`] carries every step on which modes differ:
+//! joining and selection, a client's standing, the upload check and the fold, when a waiting
+//! client should come back, the keys updates are sealed to, what happens when an attempt closes,
+//! which models are retained, and what the mode keeps in the store. Each step's default is the
+//! plain mode's ([`super::plain`]); [`super::plain::PlainCollection`] takes them all,
 //! [`super::secure::SecureCollection`] runs secure aggregation's stages and
 //! [`super::asynchronous::AsyncCollection`] buffers updates trained from whichever version each
-//! client pulled; a new mode is one more implementation.
+//! client pulled. The engine never asks which mode a round is in: a new mode is one more
+//! implementation.
 
 use std::sync::Arc;
 
-use hora_common::wire::{CreateTask, SecAggOffer, VersionStaleness};
+use hora_common::envelope::RoundSecretKey;
+use hora_common::kernel::WeightedSum;
+use hora_common::model::{ModelDigest, ModelView};
+use hora_common::wire::{self, CreateTask, ErrorCode, SecAggOffer, VersionStaleness};
 use tokio::sync::watch;
 
-use hora_common::kernel::WeightedSum;
-
 use super::asynchronous::AsyncCollection;
-use super::{Ending, Round};
+use super::upload::Admission;
+use super::{jitter, now_ms, plain, Coordinator, Ending, Round, Task};
 use crate::error::ServerError;
+use crate::metrics::ServerMetrics;
 use crate::secagg::SecAggRound;
-use crate::store::{Contribution, OpenRoundRecord, Store, TaskRecord};
+use crate::store::{Contribution, OpenRoundRecord, Retention, Store, TaskRecord};
 
 /// What the deadline watcher (or a mode's own message) does to a round.
 #[derive(Debug)]
@@ -38,10 +45,48 @@ pub enum Step {
     },
 }
 
-/// How a round's updates come in. One implementation per round mode.
+/// What a join decided.
+pub enum Joined {
+    /// Not now: come back after the task's retry interval.
+    Wait,
+    /// Selected: `answer` goes out once the round's first `upto` selections are durable (a
+    /// selected client's upload is never refused as `not_selected` after a crash).
+    Selected {
+        round: Arc<Round>,
+        upto: usize,
+        answer: Box<wire::JoinResponse>,
+    },
+}
+
+/// Where an update went: the round it was folded into (an asynchronous buffer that closed
+/// meanwhile hands it to the next), its index there, and whether it was folded now (false: a
+/// retry that raced its own first attempt, answered as that one is).
+pub struct Folded {
+    pub round: Arc<Round>,
+    pub index: usize,
+    pub now: bool,
+}
+
+/// An update opened and checked by the upload path, ready to fold.
+pub struct Opened<'a> {
+    /// The contribution as the round's record will list it.
+    pub update: Contribution,
+    /// The version whose key the update was sealed to (the one it was trained from).
+    pub sealed: u64,
+    /// Its weight in the sum (its example count, or 1 under central DP).
+    pub weight: f64,
+    /// What the task's norm bound (or DP clipping) scales it by.
+    pub scale: f64,
+    pub view: &'a ModelView<'a>,
+}
+
+/// How a round's clients take part. One implementation per round mode; every step defaults to
+/// the plain mode's.
 pub trait Collection: Send + Sync {
     /// The mode's name, for logs and refusals.
     fn mode(&self) -> &'static str;
+
+    // -- joining ------------------------------------------------------------------------------
 
     /// Whether `client` may join now: `Ok(false)` tells it to come back later, an error refuses
     /// it for good (it cannot take part in this mode as it is).
@@ -49,18 +94,105 @@ pub trait Collection: Send + Sync {
         Ok(true)
     }
 
+    /// Selects `client` for `round` if there is room. Blocking (it takes the round's lock and
+    /// may read the store).
+    fn select(
+        &self,
+        engine: &Coordinator,
+        task: &Task,
+        record: &TaskRecord,
+        round: &Arc<Round>,
+        client: &str,
+    ) -> Result<Joined, ServerError> {
+        if !self.admit_join(engine.store(), &task.id, client)? {
+            return Ok(Joined::Wait);
+        }
+        plain::select(task, record, round, client)
+    }
+
     /// What a round offer carries for this mode.
     fn offer(&self) -> Option<SecAggOffer> {
         None
     }
 
-    /// Refuses a sealed upload unless that is how this mode's updates arrive.
-    fn check_sealed_upload(&self, _task: &str) -> Result<(), ServerError> {
-        Ok(())
+    /// Whether `client` is selected (holds a place to train) in `round`, and whether its update
+    /// is in. Never waits on the round's accumulator.
+    fn standing(&self, round: &Round, client: &str) -> (bool, bool) {
+        round.standing(client)
     }
 
+    /// How many clients are selected (training) now, for the task's status.
+    fn selected(&self, round: &Round) -> usize {
+        round.counts().0
+    }
+
+    /// How long a client that is not selected now waits before asking again (jittered, so that
+    /// waiting clients do not come back as one herd).
+    fn retry_after_ms(&self, round: &Round) -> u64 {
+        jitter(round.deadline().saturating_sub(now_ms()).clamp(500, 60_000))
+    }
+
+    // -- uploads ------------------------------------------------------------------------------
+
+    /// The checks a sealed upload of `client`, trained for round (or version) `number`, must
+    /// pass before its body is worth reading. Blocking (it may take the round's lock).
+    fn check_upload(
+        &self,
+        _task: &Task,
+        round: &Arc<Round>,
+        client: &str,
+        number: u64,
+    ) -> Result<Admission, ServerError> {
+        plain::check_upload(round, client, number)
+    }
+
+    /// Folds an opened update into the round (or, for a mode whose rounds take updates from
+    /// earlier ones, into whichever is open now). Blocking.
+    fn fold(
+        &self,
+        _engine: &Coordinator,
+        _task: &Task,
+        round: &Arc<Round>,
+        opened: Opened<'_>,
+    ) -> Result<Folded, ServerError> {
+        plain::fold(round, opened)
+    }
+
+    /// Reports the mode's own gauges, now that the open round holds `buffered` updates.
+    fn report(&self, _metrics: &ServerMetrics, _task: &str, _buffered: usize) {}
+
+    /// The protocol a secure-aggregation message takes part in, if this is that mode.
+    fn secure_aggregation(&self, task: &str) -> Result<Arc<SecAggRound>, ServerError> {
+        Err(ServerError::conflict(
+            ErrorCode::NotSecureAggregation,
+            format!("task `{task}` does not use secure aggregation"),
+        ))
+    }
+
+    // -- keys and models ----------------------------------------------------------------------
+
+    /// The key a new attempt of round `number` must keep (updates were sealed to it already),
+    /// if any; a fresh key otherwise.
+    fn attempt_key(&self, _number: u64) -> Option<RoundSecretKey> {
+        None
+    }
+
+    /// Whether clients may still download `digest`, an earlier global model (to train from it).
+    fn serves(&self, _digest: &ModelDigest) -> bool {
+        false
+    }
+
+    /// Which published models are kept, given the server's policy.
+    fn retention(&self, policy: Retention) -> Retention {
+        policy
+    }
+
+    // -- the watcher and the close ------------------------------------------------------------
+
     /// When the deadline watcher must next look at the round (Unix ms).
-    fn next_deadline(&self, round: &Round) -> u64;
+    fn next_deadline(&self, round: &Round) -> u64 {
+        round.deadline()
+    }
 
     /// Changes that move [`Collection::next_deadline`] early (a stage that closed).
     fn changes(&self) -> Option<watch::Receiver<u64>> {
@@ -68,11 +200,21 @@ pub trait Collection: Send + Sync {
     }
 
     /// What is due now that the round's deadline has passed. Blocking (it may write the store).
-    fn at_deadline(&self, store: &Store) -> Result<Step, ServerError>;
+    fn at_deadline(&self, _store: &Store) -> Result<Step, ServerError> {
+        // Published if it has the minimum, abandoned otherwise: the close decides.
+        Ok(Step::End(Ending::Publish))
+    }
 
     /// The ending a failed close must retry: `None` when the round can collect on (and closes
     /// again when full or at its deadline), `Some` when the mode can take nothing more.
-    fn retry_after_failed_close(&self, ending: Ending) -> Option<Ending>;
+    fn retry_after_failed_close(&self, _ending: Ending) -> Option<Ending> {
+        None
+    }
+
+    /// How many updates make the round full (it closes then, before its deadline).
+    fn full_at(&self, config: &CreateTask) -> usize {
+        config.target_clients as usize
+    }
 
     /// The round's example count for its history.
     fn examples(&self, contributions: &[Contribution], _sum: &WeightedSum) -> u64 {
@@ -81,9 +223,31 @@ pub trait Collection: Send + Sync {
             .fold(0u64, |sum, c| sum.saturating_add(c.examples))
     }
 
+    /// How stale the updates that make version `version` were, for its history.
+    fn staleness(
+        &self,
+        _version: u64,
+        _contributions: &[Contribution],
+    ) -> Option<VersionStaleness> {
+        None
+    }
+
+    /// `round` is closing and the attempt after it is about to open (before either is stored).
+    fn retire(&self, _round: &Round) {}
+
+    /// `round`'s close is durable: published, or abandoned.
+    fn settle(&self, _round: &Round, _abandoned: bool) {}
+
     /// The task was resumed after a pause: whether the round gets a whole deadline again (and
     /// closes at once if it is full).
-    fn restarts_on_resume(&self) -> bool;
+    fn restarts_on_resume(&self) -> bool {
+        true
+    }
+
+    // -- the store ----------------------------------------------------------------------------
+
+    /// Adds what the mode keeps in an open round's record (the engine fills in the rest).
+    fn record(&self, _record: &mut OpenRoundRecord) {}
 
     /// Stores what a new attempt of this mode needs to survive a restart (and drops what an
     /// older attempt stored).
@@ -100,30 +264,6 @@ pub trait Collection: Send + Sync {
     fn leftover_file(&self) -> Option<String> {
         None
     }
-
-    /// The secure-aggregation protocol of the round, when that is its mode.
-    fn secure(&self) -> Option<&Arc<SecAggRound>> {
-        None
-    }
-
-    /// The asynchronous collection, when that is the round's mode.
-    fn asynchronous(&self) -> Option<&AsyncCollection> {
-        None
-    }
-
-    /// How many updates make the round full (it closes then, before its deadline).
-    fn full_at(&self, config: &CreateTask) -> usize {
-        config.target_clients as usize
-    }
-
-    /// How stale the updates that make version `version` were, for its history.
-    fn staleness(
-        &self,
-        _version: u64,
-        _contributions: &[Contribution],
-    ) -> Option<VersionStaleness> {
-        None
-    }
 }
 
 /// The collection a new attempt of `record`'s task, opened at `now` (Unix ms), uses, and the
@@ -138,7 +278,8 @@ pub fn for_new_attempt(
 ) -> Result<(Arc<dyn Collection>, u64), ServerError> {
     let deadline = now + record.config.round_deadline_secs * 1000;
     if let Some(config) = &record.config.asynchronous {
-        let collection = match previous.filter(|p| p.asynchronous().is_some()) {
+        // One collection serves every version of an asynchronous task.
+        let collection = match previous {
             Some(p) => p.clone(),
             None => Arc::new(AsyncCollection::new(record, config)),
         };

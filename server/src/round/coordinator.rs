@@ -13,10 +13,10 @@ use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::plain::already_contributed;
+use super::collection::Joined;
 use super::{
-    capacity, collection, jitter, lock, now_ms, Accumulator, Checkpointed, Collection, Durability,
-    Roster, Round, SelectionDurability, Task,
+    collection, jitter, lock, now_ms, Accumulator, Checkpointed, Collection, Durability, Roster,
+    Round, SelectionDurability, Task,
 };
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
@@ -96,15 +96,15 @@ impl Coordinator {
         for (id, record) in coordinator.store.tasks_each()? {
             // One task's corrupt state must not keep the others from serving.
             let loaded = record.map_err(ServerError::from).and_then(|record| {
+                let strategy = strategy::from_config(&record.config.strategy);
                 // A damaged strategy state makes the task unavailable now, with the reason,
                 // rather than failing every round close later.
                 if let Some(name) = &record.strategy_state {
-                    let per = strategy::from_config(&record.config.strategy).state_per_parameter();
                     strategy::state::verify(
                         &coordinator.store.strategy_state_dir(),
                         name,
                         record.spec.numel(),
-                        per,
+                        strategy.state_per_parameter(),
                     )?;
                 }
                 if record.config.differential_privacy.is_some() && record.dp.is_none() {
@@ -122,9 +122,9 @@ impl Coordinator {
                     }
                     None => None,
                 };
-                Ok((record, round))
+                Ok((record, round, strategy))
             });
-            let (record, round) = match loaded {
+            let (record, round, strategy) = match loaded {
                 Ok(v) => v,
                 Err(e) => {
                     let detail = match &e {
@@ -147,16 +147,7 @@ impl Coordinator {
             if let (Some(config), Some(state)) = (&record.config.differential_privacy, &record.dp) {
                 coordinator.metrics.dp_epsilon(&id, state.epsilon(config));
             }
-            let task = Arc::new(Task {
-                id: id.clone(),
-                record: Mutex::new(record),
-                writing: Mutex::default(),
-                round: Mutex::new(round),
-                commit_wanted: Notify::new(),
-                lock_waiters: tokio::sync::Semaphore::new(super::LOCK_WAITERS),
-                changed: watch::channel(0).0,
-                recent: Mutex::default(),
-            });
+            let task = Arc::new(Task::new(id.clone(), record, round, strategy));
             coordinator
                 .tasks
                 .write()
@@ -271,11 +262,8 @@ impl Coordinator {
         let now = now_ms();
         let (collection, deadline) =
             collection::for_new_attempt(record, number, attempt, now, previous)?;
-        // A retried asynchronous version keeps the key its clients sealed their updates to.
-        let key = match collection
-            .asynchronous()
-            .and_then(|a| a.attempt_key(number))
-        {
+        // A retried attempt may keep the key its clients sealed their updates to.
+        let key = match collection.attempt_key(number) {
             Some(key) => key,
             None => RoundSecretKey::generate().map_err(ServerError::internal)?,
         };
@@ -329,15 +317,10 @@ impl Coordinator {
     // -- clients ----------------------------------------------------------------------------
 
     fn retry_after(&self, task: &Task) -> u64 {
-        let round = task.current();
-        if let Some(buffer) = round.as_ref().and_then(|r| r.collection.asynchronous()) {
-            return buffer.retry_after_ms();
+        match task.current() {
+            Some(round) => round.collection.retry_after_ms(&round),
+            None => jitter(5_000),
         }
-        let base = round
-            .map(|r| r.deadline().saturating_sub(now_ms()))
-            .unwrap_or(5_000)
-            .clamp(500, 60_000);
-        jitter(base)
     }
 
     /// The task's state for `client`; waits up to `wait` (at most the poll cap) for a round later
@@ -370,12 +353,7 @@ impl Coordinator {
             if ready || tokio::time::Instant::now() >= deadline {
                 let (selected, contributed) = round
                     .as_ref()
-                    .map(|r| {
-                        if let Some(buffer) = r.collection.asynchronous() {
-                            return buffer.standing(client, r.number);
-                        }
-                        r.standing(client)
-                    })
+                    .map(|r| r.collection.standing(r, client))
                     .unwrap_or((false, false));
                 return wire::PollResponse {
                     task: task.id.clone(),
@@ -414,7 +392,12 @@ impl Coordinator {
         let joined = crate::blocking(move || me.select(&t, &c)).await?;
         drop(waiting);
         let (round, upto, answer) = match joined {
-            Joined::Answer(answer) => return Ok(answer),
+            Joined::Wait => {
+                return Ok(wire::JoinResponse {
+                    offer: None,
+                    retry_after_ms: self.retry_after(task),
+                })
+            }
             Joined::Selected {
                 round,
                 upto,
@@ -448,7 +431,7 @@ impl Coordinator {
         // The round (held here) owns the sender: it cannot be gone.
         .map_err(ServerError::internal)?;
         match waited {
-            SelectionDurability::Upto(_) => Ok(answer),
+            SelectionDurability::Upto(_) => Ok(*answer),
             // The attempt closed before the selection was recorded: nothing to train for.
             SelectionDurability::Closed => Ok(wire::JoinResponse {
                 offer: None,
@@ -457,18 +440,12 @@ impl Coordinator {
         }
     }
 
-    /// The selection itself (blocking): an answer now, or a selection that must be durable first.
+    /// The selection itself (blocking): the round's mode decides.
     fn select(&self, task: &Task, client: &str) -> Result<Joined, ServerError> {
         let record = task.record();
-        let wait = || {
-            Ok(Joined::Answer(wire::JoinResponse {
-                offer: None,
-                retry_after_ms: self.retry_after(task),
-            }))
-        };
         match record.state {
             TaskState::Running => {}
-            TaskState::Paused => return wait(),
+            TaskState::Paused => return Ok(Joined::Wait),
             s => {
                 return Err(ServerError::conflict(
                     ErrorCode::TaskEnded,
@@ -477,64 +454,8 @@ impl Coordinator {
             }
         }
         let Some(round) = task.current() else {
-            return wait();
+            return Ok(Joined::Wait);
         };
-        if let Some(buffer) = round.collection.asynchronous() {
-            let joined = buffer.join(&round, &record, client)?;
-            self.metrics.async_training(&task.id, buffer.training());
-            return Ok(Joined::Answer(joined));
-        }
-        let capacity = capacity(&record.config);
-        if !round
-            .collection
-            .admit_join(&*self.store, &task.id, client)?
-        {
-            return wait();
-        }
-        let upto = {
-            let mut acc = lock(&round.acc);
-            if acc.contributions.iter().any(|c| c.client == client) {
-                return Err(already_contributed(client, round.number));
-            }
-            if !acc.selected.contains(client) {
-                let strategy = strategy::from_config(&record.config.strategy);
-                if !acc.phase.is_collecting()
-                    || !strategy.admits(client, acc.selected.len(), capacity)
-                {
-                    return wait();
-                }
-                // Recorded by the next commit, which the join waits for (a repeat join of a
-                // selected client writes nothing and wakes nobody).
-                acc.selected.insert(client.to_string());
-                lock(&round.roster).selected.insert(client.to_string());
-                let upto = acc.selected.len();
-                drop(acc);
-                task.bump();
-                upto
-            } else {
-                acc.selected.len()
-            }
-        };
-        let answer = wire::JoinResponse {
-            offer: Some(round.offer(&record, round.deadline())),
-            retry_after_ms: 0,
-        };
-        Ok(Joined::Selected {
-            round,
-            upto,
-            answer,
-        })
+        round.collection.select(self, task, &record, &round, client)
     }
-}
-
-/// What [`Coordinator::select`] decided.
-enum Joined {
-    /// The answer as it is (not selected now, or an asynchronous task's training slot).
-    Answer(wire::JoinResponse),
-    /// Selected: `answer` goes out once the first `upto` selections are durable.
-    Selected {
-        round: Arc<Round>,
-        upto: usize,
-        answer: wire::JoinResponse,
-    },
 }

@@ -29,10 +29,9 @@ impl Coordinator {
         }
         let mut acc = lock(&round.acc);
         let full_at = round.collection.full_at(&record.config);
-        if round.collection.asynchronous().is_some() {
-            self.metrics
-                .async_buffered(&task.id, acc.contributions.len());
-        }
+        round
+            .collection
+            .report(&self.metrics, &task.id, acc.contributions.len());
         if acc.contributions.len() < full_at {
             return;
         }

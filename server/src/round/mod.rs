@@ -16,6 +16,8 @@
 //! is shared by every mode and read top to bottom:
 //!
 //! - [`coordinator`]: the [`Coordinator`] — tasks loaded and resumed at start, long polls, joins.
+//! - [`upload`]: the sealed-upload path — checks before the body, envelope, validation, update
+//!   bounds, the mode's fold, the wait for durability.
 //! - [`task`]: a task's record and the operator's verbs (create, pause, resume, stop, history).
 //! - [`commit`]: group commit. A folded update is *pending* until a checkpoint that contains it
 //!   is durable: the committer, woken by the first pending update, writes the sum (atomic file,
@@ -40,6 +42,7 @@ pub mod phase;
 pub mod plain;
 pub mod secure;
 pub mod task;
+pub mod upload;
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};
@@ -54,8 +57,8 @@ use tokio::sync::{watch, Notify};
 pub use collection::Collection;
 pub use coordinator::{Coordinator, CoordinatorConfig};
 pub use phase::{Ending, Phase};
-pub use plain::{open_update, upload_limit, Admission, Sealing};
 pub use task::Task;
+pub use upload::{open_update, upload_limit, Admission, Sealing};
 
 use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord, TaskRecord};
 
@@ -252,7 +255,7 @@ impl Round {
     }
 
     pub(crate) fn record(&self, acc: &Accumulator) -> OpenRoundRecord {
-        OpenRoundRecord {
+        let mut record = OpenRoundRecord {
             round: self.number,
             attempt: self.attempt,
             secret: hex::encode(*self.key.to_bytes()),
@@ -266,12 +269,10 @@ impl Round {
                 total_weight: c.total_weight,
                 noised: c.noised,
             }),
-            earlier: self
-                .collection
-                .asynchronous()
-                .map(|a| a.earlier_records())
-                .unwrap_or_default(),
-        }
+            earlier: Vec::new(),
+        };
+        self.collection.record(&mut record);
+        record
     }
 }
 

@@ -10,6 +10,7 @@ use hora_common::wire::{ErrorCode, SecAggOffer, SecureAggregationConfig};
 use tokio::sync::watch;
 
 use super::collection::{Collection, Step};
+use super::upload::Admission;
 use super::{capacity, Coordinator, Ending, Round, Task};
 use crate::error::ServerError;
 use crate::secagg::{self, Outcome, SecAggRound};
@@ -87,7 +88,14 @@ impl Collection for SecureCollection {
         Some(self.0.offer())
     }
 
-    fn check_sealed_upload(&self, task: &str) -> Result<(), ServerError> {
+    fn check_upload(
+        &self,
+        task: &Task,
+        _: &Arc<Round>,
+        _: &str,
+        _: u64,
+    ) -> Result<Admission, ServerError> {
+        let task = &task.id;
         Err(ServerError::conflict(
             ErrorCode::SecureAggregation,
             format!("task `{task}` uses secure aggregation: updates go through its stages (/v1/tasks/{{task}}/secagg/…), not a sealed upload"),
@@ -131,8 +139,8 @@ impl Collection for SecureCollection {
         self.0.sum_file()
     }
 
-    fn secure(&self) -> Option<&Arc<SecAggRound>> {
-        Some(&self.0)
+    fn secure_aggregation(&self, _: &str) -> Result<Arc<SecAggRound>, ServerError> {
+        Ok(self.0.clone())
     }
 }
 
@@ -168,12 +176,7 @@ impl Coordinator {
                 format!("task `{}` has no open round", task.id),
             )
         })?;
-        let Some(s) = round.collection.secure().cloned() else {
-            return Err(ServerError::conflict(
-                ErrorCode::NotSecureAggregation,
-                format!("task `{}` does not use secure aggregation", task.id),
-            ));
-        };
+        let s = round.collection.secure_aggregation(&task.id)?;
         if round_number != round.number {
             return Err(ServerError::conflict(
                 if round_number < round.number {

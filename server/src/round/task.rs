@@ -33,6 +33,29 @@ pub struct Task {
     pub(crate) changed: watch::Sender<u64>,
     /// The L2 norms and weights of the task's last accepted updates, for the adaptive bounds.
     pub(crate) recent: Mutex<Recent>,
+    /// The task's strategy, built once from its (immutable) configuration.
+    pub(crate) strategy: Box<dyn strategy::Strategy>,
+}
+
+impl Task {
+    pub(crate) fn new(
+        id: String,
+        record: TaskRecord,
+        round: Option<Arc<Round>>,
+        strategy: Box<dyn strategy::Strategy>,
+    ) -> Task {
+        Task {
+            id,
+            record: Mutex::new(record),
+            writing: Mutex::default(),
+            round: Mutex::new(round),
+            commit_wanted: tokio::sync::Notify::new(),
+            lock_waiters: tokio::sync::Semaphore::new(super::LOCK_WAITERS),
+            changed: watch::channel(0).0,
+            recent: Mutex::default(),
+            strategy,
+        }
+    }
 }
 
 /// The L2 norms and the weights of a task's last accepted updates (as folded, after any
@@ -161,16 +184,8 @@ impl Coordinator {
         if record.dp.is_some() {
             self.metrics.dp_epsilon(&id, 0.0);
         }
-        let task = Arc::new(Task {
-            id: id.clone(),
-            record: Mutex::new(record),
-            writing: Mutex::default(),
-            round: Mutex::new(Some(round.clone())),
-            commit_wanted: tokio::sync::Notify::new(),
-            lock_waiters: tokio::sync::Semaphore::new(super::LOCK_WAITERS),
-            changed: watch::channel(0).0,
-            recent: Mutex::default(),
-        });
+        let strategy = strategy::from_config(&record.config.strategy);
+        let task = Arc::new(Task::new(id.clone(), record, Some(round.clone()), strategy));
         self.tasks
             .write()
             .expect("tasks lock")
@@ -200,14 +215,11 @@ impl Coordinator {
     pub fn info(&self, task: &Task) -> TaskInfo {
         let record = task.record();
         let open_round = task.current().map(|r| {
-            let (selected, accepted) = r.counts();
+            let (_, accepted) = r.counts();
             OpenRoundStatus {
                 round: r.number,
                 attempt: r.attempt,
-                selected: match r.collection.asynchronous() {
-                    Some(buffer) => buffer.training() as u32,
-                    None => selected as u32,
-                },
+                selected: r.collection.selected(&r) as u32,
                 accepted: accepted as u32,
                 deadline_unix_ms: r.deadline(),
             }
@@ -290,11 +302,7 @@ impl Coordinator {
         let digest = ModelDigest::from_hex(hex)
             .map_err(|e| ServerError::BadRequest(format!("digest: {e}")))?;
         let current = task.global_model();
-        let earlier = task.current().is_some_and(|r| {
-            r.collection
-                .asynchronous()
-                .is_some_and(|a| a.serves(&digest))
-        });
+        let earlier = task.current().is_some_and(|r| r.collection.serves(&digest));
         if digest != current && !earlier {
             return Err(ServerError::conflict(
                 ErrorCode::RoundClosed,

@@ -1,0 +1,255 @@
+//! The upload path every round mode that takes sealed updates shares.
+//!
+//! An upload, top to bottom: [`Coordinator::check_upload`] (before the body is read: the task,
+//! its open round, then the mode's own checks — the client's selection or training slot, a retry
+//! of an update already in), then on a blocking thread [`open_update`] (envelope → safetensors
+//! under the spec's limits → names, shapes, dtypes → finite values), the task's update bounds and
+//! central-DP clipping; the ingest slot is released, the mode folds the update
+//! ([`super::Collection::fold`]), and the upload waits for the group commit that makes it
+//! durable ([`super::commit`]).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use hora_common::envelope::{self, Binding, RoundSecretKey};
+use hora_common::model::{ModelDigest, ModelSpec, ModelView};
+use hora_common::wire::{self, ErrorCode, TaskState, UpdateMeta};
+
+use super::collection::Opened;
+use super::{lock, Coordinator, Round, Task};
+use crate::error::ServerError;
+use crate::store::Contribution;
+
+/// Whether an upload is worth reading.
+pub enum Admission {
+    /// No such update from this client in the round yet; it is sealed as `.1` says.
+    Fresh(Arc<Round>, Sealing),
+    /// Its update is the round's contribution `.1`, folded but not yet durable.
+    Pending(Arc<Round>, usize),
+}
+
+/// Which version's key an update is sealed to.
+pub enum Sealing {
+    /// The round's own.
+    Current,
+    /// An earlier version's, in an asynchronous task.
+    Earlier {
+        round: u64,
+        key: Arc<RoundSecretKey>,
+        base: ModelDigest,
+    },
+}
+
+impl Coordinator {
+    /// The upload path: checks the round, opens the envelope, validates, folds, and returns
+    /// once the update is durable. `body` is the sealed envelope, decrypted in place.
+    /// `permit` (the HTTP layer's ingest slot, which bounds the CPU spent opening updates) is
+    /// dropped as soon as the update is opened and checked: the next body is opened while this
+    /// one waits for its round's lock, is folded, and waits for durability.
+    pub async fn upload(
+        self: &Arc<Self>,
+        task: Arc<Task>,
+        client: String,
+        round_number: u64,
+        meta: UpdateMeta,
+        mut body: Vec<u8>,
+        permit: impl Send + 'static,
+    ) -> Result<wire::UpdateReceipt, ServerError> {
+        let admission = self
+            .check_upload_blocking(&task, &client, round_number)
+            .await?;
+        let (round, sealing) = match admission {
+            Admission::Fresh(round, sealing) => (round, sealing),
+            Admission::Pending(round, index) => return self.receipt(&round, index).await,
+        };
+        if meta.num_examples == 0 {
+            return Err(ServerError::InvalidUpdate(
+                "num_examples must be at least 1".into(),
+            ));
+        }
+        for (name, v) in [
+            ("loss", meta.metrics.loss),
+            ("accuracy", meta.metrics.accuracy),
+        ] {
+            if v.is_some_and(|v| !v.is_finite()) {
+                return Err(ServerError::InvalidUpdate(format!(
+                    "metric `{name}` must be a finite number"
+                )));
+            }
+        }
+        let record = task.record();
+        let spec = record.spec;
+        let bounds = record.config.update_bounds;
+        let dp = record.dp;
+        // Example counts above the task's bound count as the bound, and so do those above the
+        // adaptive bound (a multiple of the median weight of recent accepted updates).
+        let mut weight = meta.num_examples.min(bounds.max_weight.max(1));
+        if let Some(cap) = bounds
+            .adaptive_weight_factor
+            .and_then(|f| lock(&task.recent).weights.bound(f))
+        {
+            weight = weight.min(cap.ceil() as u64).max(1);
+        }
+        let (me, waker) = (self.clone(), task.clone());
+        let folded = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
+            let started = Instant::now();
+            let (key, sealed, base) = match &sealing {
+                Sealing::Current => (&round.key, round.number, round.base),
+                Sealing::Earlier { round, key, base } => (&**key, *round, *base),
+            };
+            let binding = Binding {
+                task: &task.id,
+                round: sealed,
+                client: &client,
+                base_model: &base,
+            };
+            let view = open_update(&mut body, key, &binding, &spec)?;
+            // The task's bound: the configured one, else the adaptive one (a multiple of the
+            // median norm of recent accepted updates, once there are enough of them).
+            let adaptive = bounds.max_norm.is_none() && bounds.adaptive_norm_factor.is_some();
+            let bound = bounds.max_norm.or_else(|| {
+                bounds
+                    .adaptive_norm_factor
+                    .and_then(|f| lock(&task.recent).norms.bound(f))
+            });
+            let norm = match bounds.max_norm.is_some() || adaptive || dp.is_some() {
+                true => view.l2_norm(),
+                false => 0.0,
+            };
+            let scale = match bound {
+                None => 1.0,
+                Some(bound) => {
+                    match bounds.on_norm_exceeded {
+                        _ if norm <= bound => 1.0,
+                        wire::NormPolicy::Clip => bound / norm,
+                        wire::NormPolicy::Refuse => {
+                            return Err(ServerError::invalid(
+                                ErrorCode::UpdateNormExceeded,
+                                format!("the update's L2 norm {norm:.6e} exceeds the task's bound of {bound:.6e}: clip it or lower the learning rate"),
+                            ))
+                        }
+                    }
+                }
+            };
+            // Under central DP every update is clipped to the round's norm and weighs 1.
+            let (fold_weight, scale, unclipped) = match &dp {
+                Some(state) => {
+                    let (factor, unclipped) = state.clip_update(norm);
+                    (1.0, scale.min(factor), Some(unclipped))
+                }
+                None => (weight as f64, scale, None),
+            };
+            // Opened and checked: the next upload may be opened while this one waits for its
+            // round's lock (a checkpoint may hold it across a model-sized write).
+            drop(permit);
+            let opened = Opened {
+                update: Contribution {
+                    client,
+                    examples: weight,
+                    metrics: meta.metrics,
+                    unclipped,
+                    base: None,
+                },
+                sealed,
+                weight: fold_weight,
+                scale,
+                view: &view,
+            };
+            let folded = round.collection.fold(&me, &task, &round, opened)?;
+            if folded.now {
+                task.accepted(adaptive.then_some(norm * scale), weight);
+                me.metrics
+                    .ingest_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                me.close_if_full(&task, &folded.round);
+            }
+            Ok(folded)
+        })
+        .await
+        .map_err(ServerError::internal)??;
+        waker.commit_wanted.notify_one();
+        self.receipt(&folded.round, folded.index).await
+    }
+
+    /// The checks an upload must pass before its body is worth reading: the task takes updates,
+    /// a round is open, and the round's mode admits this one. A client whose update is folded
+    /// but not yet durable (a retry after a lost answer) is admitted as
+    /// [`Admission::Pending`]: it waits for durability like the first request. Blocking.
+    pub fn check_upload(
+        &self,
+        task: &Task,
+        client: &str,
+        round_number: u64,
+    ) -> Result<Admission, ServerError> {
+        let state = task.state();
+        if matches!(state, TaskState::Stopped | TaskState::Finished) {
+            return Err(ServerError::conflict(
+                ErrorCode::RoundClosed,
+                format!(
+                    "task `{}` is {} and takes no more updates",
+                    task.id,
+                    format!("{state:?}").to_lowercase()
+                ),
+            ));
+        }
+        let round = task
+            .current()
+            .ok_or_else(|| ServerError::conflict(ErrorCode::RoundClosed, "no round is open"))?;
+        round
+            .collection
+            .check_upload(task, &round, client, round_number)
+    }
+
+    /// The receipt of `client`'s update to the open round if it is folded but not yet durable
+    /// (so a retry need not send its body again).
+    pub async fn pending_receipt(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        client: &str,
+        round_number: u64,
+    ) -> Result<Option<wire::UpdateReceipt>, ServerError> {
+        match self
+            .check_upload_blocking(task, client, round_number)
+            .await?
+        {
+            Admission::Fresh(..) => Ok(None),
+            Admission::Pending(round, index) => self.receipt(&round, index).await.map(Some),
+        }
+    }
+
+    /// [`Coordinator::check_upload`] on a blocking thread: it waits for the round's lock, which a
+    /// round's publication holds while it writes (and an asynchronous task's uploads keep
+    /// arriving meanwhile).
+    async fn check_upload_blocking(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        client: &str,
+        round_number: u64,
+    ) -> Result<Admission, ServerError> {
+        let (me, t, client) = (self.clone(), task.clone(), client.to_string());
+        let _waiting = task.lock_waiters.acquire().await;
+        crate::blocking(move || me.check_upload(&t, &client, round_number)).await
+    }
+}
+
+/// The upload path's checks, in order: open the envelope in place (authenticity and binding),
+/// parse the safetensors under the spec's limits, check names, shapes and dtypes against the
+/// spec, and check every value is finite. What comes back can be folded as it is.
+pub fn open_update<'a>(
+    body: &'a mut [u8],
+    key: &RoundSecretKey,
+    binding: &Binding<'_>,
+    spec: &ModelSpec,
+) -> Result<ModelView<'a>, ServerError> {
+    let invalid = |e: &dyn std::fmt::Display| ServerError::InvalidUpdate(e.to_string());
+    let plaintext = envelope::open(body, key, binding).map_err(|e| invalid(&e))?;
+    let view = ModelView::parse(plaintext, &spec.limits()).map_err(|e| invalid(&e))?;
+    spec.check_spec(&view.spec()).map_err(|e| invalid(&e))?;
+    view.check_finite().map_err(|e| invalid(&e))?;
+    Ok(view)
+}
+
+/// The largest sealed upload a task of this spec takes, for the upload route's size limit.
+pub fn upload_limit(spec: &ModelSpec) -> u64 {
+    spec.limits().max_bytes + envelope::OVERHEAD as u64
+}
