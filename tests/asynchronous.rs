@@ -1,7 +1,8 @@
 //! Asynchronous (FedBuff) tasks against the real `hora-server` binary on loopback TLS: versions
 //! are the staleness-weighted average their buffers say, an update too stale is refused, a
-//! SIGKILL in the middle of a buffer loses no acknowledged update (and changes no model), and a
-//! fleet of fast and slow `hora-client` processes all contribute.
+//! SIGKILL in the middle of a buffer loses no acknowledged update (and changes no model), only
+//! clients holding a training slot upload, and a fleet of fast and slow `hora-client` processes
+//! all contribute.
 
 mod support;
 
@@ -182,6 +183,21 @@ async fn scenario(crash: bool) -> (Vec<Model>, Vec<RoundRecord>, Vec<Update>) {
     let req = clients[6].upload_request(TASK, offers[6].round, 10, body);
     let refused = admin.refused(req, StatusCode::CONFLICT, "too_stale").await;
     assert!(refused.contains("3 versions behind"), "{refused}");
+    // Only a client holding a training slot uploads: one that never joined is refused (before
+    // its body is read), and so is one whose slot its last upload spent.
+    let stranger = admin.enrol().await;
+    let current = clients[2].join(TASK).await;
+    let body = stranger.seal(TASK, &current, &delta(&initial, 11));
+    let req = stranger.upload_request(TASK, current.round, 10, body);
+    let refused = admin
+        .refused(req, StatusCode::CONFLICT, "not_selected")
+        .await;
+    assert!(refused.contains("holds no training slot"), "{refused}");
+    let body = clients[1].seal(TASK, &current, &delta(&initial, 12));
+    let req = clients[1].upload_request(TASK, current.round, 10, body);
+    admin
+        .refused(req, StatusCode::CONFLICT, "not_selected")
+        .await;
     let history: Vec<RoundRecord> = admin
         .ok(admin.request(Method::GET, &format!("/admin/v1/tasks/{TASK}/rounds")))
         .await;

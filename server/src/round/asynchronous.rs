@@ -25,7 +25,7 @@
 //! of the versions still within `max_staleness` travel in the open round's record, so a restart
 //! opens the updates clients trained before it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -39,7 +39,9 @@ use super::upload::{Admission, Sealing};
 use super::{jitter, lock, now_ms, Coordinator, Round, Task};
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
-use crate::store::{Contribution, EarlierVersion, OpenRoundRecord, Retention, Store, TaskRecord};
+use crate::store::{
+    Contribution, EarlierVersion, OpenRoundRecord, Retention, Store, TaskRecord, TrainingSlot,
+};
 
 /// Buffered asynchronous aggregation. One collection serves every version of its task.
 pub struct AsyncCollection {
@@ -111,6 +113,13 @@ impl AsyncCollection {
                 },
             );
         }
+        let now = now_ms();
+        state.slots = open
+            .slots
+            .iter()
+            .filter(|s| s.until_unix_ms > now)
+            .map(|s| (s.client.clone(), s.until_unix_ms))
+            .collect();
         let oldest = open.round.saturating_sub(config.max_staleness);
         for version in store.history(&record.config.id)? {
             // Abandoned versions' updates never counted: they do not hold their clients back.
@@ -165,7 +174,11 @@ impl AsyncCollection {
         )
     }
 
-    /// Gives `client` a training slot on the current version `round` if one is free.
+    /// Gives `client` a training slot on the current version `round` if one is free (or the
+    /// one it holds). The client is told only once a record listing the slot is durable: it is
+    /// listed among the version's selections, which the engine's commit makes durable, and the
+    /// record of a version lists the slots held when it is written (see [`Collection::record`]),
+    /// so a restart never refuses the upload the client trained for. Blocking.
     fn join(
         &self,
         round: &Arc<Round>,
@@ -173,6 +186,12 @@ impl AsyncCollection {
         client: &str,
     ) -> Result<Joined, ServerError> {
         let now = now_ms();
+        // The round's lock first, as every path takes them: a record of the round that lists
+        // the client among its selections lists its slot too.
+        let mut acc = lock(&round.acc);
+        if !acc.phase.is_collecting() {
+            return Ok(Joined::Wait); // the version is being published: ask the next one
+        }
         let mut state = lock(&self.state);
         if state
             .last_base
@@ -182,16 +201,24 @@ impl AsyncCollection {
             return Err(already_contributed(client, round.number));
         }
         state.slots.retain(|_, until| *until > now);
-        if !state.slots.contains_key(client)
-            && state.slots.len() >= self.config.concurrency as usize
-        {
-            return Ok(Joined::Wait);
+        let until = match state.slots.get(client) {
+            Some(until) => *until,
+            None if state.slots.len() >= self.config.concurrency as usize => {
+                return Ok(Joined::Wait)
+            }
+            None => {
+                let until = now + self.slot_ms;
+                state.slots.insert(client.to_string(), until);
+                until
+            }
+        };
+        drop(state);
+        if acc.selected.insert(client.to_string()) {
+            lock(&round.roster).selected.insert(client.to_string());
         }
-        let until = now + self.slot_ms;
-        state.slots.insert(client.to_string(), until);
         Ok(Joined::Selected {
             round: round.clone(),
-            upto: 0,
+            upto: acc.selected.len(),
             answer: Box::new(wire::JoinResponse {
                 offer: Some(round.offer(record, until)),
                 retry_after_ms: 0,
@@ -231,6 +258,18 @@ impl AsyncCollection {
             return Err(ServerError::conflict(
                 ErrorCode::AlreadyContributed,
                 format!("client `{client}` has already contributed an update trained from version {last}; train from a later version"),
+            ));
+        }
+        // Only a client holding a training slot uploads: the slots are what bounds how many
+        // train at once (and so how fast updates may arrive).
+        if state
+            .slots
+            .get(client)
+            .is_none_or(|until| *until <= now_ms())
+        {
+            return Err(ServerError::conflict(
+                ErrorCode::NotSelected,
+                format!("client `{client}` holds no training slot: join the task first (a slot lapses round_deadline_secs after it is given, and is spent by the upload it was given for)"),
             ));
         }
         let sealing = match base == round.number {
@@ -496,9 +535,10 @@ impl Collection for AsyncCollection {
         }
     }
 
-    /// The earlier versions' keys travel in the open round's record.
+    /// The earlier versions' keys and the training slots travel in the open round's record.
     fn record(&self, record: &mut OpenRoundRecord) {
-        record.earlier = lock(&self.state)
+        let state = lock(&self.state);
+        record.earlier = state
             .earlier
             .iter()
             .map(|(round, e)| EarlierVersion {
@@ -507,6 +547,23 @@ impl Collection for AsyncCollection {
                 base_model: e.base,
             })
             .collect();
+        let now = now_ms();
+        record.slots = state
+            .slots
+            .iter()
+            .filter(|(_, until)| **until > now)
+            .map(|(client, until)| TrainingSlot {
+                client: client.clone(),
+                until_unix_ms: *until,
+            })
+            .collect();
+        record.slots.sort_by(|a, b| a.client.cmp(&b.client));
+    }
+
+    /// A version's history lists no dropped clients: a client that joined while it was open
+    /// may well have its update folded into a later one.
+    fn dropped(&self, _: &BTreeSet<String>, _: &[String]) -> Vec<String> {
+        Vec::new()
     }
 }
 

@@ -180,12 +180,7 @@ impl Coordinator {
         let updates = acc.contributions.len();
         let participants: Vec<String> =
             acc.contributions.iter().map(|c| c.client.clone()).collect();
-        let dropped: Vec<String> = acc
-            .selected
-            .iter()
-            .filter(|c| !participants.contains(c))
-            .cloned()
-            .collect();
+        let dropped = round.collection.dropped(&acc.selected, &participants);
         let examples = round.collection.examples(&acc.contributions, &acc.sum);
         let metrics = task.strategy.aggregate_metrics(&acc.contributions);
         let mut abandon = match ending {

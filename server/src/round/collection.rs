@@ -13,6 +13,7 @@
 //! client pulled. The engine never asks which mode a round is in: a new mode is one more
 //! implementation.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use hora_common::envelope::RoundSecretKey;
@@ -230,6 +231,15 @@ pub trait Collection: Send + Sync {
         _contributions: &[Contribution],
     ) -> Option<VersionStaleness> {
         None
+    }
+
+    /// Who the round's history lists as dropped: selected, but without an update in it.
+    fn dropped(&self, selected: &BTreeSet<String>, participants: &[String]) -> Vec<String> {
+        selected
+            .iter()
+            .filter(|c| !participants.contains(c))
+            .cloned()
+            .collect()
     }
 
     /// `round` is closing and the attempt after it is about to open (before either is stored).

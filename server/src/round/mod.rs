@@ -270,6 +270,7 @@ impl Round {
                 noised: c.noised,
             }),
             earlier: Vec::new(),
+            slots: Vec::new(),
         };
         self.collection.record(&mut record);
         record

@@ -284,6 +284,19 @@ async fn asynchronous_versions_fold_stale_updates_down_weighted_and_refuse_too_s
             .is_none(),
         "four of four slots are taken: pace steering holds the fifth back"
     );
+    let stored = e.coordinator.store().open_round("t").unwrap().unwrap();
+    let held: Vec<_> = stored.slots.iter().map(|s| s.client.as_str()).collect();
+    assert_eq!(
+        held,
+        ["a", "b", "c", "d"],
+        "a slot is durable before its holder hears of it"
+    );
+    let without = e.upload(&task, "e", &a, 1, [1.0, 0.0, 0.0]).await;
+    assert_eq!(
+        without.unwrap_err().code(),
+        ErrorCode::NotSelected,
+        "no training slot, no upload"
+    );
     let open = e.coordinator.info(&task).open_round.expect("open");
     assert_eq!(
         (open.selected, open.accepted),

@@ -92,6 +92,18 @@ pub struct OpenRoundRecord {
     /// updates for (those at most `max_staleness` behind). Deleted with this record.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub earlier: Vec<EarlierVersion>,
+    /// In an asynchronous task: the clients holding a training slot, and when each lapses (Unix
+    /// ms). A client is told it holds one only once a record listing it is durable, so a
+    /// restart never refuses the upload it trained for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slots: Vec<TrainingSlot>,
+}
+
+/// A client's training slot in an asynchronous task.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TrainingSlot {
+    pub client: String,
+    pub until_unix_ms: u64,
 }
 
 /// What opening an update trained from an earlier version of an asynchronous task needs.

@@ -104,6 +104,10 @@ fn open_round(round: u64, checkpoint: Option<&str>) -> OpenRoundRecord {
             total_weight: 5.0,
             noised: false,
         }),
+        slots: vec![TrainingSlot {
+            client: "c2".into(),
+            until_unix_ms: 4,
+        }],
         earlier: vec![EarlierVersion {
             round: round.saturating_sub(1),
             secret: "11".into(),
