@@ -508,7 +508,7 @@ async fn huge_norm_and_weight_updates_are_bounded_and_a_repeat_offender_is_quara
         quarantined
             .quarantined
             .as_deref()
-            .is_some_and(|r| r.contains("3 updates in a row refused")),
+            .is_some_and(|r| r.contains("3 strikes in a row; the last: update refused")),
         "{quarantined:?}"
     );
     assert_eq!(

@@ -59,6 +59,7 @@ impl Server {
                 commit_window: config.commit_window(),
                 durability_timeout: config.durability_timeout,
                 retention: config.retention,
+                quarantine_after: config.quarantine_after,
                 max_poll_wait: CoordinatorConfig::poll_cap(
                     CoordinatorConfig::default().max_poll_wait,
                     config.idle_timeout,
@@ -81,7 +82,6 @@ impl Server {
                 },
                 upload_buffer_bytes: config.upload_buffer_bytes,
                 body_wait: config.body_wait,
-                quarantine_after: config.quarantine_after,
                 request_timeout: config.request_timeout,
                 metrics_require_token: config.metrics_require_token,
                 max_concurrent_uploads: config.max_concurrent_uploads,

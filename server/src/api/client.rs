@@ -427,55 +427,13 @@ pub async fn update(
 }
 
 /// Counts an update refused as invalid or out of bounds against its client (`refused`), or
-/// starts the count again after an accepted one (None). At `--quarantine-after` refusals in a
-/// row the client is quarantined: refused everything until the operator releases it, so a
-/// client that keeps sending poison costs the server one refusal, not one per round for ever.
+/// starts the count again after an accepted one (None): see [`crate::round::strikes`].
 async fn strikes(state: &Shared, client: &str, refused: Option<&ServerError>) {
-    let after = state.limits.quarantine_after;
-    if after == 0 {
-        return;
-    }
-    let (me, id) = (state.clone(), client.to_string());
-    let reason = refused.map(|e| e.to_string().chars().take(300).collect::<String>());
-    let counted = crate::blocking(move || {
-        let store = me.coordinator.store();
-        let mut quarantined = None;
-        if reason.is_none() && store.client(&id)?.is_none_or(|c| c.strikes == 0) {
-            return Ok(None); // nothing to start again: no write
-        }
-        store.update_client(&id, &mut |c| {
-            quarantined = None;
-            match &reason {
-                None => c.strikes = 0,
-                Some(_) if c.quarantined.is_some() => {}
-                Some(last) => {
-                    c.strikes = c.strikes.saturating_add(1);
-                    if c.strikes >= after {
-                        let reason =
-                            format!("{} updates in a row refused; the last: {last}", c.strikes);
-                        quarantined = Some(reason.clone());
-                        c.quarantined = Some(crate::store::Quarantine {
-                            since_unix_ms: now_ms(),
-                            reason,
-                        });
-                    }
-                }
-            }
-        })?;
-        if quarantined.is_some() {
-            store.flush()?;
-        }
-        Ok(quarantined)
+    let (me, id) = (state.coordinator.clone(), client.to_string());
+    let why = refused.map(|e| format!("update refused: {e}"));
+    let _ = crate::blocking(move || {
+        me.strike(&id, why.as_deref());
+        Ok(())
     })
     .await;
-    match counted {
-        Ok(Some(reason)) => {
-            state.coordinator.metrics.clients_quarantined.inc();
-            tracing::warn!(client = %client, reason = ?reason, "client quarantined: it is refused everything until the operator releases it");
-        }
-        Ok(None) => {}
-        Err(e) => {
-            tracing::warn!(client = %client, error = %e, "could not count a refused update against its client")
-        }
-    }
 }

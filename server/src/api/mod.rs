@@ -63,8 +63,6 @@ pub struct HttpLimits {
     pub max_concurrent_uploads: usize,
     /// The longest a body waits for room in the byte budget before it is answered 503 `busy`.
     pub body_wait: Duration,
-    /// Refused updates in a row after which a client is quarantined (0: never).
-    pub quarantine_after: u32,
 }
 
 impl Default for HttpLimits {
@@ -78,7 +76,6 @@ impl Default for HttpLimits {
             metrics_require_token: false,
             max_concurrent_uploads: 1,
             body_wait: Duration::from_secs(10),
-            quarantine_after: 5,
         }
     }
 }

@@ -39,6 +39,8 @@ struct Tally {
     abandon: Option<String>,
     /// What central DP spent on the round, when it publishes.
     privacy: Option<Box<dp::Publication>>,
+    /// The attempt ends short because clients selected for it sent nothing: they earn strikes.
+    short: bool,
 }
 
 /// The next global model: its digest and bytes, and the strategy state recorded with it.
@@ -153,6 +155,18 @@ impl Coordinator {
             // Runs on one of the runtime's blocking threads, which can spawn.
             self.watch(task.clone(), next);
         }
+        // The attempt failed because clients it selected sent nothing: a strike each (so one
+        // that keeps taking a place and starving rounds is quarantined). The close is durable
+        // already; a strike that cannot be written is logged and lost.
+        if let (Some(reason), true) = (&tally.abandon, tally.short) {
+            for client in &history.dropped {
+                let why = format!(
+                    "selected for round {} (attempt {}) of task `{}`, which was abandoned ({reason}), and sent nothing",
+                    round.number, round.attempt, task.id
+                );
+                self.strike(client, Some(&why));
+            }
+        }
         // Off the publish → wake-up path: pollers already know of the next round.
         if tally.abandon.is_none() {
             let published = tally.record.published;
@@ -183,8 +197,13 @@ impl Coordinator {
         let dropped = round.collection.dropped(&acc.selected, &participants);
         let examples = round.collection.examples(&acc.contributions, &acc.sum);
         let metrics = task.strategy.aggregate_metrics(&acc.contributions);
+        let short = match ending {
+            Ending::Dropouts(_) => true,
+            Ending::Publish => updates < record.config.min_clients as usize,
+            Ending::Abandon(_) => false,
+        };
         let mut abandon = match ending {
-            Ending::Abandon(r) => Some(r.clone()),
+            Ending::Abandon(r) | Ending::Dropouts(r) => Some(r.clone()),
             Ending::Publish if updates < record.config.min_clients as usize => Some(format!(
                 "{updates} of the required {} updates by the deadline",
                 record.config.min_clients
@@ -223,6 +242,7 @@ impl Coordinator {
             metrics,
             abandon,
             privacy,
+            short,
         })
     }
 

@@ -34,6 +34,8 @@ pub struct CoordinatorConfig {
     pub durability_timeout: Duration,
     /// Which published round models are kept.
     pub retention: crate::store::Retention,
+    /// Strikes in a row after which a client is quarantined (0: never; see [`super::strikes`]).
+    pub quarantine_after: u32,
 }
 
 impl CoordinatorConfig {
@@ -59,6 +61,7 @@ impl Default for CoordinatorConfig {
             max_poll_wait: Duration::from_secs(30),
             durability_timeout: Duration::from_secs(60),
             retention: crate::store::Retention::default(),
+            quarantine_after: 5,
         }
     }
 }

@@ -41,6 +41,7 @@ mod deadline;
 pub mod phase;
 pub mod plain;
 pub mod secure;
+pub mod strikes;
 pub mod task;
 pub mod upload;
 

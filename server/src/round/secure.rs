@@ -148,7 +148,7 @@ impl Collection for SecureCollection {
 fn step(outcome: Outcome) -> Step {
     match outcome {
         Outcome::Continue => Step::Continue,
-        Outcome::Abandon(reason) => Step::End(Ending::Abandon(reason)),
+        Outcome::Abandon(reason) => Step::End(Ending::Dropouts(reason)),
         Outcome::Publish {
             values,
             total_weight,

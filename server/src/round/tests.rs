@@ -116,6 +116,20 @@ impl Engine {
     }
 }
 
+/// An enrolled client's record, with no strikes.
+fn enrolled() -> crate::store::ClientRecord {
+    crate::store::ClientRecord {
+        secret_hash: String::new(),
+        label: None,
+        enrolled_unix_ms: 0,
+        revoked: false,
+        identity_key: None,
+        tasks: None,
+        strikes: 0,
+        quarantined: None,
+    }
+}
+
 /// Waits until `task`'s open round is no longer `round` (it closed and the next one opened).
 async fn next_round(task: &Task, round: &Arc<Round>) -> Arc<Round> {
     for _ in 0..500 {
@@ -158,9 +172,14 @@ async fn a_full_round_goes_from_collecting_through_closing_to_published() {
 #[tokio::test]
 async fn a_round_short_at_its_deadline_is_abandoned_and_retried_with_a_fresh_key() {
     let e = engine();
+    let store = e.coordinator.store();
+    for client in ["a", "b"] {
+        store.put_client(client, &enrolled()).unwrap();
+    }
     let task = e.create("t", 2, 3, 1);
     let round = task.current().unwrap();
     let offer = e.join(&task, "a").await;
+    e.join(&task, "b").await;
     e.upload(&task, "a", &offer, 1, [1.0, 1.0, 1.0])
         .await
         .unwrap();
@@ -169,6 +188,15 @@ async fn a_round_short_at_its_deadline_is_abandoned_and_retried_with_a_fresh_key
         panic!("{:?}", round.phase());
     };
     assert!(reason.contains("1 of the required 2"), "{reason}");
+    // b took a place and sent nothing: the short round is traced to it (a strike), not to a.
+    let strikes = |c: &str| store.client(c).unwrap().unwrap().strikes;
+    for _ in 0..500 {
+        if strikes("b") == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!((strikes("a"), strikes("b")), (0, 1));
     assert_eq!((retry.number, retry.attempt), (1, 1));
     // A poll of a client that dealt with attempt 0 is answered at once: the retry wants its
     // update again.
