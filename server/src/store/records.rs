@@ -21,6 +21,8 @@ pub enum StoreError {
     Corrupt { key: String, reason: String },
     #[error("model blob: {0}")]
     Model(#[from] hora_common::model::ModelError),
+    #[error("the store was written by a newer hora-server (store format {found}; this one reads formats up to {supported}): run a hora-server at least as new as the one that wrote it")]
+    NewerFormat { found: u32, supported: u32 },
 }
 
 /// A task as stored.

@@ -83,6 +83,12 @@ struct PrunedBelow {
 /// The meta flag saying the model index covers the whole history.
 const MODEL_INDEX: &str = "model_rounds_v1";
 
+/// The meta key of the store's format, and the format this build writes: 1 has the model
+/// index. A store of a newer format is refused rather than written without what that format
+/// keeps (an older build would add history its index does not cover).
+const FORMAT_KEY: &str = "store_format";
+const FORMAT: u32 = 1;
+
 impl SledStore {
     /// Opens the store in `dir`, creating it (private to this user) if needed.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
@@ -112,9 +118,21 @@ impl SledStore {
         .with_model_index()
     }
 
-    /// Builds the index of the models history entries name when the store predates it (once).
+    /// Refuses a store of a newer format; builds the index of the models history entries name
+    /// when the store predates it (once), and records the format.
     fn with_model_index(self) -> Result<Self, StoreError> {
+        let found = get::<u32>(&self.meta, FORMAT_KEY)?.unwrap_or(0);
+        if found > FORMAT {
+            return Err(StoreError::NewerFormat {
+                found,
+                supported: FORMAT,
+            });
+        }
         if self.meta.get(MODEL_INDEX)?.is_some() {
+            if found < FORMAT {
+                self.meta.insert(FORMAT_KEY, json(&FORMAT))?;
+                self.db.flush()?;
+            }
             return Ok(self);
         }
         for (key, r) in all::<RoundRecord>(self.history.iter())? {
@@ -126,6 +144,7 @@ impl SledStore {
                 .insert(model_round_key(&model, task, r.round, r.attempt), &[])?;
         }
         self.meta.insert(MODEL_INDEX, json(&true))?;
+        self.meta.insert(FORMAT_KEY, json(&FORMAT))?;
         self.db.flush()?;
         Ok(self)
     }
@@ -626,6 +645,29 @@ mod tests {
         };
         let store = SledStore::open(dir.path()).unwrap();
         assert!(store.model_in_history(&digest).unwrap());
+        assert_eq!(get::<u32>(&store.meta, FORMAT_KEY).unwrap(), Some(FORMAT));
+    }
+
+    #[test]
+    fn a_store_of_a_newer_format_is_refused_and_left_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = SledStore::open(dir.path()).unwrap();
+            store.meta.insert(FORMAT_KEY, json(&(FORMAT + 1))).unwrap();
+            store.flush().unwrap();
+        }
+        let refused = SledStore::open(dir.path()).err().expect("refused");
+        assert!(
+            refused.to_string().contains("newer hora-server"),
+            "{refused}"
+        );
+        let db = sled::open(dir.path().join("db")).unwrap();
+        let meta = db.open_tree("meta").unwrap();
+        assert_eq!(
+            get::<u32>(&meta, FORMAT_KEY).unwrap(),
+            Some(FORMAT + 1),
+            "untouched"
+        );
     }
 
     #[test]
