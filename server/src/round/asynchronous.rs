@@ -15,8 +15,9 @@
 //! which is FedBuff's `1/K · Σ w(sᵢ)·Δᵢ` with equal example counts, and plain FedAvg when nothing
 //! is stale. The buffer is published through the task's strategy (FedAdam and the rest work as
 //! in synchronous rounds) once it holds `buffer_size` updates. An update more than
-//! `max_staleness` versions behind is refused (409 `too_stale`); nothing else is ever refused for
-//! arriving late: an update whose buffer closed while it was being opened goes into the next.
+//! `max_staleness` versions behind is refused (409 `too_stale`), and so is one whose client's
+//! training slot has lapsed (409 `not_selected`: it joins again); an update whose buffer closed
+//! while it was being opened goes into the next.
 //!
 //! Every guarantee of the plain path holds: uploads are sealed to the key of their base version
 //! and bound to task, client and base model; each client contributes at most one update per base

@@ -39,8 +39,9 @@ struct Tally {
     abandon: Option<String>,
     /// What central DP spent on the round, when it publishes.
     privacy: Option<Box<dp::Publication>>,
-    /// The attempt ends short because clients selected for it sent nothing: they earn strikes.
-    short: bool,
+    /// The clients the attempt's failure is traced to: it ended short, and they were selected
+    /// (and told so, durably) but no upload of theirs ever reached it. They earn strikes.
+    struck: Vec<String>,
 }
 
 /// The next global model: its digest and bytes, and the strategy state recorded with it.
@@ -158,8 +159,8 @@ impl Coordinator {
         // The attempt failed because clients it selected sent nothing: a strike each (so one
         // that keeps taking a place and starving rounds is quarantined). The close is durable
         // already; a strike that cannot be written is logged and lost.
-        if let (Some(reason), true) = (&tally.abandon, tally.short) {
-            for client in &history.dropped {
+        if let Some(reason) = &tally.abandon {
+            for client in &tally.struck {
                 let why = format!(
                     "selected for round {} (attempt {}) of task `{}`, which was abandoned ({reason}), and sent nothing",
                     round.number, round.attempt, task.id
@@ -197,13 +198,25 @@ impl Coordinator {
         let dropped = round.collection.dropped(&acc.selected, &participants);
         let examples = round.collection.examples(&acc.contributions, &acc.sum);
         let metrics = task.strategy.aggregate_metrics(&acc.contributions);
-        let short = match ending {
-            Ending::Dropouts(_) => true,
-            Ending::Publish => updates < record.config.min_clients as usize,
-            Ending::Abandon(_) => false,
+        let short =
+            matches!(ending, Ending::Publish) && updates < record.config.min_clients as usize;
+        // Not after a restart (the deadline may have passed while the server was down), and
+        // only when every selection was durable (a client whose join was not answered was
+        // never told it is in).
+        let struck = match short
+            && round.collection.strikes_dropouts()
+            && !round.resumed
+            && acc.selected_durable == acc.selected.len()
+        {
+            true => dropped
+                .iter()
+                .filter(|c| !acc.tried.contains(*c))
+                .cloned()
+                .collect(),
+            false => Vec::new(),
         };
         let mut abandon = match ending {
-            Ending::Abandon(r) | Ending::Dropouts(r) => Some(r.clone()),
+            Ending::Abandon(r) => Some(r.clone()),
             Ending::Publish if updates < record.config.min_clients as usize => Some(format!(
                 "{updates} of the required {} updates by the deadline",
                 record.config.min_clients
@@ -242,7 +255,7 @@ impl Coordinator {
             metrics,
             abandon,
             privacy,
-            short,
+            struck,
         })
     }
 

@@ -242,6 +242,12 @@ pub trait Collection: Send + Sync {
             .collect()
     }
 
+    /// Whether an attempt abandoned short (too few updates by its deadline) is traced to the
+    /// clients it selected that sent nothing: each earns a strike (see [`super::strikes`]).
+    fn strikes_dropouts(&self) -> bool {
+        true
+    }
+
     /// `round` is closing and the attempt after it is about to open (before either is stored).
     fn retire(&self, _round: &Round) {}
 

@@ -116,6 +116,8 @@ pub(crate) struct Accumulator {
     pub(crate) selected: BTreeSet<String>,
     /// How many of `selected` a durable record lists (selections only grow within an attempt).
     pub(crate) selected_durable: usize,
+    /// Selected clients whose upload reached the round (admitted to be read), accepted or not.
+    pub(crate) tried: BTreeSet<String>,
     /// Every accepted contribution, the durable ones first.
     pub(crate) contributions: Vec<Contribution>,
     pub(crate) durable: usize,
@@ -137,6 +139,7 @@ impl Accumulator {
             sum: WeightedSum::new(spec),
             selected: BTreeSet::new(),
             selected_durable: 0,
+            tried: BTreeSet::new(),
             contributions: Vec::new(),
             durable: 0,
             checkpoint: None,
@@ -194,6 +197,8 @@ pub struct Round {
     pub base: ModelDigest,
     pub(crate) opened_unix_ms: u64,
     pub(crate) opened: Instant,
+    /// The attempt was resumed after a restart (its deadline may have passed meanwhile).
+    pub(crate) resumed: bool,
     pub(crate) deadline_unix_ms: std::sync::atomic::AtomicU64,
     pub(crate) acc: Mutex<Accumulator>,
     /// Who `acc` has selected and taken updates from, readable while `acc` is busy.

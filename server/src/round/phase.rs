@@ -21,9 +21,6 @@ pub enum Ending {
     Publish,
     /// Abandon the attempt for this reason; the round is retried.
     Abandon(String),
-    /// Abandon the attempt because clients selected for it dropped out (secure aggregation's
-    /// stages lost too many): those that sent nothing each earn a strike.
-    Dropouts(String),
 }
 
 /// Where a round attempt is.

@@ -84,7 +84,7 @@ pub(crate) fn check_upload(
             ),
         ));
     }
-    let acc = lock(&round.acc);
+    let mut acc = lock(&round.acc);
     if !acc.phase.is_collecting() {
         return Err(ServerError::conflict(
             ErrorCode::RoundClosed,
@@ -103,7 +103,10 @@ pub(crate) fn check_upload(
     match acc.contributions.iter().position(|c| c.client == client) {
         Some(index) if index < acc.durable => Err(already_contributed(client, round.number)),
         Some(index) => Ok(Admission::Pending(round.clone(), index)),
-        None => Ok(Admission::Fresh(round.clone(), Sealing::Current)),
+        None => {
+            acc.tried.insert(client.to_string());
+            Ok(Admission::Fresh(round.clone(), Sealing::Current))
+        }
     }
 }
 

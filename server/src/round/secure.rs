@@ -123,6 +123,12 @@ impl Collection for SecureCollection {
         sum.total_weight() as u64
     }
 
+    fn strikes_dropouts(&self) -> bool {
+        // The stages do not yet tell a client's fault from a dropout, nor the settings' own
+        // (a threshold too high); no strikes until they do.
+        false
+    }
+
     fn restarts_on_resume(&self) -> bool {
         false // the stages keep their own clocks; none closes while the task is paused
     }
@@ -148,7 +154,7 @@ impl Collection for SecureCollection {
 fn step(outcome: Outcome) -> Step {
     match outcome {
         Outcome::Continue => Step::Continue,
-        Outcome::Abandon(reason) => Step::End(Ending::Dropouts(reason)),
+        Outcome::Abandon(reason) => Step::End(Ending::Abandon(reason)),
         Outcome::Publish {
             values,
             total_weight,

@@ -1,6 +1,7 @@
 //! Strikes and quarantine. A client earns a strike for each update refused as invalid or out of
-//! bounds, and for each attempt abandoned short that it was selected for and sent nothing to
-//! (traced to it: the round failed because such clients dropped); an accepted update starts the
+//! bounds, and for each attempt abandoned short that it was selected for (and told so, durably)
+//! and never sent an upload to (traced to it: the round failed because such clients took a place
+//! and starved it; see [`super::Collection::strikes_dropouts`]); an accepted update starts the
 //! count again. At `--quarantine-after` strikes in a row the client is quarantined: refused
 //! everything until the operator releases it, so a client that keeps sending poison, or keeps
 //! taking a place in rounds it then starves, costs the server one refusal, not one per round for

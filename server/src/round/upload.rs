@@ -4,9 +4,9 @@
 //! its open round, then the mode's own checks — the client's selection or training slot, a retry
 //! of an update already in), then on a blocking thread [`open_update`] (envelope → safetensors
 //! under the spec's limits → names, shapes, dtypes → finite values), the task's update bounds and
-//! central-DP clipping; the ingest slot is released, the mode folds the update
-//! ([`super::Collection::fold`]), and the upload waits for the group commit that makes it
-//! durable ([`super::commit`]).
+//! central-DP clipping; the mode folds the update ([`super::Collection::fold`]), the ingest slot
+//! is released, and the upload waits for the group commit that makes it durable
+//! ([`super::commit`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -43,9 +43,9 @@ pub enum Sealing {
 impl Coordinator {
     /// The upload path: checks the round, opens the envelope, validates, folds, and returns
     /// once the update is durable. `body` is the sealed envelope, decrypted in place.
-    /// `permit` (the HTTP layer's ingest slot, which bounds the CPU spent opening updates) is
-    /// dropped as soon as the update is opened and checked: the next body is opened while this
-    /// one waits for its round's lock, is folded, and waits for durability.
+    /// `permit` (the HTTP layer's ingest slot and the body's share of the byte budget) is
+    /// dropped as soon as the update is folded, before the wait for durability, so the next
+    /// body can be read meanwhile.
     pub async fn upload(
         self: &Arc<Self>,
         task: Arc<Task>,
@@ -139,9 +139,6 @@ impl Coordinator {
                 }
                 None => (weight as f64, scale, None),
             };
-            // Opened and checked: the next upload may be opened while this one waits for its
-            // round's lock (a checkpoint may hold it across a model-sized write).
-            drop(permit);
             let opened = Opened {
                 update: Contribution {
                     client,
@@ -156,6 +153,9 @@ impl Coordinator {
                 view: &view,
             };
             let folded = round.collection.fold(&me, &task, &round, opened)?;
+            // (The permit also holds the body's share of the byte budget: kept until the
+            // folded body can go.)
+            drop(permit);
             if folded.now {
                 task.accepted(adaptive.then_some(norm * scale), weight);
                 me.metrics
