@@ -137,9 +137,6 @@ impl Coordinator {
                 self.metrics
                     .round_published(&task.id, started.elapsed().as_secs_f64());
                 round.collection.report(&self.metrics, &task.id, 0);
-                if let Some(p) = &history.privacy {
-                    self.metrics.dp_epsilon(&task.id, p.epsilon);
-                }
                 tracing::info!(task = %task.id, round = round.number, updates = tally.updates, examples = tally.examples, loss = ?history.metrics.loss, model = %history.model.map(|d| d.to_hex()[..12].to_string()).unwrap_or_default(), "round published");
             }
             Some(r) => {
@@ -392,9 +389,12 @@ impl Coordinator {
             self.store.flush()?;
             Ok((history, next))
         })();
-        if let Ok((_, next)) = &written {
-            // The open round first: whoever sees the new count of published rounds can join the
-            // next one.
+        if let Ok((history, next)) = &written {
+            // ε on /metrics first, then the open round: whoever sees the new count of published
+            // rounds sees what they spent and can join the next one.
+            if let Some(p) = &history.privacy {
+                self.metrics.dp_epsilon(&task.id, p.epsilon);
+            }
             *lock(&task.round) = next.clone();
             *lock(&task.record) = record.clone();
         }
