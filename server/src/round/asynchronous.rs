@@ -146,12 +146,6 @@ impl AsyncCollection {
         Ok(collection)
     }
 
-    /// How long a client without a slot waits before asking again: about the time until the
-    /// next update frees one, jittered so that waiting clients do not come back as one herd.
-    fn pace(&self) -> u64 {
-        jitter((lock(&self.state).interval_ms as u64).clamp(200, 30_000))
-    }
-
     /// Clients holding a training slot now.
     pub fn training(&self) -> usize {
         let now = now_ms();
@@ -160,19 +154,6 @@ impl AsyncCollection {
             .values()
             .filter(|until| **until > now)
             .count()
-    }
-
-    /// Whether `client` holds a slot, and whether it has contributed an update trained from
-    /// version `version` (it waits for the next).
-    fn standing_at(&self, client: &str, version: u64) -> (bool, bool) {
-        let state = lock(&self.state);
-        (
-            state
-                .slots
-                .get(client)
-                .is_some_and(|until| *until > now_ms()),
-            state.last_base.get(client).is_some_and(|b| *b >= version),
-        )
     }
 
     /// Gives `client` a training slot on the current version `round` if one is free (or the
@@ -411,16 +392,30 @@ impl Collection for AsyncCollection {
         joined
     }
 
+    /// Whether `client` holds a slot, and whether it has contributed an update trained from
+    /// the open version (it waits for the next).
     fn standing(&self, round: &Round, client: &str) -> (bool, bool) {
-        self.standing_at(client, round.number)
+        let state = lock(&self.state);
+        (
+            state
+                .slots
+                .get(client)
+                .is_some_and(|until| *until > now_ms()),
+            state
+                .last_base
+                .get(client)
+                .is_some_and(|b| *b >= round.number),
+        )
     }
 
     fn selected(&self, _: &Round) -> usize {
         self.training()
     }
 
+    /// How long a client without a slot waits before asking again: about the time until the
+    /// next update frees one, jittered so that waiting clients do not come back as one herd.
     fn retry_after_ms(&self, _: &Round) -> u64 {
-        self.pace()
+        jitter((lock(&self.state).interval_ms as u64).clamp(200, 30_000))
     }
 
     fn check_upload(
