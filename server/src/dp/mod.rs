@@ -13,7 +13,9 @@
 //!    the round's sum by at most `C`.
 //! 2. When the round closes, Gaussian noise of standard deviation `z·C` (`z`: the noise
 //!    multiplier) is added once to every coordinate of the sum ([`noise`]), before the strategy
-//!    turns the sum into the next model.
+//!    turns the sum into the next model. It is a *discrete* Gaussian on a power-of-two grid 2^28
+//!    times finer than the noise, drawn with integer arithmetic, onto which the sum is rounded
+//!    first: no floating-point sampler whose low bits could betray the sum (Mironov 2012).
 //! 3. The sum is divided by the *expected* number of updates, `target_clients`, not by the number
 //!    that arrived: the published model is then a function of the noised sum and of public
 //!    settings alone (post-processing keeps the guarantee), while dividing by the actual count
@@ -206,7 +208,7 @@ pub struct Publication {
 #[derive(Debug, thiserror::Error)]
 pub enum DpError {
     #[error(transparent)]
-    Randomness(#[from] noise::NoRandomness),
+    Noise(#[from] noise::NoiseError),
     #[error("the round's sum: {0}")]
     Sum(#[from] hora_common::kernel::KernelError),
     #[error("the task's differential-privacy settings are inconsistent: {0}")]
@@ -273,7 +275,7 @@ pub fn close_round(
     };
     let noise_stddev = z_sum * state.clip;
     if !*noised {
-        noise::add_gaussian_noise(sum.sum_mut(), noise_stddev)?;
+        noise::add_gaussian_noise(sum.sum_mut(), noise_stddev, state.clip)?;
         *noised = true;
     }
     sum.set_total_weight(expected)?;
