@@ -245,6 +245,91 @@ async fn one_source_cannot_take_every_connection_slot() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn at_the_cap_a_stalled_upload_makes_room_and_long_polls_keep_their_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    // Five connections (all from this address: it may have them all); a 2 s idle timeout (long polls are held 1.6 s); a grace that lets the
+    // stalled body stay for a minute before the rate floor would cut it off.
+    let server = Server::start_with(
+        dir.path(),
+        &[
+            "--max-connections",
+            "5",
+            "--max-connections-per-source",
+            "10",
+            "--idle-timeout-secs",
+            "2",
+            "--upload-grace-secs",
+            "60",
+        ],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, config) = small_task(&admin, "stalled", 2, 3).await;
+    admin.create_task(&config).await;
+    let staller = admin.enrol().await;
+    let pollers = [admin.enrol().await, admin.enrol().await];
+    let offer = staller.join("stalled").await;
+    let body = staller.seal("stalled", &offer, &delta(&model, 1));
+
+    // Two clients long-poll for the next round throughout, each on a connection of its own.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut polling = Vec::new();
+    for c in pollers {
+        let api = Api {
+            http: hora_server::tls::https_client(&server.ca, None).unwrap(),
+            ..c.api.clone()
+        };
+        let (done, path) = (
+            done.clone(),
+            format!("/v1/tasks/stalled/poll?after={}&wait_ms=10000", offer.round),
+        );
+        polling.push(tokio::spawn(async move {
+            let mut answered = 0;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let _: PollResponse = api.ok(api.request(Method::GET, &path)).await;
+                answered += 1;
+            }
+            answered
+        }));
+    }
+    // The staller announces its update, sends four bytes of it, and goes quiet for longer than
+    // the idle timeout (the admin's pooled connection is closed meanwhile, as idle).
+    let mut stalled = raw_tls(&server).await;
+    let head = upload_head(&staller, "stalled", offer.round, body.len());
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    stalled.write_all(&body[..4]).await.unwrap();
+    stalled.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Two connections that say nothing fill the cap: the stalled upload is the idlest
+    // connection, the long polls are busy, and a newcomer is served.
+    let _fillers = [raw_tls(&server).await, raw_tls(&server).await];
+    healthz_ok(&server).await;
+    // Closed without an answer (a refusal would read as final; a closed connection is retried).
+    let sent = closed_within(&mut stalled, Duration::from_secs(3))
+        .await
+        .expect("the stalled upload's connection is still open");
+    assert!(sent.is_empty(), "{}", String::from_utf8_lossy(&sent));
+    // The long polls were answered throughout, none cut off.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    for p in polling {
+        assert!(p.await.expect("every poll answered") >= 2);
+    }
+    assert!(
+        metric(
+            &admin,
+            "hora_connections_closed_total{reason=\"evicted_stalled_at_cap\"}"
+        )
+        .await
+            >= 1.0
+    );
+    // The staller's retry is read and acknowledged.
+    staller
+        .api
+        .ok::<UpdateReceipt>(staller.upload_request("stalled", offer.round, 10, body))
+        .await;
+}
+
 /// A task over the small model, its initial weights uploaded.
 async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, CreateTask) {
     let model = small_model();

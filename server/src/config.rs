@@ -49,7 +49,9 @@ pub struct ServeArgs {
     /// in front of many devices may need it raised.
     #[arg(long, env = "HORA_MAX_CONNECTIONS_PER_SOURCE")]
     pub max_connections_per_source: Option<usize>,
-    /// A connection with no request in flight that moves no byte for this long is closed.
+    /// A connection with no request in flight that moves no byte for this long is closed; at a
+    /// connection cap, one whose every request waits for a body that sent nothing for this long
+    /// makes room like an idle one.
     #[arg(long, env = "HORA_IDLE_TIMEOUT_SECS")]
     pub idle_timeout_secs: Option<u64>,
     /// Time allowed to send a request's headers (HTTP/1.1).

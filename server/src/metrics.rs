@@ -129,7 +129,7 @@ impl Default for ServerMetrics {
         );
         registry.register(
             "connections_closed",
-            "Connections the server closed or refused, by reason (idle_timeout, evicted_at_cap, refused_at_cap)",
+            "Connections the server closed or refused, by reason (idle_timeout, evicted_at_cap, evicted_stalled_at_cap: every request on it waited for a body quiet for the idle timeout, refused_at_cap, and the same at a source's cap)",
             m.connections_closed.clone(),
         );
         registry.register(
