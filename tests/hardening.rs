@@ -330,6 +330,70 @@ async fn at_the_cap_a_stalled_upload_makes_room_and_long_polls_keep_their_connec
         .await;
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn one_source_keeps_at_most_its_limit_of_unauthenticated_requests_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(dir.path(), &["--max-unauthenticated-per-source", "4"]);
+    let admin = server.api(ADMIN_TOKEN);
+    // The admin token's slow check, paid once: the operator's requests are quick from now on.
+    let _: Vec<TaskInfo> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks"))
+        .await;
+    // Sixteen guesses of the admin token at once from one address, each a slow check...
+    let mut guesses = Vec::new();
+    for i in 0..16 {
+        let api = admin.with_token(&format!("guess {i} of the admin token"));
+        guesses.push(tokio::spawn(async move {
+            let resp = api
+                .request(Method::GET, "/admin/v1/tasks")
+                .send()
+                .await
+                .expect("an answer");
+            let (status, retry) = (resp.status(), resp.headers().get("retry-after").cloned());
+            let err: hora_common::wire::ApiError = resp.json().await.expect("an ApiError body");
+            (status, retry, err.code)
+        }));
+    }
+    // ...while the operator asks from another address, and is answered.
+    let mut other = raw_tls_from(&server, "127.0.0.2").await;
+    other
+        .write_all(
+            format!(
+                "GET /admin/v1/tasks HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let answer = answer_within(&mut other, "\r\n\r\n", Duration::from_secs(3)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // The guesses beyond the limit are refused at once, with when to retry; the others are
+    // refused for their token (or, past the server's budget of slow checks, told it is busy).
+    let mut refused = 0;
+    for g in guesses {
+        let (status, retry, code) = g.await.unwrap();
+        match status {
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(code.as_str(), "too_many_requests");
+                assert_eq!(retry.expect("a Retry-After header"), "1");
+                refused += 1;
+            }
+            StatusCode::UNAUTHORIZED => assert_eq!(code.as_str(), "unauthorized"),
+            StatusCode::SERVICE_UNAVAILABLE => assert_eq!(code.as_str(), "busy"),
+            other => panic!("a guess was answered {other}"),
+        }
+    }
+    assert!(
+        refused >= 4,
+        "only {refused} of 16 guesses refused for the limit"
+    );
+    assert!(metric(&admin, "hora_unauthenticated_refused_total").await >= refused as f64);
+    // Their places are free again: the address's own good credentials are served.
+    let _: Vec<TaskInfo> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks"))
+        .await;
+}
+
 /// A task over the small model, its initial weights uploaded.
 async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, CreateTask) {
     let model = small_model();

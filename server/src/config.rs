@@ -49,6 +49,12 @@ pub struct ServeArgs {
     /// in front of many devices may need it raised.
     #[arg(long, env = "HORA_MAX_CONNECTIONS_PER_SOURCE")]
     pub max_connections_per_source: Option<usize>,
+    /// Requests from one IP address in flight at once before their credentials passed (no, a
+    /// wrong or a still-checked token, and the open routes such as `/healthz`); beyond it that
+    /// address is answered 429 `too_many_requests` (default 32). Raise it for many devices
+    /// behind one NAT gateway.
+    #[arg(long, env = "HORA_MAX_UNAUTHENTICATED_PER_SOURCE")]
+    pub max_unauthenticated_per_source: Option<usize>,
     /// A connection with no request in flight that moves no byte for this long is closed; at a
     /// connection cap, one whose every request waits for a body that sent nothing for this long
     /// makes room like an idle one.
@@ -121,6 +127,7 @@ struct FileConfig {
     max_model_bytes: Option<u64>,
     max_connections: Option<usize>,
     max_connections_per_source: Option<usize>,
+    max_unauthenticated_per_source: Option<usize>,
     idle_timeout_secs: Option<u64>,
     header_timeout_secs: Option<u64>,
     request_timeout_secs: Option<u64>,
@@ -152,6 +159,7 @@ pub struct ServeConfig {
     /// None: derived from the open-file limit at start.
     pub max_connections: Option<usize>,
     pub max_connections_per_source: Option<usize>,
+    pub max_unauthenticated_per_source: usize,
     pub idle_timeout: Duration,
     pub header_timeout: Duration,
     pub request_timeout: Duration,
@@ -214,6 +222,11 @@ impl ServeConfig {
             max_connections_per_source: args
                 .max_connections_per_source
                 .or(file.max_connections_per_source),
+            max_unauthenticated_per_source: args
+                .max_unauthenticated_per_source
+                .or(file.max_unauthenticated_per_source)
+                .unwrap_or(32)
+                .max(1),
             idle_timeout: secs(args.idle_timeout_secs.or(file.idle_timeout_secs), 15),
             header_timeout: secs(args.header_timeout_secs.or(file.header_timeout_secs), 10),
             request_timeout: secs(args.request_timeout_secs.or(file.request_timeout_secs), 30),
@@ -294,6 +307,14 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("here"));
         assert_eq!(c.commit_window_ms, 50);
         assert_eq!(c.max_concurrent_uploads, 1);
+        assert_eq!(c.max_unauthenticated_per_source, 32);
+        std::fs::write(&path, "max_unauthenticated_per_source = 4\n").unwrap();
+        let c = ServeConfig::resolve(ServeArgs {
+            config: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(c.max_unauthenticated_per_source, 4);
         std::fs::write(&path, "lisen = \"x\"\n").unwrap();
         let err = ServeConfig::resolve(ServeArgs {
             config: Some(path),

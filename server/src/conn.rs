@@ -32,6 +32,9 @@
 //! rate floor may still allow it minutes (a fast start banks time). A long poll, a join waiting
 //! for its world, an upload waiting for room in the body budget or being folded, and a connection
 //! with any such request beside a stalled body, wait on the server and are never evicted.
+//!
+//! Each request also carries a [`Peer`], through which the API counts the requests of one
+//! address that are in flight before their credentials passed ([`Peer::unauthenticated`]).
 
 use std::collections::HashMap;
 use std::future::{Future, Ready};
@@ -60,6 +63,8 @@ pub struct ConnectionLimits {
     /// A connection quiet this long is closed if no request is in flight on it, and evicted at
     /// a cap if every request on it waits for its client's body.
     pub idle_timeout: Duration,
+    /// Requests from one IP address in flight at once before their credentials passed.
+    pub max_unauthenticated_per_source: usize,
 }
 
 /// The live connections.
@@ -68,6 +73,9 @@ pub struct Connections {
     epoch: Instant,
     next_id: AtomicU64,
     live: Mutex<HashMap<u64, Arc<ConnState>>>,
+    /// Requests in flight whose credentials have not passed, by source (sources with none are
+    /// not kept).
+    unauthenticated: Mutex<HashMap<IpAddr, usize>>,
     metrics: Arc<ServerMetrics>,
 }
 
@@ -147,6 +155,7 @@ impl Connections {
             epoch: Instant::now(),
             next_id: AtomicU64::new(0),
             live: Mutex::new(HashMap::new()),
+            unauthenticated: Mutex::new(HashMap::new()),
             metrics,
         })
     }
@@ -224,6 +233,96 @@ impl Connections {
         live.remove(&id);
         self.metrics.connections_open.set(live.len() as i64);
     }
+
+    /// Counts one more unauthenticated request of `source` in flight, unless it has its limit.
+    fn begin_unauthenticated(&self, source: IpAddr) -> bool {
+        let mut counts = self.unauthenticated.lock().expect("unauthenticated table");
+        let count = counts.entry(source).or_insert(0);
+        if *count >= self.limits.max_unauthenticated_per_source {
+            return false;
+        }
+        *count += 1;
+        true
+    }
+
+    fn end_unauthenticated(&self, source: IpAddr) {
+        let mut counts = self.unauthenticated.lock().expect("unauthenticated table");
+        if let Some(count) = counts.get_mut(&source) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                counts.remove(&source);
+            }
+        }
+    }
+}
+
+/// What a request knows of its connection: put in each request's extensions by
+/// [`TrackRequests`] (absent where the server runs without the guard, as in-process tests do).
+#[derive(Clone)]
+pub struct Peer {
+    connections: Arc<Connections>,
+    source: Option<IpAddr>,
+}
+
+impl Peer {
+    /// The address the request came from, where it could be read.
+    pub fn source(&self) -> Option<IpAddr> {
+        self.source
+    }
+
+    /// Counts the request among its source's requests in flight whose credentials have not
+    /// passed, until [`Unauthenticated::passed`] or its drop; None when the source has
+    /// `max_unauthenticated_per_source` already, and the request is to be refused at once. A
+    /// request whose source could not be read is not counted.
+    pub fn unauthenticated(&self) -> Option<Unauthenticated> {
+        let source = match self.source {
+            Some(source) if !self.connections.begin_unauthenticated(source) => {
+                self.connections.metrics.unauthenticated_refused.inc();
+                return None;
+            }
+            source => source,
+        };
+        Some(Unauthenticated(Arc::new(Counted {
+            connections: self.connections.clone(),
+            source,
+            counted: AtomicBool::new(source.is_some()),
+        })))
+    }
+}
+
+/// A request counted among its source's unauthenticated requests in flight ([`Peer`]); cloned
+/// into the request, so its credential checks can say they passed. The count ends at the first
+/// of [`Unauthenticated::passed`] and the drop of the last clone.
+#[derive(Clone)]
+pub struct Unauthenticated(Arc<Counted>);
+
+struct Counted {
+    connections: Arc<Connections>,
+    source: Option<IpAddr>,
+    counted: AtomicBool,
+}
+
+impl Counted {
+    fn end(&self) {
+        if let Some(source) = self.source {
+            if self.counted.swap(false, Ordering::SeqCst) {
+                self.connections.end_unauthenticated(source);
+            }
+        }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+impl Unauthenticated {
+    /// The request's credentials passed: it no longer counts against its source.
+    pub fn passed(&self) {
+        self.0.end();
+    }
 }
 
 /// The axum-server acceptor that registers and wraps each TCP connection (before TLS).
@@ -263,6 +362,7 @@ impl<S> axum_server::accept::Accept<TcpStream, S> for GuardAcceptor {
             TrackRequests {
                 inner: service,
                 state,
+                connections: self.connections.clone(),
             },
         )))
     }
@@ -405,12 +505,13 @@ impl AsyncWrite for GuardedStream {
     }
 }
 
-/// Counts a connection's requests in flight (from the call until the response is ready), and
-/// wraps each one's body in a [`WatchedBody`].
+/// Counts a connection's requests in flight (from the call until the response is ready), wraps
+/// each one's body in a [`WatchedBody`], and gives each its [`Peer`].
 #[derive(Clone)]
 pub struct TrackRequests<S> {
     inner: S,
     state: Arc<ConnState>,
+    connections: Arc<Connections>,
 }
 
 /// Marks one request in flight; dropped when the handler's future ends (or is dropped). Its end
@@ -442,11 +543,15 @@ where
         self.state.in_flight.fetch_add(1, Ordering::SeqCst);
         self.state.touch();
         let guard = InFlight(self.state.clone());
-        let request = request.map(|inner| WatchedBody {
+        let mut request = request.map(|inner| WatchedBody {
             inner,
             conn: self.state.clone(),
             started: false,
             waiting: false,
+        });
+        request.extensions_mut().insert(Peer {
+            connections: self.connections.clone(),
+            source: self.state.source,
         });
         let future = self.inner.call(request);
         Box::pin(async move {
@@ -545,6 +650,7 @@ mod tests {
                 max_connections,
                 max_per_source,
                 idle_timeout,
+                max_unauthenticated_per_source: 2,
             },
             Arc::new(ServerMetrics::default()),
         )
@@ -636,6 +742,39 @@ mod tests {
         assert!(!conn.evictable(connections.now_ms(), 50));
     }
 
+    #[test]
+    fn unauthenticated_requests_are_counted_per_source_until_they_pass_or_end() {
+        let connections = table(10, 10);
+        let peer = |ip: &str| Peer {
+            connections: connections.clone(),
+            source: Some(ip.parse().unwrap()),
+        };
+        let (a, b) = (peer("10.0.0.1"), peer("10.0.0.2"));
+        let first = a.unauthenticated().unwrap();
+        let second = a.unauthenticated().unwrap();
+        // A third from the same source is refused; another source is not.
+        assert!(a.unauthenticated().is_none());
+        let _other = b.unauthenticated().unwrap();
+        // Credentials that pass free the place at once (once, however often it is said)...
+        second.passed();
+        second.passed();
+        let third = a.unauthenticated().unwrap();
+        assert!(a.unauthenticated().is_none());
+        // ...and so does the end of the request, when the last clone of it goes.
+        let clone = first.clone();
+        drop(first);
+        assert!(a.unauthenticated().is_none());
+        drop(clone);
+        let _fourth = a.unauthenticated().unwrap();
+        drop((second, third));
+        // An unreadable source is not counted.
+        let unknown = Peer {
+            connections: connections.clone(),
+            source: None,
+        };
+        let _held: Vec<_> = (0..5).map(|_| unknown.unauthenticated().unwrap()).collect();
+    }
+
     #[tokio::test]
     async fn the_end_of_a_request_restarts_the_idle_clock() {
         let connections = table(2, 2);
@@ -656,6 +795,7 @@ mod tests {
         let mut service = TrackRequests {
             inner: Answer,
             state: conn.clone(),
+            connections: connections.clone(),
         };
         // A request that began long ago (a long poll that moved no byte while it waited).
         let call = tower::Service::call(&mut service, Request::new(String::new()));

@@ -95,6 +95,7 @@ impl Server {
         tracing::info!(
             max_connections,
             max_connections_per_source = ?config.max_connections_per_source,
+            max_unauthenticated_per_source = config.max_unauthenticated_per_source,
             open_file_limit = fd_limit,
             idle_timeout_secs = config.idle_timeout.as_secs(),
             "connection limits"
@@ -107,6 +108,7 @@ impl Server {
                 max_connections,
                 max_per_source,
                 idle_timeout: config.idle_timeout,
+                max_unauthenticated_per_source: config.max_unauthenticated_per_source,
             },
             metrics,
         );
