@@ -403,15 +403,27 @@ async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, Cre
 
 use hora_common::wire::CreateTask;
 
+/// A task over a model of `params` zeros, its initial weights uploaded.
+async fn zeros_task(admin: &Api, id: &str, params: usize, min: u32, target: u32) -> Model {
+    let model = Model::from_tensors([("w", vec![params], vec![0.0f32; params])]).unwrap();
+    let digest = admin.upload_model(&model).await;
+    admin
+        .create_task(&task(id, digest, 50, min, target, 120))
+        .await;
+    model
+}
+
 #[tokio::test(flavor = "multi_thread")]
-async fn a_full_body_budget_answers_busy_within_the_body_wait_and_a_retry_gets_through() {
+async fn a_slow_large_body_holds_only_its_share_larger_ones_hear_busy_and_smaller_ones_are_served()
+{
     let dir = tempfile::tempdir().unwrap();
-    // A 1 KiB body budget (one body at a time), a 1 s body wait, a 3 s grace before the floor.
+    // An 8 KiB body budget, of which one upload reserves at most a quarter (the default); a 1 s
+    // body wait, a 3 s grace before the floor.
     let server = Server::start_with(
         dir.path(),
         &[
             "--upload-buffer-bytes",
-            "1024",
+            "8192",
             "--body-wait-secs",
             "1",
             "--upload-grace-secs",
@@ -419,36 +431,51 @@ async fn a_full_body_budget_answers_busy_within_the_body_wait_and_a_retry_gets_t
         ],
     );
     let admin = server.api(ADMIN_TOKEN);
-    let (model, config) = small_task(&admin, "busy", 2, 3).await;
-    admin.create_task(&config).await;
-    let (staller, honest) = (admin.enrol().await, admin.enrol().await);
-    let stalled = staller.join("busy").await;
-    let body = staller.seal("busy", &stalled, &delta(&model, 1));
-    assert!(body.len() > 1024, "the body must take the whole budget");
+    // Updates of 16 KiB (larger than the whole budget) and of a few bytes.
+    let model = zeros_task(&admin, "large", 4096, 2, 3).await;
+    let tiny = zeros_task(&admin, "tiny", 4, 1, 1).await;
+    let (staller, honest, small) = (
+        admin.enrol().await,
+        admin.enrol().await,
+        admin.enrol().await,
+    );
+    let stalled = staller.join("large").await;
+    let body = staller.seal("large", &stalled, &delta(&model, 1));
+    assert!(body.len() > 8192, "the body must be larger than the budget");
     let mut conn = raw_tls(&server).await;
-    let head = upload_head(&staller, "busy", stalled.round, body.len());
+    let head = upload_head(&staller, "large", stalled.round, body.len());
     conn.write_all(head.as_bytes()).await.unwrap();
     conn.write_all(&body[..4]).await.unwrap();
     conn.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // The honest upload is not queued behind the stalled body for as long as it takes: it is
-    // told the server is busy once the body wait is over.
-    let offer = honest.join("busy").await;
-    let update = delta(&model, 2);
-    let sealed = honest.seal("busy", &offer, &update);
+    // Another upload as large is not queued behind the stalled body for as long as it takes: it
+    // is told the server is busy once the body wait is over, and when to retry.
+    let offer = honest.join("large").await;
+    let sealed = honest.seal("large", &offer, &delta(&model, 2));
     let asked = Instant::now();
-    let msg = honest
-        .api
-        .refused(
-            honest.upload_request("busy", offer.round, 5, sealed.clone()),
-            StatusCode::SERVICE_UNAVAILABLE,
-            "busy",
-        )
-        .await;
-    assert!(msg.contains("retry later"), "{msg}");
+    let resp = honest
+        .upload_request("large", offer.round, 5, sealed.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let err: hora_common::wire::ApiError = resp.json().await.unwrap();
+    assert_eq!(err.code.as_str(), "busy");
+    assert!(err.message.contains("retry later"), "{}", err.message);
     assert!(
         asked.elapsed() < Duration::from_secs(3),
         "{:?}",
+        asked.elapsed()
+    );
+    // A small upload is read in the rest of the budget meanwhile, and acknowledged at once.
+    let offer_tiny = small.join("tiny").await;
+    let asked = Instant::now();
+    let receipt = small.upload("tiny", &offer_tiny, 3, &delta(&tiny, 3)).await;
+    assert_eq!(receipt.accepted, 1);
+    assert!(
+        asked.elapsed() < Duration::from_millis(900),
+        "a small upload waited {:?} behind a large one",
         asked.elapsed()
     );
     // The stalled body is cut off at the floor (408); the retry is read and acknowledged.
@@ -456,7 +483,7 @@ async fn a_full_body_budget_answers_busy_within_the_body_wait_and_a_retry_gets_t
     assert!(answer.contains(" 408 "), "{answer}");
     let receipt: UpdateReceipt = honest
         .api
-        .ok(honest.upload_request("busy", offer.round, 5, sealed))
+        .ok(honest.upload_request("large", offer.round, 5, sealed))
         .await;
     assert_eq!(receipt.accepted, 1);
 }

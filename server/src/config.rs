@@ -73,10 +73,15 @@ pub struct ServeArgs {
     /// Seconds an upload body may take before the minimum rate applies.
     #[arg(long, env = "HORA_UPLOAD_GRACE_SECS")]
     pub upload_grace_secs: Option<u64>,
-    /// Bytes of upload bodies held in memory at once while they are read (one body larger than
-    /// this is read alone).
+    /// Bytes of upload bodies held in memory at once while they are read.
     #[arg(long, env = "HORA_UPLOAD_BUFFER_BYTES")]
     pub upload_buffer_bytes: Option<u64>,
+    /// The largest share of that budget one upload reserves, a fraction in (0, 1] (default
+    /// 0.25). Bodies larger than the share are read one at a time, each reserving the share, so
+    /// a slow large body never holds the room smaller ones are read in; memory for bodies stays
+    /// within the budget plus one such body.
+    #[arg(long, env = "HORA_MAX_UPLOAD_SHARE")]
+    pub max_upload_share: Option<f64>,
     /// Seconds a body waits for room in that budget before it is answered 503 `busy` (and
     /// retried by its client); below the request timeout, so `busy` is what a waiter hears.
     #[arg(long, env = "HORA_BODY_WAIT_SECS")]
@@ -134,6 +139,7 @@ struct FileConfig {
     min_upload_rate: Option<u64>,
     upload_grace_secs: Option<u64>,
     upload_buffer_bytes: Option<u64>,
+    max_upload_share: Option<f64>,
     body_wait_secs: Option<u64>,
     quarantine_after: Option<u32>,
     durability_timeout_secs: Option<u64>,
@@ -166,6 +172,7 @@ pub struct ServeConfig {
     pub min_upload_rate: u64,
     pub upload_grace: Duration,
     pub upload_buffer_bytes: u64,
+    pub max_upload_share: f64,
     pub body_wait: Duration,
     pub quarantine_after: u32,
     pub durability_timeout: Duration,
@@ -183,6 +190,15 @@ impl ServeConfig {
             Some(path) => load(path)?,
             None => FileConfig::default(),
         };
+        let max_upload_share = args
+            .max_upload_share
+            .or(file.max_upload_share)
+            .unwrap_or(0.25);
+        if !(max_upload_share > 0.0 && max_upload_share <= 1.0) {
+            anyhow::bail!(
+                "max_upload_share is {max_upload_share}; give a fraction of the upload buffer above 0 and at most 1 (0.25: a quarter)"
+            );
+        }
         Ok(ServeConfig {
             listen: args
                 .listen
@@ -241,6 +257,7 @@ impl ServeConfig {
                 .upload_buffer_bytes
                 .or(file.upload_buffer_bytes)
                 .unwrap_or(64 << 20),
+            max_upload_share,
             durability_timeout: secs(
                 args.durability_timeout_secs
                     .or(file.durability_timeout_secs),
@@ -307,14 +324,30 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("here"));
         assert_eq!(c.commit_window_ms, 50);
         assert_eq!(c.max_concurrent_uploads, 1);
+        assert_eq!(c.max_upload_share, 0.25);
         assert_eq!(c.max_unauthenticated_per_source, 32);
-        std::fs::write(&path, "max_unauthenticated_per_source = 4\n").unwrap();
+        std::fs::write(
+            &path,
+            "max_upload_share = 0.5\nmax_unauthenticated_per_source = 4\n",
+        )
+        .unwrap();
         let c = ServeConfig::resolve(ServeArgs {
             config: Some(path.clone()),
             ..Default::default()
         })
         .unwrap();
-        assert_eq!(c.max_unauthenticated_per_source, 4);
+        assert_eq!(
+            (c.max_upload_share, c.max_unauthenticated_per_source),
+            (0.5, 4)
+        );
+        for share in [0.0, 1.5, f64::NAN] {
+            let err = ServeConfig::resolve(ServeArgs {
+                max_upload_share: Some(share),
+                ..Default::default()
+            })
+            .unwrap_err();
+            assert!(format!("{err:#}").contains("max_upload_share"), "{err:#}");
+        }
         std::fs::write(&path, "lisen = \"x\"\n").unwrap();
         let err = ServeConfig::resolve(ServeArgs {
             config: Some(path),

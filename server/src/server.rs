@@ -80,6 +80,7 @@ impl Server {
                     grace: config.upload_grace,
                 },
                 upload_buffer_bytes: config.upload_buffer_bytes,
+                max_upload_share: config.max_upload_share,
                 body_wait: config.body_wait,
                 quarantine_after: config.quarantine_after,
                 request_timeout: config.request_timeout,

@@ -87,7 +87,8 @@ error_codes! {
     /// The request took longer than the server's limit. Retry later.
     RequestTimeout => "request_timeout",
     /// The server's memory budget for bodies stayed full for as long as a request may wait for
-    /// it (slow senders hold it). Retry later.
+    /// it (slow senders hold it), or another body too large to share it was being read. Retry
+    /// after the `Retry-After` header's seconds, or later.
     Busy => "busy",
     /// Too many requests from the caller's address are in flight before their credentials were
     /// checked (answered 429). Retry after the `Retry-After` header's seconds.

@@ -37,7 +37,7 @@ impl ServerError {
     /// that say the server (or this address's share of it) is full right now.
     fn retry_after(&self) -> Option<u64> {
         match self.code() {
-            ErrorCode::TooManyRequests => Some(1),
+            ErrorCode::Busy | ErrorCode::TooManyRequests => Some(1),
             _ => None,
         }
     }

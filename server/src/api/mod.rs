@@ -55,6 +55,9 @@ pub struct HttpLimits {
     pub body_rate: BodyRate,
     /// Bytes of upload bodies held in memory at once while being read.
     pub upload_buffer_bytes: u64,
+    /// The largest share of that budget one upload reserves (bodies larger than it are read one
+    /// at a time).
+    pub max_upload_share: f64,
     /// Time allowed for a request that is neither a long poll nor a body upload.
     pub request_timeout: Duration,
     /// Whether `GET /metrics` needs the admin token.
@@ -74,6 +77,7 @@ impl Default for HttpLimits {
             max_model_bytes: 4 << 30,
             body_rate: BodyRate::default(),
             upload_buffer_bytes: 64 << 20,
+            max_upload_share: 0.25,
             request_timeout: Duration::from_secs(30),
             metrics_require_token: false,
             max_concurrent_uploads: 1,
@@ -111,8 +115,9 @@ impl AppState {
             coordinator,
             admin: auth::AdminKey::new(admin_token_hash),
             ingest: Arc::new(Semaphore::new(limits.max_concurrent_uploads.max(1))),
-            budget: body::IngestBudget::new(limits.upload_buffer_bytes),
-            json_budget: body::IngestBudget::new(limits.max_json_bytes as u64 * JSON_BODIES),
+            budget: body::IngestBudget::new(limits.upload_buffer_bytes, limits.max_upload_share),
+            // (Every JSON body is at most 1/JSON_BODIES of its budget already.)
+            json_budget: body::IngestBudget::new(limits.max_json_bytes as u64 * JSON_BODIES, 1.0),
             uploads: Arc::default(),
             limits,
             rendezvous,
