@@ -245,6 +245,155 @@ async fn one_source_cannot_take_every_connection_slot() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn at_the_cap_a_stalled_upload_makes_room_and_long_polls_keep_their_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    // Five connections (all from this address: it may have them all); a 2 s idle timeout (long polls are held 1.6 s); a grace that lets the
+    // stalled body stay for a minute before the rate floor would cut it off.
+    let server = Server::start_with(
+        dir.path(),
+        &[
+            "--max-connections",
+            "5",
+            "--max-connections-per-source",
+            "10",
+            "--idle-timeout-secs",
+            "2",
+            "--upload-grace-secs",
+            "60",
+        ],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let (model, config) = small_task(&admin, "stalled", 2, 3).await;
+    admin.create_task(&config).await;
+    let staller = admin.enrol().await;
+    let pollers = [admin.enrol().await, admin.enrol().await];
+    let offer = staller.join("stalled").await;
+    let body = staller.seal("stalled", &offer, &delta(&model, 1));
+
+    // Two clients long-poll for the next round throughout, each on a connection of its own.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut polling = Vec::new();
+    for c in pollers {
+        let api = Api {
+            http: hora_server::tls::https_client(&server.ca, None).unwrap(),
+            ..c.api.clone()
+        };
+        let (done, path) = (
+            done.clone(),
+            format!("/v1/tasks/stalled/poll?after={}&wait_ms=10000", offer.round),
+        );
+        polling.push(tokio::spawn(async move {
+            let mut answered = 0;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let _: PollResponse = api.ok(api.request(Method::GET, &path)).await;
+                answered += 1;
+            }
+            answered
+        }));
+    }
+    // The staller announces its update, sends four bytes of it, and goes quiet for longer than
+    // the idle timeout (the admin's pooled connection is closed meanwhile, as idle).
+    let mut stalled = raw_tls(&server).await;
+    let head = upload_head(&staller, "stalled", offer.round, body.len());
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    stalled.write_all(&body[..4]).await.unwrap();
+    stalled.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Two connections that say nothing fill the cap: the stalled upload is the idlest
+    // connection, the long polls are busy, and a newcomer is served.
+    let _fillers = [raw_tls(&server).await, raw_tls(&server).await];
+    healthz_ok(&server).await;
+    // Closed without an answer (a refusal would read as final; a closed connection is retried).
+    let sent = closed_within(&mut stalled, Duration::from_secs(3))
+        .await
+        .expect("the stalled upload's connection is still open");
+    assert!(sent.is_empty(), "{}", String::from_utf8_lossy(&sent));
+    // The long polls were answered throughout, none cut off.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    for p in polling {
+        assert!(p.await.expect("every poll answered") >= 2);
+    }
+    assert!(
+        metric(
+            &admin,
+            "hora_connections_closed_total{reason=\"evicted_stalled_at_cap\"}"
+        )
+        .await
+            >= 1.0
+    );
+    // The staller's retry is read and acknowledged.
+    staller
+        .api
+        .ok::<UpdateReceipt>(staller.upload_request("stalled", offer.round, 10, body))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_source_keeps_at_most_its_limit_of_unauthenticated_requests_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(dir.path(), &["--max-unauthenticated-per-source", "4"]);
+    let admin = server.api(ADMIN_TOKEN);
+    // The admin token's slow check, paid once: the operator's requests are quick from now on.
+    let _: Vec<TaskInfo> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks"))
+        .await;
+    // Sixteen guesses of the admin token at once from one address, each a slow check...
+    let mut guesses = Vec::new();
+    for i in 0..16 {
+        let api = admin.with_token(&format!("guess {i} of the admin token"));
+        guesses.push(tokio::spawn(async move {
+            let resp = api
+                .request(Method::GET, "/admin/v1/tasks")
+                .send()
+                .await
+                .expect("an answer");
+            let (status, retry) = (resp.status(), resp.headers().get("retry-after").cloned());
+            let err: hora_common::wire::ApiError = resp.json().await.expect("an ApiError body");
+            (status, retry, err.code)
+        }));
+    }
+    // ...while the operator asks from another address, and is answered.
+    let mut other = raw_tls_from(&server, "127.0.0.2").await;
+    other
+        .write_all(
+            format!(
+                "GET /admin/v1/tasks HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let answer = answer_within(&mut other, "\r\n\r\n", Duration::from_secs(3)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // The guesses beyond the limit are refused at once, with when to retry; the others are
+    // refused for their token (or, past the server's budget of slow checks, told it is busy).
+    let mut refused = 0;
+    for g in guesses {
+        let (status, retry, code) = g.await.unwrap();
+        match status {
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(code.as_str(), "too_many_requests");
+                assert_eq!(retry.expect("a Retry-After header"), "1");
+                refused += 1;
+            }
+            StatusCode::UNAUTHORIZED => assert_eq!(code.as_str(), "unauthorized"),
+            StatusCode::SERVICE_UNAVAILABLE => assert_eq!(code.as_str(), "busy"),
+            other => panic!("a guess was answered {other}"),
+        }
+    }
+    assert!(
+        refused >= 4,
+        "only {refused} of 16 guesses refused for the limit"
+    );
+    assert!(metric(&admin, "hora_unauthenticated_refused_total").await >= refused as f64);
+    // Their places are free again: the address's own good credentials are served.
+    let _: Vec<TaskInfo> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks"))
+        .await;
+}
+
 /// A task over the small model, its initial weights uploaded.
 async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, CreateTask) {
     let model = small_model();
@@ -254,15 +403,27 @@ async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, Cre
 
 use hora_common::wire::CreateTask;
 
+/// A task over a model of `params` zeros, its initial weights uploaded.
+async fn zeros_task(admin: &Api, id: &str, params: usize, min: u32, target: u32) -> Model {
+    let model = Model::from_tensors([("w", vec![params], vec![0.0f32; params])]).unwrap();
+    let digest = admin.upload_model(&model).await;
+    admin
+        .create_task(&task(id, digest, 50, min, target, 120))
+        .await;
+    model
+}
+
 #[tokio::test(flavor = "multi_thread")]
-async fn a_full_body_budget_answers_busy_within_the_body_wait_and_a_retry_gets_through() {
+async fn a_slow_large_body_holds_only_its_share_larger_ones_hear_busy_and_smaller_ones_are_served()
+{
     let dir = tempfile::tempdir().unwrap();
-    // A 1 KiB body budget (one body at a time), a 1 s body wait, a 3 s grace before the floor.
+    // An 8 KiB body budget, of which one upload reserves at most a quarter (the default); a 1 s
+    // body wait, a 3 s grace before the floor.
     let server = Server::start_with(
         dir.path(),
         &[
             "--upload-buffer-bytes",
-            "1024",
+            "8192",
             "--body-wait-secs",
             "1",
             "--upload-grace-secs",
@@ -270,36 +431,51 @@ async fn a_full_body_budget_answers_busy_within_the_body_wait_and_a_retry_gets_t
         ],
     );
     let admin = server.api(ADMIN_TOKEN);
-    let (model, config) = small_task(&admin, "busy", 2, 3).await;
-    admin.create_task(&config).await;
-    let (staller, honest) = (admin.enrol().await, admin.enrol().await);
-    let stalled = staller.join("busy").await;
-    let body = staller.seal("busy", &stalled, &delta(&model, 1));
-    assert!(body.len() > 1024, "the body must take the whole budget");
+    // Updates of 16 KiB (larger than the whole budget) and of a few bytes.
+    let model = zeros_task(&admin, "large", 4096, 2, 3).await;
+    let tiny = zeros_task(&admin, "tiny", 4, 1, 1).await;
+    let (staller, honest, small) = (
+        admin.enrol().await,
+        admin.enrol().await,
+        admin.enrol().await,
+    );
+    let stalled = staller.join("large").await;
+    let body = staller.seal("large", &stalled, &delta(&model, 1));
+    assert!(body.len() > 8192, "the body must be larger than the budget");
     let mut conn = raw_tls(&server).await;
-    let head = upload_head(&staller, "busy", stalled.round, body.len());
+    let head = upload_head(&staller, "large", stalled.round, body.len());
     conn.write_all(head.as_bytes()).await.unwrap();
     conn.write_all(&body[..4]).await.unwrap();
     conn.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // The honest upload is not queued behind the stalled body for as long as it takes: it is
-    // told the server is busy once the body wait is over.
-    let offer = honest.join("busy").await;
-    let update = delta(&model, 2);
-    let sealed = honest.seal("busy", &offer, &update);
+    // Another upload as large is not queued behind the stalled body for as long as it takes: it
+    // is told the server is busy once the body wait is over, and when to retry.
+    let offer = honest.join("large").await;
+    let sealed = honest.seal("large", &offer, &delta(&model, 2));
     let asked = Instant::now();
-    let msg = honest
-        .api
-        .refused(
-            honest.upload_request("busy", offer.round, 5, sealed.clone()),
-            StatusCode::SERVICE_UNAVAILABLE,
-            "busy",
-        )
-        .await;
-    assert!(msg.contains("retry later"), "{msg}");
+    let resp = honest
+        .upload_request("large", offer.round, 5, sealed.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let err: hora_common::wire::ApiError = resp.json().await.unwrap();
+    assert_eq!(err.code.as_str(), "busy");
+    assert!(err.message.contains("retry later"), "{}", err.message);
     assert!(
         asked.elapsed() < Duration::from_secs(3),
         "{:?}",
+        asked.elapsed()
+    );
+    // A small upload is read in the rest of the budget meanwhile, and acknowledged at once.
+    let offer_tiny = small.join("tiny").await;
+    let asked = Instant::now();
+    let receipt = small.upload("tiny", &offer_tiny, 3, &delta(&tiny, 3)).await;
+    assert_eq!(receipt.accepted, 1);
+    assert!(
+        asked.elapsed() < Duration::from_millis(900),
+        "a small upload waited {:?} behind a large one",
         asked.elapsed()
     );
     // The stalled body is cut off at the floor (408); the retry is read and acknowledged.
@@ -307,7 +483,7 @@ async fn a_full_body_budget_answers_busy_within_the_body_wait_and_a_retry_gets_t
     assert!(answer.contains(" 408 "), "{answer}");
     let receipt: UpdateReceipt = honest
         .api
-        .ok(honest.upload_request("busy", offer.round, 5, sealed))
+        .ok(honest.upload_request("large", offer.round, 5, sealed))
         .await;
     assert_eq!(receipt.accepted, 1);
 }

@@ -49,7 +49,15 @@ pub struct ServeArgs {
     /// in front of many devices may need it raised.
     #[arg(long, env = "HORA_MAX_CONNECTIONS_PER_SOURCE")]
     pub max_connections_per_source: Option<usize>,
-    /// A connection with no request in flight that moves no byte for this long is closed.
+    /// Requests from one IP address in flight at once before their credentials passed (no, a
+    /// wrong or a still-checked token, and the open routes such as `/healthz`); beyond it that
+    /// address is answered 429 `too_many_requests` (default 32). Raise it for many devices
+    /// behind one NAT gateway.
+    #[arg(long, env = "HORA_MAX_UNAUTHENTICATED_PER_SOURCE")]
+    pub max_unauthenticated_per_source: Option<usize>,
+    /// A connection with no request in flight that moves no byte for this long is closed; at a
+    /// connection cap, one whose every request waits for a body that sent nothing for this long
+    /// makes room like an idle one.
     #[arg(long, env = "HORA_IDLE_TIMEOUT_SECS")]
     pub idle_timeout_secs: Option<u64>,
     /// Time allowed to send a request's headers (HTTP/1.1).
@@ -65,10 +73,15 @@ pub struct ServeArgs {
     /// Seconds an upload body may take before the minimum rate applies.
     #[arg(long, env = "HORA_UPLOAD_GRACE_SECS")]
     pub upload_grace_secs: Option<u64>,
-    /// Bytes of upload bodies held in memory at once while they are read (one body larger than
-    /// this is read alone).
+    /// Bytes of upload bodies held in memory at once while they are read.
     #[arg(long, env = "HORA_UPLOAD_BUFFER_BYTES")]
     pub upload_buffer_bytes: Option<u64>,
+    /// The largest share of that budget one upload reserves, a fraction in (0, 1] (default
+    /// 0.25). Bodies larger than the share are read one at a time, each reserving the share, so
+    /// a slow large body never holds the room smaller ones are read in; memory for bodies stays
+    /// within the budget plus one such body.
+    #[arg(long, env = "HORA_MAX_UPLOAD_SHARE")]
+    pub max_upload_share: Option<f64>,
     /// Seconds a body waits for room in that budget before it is answered 503 `busy` (and
     /// retried by its client); below the request timeout, so `busy` is what a waiter hears.
     #[arg(long, env = "HORA_BODY_WAIT_SECS")]
@@ -119,12 +132,14 @@ struct FileConfig {
     max_model_bytes: Option<u64>,
     max_connections: Option<usize>,
     max_connections_per_source: Option<usize>,
+    max_unauthenticated_per_source: Option<usize>,
     idle_timeout_secs: Option<u64>,
     header_timeout_secs: Option<u64>,
     request_timeout_secs: Option<u64>,
     min_upload_rate: Option<u64>,
     upload_grace_secs: Option<u64>,
     upload_buffer_bytes: Option<u64>,
+    max_upload_share: Option<f64>,
     body_wait_secs: Option<u64>,
     quarantine_after: Option<u32>,
     durability_timeout_secs: Option<u64>,
@@ -150,12 +165,14 @@ pub struct ServeConfig {
     /// None: derived from the open-file limit at start.
     pub max_connections: Option<usize>,
     pub max_connections_per_source: Option<usize>,
+    pub max_unauthenticated_per_source: usize,
     pub idle_timeout: Duration,
     pub header_timeout: Duration,
     pub request_timeout: Duration,
     pub min_upload_rate: u64,
     pub upload_grace: Duration,
     pub upload_buffer_bytes: u64,
+    pub max_upload_share: f64,
     pub body_wait: Duration,
     pub quarantine_after: u32,
     pub durability_timeout: Duration,
@@ -173,6 +190,15 @@ impl ServeConfig {
             Some(path) => load(path)?,
             None => FileConfig::default(),
         };
+        let max_upload_share = args
+            .max_upload_share
+            .or(file.max_upload_share)
+            .unwrap_or(0.25);
+        if !(max_upload_share > 0.0 && max_upload_share <= 1.0) {
+            anyhow::bail!(
+                "max_upload_share is {max_upload_share}; give a fraction of the upload buffer above 0 and at most 1 (0.25: a quarter)"
+            );
+        }
         Ok(ServeConfig {
             listen: args
                 .listen
@@ -212,6 +238,11 @@ impl ServeConfig {
             max_connections_per_source: args
                 .max_connections_per_source
                 .or(file.max_connections_per_source),
+            max_unauthenticated_per_source: args
+                .max_unauthenticated_per_source
+                .or(file.max_unauthenticated_per_source)
+                .unwrap_or(32)
+                .max(1),
             idle_timeout: secs(args.idle_timeout_secs.or(file.idle_timeout_secs), 15),
             header_timeout: secs(args.header_timeout_secs.or(file.header_timeout_secs), 10),
             request_timeout: secs(args.request_timeout_secs.or(file.request_timeout_secs), 30),
@@ -226,6 +257,7 @@ impl ServeConfig {
                 .upload_buffer_bytes
                 .or(file.upload_buffer_bytes)
                 .unwrap_or(64 << 20),
+            max_upload_share,
             durability_timeout: secs(
                 args.durability_timeout_secs
                     .or(file.durability_timeout_secs),
@@ -292,6 +324,30 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("here"));
         assert_eq!(c.commit_window_ms, 50);
         assert_eq!(c.max_concurrent_uploads, 1);
+        assert_eq!(c.max_upload_share, 0.25);
+        assert_eq!(c.max_unauthenticated_per_source, 32);
+        std::fs::write(
+            &path,
+            "max_upload_share = 0.5\nmax_unauthenticated_per_source = 4\n",
+        )
+        .unwrap();
+        let c = ServeConfig::resolve(ServeArgs {
+            config: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(
+            (c.max_upload_share, c.max_unauthenticated_per_source),
+            (0.5, 4)
+        );
+        for share in [0.0, 1.5, f64::NAN] {
+            let err = ServeConfig::resolve(ServeArgs {
+                max_upload_share: Some(share),
+                ..Default::default()
+            })
+            .unwrap_err();
+            assert!(format!("{err:#}").contains("max_upload_share"), "{err:#}");
+        }
         std::fs::write(&path, "lisen = \"x\"\n").unwrap();
         let err = ServeConfig::resolve(ServeArgs {
             config: Some(path),

@@ -17,9 +17,24 @@
 //! the number from one IP address (a quarter of the cap by default), so one source cannot take
 //! every slot. When a connection arrives at either cap, the longest-idle connection (of its
 //! source, at the source's cap) is closed to make room (an attacker's idle sockets go first,
-//! honest clients reconnect), and only when every such connection has a request in flight is
-//! the newcomer refused. Either way the server keeps descriptors for its own files and
-//! `/healthz` keeps answering.
+//! honest clients reconnect), and only when every such connection is busy is the newcomer
+//! refused. Either way the server keeps descriptors for its own files and `/healthz` keeps
+//! answering.
+//!
+//! "Busy" means waiting on the server. Each request's body is wrapped in a [`WatchedBody`] that
+//! tells its connection when the handler asked for more of the body and the client has not sent
+//! it, and whose bytes restart the idle clock like any other. A connection whose every request in
+//! flight is waiting so, and which has moved no byte for the idle timeout, holds up nobody but its
+//! own client: at a cap it makes room like an idle one, the idlest first. The idle timeout is the
+//! threshold because it is already the server's word for "this peer has gone quiet": an honest
+//! sender on a lossy link can pause for seconds (TCP retransmissions back off 1, 2, 4 s…), and
+//! one quiet for as long as an idle connection may live is not sending its body, while the body's
+//! rate floor may still allow it minutes (a fast start banks time). A long poll, a join waiting
+//! for its world, an upload waiting for room in the body budget or being folded, and a connection
+//! with any such request beside a stalled body, wait on the server and are never evicted.
+//!
+//! Each request also carries a [`Peer`], through which the API counts the requests of one
+//! address that are in flight before their credentials passed ([`Peer::unauthenticated`]).
 
 use std::collections::HashMap;
 use std::future::{Future, Ready};
@@ -31,6 +46,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use axum::http::Request;
+use http_body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
@@ -43,7 +60,11 @@ pub struct ConnectionLimits {
     pub max_connections: usize,
     /// Connections from one IP address.
     pub max_per_source: usize,
+    /// A connection quiet this long is closed if no request is in flight on it, and evicted at
+    /// a cap if every request on it waits for its client's body.
     pub idle_timeout: Duration,
+    /// Requests from one IP address in flight at once before their credentials passed.
+    pub max_unauthenticated_per_source: usize,
 }
 
 /// The live connections.
@@ -52,6 +73,9 @@ pub struct Connections {
     epoch: Instant,
     next_id: AtomicU64,
     live: Mutex<HashMap<u64, Arc<ConnState>>>,
+    /// Requests in flight whose credentials have not passed, by source (sources with none are
+    /// not kept).
+    unauthenticated: Mutex<HashMap<IpAddr, usize>>,
     metrics: Arc<ServerMetrics>,
 }
 
@@ -65,7 +89,9 @@ pub struct ConnState {
     /// Milliseconds since `epoch` when bytes last moved or a request began or ended.
     last_activity_ms: AtomicU64,
     in_flight: AtomicUsize,
-    /// Set to close the connection at its next read (idle at the cap).
+    /// Request bodies on this connection whose reader is waiting for the client's next bytes.
+    awaiting_body: AtomicUsize,
+    /// Set to close the connection at its next read (idle or stalled at a cap).
     evicted: AtomicBool,
     reader: Mutex<Option<Waker>>,
 }
@@ -73,6 +99,19 @@ pub struct ConnState {
 impl ConnState {
     fn idle(&self) -> bool {
         self.in_flight.load(Ordering::SeqCst) == 0
+    }
+
+    /// Whether the connection may be closed to make room at a cap: it is not closing already,
+    /// and either no request is in flight on it, or every one is waiting for its client's body
+    /// and no byte has moved for `quiet_ms`.
+    fn evictable(&self, now_ms: u64, quiet_ms: u64) -> bool {
+        if self.evicted.load(Ordering::SeqCst) {
+            return false;
+        }
+        let in_flight = self.in_flight.load(Ordering::SeqCst);
+        in_flight == 0
+            || (self.awaiting_body.load(Ordering::SeqCst) >= in_flight
+                && now_ms.saturating_sub(self.last_activity_ms.load(Ordering::SeqCst)) >= quiet_ms)
     }
 
     fn touch(&self) {
@@ -116,6 +155,7 @@ impl Connections {
             epoch: Instant::now(),
             next_id: AtomicU64::new(0),
             live: Mutex::new(HashMap::new()),
+            unauthenticated: Mutex::new(HashMap::new()),
             metrics,
         })
     }
@@ -131,10 +171,12 @@ impl Connections {
 
     /// Admits a connection from `source`, closing the longest-idle one (of that source, at its
     /// cap) if a cap is reached; None when every candidate is busy and the newcomer must be
-    /// refused.
+    /// refused. A connection whose requests all wait for their bodies and that has been quiet for
+    /// the idle timeout counts as idle ([`ConnState::evictable`]).
     fn admit(self: &Arc<Self>, source: Option<IpAddr>) -> Option<Arc<ConnState>> {
         let mut live = self.live.lock().expect("connection table");
-        let evictable = |c: &&Arc<ConnState>| c.idle() && !c.evicted.load(Ordering::SeqCst);
+        let (now, quiet_ms) = (self.now_ms(), self.limits.idle_timeout.as_millis() as u64);
+        let evictable = |c: &&Arc<ConnState>| c.evictable(now, quiet_ms);
         let from_source = |c: &&Arc<ConnState>| source.is_some() && c.source == source;
         let held = live
             .values()
@@ -142,13 +184,21 @@ impl Connections {
             .count();
         // Which cap is reached, if any: the source's first (its own connections make room).
         let full = if source.is_some() && held >= self.limits.max_per_source {
-            Some(("evicted_at_source_cap", "refused_at_source_cap", true))
+            Some((
+                ["evicted_at_source_cap", "evicted_stalled_at_source_cap"],
+                "refused_at_source_cap",
+                true,
+            ))
         } else if live.len() >= self.limits.max_connections {
-            Some(("evicted_at_cap", "refused_at_cap", false))
+            Some((
+                ["evicted_at_cap", "evicted_stalled_at_cap"],
+                "refused_at_cap",
+                false,
+            ))
         } else {
             None
         };
-        if let Some((evicted, refused, same_source)) = full {
+        if let Some(([idle, stalled], refused, same_source)) = full {
             let idlest = live
                 .values()
                 .filter(evictable)
@@ -159,8 +209,9 @@ impl Connections {
                 self.metrics.connections_closed(refused);
                 return None;
             };
+            let why = if c.idle() { idle } else { stalled };
             c.evict();
-            self.metrics.connections_closed(evicted);
+            self.metrics.connections_closed(why);
         }
         let state = Arc::new(ConnState {
             id: self.next_id.fetch_add(1, Ordering::SeqCst),
@@ -168,6 +219,7 @@ impl Connections {
             epoch: self.epoch,
             last_activity_ms: AtomicU64::new(self.now_ms()),
             in_flight: AtomicUsize::new(0),
+            awaiting_body: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
             reader: Mutex::new(None),
         });
@@ -180,6 +232,96 @@ impl Connections {
         let mut live = self.live.lock().expect("connection table");
         live.remove(&id);
         self.metrics.connections_open.set(live.len() as i64);
+    }
+
+    /// Counts one more unauthenticated request of `source` in flight, unless it has its limit.
+    fn begin_unauthenticated(&self, source: IpAddr) -> bool {
+        let mut counts = self.unauthenticated.lock().expect("unauthenticated table");
+        let count = counts.entry(source).or_insert(0);
+        if *count >= self.limits.max_unauthenticated_per_source {
+            return false;
+        }
+        *count += 1;
+        true
+    }
+
+    fn end_unauthenticated(&self, source: IpAddr) {
+        let mut counts = self.unauthenticated.lock().expect("unauthenticated table");
+        if let Some(count) = counts.get_mut(&source) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                counts.remove(&source);
+            }
+        }
+    }
+}
+
+/// What a request knows of its connection: put in each request's extensions by
+/// [`TrackRequests`] (absent where the server runs without the guard, as in-process tests do).
+#[derive(Clone)]
+pub struct Peer {
+    connections: Arc<Connections>,
+    source: Option<IpAddr>,
+}
+
+impl Peer {
+    /// The address the request came from, where it could be read.
+    pub fn source(&self) -> Option<IpAddr> {
+        self.source
+    }
+
+    /// Counts the request among its source's requests in flight whose credentials have not
+    /// passed, until [`Unauthenticated::passed`] or its drop; None when the source has
+    /// `max_unauthenticated_per_source` already, and the request is to be refused at once. A
+    /// request whose source could not be read is not counted.
+    pub fn unauthenticated(&self) -> Option<Unauthenticated> {
+        let source = match self.source {
+            Some(source) if !self.connections.begin_unauthenticated(source) => {
+                self.connections.metrics.unauthenticated_refused.inc();
+                return None;
+            }
+            source => source,
+        };
+        Some(Unauthenticated(Arc::new(Counted {
+            connections: self.connections.clone(),
+            source,
+            counted: AtomicBool::new(source.is_some()),
+        })))
+    }
+}
+
+/// A request counted among its source's unauthenticated requests in flight ([`Peer`]); cloned
+/// into the request, so its credential checks can say they passed. The count ends at the first
+/// of [`Unauthenticated::passed`] and the drop of the last clone.
+#[derive(Clone)]
+pub struct Unauthenticated(Arc<Counted>);
+
+struct Counted {
+    connections: Arc<Connections>,
+    source: Option<IpAddr>,
+    counted: AtomicBool,
+}
+
+impl Counted {
+    fn end(&self) {
+        if let Some(source) = self.source {
+            if self.counted.swap(false, Ordering::SeqCst) {
+                self.connections.end_unauthenticated(source);
+            }
+        }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+impl Unauthenticated {
+    /// The request's credentials passed: it no longer counts against its source.
+    pub fn passed(&self) {
+        self.0.end();
     }
 }
 
@@ -220,6 +362,7 @@ impl<S> axum_server::accept::Accept<TcpStream, S> for GuardAcceptor {
             TrackRequests {
                 inner: service,
                 state,
+                connections: self.connections.clone(),
             },
         )))
     }
@@ -243,6 +386,18 @@ impl Drop for GuardedStream {
 impl GuardedStream {
     fn touch(&self) {
         self.state.touch();
+    }
+
+    /// Once evicted, nothing more is written either: the handler of a stalled body that the
+    /// eviction cut off would otherwise answer it with a refusal its client takes as final,
+    /// where a closed connection is one it retries.
+    fn evicted(&self) -> Option<io::Error> {
+        self.state.evicted.load(Ordering::SeqCst).then(|| {
+            io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "connection closed by the server to make room",
+            )
+        })
     }
 
     /// While the read is pending: whether the connection should end now, else arms the timer
@@ -312,6 +467,9 @@ impl AsyncWrite for GuardedStream {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if let Some(closed) = self.evicted() {
+            return Poll::Ready(Err(closed));
+        }
         let written = Pin::new(&mut self.inner).poll_write(cx, data);
         if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
             self.touch();
@@ -324,6 +482,9 @@ impl AsyncWrite for GuardedStream {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        if let Some(closed) = self.evicted() {
+            return Poll::Ready(Err(closed));
+        }
         let written = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
         if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
             self.touch();
@@ -344,11 +505,13 @@ impl AsyncWrite for GuardedStream {
     }
 }
 
-/// Counts a connection's requests in flight: from the call until the response is ready.
+/// Counts a connection's requests in flight (from the call until the response is ready), wraps
+/// each one's body in a [`WatchedBody`], and gives each its [`Peer`].
 #[derive(Clone)]
 pub struct TrackRequests<S> {
     inner: S,
     state: Arc<ConnState>,
+    connections: Arc<Connections>,
 }
 
 /// Marks one request in flight; dropped when the handler's future ends (or is dropped). Its end
@@ -362,9 +525,9 @@ impl Drop for InFlight {
     }
 }
 
-impl<S, R> tower::Service<R> for TrackRequests<S>
+impl<S, B> tower::Service<Request<B>> for TrackRequests<S>
 where
-    S: tower::Service<R>,
+    S: tower::Service<Request<WatchedBody<B>>>,
     S::Future: Send + 'static,
 {
     type Response = S::Response;
@@ -376,16 +539,88 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: R) -> Self::Future {
+    fn call(&mut self, request: Request<B>) -> Self::Future {
         self.state.in_flight.fetch_add(1, Ordering::SeqCst);
         self.state.touch();
         let guard = InFlight(self.state.clone());
+        let mut request = request.map(|inner| WatchedBody {
+            inner,
+            conn: self.state.clone(),
+            started: false,
+            waiting: false,
+        });
+        request.extensions_mut().insert(Peer {
+            connections: self.connections.clone(),
+            source: self.state.source,
+        });
         let future = self.inner.call(request);
         Box::pin(async move {
             let response = future.await;
             drop(guard);
             response
         })
+    }
+}
+
+/// A request body that tells its connection while its reader waits for the client's next bytes
+/// (the connection may then be evicted at a cap once quiet long enough), and whose bytes restart
+/// the idle clock. A body nobody reads, or one waiting for room in the body budget, is not
+/// waiting for its client.
+pub struct WatchedBody<B> {
+    inner: B,
+    conn: Arc<ConnState>,
+    /// Whether the body has been asked for bytes yet.
+    started: bool,
+    /// Whether its last poll found no bytes (counted in the connection's `awaiting_body`).
+    waiting: bool,
+}
+
+impl<B> WatchedBody<B> {
+    fn set_waiting(&mut self, waiting: bool) {
+        if waiting != self.waiting {
+            self.waiting = waiting;
+            match waiting {
+                true => self.conn.awaiting_body.fetch_add(1, Ordering::SeqCst),
+                false => self.conn.awaiting_body.fetch_sub(1, Ordering::SeqCst),
+            };
+        }
+    }
+}
+
+impl<B> Drop for WatchedBody<B> {
+    fn drop(&mut self) {
+        self.set_waiting(false);
+    }
+}
+
+impl<B: Body + Unpin> Body for WatchedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        if !self.started {
+            // The client's quiet time counts from when the server asks for its body, not from
+            // a wait of the server's own before (for room in the body budget).
+            self.started = true;
+            self.conn.touch();
+        }
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(Some(Ok(_)))) {
+            self.conn.touch();
+        }
+        self.set_waiting(polled.is_pending());
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -402,14 +637,142 @@ mod tests {
 
     /// A connection table with these caps and a one-minute idle timeout.
     fn table(max_connections: usize, max_per_source: usize) -> Arc<Connections> {
+        table_idle(max_connections, max_per_source, Duration::from_secs(60))
+    }
+
+    fn table_idle(
+        max_connections: usize,
+        max_per_source: usize,
+        idle_timeout: Duration,
+    ) -> Arc<Connections> {
         Connections::new(
             ConnectionLimits {
                 max_connections,
                 max_per_source,
-                idle_timeout: Duration::from_secs(60),
+                idle_timeout,
+                max_unauthenticated_per_source: 2,
             },
             Arc::new(ServerMetrics::default()),
         )
+    }
+
+    /// A request body whose client never sends a byte.
+    struct Silent;
+
+    impl Body for Silent {
+        type Data = axum::body::Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+            Poll::Pending
+        }
+    }
+
+    /// A request in flight on `conn` (as [`TrackRequests`] counts it), with its body; the
+    /// request ends when the guard is dropped.
+    fn request(conn: &Arc<ConnState>) -> (InFlight, WatchedBody<Silent>) {
+        conn.in_flight.fetch_add(1, Ordering::SeqCst);
+        let body = WatchedBody {
+            inner: Silent,
+            conn: conn.clone(),
+            started: false,
+            waiting: false,
+        };
+        (InFlight(conn.clone()), body)
+    }
+
+    /// The handler asks `body` for its next bytes, once.
+    fn ask(body: &mut WatchedBody<Silent>) {
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(Pin::new(body).poll_frame(&mut cx).is_pending());
+    }
+
+    #[tokio::test]
+    async fn a_body_stalled_for_the_idle_timeout_makes_room_and_a_long_poll_never_does() {
+        let connections = table_idle(3, 3, Duration::from_millis(100));
+        let (stalled, polling, both) = (
+            connections.admit(None).unwrap(),
+            connections.admit(None).unwrap(),
+            connections.admit(None).unwrap(),
+        );
+        // An upload whose client stopped sending; a long poll (no body to wait for); a
+        // connection with a stalled upload and a long poll (HTTP/2 streams).
+        let (_upload, mut body) = request(&stalled);
+        ask(&mut body);
+        let _poll = request(&polling);
+        let (_upload_2, mut body_2) = request(&both);
+        ask(&mut body_2);
+        let _poll_2 = request(&both);
+        // Quiet for less than the idle timeout: nothing may make room.
+        assert!(connections.admit(None).is_none());
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        // Then the stalled upload's connection is closed for the newcomer, and only it.
+        let newcomer = connections.admit(None).unwrap();
+        assert!(stalled.evicted.load(Ordering::SeqCst));
+        assert!(!polling.evicted.load(Ordering::SeqCst));
+        assert!(!both.evicted.load(Ordering::SeqCst));
+        connections.release(stalled.id);
+        let _busy = request(&newcomer);
+        assert!(connections.admit(None).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_body_that_receives_bytes_or_is_not_being_read_is_not_stalled() {
+        let connections = table_idle(1, 1, Duration::from_millis(50));
+        let conn = connections.admit(None).unwrap();
+        // A body the handler has not asked for yet (its upload waits for room in the budget).
+        let (_upload, mut body) = request(&conn);
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert!(!conn.evictable(connections.now_ms(), 50));
+        // Asked for at last: the client's quiet time counts from now.
+        ask(&mut body);
+        assert!(!conn.evictable(connections.now_ms(), 50));
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert!(conn.evictable(connections.now_ms(), 50));
+        // Bytes moving on the connection restart the clock.
+        conn.touch();
+        assert!(!conn.evictable(connections.now_ms(), 50));
+        // A body read to its end (or dropped) waits for nothing.
+        drop(body);
+        assert_eq!(conn.awaiting_body.load(Ordering::SeqCst), 0);
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert!(!conn.evictable(connections.now_ms(), 50));
+    }
+
+    #[test]
+    fn unauthenticated_requests_are_counted_per_source_until_they_pass_or_end() {
+        let connections = table(10, 10);
+        let peer = |ip: &str| Peer {
+            connections: connections.clone(),
+            source: Some(ip.parse().unwrap()),
+        };
+        let (a, b) = (peer("10.0.0.1"), peer("10.0.0.2"));
+        let first = a.unauthenticated().unwrap();
+        let second = a.unauthenticated().unwrap();
+        // A third from the same source is refused; another source is not.
+        assert!(a.unauthenticated().is_none());
+        let _other = b.unauthenticated().unwrap();
+        // Credentials that pass free the place at once (once, however often it is said)...
+        second.passed();
+        second.passed();
+        let third = a.unauthenticated().unwrap();
+        assert!(a.unauthenticated().is_none());
+        // ...and so does the end of the request, when the last clone of it goes.
+        let clone = first.clone();
+        drop(first);
+        assert!(a.unauthenticated().is_none());
+        drop(clone);
+        let _fourth = a.unauthenticated().unwrap();
+        drop((second, third));
+        // An unreadable source is not counted.
+        let unknown = Peer {
+            connections: connections.clone(),
+            source: None,
+        };
+        let _held: Vec<_> = (0..5).map(|_| unknown.unauthenticated().unwrap()).collect();
     }
 
     #[tokio::test]
@@ -418,23 +781,24 @@ mod tests {
         let conn = connections.admit(None).unwrap();
         /// A handler that answers at once.
         struct Answer;
-        impl tower::Service<()> for Answer {
+        impl tower::Service<Request<WatchedBody<String>>> for Answer {
             type Response = ();
             type Error = std::convert::Infallible;
             type Future = Ready<Result<(), Self::Error>>;
             fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
                 Poll::Ready(Ok(()))
             }
-            fn call(&mut self, (): ()) -> Self::Future {
+            fn call(&mut self, _: Request<WatchedBody<String>>) -> Self::Future {
                 std::future::ready(Ok(()))
             }
         }
         let mut service = TrackRequests {
             inner: Answer,
             state: conn.clone(),
+            connections: connections.clone(),
         };
         // A request that began long ago (a long poll that moved no byte while it waited).
-        let call = tower::Service::call(&mut service, ());
+        let call = tower::Service::call(&mut service, Request::new(String::new()));
         conn.last_activity_ms.store(0, Ordering::SeqCst);
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!conn.idle());

@@ -42,6 +42,10 @@ pub enum ServerError {
     PayloadTooLarge { got: u64, limit: u64 },
     #[error("a Content-Length header is required for uploads")]
     LengthRequired,
+    /// Too many requests of the caller's address are in flight before their credentials passed.
+    /// Worth retrying in a moment.
+    #[error("{0}")]
+    TooManyRequests(String),
     /// Not now: shutting down, a task whose state cannot be loaded, a request that ran over its
     /// time, an upload not yet durable. Worth retrying.
     #[error("{message}")]
@@ -93,6 +97,7 @@ impl ServerError {
             ServerError::Conflict { code, .. } => code.clone(),
             ServerError::PayloadTooLarge { .. } => ErrorCode::PayloadTooLarge,
             ServerError::LengthRequired => ErrorCode::LengthRequired,
+            ServerError::TooManyRequests(_) => ErrorCode::TooManyRequests,
             ServerError::Unavailable { code, .. } => code.clone(),
             ServerError::Internal(_) => ErrorCode::Internal,
         }

@@ -1,6 +1,7 @@
 //! Prometheus metrics (`GET /metrics`): rounds published and abandoned, uploads accepted and
 //! rejected by reason, bytes received, ingest and aggregation latency; sync-job worlds formed and
-//! rendezvous joins that timed out; connections open and closed by the guard, by reason; tasks
+//! rendezvous joins that timed out; connections open and closed by the guard, by reason, and
+//! requests refused for their address's unauthenticated requests in flight; tasks
 //! whose stored state could not be loaded; the privacy each task with differential privacy has
 //! spent (ε at the task's δ); for asynchronous tasks, the updates in each open buffer, the
 //! clients holding a training slot and the staleness of folded updates (versions per second are
@@ -42,6 +43,7 @@ pub struct ServerMetrics {
     sync_join_timeouts: Family<JobLabel, Counter>,
     pub connections_open: Gauge,
     connections_closed: Family<ReasonLabel, Counter>,
+    pub unauthenticated_refused: Counter,
     pub tasks_broken: Gauge,
     pub clients_quarantined: Counter,
     dp_epsilon: Family<TaskLabel, Gauge<f64, AtomicU64>>,
@@ -69,6 +71,7 @@ impl Default for ServerMetrics {
             sync_join_timeouts: Family::default(),
             connections_open: Gauge::default(),
             connections_closed: Family::default(),
+            unauthenticated_refused: Counter::default(),
             tasks_broken: Gauge::default(),
             clients_quarantined: Counter::default(),
             dp_epsilon: Family::default(),
@@ -129,8 +132,13 @@ impl Default for ServerMetrics {
         );
         registry.register(
             "connections_closed",
-            "Connections the server closed or refused, by reason (idle_timeout, evicted_at_cap, refused_at_cap)",
+            "Connections the server closed or refused, by reason (idle_timeout, evicted_at_cap, evicted_stalled_at_cap: every request on it waited for a body quiet for the idle timeout, refused_at_cap, and the same at a source's cap)",
             m.connections_closed.clone(),
+        );
+        registry.register(
+            "unauthenticated_refused",
+            "Requests refused 429 because their address had --max-unauthenticated-per-source requests in flight before their credentials passed",
+            m.unauthenticated_refused.clone(),
         );
         registry.register(
             "clients_quarantined",

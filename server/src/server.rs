@@ -81,6 +81,7 @@ impl Server {
                     grace: config.upload_grace,
                 },
                 upload_buffer_bytes: config.upload_buffer_bytes,
+                max_upload_share: config.max_upload_share,
                 body_wait: config.body_wait,
                 request_timeout: config.request_timeout,
                 metrics_require_token: config.metrics_require_token,
@@ -95,6 +96,7 @@ impl Server {
         tracing::info!(
             max_connections,
             max_connections_per_source = ?config.max_connections_per_source,
+            max_unauthenticated_per_source = config.max_unauthenticated_per_source,
             open_file_limit = fd_limit,
             idle_timeout_secs = config.idle_timeout.as_secs(),
             "connection limits"
@@ -107,6 +109,7 @@ impl Server {
                 max_connections,
                 max_per_source,
                 idle_timeout: config.idle_timeout,
+                max_unauthenticated_per_source: config.max_unauthenticated_per_source,
             },
             metrics,
         );

@@ -87,8 +87,12 @@ error_codes! {
     /// The request took longer than the server's limit. Retry later.
     RequestTimeout => "request_timeout",
     /// The server's memory budget for bodies stayed full for as long as a request may wait for
-    /// it (slow senders hold it). Retry later.
+    /// it (slow senders hold it), or another body too large to share it was being read. Retry
+    /// after the `Retry-After` header's seconds, or later.
     Busy => "busy",
+    /// Too many requests from the caller's address are in flight before their credentials were
+    /// checked (answered 429). Retry after the `Retry-After` header's seconds.
+    TooManyRequests => "too_many_requests",
     /// The server is shutting down. Retry the same request (an upload gets its receipt then).
     ShuttingDown => "shutting_down",
     /// The update (or a join's selection) was accepted but is not durable yet (storage is slow).

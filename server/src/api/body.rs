@@ -9,8 +9,16 @@
 //! - Memory: upload bodies are read into memory *before* they take one of the ingest slots
 //!   (which bound the CPU work of opening and folding), under a byte budget. So a stalled body
 //!   holds some budget for at most its rate-bounded time, never the slot everyone else needs;
-//!   with small models thousands of bodies fit in the budget at once, and a body larger than
-//!   the whole budget is read alone (memory stays one body, as before).
+//!   with small models thousands of bodies fit in the budget at once.
+//! - Share: one upload reserves at most a share of the budget (a quarter by default), so a
+//!   slow sender of a large body never holds the room everyone else reads in. The update must be
+//!   whole in memory to be folded (it is one AES-GCM envelope, authenticated by the tag at its
+//!   end: no byte of it may be folded before all of it is checked), so a body larger than the
+//!   share cannot be read in slices; instead such bodies are read one at a time, each reserving
+//!   the share: bodies in memory stay within the budget plus one larger body, smaller bodies
+//!   keep the rest of the budget to themselves, and a large body waiting for its turn waits in
+//!   its own queue, not at the head of everyone's. (Refusing them would refuse every model over
+//!   16 MiB at the default budget.)
 //! - One upload per client and task in flight: a second one is refused (409
 //!   `upload_in_progress`) rather than queued.
 
@@ -169,50 +177,81 @@ fn declared_length(headers: &HeaderMap, limit: u64) -> Result<u64, ServerError> 
     Ok(declared)
 }
 
-/// Bytes of upload bodies in memory at once, in KiB permits.
+/// Bytes of upload bodies in memory at once, in KiB permits, of which one body reserves at most
+/// a share; bodies larger than the share are read one at a time (see the module's doc).
 pub struct IngestBudget {
     kib: Arc<Semaphore>,
-    total_kib: u32,
+    /// The most one body reserves.
+    share_kib: u32,
+    /// The turn of bodies larger than the share.
+    large: Arc<Semaphore>,
+}
+
+/// A body's room in an [`IngestBudget`]: its reservation, and its turn if it is larger than the
+/// share. Held while the body is in memory.
+pub struct Reservation {
+    _memory: OwnedSemaphorePermit,
+    _turn: Option<OwnedSemaphorePermit>,
 }
 
 impl IngestBudget {
-    pub fn new(bytes: u64) -> Self {
+    /// A budget of `bytes`, of which one body reserves at most `share` (a fraction in (0, 1]).
+    pub fn new(bytes: u64, share: f64) -> Self {
         let total_kib = bytes.div_ceil(1024).clamp(1, u64::from(u32::MAX >> 4)) as u32;
+        let share_kib = (f64::from(total_kib) * share.clamp(0.0, 1.0)).floor() as u32;
         IngestBudget {
             kib: Arc::new(Semaphore::new(total_kib as usize)),
-            total_kib,
+            share_kib: share_kib.clamp(1, total_kib),
+            large: Arc::new(Semaphore::new(1)),
         }
     }
 
-    /// Room for a body of `bytes` (all of the budget for a body larger than it).
-    async fn reserve(&self, bytes: u64) -> Result<OwnedSemaphorePermit, ServerError> {
-        let kib = bytes.div_ceil(1024).clamp(1, u64::from(self.total_kib)) as u32;
-        self.kib
-            .clone()
-            .acquire_many_owned(kib)
+    /// Room for a body of `bytes` (the share for a body larger than it, once its turn comes),
+    /// waiting at most `wait`: then 503 `busy`, to be retried later, rather than a request
+    /// queued behind slow senders for as long as they take.
+    async fn reserve_within(&self, bytes: u64, wait: Duration) -> Result<Reservation, ServerError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let kib = bytes.div_ceil(1024).max(1);
+        let share = u64::from(self.share_kib);
+        let turn = if kib > share {
+            let turn = self.large.clone().acquire_owned();
+            let turn = tokio::time::timeout_at(deadline, turn)
+                .await
+                .map_err(|_| busy_large(bytes, share * 1024, wait))?;
+            Some(turn.map_err(ServerError::internal)?)
+        } else {
+            None
+        };
+        let room = self.kib.clone().acquire_many_owned(kib.min(share) as u32);
+        let memory = tokio::time::timeout_at(deadline, room)
             .await
-            .map_err(ServerError::internal)
+            .map_err(|_| busy_full(wait))?
+            .map_err(ServerError::internal)?;
+        Ok(Reservation {
+            _memory: memory,
+            _turn: turn,
+        })
     }
+}
 
-    /// [`IngestBudget::reserve`], waiting at most `wait`: then 503 `busy`, to be retried later,
-    /// rather than a request queued behind slow senders for as long as they take.
-    async fn reserve_within(
-        &self,
-        bytes: u64,
-        wait: Duration,
-    ) -> Result<OwnedSemaphorePermit, ServerError> {
-        tokio::time::timeout(wait, self.reserve(bytes))
-            .await
-            .map_err(|_| {
-                ServerError::unavailable(
-                    ErrorCode::Busy,
-                    format!(
-                        "the server is reading as many bodies as its memory budget allows and none made room within {} s; retry later",
-                        wait.as_secs()
-                    ),
-                )
-            })?
-    }
+fn busy_full(wait: Duration) -> ServerError {
+    ServerError::unavailable(
+        ErrorCode::Busy,
+        format!(
+            "the server is reading as many bodies as its memory budget allows and none made room within {} s; retry later",
+            wait.as_secs()
+        ),
+    )
+}
+
+fn busy_large(bytes: u64, share: u64, wait: Duration) -> ServerError {
+    ServerError::unavailable(
+        ErrorCode::Busy,
+        format!(
+            "a body of {bytes} bytes is larger than one upload's share of the server's body budget ({share} bytes: --max-upload-share of --upload-buffer-bytes), and such bodies are read one at a time; another was still being read after {} s, so retry later",
+            wait.as_secs()
+        ),
+    )
 }
 
 /// Which (task, client) pairs have an upload in flight.
@@ -251,14 +290,15 @@ impl UploadsInFlight {
 /// What an upload holds while it is read and folded: its place in the byte budget and an
 /// ingest slot. Dropped once the update is folded, before the wait for durability.
 pub struct IngestPermit {
-    _memory: OwnedSemaphorePermit,
+    _memory: Reservation,
     _slot: OwnedSemaphorePermit,
 }
 
 /// Reads an upload body of at most `limit` bytes under the byte budget, then takes one of the
 /// ingest slots (so a slow body never holds one). The body must arrive within `within` (its
-/// round's deadline) as well as above the configured floor; room in the budget is waited for at
-/// most the configured body wait (then 503 `busy`, and the client retries).
+/// round's deadline) as well as above the configured floor; room in the budget (and a body
+/// larger than one upload's share, its turn) is waited for at most the configured body wait
+/// (then 503 `busy`, and the client retries).
 pub async fn read_upload(
     state: &Shared,
     headers: &HeaderMap,
@@ -336,17 +376,56 @@ mod tests {
         assert!(uploads.begin("t", "c").is_ok());
     }
 
+    const WAIT: Duration = Duration::from_millis(50);
+
     #[tokio::test]
-    async fn the_budget_lets_a_body_larger_than_itself_through_alone() {
-        let budget = IngestBudget::new(4096);
-        let big = budget.reserve(1 << 30).await.unwrap();
-        assert!(
-            tokio::time::timeout(Duration::from_millis(20), budget.reserve(10))
-                .await
-                .is_err()
-        );
-        drop(big);
-        let _a = budget.reserve(2048).await.unwrap();
-        let _b = budget.reserve(2048).await.unwrap();
+    async fn one_body_reserves_at_most_its_share_and_larger_ones_take_turns() {
+        // 16 KiB, a quarter of it per body.
+        let budget = IngestBudget::new(16 << 10, 0.25);
+        // A body larger than the whole budget holds its turn and a quarter of the budget...
+        let huge = budget.reserve_within(1 << 30, WAIT).await.unwrap();
+        // ...so bodies up to the share keep the other three quarters.
+        let small: Vec<_> = reserve_all(&budget, &[4 << 10, 4 << 10, 4 << 10]).await;
+        let err = budget.reserve_within(1, WAIT).await.err().unwrap();
+        assert_eq!(err.code(), ErrorCode::Busy);
+        drop(small);
+        // Another large body waits for its turn, not for the budget, and is told so.
+        let err = budget.reserve_within(5 << 10, WAIT).await.err().unwrap();
+        assert_eq!(err.code(), ErrorCode::Busy);
+        assert!(err.to_string().contains("one at a time"), "{err}");
+        drop(huge);
+        let _next = budget.reserve_within(5 << 10, WAIT).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_large_body_waiting_for_its_turn_does_not_hold_up_smaller_ones() {
+        let budget = Arc::new(IngestBudget::new(16 << 10, 0.25));
+        let first = budget.reserve_within(1 << 20, WAIT).await.unwrap();
+        // A second large body waits (up to a long body wait) for the first one's turn...
+        let waiting = {
+            let budget = budget.clone();
+            tokio::spawn(async move {
+                budget
+                    .reserve_within(1 << 20, Duration::from_secs(10))
+                    .await
+                    .map(drop)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // ...while smaller ones come and go at once.
+        for _ in 0..3 {
+            let _small = budget.reserve_within(4 << 10, WAIT).await.unwrap();
+        }
+        drop(first);
+        waiting.await.unwrap().unwrap();
+    }
+
+    /// Reserves each of `sizes` (in bytes), all held together.
+    async fn reserve_all(budget: &IngestBudget, sizes: &[u64]) -> Vec<Reservation> {
+        let mut held = Vec::new();
+        for &bytes in sizes {
+            held.push(budget.reserve_within(bytes, WAIT).await.unwrap());
+        }
+        held
     }
 }

@@ -16,7 +16,9 @@ use hora_common::wire::{
 };
 use serde::Deserialize;
 
-use super::{json_body, not_modified, read_upload, ApiPath, ApiQuery, ClientAuth, Shared};
+use super::{
+    json_body, not_modified, read_upload, ApiPath, ApiQuery, ClientAuth, Shared, Unverified,
+};
 use crate::auth;
 use crate::error::ServerError;
 use crate::round::{now_ms, upload_limit};
@@ -42,6 +44,7 @@ pub fn routes() -> axum::Router<Shared> {
         (status = 401, body = ApiError, description = "`missing_credentials` or `unauthorized`: no, an unknown, a used or an expired enrolment token (checked before the body is read)")))]
 pub async fn enrol(
     State(state): State<Shared>,
+    unverified: Unverified,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Credentials>, ServerError> {
@@ -88,6 +91,8 @@ pub async fn enrol(
             "the enrolment token has expired: ask the operator for a new one".into(),
         ));
     }
+    // A live token, or the spent token of a recent enrolment whose repeat the body may be.
+    unverified.passed();
     let req: EnrolRequest = json_body(&state, &headers, body).await?;
     if let Some(secret) = &req.secret {
         if secret.len() != 64

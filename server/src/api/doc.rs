@@ -6,7 +6,7 @@
 //!
 //! | the operation has | it can answer |
 //! |---|---|
-//! | anything | 500 `internal`, 503 `request_timeout` |
+//! | anything | 429 `too_many_requests` (its address has too many requests in flight before their credentials passed), 500 `internal`, 503 `request_timeout` |
 //! | path parameters, a query or a body | 400 (a parameter that does not parse, a malformed body) |
 //! | a security scheme | 401 (missing, malformed or wrong credentials) |
 //! | the admin token as its only scheme | 403 (client credentials on the admin API) |
@@ -193,6 +193,11 @@ impl utoipa::Modify for CommonAnswers {
                     "`payload_too_large`: the body is over the server's JSON size limit",
                 ));
             }
+            answers.push((
+                "429",
+                "`too_many_requests`: too many requests from this address are in flight before \
+                 their credentials were checked; retry after `Retry-After` seconds",
+            ));
             answers.push(("500", "`internal`: the server failed; the log says why"));
             answers.push((
                 "503",
@@ -412,7 +417,7 @@ mod tests {
         for (path, method, op) in operations(&doc) {
             let s = statuses(op);
             let name = format!("{method} {path}");
-            for always in ["500", "503"] {
+            for always in ["429", "500", "503"] {
                 assert!(s.contains(always), "{name}: {always} missing");
             }
             if path.contains('{') {

@@ -2,7 +2,8 @@
 //! status and renders it as an [`ApiError`] body. The domain (`crate::error`) says what went wrong
 //! and with which [`ErrorCode`]; this module says how HTTP expresses it.
 
-use axum::http::StatusCode;
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use hora_common::wire::{ApiError, ErrorCode};
@@ -26,8 +27,18 @@ impl ServerError {
             ServerError::Conflict { .. } => StatusCode::CONFLICT,
             ServerError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ServerError::LengthRequired => StatusCode::LENGTH_REQUIRED,
+            ServerError::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             ServerError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ServerError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Seconds after which a retry may find room, for the `Retry-After` header: for refusals
+    /// that say the server (or this address's share of it) is full right now.
+    fn retry_after(&self) -> Option<u64> {
+        match self.code() {
+            ErrorCode::Busy | ErrorCode::TooManyRequests => Some(1),
+            _ => None,
         }
     }
 }
@@ -42,7 +53,13 @@ impl IntoResponse for ServerError {
             }
             other => other.to_string(),
         };
-        answer(self.status(), self.code(), message)
+        let mut response = answer(self.status(), self.code(), message);
+        if let Some(secs) = self.retry_after() {
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
     }
 }
 

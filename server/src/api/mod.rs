@@ -36,11 +36,11 @@ use serde::de::DeserializeOwned;
 use tokio::sync::Semaphore;
 use utoipa::OpenApi;
 
-use crate::auth;
 use crate::error::ServerError;
 use crate::rendezvous::Rendezvous;
 use crate::round::Coordinator;
 use crate::store::ClientRecord;
+use crate::{auth, conn};
 
 pub use body::{read_body, read_upload, BodyRate};
 
@@ -55,6 +55,9 @@ pub struct HttpLimits {
     pub body_rate: BodyRate,
     /// Bytes of upload bodies held in memory at once while being read.
     pub upload_buffer_bytes: u64,
+    /// The largest share of that budget one upload reserves (bodies larger than it are read one
+    /// at a time).
+    pub max_upload_share: f64,
     /// Time allowed for a request that is neither a long poll nor a body upload.
     pub request_timeout: Duration,
     /// Whether `GET /metrics` needs the admin token.
@@ -72,6 +75,7 @@ impl Default for HttpLimits {
             max_model_bytes: 4 << 30,
             body_rate: BodyRate::default(),
             upload_buffer_bytes: 64 << 20,
+            max_upload_share: 0.25,
             request_timeout: Duration::from_secs(30),
             metrics_require_token: false,
             max_concurrent_uploads: 1,
@@ -108,8 +112,9 @@ impl AppState {
             coordinator,
             admin: auth::AdminKey::new(admin_token_hash),
             ingest: Arc::new(Semaphore::new(limits.max_concurrent_uploads.max(1))),
-            budget: body::IngestBudget::new(limits.upload_buffer_bytes),
-            json_budget: body::IngestBudget::new(limits.max_json_bytes as u64 * JSON_BODIES),
+            budget: body::IngestBudget::new(limits.upload_buffer_bytes, limits.max_upload_share),
+            // (Every JSON body is at most 1/JSON_BODIES of its budget already.)
+            json_budget: body::IngestBudget::new(limits.max_json_bytes as u64 * JSON_BODIES, 1.0),
             uploads: Arc::default(),
             limits,
             rendezvous,
@@ -131,6 +136,7 @@ impl FromRequestParts<Shared> for AdminAuth {
     async fn from_request_parts(parts: &mut Parts, state: &Shared) -> Result<Self, ServerError> {
         let token = auth::bearer(parts.headers.get(AUTHORIZATION))?;
         if state.admin.passed(token) {
+            credentials_passed(&parts.extensions);
             return Ok(AdminAuth);
         }
         // (Before the slow check, which a client's own credentials need not pay for.)
@@ -140,6 +146,7 @@ impl FromRequestParts<Shared> for AdminAuth {
             ));
         }
         if state.admin.verify(token).await? {
+            credentials_passed(&parts.extensions);
             return Ok(AdminAuth);
         }
         Err(ServerError::Unauthorized("invalid admin token".into()))
@@ -192,6 +199,7 @@ impl FromRequestParts<Shared> for ClientAuth {
     async fn from_request_parts(parts: &mut Parts, state: &Shared) -> Result<Self, ServerError> {
         let token = auth::bearer(parts.headers.get(AUTHORIZATION))?;
         let record = authenticate_client(state, token)?;
+        credentials_passed(&parts.extensions);
         let (id, _) = auth::client_token(token)?;
         if let (Some(task), Some(allowed)) = (task_of_path(parts.uri.path()), &record.tasks) {
             if !allowed.iter().any(|t| t == task) {
@@ -202,6 +210,37 @@ impl FromRequestParts<Shared> for ClientAuth {
             id: id.to_string(),
             strikes: record.strikes,
         })
+    }
+}
+
+/// Says that the request's credentials passed, so it no longer counts against its source's
+/// unauthenticated requests in flight ([`limit_unauthenticated`]). [`AdminAuth`] and
+/// [`ClientAuth`] say it themselves; routes that check a token of their own take [`Unverified`].
+fn credentials_passed(extensions: &axum::http::Extensions) {
+    if let Some(pending) = extensions.get::<conn::Unauthenticated>() {
+        pending.passed();
+    }
+}
+
+/// For routes that check a token of their own (enrolment, sync joins): the request's count
+/// among its source's unauthenticated requests in flight, ended by [`Unverified::passed`] once
+/// the token is found good, before the body is read. (Nothing is counted where the server runs
+/// without the connection guard, as in-process tests do.)
+pub struct Unverified(Option<conn::Unauthenticated>);
+
+impl Unverified {
+    pub fn passed(&self) {
+        if let Some(pending) = &self.0 {
+            pending.passed();
+        }
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Unverified {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Unverified(parts.extensions.get().cloned()))
     }
 }
 
@@ -385,6 +424,39 @@ async fn close_when_body_unread(req: Request, next: axum::middleware::Next) -> R
     response
 }
 
+/// Bounds how many requests of one source address are in flight before their credentials pass
+/// (`--max-unauthenticated-per-source`): each request counts from its arrival until its route
+/// finds its credentials good ([`credentials_passed`]) or it is answered, and one over the limit
+/// is answered 429 `too_many_requests` with `Retry-After` at once, before its credentials are
+/// looked at or a byte of its body is read.
+///
+/// "Unauthenticated" is everything before a good credential: requests that carry none, wrong
+/// ones, ones still being checked (the admin token's slow check, an enrolment token's lookup),
+/// and requests to the open routes (`/healthz`, `/openapi.json`, `/metrics` unless it needs the
+/// token, unknown paths), which have no credentials to pass and count until they are answered.
+/// An honest request counts for the moment its check takes, so the limit binds only a source
+/// that keeps many checks in flight at once: a flood of guesses, or of slow refusals. Its other
+/// requests, good credentials or not, are refused meanwhile too (the limit is the address's,
+/// as with `--max-connections-per-source`: raise it for many devices behind one NAT gateway).
+async fn limit_unauthenticated(mut request: Request, next: axum::middleware::Next) -> Response {
+    let Some(peer) = request.extensions().get::<conn::Peer>().cloned() else {
+        return next.run(request).await;
+    };
+    let Some(pending) = peer.unauthenticated() else {
+        if let Some(source) = peer.source() {
+            tracing::debug!(%source, "too many unauthenticated requests in flight");
+        }
+        return ServerError::TooManyRequests(
+            "too many requests from this address are in flight before their credentials were checked; retry in a moment".into(),
+        )
+        .into_response();
+    };
+    request.extensions_mut().insert(pending.clone());
+    let response = next.run(request).await;
+    drop(pending);
+    response
+}
+
 /// A known path asked with a method it does not serve. The router adds the `Allow` header.
 async fn method_not_allowed(method: axum::http::Method) -> Response {
     error::answer(
@@ -462,6 +534,8 @@ pub fn router(state: Shared) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(
             state.limits.max_json_bytes,
         ))
+        // Outside the routes, inside the next layer: its refusals close unread HTTP/1.1 bodies.
+        .layer(axum::middleware::from_fn(limit_unauthenticated))
         .layer(axum::middleware::from_fn(close_when_body_unread))
         .with_state(state)
 }

@@ -10,7 +10,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use hora_common::wire::{ApiError, SyncJoinRequest, SyncWorld};
 
-use super::{json_body, ApiPath, Shared};
+use super::{json_body, ApiPath, Shared, Unverified};
 use crate::auth;
 use crate::error::ServerError;
 
@@ -30,6 +30,7 @@ pub fn routes() -> axum::Router<Shared> {
 pub async fn join(
     State(state): State<Shared>,
     ApiPath(job): ApiPath<String>,
+    unverified: Unverified,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<SyncWorld>, ServerError> {
@@ -37,6 +38,7 @@ pub async fn join(
         // The job's token, from the headers, before a byte of the body is read.
         let token = auth::bearer(headers.get(AUTHORIZATION))?;
         state.rendezvous.authenticate(&job, token)?;
+        unverified.passed();
         let req: SyncJoinRequest = json_body(&state, &headers, body).await?;
         state.rendezvous.join(&job, token, req).await
     }
