@@ -288,10 +288,18 @@ impl UploadsInFlight {
 }
 
 /// What an upload holds while it is read and folded: its place in the byte budget and an
-/// ingest slot. Dropped once the update is folded, before the wait for durability.
+/// ingest slot. The slot goes once the update is open (the fold may wait for its round's lock,
+/// and uploads to other tasks need the slot meanwhile), the rest once the update is folded,
+/// before the wait for durability.
 pub struct IngestPermit {
     _memory: Reservation,
-    _slot: OwnedSemaphorePermit,
+    slot: Option<OwnedSemaphorePermit>,
+}
+
+impl crate::round::Ingest for IngestPermit {
+    fn opened(&mut self) {
+        self.slot = None;
+    }
 }
 
 /// Reads an upload body of at most `limit` bytes under the byte budget, then takes one of the
@@ -323,7 +331,7 @@ pub async fn read_upload(
         bytes,
         IngestPermit {
             _memory: memory,
-            _slot: slot,
+            slot: Some(slot),
         },
     ))
 }

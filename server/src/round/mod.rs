@@ -59,7 +59,7 @@ pub use collection::Collection;
 pub use coordinator::{Coordinator, CoordinatorConfig};
 pub use phase::{Ending, Phase};
 pub use task::Task;
-pub use upload::{open_update, upload_limit, Admission, Sealing};
+pub use upload::{open_update, upload_limit, Admission, Ingest, Sealing};
 
 use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord, TaskRecord};
 

@@ -40,12 +40,26 @@ pub enum Sealing {
     },
 }
 
+/// What an upload holds from the HTTP layer while the round engine works on it: an ingest slot
+/// (the CPU work of opening an update) and the body's share of the byte budget.
+pub trait Ingest: Send + 'static {
+    /// The update is open and checked: the slot's work is done. The fold that follows may wait
+    /// for the round's lock (held while a checkpoint or a close writes), and must not keep the
+    /// slot that uploads to other tasks need meanwhile; the body's memory stays held.
+    fn opened(&mut self);
+}
+
+/// Nothing held (the round engine's own tests).
+impl Ingest for () {
+    fn opened(&mut self) {}
+}
+
 impl Coordinator {
     /// The upload path: checks the round, opens the envelope, validates, folds, and returns
     /// once the update is durable. `body` is the sealed envelope, decrypted in place.
-    /// `permit` (the HTTP layer's ingest slot and the body's share of the byte budget) is
-    /// dropped as soon as the update is folded, before the wait for durability, so the next
-    /// body can be read meanwhile.
+    /// `permit`'s ingest slot is released once the update is open ([`Ingest::opened`]), and the
+    /// rest of it (the body's share of the byte budget) as soon as the update is folded, before
+    /// the wait for durability, so the next body can be read meanwhile.
     pub async fn upload(
         self: &Arc<Self>,
         task: Arc<Task>,
@@ -53,7 +67,7 @@ impl Coordinator {
         round_number: u64,
         meta: UpdateMeta,
         mut body: Vec<u8>,
-        permit: impl Send + 'static,
+        mut permit: impl Ingest,
     ) -> Result<wire::UpdateReceipt, ServerError> {
         let admission = self
             .check_upload_blocking(&task, &client, round_number)
@@ -152,6 +166,7 @@ impl Coordinator {
                 scale,
                 view: &view,
             };
+            permit.opened();
             let folded = round.collection.fold(&me, &task, &round, opened)?;
             // (The permit also holds the body's share of the byte budget: kept until the
             // folded body can go.)
