@@ -592,6 +592,38 @@ pub struct RoundRecord {
     /// For an asynchronous task: how stale the version's updates were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staleness: Option<VersionStaleness>,
+    /// Set once the entry is older than the server's `--history-detail-rounds`: its per-client
+    /// lists (`participants`, `dropped`, staleness `bases`) are gone and these are their
+    /// lengths; everything else is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compacted: Option<Compacted>,
+}
+
+/// What an entry compacted out of its per-client lists keeps of them: how long they were.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Compacted {
+    pub participants: u64,
+    pub dropped: u64,
+}
+
+impl RoundRecord {
+    /// Drops the per-client lists (which make an entry grow with its participants) and keeps
+    /// their lengths; false if the entry was compacted already.
+    pub fn compact(&mut self) -> bool {
+        if self.compacted.is_some() {
+            return false;
+        }
+        self.compacted = Some(Compacted {
+            participants: self.participants.len() as u64,
+            dropped: self.dropped.len() as u64,
+        });
+        self.participants = Vec::new();
+        self.dropped = Vec::new();
+        if let Some(s) = &mut self.staleness {
+            s.bases = Vec::new();
+        }
+        true
+    }
 }
 
 /// How stale the updates of an asynchronous task's version were: an update's staleness is the

@@ -28,6 +28,7 @@ fn record(round: u64, model: ModelDigest) -> RoundRecord {
         pruned: false,
         privacy: None,
         staleness: None,
+        compacted: None,
     }
 }
 
@@ -92,8 +93,13 @@ fn publish(store: &SledStore, from: u64, to: u64) -> Duration {
     spent / (to - from + 1) as u32
 }
 
-/// Keeps the last 5 models: from the 6th publication on, each prunes one (and deletes its file).
-const RETENTION: Retention = Retention { last: 5, every: 0 };
+/// Keeps the last 5 models: from the 6th publication on, each prunes one (and deletes its file)
+/// and compacts one history entry (the last 5 keep their participants).
+const RETENTION: Retention = Retention {
+    last: 5,
+    every: 0,
+    detail: 5,
+};
 
 fn main() {
     // `cargo test`/`nextest` list and run bench targets without `--bench`: nothing to do then.
@@ -130,5 +136,15 @@ fn main() {
         early.as_secs_f64() * 1e6,
         late.as_secs_f64() * 1e6,
         late.as_secs_f64() / early.as_secs_f64()
+    );
+    // What an entry costs the store with its detail (10 participants here) and compacted.
+    let size = |round| {
+        let entries = store.round_attempts("t", round).expect("history");
+        serde_json::to_vec(&entries[0]).expect("json").len()
+    };
+    println!(
+        "history: an entry with its 10 participants {} bytes, compacted {} bytes",
+        size(100_000),
+        size(99_990)
     );
 }

@@ -100,6 +100,11 @@ pub struct ServeArgs {
     /// Also keep the model of every Kth round (0: none beyond the last N).
     #[arg(long, env = "HORA_RETAIN_ROUNDS_EVERY")]
     pub retain_rounds_every: Option<u64>,
+    /// Keep the per-client detail (participants, dropped, staleness bases) of the history
+    /// entries of the last N rounds of each task; older entries keep only their counts (0: keep
+    /// every entry whole).
+    #[arg(long, env = "HORA_HISTORY_DETAIL_ROUNDS")]
+    pub history_detail_rounds: Option<u64>,
     /// Require the admin token for `GET /metrics`.
     #[arg(long, env = "HORA_METRICS_REQUIRE_TOKEN")]
     pub metrics_require_token: bool,
@@ -145,6 +150,7 @@ struct FileConfig {
     durability_timeout_secs: Option<u64>,
     retain_rounds_last: Option<u64>,
     retain_rounds_every: Option<u64>,
+    history_detail_rounds: Option<u64>,
     metrics_require_token: Option<bool>,
 }
 
@@ -272,6 +278,10 @@ impl ServeConfig {
                     .retain_rounds_every
                     .or(file.retain_rounds_every)
                     .unwrap_or(10),
+                detail: args
+                    .history_detail_rounds
+                    .or(file.history_detail_rounds)
+                    .unwrap_or(1000),
             },
             metrics_require_token: args.metrics_require_token
                 || file.metrics_require_token.unwrap_or(false),

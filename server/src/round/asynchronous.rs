@@ -121,10 +121,12 @@ impl AsyncCollection {
             .filter(|s| s.until_unix_ms > now)
             .map(|s| (s.client.clone(), s.until_unix_ms))
             .collect();
+        // (Only the versions within the staleness window: the rest of the history is not read.)
         let oldest = open.round.saturating_sub(config.max_staleness);
-        for version in store.history(&record.config.id)? {
+        let window = store.history_page(&record.config.id, oldest.saturating_sub(1), usize::MAX)?;
+        for version in window {
             // Abandoned versions' updates never counted: they do not hold their clients back.
-            if version.round < oldest || version.model.is_none() {
+            if version.model.is_none() {
                 continue;
             }
             if let Some(s) = &version.staleness {
@@ -465,9 +467,14 @@ impl Collection for AsyncCollection {
     }
 
     fn retention(&self, mut policy: Retention) -> Retention {
-        // Clients may still download (and train from) any version within the staleness window.
+        // Clients may still download (and train from) any version within the staleness window,
+        // and a restart reads who trained from which of them in their history entries.
+        let window = self.config.max_staleness + 1;
         if policy.last != 0 || policy.every != 0 {
-            policy.last = policy.last.max(self.config.max_staleness + 1);
+            policy.last = policy.last.max(window);
+        }
+        if policy.detail != 0 {
+            policy.detail = policy.detail.max(window);
         }
         policy
     }

@@ -359,6 +359,7 @@ impl Coordinator {
                 model,
                 pruned: false,
                 staleness: round.collection.staleness(round.number, &acc.contributions),
+                compacted: None,
             };
             // The retry of an abandoned attempt, or the next round (the mode may keep what the
             // closing attempt's clients still need, such as its key).

@@ -216,6 +216,9 @@ impl RoundLog for MemoryStore {
                 r.pruned = true;
                 dropped.extend(r.model);
             }
+            if r.round <= retention.compacted_upto(published) {
+                r.compact();
+            }
         }
         remove_unused_models(self, dropped)
     }

@@ -161,10 +161,16 @@ pub struct EnrolmentRecord {
 /// Which published round models are kept: the last `last` rounds and every `every`th round (0
 /// turns either off; both 0 keeps everything). The current global model and the task's initial
 /// model are always kept.
+///
+/// And how much of the history keeps its detail: entries of rounds more than `detail` rounds
+/// behind are compacted ([`RoundRecord::compact`](hora_common::wire::RoundRecord::compact): their per-client lists give way to their
+/// lengths), so a task's history grows by a small constant per round, whatever its number of
+/// participants; 0 keeps every entry whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retention {
     pub last: u64,
     pub every: u64,
+    pub detail: u64,
 }
 
 impl Default for Retention {
@@ -172,6 +178,7 @@ impl Default for Retention {
         Retention {
             last: 50,
             every: 10,
+            detail: 1000,
         }
     }
 }
@@ -182,6 +189,15 @@ impl Retention {
         (self.last == 0 && self.every == 0)
             || round + self.last > published
             || (self.every > 0 && round % self.every == 0)
+    }
+
+    /// The rounds up to which history entries are compacted once `published` rounds are out
+    /// (0: none).
+    pub fn compacted_upto(&self, published: u64) -> u64 {
+        match self.detail {
+            0 => 0,
+            d => published.saturating_sub(d),
+        }
     }
 }
 

@@ -78,6 +78,10 @@ struct PrunedBelow {
     every: u64,
     /// Every round below this one has been judged under this retention.
     below: u64,
+    /// Every entry of a round below this one is compacted (entries stay compacted whatever the
+    /// retention later says, so this holds under any).
+    #[serde(default)]
+    compacted_below: u64,
 }
 
 /// The meta flag saying the model index covers the whole history.
@@ -296,17 +300,19 @@ impl RoundLog for SledStore {
         retention: Retention,
         published: u64,
     ) -> Result<usize, StoreError> {
-        if retention.last == 0 && retention.every == 0 {
-            return Ok(0);
-        }
+        let keeps_all = retention.last == 0 && retention.every == 0;
         // Rounds up to `upto` are out of the window of the last rounds.
-        let upto = published.saturating_sub(retention.last);
+        let upto = match keeps_all {
+            true => 0,
+            false => published.saturating_sub(retention.last),
+        };
         let looked = get::<PrunedBelow>(&self.meta, &pruned_key(task))?;
+        let compacted_from = looked.as_ref().map_or(0, |p| p.compacted_below);
         let from = looked
             .filter(|p| (p.last, p.every) == (retention.last, retention.every))
             .map_or(0, |p| p.below);
         let mut dropped = Vec::new();
-        if from <= upto {
+        if !keeps_all && from <= upto {
             let rows = self.history_rows(task, from, Some(upto + 1));
             for (key, mut r) in all::<RoundRecord>(rows)? {
                 let Some(model) = r.model.filter(|_| !r.pruned) else {
@@ -322,10 +328,21 @@ impl RoundLog for SledStore {
                 dropped.push(model);
             }
         }
+        // Then the entries that fall out of the detail window lose their per-client lists.
+        let compact_upto = retention.compacted_upto(published);
+        if compact_upto >= compacted_from.max(1) {
+            let rows = self.history_rows(task, compacted_from, Some(compact_upto + 1));
+            for (key, mut r) in all::<RoundRecord>(rows)? {
+                if r.compact() {
+                    self.history.insert(key.as_bytes(), json(&r))?;
+                }
+            }
+        }
         let below = PrunedBelow {
             last: retention.last,
             every: retention.every,
             below: upto + 1,
+            compacted_below: compacted_from.max(compact_upto + 1),
         };
         self.meta.insert(pruned_key(task), json(&below))?;
         remove_unused_models(self, dropped)
@@ -633,6 +650,7 @@ mod tests {
                 pruned: false,
                 privacy: None,
                 staleness: None,
+                compacted: None,
             };
             // As an older server wrote it: the history entry, no index and no flag.
             store

@@ -130,6 +130,7 @@ fn published(round: u64, attempt: u32, model: Option<ModelDigest>) -> RoundRecor
         pruned: false,
         privacy: None,
         staleness: None,
+        compacted: None,
     }
 }
 
@@ -192,6 +193,7 @@ suite!(
     open_rounds_are_kept_per_task,
     finish_round_records_the_round_and_moves_the_task_on,
     pruning_drops_models_out_of_retention_unless_still_used,
+    history_entries_out_of_the_detail_window_are_compacted,
     clients_are_read_back_in_id_order,
     enrolment_tokens_work_once,
     sync_jobs_are_created_once_updated_and_removed,

@@ -128,7 +128,11 @@ pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dy
     t.global_model = initial;
     s.finish_round("t", &t, &published(6, 0, Some(initial)), 0, None)
         .unwrap();
-    let keep_two = Retention { last: 2, every: 0 };
+    let keep_two = Retention {
+        last: 2,
+        every: 0,
+        detail: 0,
+    };
     assert!(s.model_in_history(&models[2]).unwrap());
     assert_eq!(
         s.round_attempts("t", 3).unwrap(),
@@ -154,8 +158,16 @@ pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dy
     assert_eq!(s.prune_models("t", keep_two, 6).unwrap(), 0);
     // Retention that keeps everything prunes nothing.
     assert_eq!(
-        s.prune_models("other", Retention { last: 0, every: 0 }, 6)
-            .unwrap(),
+        s.prune_models(
+            "other",
+            Retention {
+                last: 0,
+                every: 0,
+                detail: 0,
+            },
+            6
+        )
+        .unwrap(),
         0
     );
     // A stricter retention (after a restart with other flags) judges the rounds an earlier
@@ -163,7 +175,11 @@ pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dy
     f.reopen();
     let s = f.store();
     assert!(s.model_in_history(&models[4]).unwrap());
-    let keep_one = Retention { last: 1, every: 0 };
+    let keep_one = Retention {
+        last: 1,
+        every: 0,
+        detail: 0,
+    };
     assert_eq!(s.prune_models("t", keep_one, 6).unwrap(), 1);
     assert!(!s.model_path(&models[4]).exists() && s.model_path(&initial).exists());
     // Both attempts of a retried round are its attempts.
@@ -181,6 +197,59 @@ pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dy
         .map(|r| (r.attempt, r.model))
         .collect();
     assert_eq!(attempts, vec![(0, None), (1, Some(models[5]))]);
+}
+
+pub(super) fn history_entries_out_of_the_detail_window_are_compacted(f: &mut dyn Fixture) {
+    let s = f.store();
+    let m = s.put_model(&model([1.0; 3])).unwrap();
+    let detail = |rounds| Retention {
+        last: 0,
+        every: 0,
+        detail: rounds,
+    };
+    let whole = |round| {
+        let mut r = published(round, 0, Some(m));
+        r.participants = vec!["a".into(), "b".into()];
+        r.dropped = vec!["c".into()];
+        r.staleness = Some(hora_common::wire::VersionStaleness::of(
+            round,
+            vec![round, 0],
+        ));
+        r
+    };
+    for round in 1..=4 {
+        s.finish_round("t", &task(m, round), &whole(round), 0, None)
+            .unwrap();
+    }
+    let compacted = |round| {
+        let mut r = whole(round);
+        assert!(r.compact());
+        r
+    };
+    // Keeping every model, the entries more than two rounds behind lose their lists only.
+    assert_eq!(s.prune_models("t", detail(2), 4).unwrap(), 0);
+    let expected = vec![compacted(1), compacted(2), whole(3), whole(4)];
+    assert_eq!(s.history("t").unwrap(), expected);
+    let kept = &s.history("t").unwrap()[0];
+    assert_eq!(
+        (
+            kept.compacted.map(|c| (c.participants, c.dropped)),
+            kept.pruned
+        ),
+        (Some((2, 1)), false)
+    );
+    assert_eq!(kept.staleness.as_ref().map(|s| s.max), Some(1));
+    // Across a reopen, the next publication compacts the next entry and no other.
+    f.reopen();
+    let s = f.store();
+    s.finish_round("t", &task(m, 5), &whole(5), 0, None)
+        .unwrap();
+    s.prune_models("t", detail(2), 5).unwrap();
+    let expected = vec![compacted(1), compacted(2), compacted(3), whole(4), whole(5)];
+    assert_eq!(s.history("t").unwrap(), expected);
+    // 0 keeps every entry whole from then on (a compacted one stays compacted).
+    s.prune_models("t", detail(0), 5).unwrap();
+    assert_eq!(s.history("t").unwrap(), expected);
 }
 
 pub(super) fn clients_are_read_back_in_id_order(f: &mut dyn Fixture) {
