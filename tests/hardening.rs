@@ -1075,11 +1075,18 @@ async fn an_upload_waits_for_durability_for_a_bounded_time_and_its_retry_gets_th
 }
 
 #[tokio::test]
-async fn old_round_models_are_pruned_by_the_retention_policy() {
+async fn old_round_models_are_pruned_and_old_history_compacted_by_the_retention_policy() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_with(
         dir.path(),
-        &["--retain-rounds-last", "2", "--retain-rounds-every", "3"],
+        &[
+            "--retain-rounds-last",
+            "2",
+            "--retain-rounds-every",
+            "3",
+            "--history-detail-rounds",
+            "4",
+        ],
     );
     let admin = server.api(ADMIN_TOKEN);
     let (model, config) = small_task(&admin, "keep", 1, 1).await;
@@ -1121,6 +1128,29 @@ async fn old_round_models_are_pruned_by_the_retention_policy() {
         .map(|r| r.round)
         .collect();
     assert_eq!(pruned, vec![1, 2, 4, 5]);
+    // Rounds 1 to 3 keep how many took part, not who; the last four keep who.
+    let who: Vec<_> = history
+        .iter()
+        .map(|r| {
+            (
+                r.round,
+                r.participants.len(),
+                r.compacted.map(|c| c.participants),
+            )
+        })
+        .collect();
+    assert_eq!(
+        who,
+        vec![
+            (1, 0, Some(1)),
+            (2, 0, Some(1)),
+            (3, 0, Some(1)),
+            (4, 1, None),
+            (5, 1, None),
+            (6, 1, None),
+            (7, 1, None)
+        ]
+    );
     // The current model is served to clients.
     let (current, _) = c.global("keep").await;
     assert_eq!(current, admin.round_model("keep", 7).await);
