@@ -49,6 +49,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 #[cfg(test)]
 mod conformance;
+mod data_dir;
 mod files;
 mod memory;
 mod records;
