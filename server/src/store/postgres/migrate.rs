@@ -45,6 +45,9 @@ pub(super) async fn migrate(
     let tx = client.transaction().await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
         .await?;
+    // Not a notice at every start that the table is there already.
+    tx.batch_execute("SET LOCAL client_min_messages = warning")
+        .await?;
     tx.batch_execute(
         "CREATE TABLE IF NOT EXISTS hora_migrations (
             version    bigint PRIMARY KEY,
