@@ -28,8 +28,8 @@ const WAIT: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A PostgreSQL database, as `--store postgres://user:password@host:port/database` names it
-/// (any URL or key-value connection string that `tokio-postgres` reads). Shown and debugged
-/// without its password.
+/// (with any of the URL parameters `tokio-postgres` reads: `connect_timeout`,
+/// `application_name`, …). Shown and debugged without its password.
 #[derive(Clone)]
 pub struct Target {
     config: tokio_postgres::Config,
