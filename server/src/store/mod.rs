@@ -69,7 +69,7 @@ pub use self::sled::SledStore;
 pub enum StoreLocation {
     #[default]
     Sled,
-    Postgres(postgres::Target),
+    Postgres(Box<postgres::Target>),
 }
 
 impl std::str::FromStr for StoreLocation {
@@ -79,7 +79,7 @@ impl std::str::FromStr for StoreLocation {
         if s == "sled" {
             Ok(StoreLocation::Sled)
         } else if s.starts_with("postgres://") || s.starts_with("postgresql://") {
-            Ok(StoreLocation::Postgres(s.parse()?))
+            Ok(StoreLocation::Postgres(Box::new(s.parse()?)))
         } else {
             Err(format!(
                 "unknown store `{}`: give `sled` (the embedded store under the data directory, the default) or postgres://user:password@host:port/database",

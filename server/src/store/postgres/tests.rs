@@ -89,7 +89,7 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
         &target,
         "INSERT INTO hora_migrations (version, name, checksum) VALUES (2, '0002_later', 'x')",
     );
-    let refused = migrate(&target).err().expect("refused");
+    let refused = migrate(&target).expect_err("refused");
     assert!(
         refused.to_string().contains("newer hora-server"),
         "{refused}"
@@ -159,7 +159,7 @@ fn a_database_that_goes_away_is_unavailable_and_the_store_and_its_feed_come_back
     store.put_meta("k", "v").unwrap();
     server.stop();
     for _ in 0..2 {
-        let down = store.meta("k").err().expect("unavailable");
+        let down = store.meta("k").expect_err("unavailable");
         assert!(matches!(down, StoreError::Unavailable { .. }), "{down}");
         // Which the API answers as a refusal worth retrying, not an internal error.
         let answer = ServerError::from(down).into_response();
