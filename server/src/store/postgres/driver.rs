@@ -47,7 +47,7 @@ impl FromStr for Target {
                 .unwrap_or_default();
             format!("not a PostgreSQL connection URL ({e}{detail}); give postgres://user:password@host:port/database")
         })?;
-        if config.get_hosts().is_empty() {
+        if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
             return Err("the PostgreSQL URL names no host: give postgres://user:password@host:port/database".into());
         }
         if config.get_ssl_mode() == SslMode::Require {
@@ -59,9 +59,11 @@ impl FromStr for Target {
         if config.get_application_name().is_none() {
             config.application_name("hora-server");
         }
-        let host = match &config.get_hosts()[0] {
-            Host::Tcp(name) => name.clone(),
-            Host::Unix(dir) => dir.display().to_string(),
+        let host = match (config.get_hosts().first(), config.get_hostaddrs().first()) {
+            (Some(Host::Tcp(name)), _) => name.clone(),
+            (Some(Host::Unix(dir)), _) => dir.display().to_string(),
+            (None, Some(addr)) => addr.to_string(),
+            (None, None) => String::new(),
         };
         let port = config.get_ports().first().copied().unwrap_or(5432);
         let shown = format!(

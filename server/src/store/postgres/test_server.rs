@@ -295,8 +295,17 @@ fn template(bin: &Path, owner: Owner) -> PathBuf {
             .args(["--locale=C", "--no-sync", "--wal-segsize=1"]);
         owner.apply(&mut initdb);
         run(&mut initdb);
-        let tmp = cache.join(format!(".tmp-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&tmp);
+        // What a test killed while it copied left (nobody else copies: we hold the lock).
+        for entry in fs::read_dir(&cache).into_iter().flatten().flatten() {
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".tmp-postgres-template-")
+            {
+                let _ = fs::remove_dir_all(entry.path());
+            }
+        }
+        let tmp = cache.join(format!(".tmp-postgres-template-{}", std::process::id()));
         run(Command::new("cp").arg("-a").arg(&data).arg(&tmp));
         fs::rename(&tmp, &template).expect("the template in place");
     }

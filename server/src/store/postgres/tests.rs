@@ -184,3 +184,21 @@ fn unused_port() -> u16 {
         .unwrap()
         .port()
 }
+
+#[test]
+fn a_target_is_shown_without_its_password() {
+    for (url, shown) in [
+        ("postgres://u:pw@db:5433/fl", "db:5433/fl"),
+        (
+            "postgresql://u:pw@%2Fvar%2Frun%2Fpostgresql/fl",
+            "/var/run/postgresql:5432/fl",
+        ),
+        ("postgres://u:pw@/fl?hostaddr=10.0.0.2", "10.0.0.2:5432/fl"),
+    ] {
+        let target: Target = url.parse().unwrap();
+        assert_eq!(target.to_string(), shown);
+        assert!(!format!("{target:?}").contains("pw"), "{target:?}");
+    }
+    let nowhere = "postgres://u@/fl".parse::<Target>().unwrap_err();
+    assert!(nowhere.contains("names no host"), "{nowhere}");
+}
