@@ -37,12 +37,14 @@ CREATE TABLE history (
 CREATE INDEX history_models ON history (model) WHERE model IS NOT NULL AND NOT pruned;
 
 -- How far pruning has looked in each task's history, and under which retention: every round
--- below `below` has been judged under (retain_last, retain_every).
+-- below `below` has been judged under (retain_last, retain_every), and every entry of a round
+-- below `compacted_below` is compacted (its per-client lists down to their lengths).
 CREATE TABLE prune_marks (
-    task         text COLLATE "C" PRIMARY KEY,
-    retain_last  bigint NOT NULL,
-    retain_every bigint NOT NULL,
-    below        bigint NOT NULL
+    task            text COLLATE "C" PRIMARY KEY,
+    retain_last     bigint NOT NULL,
+    retain_every    bigint NOT NULL,
+    below           bigint NOT NULL,
+    compacted_below bigint NOT NULL
 );
 
 CREATE TABLE clients (

@@ -318,19 +318,22 @@ impl RoundLog for PostgresStore {
     }
 
     /// As the sled store's: looks only at the rounds that can have fallen out of `retention`
-    /// since the last prune under the same retention (`prune_marks` says how far that was), in
-    /// one transaction with the marks it moves.
+    /// since the last prune under the same retention, and compacts only the entries that fell
+    /// out of its detail window since the last compaction (`prune_marks` says how far each
+    /// went), all in one transaction with the marks it moves.
     fn prune_models(
         &self,
         task: &str,
         retention: Retention,
         published: u64,
     ) -> Result<usize, StoreError> {
-        if retention.last == 0 && retention.every == 0 {
-            return Ok(0);
-        }
+        let keeps_all = retention.last == 0 && retention.every == 0;
         // Rounds up to `upto` are out of the window of the last rounds.
-        let upto = published.saturating_sub(retention.last);
+        let upto = match keeps_all {
+            true => 0,
+            false => published.saturating_sub(retention.last),
+        };
+        let compact_upto = int(retention.compacted_upto(published))?;
         let id = task.to_string();
         let (last, every, below) = (
             int(retention.last)?,
@@ -342,19 +345,20 @@ impl RoundLog for PostgresStore {
             let tx = client.transaction().await?;
             let mark = tx
                 .query_opt(
-                    "SELECT retain_last, retain_every, below FROM prune_marks
+                    "SELECT retain_last, retain_every, below, compacted_below FROM prune_marks
                      WHERE task = $1 FOR UPDATE",
                     &[&id],
                 )
                 .await?;
-            let from = match mark {
-                Some(m) if (col::<i64>(&m, 0)?, col::<i64>(&m, 1)?) == (last, every) => {
-                    col::<i64>(&m, 2)?
+            let (mut from, mut compacted_from) = (0, 0);
+            if let Some(m) = mark {
+                compacted_from = col::<i64>(&m, 3)?;
+                if (col::<i64>(&m, 0)?, col::<i64>(&m, 1)?) == (last, every) {
+                    from = col::<i64>(&m, 2)?;
                 }
-                _ => 0,
-            };
+            }
             let mut dropped = Vec::new();
-            if from <= upto {
+            if !keeps_all && from <= upto {
                 let rows = tx
                     .query(
                         "SELECT round, attempt, record FROM history
@@ -383,12 +387,37 @@ impl RoundLog for PostgresStore {
                     dropped.push(model);
                 }
             }
+            // Then the entries that fall out of the detail window lose their per-client lists.
+            if compact_upto >= compacted_from.max(1) {
+                let rows = tx
+                    .query(
+                        "SELECT round, attempt, record FROM history
+                         WHERE task = $1 AND round >= $2 AND round <= $3
+                         ORDER BY round, attempt FOR UPDATE",
+                        &[&id, &compacted_from, &compact_upto],
+                    )
+                    .await?;
+                for row in &rows {
+                    let (round, attempt): (i64, i64) = (col(row, 0)?, col(row, 1)?);
+                    let mut r: RoundRecord = decode(&id, col(row, 2)?)?;
+                    if r.compact() {
+                        tx.execute(
+                            "UPDATE history SET record = $4
+                             WHERE task = $1 AND round = $2 AND attempt = $3",
+                            &[&id, &round, &attempt, &json(&r)],
+                        )
+                        .await?;
+                    }
+                }
+            }
+            let compacted_below = compacted_from.max(compact_upto.saturating_add(1));
             tx.execute(
-                "INSERT INTO prune_marks (task, retain_last, retain_every, below)
-                 VALUES ($1, $2, $3, $4)
+                "INSERT INTO prune_marks (task, retain_last, retain_every, below, compacted_below)
+                 VALUES ($1, $2, $3, $4, $5)
                  ON CONFLICT (task) DO UPDATE SET retain_last = excluded.retain_last,
-                     retain_every = excluded.retain_every, below = excluded.below",
-                &[&id, &last, &every, &below],
+                     retain_every = excluded.retain_every, below = excluded.below,
+                     compacted_below = excluded.compacted_below",
+                &[&id, &last, &every, &below, &compacted_below],
             )
             .await?;
             tx.commit().await?;
