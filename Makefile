@@ -1,6 +1,7 @@
 # Hora's entry points. `make demo` and `make test` do all the set-up a fresh machine needs
 # (PyTorch 2.11.0 for libtorch, cached outside the checkout; see scripts/setup-libtorch.sh; and,
-# for `make test`, the schemathesis API fuzzer, see scripts/setup-schemathesis.sh).
+# for `make test`, the schemathesis API fuzzer, see scripts/setup-schemathesis.sh, and
+# PostgreSQL for the PostgreSQL store's tests, scripts/setup-postgres.sh).
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 
@@ -13,17 +14,22 @@ FLOWER_ENV := eval "$$(scripts/setup-flower.sh --print-env)"
 # Exports HORA_PACKAGE_ENV and HORA_PACKAGE_PYTHON: the environment (maturin, pytest, pyspark; torch from
 # the libtorch environment) the Python package is built into and tested from; installs Java.
 PY_ENV := eval "$$(scripts/setup-python.sh --print-env)"
+# Exports HORA_PG_BINDIR, where the PostgreSQL store's tests find initdb and postgres (installs
+# Debian's postgresql when they are missing).
+PG_ENV := eval "$$(scripts/setup-postgres.sh --print-env)"
 # Builds the Python package `hora` (python/) into that environment; $(1): extra maturin flags.
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
 .PHONY: demo test bench lint deps-check setup python
 
-## Set up libtorch, the API fuzzer and the Python environment (idempotent; seconds once installed).
+## Set up libtorch, the API fuzzer, the Python environment and PostgreSQL (idempotent; seconds
+## once installed).
 setup:
 	@scripts/setup-libtorch.sh
 	@scripts/setup-schemathesis.sh
 	@scripts/setup-python.sh
+	@scripts/setup-postgres.sh
 
 ## The federated Synthetic(1,1) benchmark with real processes: a server, 10 clients, 20 rounds,
 ## a per-round table and the centralised baseline. Leaves nothing running.
@@ -38,7 +44,7 @@ demo:
 ## hora-python's tests are the pytest suite (a Rust test binary of a Python extension has no
 ## interpreter to run in).
 test:
-	@$(TORCH_ENV); $(FUZZ_ENV); $(PY_ENV); \
+	@$(TORCH_ENV); $(FUZZ_ENV); $(PY_ENV); $(PG_ENV); \
 	cargo build --workspace --bins --examples; \
 	if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --exclude hora-python --all-targets --profile $(NEXTEST_PROFILE); \

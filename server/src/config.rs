@@ -17,9 +17,16 @@ pub struct ServeArgs {
     /// Address to listen on (port 0 picks a free one; the chosen address is printed).
     #[arg(long, env = "HORA_LISTEN")]
     pub listen: Option<SocketAddr>,
-    /// Where state lives (sled database, model blobs, checkpoints).
+    /// Where state lives (the sled database, model blobs, checkpoints; with PostgreSQL the
+    /// blobs and checkpoints only).
     #[arg(long, env = "HORA_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
+    /// Where the records live: `sled` (the default: embedded, under the data directory) or a
+    /// PostgreSQL database, postgres://user:password@host:port/database (its schema is brought
+    /// up to date at start; blobs stay under the data directory). Give a URL holding a password
+    /// through HORA_STORE or the config file rather than the command line, which others see.
+    #[arg(long, env = "HORA_STORE", hide_env_values = true)]
+    pub store: Option<String>,
     /// Server certificate (PEM). Without it development certificates are made.
     #[arg(long, env = "HORA_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
@@ -124,6 +131,7 @@ pub struct ServeArgs {
 struct FileConfig {
     listen: Option<SocketAddr>,
     data_dir: Option<PathBuf>,
+    store: Option<String>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     client_ca: Option<PathBuf>,
@@ -159,6 +167,7 @@ struct FileConfig {
 pub struct ServeConfig {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
+    pub store: crate::store::StoreLocation,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub client_ca: Option<PathBuf>,
@@ -205,7 +214,12 @@ impl ServeConfig {
                 "max_upload_share is {max_upload_share}; give a fraction of the upload buffer above 0 and at most 1 (0.25: a quarter)"
             );
         }
+        let store = match args.store.or(file.store) {
+            Some(store) => store.parse().map_err(|e| anyhow::anyhow!("--store: {e}"))?,
+            None => crate::store::StoreLocation::Sled,
+        };
         Ok(ServeConfig {
+            store,
             listen: args
                 .listen
                 .or(file.listen)
@@ -332,6 +346,7 @@ mod tests {
         let c = ServeConfig::resolve(args).unwrap();
         assert_eq!(c.listen.port(), 9000);
         assert_eq!(c.data_dir, PathBuf::from("here"));
+        assert!(matches!(c.store, crate::store::StoreLocation::Sled));
         assert_eq!(c.commit_window_ms, 50);
         assert_eq!(c.max_concurrent_uploads, 1);
         assert_eq!(c.max_upload_share, 0.25);
@@ -357,6 +372,43 @@ mod tests {
             })
             .unwrap_err();
             assert!(format!("{err:#}").contains("max_upload_share"), "{err:#}");
+        }
+        std::fs::write(
+            &path,
+            "store = \"postgres://hora:secret@db.example:5433/fl\"\n",
+        )
+        .unwrap();
+        let c = ServeConfig::resolve(ServeArgs {
+            config: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap();
+        let crate::store::StoreLocation::Postgres(target) = &c.store else {
+            panic!("{:?}", c.store)
+        };
+        assert_eq!(target.to_string(), "db.example:5433/fl");
+        assert!(!format!("{c:?}").contains("secret"), "{c:?}");
+        let c = ServeConfig::resolve(ServeArgs {
+            config: Some(path.clone()),
+            store: Some("sled".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(matches!(c.store, crate::store::StoreLocation::Sled));
+        for (store, says) in [
+            ("mysql://x", "unknown store `mysql`"),
+            ("postgres://h/db?sslmode=require", "sslmode=require"),
+            (
+                "postgres://h/db?frobnicate=1",
+                "not a PostgreSQL connection URL",
+            ),
+        ] {
+            let err = ServeConfig::resolve(ServeArgs {
+                store: Some(store.into()),
+                ..Default::default()
+            })
+            .unwrap_err();
+            assert!(format!("{err:#}").contains(says), "{store}: {err:#}");
         }
         std::fs::write(&path, "lisen = \"x\"\n").unwrap();
         let err = ServeConfig::resolve(ServeArgs {

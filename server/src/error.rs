@@ -105,7 +105,19 @@ impl ServerError {
 }
 
 impl From<crate::store::StoreError> for ServerError {
+    /// A database that cannot be reached is the server's trouble for now, not a fault: 503
+    /// `store_unavailable`, worth retrying (the detail, which names the database, goes to the
+    /// log only). Anything else the store fails at is internal.
     fn from(e: crate::store::StoreError) -> Self {
-        ServerError::Internal(e.to_string())
+        match e {
+            crate::store::StoreError::Unavailable { .. } => {
+                tracing::warn!(error = %e, "the store is unavailable");
+                ServerError::unavailable(
+                    ErrorCode::StoreUnavailable,
+                    "the server cannot reach its database right now; retry in a moment",
+                )
+            }
+            e => ServerError::Internal(e.to_string()),
+        }
     }
 }

@@ -2,13 +2,13 @@
 //!
 //! It hands out the current global model of each federated task over HTTPS, takes sealed weight
 //! deltas from clients, folds each into its round's running weighted sum the moment it arrives
-//! (memory O(model), never O(clients × model)), keeps its state in sled with large blobs in
-//! content-addressed files, and is driven by operators through a REST admin API.
+//! (memory O(model), never O(clients × model)), keeps its records in sled (or PostgreSQL) with
+//! large blobs in content-addressed files, and is driven by operators through a REST admin API.
 //!
 //! Reading order, following a request:
 //! - [`Server`] wires everything together ([`Server::build`] from a config, [`Server::run`] on a
 //!   listener until a shutdown future resolves; [`serve`] is both, stopped by SIGINT/SIGTERM):
-//!   [`store`] (sled + blob files), [`round`] (the round engine: tasks, round phases, the plain
+//!   [`store`] (sled or PostgreSQL, and blob files), [`round`] (the round engine: tasks, round phases, the plain
 //!   and secure-aggregation collections, group commit, closing, deadlines), [`api`] (axum routes:
 //!   client `/v1`, admin `/admin/v1`, ops), [`tls`] (rustls with ring; development certificates),
 //!   [`shutdown`].

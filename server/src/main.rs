@@ -1,9 +1,11 @@
-//! `hora-server`: serve, make development certificates, or administer a running server.
+//! `hora-server`: serve, make development certificates, administer a running server, or migrate
+//! a PostgreSQL store's schema.
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use hora_server::store::StoreLocation;
 use hora_server::{admin_cli, config, tls};
 
 #[derive(Debug, Parser)]
@@ -36,6 +38,13 @@ enum Command {
     },
     /// Drive a running server through its admin API.
     Admin(admin_cli::AdminArgs),
+    /// Bring a PostgreSQL store's schema up to this hora-server's (`serve` does it too, at
+    /// start); prints the migrations it applied.
+    Migrate {
+        /// The database: postgres://user:password@host:port/database.
+        #[arg(long, env = "HORA_STORE", hide_env_values = true)]
+        store: String,
+    },
 }
 
 fn main() -> Result<()> {
@@ -71,5 +80,22 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Admin(args) => runtime.block_on(admin_cli::run(args)),
+        Command::Migrate { store } => {
+            let target = match store.parse().map_err(|e| anyhow::anyhow!("--store: {e}"))? {
+                StoreLocation::Postgres(target) => target,
+                StoreLocation::Sled => {
+                    anyhow::bail!("--store sled: the embedded store has no schema to migrate (it upgrades itself when it opens)")
+                }
+            };
+            let applied = hora_server::store::postgres::migrate(&target)
+                .with_context(|| format!("migrating the PostgreSQL store at {target}"))?;
+            if applied.is_empty() {
+                println!("{target}: the schema is up to date");
+            }
+            for name in applied {
+                println!("{target}: applied {name}");
+            }
+            Ok(())
+        }
     }
 }

@@ -1,5 +1,5 @@
-//! The server as a value: [`Server::build`] opens the data directory, loads every task and sync
-//! job, and prepares TLS; [`Server::run`] serves on a listener until a shutdown future resolves.
+//! The server as a value: [`Server::build`] opens the store (`--store`: sled in the data
+//! directory, or PostgreSQL), loads every task and sync job, and prepares TLS; [`Server::run`] serves on a listener until a shutdown future resolves.
 //! `hora-server serve` is build, bind, run with SIGINT/SIGTERM as the shutdown ([`crate::serve`]);
 //! tests start the same server in-process on `127.0.0.1:0`.
 
@@ -35,15 +35,24 @@ pub struct Server {
 }
 
 impl Server {
-    /// Opens the data directory (sweeping orphaned files), loads every task — resuming open
+    /// Opens the store (sweeping orphaned files), loads every task — resuming open
     /// rounds from their checkpoints — and every sync job, and prepares TLS (development
     /// certificates are made when none are given).
     pub fn build(config: ServeConfig) -> Result<Server> {
         let fd_limit = conn::raise_fd_limit();
         let store: Arc<Store> =
-            Arc::new(store::SledStore::open(&config.data_dir).with_context(|| {
-                format!("opening the data directory {}", config.data_dir.display())
-            })?);
+            config
+                .store
+                .open(&config.data_dir)
+                .with_context(|| match &config.store {
+                    store::StoreLocation::Sled => {
+                        format!("opening the data directory {}", config.data_dir.display())
+                    }
+                    store::StoreLocation::Postgres(target) => format!(
+                        "opening the PostgreSQL store at {target} (blobs under {})",
+                        config.data_dir.display()
+                    ),
+                })?;
         let swept = store.sweep_orphans().context("sweeping orphaned files")?;
         if swept > 0 {
             tracing::info!(files = swept, "removed orphaned files");

@@ -1,9 +1,15 @@
 //! The server started in-process — `Server::build(config)` and `run(listener, shutdown)` — as
 //! an embedding program or a unit-level test would: it serves a federated round over real TLS on
 //! loopback, stops when its shutdown future resolves, and a second server built on the same data
-//! directory carries on from what the first made durable.
+//! directory carries on from what the first made durable. Once with the embedded sled store, once
+//! with its records in PostgreSQL (`--store postgres://…`, a real server the test starts).
 
 mod support;
+
+/// The PostgreSQL server the store's unit tests start, this same file.
+#[allow(dead_code)]
+#[path = "../src/store/postgres/test_server.rs"]
+mod test_server;
 
 use std::net::TcpListener;
 use std::path::Path;
@@ -15,9 +21,10 @@ use serde_json::json;
 use support::{Api, ADMIN_TOKEN};
 use tokio::sync::oneshot;
 
-fn config(data_dir: &Path) -> ServeConfig {
+fn config(data_dir: &Path, store: Option<&str>) -> ServeConfig {
     ServeConfig::resolve(ServeArgs {
         data_dir: Some(data_dir.to_path_buf()),
+        store: store.map(Into::into),
         listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_token: Some(ADMIN_TOKEN.into()),
         ..Default::default()
@@ -29,12 +36,13 @@ fn config(data_dir: &Path) -> ServeConfig {
 /// stops it, and the task that ends when it has stopped.
 fn start(
     data_dir: &Path,
+    store: Option<&str>,
 ) -> (
     Api,
     oneshot::Sender<()>,
     tokio::task::JoinHandle<anyhow::Result<()>>,
 ) {
-    let server = Server::build(config(data_dir)).expect("a built server");
+    let server = Server::build(config(data_dir, store)).expect("a built server");
     assert!(
         server.generated_admin_token.is_none(),
         "the token was given"
@@ -60,8 +68,20 @@ fn model(values: [f32; 4]) -> Model {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_in_process_server_runs_rounds_stops_on_its_signal_and_resumes_from_its_data() {
+    runs_rounds_stops_and_resumes(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_in_process_server_on_postgres_runs_rounds_stops_and_resumes_from_the_database() {
+    let postgres = test_server::TestServer::start();
+    runs_rounds_stops_and_resumes(Some(&postgres.url())).await;
+}
+
+/// Two rounds with two clients; the server is stopped with round 2 half done and a second one
+/// on the same data (`store`: the records' PostgreSQL, else sled) finishes it.
+async fn runs_rounds_stops_and_resumes(store: Option<&str>) {
     let dir = tempfile::tempdir().unwrap();
-    let (admin, stop, running) = start(dir.path());
+    let (admin, stop, running) = start(dir.path(), store);
     let initial = model([1.0, 2.0, 3.0, 4.0]);
     let digest = admin.upload_model(&initial).await;
     admin
@@ -109,7 +129,7 @@ async fn an_in_process_server_runs_rounds_stops_on_its_signal_and_resumes_from_i
     );
 
     // A new server on the same data: round 2 goes on with a's update in it.
-    let (admin, stop, running) = start(dir.path());
+    let (admin, stop, running) = start(dir.path(), store);
     let info = admin.task("inproc").await;
     assert_eq!(info.published_rounds, 1);
     let open = info.open_round.expect("round 2 is open");
@@ -136,4 +156,6 @@ async fn an_in_process_server_runs_rounds_stops_on_its_signal_and_resumes_from_i
     }
     stop.send(()).unwrap();
     running.await.unwrap().unwrap();
+    // The records were where `store` said: the data directory has a sled database only with sled.
+    assert_eq!(dir.path().join("db").exists(), store.is_none());
 }

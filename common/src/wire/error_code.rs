@@ -99,6 +99,9 @@ error_codes! {
     /// Retry the same upload to get its receipt, or the same join to get its offer; neither is
     /// counted twice.
     NotDurableYet => "not_durable_yet",
+    /// The server cannot reach its database (PostgreSQL, for a server that keeps its records
+    /// there) right now. Retry after the `Retry-After` header's seconds, or later.
+    StoreUnavailable => "store_unavailable",
     /// The task's stored state is damaged, so the server cannot serve it. The operator has the
     /// detail in the server log; retrying does not help until they act.
     TaskUnavailable => "task_unavailable",

@@ -6,7 +6,7 @@
 //!
 //! | the operation has | it can answer |
 //! |---|---|
-//! | anything | 429 `too_many_requests` (its address has too many requests in flight before their credentials passed), 500 `internal`, 503 `request_timeout` |
+//! | anything | 429 `too_many_requests` (its address has too many requests in flight before their credentials passed), 500 `internal`, 503 `request_timeout`, `store_unavailable` |
 //! | path parameters, a query or a body | 400 (a parameter that does not parse, a malformed body) |
 //! | a security scheme | 401 (missing, malformed or wrong credentials) |
 //! | the admin token as its only scheme | 403 (client credentials on the admin API) |
@@ -202,8 +202,10 @@ impl utoipa::Modify for CommonAnswers {
             answers.push((
                 "503",
                 "`request_timeout`: the server gave up on the request after its time limit, \
-                 `busy`: no room to read the body in time, or `task_unavailable`: the task's \
-                 stored state is damaged (the server log says how); retry later",
+                 `busy`: no room to read the body in time, `store_unavailable`: the server \
+                 cannot reach its database now (retry after `Retry-After` seconds), or \
+                 `task_unavailable`: the task's stored state is damaged (the server log says \
+                 how); retry later",
             ));
             for (status, description) in answers {
                 if !op.responses.responses.contains_key(status) {

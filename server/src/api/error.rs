@@ -34,10 +34,12 @@ impl ServerError {
     }
 
     /// Seconds after which a retry may find room, for the `Retry-After` header: for refusals
-    /// that say the server (or this address's share of it) is full right now.
+    /// that say the server (or this address's share of it) is full right now, or its database
+    /// unreachable.
     fn retry_after(&self) -> Option<u64> {
         match self.code() {
             ErrorCode::Busy | ErrorCode::TooManyRequests => Some(1),
+            ErrorCode::StoreUnavailable => Some(2),
             _ => None,
         }
     }

@@ -16,11 +16,12 @@
 //! Each that keeps records extends [`Durable`], whose [`flush`](Durable::flush) makes every record
 //! written so far durable (blobs are durable once written).
 //!
-//! Two implementations: [`SledStore`], the server's, over one data directory, and
-//! [`MemoryStore`], for tests, which keeps records in memory. One conformance suite
-//! (`conformance/`) holds both to the same contracts.
+//! Three implementations: [`SledStore`], the server's default, over one data directory;
+//! [`PostgresStore`] (`--store postgres://…`), records in PostgreSQL for replicas sharing them,
+//! blobs in the same data directory layout; and [`MemoryStore`], for tests, which keeps records
+//! in memory. One conformance suite (`conformance/`) holds all three to the same contracts.
 //!
-//! # The data directory ([`SledStore`])
+//! # The data directory ([`SledStore`]; [`PostgresStore`] without `db/`)
 //!
 //! ```text
 //! <data>/db/                      sled: tasks, open rounds, round history, clients, enrolments,
@@ -49,15 +50,67 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 #[cfg(test)]
 mod conformance;
+mod data_dir;
 mod files;
 mod memory;
+pub mod postgres;
 mod records;
 mod sled;
 
 pub use self::files::{le_words, write_atomic};
 pub use self::memory::MemoryStore;
+pub use self::postgres::PostgresStore;
 pub use self::records::*;
 pub use self::sled::SledStore;
+
+/// Where the records live, as `--store` says: `sled` (the default, embedded, under the data
+/// directory) or a PostgreSQL URL. Blobs are files under the data directory either way.
+#[derive(Debug, Clone, Default)]
+pub enum StoreLocation {
+    #[default]
+    Sled,
+    Postgres(Box<postgres::Target>),
+}
+
+impl std::str::FromStr for StoreLocation {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "sled" {
+            Ok(StoreLocation::Sled)
+        } else if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+            Ok(StoreLocation::Postgres(Box::new(s.parse()?)))
+        } else {
+            Err(format!(
+                "unknown store `{}`: give `sled` (the embedded store under the data directory, the default) or postgres://user:password@host:port/database",
+                s.split("://").next().unwrap_or_default()
+            ))
+        }
+    }
+}
+
+impl StoreLocation {
+    /// Opens the store, its blobs under `data_dir`.
+    pub fn open(&self, data_dir: &std::path::Path) -> Result<std::sync::Arc<Store>, StoreError> {
+        Ok(match self {
+            StoreLocation::Sled => std::sync::Arc::new(SledStore::open(data_dir)?),
+            StoreLocation::Postgres(target) => {
+                std::sync::Arc::new(PostgresStore::open(target, data_dir)?)
+            }
+        })
+    }
+}
+
+/// What a store's change feed says (see [`RoundLog::changes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreChange {
+    /// A change to this task, its open round or its history was committed (by this server or
+    /// another on the same database).
+    Task(String),
+    /// Changes may have gone unheard (the feed lost its connection and has it back): re-read
+    /// whatever is watched. A subscriber that lagged (`RecvError::Lagged`) is in the same spot.
+    Missed,
+}
 
 /// What the server holds: every consumer's slice of the store.
 pub trait Storage:
@@ -146,6 +199,13 @@ pub trait RoundLog: Durable {
         retention: Retention,
         published: u64,
     ) -> Result<usize, StoreError>;
+
+    /// A subscription to the changes committed to tasks, their open rounds and their histories,
+    /// by this server or any other on the same store; None for a store only this process writes
+    /// (sled, memory), whose writers can wake their own waiters.
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<StoreChange>> {
+        None
+    }
 }
 
 /// Content-addressed files: written whole, atomically, before any record names them.

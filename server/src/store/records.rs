@@ -1,8 +1,8 @@
 //! The records the store keeps, and its error.
 //!
-//! Records are stored as JSON by [`SledStore`](super::SledStore) (small, and readable when an
-//! operator has to look), so every field added later needs `#[serde(default)]` for data dirs
-//! written before it.
+//! Records are stored as JSON by [`SledStore`](super::SledStore) and
+//! [`PostgresStore`](super::PostgresStore) (small, and readable when an operator has to look), so
+//! every field added later needs `#[serde(default)]` for stores written before it.
 
 use hora_common::model::{ModelDigest, ModelSpec};
 use hora_common::wire::{CreateTask, Metrics, TaskState};
@@ -23,6 +23,16 @@ pub enum StoreError {
     Model(#[from] hora_common::model::ModelError),
     #[error("the store was written by a newer hora-server (store format {found}; this one reads formats up to {supported}): run a hora-server at least as new as the one that wrote it")]
     NewerFormat { found: u32, supported: u32 },
+    /// PostgreSQL cannot be reached or cannot serve now (down, restarting, refusing this
+    /// server's connections, no connection free in time): worth retrying, and the API answers
+    /// 503 `store_unavailable`.
+    #[error("PostgreSQL at {at} is not answering ({reason}): check that it is running and accepts this server's connections, and that --store names it (host, port, database, user, password)")]
+    Unavailable { at: String, reason: String },
+    /// PostgreSQL refused a query.
+    #[error("PostgreSQL: {0}")]
+    Postgres(String),
+    #[error("the database's schema migration {version} ({name}) is not the one this hora-server ships (its SQL was changed after it was applied): run the hora-server that set the database up, or restore the migration's original file")]
+    MigrationChanged { version: u32, name: String },
 }
 
 /// A task as stored.

@@ -1,6 +1,7 @@
 //! The contracts every [`Storage`] keeps, written once and run against [`SledStore`] (in a
-//! temporary directory) and [`MemoryStore`]: the cases are in `records.rs` and `blobs.rs`, each
-//! a function of a [`Fixture`]; `suite!` at the bottom makes one test per case and store.
+//! temporary directory), [`PostgresStore`] (on a real PostgreSQL server each test starts, see
+//! `postgres::test_server`) and [`MemoryStore`]: the cases are in `records.rs` and `blobs.rs`,
+//! each a function of a [`Fixture`]; `suite!` at the bottom makes one test per case and store.
 
 use hora_common::model::{Model, ModelDigest};
 use hora_common::wire::{RoundOutcome, RoundRecord, TaskState};
@@ -45,6 +46,37 @@ impl Fixture for Sled {
     }
 }
 
+/// A real PostgreSQL server of the test's own (see `postgres::test_server`), blobs in a
+/// temporary directory; reopening opens a second store on the same database and directory.
+struct Postgres {
+    // Dropped in this order: the store, then the server under it.
+    store: Option<PostgresStore>,
+    dir: tempfile::TempDir,
+    server: postgres::test_server::TestServer,
+}
+
+impl Postgres {
+    fn new() -> Self {
+        let server = postgres::test_server::TestServer::start();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Some(PostgresStore::open(&server.url().parse().unwrap(), dir.path()).unwrap());
+        Postgres { store, dir, server }
+    }
+}
+
+impl Fixture for Postgres {
+    fn store(&self) -> &dyn Storage {
+        self.store.as_ref().unwrap()
+    }
+
+    fn reopen(&mut self) {
+        self.store = None;
+        self.store = Some(
+            PostgresStore::open(&self.server.url().parse().unwrap(), self.dir.path()).unwrap(),
+        );
+    }
+}
+
 struct Memory(MemoryStore);
 
 impl Fixture for Memory {
@@ -55,11 +87,11 @@ impl Fixture for Memory {
     fn reopen(&mut self) {}
 }
 
-fn model(values: [f32; 3]) -> Model {
+pub(super) fn model(values: [f32; 3]) -> Model {
     Model::from_tensors([("w", vec![3], values.to_vec())]).unwrap()
 }
 
-fn task(initial: ModelDigest, published: u64) -> TaskRecord {
+pub(super) fn task(initial: ModelDigest, published: u64) -> TaskRecord {
     let config = serde_json::from_value(serde_json::json!({
         "id": "t",
         "initial_model": initial.to_hex(),
@@ -83,7 +115,7 @@ fn task(initial: ModelDigest, published: u64) -> TaskRecord {
     }
 }
 
-fn open_round(round: u64, checkpoint: Option<&str>) -> OpenRoundRecord {
+pub(super) fn open_round(round: u64, checkpoint: Option<&str>) -> OpenRoundRecord {
     OpenRoundRecord {
         round,
         attempt: 0,
@@ -116,7 +148,7 @@ fn open_round(round: u64, checkpoint: Option<&str>) -> OpenRoundRecord {
     }
 }
 
-fn published(round: u64, attempt: u32, model: Option<ModelDigest>) -> RoundRecord {
+pub(super) fn published(round: u64, attempt: u32, model: Option<ModelDigest>) -> RoundRecord {
     RoundRecord {
         round,
         attempt,
@@ -134,7 +166,7 @@ fn published(round: u64, attempt: u32, model: Option<ModelDigest>) -> RoundRecor
     }
 }
 
-fn client(label: &str) -> ClientRecord {
+pub(super) fn client(label: &str) -> ClientRecord {
     ClientRecord {
         secret_hash: "h".into(),
         label: Some(label.into()),
@@ -176,6 +208,13 @@ macro_rules! suite {
             $(#[test]
             fn $case() {
                 super::$case(&mut super::Sled::new())
+            })*
+        }
+
+        mod postgres_store {
+            $(#[test]
+            fn $case() {
+                super::$case(&mut super::Postgres::new())
             })*
         }
 

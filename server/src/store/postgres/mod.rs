@@ -1,0 +1,644 @@
+//! [`PostgresStore`]: records in PostgreSQL (`--store postgres://…`), blobs as files under the
+//! data directory as the sled store keeps them (see `data_dir`).
+//!
+//! The tables are in `server/migrations/` (applied at open, see `migrate`): each record is the
+//! JSON the sled store keeps, under real key columns; a round's history entry has its round,
+//! attempt, model digest and pruned flag as columns, so a page of history is a range scan and
+//! whether a model is still used one index lookup. Every write commits before it returns
+//! (PostgreSQL makes a commit durable), so [`flush`](Durable::flush) has nothing left to do;
+//! every step the sled store takes in one transaction is one SQL transaction here. Writes to a
+//! task, its open round or its history notify the change feed (`feed`), which
+//! [`RoundLog::changes`] subscribes to.
+//!
+//! A database that cannot be reached answers [`StoreError::Unavailable`] (the API's 503
+//! `store_unavailable`, worth retrying), not a crash; the pool connects again when it is back.
+
+mod driver;
+mod feed;
+mod migrate;
+#[cfg(test)]
+pub(crate) mod test_server;
+
+use std::path::{Path, PathBuf};
+
+use deadpool_postgres::GenericClient;
+use hora_common::model::ModelDigest;
+use hora_common::wire::RoundRecord;
+use serde::de::DeserializeOwned;
+use tokio::sync::broadcast;
+use tokio_postgres::types::{FromSql, ToSql};
+use tokio_postgres::Row;
+
+use self::driver::Driver;
+pub use self::driver::Target;
+use super::data_dir::{self, InDataDir};
+use super::{
+    decode, json, referenced, remove_unused_models, ClientRecord, Durable, EnrolmentRecord,
+    Housekeeping, OpenRoundRecord, Registry, Retention, RoundLog, SecaggLog, StoreChange,
+    StoreError, SyncJobRecord, SyncJobs, TaskRead, TaskRecord,
+};
+
+/// Notifications a subscriber may fall behind by before it is told it lagged.
+const FEED_CAPACITY: usize = 1024;
+
+pub struct PostgresStore {
+    dir: PathBuf,
+    driver: Driver,
+    changes: broadcast::Sender<StoreChange>,
+}
+
+/// A query parameter, owned (a query runs on the store's runtime, not the caller's stack).
+type Param = Box<dyn ToSql + Send + Sync>;
+
+macro_rules! params {
+    ($($p:expr),* $(,)?) => {
+        vec![$(Box::new($p) as Param),*]
+    };
+}
+
+fn refs(params: &[Param]) -> Vec<&(dyn ToSql + Sync)> {
+    params.iter().map(|p| p.as_ref() as _).collect()
+}
+
+/// Column `i` of `row`, or an error (a schema someone changed by hand) rather than a panic.
+fn col<'a, T: FromSql<'a>>(row: &'a Row, i: usize) -> Result<T, StoreError> {
+    row.try_get(i)
+        .map_err(|e| StoreError::Postgres(format!("reading column {i}: {e}")))
+}
+
+/// A round number, attempt or count as PostgreSQL's bigint.
+fn int(n: u64) -> Result<i64, StoreError> {
+    i64::try_from(n).map_err(|_| StoreError::Postgres(format!("{n} is over PostgreSQL's bigint")))
+}
+
+/// Key `bytes`'s upper bound for a prefix scan: the smallest key above every key that starts
+/// with them (None: there is none, scan to the end).
+fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < u8::MAX {
+            end.push(last + 1);
+            return Some(end);
+        }
+    }
+    None
+}
+
+/// Opens `target`'s database and brings its schema up to this binary's (see `migrate`);
+/// returns the migrations it applied. What `hora-server migrate` does.
+pub fn migrate(target: &Target) -> Result<Vec<&'static str>, StoreError> {
+    let driver = Driver::start(target)?;
+    driver
+        .with(|mut client| async move { migrate::migrate(&mut client, migrate::MIGRATIONS).await })
+}
+
+impl PostgresStore {
+    /// Opens the store: records in `target`'s database (its schema brought up to date), blobs
+    /// under `data_dir` (created, private to this user, if needed), and the change feed
+    /// listening.
+    pub fn open(target: &Target, data_dir: &Path) -> Result<Self, StoreError> {
+        data_dir::create(data_dir)?;
+        let driver = Driver::start(target)?;
+        let applied = driver.with(|mut client| async move {
+            migrate::migrate(&mut client, migrate::MIGRATIONS).await
+        })?;
+        for name in applied {
+            tracing::info!(database = %target, migration = name, "applied a schema migration");
+        }
+        let (changes, _) = broadcast::channel(FEED_CAPACITY);
+        let listening = {
+            let (target, changes) = (target.clone(), changes.clone());
+            driver.run(async move { Ok(feed::listen(&target, changes).await?) })?
+        };
+        driver.spawn(feed::keep(target.clone(), listening, changes.clone()));
+        Ok(PostgresStore {
+            dir: data_dir.to_path_buf(),
+            driver,
+            changes,
+        })
+    }
+
+    /// The rows `sql` selects.
+    fn query(&self, sql: &'static str, params: Vec<Param>) -> Result<Vec<Row>, StoreError> {
+        self.driver.with(move |client| async move {
+            let statement = client.prepare_cached(sql).await?;
+            Ok(client.query(&statement, &refs(&params)).await?)
+        })
+    }
+
+    /// Runs `sql`; the number of rows it changed.
+    fn execute(&self, sql: &'static str, params: Vec<Param>) -> Result<u64, StoreError> {
+        self.driver.with(move |client| async move {
+            let statement = client.prepare_cached(sql).await?;
+            Ok(client.execute(&statement, &refs(&params)).await?)
+        })
+    }
+
+    /// The one record (column 0) `sql` selects by `key`, decoded.
+    fn record<T: DeserializeOwned>(
+        &self,
+        sql: &'static str,
+        key: &str,
+    ) -> Result<Option<T>, StoreError> {
+        match self.query(sql, params![key.to_string()])?.first() {
+            None => Ok(None),
+            Some(row) => decode(key, col(row, 0)?).map(Some),
+        }
+    }
+
+    /// Every (key, record) `sql` selects, decoded.
+    fn records<T: DeserializeOwned>(
+        &self,
+        sql: &'static str,
+        params: Vec<Param>,
+    ) -> Result<Vec<(String, T)>, StoreError> {
+        self.query(sql, params)?
+            .iter()
+            .map(|row| {
+                let key: String = col(row, 0)?;
+                let value = decode(&key, col(row, 1)?)?;
+                Ok((key, value))
+            })
+            .collect()
+    }
+}
+
+impl InDataDir for PostgresStore {
+    fn data_dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// Every write commits before it returns.
+impl Durable for PostgresStore {
+    fn flush(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+impl RoundLog for PostgresStore {
+    fn task(&self, id: &str) -> Result<Option<TaskRecord>, StoreError> {
+        self.record("SELECT record FROM tasks WHERE task = $1", id)
+    }
+
+    fn tasks_each(&self) -> Result<Vec<TaskRead>, StoreError> {
+        self.query("SELECT task, record FROM tasks ORDER BY task", params![])?
+            .iter()
+            .map(|row| {
+                let id: String = col(row, 0)?;
+                let record = col(row, 1).and_then(|bytes: &[u8]| decode(&id, bytes));
+                Ok((id, record))
+            })
+            .collect()
+    }
+
+    fn create_task(&self, id: &str, task: &TaskRecord) -> Result<bool, StoreError> {
+        let created = self.execute(
+            "INSERT INTO tasks (task, record) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            params![id.to_string(), json(task)],
+        )?;
+        Ok(created == 1)
+    }
+
+    fn put_task(&self, id: &str, task: &TaskRecord) -> Result<(), StoreError> {
+        self.execute(
+            "INSERT INTO tasks (task, record) VALUES ($1, $2)
+             ON CONFLICT (task) DO UPDATE SET record = excluded.record",
+            params![id.to_string(), json(task)],
+        )?;
+        Ok(())
+    }
+
+    fn open_round(&self, task: &str) -> Result<Option<OpenRoundRecord>, StoreError> {
+        self.record("SELECT record FROM open_rounds WHERE task = $1", task)
+    }
+
+    fn put_open_round(&self, task: &str, round: &OpenRoundRecord) -> Result<(), StoreError> {
+        self.execute(
+            "INSERT INTO open_rounds (task, record) VALUES ($1, $2)
+             ON CONFLICT (task) DO UPDATE SET record = excluded.record",
+            params![task.to_string(), json(round)],
+        )?;
+        Ok(())
+    }
+
+    fn finish_round(
+        &self,
+        task_id: &str,
+        task: &TaskRecord,
+        record: &RoundRecord,
+        attempt: u32,
+        next: Option<&OpenRoundRecord>,
+    ) -> Result<(), StoreError> {
+        let id = task_id.to_string();
+        let task = json(task);
+        let round = int(record.round)?;
+        let model = record.model.map(|d| d.0.to_vec());
+        let pruned = record.pruned;
+        let entry = json(record);
+        let next = next.map(json);
+        self.driver.with(move |mut client| async move {
+            let tx = client.transaction().await?;
+            tx.execute(
+                "INSERT INTO tasks (task, record) VALUES ($1, $2)
+                 ON CONFLICT (task) DO UPDATE SET record = excluded.record",
+                &[&id, &task],
+            )
+            .await?;
+            tx.execute(
+                "INSERT INTO history (task, round, attempt, model, pruned, record)
+                 VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (task, round, attempt) DO UPDATE SET
+                     model = excluded.model, pruned = excluded.pruned, record = excluded.record",
+                &[&id, &round, &i64::from(attempt), &model, &pruned, &entry],
+            )
+            .await?;
+            match next {
+                Some(next) => {
+                    tx.execute(
+                        "INSERT INTO open_rounds (task, record) VALUES ($1, $2)
+                         ON CONFLICT (task) DO UPDATE SET record = excluded.record",
+                        &[&id, &next],
+                    )
+                    .await?
+                }
+                None => {
+                    tx.execute("DELETE FROM open_rounds WHERE task = $1", &[&id])
+                        .await?
+                }
+            };
+            tx.commit().await?;
+            Ok(())
+        })
+    }
+
+    fn history_page(
+        &self,
+        task: &str,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<RoundRecord>, StoreError> {
+        // No round is numbered past bigint: a page after that is empty.
+        let Some(first) = after.checked_add(1).and_then(|f| i64::try_from(f).ok()) else {
+            return Ok(Vec::new());
+        };
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.query(
+            "SELECT record FROM history WHERE task = $1 AND round >= $2
+             ORDER BY round, attempt LIMIT $3",
+            params![task.to_string(), first, limit],
+        )?
+        .iter()
+        .map(|row| decode(task, col(row, 0)?))
+        .collect()
+    }
+
+    fn round_attempts(&self, task: &str, round: u64) -> Result<Vec<RoundRecord>, StoreError> {
+        let Ok(round) = i64::try_from(round) else {
+            return Ok(Vec::new());
+        };
+        self.query(
+            "SELECT record FROM history WHERE task = $1 AND round = $2 ORDER BY attempt",
+            params![task.to_string(), round],
+        )?
+        .iter()
+        .map(|row| decode(task, col(row, 0)?))
+        .collect()
+    }
+
+    fn model_in_history(&self, digest: &ModelDigest) -> Result<bool, StoreError> {
+        let rows = self.query(
+            "SELECT EXISTS (SELECT 1 FROM history WHERE model = $1 AND NOT pruned)",
+            params![digest.0.to_vec()],
+        )?;
+        match rows.first() {
+            Some(row) => col(row, 0),
+            None => Ok(false),
+        }
+    }
+
+    /// As the sled store's: looks only at the rounds that can have fallen out of `retention`
+    /// since the last prune under the same retention, and compacts only the entries that fell
+    /// out of its detail window since the last compaction (`prune_marks` says how far each
+    /// went), all in one transaction with the marks it moves.
+    fn prune_models(
+        &self,
+        task: &str,
+        retention: Retention,
+        published: u64,
+    ) -> Result<usize, StoreError> {
+        let keeps_all = retention.last == 0 && retention.every == 0;
+        // Rounds up to `upto` are out of the window of the last rounds.
+        let upto = match keeps_all {
+            true => 0,
+            false => published.saturating_sub(retention.last),
+        };
+        let compact_upto = int(retention.compacted_upto(published))?;
+        let id = task.to_string();
+        let (last, every, below) = (
+            int(retention.last)?,
+            int(retention.every)?,
+            int(upto.saturating_add(1))?,
+        );
+        let upto = int(upto)?;
+        let dropped = self.driver.with(move |mut client| async move {
+            let tx = client.transaction().await?;
+            let mark = tx
+                .query_opt(
+                    "SELECT retain_last, retain_every, below, compacted_below FROM prune_marks
+                     WHERE task = $1 FOR UPDATE",
+                    &[&id],
+                )
+                .await?;
+            let (mut from, mut compacted_from) = (0, 0);
+            if let Some(m) = mark {
+                compacted_from = col::<i64>(&m, 3)?;
+                if (col::<i64>(&m, 0)?, col::<i64>(&m, 1)?) == (last, every) {
+                    from = col::<i64>(&m, 2)?;
+                }
+            }
+            let mut dropped = Vec::new();
+            if !keeps_all && from <= upto {
+                let rows = tx
+                    .query(
+                        "SELECT round, attempt, record FROM history
+                         WHERE task = $1 AND round >= $2 AND round <= $3
+                             AND model IS NOT NULL AND NOT pruned
+                         ORDER BY round, attempt FOR UPDATE",
+                        &[&id, &from, &upto],
+                    )
+                    .await?;
+                for row in &rows {
+                    let (round, attempt): (i64, i64) = (col(row, 0)?, col(row, 1)?);
+                    let mut r: RoundRecord = decode(&id, col(row, 2)?)?;
+                    let Some(model) = r.model.filter(|_| !r.pruned) else {
+                        continue;
+                    };
+                    if retention.keeps(r.round, published) {
+                        continue;
+                    }
+                    r.pruned = true;
+                    tx.execute(
+                        "UPDATE history SET pruned = true, record = $4
+                         WHERE task = $1 AND round = $2 AND attempt = $3",
+                        &[&id, &round, &attempt, &json(&r)],
+                    )
+                    .await?;
+                    dropped.push(model);
+                }
+            }
+            // Then the entries that fall out of the detail window lose their per-client lists.
+            if compact_upto >= compacted_from.max(1) {
+                let rows = tx
+                    .query(
+                        "SELECT round, attempt, record FROM history
+                         WHERE task = $1 AND round >= $2 AND round <= $3
+                         ORDER BY round, attempt FOR UPDATE",
+                        &[&id, &compacted_from, &compact_upto],
+                    )
+                    .await?;
+                for row in &rows {
+                    let (round, attempt): (i64, i64) = (col(row, 0)?, col(row, 1)?);
+                    let mut r: RoundRecord = decode(&id, col(row, 2)?)?;
+                    if r.compact() {
+                        tx.execute(
+                            "UPDATE history SET record = $4
+                             WHERE task = $1 AND round = $2 AND attempt = $3",
+                            &[&id, &round, &attempt, &json(&r)],
+                        )
+                        .await?;
+                    }
+                }
+            }
+            let compacted_below = compacted_from.max(compact_upto.saturating_add(1));
+            tx.execute(
+                "INSERT INTO prune_marks (task, retain_last, retain_every, below, compacted_below)
+                 VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (task) DO UPDATE SET retain_last = excluded.retain_last,
+                     retain_every = excluded.retain_every, below = excluded.below,
+                     compacted_below = excluded.compacted_below",
+                &[&id, &last, &every, &below, &compacted_below],
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(dropped)
+        })?;
+        remove_unused_models(self, dropped)
+    }
+
+    fn changes(&self) -> Option<broadcast::Receiver<StoreChange>> {
+        Some(self.changes.subscribe())
+    }
+}
+
+impl Registry for PostgresStore {
+    fn client(&self, id: &str) -> Result<Option<ClientRecord>, StoreError> {
+        self.record("SELECT record FROM clients WHERE id = $1", id)
+    }
+
+    fn clients(&self) -> Result<Vec<(String, ClientRecord)>, StoreError> {
+        self.records("SELECT id, record FROM clients ORDER BY id", params![])
+    }
+
+    fn put_client(&self, id: &str, c: &ClientRecord) -> Result<(), StoreError> {
+        self.execute(
+            "INSERT INTO clients (id, record) VALUES ($1, $2)
+             ON CONFLICT (id) DO UPDATE SET record = excluded.record",
+            params![id.to_string(), json(c)],
+        )?;
+        Ok(())
+    }
+
+    /// Compare and swap: the record is written back only if nobody changed it since it was read
+    /// (else it is read and changed again).
+    fn update_client(
+        &self,
+        id: &str,
+        change: &mut dyn FnMut(&mut ClientRecord),
+    ) -> Result<Option<ClientRecord>, StoreError> {
+        loop {
+            let rows = self.query(
+                "SELECT record FROM clients WHERE id = $1",
+                params![id.to_string()],
+            )?;
+            let Some(row) = rows.first() else {
+                return Ok(None);
+            };
+            let old: Vec<u8> = col(row, 0)?;
+            let mut client: ClientRecord = decode(id, &old)?;
+            change(&mut client);
+            let swapped = self.execute(
+                "UPDATE clients SET record = $2 WHERE id = $1 AND record = $3",
+                params![id.to_string(), json(&client), old],
+            )?;
+            if swapped == 1 {
+                return Ok(Some(client));
+            }
+        }
+    }
+
+    fn put_enrolment(&self, token_hash: &str, e: &EnrolmentRecord) -> Result<(), StoreError> {
+        self.execute(
+            "INSERT INTO enrolments (token_hash, record) VALUES ($1, $2)
+             ON CONFLICT (token_hash) DO UPDATE SET record = excluded.record",
+            params![token_hash.to_string(), json(e)],
+        )?;
+        Ok(())
+    }
+
+    fn enrolment(&self, token_hash: &str) -> Result<Option<EnrolmentRecord>, StoreError> {
+        self.record(
+            "SELECT record FROM enrolments WHERE token_hash = $1",
+            token_hash,
+        )
+    }
+
+    /// The token's row is deleted and the client's inserted in one transaction; either failing
+    /// (the token spent meanwhile, the id taken) rolls both back.
+    fn enrol(
+        &self,
+        token_hash: &str,
+        id: &str,
+        client: &ClientRecord,
+    ) -> Result<Option<EnrolmentRecord>, StoreError> {
+        let (token_hash, id, record) = (token_hash.to_string(), id.to_string(), json(client));
+        let spent = self.driver.with(move |mut client| async move {
+            let tx = client.transaction().await?;
+            let Some(spent) = tx
+                .query_opt(
+                    "DELETE FROM enrolments WHERE token_hash = $1 RETURNING record",
+                    &[&token_hash],
+                )
+                .await?
+            else {
+                return Ok(None);
+            };
+            let created = tx
+                .execute(
+                    "INSERT INTO clients (id, record) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                    &[&id, &record],
+                )
+                .await?;
+            if created == 0 {
+                return Ok(None); // never replace a client (dropped: rolled back, token unspent)
+            }
+            let spent: Vec<u8> = col(&spent, 0)?;
+            tx.commit().await?;
+            Ok(Some(spent))
+        })?;
+        spent.map(|v| decode("enrolment", &v)).transpose()
+    }
+}
+
+impl SyncJobs for PostgresStore {
+    fn sync_jobs(&self) -> Result<Vec<SyncJobRecord>, StoreError> {
+        Ok(self
+            .records("SELECT id, record FROM sync_jobs ORDER BY id", params![])?
+            .into_iter()
+            .map(|(_, job)| job)
+            .collect())
+    }
+
+    fn create_sync_job(&self, job: &SyncJobRecord) -> Result<bool, StoreError> {
+        let created = self.execute(
+            "INSERT INTO sync_jobs (id, record) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            params![job.id.clone(), json(job)],
+        )?;
+        Ok(created == 1)
+    }
+
+    fn put_sync_job(&self, job: &SyncJobRecord) -> Result<(), StoreError> {
+        self.execute(
+            "INSERT INTO sync_jobs (id, record) VALUES ($1, $2)
+             ON CONFLICT (id) DO UPDATE SET record = excluded.record",
+            params![job.id.clone(), json(job)],
+        )?;
+        Ok(())
+    }
+
+    fn remove_sync_job(&self, id: &str) -> Result<bool, StoreError> {
+        let removed = self.execute(
+            "DELETE FROM sync_jobs WHERE id = $1",
+            params![id.to_string()],
+        )?;
+        Ok(removed > 0)
+    }
+}
+
+impl SecaggLog for PostgresStore {
+    fn secagg_get_bytes(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let rows = self.query(
+            "SELECT value FROM secagg WHERE key = $1",
+            params![key.as_bytes().to_vec()],
+        )?;
+        rows.first().map(|row| col(row, 0)).transpose()
+    }
+
+    fn secagg_put_bytes(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.execute(
+            "INSERT INTO secagg (key, value) VALUES ($1, $2)
+             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            params![key.as_bytes().to_vec(), value.to_vec()],
+        )?;
+        Ok(())
+    }
+
+    fn secagg_scan_bytes(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        let start = prefix.as_bytes().to_vec();
+        let rows = match prefix_end(&start) {
+            Some(end) => self.query(
+                "SELECT key, value FROM secagg WHERE key >= $1 AND key < $2 ORDER BY key",
+                params![start, end],
+            )?,
+            None => self.query(
+                "SELECT key, value FROM secagg WHERE key >= $1 ORDER BY key",
+                params![start],
+            )?,
+        };
+        rows.iter()
+            .map(|row| {
+                let key: &[u8] = col(row, 0)?;
+                let rest = key.get(prefix.len()..).unwrap_or_default();
+                Ok((String::from_utf8_lossy(rest).into_owned(), col(row, 1)?))
+            })
+            .collect()
+    }
+
+    fn secagg_clear(&self, task: &str) -> Result<(), StoreError> {
+        let start = format!("{task}\0").into_bytes();
+        let end = format!("{task}\u{1}").into_bytes();
+        self.execute(
+            "DELETE FROM secagg WHERE key >= $1 AND key < $2",
+            params![start, end],
+        )?;
+        Ok(())
+    }
+}
+
+impl Housekeeping for PostgresStore {
+    fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
+        let rows = self.query(
+            "SELECT value FROM meta WHERE key = $1",
+            params![key.to_string()],
+        )?;
+        rows.first().map(|row| col(row, 0)).transpose()
+    }
+
+    fn put_meta(&self, key: &str, value: &str) -> Result<(), StoreError> {
+        self.execute(
+            "INSERT INTO meta (key, value) VALUES ($1, $2)
+             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            params![key.to_string(), value.to_string()],
+        )?;
+        Ok(())
+    }
+
+    fn sweep_orphans(&self) -> Result<usize, StoreError> {
+        self.sweep_files(referenced(self)?)
+    }
+}
+
+/// What only the PostgreSQL store has: migrations, the change feed, a database that goes away.
+/// The contracts every store keeps are in `conformance/`.
+#[cfg(test)]
+mod tests;

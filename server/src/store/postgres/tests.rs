@@ -1,0 +1,204 @@
+use std::time::{Duration, Instant};
+
+use axum::response::IntoResponse;
+use tokio::sync::broadcast::error::TryRecvError;
+
+use super::test_server::TestServer;
+use super::*;
+use crate::error::ServerError;
+use crate::store::conformance::{client, model, open_round, published, task};
+
+fn target(server: &TestServer) -> Target {
+    server.url().parse().unwrap()
+}
+
+/// Runs `sql` on `target`'s database; the first column of each row it returns, as text.
+fn sql(target: &Target, sql: impl Into<String>) -> Vec<String> {
+    let sql = sql.into();
+    let driver = Driver::start(target).unwrap();
+    driver
+        .with(move |client| async move {
+            let rows = client.simple_query(&sql).await?;
+            Ok(rows
+                .iter()
+                .filter_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(row) => {
+                        Some(row.get(0).unwrap_or_default().to_string())
+                    }
+                    _ => None,
+                })
+                .collect())
+        })
+        .unwrap()
+}
+
+/// The next change the feed says, within ten seconds.
+fn next(feed: &mut broadcast::Receiver<StoreChange>) -> StoreChange {
+    let started = Instant::now();
+    loop {
+        match feed.try_recv() {
+            Ok(change) => return change,
+            Err(TryRecvError::Empty) if started.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) => panic!("no change heard: {e}"),
+        }
+    }
+}
+
+#[test]
+fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refused() {
+    let server = TestServer::start();
+    let target = target(&server);
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    std::thread::scope(|s| {
+        let opening: Vec<_> = dirs
+            .iter()
+            .map(|d| s.spawn(|| PostgresStore::open(&target, d.path())))
+            .collect();
+        for store in opening {
+            store.join().unwrap().expect("every replica opens");
+        }
+    });
+    assert_eq!(
+        sql(&target, "SELECT name FROM hora_migrations ORDER BY version"),
+        ["0001_initial"]
+    );
+    assert!(migrate(&target).unwrap().is_empty(), "up to date");
+
+    // A migration edited after it was applied.
+    sql(
+        &target,
+        "UPDATE hora_migrations SET checksum = 'edited' WHERE version = 1",
+    );
+    let refused = PostgresStore::open(&target, dirs[0].path())
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&refused, StoreError::MigrationChanged { version: 1, name } if name == "0001_initial"),
+        "{refused}"
+    );
+
+    // A database a newer hora-server migrated: refused, and left as it is.
+    let checksum = migrate::MIGRATIONS[0].checksum();
+    sql(
+        &target,
+        format!("UPDATE hora_migrations SET checksum = '{checksum}' WHERE version = 1"),
+    );
+    sql(
+        &target,
+        "INSERT INTO hora_migrations (version, name, checksum) VALUES (2, '0002_later', 'x')",
+    );
+    let refused = migrate(&target).expect_err("refused");
+    assert!(
+        refused.to_string().contains("newer hora-server"),
+        "{refused}"
+    );
+    assert_eq!(
+        sql(&target, "SELECT name FROM hora_migrations ORDER BY version"),
+        ["0001_initial", "0002_later"]
+    );
+}
+
+#[test]
+fn writes_through_one_store_reach_the_change_feed_of_another() {
+    let server = TestServer::start();
+    let target = target(&server);
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = PostgresStore::open(&target, dir_a.path()).unwrap();
+    let b = PostgresStore::open(&target, dir_b.path()).unwrap();
+    let mut feed = b.changes().expect("a feed");
+    let mut own = a.changes().expect("a feed");
+    let m = model([1.0; 3]).digest();
+
+    assert!(a.create_task("t1", &task(m, 0)).unwrap());
+    assert_eq!(next(&mut feed), StoreChange::Task("t1".into()));
+    // One transaction that writes the task, its history and its open round: heard once.
+    a.finish_round(
+        "t1",
+        &task(m, 1),
+        &published(1, 0, Some(m)),
+        0,
+        Some(&open_round(2, None)),
+    )
+    .unwrap();
+    assert_eq!(next(&mut feed), StoreChange::Task("t1".into()));
+    // A client is nothing the feed watches; the next open round is.
+    a.put_client("c1", &client("one")).unwrap();
+    a.put_open_round("t2", &open_round(1, None)).unwrap();
+    assert_eq!(next(&mut feed), StoreChange::Task("t2".into()));
+    // The writer's own feed hears its writes too; the embedded stores have none.
+    for id in ["t1", "t1", "t2"] {
+        assert_eq!(next(&mut own), StoreChange::Task(id.into()));
+    }
+    assert!(crate::store::MemoryStore::new()
+        .unwrap()
+        .changes()
+        .is_none());
+}
+
+#[test]
+fn a_database_that_goes_away_is_unavailable_and_the_store_and_its_feed_come_back_with_it() {
+    // Nothing listening at all: opening says so, and what to check.
+    let nowhere: Target = format!("postgres://hora@127.0.0.1:{}/postgres", unused_port())
+        .parse()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let refused = PostgresStore::open(&nowhere, dir.path())
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(refused, StoreError::Unavailable { .. }),
+        "{refused}"
+    );
+    assert!(refused.to_string().contains("--store"), "{refused}");
+
+    let mut server = TestServer::start();
+    let store = PostgresStore::open(&target(&server), dir.path()).unwrap();
+    let mut feed = store.changes().unwrap();
+    store.put_meta("k", "v").unwrap();
+    server.stop();
+    for _ in 0..2 {
+        let down = store.meta("k").expect_err("unavailable");
+        assert!(matches!(down, StoreError::Unavailable { .. }), "{down}");
+        // Which the API answers as a refusal worth retrying, not an internal error.
+        let answer = ServerError::from(down).into_response();
+        assert_eq!(answer.status(), 503);
+        assert_eq!(answer.headers()["retry-after"], "2");
+    }
+    server.restart();
+    assert_eq!(store.meta("k").unwrap().as_deref(), Some("v"));
+    // The feed connects again by itself, says that it may have missed changes, and hears on.
+    assert_eq!(next(&mut feed), StoreChange::Missed);
+    store
+        .put_task("t", &task(model([0.0; 3]).digest(), 0))
+        .unwrap();
+    assert_eq!(next(&mut feed), StoreChange::Task("t".into()));
+}
+
+/// A loopback port nothing listens on (bound, read, released).
+fn unused_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn a_target_is_shown_without_its_password() {
+    for (url, shown) in [
+        ("postgres://u:pw@db:5433/fl", "db:5433/fl"),
+        (
+            "postgresql://u:pw@%2Fvar%2Frun%2Fpostgresql/fl",
+            "/var/run/postgresql:5432/fl",
+        ),
+        ("postgres://u:pw@/fl?hostaddr=10.0.0.2", "10.0.0.2:5432/fl"),
+    ] {
+        let target: Target = url.parse().unwrap();
+        assert_eq!(target.to_string(), shown);
+        assert!(!format!("{target:?}").contains("pw"), "{target:?}");
+    }
+    let nowhere = "postgres://u@/fl".parse::<Target>().unwrap_err();
+    assert!(nowhere.contains("names no host"), "{nowhere}");
+}
