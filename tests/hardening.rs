@@ -395,6 +395,45 @@ async fn one_source_keeps_at_most_its_limit_of_unauthenticated_requests_in_fligh
 }
 
 /// A task over the small model, its initial weights uploaded.
+#[tokio::test(flavor = "multi_thread")]
+async fn admin_token_guesses_from_one_address_do_not_lock_the_operator_out_from_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(dir.path(), &[]);
+    // Before the operator's first request: guesses from 127.0.0.1 spend that address's budget
+    // of slow checks (10, then 2 a second) and are answered 503 `busy`.
+    let guesser = server.api("not-the-admin-token");
+    let mut busy = 0;
+    for _ in 0..20 {
+        let answer = guesser
+            .request(Method::GET, "/admin/v1/tasks")
+            .send()
+            .await
+            .unwrap();
+        match answer.status() {
+            StatusCode::UNAUTHORIZED => {}
+            StatusCode::SERVICE_UNAVAILABLE => busy += 1,
+            other => panic!("a guess answered {other}"),
+        }
+    }
+    assert!(busy >= 5, "{busy} of 20 guesses rationed");
+    // The operator, from 127.0.0.2, still gets its slow check.
+    let mut operator = raw_tls_from(&server, "127.0.0.2").await;
+    operator
+        .write_all(
+            format!("GET /admin/v1/tasks HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let answer = answer_within(&mut operator, "[]", Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // And once it passed, the right token needs no slow check from anywhere.
+    let admin = server.api(ADMIN_TOKEN);
+    let _: serde_json::Value = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks"))
+        .await;
+}
+
 async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, CreateTask) {
     let model = small_model();
     let digest = admin.upload_model(&model).await;

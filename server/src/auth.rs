@@ -1,12 +1,15 @@
 //! Credentials. Secrets are 32 random bytes shown once; the server stores only their SHA-256
 //! (high-entropy secrets need no slow hash) and compares hashes in constant time. The admin token
 //! may be the operator's own choice, so it is stored salted and stretched (PBKDF2-HMAC-SHA256),
-//! and failed checks of it draw on a small budget ([`AdminKey`]).
+//! and failed checks of it draw on small budgets, per source address and for the server
+//! ([`AdminKey`]).
 //!
 //! - Admin: `Authorization: Bearer <admin token>`.
 //! - Client: `Authorization: Bearer <client id>.<secret>`, from enrolment.
 //! - Enrolment tokens: one-time, expiring, created by the admin.
 
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -90,27 +93,131 @@ pub fn verify_admin_token(token: &str, stored: &str) -> bool {
     }
 }
 
-/// Slow checks of the admin token a server makes at most: a burst, then this many a second.
-const ADMIN_CHECKS_BURST: f64 = 10.0;
-const ADMIN_CHECKS_PER_SEC: f64 = 2.0;
+/// Slow checks of the admin token one source address makes at most: a burst, then this many a
+/// second.
+const SOURCE_CHECKS: Rate = Rate {
+    burst: 10.0,
+    per_sec: 2.0,
+};
+/// And the whole server (each slow check is tens of milliseconds of one core).
+const SERVER_CHECKS: Rate = Rate {
+    burst: 40.0,
+    per_sec: 10.0,
+};
+/// Sources whose budget is remembered at most; past that, sources with a spent budget are kept
+/// and the rest share one budget.
+const SOURCES_KEPT: usize = 4096;
+
+#[derive(Clone, Copy)]
+struct Rate {
+    burst: f64,
+    per_sec: f64,
+}
+
+/// A token bucket: checks left, and when that was counted.
+#[derive(Clone, Copy)]
+struct Bucket {
+    left: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(rate: Rate, now: Instant) -> Bucket {
+        Bucket {
+            left: rate.burst,
+            at: now,
+        }
+    }
+
+    /// The checks left at `now`.
+    fn refilled(&self, rate: Rate, now: Instant) -> f64 {
+        (self.left + now.duration_since(self.at).as_secs_f64() * rate.per_sec).min(rate.burst)
+    }
+}
+
+/// The budgets of slow checks: one per source address (IPv6 by /64, what one host is commonly
+/// given) and one for the server.
+struct Budgets {
+    sources: HashMap<IpAddr, Bucket>,
+    /// Shared by the sources not kept when `sources` is full.
+    others: Bucket,
+    server: Bucket,
+}
+
+impl Budgets {
+    /// Takes one slow check from `source`'s budget and the server's, or says whose is spent.
+    fn take(&mut self, source: Option<IpAddr>, now: Instant) -> Result<(), &'static str> {
+        if self.server.refilled(SERVER_CHECKS, now) < 1.0 {
+            return Err("the server's");
+        }
+        let source = source.map(source_key);
+        if let Some(ip) = source {
+            if !self.sources.contains_key(&ip) && self.sources.len() >= SOURCES_KEPT {
+                // A budget that refilled says nothing: forget those first.
+                self.sources
+                    .retain(|_, b| b.refilled(SOURCE_CHECKS, now) < SOURCE_CHECKS.burst);
+            }
+        }
+        let bucket = match source {
+            Some(ip) if self.sources.len() < SOURCES_KEPT || self.sources.contains_key(&ip) => self
+                .sources
+                .entry(ip)
+                .or_insert_with(|| Bucket::full(SOURCE_CHECKS, now)),
+            // (A request whose address could not be read shares the budget of the many.)
+            _ => &mut self.others,
+        };
+        let left = bucket.refilled(SOURCE_CHECKS, now);
+        if left < 1.0 {
+            *bucket = Bucket { left, at: now };
+            return Err("this address's");
+        }
+        *bucket = Bucket {
+            left: left - 1.0,
+            at: now,
+        };
+        self.server = Bucket {
+            left: self.server.refilled(SERVER_CHECKS, now) - 1.0,
+            at: now,
+        };
+        Ok(())
+    }
+}
+
+/// An address as the admin budgets count it: IPv4 as it is (an IPv4-mapped IPv6 address as its
+/// IPv4 one), IPv6 by its /64.
+fn source_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+        },
+    }
+}
 
 /// The admin token's check. The first request with the right token pays the slow check; the
 /// SHA-256 of the token that passed is then kept in memory and compared in constant time. A
-/// token that is not that one takes a slow check, and slow checks draw on a budget (a burst of
-/// 10, then 2 a second, for the whole server), so guessing is slow and cannot take the CPU.
+/// token that is not that one takes a slow check, and slow checks draw on two budgets: its
+/// source address's (a burst of 10, then 2 a second) and the server's (40, then 10 a second),
+/// so guessing is slow, cannot take the CPU, and one address guessing does not lock the
+/// operator out from another.
 pub struct AdminKey {
     stored: String,
     passed: Mutex<Option<String>>,
-    /// Slow checks left, and when that was counted.
-    budget: Mutex<(f64, Instant)>,
+    budgets: Mutex<Budgets>,
 }
 
 impl AdminKey {
     pub fn new(stored: String) -> AdminKey {
+        let now = Instant::now();
         AdminKey {
             stored,
             passed: Mutex::new(None),
-            budget: Mutex::new((ADMIN_CHECKS_BURST, Instant::now())),
+            budgets: Mutex::new(Budgets {
+                sources: HashMap::new(),
+                others: Bucket::full(SOURCE_CHECKS, now),
+                server: Bucket::full(SERVER_CHECKS, now),
+            }),
         }
     }
 
@@ -123,26 +230,21 @@ impl AdminKey {
             .is_some_and(|p| bool::from(p.as_bytes().ct_eq(quick.as_bytes())))
     }
 
-    /// Whether `token` is the admin token; 503 `busy` when the budget of slow checks is spent.
-    pub async fn verify(&self, token: &str) -> Result<bool, ServerError> {
+    /// Whether `token`, from `source`, is the admin token; 503 `busy` when the source's or the
+    /// server's budget of slow checks is spent.
+    pub async fn verify(&self, token: &str, source: Option<IpAddr>) -> Result<bool, ServerError> {
         if self.passed(token) {
             return Ok(true);
         }
         let quick = hash_secret(token);
         {
-            let mut budget = self.budget.lock().unwrap_or_else(|p| p.into_inner());
-            let (left, at) = *budget;
-            let now = Instant::now();
-            let left = (left + now.duration_since(at).as_secs_f64() * ADMIN_CHECKS_PER_SEC)
-                .min(ADMIN_CHECKS_BURST);
-            if left < 1.0 {
-                *budget = (left, now);
+            let mut budgets = self.budgets.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(whose) = budgets.take(source, Instant::now()) {
                 return Err(ServerError::unavailable(
                     hora_common::wire::ErrorCode::Busy,
-                    "too many admin token checks failed recently; retry in a few seconds",
+                    format!("too many admin token checks failed recently ({whose} budget is spent); retry in a few seconds"),
                 ));
             }
-            *budget = (left - 1.0, now);
         }
         let (stored, token) = (self.stored.clone(), token.to_string());
         let ok = crate::blocking(move || Ok(verify_admin_token(&token, &stored))).await?;
@@ -203,13 +305,14 @@ mod tests {
         assert!(!verify_admin_token("old", "pbkdf2-sha256$0$00$00"));
     }
 
-    #[tokio::test]
-    async fn failed_admin_checks_are_rationed_and_the_right_token_still_passes() {
-        let key = AdminKey::new(hash_admin_token("the right admin token").unwrap());
-        assert!(key.verify("the right admin token").await.unwrap());
+    const GUESSER: Option<IpAddr> = Some(IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 1)));
+    const OPERATOR: Option<IpAddr> = Some(IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 2)));
+
+    /// How many of `n` guesses from `source` are refused `busy`.
+    async fn guesses_refused(key: &AdminKey, source: Option<IpAddr>, n: usize) -> usize {
         let mut refused = 0;
-        for i in 0..15 {
-            match key.verify(&format!("guess {i}")).await {
+        for i in 0..n {
+            match key.verify(&format!("guess {i}"), source).await {
                 Ok(ok) => assert!(!ok),
                 Err(e) => {
                     assert_eq!(e.code(), hora_common::wire::ErrorCode::Busy);
@@ -217,9 +320,59 @@ mod tests {
                 }
             }
         }
+        refused
+    }
+
+    #[tokio::test]
+    async fn failed_admin_checks_are_rationed_per_source_and_the_right_token_still_passes() {
+        let key = AdminKey::new(hash_admin_token("the right admin token").unwrap());
+        let refused = guesses_refused(&key, GUESSER, 15).await;
         assert!(refused >= 4, "{refused} of 15 guesses rationed");
-        // The right token, checked once, passes without a slow check.
-        assert!(key.verify("the right admin token").await.unwrap());
+        // Another address still has its budget: the operator's first check passes.
+        assert!(key.verify("the right admin token", OPERATOR).await.unwrap());
+        // Then the right token passes without a slow check, from anywhere.
+        assert!(key.verify("the right admin token", GUESSER).await.unwrap());
+    }
+
+    #[test]
+    fn sources_have_a_budget_each_and_together_the_servers() {
+        let key = AdminKey::new(String::new());
+        let mut budgets = key.budgets.lock().unwrap();
+        let now = Instant::now();
+        let host = |h: u8| Some(IpAddr::V4(std::net::Ipv4Addr::new(198, 51, 100, h)));
+        // One source: its burst of 10, then refused; a second later, two more.
+        let taken = (0..12)
+            .filter(|_| budgets.take(host(0), now).is_ok())
+            .count();
+        assert_eq!(taken, 10);
+        assert_eq!(budgets.take(host(0), now), Err("this address's"));
+        let later = now + std::time::Duration::from_secs(1);
+        let taken = (0..5)
+            .filter(|_| budgets.take(host(0), later).is_ok())
+            .count();
+        assert_eq!(taken, 2);
+        // Many sources: the server's budget in all (40, refilled to full in that second, less
+        // the 2 just taken).
+        let taken: usize = (1..=9)
+            .map(|h| {
+                (0..5)
+                    .filter(|_| budgets.take(host(h), later).is_ok())
+                    .count()
+            })
+            .sum();
+        assert_eq!(taken, 40 - 2);
+        assert_eq!(budgets.take(host(10), later), Err("the server's"));
+    }
+
+    #[test]
+    fn ipv6_sources_count_by_their_64_and_mapped_ipv4_as_ipv4() {
+        let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:bbbb::2".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(source_key(a), source_key(b));
+        assert_ne!(source_key(a), source_key(c));
+        let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
+        assert_eq!(source_key(mapped), GUESSER.unwrap());
     }
 
     #[test]

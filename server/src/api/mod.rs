@@ -145,7 +145,11 @@ impl FromRequestParts<Shared> for AdminAuth {
                 "client credentials cannot use the admin API".into(),
             ));
         }
-        if state.admin.verify(token).await? {
+        let source = parts
+            .extensions
+            .get::<conn::Peer>()
+            .and_then(conn::Peer::source);
+        if state.admin.verify(token, source).await? {
             credentials_passed(&parts.extensions);
             return Ok(AdminAuth);
         }
