@@ -27,6 +27,16 @@ pub struct ServeArgs {
     /// through HORA_STORE or the config file rather than the command line, which others see.
     #[arg(long, env = "HORA_STORE", hide_env_values = true)]
     pub store: Option<String>,
+    /// Where the blobs live (models, modules, strategy states, checkpoints): files under the
+    /// data directory by default, or an object store every replica shares: file:///path/to/dir
+    /// (a local or shared directory) or s3://bucket/prefix (credentials and region from the
+    /// usual AWS_* environment variables).
+    #[arg(long, env = "HORA_BLOBS")]
+    pub blobs: Option<String>,
+    /// The endpoint of an S3-compatible server for --blobs s3://… (http://127.0.0.1:9000);
+    /// plain http only on loopback, unless AWS_ALLOW_HTTP=true.
+    #[arg(long, env = "HORA_BLOBS_ENDPOINT")]
+    pub blobs_endpoint: Option<String>,
     /// Server certificate (PEM). Without it development certificates are made.
     #[arg(long, env = "HORA_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
@@ -132,6 +142,8 @@ struct FileConfig {
     listen: Option<SocketAddr>,
     data_dir: Option<PathBuf>,
     store: Option<String>,
+    blobs: Option<String>,
+    blobs_endpoint: Option<String>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     client_ca: Option<PathBuf>,
@@ -168,6 +180,7 @@ pub struct ServeConfig {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
     pub store: crate::store::StoreLocation,
+    pub blobs: crate::store::BlobLocation,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub client_ca: Option<PathBuf>,
@@ -218,8 +231,17 @@ impl ServeConfig {
             Some(store) => store.parse().map_err(|e| anyhow::anyhow!("--store: {e}"))?,
             None => crate::store::StoreLocation::Sled,
         };
+        let blobs = match args.blobs.or(file.blobs) {
+            Some(blobs) => blobs
+                .parse::<crate::store::BlobLocation>()
+                .map_err(|e| anyhow::anyhow!("--blobs: {e}"))?,
+            None => crate::store::BlobLocation::DataDir,
+        }
+        .with_endpoint(args.blobs_endpoint.or(file.blobs_endpoint))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(ServeConfig {
             store,
+            blobs,
             listen: args
                 .listen
                 .or(file.listen)
@@ -417,5 +439,45 @@ mod tests {
         })
         .unwrap_err();
         assert!(format!("{err:#}").contains("lisen"), "{err:#}");
+    }
+
+    #[test]
+    fn blobs_are_under_the_data_directory_unless_told() {
+        use crate::store::BlobLocation;
+        let resolve = |blobs: Option<&str>, endpoint: Option<&str>| {
+            ServeConfig::resolve(ServeArgs {
+                blobs: blobs.map(Into::into),
+                blobs_endpoint: endpoint.map(Into::into),
+                ..Default::default()
+            })
+            .map(|c| c.blobs)
+        };
+        assert_eq!(resolve(None, None).unwrap(), BlobLocation::DataDir);
+        assert_eq!(
+            resolve(Some("file:///srv/hora-blobs"), None).unwrap(),
+            BlobLocation::File("/srv/hora-blobs".into())
+        );
+        assert_eq!(
+            resolve(Some("s3://fl/hora/prod/"), Some("http://127.0.0.1:9000")).unwrap(),
+            BlobLocation::S3 {
+                bucket: "fl".into(),
+                prefix: "hora/prod".into(),
+                endpoint: Some("http://127.0.0.1:9000".into()),
+            }
+        );
+        for (blobs, endpoint, says) in [
+            (Some("gs://b"), None, "unknown blob store"),
+            (Some("file://relative"), None, "absolute"),
+            (Some("s3:///x"), None, "no bucket"),
+            (
+                Some("file:///d"),
+                Some("http://h"),
+                "--blobs-endpoint is for",
+            ),
+            (None, Some("http://h"), "--blobs-endpoint is for"),
+        ] {
+            let err = resolve(blobs, endpoint).unwrap_err();
+            assert!(format!("{err:#}").contains(says), "{blobs:?}: {err:#}");
+        }
     }
 }

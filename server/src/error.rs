@@ -117,6 +117,13 @@ impl From<crate::store::StoreError> for ServerError {
                     "the server cannot reach its database right now; retry in a moment",
                 )
             }
+            crate::store::StoreError::Blobs { .. } => {
+                tracing::warn!(error = %e, "the blob store failed a request");
+                ServerError::unavailable(
+                    ErrorCode::StoreUnavailable,
+                    "the server cannot reach its blob store right now; retry in a moment",
+                )
+            }
             e => ServerError::Internal(e.to_string()),
         }
     }

@@ -40,19 +40,26 @@ impl Server {
     /// certificates are made when none are given).
     pub fn build(config: ServeConfig) -> Result<Server> {
         let fd_limit = conn::raise_fd_limit();
-        let store: Arc<Store> =
-            config
-                .store
-                .open(&config.data_dir)
-                .with_context(|| match &config.store {
-                    store::StoreLocation::Sled => {
-                        format!("opening the data directory {}", config.data_dir.display())
+        let store: Arc<Store> = config
+            .store
+            .open(&config.data_dir, &config.blobs)
+            .with_context(|| {
+                let blobs = match &config.blobs {
+                    store::BlobLocation::DataDir => {
+                        format!("under {}", config.data_dir.display())
                     }
-                    store::StoreLocation::Postgres(target) => format!(
-                        "opening the PostgreSQL store at {target} (blobs under {})",
+                    other => format!("in {other}"),
+                };
+                match &config.store {
+                    store::StoreLocation::Sled => format!(
+                        "opening the data directory {} (blobs {blobs})",
                         config.data_dir.display()
                     ),
-                })?;
+                    store::StoreLocation::Postgres(target) => {
+                        format!("opening the PostgreSQL store at {target} (blobs {blobs})")
+                    }
+                }
+            })?;
         let swept = store.sweep_orphans().context("sweeping orphaned files")?;
         if swept > 0 {
             tracing::info!(files = swept, "removed orphaned files");

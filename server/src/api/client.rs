@@ -284,7 +284,11 @@ pub async fn model(
     let task = state.coordinator.task(&task)?;
     let digest = match q.digest {
         None => task.global_model(),
-        Some(hex) => state.coordinator.served_model(&task, &hex)?,
+        Some(hex) => {
+            // Whether the model is still stored is a head request: off the runtime's workers.
+            let me = state.clone();
+            crate::blocking(move || me.coordinator.served_model(&task, &hex)).await?
+        }
     };
     model_response(&state, digest, &headers).await
 }
@@ -294,36 +298,32 @@ pub(crate) async fn model_response(
     digest: hora_common::model::ModelDigest,
     headers: &HeaderMap,
 ) -> Result<Response, ServerError> {
-    file_response(
-        &state.coordinator.store().model_path(&digest),
-        &digest.to_hex(),
-        headers,
-    )
+    let me = state.clone();
+    blob_response(&digest.to_hex(), headers, move || {
+        Ok(me.coordinator.store().model_stream(&digest)?)
+    })
     .await
 }
 
-/// A blob file as the response, streamed (concurrent downloads cost a buffer each, not a file
-/// each), with `etag` as its strong ETag; 304 when the client has it.
-async fn file_response(
-    path: &std::path::Path,
+/// A blob as the response, streamed from the blob store (concurrent downloads cost a buffer
+/// each, not a blob each), with `etag` as its strong ETag; 304 when the client has it. `open`
+/// opens the stream, on a blocking thread (a request to an object store, or a file to open).
+async fn blob_response(
     etag: &str,
     headers: &HeaderMap,
+    open: impl FnOnce() -> Result<crate::store::blobs::BlobStream, ServerError> + Send + 'static,
 ) -> Result<Response, ServerError> {
     if not_modified(headers, etag) {
         return Ok(StatusCode::NOT_MODIFIED.into_response());
     }
-    let file = tokio::fs::File::open(path)
-        .await
-        .map_err(ServerError::internal)?;
-    let len = file.metadata().await.map_err(ServerError::internal)?.len();
-    let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(file, 256 << 10));
+    let blob = crate::blocking(open).await?;
     Ok((
         [
             (CONTENT_TYPE, "application/octet-stream".to_string()),
             (ETAG, format!("\"{etag}\"")),
-            (CONTENT_LENGTH, len.to_string()),
+            (CONTENT_LENGTH, blob.len.to_string()),
         ],
-        body,
+        Body::from_stream(blob.stream),
     )
         .into_response())
 }
@@ -347,11 +347,11 @@ pub async fn module(
             task.id
         ))
     })?;
-    file_response(
-        &state.coordinator.store().module_path(&digest),
-        &digest,
-        &headers,
-    )
+    let me = state.clone();
+    let hex = digest.clone();
+    blob_response(&digest, &headers, move || {
+        Ok(me.coordinator.store().module_stream(&hex)?)
+    })
     .await
 }
 

@@ -274,7 +274,7 @@ impl Coordinator {
             task.strategy.as_ref(),
             &mut bytes,
             &acc.sum,
-            &self.store.strategy_state_dir(),
+            self.store.blobs(),
             tally.record.strategy_state.as_deref(),
         ) {
             Ok((digest, state)) => Ok(Some((digest, bytes, state))),

@@ -104,7 +104,7 @@ impl Coordinator {
                 // rather than failing every round close later.
                 if let Some(name) = &record.strategy_state {
                     strategy::state::verify(
-                        &coordinator.store.strategy_state_dir(),
+                        coordinator.store.blobs(),
                         name,
                         record.spec.numel(),
                         strategy.state_per_parameter(),

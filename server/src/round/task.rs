@@ -155,7 +155,7 @@ impl Coordinator {
             ))
         })?;
         if let wire::ModelKind::TorchScript { module_digest } = &config.model {
-            if !self.store.module_path(module_digest).exists() {
+            if !self.store.has_module(module_digest)? {
                 return Err(ServerError::BadRequest(format!("no uploaded TorchScript module {module_digest}: upload it first with POST /admin/v1/modules")));
             }
         }
@@ -312,7 +312,7 @@ impl Coordinator {
                 ),
             ));
         }
-        if !self.store.model_path(&digest).exists() {
+        if !self.store.has_model(&digest)? {
             return Err(pruned(&format!("model {hex}")));
         }
         Ok(digest)
@@ -340,7 +340,7 @@ impl Coordinator {
                 ))
             })?;
         let digest = published.model.expect("found by its model");
-        if published.pruned && !self.store.model_path(&digest).exists() {
+        if published.pruned && !self.store.has_model(&digest)? {
             return Err(pruned(&format!("round {round}'s model")));
         }
         Ok(digest)

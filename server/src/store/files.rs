@@ -1,10 +1,8 @@
-//! Blob formats and file handling shared by the stores: atomic writes, the checkpoint and
-//! masked-sum encodings (both content-addressed: equal contents get equal names), and the sweep
-//! of one blob directory.
+//! Blob formats and file handling shared by the stores: the checkpoint and masked-sum encodings
+//! (both content-addressed: equal contents get equal names), temporary names, private folders.
 
-use std::collections::HashSet;
-use std::fs::{self, File};
-use std::io::{BufWriter, Read};
+use std::fs;
+use std::io::Read;
 use std::path::Path;
 
 use super::StoreError;
@@ -16,6 +14,14 @@ const MASKED_SUM_MAGIC: &[u8; 8] = b"HORAMSK1";
 pub(super) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     move |source| StoreError::Io {
         path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Maps an I/O error on blob `what` to a [`StoreError`].
+pub(super) fn io_at(what: &str) -> impl Fn(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: what.to_string(),
         source,
     }
 }
@@ -38,27 +44,6 @@ pub(super) fn make_private_dir(dir: &Path) -> Result<(), StoreError> {
         fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(io(dir))?;
     }
     Ok(())
-}
-
-/// Writes `path` atomically: temp file, fsync, rename, fsync of the directory.
-pub fn write_atomic(
-    path: &Path,
-    fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
-) -> Result<(), StoreError> {
-    let dir = path.parent().expect("blob paths have a parent");
-    let tmp = dir.join(temp_name(""));
-    let result = (|| {
-        let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
-        fill(&mut w)?;
-        let f = w.into_inner().map_err(|e| e.into_error())?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result.map_err(io(path))
 }
 
 /// Feeds the encoding of an accumulator checkpoint to `put`, piece by piece so that the sum is
@@ -169,38 +154,4 @@ pub fn le_words(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
     bytes
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-}
-
-/// Removes from `dir` its temporary files and, when `all_known` (every task's records could be
-/// read, so `keep` is complete), every file not in `keep` — except, with `keep_fresh`, files
-/// younger than a day (models an admin uploaded for a task not created yet). Returns the number
-/// of files removed.
-pub(super) fn sweep_dir(
-    dir: &Path,
-    keep: &HashSet<String>,
-    keep_fresh: bool,
-    all_known: bool,
-) -> Result<usize, StoreError> {
-    let fresh = |p: &Path| {
-        fs::metadata(p)
-            .and_then(|m| m.modified())
-            .map(|t| t.elapsed().map(|e| e.as_secs() < 86_400).unwrap_or(true))
-            .unwrap_or(false)
-    };
-    let mut removed = 0;
-    for entry in fs::read_dir(dir).map_err(io(dir))? {
-        let path = entry.map_err(io(dir))?.path();
-        let name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default()
-            .to_string();
-        let temp = name.starts_with(".tmp-");
-        let kept = !all_known || keep.contains(&name) || (keep_fresh && fresh(&path));
-        if temp || !kept {
-            fs::remove_file(&path).map_err(io(&path))?;
-            removed += 1;
-        }
-    }
-    Ok(removed)
 }

@@ -2,27 +2,23 @@
 //! [`SledStore`](super::SledStore) and nothing made durable.
 //!
 //! Records live in maps behind one mutex (so [`finish_round`](RoundLog::finish_round) is
-//! atomic by holding it), and checkpoints and masked sums in memory. Models, modules and
-//! strategy states are files in a scratch directory the store owns and deletes when dropped:
-//! their readers need paths (downloads stream them; `strategy::state` reads and writes them in
-//! stretches). They are written by rename, without fsync.
+//! atomic by holding it). Blobs are files in a scratch directory the store owns and deletes
+//! when dropped ([`DirBlobs::scratch`]: written by rename, without fsync).
 
-use std::collections::{BTreeMap, HashMap};
-use std::fs;
-use std::path::PathBuf;
+use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hora_common::model::ModelDigest;
 use hora_common::wire::RoundRecord;
 
-use super::files::{self, io};
+use super::files::io;
 use super::*;
 
 pub struct MemoryStore {
     records: Mutex<Records>,
-    /// Checkpoints and masked sums, by name: their encodings, as a file would hold them.
-    sums: Mutex<HashMap<String, Vec<u8>>>,
-    scratch: tempfile::TempDir,
+    blobs: DirBlobs,
+    /// Where `blobs` are; deleted with the store.
+    _scratch: tempfile::TempDir,
 }
 
 #[derive(Default)]
@@ -51,15 +47,17 @@ impl MemoryStore {
             .prefix("hora-memory-store-")
             .tempdir()
             .map_err(io(&std::env::temp_dir()))?;
-        for sub in ["models", "modules", "strategy"] {
-            let dir = scratch.path().join(sub);
-            fs::create_dir(&dir).map_err(io(&dir))?;
-        }
         Ok(MemoryStore {
             records: Mutex::default(),
-            sums: Mutex::default(),
-            scratch,
+            blobs: DirBlobs::scratch(scratch.path())?,
+            _scratch: scratch,
         })
+    }
+
+    /// The file of a blob (tests that age or damage it).
+    #[cfg(test)]
+    pub(crate) fn blob_path(&self, kind: BlobKind, name: &str) -> std::path::PathBuf {
+        self.blobs.path(kind, name).expect("a valid name")
     }
 
     /// What `pick` takes of `task`'s history (nothing when it has none).
@@ -77,23 +75,6 @@ impl MemoryStore {
 
     fn records(&self) -> MutexGuard<'_, Records> {
         lock(&self.records)
-    }
-
-    /// Writes a blob file unless it exists, by rename so no reader sees it half-written.
-    fn put_file(&self, path: &std::path::Path, bytes: &[u8]) -> Result<(), StoreError> {
-        if path.exists() {
-            return Ok(());
-        }
-        let tmp = path
-            .parent()
-            .expect("blob paths have a parent")
-            .join(files::temp_name(""));
-        fs::write(&tmp, bytes)
-            .and_then(|()| fs::rename(&tmp, path))
-            .map_err(|e| {
-                let _ = fs::remove_file(&tmp);
-                io(path)(e)
-            })
     }
 }
 
@@ -349,105 +330,16 @@ impl Housekeeping for MemoryStore {
     }
 
     fn sweep_orphans(&self) -> Result<usize, StoreError> {
-        let refs = referenced(self)?;
-        let all_known = refs.is_some();
-        let refs = refs.unwrap_or_default();
-        let mut removed = sweep_blobs(self.scratch.path(), &refs, all_known)?;
-        if all_known {
-            let mut sums = lock(&self.sums);
-            let before = sums.len();
-            sums.retain(|name, _| refs.checkpoints.contains(name));
-            removed += before - sums.len();
-        }
-        Ok(removed)
+        blobs::sweep(
+            &self.blobs,
+            referenced(self)?.as_ref(),
+            std::time::SystemTime::now(),
+        )
     }
 }
 
 impl Blobs for MemoryStore {
-    fn model_path(&self, digest: &ModelDigest) -> PathBuf {
-        self.scratch
-            .path()
-            .join("models")
-            .join(format!("{}.safetensors", digest.to_hex()))
-    }
-
-    fn module_path(&self, hex_digest: &str) -> PathBuf {
-        self.scratch
-            .path()
-            .join("modules")
-            .join(format!("{hex_digest}.pt"))
-    }
-
-    fn strategy_state_dir(&self) -> PathBuf {
-        self.scratch.path().join("strategy")
-    }
-
-    fn remove_strategy_state(&self, name: &str) {
-        if crate::strategy::state::valid_name(name) {
-            let _ = fs::remove_file(self.strategy_state_dir().join(name));
-        }
-    }
-
-    fn put_model_bytes(&self, digest: &ModelDigest, safetensors: &[u8]) -> Result<(), StoreError> {
-        self.put_file(&self.model_path(digest), safetensors)
-    }
-
-    fn model_bytes(&self, digest: &ModelDigest) -> Result<Vec<u8>, StoreError> {
-        let path = self.model_path(digest);
-        fs::read(&path).map_err(io(&path))
-    }
-
-    fn put_module(&self, bytes: &[u8]) -> Result<String, StoreError> {
-        let hex_digest = hora_common::sha256_hex(bytes);
-        self.put_file(&self.module_path(&hex_digest), bytes)?;
-        Ok(hex_digest)
-    }
-
-    fn write_checkpoint(&self, sum: &[f64]) -> Result<String, StoreError> {
-        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
-        let mut bytes = Vec::with_capacity(16 + sum.len() * 8);
-        files::encode_checkpoint(sum, |piece| {
-            hash.update(piece);
-            bytes.extend_from_slice(piece);
-            Ok(())
-        })
-        .expect("writing to memory does not fail");
-        let name = files::checkpoint_name(hash);
-        lock(&self.sums).insert(name.clone(), bytes);
-        Ok(name)
-    }
-
-    fn read_checkpoint(&self, file: &str, expected_len: usize) -> Result<Vec<f64>, StoreError> {
-        let sums = lock(&self.sums);
-        let bytes = sums.get(file).ok_or_else(|| missing(file))?;
-        files::decode_checkpoint(&bytes[..], file, expected_len, |_| StoreError::Corrupt {
-            key: file.into(),
-            reason: "truncated".into(),
-        })
-    }
-
-    fn write_masked_sum(&self, sum: &[u32]) -> Result<String, StoreError> {
-        let (name, bytes) = files::encode_masked_sum(sum);
-        lock(&self.sums).entry(name.clone()).or_insert(bytes);
-        Ok(name)
-    }
-
-    fn read_masked_sum(&self, file: &str, expected_len: usize) -> Result<Vec<u32>, StoreError> {
-        let sums = lock(&self.sums);
-        let bytes = sums.get(file).ok_or_else(|| missing(file))?;
-        files::decode_masked_sum(bytes, file, expected_len)
-    }
-
-    fn remove_checkpoint(&self, file: &str) {
-        lock(&self.sums).remove(file);
-    }
-}
-
-/// What reading a checkpoint that is not there gives, as [`SledStore`](super::SledStore)'s
-/// missing file does.
-fn missing(file: &str) -> StoreError {
-    StoreError::Io {
-        path: format!("checkpoints/{file}"),
-        source: std::io::ErrorKind::NotFound.into(),
+    fn blobs(&self) -> &dyn BlobStore {
+        &self.blobs
     }
 }

@@ -17,11 +17,15 @@
 //! written so far durable (blobs are durable once written).
 //!
 //! Three implementations: [`SledStore`], the server's default, over one data directory;
-//! [`PostgresStore`] (`--store postgres://…`), records in PostgreSQL for replicas sharing them,
-//! blobs in the same data directory layout; and [`MemoryStore`], for tests, which keeps records
-//! in memory. One conformance suite (`conformance/`) holds all three to the same contracts.
+//! [`PostgresStore`] (`--store postgres://…`), records in PostgreSQL for replicas sharing them;
+//! and [`MemoryStore`], for tests, which keeps records in memory. Each keeps its blobs in a
+//! [`BlobStore`] (`blobs/`): files under the data directory ([`DirBlobs`], the default) or an
+//! object store ([`ObjectBlobs`], `--blobs file:///…` or `s3://…`, which replicas share). One
+//! conformance suite (`conformance/`) holds every store, on every blob store, to the same
+//! contracts.
 //!
-//! # The data directory ([`SledStore`]; [`PostgresStore`] without `db/`)
+//! # The data directory ([`SledStore`]; [`PostgresStore`] without `db/`; an object store
+//! holds the same `blobs/` and `checkpoints/` keys under its prefix)
 //!
 //! ```text
 //! <data>/db/                      sled: tasks, open rounds, round history, clients, enrolments,
@@ -34,37 +38,38 @@
 //! <data>/checkpoints/<hex>.msum   secure aggregation's masked sums (u32), likewise
 //! ```
 //!
-//! Files are written atomically: a temporary file in the same directory, fsync, rename, fsync of
-//! the directory; only then is the record that refers to them written and flushed. So a record
-//! never points at a torn file, and a crash leaves at worst an unreferenced file, which
-//! [`Housekeeping::sweep_orphans`] removes at start. Records are JSON (small, and readable when an
+//! Blobs are written atomically and durably (see [`blobs`]: a temporary file, fsync, rename,
+//! fsync of the directory; or an object store's put); only then is the record that refers to
+//! them written and flushed. So a record never points at a torn blob, and a crash leaves at
+//! worst an unreferenced one, which [`Housekeeping::sweep_orphans`] removes at start. Records are JSON (small, and readable when an
 //! operator has to look). Nothing here ever holds a client's individual update: checkpoints are
 //! sums of several.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 
-use hora_common::model::{Limits, Model, ModelDigest};
+use hora_common::model::ModelDigest;
 use hora_common::wire::RoundRecord;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
+pub mod blobs;
 #[cfg(test)]
 mod conformance;
-mod data_dir;
 mod files;
 mod memory;
 pub mod postgres;
 mod records;
 mod sled;
 
-pub use self::files::{le_words, write_atomic};
+pub use self::blobs::{BlobKind, BlobLocation, BlobStore, Blobs, DirBlobs, ObjectBlobs};
+pub use self::files::le_words;
 pub use self::memory::MemoryStore;
 pub use self::postgres::PostgresStore;
 pub use self::records::*;
 pub use self::sled::SledStore;
 
 /// Where the records live, as `--store` says: `sled` (the default, embedded, under the data
-/// directory) or a PostgreSQL URL. Blobs are files under the data directory either way.
+/// directory) or a PostgreSQL URL. Blobs are where `--blobs` says ([`BlobLocation`]), files
+/// under the data directory by default, whichever keeps the records.
 #[derive(Debug, Clone, Default)]
 pub enum StoreLocation {
     #[default]
@@ -90,12 +95,17 @@ impl std::str::FromStr for StoreLocation {
 }
 
 impl StoreLocation {
-    /// Opens the store, its blobs under `data_dir`.
-    pub fn open(&self, data_dir: &std::path::Path) -> Result<std::sync::Arc<Store>, StoreError> {
+    /// Opens the store, its blobs where `blobs` says (under `data_dir` by default).
+    pub fn open(
+        &self,
+        data_dir: &std::path::Path,
+        blobs: &BlobLocation,
+    ) -> Result<std::sync::Arc<Store>, StoreError> {
+        let blobs = blobs.open(data_dir)?;
         Ok(match self {
-            StoreLocation::Sled => std::sync::Arc::new(SledStore::open(data_dir)?),
+            StoreLocation::Sled => std::sync::Arc::new(SledStore::open_with(data_dir, blobs)?),
             StoreLocation::Postgres(target) => {
-                std::sync::Arc::new(PostgresStore::open(target, data_dir)?)
+                std::sync::Arc::new(PostgresStore::open_with(target, blobs)?)
             }
         })
     }
@@ -206,63 +216,6 @@ pub trait RoundLog: Durable {
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<StoreChange>> {
         None
     }
-}
-
-/// Content-addressed files: written whole, atomically, before any record names them.
-///
-/// Models, modules and strategy states are files with paths because their readers stream them
-/// (downloads) or read and write them in stretches (`strategy::state`).
-pub trait Blobs {
-    fn model_path(&self, digest: &ModelDigest) -> PathBuf;
-
-    fn module_path(&self, hex_digest: &str) -> PathBuf;
-
-    /// Where strategy state files live (written and read by `strategy::state`).
-    fn strategy_state_dir(&self) -> PathBuf;
-
-    /// Deletes a strategy state file no record refers to any more.
-    fn remove_strategy_state(&self, name: &str);
-
-    /// Stores f32 safetensors bytes whose digest the caller computed (a no-op if that digest is
-    /// there already).
-    fn put_model_bytes(&self, digest: &ModelDigest, safetensors: &[u8]) -> Result<(), StoreError>;
-
-    /// Stores a model under its digest (a no-op if it is there already).
-    fn put_model(&self, model: &Model) -> Result<ModelDigest, StoreError> {
-        let digest = model.digest();
-        self.put_model_bytes(&digest, &model.to_safetensors())?;
-        Ok(digest)
-    }
-
-    /// The stored safetensors bytes of a model.
-    fn model_bytes(&self, digest: &ModelDigest) -> Result<Vec<u8>, StoreError>;
-
-    fn read_model(&self, digest: &ModelDigest) -> Result<Model, StoreError> {
-        Ok(Model::read_file(
-            &self.model_path(digest),
-            &Limits::default(),
-        )?)
-    }
-
-    /// Stores a TorchScript module under the hex SHA-256 of its bytes, which it returns.
-    fn put_module(&self, bytes: &[u8]) -> Result<String, StoreError>;
-
-    /// Writes an accumulator checkpoint (the f64 sum), named by the SHA-256 of its encoding;
-    /// returns the name.
-    fn write_checkpoint(&self, sum: &[f64]) -> Result<String, StoreError>;
-
-    /// Reads a checkpoint back; corrupt if it does not hold `expected_len` values or its
-    /// contents do not match its name.
-    fn read_checkpoint(&self, file: &str, expected_len: usize) -> Result<Vec<f64>, StoreError>;
-
-    /// Writes the sum of a secure-aggregation attempt's masked inputs, named by the SHA-256 of
-    /// its encoding; returns the name.
-    fn write_masked_sum(&self, sum: &[u32]) -> Result<String, StoreError>;
-
-    fn read_masked_sum(&self, file: &str, expected_len: usize) -> Result<Vec<u32>, StoreError>;
-
-    /// Deletes a checkpoint or masked sum (nothing if there is none).
-    fn remove_checkpoint(&self, file: &str);
 }
 
 /// Clients and enrolment.
@@ -380,24 +333,6 @@ fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError>
     })
 }
 
-/// Sweeps the model, module and strategy-state directories under `blobs` of the files `refs`
-/// does not name (see [`files::sweep_dir`]); the number of files removed.
-fn sweep_blobs(
-    blobs: &std::path::Path,
-    refs: &Referenced,
-    all_known: bool,
-) -> Result<usize, StoreError> {
-    let mut removed = 0;
-    for (sub, keep, keep_fresh) in [
-        ("models", &refs.models, true),
-        ("modules", &refs.modules, true),
-        ("strategy", &refs.states, false),
-    ] {
-        removed += files::sweep_dir(&blobs.join(sub), keep, keep_fresh, all_known)?;
-    }
-    Ok(removed)
-}
-
 /// The blob files the records refer to, by file name.
 #[derive(Default)]
 struct Referenced {
@@ -485,7 +420,7 @@ fn remove_unused_models(
     store.flush()?;
     let mut removed = 0;
     for digest in dropped.into_iter().filter(|d| !in_use.contains(d)) {
-        if std::fs::remove_file(store.model_path(&digest)).is_ok() {
+        if store.remove_model(&digest).unwrap_or(false) {
             removed += 1;
         }
     }

@@ -31,6 +31,10 @@ pub enum StoreError {
     /// PostgreSQL refused a query.
     #[error("PostgreSQL: {0}")]
     Postgres(String),
+    /// The blob store failed a request (cannot be reached, refused it): the API answers 503
+    /// `store_unavailable`.
+    #[error("blob store {at}: {reason}")]
+    Blobs { at: String, reason: String },
     #[error("the database's schema migration {version} ({name}) is not the one this hora-server ships (its SQL was changed after it was applied): run the hora-server that set the database up, or restore the migration's original file")]
     MigrationChanged { version: u32, name: String },
 }

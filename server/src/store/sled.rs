@@ -1,13 +1,14 @@
-//! [`SledStore`]: the server's store, records in sled and blobs as files under one data
-//! directory (the layout is in the [module docs](super)).
+//! [`SledStore`]: the server's store, records in sled under one data directory, blobs beside
+//! them or where `--blobs` says (the layout is in the [module docs](super)).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::sync::Arc;
 
 use hora_common::model::ModelDigest;
 use hora_common::wire::RoundRecord;
 use serde::{de::DeserializeOwned, Serialize};
 
-use super::data_dir::{self, InDataDir};
+use super::blobs::{self, BlobStore, Blobs, DirBlobs};
 use super::{
     decode, referenced, remove_unused_models, ClientRecord, Durable, EnrolmentRecord, Housekeeping,
     OpenRoundRecord, Registry, Retention, RoundLog, SecaggLog, StoreError, SyncJobRecord, SyncJobs,
@@ -15,7 +16,7 @@ use super::{
 };
 
 pub struct SledStore {
-    dir: PathBuf,
+    blobs: Arc<dyn BlobStore>,
     db: sled::Db,
     tasks: sled::Tree,
     open_rounds: sled::Tree,
@@ -92,12 +93,17 @@ const FORMAT_KEY: &str = "store_format";
 const FORMAT: u32 = 1;
 
 impl SledStore {
-    /// Opens the store in `dir`, creating it (private to this user) if needed.
+    /// Opens the store in `dir`, creating it (private to this user) if needed, blobs under it.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
-        data_dir::create(dir)?;
+        Self::open_with(dir, Arc::new(DirBlobs::open(dir)?))
+    }
+
+    /// Opens the store in `dir`, its blobs in `blobs`.
+    pub fn open_with(dir: &Path, blobs: Arc<dyn BlobStore>) -> Result<Self, StoreError> {
+        super::files::make_private_dir(dir)?;
         let db = sled::Config::new().path(dir.join("db")).open()?;
         SledStore {
-            dir: dir.to_path_buf(),
+            blobs,
             tasks: db.open_tree("tasks")?,
             open_rounds: db.open_tree("open_rounds")?,
             history: db.open_tree("history")?,
@@ -143,10 +149,6 @@ impl SledStore {
         Ok(self)
     }
 
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// `task`'s history entries (key, record) of rounds `first` up to `end` (not included; None:
     /// to the last), oldest first, read without the rest of the history.
     fn history_rows(
@@ -162,9 +164,9 @@ impl SledStore {
     }
 }
 
-impl InDataDir for SledStore {
-    fn data_dir(&self) -> &Path {
-        &self.dir
+impl Blobs for SledStore {
+    fn blobs(&self) -> &dyn BlobStore {
+        &*self.blobs
     }
 }
 
@@ -488,7 +490,11 @@ impl Housekeeping for SledStore {
     }
 
     fn sweep_orphans(&self) -> Result<usize, StoreError> {
-        self.sweep_files(referenced(self)?)
+        blobs::sweep(
+            &*self.blobs,
+            referenced(self)?.as_ref(),
+            std::time::SystemTime::now(),
+        )
     }
 }
 
@@ -507,7 +513,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = SledStore::open(dir.path()).unwrap();
         let ckpt = store.write_checkpoint(&[1.5, -2.0, 1e300]).unwrap();
-        let path = store.checkpoint_path(&ckpt);
+        let path = dir.path().join("checkpoints").join(&ckpt);
         let mut bytes = fs::read(&path).unwrap();
         bytes[20] ^= 1;
         fs::write(&path, &bytes).unwrap();
@@ -598,8 +604,8 @@ mod tests {
         fs::write(dir.path().join("checkpoints/.tmp-1-2"), b"torn").unwrap();
         // Nobody can tell the corrupt tasks' blobs from orphans: only the temporary file goes.
         assert_eq!(store.sweep_orphans().unwrap(), 1);
-        assert!(store.model_path(&digest).exists());
-        assert!(store.checkpoint_path(&orphan).exists());
+        assert!(store.has_model(&digest).unwrap());
+        assert!(store.read_checkpoint(&orphan, 1).is_ok());
     }
 
     /// Data directories written before the store was split still open: the trees, keys and

@@ -32,8 +32,6 @@ mod fed_avg_m;
 mod fed_yogi;
 pub mod state;
 
-use std::path::Path;
-
 pub use fed_adagrad::FedAdagrad;
 pub use fed_adam::FedAdam;
 pub use fed_avg::FedAvg;
@@ -320,16 +318,16 @@ pub fn aggregate_in_place(
         .ok_or_else(|| bad("the updated model no longer parses".into()).into())
 }
 
-/// A round's aggregation with the strategy's state on disk: the previous state is read from the
-/// file `previous` under `state_dir` (the strategy's initial state when None) and the new one
-/// written to a new durable file there. Returns the new model's digest and the new state file's
-/// name (None for a stateless strategy). Nothing is published here: the caller records both in
-/// one transaction, then removes the previous state file.
+/// A round's aggregation with the strategy's state in the blob store: the previous state is
+/// read from blob `previous` (the strategy's initial state when None) and the new one written
+/// to a new durable blob. Returns the new model's digest and the new state's name (None for a
+/// stateless strategy). Nothing is published here: the caller records both in one transaction,
+/// then removes the previous state.
 pub fn aggregate_round(
     strategy: &dyn Strategy,
     safetensors: &mut [u8],
     deltas: &WeightedSum,
-    state_dir: &Path,
+    blobs: &dyn crate::store::BlobStore,
     previous: Option<&str>,
 ) -> Result<(ModelDigest, Option<String>), AggregateError> {
     if strategy.state_per_parameter() == 0 {
@@ -337,7 +335,7 @@ pub fn aggregate_round(
         return Ok((digest, None));
     }
     let parameters = deltas.spec().numel();
-    let mut files = state::FileState::open(strategy, state_dir, previous, parameters)?;
+    let mut files = state::FileState::open(strategy, blobs, previous, parameters)?;
     let digest = aggregate_in_place(strategy, safetensors, deltas, &mut files)?;
     Ok((digest, Some(files.commit()?)))
 }

@@ -1,35 +1,33 @@
-//! A stateful strategy's state on disk, streamed stretch by stretch.
+//! A stateful strategy's state in the blob store, streamed stretch by stretch.
 //!
-//! One file per published round, content-addressed like every blob (its name is the SHA-256 of
-//! its bytes, so a torn or altered file is caught on reading):
+//! One blob per published round, content-addressed like every blob (its name is the SHA-256 of
+//! its bytes, so a torn or altered blob is caught on reading):
 //!
 //! ```text
-//! <data>/blobs/strategy/<sha256 hex>.state
+//! blobs/strategy/<sha256 hex>.state
 //!     "HORASTA1"  u64 parameters  u64 values per parameter  f32 values, little-endian,
 //!                                                             parameter-major (m₀ v₀ m₁ v₁ …)
 //! ```
 //!
-//! A round reads the previous file and writes the next one in step with the model's stretches
-//! ([`FileState`]), so its memory is one stretch of state, whatever the model size. The next file
-//! is written beside the previous one as a temporary file, fsynced and renamed only once complete
-//! ([`StateWriter::commit`]); the caller then records its name in the transaction that publishes
-//! the model, and deletes the previous file after that is flushed. A crash in between leaves an
-//! unreferenced file, which the start-up sweep removes.
+//! A round reads the previous blob and writes the next one in step with the model's stretches
+//! ([`FileState`]), so its memory is one stretch of state, whatever the model size. The next
+//! blob streams into the blob store and is named only once complete ([`StateWriter::commit`]:
+//! durable, visible whole or not at all); the caller then records its name in the transaction
+//! that publishes the model, and deletes the previous blob after that is flushed. A crash in
+//! between leaves an unreferenced blob, which the start-up sweep removes.
 
-use std::fs::{self, File};
-use std::io::{BufReader, BufWriter, Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::{BufReader, Read, Write};
 
 use ring::digest::{Context, SHA256};
 
 use super::{StateStretches, Strategy};
-use crate::store::StoreError;
+use crate::store::{BlobKind, BlobStore, StoreError};
 
 const MAGIC: &[u8; 8] = b"HORASTA1";
 
-fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+fn io_error(name: &str) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     move |source| StoreError::Io {
-        path: path.display().to_string(),
+        path: format!("{}/{name}", BlobKind::StrategyState.folder()),
         source,
     }
 }
@@ -52,8 +50,7 @@ pub fn valid_name(name: &str) -> bool {
 /// address once everything is read.
 pub struct StateReader {
     name: String,
-    path: PathBuf,
-    file: BufReader<File>,
+    file: BufReader<Box<dyn Read + Send>>,
     hash: Context,
     /// f32 values not yet read.
     remaining: u64,
@@ -61,9 +58,9 @@ pub struct StateReader {
 }
 
 impl StateReader {
-    /// Opens `dir/name` and checks that it holds `parameters` × `per_parameter` values.
+    /// Opens state `name` and checks that it holds `parameters` × `per_parameter` values.
     pub fn open(
-        dir: &Path,
+        blobs: &dyn BlobStore,
         name: &str,
         parameters: usize,
         per_parameter: usize,
@@ -71,9 +68,8 @@ impl StateReader {
         if !valid_name(name) {
             return Err(corrupt(name, "not a state file name"));
         }
-        let path = dir.join(name);
         let mut file =
-            BufReader::with_capacity(1 << 20, File::open(&path).map_err(io_error(&path))?);
+            BufReader::with_capacity(1 << 20, blobs.reader(BlobKind::StrategyState, name, None)?);
         let mut header = [0u8; 24];
         file.read_exact(&mut header)
             .map_err(|_| corrupt(name, "shorter than its header"))?;
@@ -93,7 +89,6 @@ impl StateReader {
         hash.update(&header);
         Ok(StateReader {
             name: name.to_string(),
-            path,
             file,
             hash,
             remaining: (parameters * per_parameter) as u64,
@@ -124,7 +119,7 @@ impl StateReader {
             return Err(corrupt(&self.name, "not read to the end"));
         }
         let mut extra = [0u8; 1];
-        if self.file.read(&mut extra).map_err(io_error(&self.path))? != 0 {
+        if self.file.read(&mut extra).map_err(io_error(&self.name))? != 0 {
             return Err(corrupt(&self.name, "trailing bytes"));
         }
         if format!("{}.state", hex::encode(self.hash.finish())) != self.name {
@@ -140,12 +135,12 @@ impl StateReader {
 /// Reads a whole state file to check it (at start-up: a damaged state makes its task unavailable
 /// with a clear reason, rather than failing every round close later). Memory: one buffer.
 pub fn verify(
-    dir: &Path,
+    blobs: &dyn BlobStore,
     name: &str,
     parameters: usize,
     per_parameter: usize,
 ) -> Result<(), StoreError> {
-    let mut reader = StateReader::open(dir, name, parameters, per_parameter)?;
+    let mut reader = StateReader::open(blobs, name, parameters, per_parameter)?;
     let mut buf = vec![0f32; 1 << 16];
     while reader.remaining > 0 {
         let n = (reader.remaining as usize).min(buf.len());
@@ -154,28 +149,22 @@ pub fn verify(
     reader.finish()
 }
 
-/// Writes a new state file: a temporary file until [`StateWriter::commit`] names it by its
-/// hash. Dropped uncommitted (an aggregation that failed), the temporary file is removed.
+/// Writes a new state blob, named by its hash at [`StateWriter::commit`]. Dropped uncommitted
+/// (an aggregation that failed), nothing of it stays.
 pub struct StateWriter {
-    dir: PathBuf,
-    tmp: PathBuf,
-    file: Option<BufWriter<File>>,
+    blob: Box<dyn crate::store::blobs::BlobWriter>,
     hash: Context,
     bytes: Vec<u8>,
 }
 
 impl StateWriter {
-    pub fn create(dir: &Path, parameters: usize, per_parameter: usize) -> Result<Self, StoreError> {
-        let tmp = dir.join(format!(
-            ".tmp-state-{}-{}",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        let file = File::create(&tmp).map_err(io_error(&tmp))?;
+    pub fn create(
+        blobs: &dyn BlobStore,
+        parameters: usize,
+        per_parameter: usize,
+    ) -> Result<Self, StoreError> {
         let mut writer = StateWriter {
-            dir: dir.to_path_buf(),
-            file: Some(BufWriter::with_capacity(1 << 20, file)),
-            tmp,
+            blob: blobs.writer(BlobKind::StrategyState, None)?,
             hash: Context::new(&SHA256),
             bytes: Vec::new(),
         };
@@ -188,8 +177,9 @@ impl StateWriter {
 
     fn put(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
         self.hash.update(bytes);
-        let file = self.file.as_mut().expect("open until committed");
-        file.write_all(bytes).map_err(io_error(&self.tmp))
+        self.blob
+            .write_all(bytes)
+            .map_err(io_error("a new strategy state"))
     }
 
     /// Appends the next values.
@@ -202,34 +192,11 @@ impl StateWriter {
         written
     }
 
-    /// Makes the file durable under its content address and returns its name: flush, fsync,
-    /// rename, fsync of the directory.
-    pub fn commit(mut self) -> Result<String, StoreError> {
-        let file = self.file.take().expect("committed once");
-        let tmp = self.tmp.clone();
-        let file = file
-            .into_inner()
-            .map_err(|e| io_error(&tmp)(e.into_error()))?;
-        file.sync_all().map_err(io_error(&tmp))?;
-        drop(file);
-        let name = format!(
-            "{}.state",
-            hex::encode(std::mem::replace(&mut self.hash, Context::new(&SHA256)).finish())
-        );
-        let path = self.dir.join(&name);
-        fs::rename(&tmp, &path).map_err(io_error(&path))?;
-        File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io_error(&self.dir))?;
+    /// Makes the blob durable under its content address and returns its name.
+    pub fn commit(self) -> Result<String, StoreError> {
+        let name = format!("{}.state", hex::encode(self.hash.finish()));
+        self.blob.commit(&name)?;
         Ok(name)
-    }
-}
-
-impl Drop for StateWriter {
-    fn drop(&mut self) {
-        if self.file.take().is_some() {
-            let _ = fs::remove_file(&self.tmp);
-        }
     }
 }
 
@@ -245,7 +212,7 @@ pub struct FileState<'a> {
 impl<'a> FileState<'a> {
     pub fn open(
         strategy: &'a dyn Strategy,
-        dir: &Path,
+        blobs: &dyn BlobStore,
         previous: Option<&str>,
         parameters: usize,
     ) -> Result<Self, StoreError> {
@@ -253,9 +220,9 @@ impl<'a> FileState<'a> {
         Ok(FileState {
             strategy,
             previous: previous
-                .map(|name| StateReader::open(dir, name, parameters, per))
+                .map(|name| StateReader::open(blobs, name, parameters, per))
                 .transpose()?,
-            next: StateWriter::create(dir, parameters, per)?,
+            next: StateWriter::create(blobs, parameters, per)?,
             buf: Vec::new(),
         })
     }
@@ -289,19 +256,21 @@ impl StateStretches for FileState<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::DirBlobs;
 
     #[test]
     fn state_files_round_trip_and_damage_is_caught() {
         let dir = tempfile::tempdir().unwrap();
+        let blobs = DirBlobs::open(dir.path()).unwrap();
         let values: Vec<f32> = (0..10).map(|i| i as f32 * 0.5 - 1.0).collect();
-        let mut w = StateWriter::create(dir.path(), 5, 2).unwrap();
+        let mut w = StateWriter::create(&blobs, 5, 2).unwrap();
         w.write(&values[..3]).unwrap();
         w.write(&values[3..]).unwrap();
         let name = w.commit().unwrap();
         assert!(valid_name(&name), "{name}");
-        verify(dir.path(), &name, 5, 2).unwrap();
+        verify(&blobs, &name, 5, 2).unwrap();
 
-        let mut r = StateReader::open(dir.path(), &name, 5, 2).unwrap();
+        let mut r = StateReader::open(&blobs, &name, 5, 2).unwrap();
         let mut got = vec![0f32; 10];
         r.read(&mut got[..4]).unwrap();
         r.read(&mut got[4..]).unwrap();
@@ -309,27 +278,28 @@ mod tests {
         assert_eq!(got, values);
 
         // Wrong layout, missing values, a flipped bit, a bad name: all refused.
-        assert!(StateReader::open(dir.path(), &name, 10, 1).is_err());
-        let mut r = StateReader::open(dir.path(), &name, 5, 2).unwrap();
+        assert!(StateReader::open(&blobs, &name, 10, 1).is_err());
+        let mut r = StateReader::open(&blobs, &name, 5, 2).unwrap();
         r.read(&mut got[..4]).unwrap();
         assert!(r.finish().is_err());
-        let path = dir.path().join(&name);
-        let mut bytes = fs::read(&path).unwrap();
+        let path = blobs.path(BlobKind::StrategyState, &name).unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
         bytes[30] ^= 1;
-        fs::write(&path, &bytes).unwrap();
+        std::fs::write(&path, &bytes).unwrap();
         assert!(matches!(
-            verify(dir.path(), &name, 5, 2),
+            verify(&blobs, &name, 5, 2),
             Err(StoreError::Corrupt { .. })
         ));
-        assert!(StateReader::open(dir.path(), "../x.state", 5, 2).is_err());
+        assert!(StateReader::open(&blobs, "../x.state", 5, 2).is_err());
     }
 
     #[test]
     fn an_uncommitted_writer_leaves_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let mut w = StateWriter::create(dir.path(), 2, 1).unwrap();
+        let blobs = DirBlobs::open(dir.path()).unwrap();
+        let mut w = StateWriter::create(&blobs, 2, 1).unwrap();
         w.write(&[1.0, 2.0]).unwrap();
         drop(w);
-        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+        assert!(blobs.list(BlobKind::StrategyState).unwrap().is_empty());
     }
 }

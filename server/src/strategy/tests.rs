@@ -5,6 +5,7 @@
 use hora_common::model::Model;
 
 use super::*;
+use crate::store::{BlobKind, BlobStore, DirBlobs};
 
 /// `rounds` rounds of data over `n` parameters: the initial model and, per round, the sum
 /// Σ wᵢ·δᵢ of 2–4 clients' deltas with their total weight Σ wᵢ. Weights and delta scales vary
@@ -175,6 +176,11 @@ fn state_carries_over_rounds_through_files_and_each_round_writes_a_new_one() {
     let spec = model.spec();
     let (initial, data) = rounds(spec.numel(), 4, 9);
     let dir = tempfile::tempdir().unwrap();
+    let blobs = DirBlobs::open(dir.path()).unwrap();
+    let states = |blobs: &DirBlobs| -> Vec<String> {
+        let listed = blobs.list(BlobKind::StrategyState).unwrap();
+        listed.into_iter().map(|(name, _)| name).collect()
+    };
     for strategy in all_strategies() {
         let whole = run_whole(strategy.as_ref(), &initial, &data);
         let mut bytes = Model::from_flat(&spec, initial.clone())
@@ -187,7 +193,7 @@ fn state_carries_over_rounds_through_files_and_each_round_writes_a_new_one() {
                 strategy.as_ref(),
                 &mut bytes,
                 &deltas,
-                dir.path(),
+                &blobs,
                 previous.as_deref(),
             )
             .unwrap();
@@ -195,27 +201,20 @@ fn state_carries_over_rounds_through_files_and_each_round_writes_a_new_one() {
             assert_eq!(published.data(), &want[..], "{}", strategy.name());
             assert_eq!(next.is_some(), strategy.state_per_parameter() > 0);
             if let Some(name) = &next {
-                state::verify(
-                    dir.path(),
-                    name,
-                    spec.numel(),
-                    strategy.state_per_parameter(),
-                )
-                .unwrap();
+                state::verify(&blobs, name, spec.numel(), strategy.state_per_parameter()).unwrap();
                 assert_ne!(Some(name), previous.as_ref(), "the state moved");
                 // The previous file is the caller's to remove, once the new one is published.
                 if let Some(old) = &previous {
-                    assert!(dir.path().join(old).exists());
-                    std::fs::remove_file(dir.path().join(old)).unwrap();
+                    assert!(blobs.remove(BlobKind::StrategyState, old).unwrap());
                 }
             }
             previous = next;
         }
         if let Some(last) = previous {
-            std::fs::remove_file(dir.path().join(last)).unwrap();
+            blobs.remove(BlobKind::StrategyState, &last).unwrap();
         }
         // Nothing temporary is left behind.
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        assert_eq!(states(&blobs), Vec::<String>::new());
     }
 }
 
@@ -224,29 +223,31 @@ fn a_failed_round_leaves_the_previous_state_and_no_new_file() {
     let model = Model::from_tensors([("w", vec![4], vec![0.5; 4])]).unwrap();
     let spec = model.spec();
     let dir = tempfile::tempdir().unwrap();
+    let blobs = DirBlobs::open(dir.path()).unwrap();
     let adam = from_config(&StrategyConfig::fed_adam());
     let mut bytes = model.to_safetensors();
     let deltas = WeightedSum::from_parts(spec.clone(), vec![0.1, -0.2, 0.0, 0.3], 1.0, 1).unwrap();
-    let (_, first) = aggregate_round(adam.as_ref(), &mut bytes, &deltas, dir.path(), None).unwrap();
+    let (_, first) = aggregate_round(adam.as_ref(), &mut bytes, &deltas, &blobs, None).unwrap();
     let first = first.unwrap();
     // Δ² overflows f32 in v: refused, not published, and nothing new on disk.
     let huge = WeightedSum::from_parts(spec, vec![1e30, 0.0, 0.0, 0.0], 1.0, 1).unwrap();
     let mut copy = bytes.clone();
-    let err =
-        aggregate_round(adam.as_ref(), &mut copy, &huge, dir.path(), Some(&first)).unwrap_err();
+    let err = aggregate_round(adam.as_ref(), &mut copy, &huge, &blobs, Some(&first)).unwrap_err();
     assert!(
         matches!(&err, AggregateError::Kernel(KernelError::NotFinite(m)) if m.contains("state")),
         "{err}"
     );
-    let files: Vec<_> = std::fs::read_dir(dir.path())
+    let files: Vec<_> = blobs
+        .list(BlobKind::StrategyState)
         .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .into_iter()
+        .map(|(name, _)| name)
         .collect();
     assert_eq!(files, vec![first.clone()]);
     // A missing previous state is an error, not a silent reset.
-    std::fs::remove_file(dir.path().join(&first)).unwrap();
+    blobs.remove(BlobKind::StrategyState, &first).unwrap();
     assert!(matches!(
-        aggregate_round(adam.as_ref(), &mut bytes, &deltas, dir.path(), Some(&first)),
+        aggregate_round(adam.as_ref(), &mut bytes, &deltas, &blobs, Some(&first)),
         Err(AggregateError::State(_))
     ));
 }

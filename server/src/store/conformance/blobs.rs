@@ -1,10 +1,43 @@
 //! Blobs' cases, the orphan sweep, and reopening.
 
 use std::collections::HashSet;
-use std::fs;
-use std::time::{Duration, SystemTime};
+use std::io::{Read, Write};
+
+use futures_util::TryStreamExt;
 
 use super::*;
+
+/// The names of the blobs of `kind`.
+fn names(s: &dyn Storage, kind: BlobKind) -> HashSet<String> {
+    s.blobs()
+        .list(kind)
+        .unwrap()
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect()
+}
+
+/// Writes blob `name` of `kind` with `bytes` as it is (not through a typed helper).
+fn plant(s: &dyn Storage, kind: BlobKind, name: &str, bytes: &[u8]) {
+    let mut w = s.blobs().writer(kind, Some(name)).unwrap();
+    w.write_all(bytes).unwrap();
+    w.commit(name).unwrap();
+}
+
+fn read(
+    s: &dyn Storage,
+    kind: BlobKind,
+    name: &str,
+    range: Option<std::ops::Range<u64>>,
+) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    s.blobs()
+        .reader(kind, name, range)
+        .unwrap()
+        .read_to_end(&mut bytes)
+        .unwrap();
+    bytes
+}
 
 pub(super) fn models_and_modules_are_content_addressed(f: &mut dyn Fixture) {
     let s = f.store();
@@ -14,7 +47,8 @@ pub(super) fn models_and_modules_are_content_addressed(f: &mut dyn Fixture) {
     assert_eq!(s.put_model(&m).unwrap(), d, "storing again is a no-op");
     assert_eq!(s.read_model(&d).unwrap(), m);
     assert_eq!(s.model_bytes(&d).unwrap(), m.to_safetensors());
-    assert_eq!(fs::read(s.model_path(&d)).unwrap(), m.to_safetensors());
+    assert!(s.has_model(&d).unwrap());
+    assert!(!s.has_model(&model([9.0; 3]).digest()).unwrap());
     let other = model([4.0; 3]);
     s.put_model_bytes(&other.digest(), &other.to_safetensors())
         .unwrap();
@@ -26,8 +60,16 @@ pub(super) fn models_and_modules_are_content_addressed(f: &mut dyn Fixture) {
     let hex = s.put_module(module).unwrap();
     assert_eq!(hex, hora_common::sha256_hex(module));
     assert_eq!(s.put_module(module).unwrap(), hex);
-    assert_eq!(fs::read(s.module_path(&hex)).unwrap(), module);
-    assert!(!s.module_path(&"0".repeat(64)).exists());
+    assert_eq!(
+        read(s, BlobKind::Module, &format!("{hex}.pt"), None),
+        module
+    );
+    assert!(s.has_module(&hex).unwrap());
+    assert!(!s.has_module(&"0".repeat(64)).unwrap());
+    assert!(
+        !s.has_module("../../blobs/models/x").unwrap(),
+        "no way out of the folder"
+    );
 }
 
 pub(super) fn checkpoints_and_masked_sums_round_trip(f: &mut dyn Fixture) {
@@ -71,15 +113,22 @@ pub(super) fn checkpoints_and_masked_sums_round_trip(f: &mut dyn Fixture) {
 
 pub(super) fn strategy_states_are_removed_by_valid_name_only(f: &mut dyn Fixture) {
     let s = f.store();
-    let dir = s.strategy_state_dir();
     let name = format!("{}.state", "a".repeat(64));
-    fs::write(dir.join(&name), b"state").unwrap();
-    fs::write(dir.join("notes.txt"), b"operator's").unwrap();
+    plant(s, BlobKind::StrategyState, &name, b"state");
+    plant(s, BlobKind::StrategyState, "notes.txt", b"operator's");
     s.remove_strategy_state("notes.txt");
     s.remove_strategy_state("../notes.txt");
-    assert!(dir.join("notes.txt").exists());
+    assert!(s
+        .blobs()
+        .head(BlobKind::StrategyState, "notes.txt")
+        .unwrap()
+        .is_some());
     s.remove_strategy_state(&name);
-    assert!(!dir.join(&name).exists());
+    assert!(s
+        .blobs()
+        .head(BlobKind::StrategyState, &name)
+        .unwrap()
+        .is_none());
     s.remove_strategy_state(&name); // twice: nothing to do
 }
 
@@ -92,7 +141,7 @@ pub(super) fn the_sweep_removes_what_no_record_refers_to(f: &mut dyn Fixture) {
     let retained = s.put_model(&model([2.0; 3])).unwrap();
     let module = s.put_module(b"module").unwrap();
     let state = format!("{}.state", "b".repeat(64));
-    fs::write(s.strategy_state_dir().join(&state), b"state").unwrap();
+    plant(s, BlobKind::StrategyState, &state, b"state");
     let ckpt = s.write_checkpoint(&[1.0]).unwrap();
     let msum = s.write_masked_sum(&[1]).unwrap();
     let mut t = task(initial, 2);
@@ -123,39 +172,31 @@ pub(super) fn the_sweep_removes_what_no_record_refers_to(f: &mut dyn Fixture) {
     let fresh = s.put_model(&model([4.0; 3])).unwrap();
     let stale = s.put_model(&model([5.0; 3])).unwrap();
     let stale_module = s.put_module(b"old module").unwrap();
-    let yesterday = SystemTime::now() - Duration::from_secs(2 * 86_400);
-    for path in [
-        s.model_path(&pruned),
-        s.model_path(&stale),
-        s.module_path(&stale_module),
-    ] {
-        fs::File::options()
-            .write(true)
-            .open(path)
-            .unwrap()
-            .set_modified(yesterday)
-            .unwrap();
-    }
     let old_state = format!("{}.state", "c".repeat(64));
-    fs::write(s.strategy_state_dir().join(&old_state), b"old").unwrap();
-    fs::write(s.strategy_state_dir().join(".tmp-1-2"), b"torn").unwrap();
+    plant(s, BlobKind::StrategyState, &old_state, b"old");
+    plant(s, BlobKind::StrategyState, ".tmp-1-2", b"torn");
     let orphan_ckpt = s.write_checkpoint(&[2.0]).unwrap();
     let orphan_msum = s.write_masked_sum(&[2]).unwrap();
+    // Everything but the fresh upload was written two days ago (a store other servers share
+    // spares any blob written in the last hour: one may be about to record it).
+    for kind in BlobKind::ALL {
+        for name in names(s, kind) {
+            if name != format!("{}.safetensors", fresh.to_hex()) {
+                f.backdate(kind, &name);
+            }
+        }
+    }
 
     assert_eq!(s.sweep_orphans().unwrap(), 7);
     for kept in [initial, global, retained, fresh] {
-        assert!(s.model_path(&kept).exists());
+        assert!(s.has_model(&kept).unwrap());
     }
     for gone in [pruned, stale] {
-        assert!(!s.model_path(&gone).exists());
+        assert!(!s.has_model(&gone).unwrap());
     }
-    assert!(s.module_path(&module).exists());
-    assert!(!s.module_path(&stale_module).exists());
-    let states: HashSet<_> = fs::read_dir(s.strategy_state_dir())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    assert_eq!(states, HashSet::from([state]));
+    assert!(s.has_module(&module).unwrap());
+    assert!(!s.has_module(&stale_module).unwrap());
+    assert_eq!(names(s, BlobKind::StrategyState), HashSet::from([state]));
     assert!(s.read_checkpoint(&ckpt, 1).is_ok());
     assert!(s.read_masked_sum(&msum, 1).is_ok());
     assert!(s.read_checkpoint(&orphan_ckpt, 1).is_err());
@@ -202,7 +243,7 @@ pub(super) fn everything_written_is_there_after_reopening(f: &mut dyn Fixture) {
     assert_eq!(s.read_checkpoint(&ckpt, 2).unwrap(), [0.5, 0.25]);
     assert_eq!(s.read_masked_sum(&msum, 2).unwrap(), [7, 8]);
     assert_eq!(s.read_model(&m).unwrap(), model([1.0; 3]));
-    assert!(s.module_path(&module).exists());
+    assert!(s.has_module(&module).unwrap());
     assert_eq!(
         s.client("c1").unwrap().unwrap().label.as_deref(),
         Some("one")
@@ -219,4 +260,88 @@ pub(super) fn everything_written_is_there_after_reopening(f: &mut dyn Fixture) {
     f.reopen();
     assert!(f.store().enrolment("h").unwrap().is_none());
     assert!(f.store().client("c9").unwrap().is_some());
+}
+
+pub(super) fn blobs_stream_in_ranges_and_large_ones_in_parts(f: &mut dyn Fixture) {
+    let s = f.store();
+    // Past an object store's single put (8 MiB): a multipart upload of several parts, written
+    // in pieces of odd sizes.
+    let big: Vec<u8> = (0..20_000_003u32).map(|i| (i % 251) as u8).collect();
+    let name = format!("{}.safetensors", hora_common::sha256_hex(&big));
+    let mut w = s.blobs().writer(BlobKind::Model, Some(&name)).unwrap();
+    for piece in big.chunks(3_000_017) {
+        w.write_all(piece).unwrap();
+    }
+    w.commit(&name).unwrap();
+    let meta = s.blobs().head(BlobKind::Model, &name).unwrap().unwrap();
+    assert_eq!(meta.len, big.len() as u64);
+    assert!(
+        read(s, BlobKind::Model, &name, None) == big,
+        "read back whole"
+    );
+    assert_eq!(
+        read(s, BlobKind::Model, &name, Some(9_000_000..9_000_100)),
+        big[9_000_000..9_000_100]
+    );
+    // The same as a stream, as a download reads it (polled on a runtime of its own).
+    let blob = s
+        .blobs()
+        .stream(BlobKind::Model, &name, Some(100..8_400_000))
+        .unwrap();
+    assert_eq!((blob.len, blob.total), (8_399_900, big.len() as u64));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let chunks: Vec<bytes::Bytes> = runtime.block_on(blob.stream.try_collect()).unwrap();
+    assert!(chunks.concat() == big[100..8_400_000], "streamed range");
+    // A name known only once written (a checkpoint's, a state's): named at commit.
+    let mut w = s.blobs().writer(BlobKind::StrategyState, None).unwrap();
+    w.write_all(&big[..10_000_000]).unwrap();
+    w.commit("late.state").unwrap();
+    assert_eq!(
+        read(s, BlobKind::StrategyState, "late.state", Some(0..10)),
+        big[..10]
+    );
+    assert_eq!(
+        names(s, BlobKind::StrategyState),
+        HashSet::from(["late.state".to_string()])
+    );
+    // Nothing outside a kind's folder is reachable.
+    assert!(s
+        .blobs()
+        .reader(BlobKind::Model, "../checkpoints/x", None)
+        .is_err());
+    assert!(s.blobs().head(BlobKind::Model, "a/b").unwrap().is_none());
+    assert!(s
+        .blobs()
+        .reader(BlobKind::Model, "missing.safetensors", None)
+        .is_err());
+}
+
+pub(super) fn an_uncommitted_blob_leaves_nothing(f: &mut dyn Fixture) {
+    let s = f.store();
+    for size in [10, 9_000_000] {
+        let mut w = s.blobs().writer(BlobKind::Checkpoint, None).unwrap();
+        w.write_all(&vec![7u8; size]).unwrap();
+        drop(w);
+        let mut w = s
+            .blobs()
+            .writer(BlobKind::Model, Some("never.safetensors"))
+            .unwrap();
+        w.write_all(&vec![7u8; size]).unwrap();
+        drop(w);
+    }
+    // (An aborted upload is cleaned up in the background: give it a moment.)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !names(s, BlobKind::Checkpoint).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(names(s, BlobKind::Checkpoint), HashSet::new());
+    assert_eq!(names(s, BlobKind::Model), HashSet::new());
+    assert!(!s
+        .blobs()
+        .head(BlobKind::Model, "never.safetensors")
+        .unwrap()
+        .is_some());
 }

@@ -2,6 +2,9 @@
 //! temporary directory), [`PostgresStore`] (on a real PostgreSQL server each test starts, see
 //! `postgres::test_server`) and [`MemoryStore`]: the cases are in `records.rs` and `blobs.rs`,
 //! each a function of a [`Fixture`]; `suite!` at the bottom makes one test per case and store.
+//! The blob cases also run against the sled store with its blobs in an object store
+//! ([`ObjectBlobs`]): a `file://` directory, and a real S3-compatible server each test starts
+//! (see `crate::store::blobs::test_s3`).
 
 use hora_common::model::{Model, ModelDigest};
 use hora_common::wire::{RoundOutcome, RoundRecord, TaskState};
@@ -20,18 +23,80 @@ trait Fixture {
     fn store(&self) -> &dyn Storage;
     /// Closes the store and opens what it wrote (the same store for one kept in memory).
     fn reopen(&mut self);
+    /// Makes blob `name` look written two days ago (its file's modification time, which every
+    /// blob store here reports as the blob's age).
+    fn backdate(&self, kind: BlobKind, name: &str);
+}
+
+const TWO_DAYS: std::time::Duration = std::time::Duration::from_secs(2 * 86_400);
+
+/// Where a sled store under test keeps its blobs.
+enum BlobsAt {
+    /// Under its data directory (the default).
+    DataDir,
+    /// `file://` a directory of their own, through `object_store`.
+    File(tempfile::TempDir),
+    /// In a bucket of a real S3-compatible server, under a prefix.
+    S3(crate::store::blobs::test_s3::TestS3),
+}
+
+const S3_PREFIX: &str = "deployment/one";
+
+impl BlobsAt {
+    fn open(&self, data_dir: &std::path::Path) -> std::sync::Arc<dyn BlobStore> {
+        match self {
+            BlobsAt::DataDir => std::sync::Arc::new(DirBlobs::open(data_dir).unwrap()),
+            BlobsAt::File(dir) => BlobLocation::File(dir.path().to_path_buf())
+                .open(data_dir)
+                .unwrap(),
+            BlobsAt::S3(server) => std::sync::Arc::new(
+                ObjectBlobs::open_s3(
+                    crate::store::blobs::test_s3::BUCKET,
+                    S3_PREFIX,
+                    Some(&server.endpoint()),
+                    object_store::aws::AmazonS3Builder::new()
+                        .with_access_key_id(crate::store::blobs::test_s3::ACCESS_KEY)
+                        .with_secret_access_key(crate::store::blobs::test_s3::SECRET_KEY)
+                        .with_region("us-east-1"),
+                )
+                .unwrap(),
+            ),
+        }
+    }
+
+    fn file(&self, data_dir: &std::path::Path, kind: BlobKind, name: &str) -> std::path::PathBuf {
+        let key = format!("{}/{name}", kind.folder());
+        match self {
+            BlobsAt::DataDir => data_dir.join(key),
+            BlobsAt::File(dir) => dir.path().join(key),
+            BlobsAt::S3(server) => server.object_file(&format!("{S3_PREFIX}/{key}")),
+        }
+    }
 }
 
 struct Sled {
     dir: tempfile::TempDir,
+    blobs: BlobsAt,
     store: Option<SledStore>,
 }
 
 impl Sled {
     fn new() -> Self {
+        Self::with_blobs(BlobsAt::DataDir)
+    }
+
+    fn with_blobs(blobs: BlobsAt) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let store = Some(SledStore::open(dir.path()).unwrap());
-        Sled { dir, store }
+        let store = Some(SledStore::open_with(dir.path(), blobs.open(dir.path())).unwrap());
+        Sled { dir, blobs, store }
+    }
+
+    fn on_file() -> Self {
+        Self::with_blobs(BlobsAt::File(tempfile::tempdir().unwrap()))
+    }
+
+    fn on_s3() -> Self {
+        Self::with_blobs(BlobsAt::S3(crate::store::blobs::test_s3::TestS3::start()))
     }
 }
 
@@ -42,7 +107,13 @@ impl Fixture for Sled {
 
     fn reopen(&mut self) {
         self.store.take().unwrap().flush().unwrap(); // sled allows one opener at a time
-        self.store = Some(SledStore::open(self.dir.path()).unwrap());
+        let blobs = self.blobs.open(self.dir.path());
+        self.store = Some(SledStore::open_with(self.dir.path(), blobs).unwrap());
+    }
+
+    fn backdate(&self, kind: BlobKind, name: &str) {
+        let file = self.blobs.file(self.dir.path(), kind, name);
+        crate::store::blobs::test_s3::backdate(&file, TWO_DAYS);
     }
 }
 
@@ -75,6 +146,11 @@ impl Fixture for Postgres {
             PostgresStore::open(&self.server.url().parse().unwrap(), self.dir.path()).unwrap(),
         );
     }
+
+    fn backdate(&self, kind: BlobKind, name: &str) {
+        let file = self.dir.path().join(kind.folder()).join(name);
+        crate::store::blobs::test_s3::backdate(&file, TWO_DAYS);
+    }
 }
 
 struct Memory(MemoryStore);
@@ -85,6 +161,10 @@ impl Fixture for Memory {
     }
 
     fn reopen(&mut self) {}
+
+    fn backdate(&self, kind: BlobKind, name: &str) {
+        crate::store::blobs::test_s3::backdate(&self.0.blob_path(kind, name), TWO_DAYS);
+    }
 }
 
 pub(super) fn model(values: [f32; 3]) -> Model {
@@ -227,6 +307,25 @@ macro_rules! suite {
     };
 }
 
+/// The cases that touch blobs, on a store whose blobs are in an object store.
+macro_rules! blob_suite {
+    ($($case:ident),* $(,)?) => {
+        mod blobs_on_file {
+            $(#[test]
+            fn $case() {
+                super::$case(&mut super::Sled::on_file())
+            })*
+        }
+
+        mod blobs_on_s3 {
+            $(#[test]
+            fn $case() {
+                super::$case(&mut super::Sled::on_s3())
+            })*
+        }
+    };
+}
+
 suite!(
     tasks_are_created_once_and_listed_in_id_order,
     open_rounds_are_kept_per_task,
@@ -244,4 +343,17 @@ suite!(
     the_sweep_removes_what_no_record_refers_to,
     everything_written_is_there_after_reopening,
     stores_are_shared_across_threads,
+    blobs_stream_in_ranges_and_large_ones_in_parts,
+    an_uncommitted_blob_leaves_nothing,
+);
+
+blob_suite!(
+    pruning_drops_models_out_of_retention_unless_still_used,
+    models_and_modules_are_content_addressed,
+    checkpoints_and_masked_sums_round_trip,
+    strategy_states_are_removed_by_valid_name_only,
+    the_sweep_removes_what_no_record_refers_to,
+    everything_written_is_there_after_reopening,
+    blobs_stream_in_ranges_and_large_ones_in_parts,
+    an_uncommitted_blob_leaves_nothing,
 );

@@ -147,13 +147,13 @@ pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dy
     assert_eq!(pruned, vec![true, true, true, true, false, false]);
     for (i, m) in models.iter().enumerate() {
         assert_eq!(
-            s.model_path(m).exists(),
+            s.has_model(m).unwrap(),
             ![1, 2, 3].contains(&i),
             "round {}",
             i + 1
         );
     }
-    assert!(s.model_path(&initial).exists());
+    assert!(s.has_model(&initial).unwrap());
     // Already pruned rounds are not counted again.
     assert_eq!(s.prune_models("t", keep_two, 6).unwrap(), 0);
     // Retention that keeps everything prunes nothing.
@@ -181,7 +181,7 @@ pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dy
         detail: 0,
     };
     assert_eq!(s.prune_models("t", keep_one, 6).unwrap(), 1);
-    assert!(!s.model_path(&models[4]).exists() && s.model_path(&initial).exists());
+    assert!(!s.has_model(&models[4]).unwrap() && s.has_model(&initial).unwrap());
     // Both attempts of a retried round are its attempts.
     let mut abandoned = published(7, 0, None);
     abandoned.outcome = RoundOutcome::Abandoned {

@@ -1,5 +1,6 @@
-//! [`PostgresStore`]: records in PostgreSQL (`--store postgres://…`), blobs as files under the
-//! data directory as the sled store keeps them (see `data_dir`).
+//! [`PostgresStore`]: records in PostgreSQL (`--store postgres://…`), blobs in a
+//! [`BlobStore`]: files under the data directory as the sled store keeps them, or an object
+//! store replicas share (`--blobs`, see `blobs`).
 //!
 //! The tables are in `server/migrations/` (applied at open, see `migrate`): each record is the
 //! JSON the sled store keeps, under real key columns; a round's history entry has its round,
@@ -19,7 +20,8 @@ mod migrate;
 #[cfg(test)]
 pub(crate) mod test_server;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::sync::Arc;
 
 use deadpool_postgres::GenericClient;
 use hora_common::model::ModelDigest;
@@ -31,7 +33,7 @@ use tokio_postgres::Row;
 
 use self::driver::Driver;
 pub use self::driver::Target;
-use super::data_dir::{self, InDataDir};
+use super::blobs::{self, BlobStore, Blobs, DirBlobs};
 use super::{
     decode, json, referenced, remove_unused_models, ClientRecord, Durable, EnrolmentRecord,
     Housekeeping, OpenRoundRecord, Registry, Retention, RoundLog, SecaggLog, StoreChange,
@@ -42,7 +44,7 @@ use super::{
 const FEED_CAPACITY: usize = 1024;
 
 pub struct PostgresStore {
-    dir: PathBuf,
+    blobs: Arc<dyn BlobStore>,
     driver: Driver,
     changes: broadcast::Sender<StoreChange>,
 }
@@ -97,7 +99,11 @@ impl PostgresStore {
     /// under `data_dir` (created, private to this user, if needed), and the change feed
     /// listening.
     pub fn open(target: &Target, data_dir: &Path) -> Result<Self, StoreError> {
-        data_dir::create(data_dir)?;
+        Self::open_with(target, Arc::new(DirBlobs::open(data_dir)?))
+    }
+
+    /// Opens the store: records in `target`'s database, blobs in `blobs`.
+    pub fn open_with(target: &Target, blobs: Arc<dyn BlobStore>) -> Result<Self, StoreError> {
         let driver = Driver::start(target)?;
         let applied = driver.with(|mut client| async move {
             migrate::migrate(&mut client, migrate::MIGRATIONS).await
@@ -112,7 +118,7 @@ impl PostgresStore {
         };
         driver.spawn(feed::keep(target.clone(), listening, changes.clone()));
         Ok(PostgresStore {
-            dir: data_dir.to_path_buf(),
+            blobs,
             driver,
             changes,
         })
@@ -163,9 +169,9 @@ impl PostgresStore {
     }
 }
 
-impl InDataDir for PostgresStore {
-    fn data_dir(&self) -> &Path {
-        &self.dir
+impl Blobs for PostgresStore {
+    fn blobs(&self) -> &dyn BlobStore {
+        &*self.blobs
     }
 }
 
@@ -634,7 +640,11 @@ impl Housekeeping for PostgresStore {
     }
 
     fn sweep_orphans(&self) -> Result<usize, StoreError> {
-        self.sweep_files(referenced(self)?)
+        blobs::sweep(
+            &*self.blobs,
+            referenced(self)?.as_ref(),
+            std::time::SystemTime::now(),
+        )
     }
 }
 

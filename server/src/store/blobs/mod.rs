@@ -1,0 +1,366 @@
+//! Where blobs live: one narrow trait, [`BlobStore`], over a local data directory
+//! ([`DirBlobs`], the default) or an object store ([`ObjectBlobs`]: `--blobs file:///dir`, a
+//! directory any number of servers may share, or `--blobs s3://bucket/prefix`); and what the
+//! server does with blobs, [`Blobs`], written once on top of it.
+//!
+//! A blob is a kind ([`BlobKind`], a folder or key prefix) and a name, content-addressed: a
+//! model by its digest, anything else by the SHA-256 of its bytes. Nothing hands out a local
+//! path: readers get a reader or a stream over a byte range, writers stream in, existence is a
+//! head request. So any server sharing an object store reads any blob another wrote.
+//!
+//! # Safety of writes
+//!
+//! A blob is visible under its name only whole, and durable before the call that writes it
+//! returns (so before any record names it):
+//!
+//! - [`DirBlobs`]: a temporary file in the kind's folder, fsync, rename, fsync of the folder.
+//! - [`ObjectBlobs`]: a put (one request up to [`object::PART_BYTES`], a multipart upload past
+//!   it: the parts are invisible until the upload completes) is atomic in every object store;
+//!   S3, GCS and Azure acknowledge a put once the object is durably stored (S3: redundantly,
+//!   across devices, read-after-write consistent). `file://` writes through `object_store`'s
+//!   local store with fsync on (file, then folder) and an atomic rename. A blob whose name is
+//!   only known once written (a checkpoint, a strategy state: named by their hash) goes to a
+//!   temporary key first and is renamed (S3: a server-side copy, then a delete of the
+//!   temporary key; the copy is as durable as a put).
+//!
+//! A crash leaves at worst an unreferenced blob or a temporary one, which the start-up sweep
+//! ([`sweep`]) removes; an abandoned multipart upload's parts are the object store's to expire
+//! (an S3 lifecycle rule `AbortIncompleteMultipartUpload`).
+
+use std::io::{Read, Write};
+use std::ops::Range;
+use std::time::{Duration, SystemTime};
+
+use hora_common::model::{Limits, Model, ModelDigest};
+
+use super::{files, Referenced, StoreError};
+
+mod dir;
+pub mod object;
+#[cfg(test)]
+pub(crate) mod test_s3;
+
+pub use self::dir::DirBlobs;
+pub use self::object::{BlobLocation, ObjectBlobs};
+
+/// What a blob is, and so where it lives: the same folders under a data directory and key
+/// prefixes in an object store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlobKind {
+    /// Global models, `<digest hex>.safetensors`.
+    Model,
+    /// TorchScript modules, `<sha256 hex>.pt`.
+    Module,
+    /// Stateful strategies' states, `<sha256 hex>.state` (see `strategy::state`).
+    StrategyState,
+    /// Accumulator checkpoints (`.ckpt`) and secure aggregation's masked sums (`.msum`).
+    Checkpoint,
+}
+
+impl BlobKind {
+    pub const ALL: [BlobKind; 4] = [
+        BlobKind::Model,
+        BlobKind::Module,
+        BlobKind::StrategyState,
+        BlobKind::Checkpoint,
+    ];
+
+    /// The folder (or key prefix) of this kind's blobs.
+    pub fn folder(self) -> &'static str {
+        match self {
+            BlobKind::Model => "blobs/models",
+            BlobKind::Module => "blobs/modules",
+            BlobKind::StrategyState => "blobs/strategy",
+            BlobKind::Checkpoint => "checkpoints",
+        }
+    }
+}
+
+/// Whether `name` can name a blob: one path segment of safe characters (names come from
+/// records and requests; none may reach outside its kind's folder).
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 200
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+}
+
+/// What a head request tells.
+#[derive(Debug, Clone, Copy)]
+pub struct BlobMeta {
+    pub len: u64,
+    /// When the blob was written (the sweep spares young ones); None where the store cannot say.
+    pub modified: Option<SystemTime>,
+}
+
+/// Bytes as an asynchronous response body takes them.
+pub type ByteStream =
+    futures_util::stream::BoxStream<'static, Result<bytes::Bytes, std::io::Error>>;
+
+/// A blob (or a range of it) being read as a stream.
+pub struct BlobStream {
+    /// The bytes the stream yields.
+    pub len: u64,
+    /// The whole blob's length.
+    pub total: u64,
+    pub stream: ByteStream,
+}
+
+/// A blob being written: [`commit`](BlobWriter::commit) makes it durable under its name;
+/// dropped uncommitted, nothing of it stays (a temporary file or key is removed, a multipart
+/// upload aborted).
+pub trait BlobWriter: Write + Send {
+    /// Makes what was written durable as blob `name` (the name the writer was created with, if
+    /// any): visible whole or not at all. A blob of that name already there is replaced (names
+    /// are content addresses: it has the same bytes).
+    fn commit(self: Box<Self>, name: &str) -> Result<(), StoreError>;
+}
+
+/// Where blobs are kept. Synchronous, like the stores: called on blocking threads.
+pub trait BlobStore: Send + Sync {
+    /// The blob's length and age; None if there is none of that name.
+    fn head(&self, kind: BlobKind, name: &str) -> Result<Option<BlobMeta>, StoreError>;
+
+    /// Reads `range` of the blob (the whole of it if None), in order. A blob that is not there
+    /// is an [`StoreError::Io`] of kind `NotFound`.
+    fn reader(
+        &self,
+        kind: BlobKind,
+        name: &str,
+        range: Option<Range<u64>>,
+    ) -> Result<Box<dyn Read + Send>, StoreError>;
+
+    /// The same bytes as a stream, for a response body: opened here (on a blocking thread),
+    /// polled on any runtime.
+    fn stream(
+        &self,
+        kind: BlobKind,
+        name: &str,
+        range: Option<Range<u64>>,
+    ) -> Result<BlobStream, StoreError>;
+
+    /// Starts writing a blob of `kind`: named `name` when the caller knows it before writing,
+    /// else named at commit (by the hash the caller computed while writing).
+    fn writer(&self, kind: BlobKind, name: Option<&str>)
+        -> Result<Box<dyn BlobWriter>, StoreError>;
+
+    /// Deletes a blob; false if there was none (where the store can tell).
+    fn remove(&self, kind: BlobKind, name: &str) -> Result<bool, StoreError>;
+
+    /// Every blob of `kind`, temporary ones included (their names start with `.tmp-`).
+    fn list(&self, kind: BlobKind) -> Result<Vec<(String, BlobMeta)>, StoreError>;
+
+    /// Whether other servers may be writing here too: then the start-up sweep spares every
+    /// blob younger than [`SHARED_GRACE`], which another server may be about to record.
+    fn shared(&self) -> bool;
+
+    /// Where the blobs are, for messages.
+    fn describe(&self) -> String;
+}
+
+/// How young a blob of a shared store must be for the sweep to leave it, whatever the records
+/// say: longer than any write and the record that follows it.
+pub const SHARED_GRACE: Duration = Duration::from_secs(3600);
+
+/// How young an unreferenced model or module must be for the sweep to keep it: an admin uploads
+/// them before creating the task that names them.
+pub const UPLOAD_GRACE: Duration = Duration::from_secs(86_400);
+
+fn model_name(digest: &ModelDigest) -> String {
+    format!("{}.safetensors", digest.to_hex())
+}
+
+fn module_name(hex_digest: &str) -> String {
+    format!("{hex_digest}.pt")
+}
+
+/// Writes `bytes` as blob `name` of `kind`.
+fn put(blobs: &dyn BlobStore, kind: BlobKind, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
+    let mut w = blobs.writer(kind, Some(name))?;
+    w.write_all(bytes).map_err(files::io_at(name))?;
+    w.commit(name)
+}
+
+/// Reads a whole blob.
+fn read_all(blobs: &dyn BlobStore, kind: BlobKind, name: &str) -> Result<Vec<u8>, StoreError> {
+    let mut bytes = Vec::new();
+    blobs
+        .reader(kind, name, None)?
+        .read_to_end(&mut bytes)
+        .map_err(files::io_at(name))?;
+    Ok(bytes)
+}
+
+/// What the server does with blobs: written once here over [`BlobStore`], for every store.
+pub trait Blobs {
+    /// Where this store keeps its blobs.
+    fn blobs(&self) -> &dyn BlobStore;
+
+    /// Stores f32 safetensors bytes whose digest the caller computed (a no-op if that digest is
+    /// there already).
+    fn put_model_bytes(&self, digest: &ModelDigest, safetensors: &[u8]) -> Result<(), StoreError> {
+        let name = model_name(digest);
+        if self.blobs().head(BlobKind::Model, &name)?.is_none() {
+            put(self.blobs(), BlobKind::Model, &name, safetensors)?;
+        }
+        Ok(())
+    }
+
+    /// Stores a model under its digest (a no-op if it is there already).
+    fn put_model(&self, model: &Model) -> Result<ModelDigest, StoreError> {
+        let digest = model.digest();
+        self.put_model_bytes(&digest, &model.to_safetensors())?;
+        Ok(digest)
+    }
+
+    /// Whether model `digest` is stored (a head request).
+    fn has_model(&self, digest: &ModelDigest) -> Result<bool, StoreError> {
+        Ok(self
+            .blobs()
+            .head(BlobKind::Model, &model_name(digest))?
+            .is_some())
+    }
+
+    /// The stored safetensors bytes of a model.
+    fn model_bytes(&self, digest: &ModelDigest) -> Result<Vec<u8>, StoreError> {
+        read_all(self.blobs(), BlobKind::Model, &model_name(digest))
+    }
+
+    fn read_model(&self, digest: &ModelDigest) -> Result<Model, StoreError> {
+        Ok(Model::from_safetensors(
+            &self.model_bytes(digest)?,
+            &Limits::default(),
+        )?)
+    }
+
+    /// A model's bytes as a stream (a download).
+    fn model_stream(&self, digest: &ModelDigest) -> Result<BlobStream, StoreError> {
+        self.blobs()
+            .stream(BlobKind::Model, &model_name(digest), None)
+    }
+
+    /// Deletes a model's blob; false if there was none.
+    fn remove_model(&self, digest: &ModelDigest) -> Result<bool, StoreError> {
+        self.blobs().remove(BlobKind::Model, &model_name(digest))
+    }
+
+    /// Stores a TorchScript module under the hex SHA-256 of its bytes, which it returns.
+    fn put_module(&self, bytes: &[u8]) -> Result<String, StoreError> {
+        let hex_digest = hora_common::sha256_hex(bytes);
+        let name = module_name(&hex_digest);
+        if self.blobs().head(BlobKind::Module, &name)?.is_none() {
+            put(self.blobs(), BlobKind::Module, &name, bytes)?;
+        }
+        Ok(hex_digest)
+    }
+
+    /// Whether module `hex_digest` is stored (false for a digest that names no blob).
+    fn has_module(&self, hex_digest: &str) -> Result<bool, StoreError> {
+        let name = module_name(hex_digest);
+        Ok(valid_name(&name) && self.blobs().head(BlobKind::Module, &name)?.is_some())
+    }
+
+    /// A module's bytes as a stream (a download).
+    fn module_stream(&self, hex_digest: &str) -> Result<BlobStream, StoreError> {
+        self.blobs()
+            .stream(BlobKind::Module, &module_name(hex_digest), None)
+    }
+
+    /// Deletes a strategy state no record refers to any more (nothing for a name that is not a
+    /// state's).
+    fn remove_strategy_state(&self, name: &str) {
+        if crate::strategy::state::valid_name(name) {
+            let _ = self.blobs().remove(BlobKind::StrategyState, name);
+        }
+    }
+
+    /// Writes an accumulator checkpoint (the f64 sum), named by the SHA-256 of its encoding;
+    /// returns the name. The sum is streamed out, hashed as it goes (it is the largest thing
+    /// the server holds: never hold it twice).
+    fn write_checkpoint(&self, sum: &[f64]) -> Result<String, StoreError> {
+        let mut w = self.blobs().writer(BlobKind::Checkpoint, None)?;
+        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+        files::encode_checkpoint(sum, |bytes| {
+            hash.update(bytes);
+            w.write_all(bytes)
+        })
+        .map_err(files::io_at("a new checkpoint"))?;
+        let name = files::checkpoint_name(hash);
+        w.commit(&name)?;
+        Ok(name)
+    }
+
+    /// Reads a checkpoint back; corrupt if it does not hold `expected_len` values or its
+    /// contents do not match its name.
+    fn read_checkpoint(&self, file: &str, expected_len: usize) -> Result<Vec<f64>, StoreError> {
+        let r = self.blobs().reader(BlobKind::Checkpoint, file, None)?;
+        files::decode_checkpoint(r, file, expected_len, files::io_at(file))
+    }
+
+    /// Writes the sum of a secure-aggregation attempt's masked inputs, named by the SHA-256 of
+    /// its encoding; returns the name.
+    fn write_masked_sum(&self, sum: &[u32]) -> Result<String, StoreError> {
+        let (name, bytes) = files::encode_masked_sum(sum);
+        if self.blobs().head(BlobKind::Checkpoint, &name)?.is_none() {
+            put(self.blobs(), BlobKind::Checkpoint, &name, &bytes)?;
+        }
+        Ok(name)
+    }
+
+    fn read_masked_sum(&self, file: &str, expected_len: usize) -> Result<Vec<u32>, StoreError> {
+        let bytes = read_all(self.blobs(), BlobKind::Checkpoint, file)?;
+        files::decode_masked_sum(&bytes, file, expected_len)
+    }
+
+    /// Deletes a checkpoint or masked sum (nothing if there is none).
+    fn remove_checkpoint(&self, file: &str) {
+        let _ = self.blobs().remove(BlobKind::Checkpoint, file);
+    }
+}
+
+/// Deletes temporary blobs and, when `refs` is known (every task's records could be read),
+/// every blob it does not name: except unreferenced models and modules younger than
+/// [`UPLOAD_GRACE`], and, in a shared store, anything younger than [`SHARED_GRACE`]. Returns
+/// the number of blobs removed. `now` is the sweep's clock.
+pub(super) fn sweep(
+    blobs: &dyn BlobStore,
+    refs: Option<&Referenced>,
+    now: SystemTime,
+) -> Result<usize, StoreError> {
+    let none = Default::default();
+    let (refs_known, refs) = match refs {
+        Some(r) => (true, r),
+        None => (false, &none),
+    };
+    let younger = |meta: &BlobMeta, limit: Duration| {
+        meta.modified
+            .map(|m| now.duration_since(m).map(|age| age < limit).unwrap_or(true))
+            .unwrap_or(false)
+    };
+    let mut removed = 0;
+    for kind in BlobKind::ALL {
+        let (keep, upload_grace): (&std::collections::HashSet<String>, bool) = match kind {
+            BlobKind::Model => (&refs.models, true),
+            BlobKind::Module => (&refs.modules, true),
+            BlobKind::StrategyState => (&refs.states, false),
+            BlobKind::Checkpoint => (&refs.checkpoints, false),
+        };
+        for (name, meta) in blobs.list(kind)? {
+            if blobs.shared() && younger(&meta, SHARED_GRACE) {
+                continue;
+            }
+            let temp = name.starts_with(".tmp-");
+            let kept = !refs_known
+                || keep.contains(&name)
+                || (upload_grace && younger(&meta, UPLOAD_GRACE));
+            if temp || !kept {
+                blobs.remove(kind, &name)?;
+                removed += 1;
+            }
+        }
+    }
+    Ok(removed)
+}

@@ -1,0 +1,613 @@
+//! [`ObjectBlobs`]: blobs in an object store through the `object_store` crate, where every
+//! server of a deployment can read what any other wrote: `--blobs file:///dir` (a directory,
+//! local or shared: NFS, a mounted volume) or `--blobs s3://bucket/prefix` (AWS S3 or any
+//! S3-compatible server, `--blobs-endpoint`).
+//!
+//! The keys are the data directory's paths (`blobs/models/<hex>.safetensors`, …) under the
+//! prefix. `object_store` is asynchronous and the stores are not: each call runs on the blob
+//! store's own small runtime and is waited for on a channel, as the PostgreSQL store does
+//! (`postgres::driver`). Writes stream: up to [`PART_BYTES`] they are one put, past it a
+//! multipart upload of [`PART_BYTES`] parts, a few in flight; reads stream too, a chunk at a
+//! time.
+
+use std::fmt;
+use std::future::Future;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::ops::Range;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::{StreamExt, TryStreamExt};
+use object_store::path::Path as Key;
+use object_store::{GetOptions, GetRange, GetResultPayload, ObjectStore, ObjectStoreExt};
+
+use super::{valid_name, BlobKind, BlobMeta, BlobStore, BlobStream, BlobWriter, ByteStream};
+use crate::store::files::temp_name;
+use crate::store::StoreError;
+
+/// The size of a multipart upload's parts, and the most a write holds before it starts one
+/// (S3 wants parts of at least 5 MiB).
+pub const PART_BYTES: usize = 8 << 20;
+/// Parts in flight per upload: a writer holds at most this many parts and one being filled.
+const PARTS_IN_FLIGHT: usize = 4;
+
+/// Where the blobs are, as `--blobs` names them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum BlobLocation {
+    /// Files under the data directory (the default).
+    #[default]
+    DataDir,
+    /// `file:///dir`: a directory through `object_store`'s local store (fsync on), which any
+    /// number of servers may share.
+    File(PathBuf),
+    /// `s3://bucket[/prefix]`: credentials and region from the usual AWS environment
+    /// variables; `endpoint` (`--blobs-endpoint`) for an S3-compatible server.
+    S3 {
+        bucket: String,
+        prefix: String,
+        endpoint: Option<String>,
+    },
+}
+
+impl FromStr for BlobLocation {
+    type Err = String;
+
+    fn from_str(url: &str) -> Result<Self, String> {
+        if let Some(path) = url.strip_prefix("file://") {
+            if !path.starts_with('/') {
+                return Err(format!(
+                    "`{url}`: give an absolute directory, file:///path/to/blobs"
+                ));
+            }
+            return Ok(BlobLocation::File(PathBuf::from(path)));
+        }
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(format!(
+                    "`{url}` names no bucket: give s3://bucket or s3://bucket/prefix"
+                ));
+            }
+            return Ok(BlobLocation::S3 {
+                bucket: bucket.to_string(),
+                prefix: prefix.trim_matches('/').to_string(),
+                endpoint: None,
+            });
+        }
+        Err(format!(
+            "unknown blob store `{url}`: give file:///path/to/dir (a directory, local or shared) or s3://bucket/prefix (with --blobs-endpoint for an S3-compatible server); without --blobs, blobs are files under the data directory"
+        ))
+    }
+}
+
+impl fmt::Display for BlobLocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BlobLocation::DataDir => f.write_str("the data directory"),
+            BlobLocation::File(dir) => write!(f, "file://{}", dir.display()),
+            BlobLocation::S3 {
+                bucket,
+                prefix,
+                endpoint,
+            } => {
+                write!(f, "s3://{bucket}/{prefix}")?;
+                match endpoint {
+                    Some(e) => write!(f, " at {e}"),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+impl BlobLocation {
+    /// With the endpoint `--blobs-endpoint` names (for `s3://` only).
+    pub fn with_endpoint(self, endpoint: Option<String>) -> Result<Self, String> {
+        match (self, endpoint) {
+            (location, None) => Ok(location),
+            (BlobLocation::S3 { bucket, prefix, .. }, Some(endpoint)) => Ok(BlobLocation::S3 {
+                bucket,
+                prefix,
+                endpoint: Some(endpoint),
+            }),
+            (_, Some(_)) => Err("--blobs-endpoint is for --blobs s3://…".into()),
+        }
+    }
+
+    /// Opens the blobs: `data_dir`'s files for [`BlobLocation::DataDir`].
+    pub fn open(&self, data_dir: &std::path::Path) -> Result<Arc<dyn BlobStore>, StoreError> {
+        Ok(match self {
+            BlobLocation::DataDir => Arc::new(super::DirBlobs::open(data_dir)?),
+            _ => Arc::new(ObjectBlobs::open(self)?),
+        })
+    }
+}
+
+/// Blobs in an object store.
+pub struct ObjectBlobs {
+    store: Arc<dyn ObjectStore>,
+    /// Some until dropped (then shut down without waiting, as the PostgreSQL store's).
+    runtime: Option<tokio::runtime::Runtime>,
+    shown: String,
+}
+
+impl ObjectBlobs {
+    pub fn open(location: &BlobLocation) -> Result<Self, StoreError> {
+        let shown = location.to_string();
+        let failed = |reason: String| StoreError::Blobs {
+            at: shown.clone(),
+            reason,
+        };
+        let store: Arc<dyn ObjectStore> = match location {
+            BlobLocation::DataDir => {
+                return Err(failed("the data directory's blobs are DirBlobs".into()))
+            }
+            BlobLocation::File(dir) => {
+                crate::store::files::make_private_dir(dir)?;
+                let local = object_store::local::LocalFileSystem::new_with_prefix(dir)
+                    .map_err(|e| failed(e.to_string()))?
+                    .with_fsync(true)
+                    .with_automatic_cleanup(false);
+                Arc::new(local)
+            }
+            BlobLocation::S3 {
+                bucket,
+                prefix,
+                endpoint,
+            } => {
+                let builder = object_store::aws::AmazonS3Builder::from_env();
+                return Self::open_s3(bucket, prefix, endpoint.as_deref(), builder);
+            }
+        };
+        Self::with_store(store, shown)
+    }
+
+    /// Blobs in S3 bucket `bucket` under `prefix`, at `endpoint` (an S3-compatible server) or
+    /// AWS's; `builder` holds the credentials and region (from the environment, for the server).
+    pub fn open_s3(
+        bucket: &str,
+        prefix: &str,
+        endpoint: Option<&str>,
+        mut builder: object_store::aws::AmazonS3Builder,
+    ) -> Result<Self, StoreError> {
+        let shown = BlobLocation::S3 {
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+            endpoint: endpoint.map(Into::into),
+        }
+        .to_string();
+        let failed = |reason: String| StoreError::Blobs {
+            at: shown.clone(),
+            reason,
+        };
+        builder = builder.with_bucket_name(bucket);
+        if let Some(endpoint) = endpoint {
+            let url = reqwest::Url::parse(endpoint)
+                .map_err(|e| failed(format!("--blobs-endpoint `{endpoint}`: {e}")))?;
+            // Plain http only to this machine (an S3-compatible server next to the server, as
+            // the tests run one); AWS_ALLOW_HTTP=true opts in elsewhere.
+            let loopback = match url.host_str() {
+                Some("localhost") => true,
+                Some(host) => host
+                    .trim_matches(['[', ']'])
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|a| a.is_loopback()),
+                None => false,
+            };
+            if url.scheme() == "http" && loopback {
+                builder = builder.with_allow_http(true);
+            }
+            builder = builder.with_endpoint(endpoint);
+        }
+        let s3 = builder.build().map_err(|e| failed(e.to_string()))?;
+        let store: Arc<dyn ObjectStore> = if prefix.is_empty() {
+            Arc::new(s3)
+        } else {
+            Arc::new(object_store::prefix::PrefixStore::new(
+                s3,
+                Key::from(prefix),
+            ))
+        };
+        Self::with_store(store, shown)
+    }
+
+    /// Blobs in `store`, `shown` in messages.
+    pub fn with_store(store: Arc<dyn ObjectStore>, shown: String) -> Result<Self, StoreError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("hora-blobs")
+            .enable_all()
+            .build()
+            .map_err(|source| StoreError::Io {
+                path: "the blob store's runtime".into(),
+                source,
+            })?;
+        Ok(ObjectBlobs {
+            store,
+            runtime: Some(runtime),
+            shown,
+        })
+    }
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        self.runtime
+            .as_ref()
+            .expect("the runtime lives until the blobs are dropped")
+            .handle()
+    }
+
+    fn key(&self, kind: BlobKind, name: &str) -> Result<Key, StoreError> {
+        if !valid_name(name) {
+            return Err(missing(&format!("{}/{name}", kind.folder())));
+        }
+        Ok(Key::from(kind.folder()).join(name))
+    }
+
+    fn error(&self, key: &Key) -> impl Fn(object_store::Error) -> StoreError + '_ {
+        let key = key.to_string();
+        move |e| match e {
+            object_store::Error::NotFound { .. } => missing(&key),
+            e => StoreError::Blobs {
+                at: self.shown.clone(),
+                reason: format!("{key}: {e}"),
+            },
+        }
+    }
+}
+
+/// What reading a blob that is not there gives, as a missing file does.
+fn missing(key: &str) -> StoreError {
+    StoreError::Io {
+        path: key.to_string(),
+        source: std::io::ErrorKind::NotFound.into(),
+    }
+}
+
+/// Runs `work` on `handle`'s runtime and waits for it, from any thread (as
+/// `postgres::driver::Driver::run` does).
+fn run<T, F>(handle: &tokio::runtime::Handle, work: F) -> Result<T, object_store::Error>
+where
+    F: Future<Output = Result<T, object_store::Error>> + Send + 'static,
+    T: Send + 'static,
+{
+    let (answer, answered) = std::sync::mpsc::sync_channel(1);
+    handle.spawn(async move {
+        let _ = answer.send(work.await);
+    });
+    answered.recv().unwrap_or_else(|_| {
+        Err(object_store::Error::Generic {
+            store: "blobs",
+            source: "the blob store's runtime ended the call without an answer".into(),
+        })
+    })
+}
+
+/// Bytes read from a local file at the start of a range, or from the object store's stream.
+enum Payload {
+    File(std::fs::File, u64),
+    Stream(ByteStream),
+}
+
+impl ObjectBlobs {
+    fn get(
+        &self,
+        kind: BlobKind,
+        name: &str,
+        range: Option<Range<u64>>,
+    ) -> Result<(Payload, u64, u64), StoreError> {
+        let key = self.key(kind, name)?;
+        let store = self.store.clone();
+        let options = GetOptions {
+            range: range.map(GetRange::Bounded),
+            ..Default::default()
+        };
+        let at = key.clone();
+        let got = run(
+            self.handle(),
+            async move { store.get_opts(&at, options).await },
+        )
+        .map_err(self.error(&key))?;
+        let (len, total) = (got.range.end - got.range.start, got.meta.size);
+        let payload = match got.payload {
+            GetResultPayload::File(mut file, path) => {
+                file.seek(SeekFrom::Start(got.range.start))
+                    .map_err(crate::store::files::io(&path))?;
+                Payload::File(file, len)
+            }
+            GetResultPayload::Stream(stream) => Payload::Stream(
+                stream
+                    .map_err(|e| std::io::Error::other(e.to_string()))
+                    .boxed(),
+            ),
+        };
+        Ok((payload, len, total))
+    }
+}
+
+impl BlobStore for ObjectBlobs {
+    fn head(&self, kind: BlobKind, name: &str) -> Result<Option<BlobMeta>, StoreError> {
+        if !valid_name(name) {
+            return Ok(None);
+        }
+        let key = self.key(kind, name)?;
+        let store = self.store.clone();
+        let at = key.clone();
+        match run(self.handle(), async move { store.head(&at).await }) {
+            Ok(meta) => Ok(Some(BlobMeta {
+                len: meta.size,
+                modified: Some(meta.last_modified.into()),
+            })),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error(&key)(e)),
+        }
+    }
+
+    fn reader(
+        &self,
+        kind: BlobKind,
+        name: &str,
+        range: Option<Range<u64>>,
+    ) -> Result<Box<dyn Read + Send>, StoreError> {
+        Ok(match self.get(kind, name, range)?.0 {
+            Payload::File(file, len) => {
+                Box::new(std::io::BufReader::with_capacity(1 << 20, file.take(len)))
+            }
+            Payload::Stream(stream) => Box::new(StreamReader {
+                handle: self.handle().clone(),
+                stream: Some(stream),
+                chunk: Bytes::new(),
+            }),
+        })
+    }
+
+    fn stream(
+        &self,
+        kind: BlobKind,
+        name: &str,
+        range: Option<Range<u64>>,
+    ) -> Result<BlobStream, StoreError> {
+        use tokio::io::AsyncReadExt;
+        let (payload, len, total) = self.get(kind, name, range)?;
+        let stream = match payload {
+            Payload::File(file, len) => {
+                let file = tokio::fs::File::from_std(file).take(len);
+                tokio_util::io::ReaderStream::with_capacity(file, 256 << 10).boxed()
+            }
+            Payload::Stream(stream) => stream,
+        };
+        Ok(BlobStream { len, total, stream })
+    }
+
+    fn writer(
+        &self,
+        kind: BlobKind,
+        name: Option<&str>,
+    ) -> Result<Box<dyn BlobWriter>, StoreError> {
+        // A name known now is written to directly (a put is atomic); else a temporary key,
+        // renamed at commit.
+        let key = match name {
+            Some(name) => self.key(kind, name)?,
+            None => self.key(kind, &temp_name(""))?,
+        };
+        let upload = object_store::buffered::BufWriter::with_capacity(
+            self.store.clone(),
+            key.clone(),
+            PART_BYTES,
+        )
+        .with_max_concurrency(PARTS_IN_FLIGHT);
+        Ok(Box::new(ObjectWriter {
+            handle: self.handle().clone(),
+            store: self.store.clone(),
+            kind,
+            key,
+            named: name.map(str::to_string),
+            upload: Some(upload),
+            pending: Vec::new(),
+            shown: self.shown.clone(),
+        }))
+    }
+
+    fn remove(&self, kind: BlobKind, name: &str) -> Result<bool, StoreError> {
+        let key = self.key(kind, name)?;
+        let store = self.store.clone();
+        let at = key.clone();
+        match run(self.handle(), async move { store.delete(&at).await }) {
+            Ok(()) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(self.error(&key)(e)),
+        }
+    }
+
+    fn list(&self, kind: BlobKind) -> Result<Vec<(String, BlobMeta)>, StoreError> {
+        let prefix = Key::from(kind.folder());
+        let store = self.store.clone();
+        let at = prefix.clone();
+        let listed = run(self.handle(), async move {
+            store.list(Some(&at)).try_collect::<Vec<_>>().await
+        })
+        .map_err(self.error(&prefix))?;
+        Ok(listed
+            .into_iter()
+            .filter_map(|meta| {
+                // Only this kind's own blobs: nothing deeper (the prefix is a folder).
+                let rest = meta.location.prefix_match(&prefix)?.collect::<Vec<_>>();
+                let [name] = rest.as_slice() else {
+                    return None;
+                };
+                Some((
+                    name.as_ref().to_string(),
+                    BlobMeta {
+                        len: meta.size,
+                        modified: Some(meta.last_modified.into()),
+                    },
+                ))
+            })
+            .collect())
+    }
+
+    fn shared(&self) -> bool {
+        true
+    }
+
+    fn describe(&self) -> String {
+        self.shown.clone()
+    }
+}
+
+impl Drop for ObjectBlobs {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// Reads an object store's stream from a blocking thread, a chunk at a time.
+struct StreamReader {
+    handle: tokio::runtime::Handle,
+    /// None only while a chunk is being fetched (or after the stream failed).
+    stream: Option<ByteStream>,
+    chunk: Bytes,
+}
+
+impl Read for StreamReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.chunk.is_empty() {
+            let Some(mut stream) = self.stream.take() else {
+                return Err(std::io::Error::other("the blob's stream failed earlier"));
+            };
+            let (answer, answered) = std::sync::mpsc::sync_channel(1);
+            self.handle.spawn(async move {
+                let next = stream.next().await;
+                let _ = answer.send((stream, next));
+            });
+            let (stream, next) = answered
+                .recv()
+                .map_err(|_| std::io::Error::other("the blob store's runtime ended"))?;
+            match next {
+                None => return Ok(0),
+                Some(chunk) => {
+                    self.stream = Some(stream);
+                    self.chunk = chunk?;
+                }
+            }
+        }
+        let n = buf.len().min(self.chunk.len());
+        buf[..n].copy_from_slice(&self.chunk.split_to(n));
+        Ok(n)
+    }
+}
+
+/// An upload in progress: small writes gather in `pending` and go out a megabyte at a time to
+/// `object_store`'s buffered writer (one put, or a multipart upload once past [`PART_BYTES`]).
+struct ObjectWriter {
+    handle: tokio::runtime::Handle,
+    store: Arc<dyn ObjectStore>,
+    kind: BlobKind,
+    /// Where the bytes go: the blob's key, or a temporary one.
+    key: Key,
+    named: Option<String>,
+    /// Some until committed (or failed).
+    upload: Option<object_store::buffered::BufWriter>,
+    pending: Vec<u8>,
+    shown: String,
+}
+
+const PENDING_BYTES: usize = 1 << 20;
+
+impl ObjectWriter {
+    fn failed(&self, e: impl fmt::Display) -> StoreError {
+        StoreError::Blobs {
+            at: self.shown.clone(),
+            reason: format!("writing {}: {e}", self.key),
+        }
+    }
+
+    /// Hands `bytes` to the upload (waiting while its parts in flight are at the limit).
+    fn send(&mut self, bytes: Bytes) -> std::io::Result<()> {
+        let Some(mut upload) = self.upload.take() else {
+            return Err(std::io::Error::other("the upload failed earlier"));
+        };
+        let upload = run(&self.handle, async move {
+            upload.put(bytes).await?;
+            Ok(upload)
+        })
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+        self.upload = Some(upload);
+        Ok(())
+    }
+}
+
+impl Write for ObjectWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.pending.is_empty() && buf.len() >= PENDING_BYTES {
+            // Large writes go out as they are (a part at most per call), never copied whole.
+            let n = buf.len().min(PART_BYTES);
+            self.send(Bytes::copy_from_slice(&buf[..n]))?;
+            return Ok(n);
+        }
+        let n = buf.len().min(PENDING_BYTES - self.pending.len());
+        self.pending.extend_from_slice(&buf[..n]);
+        if self.pending.len() >= PENDING_BYTES {
+            let bytes = Bytes::from(std::mem::take(&mut self.pending));
+            self.send(bytes)?;
+        }
+        Ok(n)
+    }
+
+    /// Durability comes with [`BlobWriter::commit`]; nothing to do before.
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl BlobWriter for ObjectWriter {
+    fn commit(mut self: Box<Self>, name: &str) -> Result<(), StoreError> {
+        if !valid_name(name) || self.named.as_deref().is_some_and(|n| n != name) {
+            return Err(self.failed(format!("{name} is not the name the blob was started under")));
+        }
+        if !self.pending.is_empty() {
+            let bytes = Bytes::from(std::mem::take(&mut self.pending));
+            self.send(bytes).map_err(|e| self.failed(e))?;
+        }
+        let Some(mut upload) = self.upload.take() else {
+            return Err(self.failed("the upload failed earlier"));
+        };
+        run(&self.handle, async move {
+            use tokio::io::AsyncWriteExt;
+            upload
+                .shutdown()
+                .await
+                .map_err(|e| object_store::Error::Generic {
+                    store: "blobs",
+                    source: Box::new(e),
+                })
+        })
+        .map_err(|e| self.failed(e))?;
+        if self.named.is_none() {
+            let to = Key::from(self.kind.folder()).join(name);
+            let (store, from) = (self.store.clone(), self.key.clone());
+            let renamed = run(&self.handle, async move { store.rename(&from, &to).await });
+            if let Err(e) = renamed {
+                let (store, from) = (self.store.clone(), self.key.clone());
+                let _ = run(&self.handle, async move { store.delete(&from).await });
+                return Err(self.failed(e));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ObjectWriter {
+    /// Uncommitted: abort the upload (a multipart upload's parts are deleted; a buffered put
+    /// never happened).
+    fn drop(&mut self) {
+        if let Some(mut upload) = self.upload.take() {
+            self.handle.spawn(async move {
+                let _ = upload.abort().await;
+            });
+        }
+    }
+}
