@@ -1,7 +1,8 @@
 # Hora's entry points. `make demo` and `make test` do all the set-up a fresh machine needs
 # (PyTorch 2.11.0 for libtorch, cached outside the checkout; see scripts/setup-libtorch.sh; and,
 # for `make test`, the schemathesis API fuzzer, see scripts/setup-schemathesis.sh, and
-# PostgreSQL for the PostgreSQL store's tests, scripts/setup-postgres.sh).
+# PostgreSQL for the PostgreSQL store's tests, scripts/setup-postgres.sh; and s3s-fs, the
+# S3-compatible server the tests of blobs on S3 start, scripts/setup-s3.sh).
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 
@@ -17,19 +18,23 @@ PY_ENV := eval "$$(scripts/setup-python.sh --print-env)"
 # Exports HORA_PG_BINDIR, where the PostgreSQL store's tests find initdb and postgres (installs
 # Debian's postgresql when they are missing).
 PG_ENV := eval "$$(scripts/setup-postgres.sh --print-env)"
+# Exports HORA_S3_SERVER, the S3-compatible server (s3s-fs, from crates.io) the tests of blobs on
+# S3 start.
+S3_ENV := eval "$$(scripts/setup-s3.sh --print-env)"
 # Builds the Python package `hora` (python/) into that environment; $(1): extra maturin flags.
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
 .PHONY: demo test bench lint deps-check setup python
 
-## Set up libtorch, the API fuzzer, the Python environment and PostgreSQL (idempotent; seconds
-## once installed).
+## Set up libtorch, the API fuzzer, the Python environment, PostgreSQL and the S3 test server
+## (idempotent; seconds once installed).
 setup:
 	@scripts/setup-libtorch.sh
 	@scripts/setup-schemathesis.sh
 	@scripts/setup-python.sh
 	@scripts/setup-postgres.sh
+	@scripts/setup-s3.sh
 
 ## The federated Synthetic(1,1) benchmark with real processes: a server, 10 clients, 20 rounds,
 ## a per-round table and the centralised baseline. Leaves nothing running.
@@ -44,7 +49,7 @@ demo:
 ## hora-python's tests are the pytest suite (a Rust test binary of a Python extension has no
 ## interpreter to run in).
 test:
-	@$(TORCH_ENV); $(FUZZ_ENV); $(PY_ENV); $(PG_ENV); \
+	@$(TORCH_ENV); $(FUZZ_ENV); $(PY_ENV); $(PG_ENV); $(S3_ENV); \
 	cargo build --workspace --bins --examples; \
 	if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --exclude hora-python --all-targets --profile $(NEXTEST_PROFILE); \

@@ -2,7 +2,8 @@
 //! an embedding program or a unit-level test would: it serves a federated round over real TLS on
 //! loopback, stops when its shutdown future resolves, and a second server built on the same data
 //! directory carries on from what the first made durable. Once with the embedded sled store, once
-//! with its records in PostgreSQL (`--store postgres://…`, a real server the test starts).
+//! with its records in PostgreSQL (`--store postgres://…`, a real server the test starts), once
+//! with its blobs in an object store (`--blobs file://…`).
 
 mod support;
 
@@ -21,10 +22,11 @@ use serde_json::json;
 use support::{Api, ADMIN_TOKEN};
 use tokio::sync::oneshot;
 
-fn config(data_dir: &Path, store: Option<&str>) -> ServeConfig {
+fn config(data_dir: &Path, store: Option<&str>, blobs: Option<&str>) -> ServeConfig {
     ServeConfig::resolve(ServeArgs {
         data_dir: Some(data_dir.to_path_buf()),
         store: store.map(Into::into),
+        blobs: blobs.map(Into::into),
         listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_token: Some(ADMIN_TOKEN.into()),
         ..Default::default()
@@ -37,12 +39,13 @@ fn config(data_dir: &Path, store: Option<&str>) -> ServeConfig {
 fn start(
     data_dir: &Path,
     store: Option<&str>,
+    blobs: Option<&str>,
 ) -> (
     Api,
     oneshot::Sender<()>,
     tokio::task::JoinHandle<anyhow::Result<()>>,
 ) {
-    let server = Server::build(config(data_dir, store)).expect("a built server");
+    let server = Server::build(config(data_dir, store, blobs)).expect("a built server");
     assert!(
         server.generated_admin_token.is_none(),
         "the token was given"
@@ -68,20 +71,35 @@ fn model(values: [f32; 4]) -> Model {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_in_process_server_runs_rounds_stops_on_its_signal_and_resumes_from_its_data() {
-    runs_rounds_stops_and_resumes(None).await;
+    runs_rounds_stops_and_resumes(None, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_in_process_server_with_blobs_in_an_object_store_runs_rounds_and_resumes() {
+    let blobs = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", blobs.path().display());
+    runs_rounds_stops_and_resumes(None, Some(&url)).await;
+    // Every blob went to the object store: models (uploaded, published), the checkpoint.
+    let models = std::fs::read_dir(blobs.path().join("blobs/models")).unwrap();
+    assert_eq!(
+        models.count(),
+        3,
+        "the initial model and two published rounds'"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_in_process_server_on_postgres_runs_rounds_stops_and_resumes_from_the_database() {
     let postgres = test_server::TestServer::start();
-    runs_rounds_stops_and_resumes(Some(&postgres.url())).await;
+    runs_rounds_stops_and_resumes(Some(&postgres.url()), None).await;
 }
 
 /// Two rounds with two clients; the server is stopped with round 2 half done and a second one
-/// on the same data (`store`: the records' PostgreSQL, else sled) finishes it.
-async fn runs_rounds_stops_and_resumes(store: Option<&str>) {
+/// on the same data (`store`: the records' PostgreSQL, else sled; `blobs`: where `--blobs`
+/// says, else the data directory) finishes it.
+async fn runs_rounds_stops_and_resumes(store: Option<&str>, blobs: Option<&str>) {
     let dir = tempfile::tempdir().unwrap();
-    let (admin, stop, running) = start(dir.path(), store);
+    let (admin, stop, running) = start(dir.path(), store, blobs);
     let initial = model([1.0, 2.0, 3.0, 4.0]);
     let digest = admin.upload_model(&initial).await;
     admin
@@ -129,7 +147,7 @@ async fn runs_rounds_stops_and_resumes(store: Option<&str>) {
     );
 
     // A new server on the same data: round 2 goes on with a's update in it.
-    let (admin, stop, running) = start(dir.path(), store);
+    let (admin, stop, running) = start(dir.path(), store, blobs);
     let info = admin.task("inproc").await;
     assert_eq!(info.published_rounds, 1);
     let open = info.open_round.expect("round 2 is open");
@@ -158,4 +176,6 @@ async fn runs_rounds_stops_and_resumes(store: Option<&str>) {
     running.await.unwrap().unwrap();
     // The records were where `store` said: the data directory has a sled database only with sled.
     assert_eq!(dir.path().join("db").exists(), store.is_none());
+    // And the blobs where `blobs` said: none under the data directory with --blobs.
+    assert_eq!(dir.path().join("blobs").exists(), blobs.is_none());
 }

@@ -201,6 +201,10 @@ impl ObjectBlobs {
             }
             builder = builder.with_endpoint(endpoint);
         }
+        // object_store's HTTP client is reqwest with rustls and no provider of its own: it takes
+        // the process's default, which is ring (the only provider in the tree) unless one was
+        // installed already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let s3 = builder.build().map_err(|e| failed(e.to_string()))?;
         let store: Arc<dyn ObjectStore> = if prefix.is_empty() {
             Arc::new(s3)

@@ -339,9 +339,9 @@ pub(super) fn an_uncommitted_blob_leaves_nothing(f: &mut dyn Fixture) {
     }
     assert_eq!(names(s, BlobKind::Checkpoint), HashSet::new());
     assert_eq!(names(s, BlobKind::Model), HashSet::new());
-    assert!(!s
+    assert!(s
         .blobs()
         .head(BlobKind::Model, "never.safetensors")
         .unwrap()
-        .is_some());
+        .is_none());
 }
