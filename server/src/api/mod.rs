@@ -340,6 +340,34 @@ async fn healthz() -> &'static str {
     "ok"
 }
 
+/// How long `/readyz` waits for the store's answer.
+const READY_WITHIN: Duration = Duration::from_secs(2);
+
+#[utoipa::path(get, path = "/readyz", tag = "ops",
+    responses(
+        (status = 200, description = "This server can reach its store and serve", body = inline(doc::Text), content_type = "text/plain"),
+        (status = 503, body = ApiError, description = "`store_unavailable`: the store did not answer (within 2 s); `shutting_down`: the server is shutting down. A load balancer sends this server nothing meanwhile")))]
+async fn readyz(State(state): State<Shared>) -> Result<&'static str, ServerError> {
+    if state.coordinator.stopping.is_cancelled() {
+        return Err(ServerError::unavailable(
+            ErrorCode::ShuttingDown,
+            "the server is shutting down",
+        ));
+    }
+    let coordinator = state.coordinator.clone();
+    let asked = crate::blocking(move || Ok(coordinator.store().ready()?));
+    match tokio::time::timeout(READY_WITHIN, asked).await {
+        Ok(answer) => answer.map(|()| "ready"),
+        Err(_) => Err(ServerError::unavailable(
+            ErrorCode::StoreUnavailable,
+            format!(
+                "the store did not answer within {} s",
+                READY_WITHIN.as_secs()
+            ),
+        )),
+    }
+}
+
 #[utoipa::path(get, path = "/metrics", tag = "ops",
     security((), ("admin_token" = [])),
     responses(
@@ -521,6 +549,7 @@ async fn request_timeout(
 pub fn router(state: Shared) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         .merge(client::routes())

@@ -99,6 +99,9 @@ impl Coordinator {
         }
         round.durability.send_replace(Durability::Upto(acc.durable));
         selection_recorded(round, &mut acc);
+        self.metrics
+            .store_commit_seconds
+            .observe(started.elapsed().as_secs_f64());
         tracing::debug!(task = %task.id, round = round.number, durable = acc.durable, ms = started.elapsed().as_millis() as u64, "checkpoint");
         Ok(())
     }

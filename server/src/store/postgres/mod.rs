@@ -636,6 +636,11 @@ impl Housekeeping for PostgresStore {
     fn sweep_orphans(&self) -> Result<usize, StoreError> {
         self.sweep_files(referenced(self)?)
     }
+
+    fn ready(&self) -> Result<(), StoreError> {
+        self.query("SELECT 1", params![])?;
+        Ok(())
+    }
 }
 
 /// What only the PostgreSQL store has: migrations, the change feed, a database that goes away.
