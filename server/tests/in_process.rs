@@ -90,11 +90,24 @@ async fn readyz(api: &Api) -> (u16, String) {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn readiness_follows_the_database_while_liveness_does_not() {
+async fn one_server_holds_its_database_and_readiness_follows_the_database() {
     let mut postgres = test_server::TestServer::start();
     let dir = tempfile::tempdir().unwrap();
     let (admin, stop, running) = start(dir.path(), Some(&postgres.url()));
     assert_eq!(readyz(&admin).await.0, 200);
+    // A second server on the same database is refused while the first serves.
+    let (other, url) = (tempfile::tempdir().unwrap(), postgres.url());
+    let second = tokio::task::spawn_blocking(move || {
+        Server::build(config(other.path(), Some(&url))).map(|_| ())
+    });
+    let refused = second
+        .await
+        .unwrap()
+        .expect_err("a second server on one database");
+    assert!(
+        format!("{refused:#}").contains("another hora-server is using the database"),
+        "{refused:#}"
+    );
     postgres.stop();
     let (status, body) = readyz(&admin).await;
     assert_eq!(status, 503, "{body}");

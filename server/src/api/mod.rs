@@ -140,7 +140,7 @@ impl FromRequestParts<Shared> for AdminAuth {
             return Ok(AdminAuth);
         }
         // (Before the slow check, which a client's own credentials need not pay for.)
-        if authenticate_client(state, token).is_ok() {
+        if authenticate_client(state, token).await.is_ok() {
             return Err(ServerError::Forbidden(
                 "client credentials cannot use the admin API".into(),
             ));
@@ -164,14 +164,19 @@ pub struct ClientAuth {
     pub strikes: u32,
 }
 
-fn authenticate_client(state: &Shared, token: &str) -> Result<ClientRecord, ServerError> {
+/// The client `token` names, if its credentials are good. The record is read on a blocking
+/// thread (a database store answers over the network).
+async fn authenticate_client(state: &Shared, token: &str) -> Result<ClientRecord, ServerError> {
     let (id, secret) = auth::client_token(token)?;
     let invalid = || {
         ServerError::Unauthorized(
             "invalid client credentials: enrol again or check the stored credentials".into(),
         )
     };
-    let record = state.coordinator.store().client(id)?.ok_or_else(invalid)?;
+    let (coordinator, key) = (state.coordinator.clone(), id.to_string());
+    let record = crate::blocking(move || Ok(coordinator.store().client(&key)?))
+        .await?
+        .ok_or_else(invalid)?;
     if !auth::verify_secret(secret, &record.secret_hash) {
         return Err(invalid());
     }
@@ -202,7 +207,7 @@ impl FromRequestParts<Shared> for ClientAuth {
     /// client cannot learn which tasks exist beyond its own.
     async fn from_request_parts(parts: &mut Parts, state: &Shared) -> Result<Self, ServerError> {
         let token = auth::bearer(parts.headers.get(AUTHORIZATION))?;
-        let record = authenticate_client(state, token)?;
+        let record = authenticate_client(state, token).await?;
         credentials_passed(&parts.extensions);
         let (id, _) = auth::client_token(token)?;
         if let (Some(task), Some(allowed)) = (task_of_path(parts.uri.path()), &record.tasks) {

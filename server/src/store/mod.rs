@@ -95,7 +95,7 @@ impl StoreLocation {
         Ok(match self {
             StoreLocation::Sled => std::sync::Arc::new(SledStore::open(data_dir)?),
             StoreLocation::Postgres(target) => {
-                std::sync::Arc::new(PostgresStore::open(target, data_dir)?)
+                std::sync::Arc::new(PostgresStore::open(target, data_dir)?.claim()?)
             }
         })
     }
