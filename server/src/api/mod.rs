@@ -62,7 +62,8 @@ pub struct HttpLimits {
     pub request_timeout: Duration,
     /// Whether `GET /metrics` needs the admin token.
     pub metrics_require_token: bool,
-    /// Updates opened and folded at once (CPU work; their bodies are already in memory).
+    /// Updates opened at once (CPU work; their bodies are already in memory; the fold that
+    /// follows takes its round's lock without the slot).
     pub max_concurrent_uploads: usize,
     /// The longest a body waits for room in the byte budget before it is answered 503 `busy`.
     pub body_wait: Duration,
