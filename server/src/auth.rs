@@ -242,7 +242,7 @@ impl AdminKey {
             if let Err(whose) = budgets.take(source, Instant::now()) {
                 return Err(ServerError::unavailable(
                     hora_common::wire::ErrorCode::Busy,
-                    format!("too many admin token checks failed recently ({whose} budget is spent); retry in a few seconds"),
+                    format!("too many admin token checks failed recently ({whose} budget is spent); retry in a moment"),
                 ));
             }
         }

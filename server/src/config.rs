@@ -128,7 +128,8 @@ pub struct ServeArgs {
     /// Group-commit window in milliseconds.
     #[arg(long, env = "HORA_COMMIT_WINDOW_MS")]
     pub commit_window_ms: Option<u64>,
-    /// Update bodies read and folded at once (bounds memory: each holds one sealed delta).
+    /// Updates opened (decrypted and checked) at once: the CPU work of uploads, whose bodies
+    /// are already in memory under --upload-buffer-bytes; folds into a round take its lock.
     #[arg(long, env = "HORA_MAX_CONCURRENT_UPLOADS")]
     pub max_concurrent_uploads: Option<usize>,
     /// Largest model or module an admin may upload, in bytes.

@@ -1,5 +1,5 @@
 //! Prometheus metrics (`GET /metrics`): rounds published and abandoned, uploads accepted and
-//! rejected by reason, bytes received, ingest and aggregation latency; sync-job worlds formed and
+//! rejected by reason, bytes received, ingest, aggregation and group-commit latency; sync-job worlds formed and
 //! rendezvous joins that timed out; connections open and closed by the guard, by reason, and
 //! requests refused for their address's unauthenticated requests in flight; tasks
 //! whose stored state could not be loaded; the privacy each task with differential privacy has
@@ -39,6 +39,7 @@ pub struct ServerMetrics {
     pub upload_bytes: Counter,
     pub ingest_seconds: Histogram,
     aggregation_seconds: Histogram,
+    pub store_commit_seconds: Histogram,
     sync_worlds_formed: Family<JobLabel, Counter>,
     sync_join_timeouts: Family<JobLabel, Counter>,
     pub connections_open: Gauge,
@@ -67,6 +68,7 @@ impl Default for ServerMetrics {
             upload_bytes: Counter::default(),
             ingest_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
             aggregation_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
+            store_commit_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
             sync_worlds_formed: Family::default(),
             sync_join_timeouts: Family::default(),
             connections_open: Gauge::default(),
@@ -114,6 +116,11 @@ impl Default for ServerMetrics {
             "aggregation_seconds",
             "Time to aggregate and publish a round",
             m.aggregation_seconds.clone(),
+        );
+        registry.register(
+            "store_commit_seconds",
+            "Time of one group commit that makes uploads durable (the sum's checkpoint, the open round's record and the store's flush): the store's latency as rounds see it",
+            m.store_commit_seconds.clone(),
         );
         registry.register(
             "sync_worlds_formed",

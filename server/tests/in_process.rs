@@ -94,12 +94,61 @@ async fn an_in_process_server_on_postgres_runs_rounds_stops_and_resumes_from_the
     runs_rounds_stops_and_resumes(Some(&postgres.url()), None).await;
 }
 
+/// `/readyz`'s status and body.
+async fn readyz(api: &Api) -> (u16, String) {
+    let answer = api
+        .http
+        .get(format!("{}/readyz", api.url))
+        .send()
+        .await
+        .expect("an answer");
+    let status = answer.status().as_u16();
+    (status, answer.text().await.unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_server_holds_its_database_and_readiness_follows_the_database() {
+    let mut postgres = test_server::TestServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (admin, stop, running) = start(dir.path(), Some(&postgres.url()), None);
+    assert_eq!(readyz(&admin).await.0, 200);
+    // A second server on the same database is refused while the first serves.
+    let (other, url) = (tempfile::tempdir().unwrap(), postgres.url());
+    let second = tokio::task::spawn_blocking(move || {
+        Server::build(config(other.path(), Some(&url), None)).map(|_| ())
+    });
+    let refused = second
+        .await
+        .unwrap()
+        .expect_err("a second server on one database");
+    assert!(
+        format!("{refused:#}").contains("another hora-server is using the database"),
+        "{refused:#}"
+    );
+    postgres.stop();
+    let (status, body) = readyz(&admin).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("store_unavailable"), "{body}");
+    let healthz = admin.http.get(format!("{}/healthz", admin.url)).send();
+    assert_eq!(healthz.await.unwrap().status().as_u16(), 200);
+    // Back by itself once the database is.
+    postgres.restart();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while readyz(&admin).await.0 != 200 {
+        assert!(std::time::Instant::now() < deadline, "not ready again");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+}
+
 /// Two rounds with two clients; the server is stopped with round 2 half done and a second one
 /// on the same data (`store`: the records' PostgreSQL, else sled; `blobs`: where `--blobs`
 /// says, else the data directory) finishes it.
 async fn runs_rounds_stops_and_resumes(store: Option<&str>, blobs: Option<&str>) {
     let dir = tempfile::tempdir().unwrap();
     let (admin, stop, running) = start(dir.path(), store, blobs);
+    assert_eq!(readyz(&admin).await, (200, "ready".to_string()));
     let initial = model([1.0, 2.0, 3.0, 4.0]);
     let digest = admin.upload_model(&initial).await;
     admin

@@ -38,7 +38,7 @@ use super::{admin, client, secagg, sync};
             with a method it does not serve answers 405 `method_not_allowed` with an `Allow` header."
     ),
     paths(
-        super::healthz, super::metrics, super::openapi,
+        super::healthz, super::readyz, super::metrics, super::openapi,
         client::enrol, client::poll, client::join, client::model, client::module, client::update,
         admin::upload_model, admin::upload_module, admin::create_task, admin::list_tasks, admin::get_task,
         admin::pause, admin::resume, admin::stop, admin::rounds, admin::round_model,

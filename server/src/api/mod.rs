@@ -62,7 +62,8 @@ pub struct HttpLimits {
     pub request_timeout: Duration,
     /// Whether `GET /metrics` needs the admin token.
     pub metrics_require_token: bool,
-    /// Updates opened and folded at once (CPU work; their bodies are already in memory).
+    /// Updates opened at once (CPU work; their bodies are already in memory; the fold that
+    /// follows takes its round's lock without the slot).
     pub max_concurrent_uploads: usize,
     /// The longest a body waits for room in the byte budget before it is answered 503 `busy`.
     pub body_wait: Duration,
@@ -140,7 +141,7 @@ impl FromRequestParts<Shared> for AdminAuth {
             return Ok(AdminAuth);
         }
         // (Before the slow check, which a client's own credentials need not pay for.)
-        if authenticate_client(state, token).is_ok() {
+        if authenticate_client(state, token).await.is_ok() {
             return Err(ServerError::Forbidden(
                 "client credentials cannot use the admin API".into(),
             ));
@@ -164,14 +165,19 @@ pub struct ClientAuth {
     pub strikes: u32,
 }
 
-fn authenticate_client(state: &Shared, token: &str) -> Result<ClientRecord, ServerError> {
+/// The client `token` names, if its credentials are good. The record is read on a blocking
+/// thread (a database store answers over the network).
+async fn authenticate_client(state: &Shared, token: &str) -> Result<ClientRecord, ServerError> {
     let (id, secret) = auth::client_token(token)?;
     let invalid = || {
         ServerError::Unauthorized(
             "invalid client credentials: enrol again or check the stored credentials".into(),
         )
     };
-    let record = state.coordinator.store().client(id)?.ok_or_else(invalid)?;
+    let (coordinator, key) = (state.coordinator.clone(), id.to_string());
+    let record = crate::blocking(move || Ok(coordinator.store().client(&key)?))
+        .await?
+        .ok_or_else(invalid)?;
     if !auth::verify_secret(secret, &record.secret_hash) {
         return Err(invalid());
     }
@@ -202,7 +208,7 @@ impl FromRequestParts<Shared> for ClientAuth {
     /// client cannot learn which tasks exist beyond its own.
     async fn from_request_parts(parts: &mut Parts, state: &Shared) -> Result<Self, ServerError> {
         let token = auth::bearer(parts.headers.get(AUTHORIZATION))?;
-        let record = authenticate_client(state, token)?;
+        let record = authenticate_client(state, token).await?;
         credentials_passed(&parts.extensions);
         let (id, _) = auth::client_token(token)?;
         if let (Some(task), Some(allowed)) = (task_of_path(parts.uri.path()), &record.tasks) {
@@ -338,6 +344,34 @@ pub fn not_modified(headers: &HeaderMap, etag: &str) -> bool {
     responses((status = 200, description = "The server is up", body = inline(doc::Text), content_type = "text/plain")))]
 async fn healthz() -> &'static str {
     "ok"
+}
+
+/// How long `/readyz` waits for the store's answer.
+const READY_WITHIN: Duration = Duration::from_secs(2);
+
+#[utoipa::path(get, path = "/readyz", tag = "ops",
+    responses(
+        (status = 200, description = "This server can reach its store and serve", body = inline(doc::Text), content_type = "text/plain"),
+        (status = 503, body = ApiError, description = "`store_unavailable`: the store did not answer (within 2 s); `shutting_down`: the server is shutting down. A load balancer sends this server nothing meanwhile")))]
+async fn readyz(State(state): State<Shared>) -> Result<&'static str, ServerError> {
+    if state.coordinator.stopping.is_cancelled() {
+        return Err(ServerError::unavailable(
+            ErrorCode::ShuttingDown,
+            "the server is shutting down",
+        ));
+    }
+    let coordinator = state.coordinator.clone();
+    let asked = crate::blocking(move || Ok(coordinator.store().ready()?));
+    match tokio::time::timeout(READY_WITHIN, asked).await {
+        Ok(answer) => answer.map(|()| "ready"),
+        Err(_) => Err(ServerError::unavailable(
+            ErrorCode::StoreUnavailable,
+            format!(
+                "the store did not answer within {} s",
+                READY_WITHIN.as_secs()
+            ),
+        )),
+    }
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "ops",
@@ -521,6 +555,7 @@ async fn request_timeout(
 pub fn router(state: Shared) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         .merge(client::routes())

@@ -277,6 +277,10 @@ pub fn close_round(
     if !*noised {
         noise::add_gaussian_noise(sum.sum_mut(), noise_stddev, state.clip)?;
         *noised = true;
+    } else {
+        // Noised by a close that failed afterwards: the updates folded since are not on the
+        // grid, and what is published must be (the noise covers the whole sum already).
+        noise::snap_to_grid(sum.sum_mut(), noise_stddev, state.clip)?;
     }
     sum.set_total_weight(expected)?;
     let next_clip = match adaptive {

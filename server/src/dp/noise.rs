@@ -200,6 +200,19 @@ pub fn add_gaussian_noise_seeded(
     Ok(grid)
 }
 
+/// Rounds every value to the grid [`add_gaussian_noise`] would use for the same arguments, with
+/// no noise: for a sum noised once already that took more (unnoised) updates since, as after a
+/// close that failed once it had noised the sum, so what is published stays on the grid.
+pub fn snap_to_grid(values: &mut [f64], stddev: f64, sensitivity: f64) -> Result<Grid, NoiseError> {
+    let grid = Grid::for_sum(stddev, sensitivity, values.len())?;
+    values.par_chunks_mut(STRETCH).for_each(|values| {
+        values
+            .iter_mut()
+            .for_each(|v| *v = (*v / grid.step).round() * grid.step)
+    });
+    Ok(grid)
+}
+
 /// Each value `x` becomes `step·(round(x/step) + k)`, `k ∼ N_Z(0, sigma²)`.
 fn add_noise_on_grid(values: &mut [f64], grid: Grid, seed: &[u8; 32]) {
     values
@@ -384,6 +397,26 @@ fn discrete_gaussian(bits: &mut Bits<impl RngCore>, sigma: u64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sum_that_took_updates_after_its_noise_is_snapped_back_to_the_grid() {
+        let mut sum = vec![0.25; 1000];
+        let grid = add_gaussian_noise_seeded(&mut sum, 1.3, 0.7, &[7; 32]).unwrap();
+        // Updates folded after the noise are off the grid; snapping puts every value back on it.
+        for (i, v) in sum.iter_mut().enumerate() {
+            *v += 1e-9 * i as f64 + 0.3;
+        }
+        let snapped = snap_to_grid(&mut sum, 1.3, 0.7).unwrap();
+        assert_eq!((snapped.step, snapped.sigma), (grid.step, grid.sigma));
+        for v in &sum {
+            assert_eq!(
+                (v / grid.step).fract(),
+                0.0,
+                "{v} is off the grid of {}",
+                grid.step
+            );
+        }
+    }
 
     fn mean_and_std(values: &[f64]) -> (f64, f64) {
         let n = values.len() as f64;

@@ -132,8 +132,8 @@ struct Completed {
     job: String,
     world: FormedWorld,
     waiters: Vec<Waiter>,
-    /// Whether the new generation count reached sled.
-    recorded: Result<(), StoreError>,
+    /// The job's record with the new generation count, to be written.
+    record: SyncJobRecord,
 }
 
 /// What a join learns from the forming world as it enters.
@@ -150,6 +150,9 @@ pub struct Rendezvous {
     metrics: Arc<ServerMetrics>,
     jobs: Mutex<BTreeMap<String, Job>>,
     next_waiter: AtomicU64,
+    /// The generation each job's stored record has, held while one is written (on a blocking
+    /// thread): generations are recorded in order, never an older count over a newer one.
+    recorded: Arc<Mutex<BTreeMap<String, u64>>>,
 }
 
 impl Rendezvous {
@@ -165,6 +168,7 @@ impl Rendezvous {
             metrics,
             jobs: Mutex::new(jobs),
             next_waiter: AtomicU64::new(0),
+            recorded: Arc::default(),
         })
     }
 
@@ -209,6 +213,11 @@ impl Rendezvous {
             }
             jobs.insert(record.id.clone(), Job::new(record.clone()));
         }
+        // (A job of this id deleted before counts its generations from 0 again.)
+        self.recorded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&record.id);
         self.store.flush()?;
         tracing::info!(job = %record.id, world_size = record.world_size, "sync job created");
         Ok(SyncJobInfo {
@@ -232,8 +241,14 @@ impl Rendezvous {
             let Some(mut job) = jobs.remove(id) else {
                 return Err(ServerError::NotFound(format!("no sync job `{id}`")));
             };
+            // (Under the recording lock: a world formed just before, whose announcement is
+            // still to write its record, must not bring the job back.)
+            let mut recorded = self.recorded.lock().unwrap_or_else(PoisonError::into_inner);
             match self.store.remove_sync_job(id) {
-                Ok(_) => job.take_waiters(),
+                Ok(_) => {
+                    recorded.insert(id.to_string(), u64::MAX);
+                    job.take_waiters()
+                }
                 Err(e) => {
                     jobs.insert(id.to_string(), job);
                     return Err(e.into());
@@ -281,7 +296,8 @@ impl Rendezvous {
             // The flush runs on a blocking thread, and to its end (answering every member) even
             // if this worker's request is dropped meanwhile.
             let (store, metrics) = (self.store.clone(), self.metrics.clone());
-            tokio::task::spawn_blocking(move || announce(&*store, &metrics, completed));
+            let recorded = self.recorded.clone();
+            tokio::task::spawn_blocking(move || announce(&*store, &metrics, &recorded, completed));
         }
         let timeout = Duration::from_secs(u64::from(timeout_s));
         let answer = match tokio::time::timeout(timeout, &mut answer).await {
@@ -396,12 +412,11 @@ impl Rendezvous {
         })
     }
 
-    /// Forms the world of a job whose every rank has joined and empties its slots. The sled write
-    /// happens here, under the lock, so two generations of one job are recorded in order.
+    /// Forms the world of a job whose every rank has joined and empties its slots. The store
+    /// write happens in [`announce`], on a blocking thread, not under this lock on a worker.
     fn complete(&self, job: &mut Job) -> Completed {
         let waiters = job.take_waiters();
         job.record.generations += 1;
-        let recorded = self.store.put_sync_job(&job.record);
         let world = FormedWorld {
             generation: job.record.generations,
             session: format!("{:032x}", rand::random::<u128>()).into(),
@@ -412,7 +427,7 @@ impl Rendezvous {
             job: job.record.id.clone(),
             world,
             waiters,
-            recorded,
+            record: job.record.clone(),
         }
     }
 
@@ -551,15 +566,33 @@ fn unknown_job_or_token(job_id: &str) -> ServerError {
 
 /// Makes a formed world's generation durable, then answers its members. Synchronous (on a
 /// blocking thread), so that no dropped future can come between taking the waiters and
-/// answering them.
-fn announce(store: &Store, metrics: &ServerMetrics, completed: Completed) {
+/// answering them. A generation whose job has a later one recorded already is durable with it.
+fn announce(
+    store: &Store,
+    metrics: &ServerMetrics,
+    recorded: &Mutex<BTreeMap<String, u64>>,
+    completed: Completed,
+) {
     let Completed {
         job,
         world,
         waiters,
-        recorded,
+        record,
     } = completed;
-    if let Err(e) = recorded.and_then(|()| store.flush()) {
+    let written = {
+        let mut recorded = recorded.lock().unwrap_or_else(PoisonError::into_inner);
+        let stored = recorded.get(&job).copied().unwrap_or(0);
+        if stored >= record.generations {
+            Ok(())
+        } else {
+            let written = store.put_sync_job(&record).and_then(|()| store.flush());
+            if written.is_ok() {
+                recorded.insert(job.clone(), record.generations);
+            }
+            written
+        }
+    };
+    if let Err(e) = written {
         tracing::error!(job = %job, error = %e, "could not record a new generation");
         for waiter in waiters {
             let _ = waiter.answer.send(Err(ServerError::internal(format!(

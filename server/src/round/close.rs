@@ -403,8 +403,13 @@ impl Coordinator {
         let (history, next) = match written {
             Ok(v) => v,
             Err(e) => {
+                // (A database that went away mid-commit may have committed it: then the record
+                // names the new file, which must stay. Left, it is an orphan at worst, and the
+                // sweep at the next start removes it.)
+                let ambiguous = e.code() == hora_common::wire::ErrorCode::StoreUnavailable;
                 if let Some(new) = new_state.filter(|n| {
                     !recorded.get()
+                        && !ambiguous
                         && Some(n) != previous_state.as_ref()
                         && !self.state_used_by_another_task(&task.id, n)
                 }) {

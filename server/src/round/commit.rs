@@ -87,7 +87,11 @@ impl Coordinator {
             acc.durable = pending;
             let new = std::mem::replace(&mut acc.checkpoint, old);
             let kept = acc.checkpoint.as_ref().map(|c| c.file.as_str());
-            if let Some(new) = new.filter(|n| Some(n.file.as_str()) != kept) {
+            // A database that went away mid-commit may have committed the record naming the
+            // new file: then it must stay (an orphan at worst, which the sweep at the next
+            // start removes).
+            let ambiguous = matches!(e, crate::store::StoreError::Unavailable { .. });
+            if let Some(new) = new.filter(|n| !ambiguous && Some(n.file.as_str()) != kept) {
                 self.store.remove_checkpoint(&new.file);
             }
             return Err(e.into());
@@ -99,6 +103,9 @@ impl Coordinator {
         }
         round.durability.send_replace(Durability::Upto(acc.durable));
         selection_recorded(round, &mut acc);
+        self.metrics
+            .store_commit_seconds
+            .observe(started.elapsed().as_secs_f64());
         tracing::debug!(task = %task.id, round = round.number, durable = acc.durable, ms = started.elapsed().as_millis() as u64, "checkpoint");
         Ok(())
     }

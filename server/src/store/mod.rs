@@ -105,7 +105,7 @@ impl StoreLocation {
         Ok(match self {
             StoreLocation::Sled => std::sync::Arc::new(SledStore::open_with(data_dir, blobs)?),
             StoreLocation::Postgres(target) => {
-                std::sync::Arc::new(PostgresStore::open_with(target, blobs)?)
+                std::sync::Arc::new(PostgresStore::open_with(target, blobs)?.claim()?)
             }
         })
     }
@@ -293,6 +293,12 @@ pub trait Housekeeping: Durable {
     /// Models and modules younger than a day are kept (an admin uploads them before creating the
     /// task); with any task unreadable, only temporary files go.
     fn sweep_orphans(&self) -> Result<usize, StoreError>;
+
+    /// Whether the store answers now (`/readyz`): an embedded store always does; a database
+    /// is asked a trivial query.
+    fn ready(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// Typed access to the secure-aggregation records (JSON).

@@ -92,6 +92,34 @@ const MODEL_INDEX: &str = "model_rounds_v1";
 const FORMAT_KEY: &str = "store_format";
 const FORMAT: u32 = 1;
 
+/// How long an open waits for a lock on the database that this process itself may still hold:
+/// sled releases its file lock when its last internal reference goes, which a write finishing
+/// on its I/O threads can delay past the drop of the store (a store closed and reopened in one
+/// process, as an in-process restart does). Another process holding it is refused after this.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Opens sled at `path`, waiting up to [`LOCK_WAIT`] for its file lock.
+fn open_db(path: &Path) -> Result<sled::Db, StoreError> {
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    loop {
+        match sled::Config::new().path(path).open() {
+            Err(sled::Error::Io(e)) if e.to_string().contains("could not acquire lock") => {
+                if std::time::Instant::now() >= deadline {
+                    return Err(StoreError::Io {
+                        path: path.display().to_string(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::WouldBlock,
+                            "another hora-server is using this data directory (it holds the database's lock): stop it first, or give this one its own --data-dir",
+                        ),
+                    });
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            opened => return Ok(opened?),
+        }
+    }
+}
+
 impl SledStore {
     /// Opens the store in `dir`, creating it (private to this user) if needed, blobs under it.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
@@ -101,7 +129,7 @@ impl SledStore {
     /// Opens the store in `dir`, its blobs in `blobs`.
     pub fn open_with(dir: &Path, blobs: Arc<dyn BlobStore>) -> Result<Self, StoreError> {
         super::files::make_private_dir(dir)?;
-        let db = sled::Config::new().path(dir.join("db")).open()?;
+        let db = open_db(&dir.join("db"))?;
         SledStore {
             blobs,
             tasks: db.open_tree("tasks")?,
@@ -507,6 +535,23 @@ mod tests {
     use super::*;
     use crate::store::Blobs;
     use hora_common::model::Model;
+
+    #[test]
+    fn a_data_directory_in_use_is_refused_with_what_to_do_and_free_once_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = SledStore::open(dir.path()).unwrap();
+        let refused = SledStore::open(dir.path()).err().expect("a second opener");
+        assert!(
+            refused
+                .to_string()
+                .contains("another hora-server is using this data directory"),
+            "{refused}"
+        );
+        first.put_meta("k", "v").unwrap();
+        drop(first);
+        let reopened = SledStore::open(dir.path()).unwrap();
+        assert_eq!(reopened.meta("k").unwrap().as_deref(), Some("v"));
+    }
 
     #[test]
     fn a_damaged_checkpoint_file_is_caught_by_its_content_address() {

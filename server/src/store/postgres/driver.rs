@@ -26,6 +26,14 @@ const POOL_SIZE: usize = 16;
 /// store answers that the database is unavailable.
 const WAIT: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest one store call (its wait for a connection and every query of it) may take; then
+/// the database counts as unavailable. Also each statement's limit on the server side.
+const CALL_LIMIT: Duration = Duration::from_secs(30);
+/// A connection silent this long is probed (TCP keepalive), and one whose data goes
+/// unacknowledged this long is dropped: a database behind a dead network path is noticed in
+/// seconds, not after the system's two hours.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+const USER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A PostgreSQL database, as `--store postgres://user:password@host:port/database` names it
 /// (with any of the URL parameters `tokio-postgres` reads: `connect_timeout`,
@@ -55,6 +63,12 @@ impl FromStr for Target {
         }
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        config.keepalives(true);
+        config.keepalives_idle(KEEPALIVE_IDLE);
+        config.tcp_user_timeout(USER_TIMEOUT);
+        if config.get_options().is_none() {
+            config.options(format!("-c statement_timeout={}", CALL_LIMIT.as_millis()));
         }
         if config.get_application_name().is_none() {
             config.application_name("hora-server");
@@ -165,15 +179,25 @@ impl Driver {
             .handle()
     }
 
-    /// Runs `work` on the store's runtime and waits for it (from any thread).
+    /// Runs `work` on the store's runtime and waits for it, at most [`CALL_LIMIT`]. Called from
+    /// the server's blocking threads (or any thread outside the store's own runtime: a call from
+    /// one of its workers would wait for a task queued behind itself).
     pub(super) fn run<T, F>(&self, work: F) -> Result<T, StoreError>
     where
         F: Future<Output = Result<T, Failure>> + Send + 'static,
         T: Send + 'static,
     {
         let (answer, answered) = std::sync::mpsc::sync_channel(1);
+        let target = self.target.clone();
         self.handle().spawn(async move {
-            let _ = answer.send(work.await);
+            let answered = match tokio::time::timeout(CALL_LIMIT, work).await {
+                Ok(answer) => answer,
+                Err(_) => Err(Failure::Store(StoreError::Unavailable {
+                    at: target.to_string(),
+                    reason: format!("no answer within {} s", CALL_LIMIT.as_secs()),
+                })),
+            };
+            let _ = answer.send(answered);
         });
         match answered.recv() {
             Ok(Ok(value)) => Ok(value),
@@ -184,6 +208,11 @@ impl Driver {
                 "a query ended without an answer".into(),
             )),
         }
+    }
+
+    /// The database it talks to.
+    pub(super) fn target(&self) -> &Target {
+        &self.target
     }
 
     /// Runs `work` with a connection from the pool.
@@ -227,9 +256,12 @@ pub(super) fn classify(target: &Target, e: tokio_postgres::Error) -> StoreError 
     let unavailable = match e.code() {
         Some(code) => {
             let class = &code.code()[..2];
-            // Connection exceptions, authentication, no such database, insufficient resources
-            // (too many connections), operator intervention (shutdown, restart, starting up).
-            matches!(class, "08" | "28" | "53" | "57") || *code == SqlState::INVALID_CATALOG_NAME
+            // Connection exceptions, authentication, no such database, transaction rollback
+            // (a serialization failure or deadlock: worth retrying), insufficient resources (too
+            // many connections), operator intervention (shutdown, restart, starting up, a
+            // statement over its time limit).
+            matches!(class, "08" | "28" | "40" | "53" | "57")
+                || *code == SqlState::INVALID_CATALOG_NAME
         }
         None => {
             e.is_closed()

@@ -70,10 +70,17 @@ pub(super) async fn keep(
         tracing::warn!(database = %target, "lost the PostgreSQL change feed's connection; connecting again");
         let mut backoff = Duration::from_millis(100);
         listening = loop {
-            match listen(&target, changes.clone()).await {
-                Ok(listening) => break listening,
-                Err(e) => {
-                    tracing::debug!(error = %e, "the change feed cannot connect yet");
+            // (Bounded: a database that takes the connection and then stalls its handshake or
+            // the LISTEN is tried again, not waited on for ever.)
+            let attempt = tokio::time::timeout(2 * HEARTBEAT, listen(&target, changes.clone()));
+            match attempt.await {
+                Ok(Ok(listening)) => break listening,
+                failed => {
+                    let error = match failed {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "no answer in time".into(),
+                    };
+                    tracing::debug!(%error, "the change feed cannot connect yet");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }

@@ -47,7 +47,17 @@ pub struct PostgresStore {
     blobs: Arc<dyn BlobStore>,
     driver: Driver,
     changes: broadcast::Sender<StoreChange>,
+    /// The connection holding the database for this server alone ([`PostgresStore::claim`]),
+    /// once claimed.
+    owner: std::sync::Mutex<Option<tokio_postgres::Client>>,
 }
+
+/// The session advisory lock a server holds on its database while it serves ("hora" and 1):
+/// until replicas share a database through leases, one server at a time.
+const OWNER_LOCK: i64 = 0x686f_7261_0000_0001;
+/// How long a starting server waits for the lock (a predecessor's session may take a moment to
+/// end after it stopped).
+const OWNER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A query parameter, owned (a query runs on the store's runtime, not the caller's stack).
 type Param = Box<dyn ToSql + Send + Sync>;
@@ -121,7 +131,46 @@ impl PostgresStore {
             blobs,
             driver,
             changes,
+            owner: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Claims the database for this server alone: a session advisory lock held on a connection
+    /// of its own for as long as the store lives (PostgreSQL releases it when that session
+    /// ends). Refused, after waiting a few seconds for a predecessor's session to end, while
+    /// another server holds it: two servers running the same tasks on one database would both
+    /// publish. (Replicas that share a database will hold leases per task instead.)
+    pub fn claim(self) -> Result<Self, StoreError> {
+        self.hold()?;
+        Ok(self)
+    }
+
+    /// Takes the owner lock (again, after its connection was lost).
+    fn hold(&self) -> Result<(), StoreError> {
+        let target = self.driver.target().clone();
+        let client = self.driver.run(async move {
+            let (client, connection) = target.config().connect(tokio_postgres::NoTls).await?;
+            tokio::spawn(async move {
+                let _ = connection.await;
+            });
+            let deadline = tokio::time::Instant::now() + OWNER_WAIT;
+            loop {
+                let row = client
+                    .query_one("SELECT pg_try_advisory_lock($1)", &[&OWNER_LOCK])
+                    .await?;
+                if row.try_get::<_, bool>(0)? {
+                    return Ok(client);
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(driver::Failure::Store(StoreError::Postgres(format!(
+                        "another hora-server is using the database at {target} (it holds the server's lock): stop it first; several servers on one database are not supported yet"
+                    ))));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        })?;
+        *self.owner.lock().unwrap_or_else(|p| p.into_inner()) = Some(client);
+        Ok(())
     }
 
     /// The rows `sql` selects.
@@ -645,6 +694,23 @@ impl Housekeeping for PostgresStore {
             referenced(self)?.as_ref(),
             std::time::SystemTime::now(),
         )
+    }
+
+    fn ready(&self) -> Result<(), StoreError> {
+        self.query("SELECT 1", params![])?;
+        // A claimed store whose lock's connection was lost takes the lock again (or is not
+        // ready: another server has it).
+        let lost = self
+            .owner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|c| c.is_closed());
+        if lost {
+            tracing::warn!(database = %self.driver.target(), "lost the connection holding the server's lock on the database; taking it again");
+            self.hold()?;
+        }
+        Ok(())
     }
 }
 
