@@ -150,6 +150,31 @@ pub fn validate(config: &DpConfig, task: &CreateTask) -> Result<(), String> {
     }
 }
 
+/// Why the sum's noise could not be drawn for a model of `coordinates` values (the sentence for
+/// the 400 at task creation, after [`validate`]): the grid's σ in steps grows with
+/// `z · √coordinates` and must stay below 2^31, which the clip norm does not change (the noise
+/// and the sensitivity scale with it alike).
+pub fn validate_for_model(
+    config: &DpConfig,
+    task: &CreateTask,
+    coordinates: usize,
+) -> Result<(), String> {
+    let z = config.noise_multiplier;
+    let z_sum = match &config.clip {
+        DpClip::Fixed { .. } => Some(z),
+        DpClip::Adaptive { count_noise, .. } => clip::sum_noise_multiplier(
+            z,
+            count_noise.unwrap_or(clip::default_count_noise(task.target_clients)),
+        ),
+    };
+    let Some(z_sum) = z_sum else {
+        return Ok(()); // refused by `validate` already
+    };
+    noise::Grid::for_sum(z_sum, 1.0, coordinates).map(|_| ()).map_err(|e| {
+        format!("differential_privacy: the noise for a model of {coordinates} values with a sum noise multiplier of {z_sum:.4} cannot be drawn exactly ({e}); lower the noise multiplier (or, with an adaptive clip, raise count_noise)")
+    })
+}
+
 /// What a closing round tells the privacy step.
 #[derive(Debug, Clone, Copy)]
 pub struct RoundFacts {
@@ -441,6 +466,17 @@ mod tests {
             },
             ..fixed(1.0, 1.0, None)
         };
+        // A count noise a hair above z/2 leaves the sum a multiplier of ~5·10⁶, whose noise
+        // cannot be drawn on a grid for a million values; usual settings can.
+        let e =
+            validate_for_model(&adaptive(0.5, 0.2, Some(0.5 + 1e-14)), &t, 1_000_000).unwrap_err();
+        assert!(
+            e.contains("1000000 values") && e.contains("count_noise"),
+            "{e}"
+        );
+        for config in [adaptive(0.5, 0.2, Some(2.0)), fixed(1000.0, 1.0, None)] {
+            assert_eq!(validate_for_model(&config, &t, 100_000_000), Ok(()));
+        }
         // 10 clients: the paper's σ_b = 10/20 = 0.5 is not above z/2 = 0.5.
         let e = validate(&adaptive(0.5, 0.2, None), &t).unwrap_err();
         assert!(

@@ -154,6 +154,10 @@ impl Coordinator {
                 config.initial_model
             ))
         })?;
+        if let Some(dp) = &config.differential_privacy {
+            dp::validate_for_model(dp, &config, initial.numel())
+                .map_err(ServerError::BadRequest)?;
+        }
         if let wire::ModelKind::TorchScript { module_digest } = &config.model {
             if !self.store.has_module(module_digest)? {
                 return Err(ServerError::BadRequest(format!("no uploaded TorchScript module {module_digest}: upload it first with POST /admin/v1/modules")));
