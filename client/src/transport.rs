@@ -46,6 +46,35 @@ impl RetryPolicy {
             .min(self.max_delay);
         cap.mul_f64(rand::rng().random::<f64>())
     }
+
+    /// The wait before retry number `attempt` after a refusal that said when to come back
+    /// (`Retry-After`): never sooner than the server asked, spread over half as long again so
+    /// that a fleet told the same moment does not come back as one; the backoff where it is
+    /// longer.
+    pub fn after_refusal(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
+        let backoff = self.backoff(attempt);
+        match retry_after {
+            Some(asked) => backoff.max(asked + (asked / 2).mul_f64(rand::rng().random::<f64>())),
+            None => backoff,
+        }
+    }
+}
+
+/// The longest `Retry-After` the client honours: a server asking for longer (misconfigured, or
+/// not ours) is retried after this; the retry budget bounds the whole anyway.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
+
+/// A refusal's `Retry-After` in seconds (the form Hora's server sends; an HTTP date is ignored
+/// and the backoff applies), capped at [`MAX_RETRY_AFTER`].
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let seconds: u64 = headers
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER))
 }
 
 /// An authenticated connection to one server.
@@ -146,10 +175,12 @@ impl Connection {
         let mut answered = None;
         loop {
             attempt += 1;
+            let mut asked = None;
             let last = match make().send().await {
                 Ok(resp) if !transient(resp.status()) => return Ok((resp, attempt)),
                 Ok(resp) => {
                     let status = resp.status();
+                    asked = retry_after(resp.headers());
                     let body = resp.text().await.unwrap_or_default();
                     let error =
                         serde_json::from_str::<ApiError>(&body).unwrap_or_else(|_| ApiError {
@@ -170,7 +201,7 @@ impl Connection {
                     chain
                 }
             };
-            let delay = self.retry.backoff(attempt);
+            let delay = self.retry.after_refusal(attempt, asked);
             if start.elapsed() + delay > self.retry.budget {
                 let (url, attempts, secs) = (self.base.clone(), attempt, start.elapsed().as_secs());
                 return Err(match answered {
@@ -276,6 +307,35 @@ mod tests {
         // Jittered: 50 draws at the cap are not all equal.
         let draws: Vec<_> = (0..50).map(|_| p.backoff(10)).collect();
         assert!(draws.iter().any(|d| *d != draws[0]));
+    }
+
+    #[test]
+    fn a_refusal_is_retried_no_sooner_than_its_retry_after_says() {
+        let p = RetryPolicy::default();
+        let headers = |value: &str| {
+            let mut h = reqwest::header::HeaderMap::new();
+            h.insert(reqwest::header::RETRY_AFTER, value.parse().unwrap());
+            h
+        };
+        assert_eq!(retry_after(&headers("2")), Some(Duration::from_secs(2)));
+        assert_eq!(retry_after(&headers(" 7 ")), Some(Duration::from_secs(7)));
+        assert_eq!(retry_after(&headers("86400")), Some(MAX_RETRY_AFTER));
+        for odd in ["soon", "-1", "1.5", "Wed, 21 Oct 2015 07:28:00 GMT"] {
+            assert_eq!(retry_after(&headers(odd)), None, "{odd}");
+        }
+        assert_eq!(retry_after(&reqwest::header::HeaderMap::new()), None);
+        // The first retries' backoffs are well under 2 s; told 2 s, the client waits 2 to 3 s,
+        // spread (a fleet told one moment does not come back as one).
+        let asked = Some(Duration::from_secs(2));
+        let waits: Vec<_> = (0..50).map(|_| p.after_refusal(1, asked)).collect();
+        for w in &waits {
+            assert!(
+                (Duration::from_secs(2)..=Duration::from_secs(3)).contains(w),
+                "{w:?}"
+            );
+        }
+        assert!(waits.iter().any(|w| *w != waits[0]));
+        assert!(p.after_refusal(1, None) <= p.initial_delay);
     }
 
     #[test]

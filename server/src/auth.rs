@@ -150,7 +150,7 @@ impl Budgets {
         if self.server.refilled(SERVER_CHECKS, now) < 1.0 {
             return Err("the server's");
         }
-        let source = source.map(source_key);
+        let source = source.map(crate::conn::source_key);
         if let Some(ip) = source {
             if !self.sources.contains_key(&ip) && self.sources.len() >= SOURCES_KEPT {
                 // A budget that refilled says nothing: forget those first.
@@ -180,18 +180,6 @@ impl Budgets {
             at: now,
         };
         Ok(())
-    }
-}
-
-/// An address as the admin budgets count it: IPv4 as it is (an IPv4-mapped IPv6 address as its
-/// IPv4 one), IPv6 by its /64.
-fn source_key(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V4(v4) => IpAddr::V4(v4),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
-        },
     }
 }
 
@@ -369,10 +357,10 @@ mod tests {
         let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
         let b: IpAddr = "2001:db8:1:2:bbbb::2".parse().unwrap();
         let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
-        assert_eq!(source_key(a), source_key(b));
-        assert_ne!(source_key(a), source_key(c));
+        assert_eq!(crate::conn::source_key(a), crate::conn::source_key(b));
+        assert_ne!(crate::conn::source_key(a), crate::conn::source_key(c));
         let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
-        assert_eq!(source_key(mapped), GUESSER.unwrap());
+        assert_eq!(crate::conn::source_key(mapped), GUESSER.unwrap());
     }
 
     #[test]

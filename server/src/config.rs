@@ -61,15 +61,17 @@ pub struct ServeArgs {
     /// the cap the longest-idle connection is closed to make room.
     #[arg(long, env = "HORA_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
-    /// Most connections held at once from one IP address (default: a quarter of the cap). At
+    /// Most connections held at once from one IP address (an IPv6 /64 counts as one; default: a
+    /// quarter of the cap). At
     /// this limit that address's longest-idle connection is closed to make room; a NAT gateway
     /// in front of many devices may need it raised.
     #[arg(long, env = "HORA_MAX_CONNECTIONS_PER_SOURCE")]
     pub max_connections_per_source: Option<usize>,
-    /// Requests from one IP address in flight at once before their credentials passed (no, a
-    /// wrong or a still-checked token, and the open routes such as `/healthz`); beyond it that
-    /// address is answered 429 `too_many_requests` (default 32). Raise it for many devices
-    /// behind one NAT gateway.
+    /// Requests from one IP address (an IPv6 /64 counts as one) in flight at once before their
+    /// credentials passed (no, a wrong or a still-checked token, and the open routes such as
+    /// `/openapi.json`; not the health probes `/healthz` and `/readyz`); beyond it that address
+    /// is answered 429 `too_many_requests` (default 32). Raise it for many devices behind one
+    /// NAT gateway.
     #[arg(long, env = "HORA_MAX_UNAUTHENTICATED_PER_SOURCE")]
     pub max_unauthenticated_per_source: Option<usize>,
     /// A connection with no request in flight that moves no byte for this long is closed; at a

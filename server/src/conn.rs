@@ -177,7 +177,8 @@ impl Connections {
         let mut live = self.live.lock().expect("connection table");
         let (now, quiet_ms) = (self.now_ms(), self.limits.idle_timeout.as_millis() as u64);
         let evictable = |c: &&Arc<ConnState>| c.evictable(now, quiet_ms);
-        let from_source = |c: &&Arc<ConnState>| source.is_some() && c.source == source;
+        let key = source.map(source_key);
+        let from_source = |c: &&Arc<ConnState>| key.is_some() && c.source.map(source_key) == key;
         let held = live
             .values()
             .filter(|c| from_source(c) && !c.evicted.load(Ordering::SeqCst))
@@ -237,7 +238,7 @@ impl Connections {
     /// Counts one more unauthenticated request of `source` in flight, unless it has its limit.
     fn begin_unauthenticated(&self, source: IpAddr) -> bool {
         let mut counts = self.unauthenticated.lock().expect("unauthenticated table");
-        let count = counts.entry(source).or_insert(0);
+        let count = counts.entry(source_key(source)).or_insert(0);
         if *count >= self.limits.max_unauthenticated_per_source {
             return false;
         }
@@ -247,12 +248,26 @@ impl Connections {
 
     fn end_unauthenticated(&self, source: IpAddr) {
         let mut counts = self.unauthenticated.lock().expect("unauthenticated table");
+        let source = source_key(source);
         if let Some(count) = counts.get_mut(&source) {
             *count = count.saturating_sub(1);
             if *count == 0 {
                 counts.remove(&source);
             }
         }
+    }
+}
+
+/// An address as the per-source limits count it (connections, unauthenticated requests, the
+/// admin token's budget): IPv4 as it is (an IPv4-mapped IPv6 address as its IPv4 one), IPv6 by
+/// its /64, what one host or one customer line is commonly given.
+pub fn source_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+        },
     }
 }
 
@@ -404,7 +419,7 @@ impl GuardedStream {
     /// for the moment it would.
     fn expired(&mut self, cx: &mut Context<'_>) -> Option<&'static str> {
         if self.state.evicted.load(Ordering::SeqCst) {
-            return Some("evicted_at_cap");
+            return Some(EVICTED);
         }
         *self.state.reader.lock().expect("waker slot") = Some(cx.waker().clone());
         loop {
@@ -432,6 +447,10 @@ impl GuardedStream {
     }
 }
 
+/// Why an evicted connection's read ends; counted once, under its reason, by the admission that
+/// evicted it.
+const EVICTED: &str = "evicted";
+
 impl AsyncRead for GuardedStream {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -449,7 +468,9 @@ impl AsyncRead for GuardedStream {
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
             Poll::Pending => match self.expired(cx) {
                 Some(why) => {
-                    self.connections.metrics.connections_closed(why);
+                    if why != EVICTED {
+                        self.connections.metrics.connections_closed(why);
+                    }
                     Poll::Ready(Err(io::Error::new(
                         io::ErrorKind::TimedOut,
                         format!("connection closed by the server: {why}"),
@@ -773,6 +794,17 @@ mod tests {
             source: None,
         };
         let _held: Vec<_> = (0..5).map(|_| unknown.unauthenticated().unwrap()).collect();
+        // One IPv6 /64 is one source, whatever its interface identifiers; the next /64 is
+        // another; an IPv4-mapped address is its IPv4 one.
+        let (v6, v6_too) = (peer("2001:db8:0:1::1"), peer("2001:db8:0:1:ffff::2"));
+        let _v6 = (
+            v6.unauthenticated().unwrap(),
+            v6_too.unauthenticated().unwrap(),
+        );
+        assert!(peer("2001:db8:0:1::3").unauthenticated().is_none());
+        let _next = peer("2001:db8:0:2::1").unauthenticated().unwrap();
+        let _mapped = peer("::ffff:10.0.0.2").unauthenticated().unwrap(); // beside `_other`
+        assert!(peer("::ffff:10.0.0.2").unauthenticated().is_none());
     }
 
     #[tokio::test]
@@ -829,6 +861,13 @@ mod tests {
         third.in_flight.fetch_add(1, Ordering::SeqCst);
         assert!(connections.admit(Some(a)).is_none());
         assert!(connections.admit(Some(b)).is_some());
+        // An IPv6 /64 is one source: a third address in it evicts the idlest of its two.
+        let ip = |s: &str| Some(s.parse::<IpAddr>().unwrap());
+        let v6 = connections.admit(ip("2001:db8::1")).unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let _v6_too = connections.admit(ip("2001:db8::2:3")).unwrap();
+        let _third = connections.admit(ip("2001:db8::ffff:4")).unwrap();
+        assert!(v6.evicted.load(Ordering::SeqCst));
     }
 
     #[tokio::test]

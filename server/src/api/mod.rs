@@ -470,8 +470,11 @@ async fn close_when_body_unread(req: Request, next: axum::middleware::Next) -> R
 ///
 /// "Unauthenticated" is everything before a good credential: requests that carry none, wrong
 /// ones, ones still being checked (the admin token's slow check, an enrolment token's lookup),
-/// and requests to the open routes (`/healthz`, `/openapi.json`, `/metrics` unless it needs the
-/// token, unknown paths), which have no credentials to pass and count until they are answered.
+/// and requests to the open routes (`/openapi.json`, `/metrics` unless it needs the token,
+/// unknown paths), which have no credentials to pass and count until they are answered. The
+/// health probes (`/healthz`, `/readyz`) are not counted: they are answered from memory at once
+/// (readiness within its own 2 s bound), and a load balancer's probes from one address must not
+/// be refused while that address's guesses are.
 /// An honest request counts for the moment its check takes, so the limit binds only a source
 /// that keeps many checks in flight at once: a flood of guesses, or of slow refusals. Its other
 /// requests, good credentials or not, are refused meanwhile too (the limit is the address's,
@@ -480,6 +483,9 @@ async fn limit_unauthenticated(mut request: Request, next: axum::middleware::Nex
     let Some(peer) = request.extensions().get::<conn::Peer>().cloned() else {
         return next.run(request).await;
     };
+    if matches!(request.uri().path(), "/healthz" | "/readyz") {
+        return next.run(request).await;
+    }
     let Some(pending) = peer.unauthenticated() else {
         if let Some(source) = peer.source() {
             tracing::debug!(%source, "too many unauthenticated requests in flight");

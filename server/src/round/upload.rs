@@ -4,9 +4,10 @@
 //! its open round, then the mode's own checks — the client's selection or training slot, a retry
 //! of an update already in), then on a blocking thread [`open_update`] (envelope → safetensors
 //! under the spec's limits → names, shapes, dtypes → finite values), the task's update bounds and
-//! central-DP clipping; the mode folds the update ([`super::Collection::fold`]), the ingest slot
-//! is released, and the upload waits for the group commit that makes it durable
-//! ([`super::commit`]).
+//! central-DP clipping, after which the ingest slot is released; then, among at most
+//! [`super::LOCK_WAITERS`] of the task's requests on blocking threads, the mode folds the update
+//! ([`super::Collection::fold`]) under the round's lock, and the upload waits for the group
+//! commit that makes it durable ([`super::commit`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -104,85 +105,113 @@ impl Coordinator {
         {
             weight = weight.min(cap.ceil() as u64).max(1);
         }
-        let (me, waker) = (self.clone(), task.clone());
-        let folded = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
-            let started = Instant::now();
-            let (key, sealed, base) = match &sealing {
-                Sealing::Current => (&round.key, round.number, round.base),
-                Sealing::Earlier { round, key, base } => (&**key, *round, *base),
-            };
-            let binding = Binding {
-                task: &task.id,
-                round: sealed,
-                client: &client,
-                base_model: &base,
-            };
-            let view = open_update(&mut body, key, &binding, &spec)?;
-            // The task's bound: the configured one, else the adaptive one (a multiple of the
-            // median norm of recent accepted updates, once there are enough of them).
-            let adaptive = bounds.max_norm.is_none() && bounds.adaptive_norm_factor.is_some();
-            let bound = bounds.max_norm.or_else(|| {
-                bounds
-                    .adaptive_norm_factor
-                    .and_then(|f| lock(&task.recent).norms.bound(f))
-            });
-            let norm = match bounds.max_norm.is_some() || adaptive || dp.is_some() {
-                true => view.l2_norm(),
-                false => 0.0,
-            };
-            let scale = match bound {
-                None => 1.0,
-                Some(bound) => {
-                    match bounds.on_norm_exceeded {
-                        _ if norm <= bound => 1.0,
-                        wire::NormPolicy::Clip => bound / norm,
-                        wire::NormPolicy::Refuse => {
-                            return Err(ServerError::invalid(
-                                ErrorCode::UpdateNormExceeded,
-                                format!("the update's L2 norm {norm:.6e} exceeds the task's bound of {bound:.6e}: clip it or lower the learning rate"),
-                            ))
+        // First, on a blocking thread: open and check the update, and work out how it folds;
+        // then the ingest slot goes.
+        let (t, client_id, spec_) = (task.clone(), client.clone(), spec.clone());
+        let (body, plaintext, folding, permit) =
+            tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
+                let (task, spec) = (t, spec_);
+                let started = Instant::now();
+                let (key, sealed, base) = match &sealing {
+                    Sealing::Current => (&round.key, round.number, round.base),
+                    Sealing::Earlier { round, key, base } => (&**key, *round, *base),
+                };
+                let binding = Binding {
+                    task: &task.id,
+                    round: sealed,
+                    client: &client_id,
+                    base_model: &base,
+                };
+                let plaintext = open_update_at(&mut body, key, &binding, &spec)?;
+                let view = reparse(&body[plaintext.clone()], &spec)?;
+                // The task's bound: the configured one, else the adaptive one (a multiple of
+                // the median norm of recent accepted updates, once there are enough of them).
+                let adaptive = bounds.max_norm.is_none() && bounds.adaptive_norm_factor.is_some();
+                let bound = bounds.max_norm.or_else(|| {
+                    bounds
+                        .adaptive_norm_factor
+                        .and_then(|f| lock(&task.recent).norms.bound(f))
+                });
+                let norm = match bounds.max_norm.is_some() || adaptive || dp.is_some() {
+                    true => view.l2_norm(),
+                    false => 0.0,
+                };
+                let scale = match bound {
+                    None => 1.0,
+                    Some(bound) => {
+                        match bounds.on_norm_exceeded {
+                            _ if norm <= bound => 1.0,
+                            wire::NormPolicy::Clip => bound / norm,
+                            wire::NormPolicy::Refuse => {
+                                return Err(ServerError::invalid(
+                                    ErrorCode::UpdateNormExceeded,
+                                    format!("the update's L2 norm {norm:.6e} exceeds the task's bound of {bound:.6e}: clip it or lower the learning rate"),
+                                ))
+                            }
                         }
                     }
-                }
-            };
-            // Under central DP every update is clipped to the round's norm and weighs 1.
-            let (fold_weight, scale, unclipped) = match &dp {
-                Some(state) => {
-                    let (factor, unclipped) = state.clip_update(norm);
-                    (1.0, scale.min(factor), Some(unclipped))
-                }
-                None => (weight as f64, scale, None),
-            };
+                };
+                // Under central DP every update is clipped to the round's norm and weighs 1.
+                let (fold_weight, scale, unclipped) = match &dp {
+                    Some(state) => {
+                        let (factor, unclipped) = state.clip_update(norm);
+                        (1.0, scale.min(factor), Some(unclipped))
+                    }
+                    None => (weight as f64, scale, None),
+                };
+                permit.opened();
+                let folding = Folding {
+                    round,
+                    sealed,
+                    fold_weight,
+                    scale,
+                    unclipped,
+                    accepted_norm: adaptive.then_some(norm * scale),
+                    started,
+                };
+                Ok((body, plaintext, folding, permit))
+            })
+            .await
+            .map_err(ServerError::internal)??;
+        // Then the fold, which takes the round's lock: at most LOCK_WAITERS of the task's
+        // requests wait for it on blocking threads, the others here (their bodies held in the
+        // byte budget), so a close that holds the lock long cannot take the blocking pool.
+        let waiting = task.lock_waiters.acquire().await;
+        let (me, t) = (self.clone(), task.clone());
+        let folded = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
+            let task = t;
+            let view = reparse(&body[plaintext], &spec)?;
+            let round = folding.round;
             let opened = Opened {
                 update: Contribution {
                     client,
                     examples: weight,
                     metrics: meta.metrics,
-                    unclipped,
+                    unclipped: folding.unclipped,
                     base: None,
                 },
-                sealed,
-                weight: fold_weight,
-                scale,
+                sealed: folding.sealed,
+                weight: folding.fold_weight,
+                scale: folding.scale,
                 view: &view,
             };
-            permit.opened();
             let folded = round.collection.fold(&me, &task, &round, opened)?;
             // (The permit also holds the body's share of the byte budget: kept until the
             // folded body can go.)
             drop(permit);
             if folded.now {
-                task.accepted(adaptive.then_some(norm * scale), weight);
+                task.accepted(folding.accepted_norm, weight);
                 me.metrics
                     .ingest_seconds
-                    .observe(started.elapsed().as_secs_f64());
+                    .observe(folding.started.elapsed().as_secs_f64());
                 me.close_if_full(&task, &folded.round);
             }
             Ok(folded)
         })
         .await
         .map_err(ServerError::internal)??;
-        waker.commit_wanted.notify_one();
+        drop(waiting);
+        task.commit_wanted.notify_one();
         self.receipt(&folded.round, folded.index).await
     }
 
@@ -256,12 +285,47 @@ pub fn open_update<'a>(
     binding: &Binding<'_>,
     spec: &ModelSpec,
 ) -> Result<ModelView<'a>, ServerError> {
+    let plaintext = open_update_at(body, key, binding, spec)?;
+    reparse(&body[plaintext], spec)
+}
+
+/// [`open_update`], saying where in `body` the checked update lies (for [`reparse`] later,
+/// without the borrow).
+fn open_update_at(
+    body: &mut [u8],
+    key: &RoundSecretKey,
+    binding: &Binding<'_>,
+    spec: &ModelSpec,
+) -> Result<std::ops::Range<usize>, ServerError> {
     let invalid = |e: &dyn std::fmt::Display| ServerError::InvalidUpdate(e.to_string());
+    let base = body.as_ptr() as usize;
     let plaintext = envelope::open(body, key, binding).map_err(|e| invalid(&e))?;
+    let at = plaintext.as_ptr() as usize - base;
+    let at = at..at + plaintext.len();
     let view = ModelView::parse(plaintext, &spec.limits()).map_err(|e| invalid(&e))?;
     spec.check_spec(&view.spec()).map_err(|e| invalid(&e))?;
     view.check_finite().map_err(|e| invalid(&e))?;
-    Ok(view)
+    Ok(at)
+}
+
+/// The view of an update [`open_update_at`] checked: its header parsed again (the values are
+/// not read).
+fn reparse<'a>(plaintext: &'a [u8], spec: &ModelSpec) -> Result<ModelView<'a>, ServerError> {
+    ModelView::parse(plaintext, &spec.limits())
+        .map_err(|e| ServerError::InvalidUpdate(e.to_string()))
+}
+
+/// How an opened update folds, worked out before the fold waits for the round's lock.
+struct Folding {
+    round: Arc<Round>,
+    /// The version whose key sealed it.
+    sealed: u64,
+    fold_weight: f64,
+    scale: f64,
+    unclipped: Option<bool>,
+    /// Its norm after scaling, for the adaptive bound's record (None: no adaptive bound).
+    accepted_norm: Option<f64>,
+    started: Instant,
 }
 
 /// The largest sealed upload a task of this spec takes, for the upload route's size limit.
