@@ -60,9 +60,14 @@ impl Server {
                     }
                 }
             })?;
-        let swept = store.sweep_orphans().context("sweeping orphaned files")?;
-        if swept > 0 {
-            tracing::info!(files = swept, "removed orphaned files");
+        // Housekeeping: a blob store that fails it now (a blip during a restart) costs some
+        // space until the next start, not the start.
+        match store.sweep_orphans() {
+            Ok(0) => {}
+            Ok(swept) => tracing::info!(files = swept, "removed orphaned files"),
+            Err(e) => tracing::warn!(
+                "sweeping orphaned files failed ({e}); they stay until the next start's sweep"
+            ),
         }
         let (admin_token_hash, generated_admin_token) = admin_token(&*store, &config)?;
         let (cert_paths, dev_ca) = certificates(&config)?;

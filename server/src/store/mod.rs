@@ -102,12 +102,14 @@ impl StoreLocation {
         blobs: &BlobLocation,
     ) -> Result<std::sync::Arc<Store>, StoreError> {
         let blobs = blobs.open(data_dir)?;
-        Ok(match self {
+        let store: std::sync::Arc<Store> = match self {
             StoreLocation::Sled => std::sync::Arc::new(SledStore::open_with(data_dir, blobs)?),
             StoreLocation::Postgres(target) => {
                 std::sync::Arc::new(PostgresStore::open_with(target, blobs)?.claim()?)
             }
-        })
+        };
+        self::blobs::bind(&*store)?;
+        Ok(store)
     }
 }
 

@@ -109,7 +109,7 @@ fn open_db(path: &Path) -> Result<sled::Db, StoreError> {
                         path: path.display().to_string(),
                         source: std::io::Error::new(
                             std::io::ErrorKind::WouldBlock,
-                            "another hora-server is using this data directory (it holds the database's lock): stop it first, or give this one its own --data-dir",
+                            format!("{e}: is another hora-server using this data directory? Stop it first, or give this one its own --data-dir"),
                         ),
                     });
                 }

@@ -31,7 +31,7 @@ impl DirBlobs {
 
     fn create(dir: &Path, durable: bool) -> Result<Self, StoreError> {
         files::make_private_dir(dir)?;
-        for kind in BlobKind::ALL {
+        for kind in BlobKind::ALL.into_iter().chain([BlobKind::Meta]) {
             let sub = dir.join(kind.folder());
             fs::create_dir_all(&sub).map_err(io(&sub))?;
         }

@@ -1,12 +1,13 @@
 //! Where blobs live: one narrow trait, [`BlobStore`], over a local data directory
 //! ([`DirBlobs`], the default) or an object store ([`ObjectBlobs`]: `--blobs file:///dir`, a
-//! directory any number of servers may share, or `--blobs s3://bucket/prefix`); and what the
-//! server does with blobs, [`Blobs`], written once on top of it.
+//! local or mounted directory, or `--blobs s3://bucket/prefix`); and what the server does with
+//! blobs, [`Blobs`], written once on top of it. A blob store belongs to one deployment's
+//! records ([`bind`]).
 //!
 //! A blob is a kind ([`BlobKind`], a folder or key prefix) and a name, content-addressed: a
 //! model by its digest, anything else by the SHA-256 of its bytes. Nothing hands out a local
 //! path: readers get a reader or a stream over a byte range, writers stream in, existence is a
-//! head request. So any server sharing an object store reads any blob another wrote.
+//! head request. So any server holding the records reads any blob another wrote.
 //!
 //! # Safety of writes
 //!
@@ -55,6 +56,9 @@ pub enum BlobKind {
     StrategyState,
     /// Accumulator checkpoints (`.ckpt`) and secure aggregation's masked sums (`.msum`).
     Checkpoint,
+    /// What the blob store says of itself: `store-id`, the id of the records it belongs to
+    /// ([`bind`]). Never swept (not in [`BlobKind::ALL`]).
+    Meta,
 }
 
 impl BlobKind {
@@ -72,6 +76,54 @@ impl BlobKind {
             BlobKind::Module => "blobs/modules",
             BlobKind::StrategyState => "blobs/strategy",
             BlobKind::Checkpoint => "checkpoints",
+            BlobKind::Meta => "blobs/meta",
+        }
+    }
+}
+
+/// The blob naming the records a blob store belongs to, and the records' meta key holding it.
+const STORE_ID: &str = "store-id";
+
+/// Ties the blobs to the records (both opened by one server) with an id written in each: the
+/// records' meta `store-id` and the blob `blobs/meta/store-id`. A blob store already tied to
+/// other records is refused (their server's blobs would be swept as unreferenced by this one),
+/// and so is a blob store holding blobs but no id while the records have one (`--blobs`
+/// changed between runs). Untied records and blobs (a new deployment, or one from before the
+/// ids) are tied now; so is an empty blob store to records that have an id (a fresh location,
+/// or a crash between the two writes: the records' id is written first).
+pub fn bind(store: &super::Store) -> Result<(), StoreError> {
+    let blobs = store.blobs();
+    let refused = |why: String| StoreError::Blobs {
+        at: blobs.describe(),
+        reason: why,
+    };
+    let marker = match blobs.head(BlobKind::Meta, STORE_ID)? {
+        Some(_) => Some(
+            String::from_utf8_lossy(&read_all(blobs, BlobKind::Meta, STORE_ID)?)
+                .trim()
+                .to_string(),
+        ),
+        None => None,
+    };
+    let records = store.meta(STORE_ID)?;
+    match (records, marker) {
+        (Some(ours), Some(theirs)) if ours == theirs => Ok(()),
+        (Some(ours), Some(theirs)) => Err(refused(format!("these blobs belong to another Hora store (id {theirs}; this server's records are {ours}): give each deployment its own --blobs location; sharing one would let each server delete the other's blobs as unreferenced"))),
+        (None, Some(theirs)) => Err(refused(format!("these blobs belong to another Hora store (id {theirs}) and this server's records are new: give this server its own --blobs location (to move a deployment, move its records with its blobs)"))),
+        (Some(ours), None) => {
+            let used = BlobKind::ALL
+                .into_iter()
+                .map(|kind| blobs.list(kind).map(|l| l.is_empty()))
+                .collect::<Result<Vec<_>, _>>()?;
+            if used.contains(&false) {
+                return Err(refused(format!("these blobs were not written for this server's records (store {ours}): was --blobs changed since the last run? Point it back at the blobs these records were written with")));
+            }
+            put(blobs, BlobKind::Meta, STORE_ID, ours.as_bytes())
+        }
+        (None, None) => {
+            let id = format!("{:032x}", rand::random::<u128>());
+            store.put_meta(STORE_ID, &id)?;
+            put(blobs, BlobKind::Meta, STORE_ID, id.as_bytes())
         }
     }
 }
@@ -159,6 +211,13 @@ pub trait BlobStore: Send + Sync {
 
     /// Where the blobs are, for messages.
     fn describe(&self) -> String;
+
+    /// The largest blob this store can take under a name given only at commit (a checkpoint,
+    /// a strategy's state, named by their content): S3 renames by one server-side copy, which
+    /// takes at most 5 GiB. None: no limit.
+    fn largest_renamed(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// How young a blob of a shared store must be for the sweep to leave it, whatever the records
@@ -347,6 +406,7 @@ pub(super) fn sweep(
             BlobKind::Module => (&refs.modules, true),
             BlobKind::StrategyState => (&refs.states, false),
             BlobKind::Checkpoint => (&refs.checkpoints, false),
+            BlobKind::Meta => continue,
         };
         for (name, meta) in blobs.list(kind)? {
             if blobs.shared() && younger(&meta, SHARED_GRACE) {
@@ -363,4 +423,50 @@ pub(super) fn sweep(
         }
     }
     Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreLocation;
+
+    /// A server's store: sled records in `records`, blobs in `blobs` (file://).
+    fn open(records: &std::path::Path, blobs: &std::path::Path) -> Result<(), String> {
+        let location = BlobLocation::File(blobs.to_path_buf());
+        StoreLocation::Sled
+            .open(records, &location)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn blobs_are_tied_to_their_records_and_another_deployments_are_refused() {
+        let [a, b, shared, elsewhere, unmarked] =
+            std::array::from_fn(|_| tempfile::tempdir().unwrap());
+        // The first server ties the blobs to its records, and finds them again.
+        open(a.path(), shared.path()).unwrap();
+        open(a.path(), shared.path()).unwrap();
+        // A second deployment on the same blobs is refused: it would sweep the first's.
+        let refused = open(b.path(), shared.path()).unwrap_err();
+        assert!(
+            refused.contains("belong to another Hora store"),
+            "{refused}"
+        );
+        // A fresh, empty location is taken by records that have an id...
+        open(a.path(), elsewhere.path()).unwrap();
+        // ...but one holding blobs and no id is not (--blobs changed between runs).
+        let model = hora_common::model::Model::from_tensors([("w", vec![1], vec![1.0])]).unwrap();
+        let other = ObjectBlobs::open(&BlobLocation::File(unmarked.path().to_path_buf())).unwrap();
+        put(&other, BlobKind::Model, &model_name(&model.digest()), b"x").unwrap();
+        drop(other);
+        let refused = open(a.path(), unmarked.path()).unwrap_err();
+        assert!(refused.contains("was --blobs changed"), "{refused}");
+        // The sweep leaves the id alone.
+        let store = StoreLocation::Sled
+            .open(a.path(), &BlobLocation::File(shared.path().to_path_buf()))
+            .unwrap();
+        store.sweep_orphans().unwrap();
+        drop(store);
+        open(a.path(), shared.path()).unwrap();
+    }
 }

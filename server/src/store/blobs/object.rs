@@ -39,8 +39,8 @@ pub enum BlobLocation {
     /// Files under the data directory (the default).
     #[default]
     DataDir,
-    /// `file:///dir`: a directory through `object_store`'s local store (fsync on), which any
-    /// number of servers may share.
+    /// `file:///dir`: a directory (local, or a mounted volume) through `object_store`'s local
+    /// store (fsync on).
     File(PathBuf),
     /// `s3://bucket[/prefix]`: credentials and region from the usual AWS environment
     /// variables; `endpoint` (`--blobs-endpoint`) for an S3-compatible server.
@@ -131,7 +131,12 @@ pub struct ObjectBlobs {
     /// Some until dropped (then shut down without waiting, as the PostgreSQL store's).
     runtime: Option<tokio::runtime::Runtime>,
     shown: String,
+    /// [`BlobStore::largest_renamed`].
+    largest_renamed: Option<u64>,
 }
+
+/// The largest object S3's CopyObject takes in one request.
+const S3_LARGEST_COPY: u64 = 5 << 30;
 
 impl ObjectBlobs {
     pub fn open(location: &BlobLocation) -> Result<Self, StoreError> {
@@ -201,6 +206,19 @@ impl ObjectBlobs {
             }
             builder = builder.with_endpoint(endpoint);
         }
+        // A transfer lasts as long as its reader's pace (a download to a slow client) or the
+        // object's size (a server-side copy): no limit on a whole request, unless the operator
+        // set one (AWS_TIMEOUT); a connection quiet for a minute is given up instead.
+        use object_store::aws::AmazonS3ConfigKey::Client;
+        use object_store::ClientConfigKey;
+        for (key, value) in [
+            (ClientConfigKey::Timeout, "24h"),
+            (ClientConfigKey::ReadTimeout, "60s"),
+        ] {
+            if builder.get_config_value(&Client(key)).is_none() {
+                builder = builder.with_config(Client(key), value);
+            }
+        }
         // object_store's HTTP client is reqwest with rustls and no provider of its own: it takes
         // the process's default, which is ring (the only provider in the tree) unless one was
         // installed already.
@@ -214,7 +232,9 @@ impl ObjectBlobs {
                 Key::from(prefix),
             ))
         };
-        Self::with_store(store, shown)
+        let mut blobs = Self::with_store(store, shown)?;
+        blobs.largest_renamed = Some(S3_LARGEST_COPY);
+        Ok(blobs)
     }
 
     /// Blobs in `store`, `shown` in messages.
@@ -232,6 +252,7 @@ impl ObjectBlobs {
             store,
             runtime: Some(runtime),
             shown,
+            largest_renamed: None,
         })
     }
 
@@ -269,8 +290,13 @@ fn missing(key: &str) -> StoreError {
     }
 }
 
+/// The longest one call to the blob store may take (a part's upload, a server-side copy of up
+/// to 5 GB, a listing), its retries included: a store that stops answering holds a blocking
+/// thread (and whatever lock its caller holds) no longer.
+const CALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Runs `work` on `handle`'s runtime and waits for it, from any thread (as
-/// `postgres::driver::Driver::run` does).
+/// `postgres::driver::Driver::run` does), for at most [`CALL_LIMIT`].
 fn run<T, F>(handle: &tokio::runtime::Handle, work: F) -> Result<T, object_store::Error>
 where
     F: Future<Output = Result<T, object_store::Error>> + Send + 'static,
@@ -278,7 +304,19 @@ where
 {
     let (answer, answered) = std::sync::mpsc::sync_channel(1);
     handle.spawn(async move {
-        let _ = answer.send(work.await);
+        let answered = tokio::time::timeout(CALL_LIMIT, work)
+            .await
+            .unwrap_or_else(|_| {
+                Err(object_store::Error::Generic {
+                    store: "blobs",
+                    source: format!(
+                        "no answer within {} s: check that the blob store is up and reachable",
+                        CALL_LIMIT.as_secs()
+                    )
+                    .into(),
+                })
+            });
+        let _ = answer.send(answered);
     });
     answered.recv().unwrap_or_else(|_| {
         Err(object_store::Error::Generic {
@@ -457,6 +495,10 @@ impl BlobStore for ObjectBlobs {
 
     fn describe(&self) -> String {
         self.shown.clone()
+    }
+
+    fn largest_renamed(&self) -> Option<u64> {
+        self.largest_renamed
     }
 }
 
