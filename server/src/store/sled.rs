@@ -544,7 +544,7 @@ mod tests {
         assert!(
             refused
                 .to_string()
-                .contains("another hora-server is using this data directory"),
+                .contains("is another hora-server using this data directory? Stop it first"),
             "{refused}"
         );
         first.put_meta("k", "v").unwrap();
