@@ -449,6 +449,37 @@ async fn admin_token_guesses_from_one_address_do_not_lock_the_operator_out_from_
         .await;
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_api_answers_only_the_networks_it_is_allowed_to() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(dir.path(), &["--admin-allow", "10.0.0.0/8,127.0.0.2"]);
+    // From 127.0.0.1, the right token and a guess alike are refused before any check, and
+    // spend nothing: the health probe is answered.
+    for token in [ADMIN_TOKEN, "a guess"] {
+        let answer = server
+            .api(token)
+            .request(Method::GET, "/admin/v1/tasks")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::FORBIDDEN);
+        let err: hora_common::wire::ApiError = answer.json().await.unwrap();
+        assert!(err.message.contains("--admin-allow"), "{}", err.message);
+    }
+    healthz_ok(&server).await;
+    // From the allowed address, the operator is served.
+    let mut operator = raw_tls_from(&server, "127.0.0.2").await;
+    operator
+        .write_all(
+            format!("GET /admin/v1/tasks HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let answer = answer_within(&mut operator, "[]", Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
 async fn small_task(admin: &Api, id: &str, min: u32, target: u32) -> (Model, CreateTask) {
     let model = small_model();
     let digest = admin.upload_model(&model).await;

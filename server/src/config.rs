@@ -57,6 +57,12 @@ pub struct ServeArgs {
     /// Read the admin token from this file (first line) instead of the command line.
     #[arg(long, env = "HORA_ADMIN_TOKEN_FILE", conflicts_with = "admin_token")]
     pub admin_token_file: Option<PathBuf>,
+    /// Networks the admin API answers, comma-separated (e.g. `10.0.0.0/8,2001:db8::/32`, or
+    /// addresses); default: every address. A request from elsewhere is refused 403 before its
+    /// token is looked at, so guesses from the internet cannot spend the token check's budget
+    /// that the operator's first request after a start needs.
+    #[arg(long, env = "HORA_ADMIN_ALLOW", value_delimiter = ',', value_parser = parse_net)]
+    pub admin_allow: Vec<ipnet::IpNet>,
     /// Most connections held at once (default: 3/4 of the open-file limit, at most 16,384). At
     /// the cap the longest-idle connection is closed to make room.
     #[arg(long, env = "HORA_MAX_CONNECTIONS")]
@@ -155,6 +161,8 @@ struct FileConfig {
     hosts: Vec<String>,
     admin_token: Option<String>,
     admin_token_file: Option<PathBuf>,
+    #[serde(default)]
+    admin_allow: Vec<String>,
     commit_window_ms: Option<u64>,
     max_concurrent_uploads: Option<usize>,
     max_model_bytes: Option<u64>,
@@ -177,6 +185,16 @@ struct FileConfig {
     metrics_require_token: Option<bool>,
 }
 
+/// A network (`10.0.0.0/8`) or one address (`192.0.2.7`, a /32 or /128).
+fn parse_net(s: &str) -> Result<ipnet::IpNet, String> {
+    let s = s.trim();
+    s.parse::<ipnet::IpNet>()
+        .or_else(|_| s.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+        .map_err(|_| {
+            format!("`{s}` is neither a network (10.0.0.0/8, 2001:db8::/32) nor an address")
+        })
+}
+
 /// The resolved configuration.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -190,6 +208,8 @@ pub struct ServeConfig {
     pub certs_dir: Option<PathBuf>,
     pub hosts: Vec<String>,
     pub admin_token: Option<String>,
+    /// Empty: the admin API answers every address.
+    pub admin_allow: Vec<ipnet::IpNet>,
     pub commit_window_ms: u64,
     pub max_concurrent_uploads: usize,
     pub max_model_bytes: u64,
@@ -269,6 +289,14 @@ impl ServeConfig {
             }) {
                 Some(token) => Some(token?),
                 None => None,
+            },
+            admin_allow: if args.admin_allow.is_empty() {
+                file.admin_allow
+                    .iter()
+                    .map(|n| parse_net(n).map_err(|e| anyhow::anyhow!("admin_allow: {e}")))
+                    .collect::<Result<_, _>>()?
+            } else {
+                args.admin_allow
             },
             commit_window_ms: args.commit_window_ms.or(file.commit_window_ms).unwrap_or(2),
             max_concurrent_uploads: args
@@ -378,7 +406,7 @@ mod tests {
         assert_eq!(c.max_unauthenticated_per_source, 32);
         std::fs::write(
             &path,
-            "max_upload_share = 0.5\nmax_unauthenticated_per_source = 4\n",
+            "max_upload_share = 0.5\nmax_unauthenticated_per_source = 4\nadmin_allow = [\"10.0.0.0/8\", \"2001:db8::7\"]\n",
         )
         .unwrap();
         let c = ServeConfig::resolve(ServeArgs {
@@ -389,6 +417,18 @@ mod tests {
         assert_eq!(
             (c.max_upload_share, c.max_unauthenticated_per_source),
             (0.5, 4)
+        );
+        let nets: Vec<String> = c.admin_allow.iter().map(|n| n.to_string()).collect();
+        assert_eq!(nets, ["10.0.0.0/8", "2001:db8::7/128"]);
+        std::fs::write(&path, "admin_allow = [\"10.0.0.0/33\"]\n").unwrap();
+        let err = ServeConfig::resolve(ServeArgs {
+            config: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("admin_allow: `10.0.0.0/33`"),
+            "{err:#}"
         );
         for share in [0.0, 1.5, f64::NAN] {
             let err = ServeConfig::resolve(ServeArgs {

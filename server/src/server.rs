@@ -107,6 +107,7 @@ impl Server {
                 request_timeout: config.request_timeout,
                 metrics_require_token: config.metrics_require_token,
                 max_concurrent_uploads: config.max_concurrent_uploads,
+                admin_allow: config.admin_allow.clone(),
                 ..Default::default()
             },
             rendezvous,

@@ -67,6 +67,8 @@ pub struct HttpLimits {
     pub max_concurrent_uploads: usize,
     /// The longest a body waits for room in the byte budget before it is answered 503 `busy`.
     pub body_wait: Duration,
+    /// Networks the admin API answers (empty: all).
+    pub admin_allow: Vec<ipnet::IpNet>,
 }
 
 impl Default for HttpLimits {
@@ -81,6 +83,7 @@ impl Default for HttpLimits {
             metrics_require_token: false,
             max_concurrent_uploads: 1,
             body_wait: Duration::from_secs(10),
+            admin_allow: Vec::new(),
         }
     }
 }
@@ -135,6 +138,27 @@ impl FromRequestParts<Shared> for AdminAuth {
     type Rejection = ServerError;
 
     async fn from_request_parts(parts: &mut Parts, state: &Shared) -> Result<Self, ServerError> {
+        let source = parts
+            .extensions
+            .get::<conn::Peer>()
+            .and_then(conn::Peer::source);
+        // Before the token is looked at: an address the admin API does not answer learns
+        // nothing of it and spends none of its checks.
+        let allow = &state.limits.admin_allow;
+        if let Some(source) = source.filter(|_| !allow.is_empty()) {
+            let source = match source {
+                std::net::IpAddr::V6(v6) => {
+                    v6.to_ipv4_mapped().map_or(source, std::net::IpAddr::V4)
+                }
+                v4 => v4,
+            };
+            if !allow.iter().any(|net| net.contains(&source)) {
+                return Err(ServerError::Forbidden(
+                    "the admin API does not answer this address (see the server's --admin-allow)"
+                        .into(),
+                ));
+            }
+        }
         let token = auth::bearer(parts.headers.get(AUTHORIZATION))?;
         if state.admin.passed(token) {
             credentials_passed(&parts.extensions);
@@ -146,10 +170,6 @@ impl FromRequestParts<Shared> for AdminAuth {
                 "client credentials cannot use the admin API".into(),
             ));
         }
-        let source = parts
-            .extensions
-            .get::<conn::Peer>()
-            .and_then(conn::Peer::source);
         if state.admin.verify(token, source).await? {
             credentials_passed(&parts.extensions);
             return Ok(AdminAuth);
