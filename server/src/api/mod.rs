@@ -371,8 +371,8 @@ const READY_WITHIN: Duration = Duration::from_secs(2);
 
 #[utoipa::path(get, path = "/readyz", tag = "ops",
     responses(
-        (status = 200, description = "This server can reach its store and serve", body = inline(doc::Text), content_type = "text/plain"),
-        (status = 503, body = ApiError, description = "`store_unavailable`: the store did not answer (within 2 s); `shutting_down`: the server is shutting down. A load balancer sends this server nothing meanwhile")))]
+        (status = 200, description = "This server can reach its store (records and blobs) and serve", body = inline(doc::Text), content_type = "text/plain"),
+        (status = 503, body = ApiError, description = "`store_unavailable`: the store (its records or its blobs) did not answer (within 2 s); `shutting_down`: the server is shutting down. A load balancer sends this server nothing meanwhile")))]
 async fn readyz(State(state): State<Shared>) -> Result<&'static str, ServerError> {
     if state.coordinator.stopping.is_cancelled() {
         return Err(ServerError::unavailable(
@@ -381,7 +381,11 @@ async fn readyz(State(state): State<Shared>) -> Result<&'static str, ServerError
         ));
     }
     let coordinator = state.coordinator.clone();
-    let asked = crate::blocking(move || Ok(coordinator.store().ready()?));
+    let asked = crate::blocking(move || {
+        let store = coordinator.store();
+        store.ready()?;
+        Ok(crate::store::blobs::reachable(store.blobs())?)
+    });
     match tokio::time::timeout(READY_WITHIN, asked).await {
         Ok(answer) => answer.map(|()| "ready"),
         Err(_) => Err(ServerError::unavailable(

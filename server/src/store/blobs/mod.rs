@@ -84,6 +84,11 @@ impl BlobKind {
 /// The blob naming the records a blob store belongs to, and the records' meta key holding it.
 const STORE_ID: &str = "store-id";
 
+/// Whether the blob store answers (a head request for its id), for `/readyz`.
+pub fn reachable(blobs: &dyn BlobStore) -> Result<(), StoreError> {
+    blobs.head(BlobKind::Meta, STORE_ID).map(drop)
+}
+
 /// Ties the blobs to the records (both opened by one server) with an id written in each: the
 /// records' meta `store-id` and the blob `blobs/meta/store-id`. A blob store already tied to
 /// other records is refused (their server's blobs would be swept as unreferenced by this one),
