@@ -283,6 +283,8 @@ impl Coordinator {
                 tally.abandon = Some(format!("the aggregated model is not finite ({detail}): some update is out of range; bound updates with update_bounds.max_norm"));
                 Ok(None)
             }
+            // (A blob store that stopped answering mid-state is a 503, retried; not a 500.)
+            Err(strategy::AggregateError::State(e)) => Err(e.into()),
             Err(e) => Err(ServerError::internal(e)),
         }
     }

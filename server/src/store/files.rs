@@ -12,18 +12,41 @@ const MASKED_SUM_MAGIC: &[u8; 8] = b"HORAMSK1";
 
 /// Maps an I/O error on `path` to a [`StoreError`].
 pub(super) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
-    move |source| StoreError::Io {
-        path: path.display().to_string(),
-        source,
+    move |source| {
+        carried(source).unwrap_or_else(|source| StoreError::Io {
+            path: path.display().to_string(),
+            source,
+        })
     }
 }
 
 /// Maps an I/O error on blob `what` to a [`StoreError`].
 pub(super) fn io_at(what: &str) -> impl Fn(std::io::Error) -> StoreError + '_ {
-    move |source| StoreError::Io {
-        path: what.to_string(),
-        source,
+    move |source| {
+        carried(source).unwrap_or_else(|source| StoreError::Io {
+            path: what.to_string(),
+            source,
+        })
     }
+}
+
+/// The store's own error that an I/O error carries (a blob store failing under a reader or a
+/// writer: an outage, answered 503, not a broken file), else the I/O error.
+pub(crate) fn carried(e: std::io::Error) -> Result<StoreError, std::io::Error> {
+    if e.get_ref().is_some_and(|inner| inner.is::<StoreError>()) {
+        let inner = e.into_inner().expect("checked above");
+        return Ok(*inner.downcast::<StoreError>().expect("checked above"));
+    }
+    Err(e)
+}
+
+/// An I/O error reading stored data: corruption where the data ran short (`reason`), the
+/// store's own error where it carries one.
+pub(crate) fn short_or_carried(
+    e: std::io::Error,
+    corrupt: impl FnOnce() -> StoreError,
+) -> StoreError {
+    carried(e).unwrap_or_else(|_| corrupt())
 }
 
 /// A name no blob has, for a temporary file: the sweep removes what a crash leaves of these.
@@ -93,11 +116,12 @@ pub(super) fn decode_checkpoint(
     let mut buf = vec![0u8; 1 << 20];
     while values.len() < expected_len {
         let want = ((expected_len - values.len()) * 8).min(buf.len());
-        r.read_exact(&mut buf[..want])
-            .map_err(|_| StoreError::Corrupt {
+        r.read_exact(&mut buf[..want]).map_err(|e| {
+            short_or_carried(e, || StoreError::Corrupt {
                 key: file.into(),
                 reason: "truncated".into(),
-            })?;
+            })
+        })?;
         hash.update(&buf[..want]);
         values.extend(
             buf[..want]
@@ -154,4 +178,35 @@ pub fn le_words(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
     bytes
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_blob_store_failing_under_a_reader_is_an_outage_not_corruption() {
+        let outage = || {
+            std::io::Error::other(StoreError::Blobs {
+                at: "s3://b/p".into(),
+                reason: "connection reset".into(),
+            })
+        };
+        let corrupt = || StoreError::Corrupt {
+            key: "k".into(),
+            reason: "truncated".into(),
+        };
+        assert!(matches!(io_at("k")(outage()), StoreError::Blobs { .. }));
+        assert!(matches!(
+            short_or_carried(outage(), corrupt),
+            StoreError::Blobs { .. }
+        ));
+        let short = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+        assert!(matches!(
+            short_or_carried(short, corrupt),
+            StoreError::Corrupt { .. }
+        ));
+        let other = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        assert!(matches!(io_at("k")(other), StoreError::Io { .. }));
+    }
 }

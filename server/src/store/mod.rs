@@ -62,6 +62,7 @@ mod sled;
 
 pub use self::blobs::{BlobKind, BlobLocation, BlobStore, Blobs, DirBlobs, ObjectBlobs};
 pub use self::files::le_words;
+pub(crate) use self::files::short_or_carried;
 pub use self::memory::MemoryStore;
 pub use self::postgres::PostgresStore;
 pub use self::records::*;

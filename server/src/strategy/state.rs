@@ -21,7 +21,7 @@ use std::io::{BufReader, Read, Write};
 use ring::digest::{Context, SHA256};
 
 use super::{StateStretches, Strategy};
-use crate::store::{BlobKind, BlobStore, StoreError};
+use crate::store::{short_or_carried, BlobKind, BlobStore, StoreError};
 
 const MAGIC: &[u8; 8] = b"HORASTA1";
 
@@ -72,7 +72,7 @@ impl StateReader {
             BufReader::with_capacity(1 << 20, blobs.reader(BlobKind::StrategyState, name, None)?);
         let mut header = [0u8; 24];
         file.read_exact(&mut header)
-            .map_err(|_| corrupt(name, "shorter than its header"))?;
+            .map_err(|e| short_or_carried(e, || corrupt(name, "shorter than its header")))?;
         let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().expect("8 bytes"));
         if &header[..8] != MAGIC || word(8) != parameters as u64 || word(16) != per_parameter as u64
         {
@@ -104,7 +104,7 @@ impl StateReader {
         self.bytes.resize(into.len() * 4, 0);
         self.file
             .read_exact(&mut self.bytes)
-            .map_err(|_| corrupt(&self.name, "truncated"))?;
+            .map_err(|e| short_or_carried(e, || corrupt(&self.name, "truncated")))?;
         self.hash.update(&self.bytes);
         for (v, b) in into.iter_mut().zip(self.bytes.chunks_exact(4)) {
             *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);

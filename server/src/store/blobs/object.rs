@@ -360,7 +360,15 @@ impl ObjectBlobs {
             }
             GetResultPayload::Stream(stream) => Payload::Stream(
                 stream
-                    .map_err(|e| std::io::Error::other(e.to_string()))
+                    .map_err({
+                        let (at, key) = (self.shown.clone(), key.to_string());
+                        move |e| {
+                            std::io::Error::other(StoreError::Blobs {
+                                at: at.clone(),
+                                reason: format!("reading {key}: {e}"),
+                            })
+                        }
+                    })
                     .boxed(),
             ),
         };
@@ -580,7 +588,7 @@ impl ObjectWriter {
             upload.put(bytes).await?;
             Ok(upload)
         })
-        .map_err(|e| std::io::Error::other(e.to_string()))?;
+        .map_err(|e| std::io::Error::other(self.failed(e)))?;
         self.upload = Some(upload);
         Ok(())
     }
