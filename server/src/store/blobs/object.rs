@@ -133,6 +133,8 @@ pub struct ObjectBlobs {
     shown: String,
     /// [`BlobStore::largest_renamed`].
     largest_renamed: Option<u64>,
+    /// The directory of a `file://` store, whose staged writes the sweep looks for.
+    local: Option<PathBuf>,
 }
 
 /// The largest object S3's CopyObject takes in one request.
@@ -145,17 +147,17 @@ impl ObjectBlobs {
             at: shown.clone(),
             reason,
         };
-        let store: Arc<dyn ObjectStore> = match location {
-            BlobLocation::DataDir => {
-                return Err(failed("the data directory's blobs are DirBlobs".into()))
-            }
+        match location {
+            BlobLocation::DataDir => Err(failed("the data directory's blobs are DirBlobs".into())),
             BlobLocation::File(dir) => {
                 crate::store::files::make_private_dir(dir)?;
                 let local = object_store::local::LocalFileSystem::new_with_prefix(dir)
                     .map_err(|e| failed(e.to_string()))?
                     .with_fsync(true)
                     .with_automatic_cleanup(false);
-                Arc::new(local)
+                let mut blobs = Self::with_store(Arc::new(local), shown)?;
+                blobs.local = Some(dir.clone());
+                Ok(blobs)
             }
             BlobLocation::S3 {
                 bucket,
@@ -163,10 +165,9 @@ impl ObjectBlobs {
                 endpoint,
             } => {
                 let builder = object_store::aws::AmazonS3Builder::from_env();
-                return Self::open_s3(bucket, prefix, endpoint.as_deref(), builder);
+                Self::open_s3(bucket, prefix, endpoint.as_deref(), builder)
             }
-        };
-        Self::with_store(store, shown)
+        }
     }
 
     /// Blobs in S3 bucket `bucket` under `prefix`, at `endpoint` (an S3-compatible server) or
@@ -253,6 +254,7 @@ impl ObjectBlobs {
             runtime: Some(runtime),
             shown,
             largest_renamed: None,
+            local: None,
         })
     }
 
@@ -507,6 +509,35 @@ impl BlobStore for ObjectBlobs {
 
     fn largest_renamed(&self) -> Option<u64> {
         self.largest_renamed
+    }
+
+    /// `object_store`'s local store writes `<key>#<n>` and renames it into place; a crash, or
+    /// an upload given up, leaves it behind, and its listings hide such names.
+    fn remove_staged(&self) -> Result<usize, StoreError> {
+        let Some(dir) = &self.local else {
+            return Ok(0);
+        };
+        let staged = |name: &str| {
+            name.rsplit_once('#')
+                .is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        };
+        let mut removed = 0;
+        for kind in BlobKind::ALL {
+            let folder = dir.join(kind.folder());
+            let entries = match std::fs::read_dir(&folder) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                entries => entries.map_err(crate::store::files::io(&folder))?,
+            };
+            for entry in entries {
+                let entry = entry.map_err(crate::store::files::io(&folder))?;
+                if entry.file_name().to_str().is_some_and(staged) {
+                    std::fs::remove_file(entry.path())
+                        .map_err(crate::store::files::io(&entry.path()))?;
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
     }
 }
 
