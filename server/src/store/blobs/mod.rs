@@ -474,7 +474,10 @@ mod tests {
         assert!(refused.contains("was --blobs changed"), "{refused}");
         // The sweep leaves the id alone, and removes what an interrupted write left staged
         // (`object_store` hides such files from listings).
-        let staged = shared.path().join(BlobKind::Checkpoint.folder()).join("a.ckpt#12");
+        let staged = shared
+            .path()
+            .join(BlobKind::Checkpoint.folder())
+            .join("a.ckpt#12");
         std::fs::create_dir_all(staged.parent().unwrap()).unwrap();
         std::fs::write(&staged, b"half a checkpoint").unwrap();
         let store = StoreLocation::Sled
