@@ -103,6 +103,7 @@ pub struct AppState {
     pub uploads: Arc<body::UploadsInFlight>,
     /// Sync jobs and the worlds their workers are forming.
     pub rendezvous: Rendezvous,
+    pub readiness: Readiness,
 }
 
 impl AppState {
@@ -122,6 +123,7 @@ impl AppState {
             uploads: Arc::default(),
             limits,
             rendezvous,
+            readiness: Readiness::default(),
         })
     }
 }
@@ -144,15 +146,17 @@ impl FromRequestParts<Shared> for AdminAuth {
             .and_then(conn::Peer::source);
         // Before the token is looked at: an address the admin API does not answer learns
         // nothing of it and spends none of its checks.
+        // A connection whose source could not be read is refused too: nothing says it is
+        // allowed. (Without the connection guard, in-process, there is no source to check.)
         let allow = &state.limits.admin_allow;
-        if let Some(source) = source.filter(|_| !allow.is_empty()) {
-            let source = match source {
+        if !allow.is_empty() && parts.extensions.get::<conn::Peer>().is_some() {
+            let source = source.map(|source| match source {
                 std::net::IpAddr::V6(v6) => {
                     v6.to_ipv4_mapped().map_or(source, std::net::IpAddr::V4)
                 }
                 v4 => v4,
-            };
-            if !allow.iter().any(|net| net.contains(&source)) {
+            });
+            if !source.is_some_and(|source| allow.iter().any(|net| net.contains(&source))) {
                 return Err(ServerError::Forbidden(
                     "the admin API does not answer this address (see the server's --admin-allow)"
                         .into(),
@@ -380,21 +384,76 @@ async fn readyz(State(state): State<Shared>) -> Result<&'static str, ServerError
             "the server is shutting down",
         ));
     }
-    let coordinator = state.coordinator.clone();
-    let asked = crate::blocking(move || {
-        let store = coordinator.store();
-        store.ready()?;
-        Ok(crate::store::blobs::reachable(store.blobs())?)
-    });
-    match tokio::time::timeout(READY_WITHIN, asked).await {
-        Ok(answer) => answer.map(|()| "ready"),
-        Err(_) => Err(ServerError::unavailable(
-            ErrorCode::StoreUnavailable,
-            format!(
-                "the store did not answer within {} s",
-                READY_WITHIN.as_secs()
-            ),
-        )),
+    state.readiness.check(&state).await.map(|()| "ready")
+}
+
+/// How long a readiness answer is reused.
+const READY_FOR: Duration = Duration::from_secs(1);
+
+/// `/readyz`'s answers: one check of the store in flight at a time, its answer reused for
+/// [`READY_FOR`] and by every probe that comes while it runs. A probe is never counted against
+/// its address's limit (a load balancer's must get through), so without this a flood of probes
+/// while the store hangs would pin a blocking thread each.
+#[derive(Default)]
+pub struct Readiness {
+    /// Held by the blocking check itself, so a dropped probe does not end it early.
+    checking: Arc<tokio::sync::Mutex<()>>,
+    last: std::sync::Mutex<Option<(tokio::time::Instant, Result<(), String>)>>,
+}
+
+impl Readiness {
+    fn keep(&self, answer: Result<(), String>) {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((tokio::time::Instant::now(), answer));
+    }
+
+    fn fresh(&self) -> Option<Result<(), String>> {
+        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        last.as_ref()
+            .filter(|(at, _)| at.elapsed() < READY_FOR)
+            .map(|(_, answer)| answer.clone())
+    }
+
+    async fn check(&self, state: &Shared) -> Result<(), ServerError> {
+        let refused = |why: String| ServerError::unavailable(ErrorCode::StoreUnavailable, why);
+        if let Some(answer) = self.fresh() {
+            return answer.map_err(refused);
+        }
+        let Ok(checking) = self.checking.clone().try_lock_owned() else {
+            // Another probe is asking the store: its answer, once there, within the bound.
+            let waited = tokio::time::timeout(READY_WITHIN, self.checking.lock()).await;
+            return match (waited, self.fresh()) {
+                (Ok(_), Some(answer)) => answer.map_err(refused),
+                _ => Err(refused(format!(
+                    "the store did not answer within {} s",
+                    READY_WITHIN.as_secs()
+                ))),
+            };
+        };
+        let shared = state.clone();
+        let asked = crate::blocking(move || {
+            let store = shared.coordinator.store();
+            let answer = store
+                .ready()
+                .and_then(|()| crate::store::blobs::reachable(store.blobs()));
+            // Kept before the check's place is given up, for the probes waiting on it.
+            shared
+                .readiness
+                .keep(answer.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+            drop(checking);
+            Ok(answer?)
+        });
+        match tokio::time::timeout(READY_WITHIN, asked).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                let late = refused(format!(
+                    "the store did not answer within {} s",
+                    READY_WITHIN.as_secs()
+                ));
+                self.keep(Err(late.to_string()));
+                Err(late)
+            }
+        }
     }
 }
 

@@ -152,8 +152,8 @@ pub fn validate(config: &DpConfig, task: &CreateTask) -> Result<(), String> {
 
 /// Why the sum's noise could not be drawn for a model of `coordinates` values (the sentence for
 /// the 400 at task creation, after [`validate`]): the grid's σ in steps grows with
-/// `z · √coordinates` and must stay below 2^31, which the clip norm does not change (the noise
-/// and the sensitivity scale with it alike).
+/// `z · √coordinates` (plus up to 2^29 for the standard deviation itself, by its mantissa: the
+/// clip norm's only say) and must stay below 2^31; checked for the worst clip norm.
 pub fn validate_for_model(
     config: &DpConfig,
     task: &CreateTask,
@@ -170,7 +170,10 @@ pub fn validate_for_model(
     let Some(z_sum) = z_sum else {
         return Ok(()); // refused by `validate` already
     };
-    noise::Grid::for_sum(z_sum, 1.0, coordinates).map(|_| ()).map_err(|e| {
+    // The worst case over clip norms: a standard deviation whose mantissa is just below 2
+    // puts the most grid steps in it (the grid step is a power of two).
+    let stddev = 2.0 - f64::EPSILON;
+    noise::Grid::for_sum(stddev, stddev / z_sum, coordinates).map(|_| ()).map_err(|e| {
         format!("differential_privacy: the noise for a model of {coordinates} values with a sum noise multiplier of {z_sum:.4} cannot be drawn exactly ({e}); lower the noise multiplier (or, with an adaptive clip, raise count_noise)")
     })
 }

@@ -393,9 +393,12 @@ impl Coordinator {
     ) -> Result<wire::JoinResponse, ServerError> {
         let (me, t, c) = (self.clone(), task.clone(), client.to_string());
         // Selection takes the round's lock (and may read the store): on a blocking thread.
-        let waiting = task.lock_waiters.acquire().await;
-        let joined = crate::blocking(move || me.select(&t, &c)).await?;
-        drop(waiting);
+        let waiting = task.lock_waiter().await;
+        let joined = crate::blocking(move || {
+            let _waiting = waiting;
+            me.select(&t, &c)
+        })
+        .await?;
         let (round, upto, answer) = match joined {
             Joined::Wait => {
                 return Ok(wire::JoinResponse {

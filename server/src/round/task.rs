@@ -29,7 +29,7 @@ pub struct Task {
     /// Requests of this task that may wait on its round's lock on a blocking thread at once
     /// (joins, upload checks): the rest wait here, on the runtime, so a flood at one task whose
     /// large checkpoint holds that lock for seconds cannot take every blocking thread.
-    pub(crate) lock_waiters: tokio::sync::Semaphore,
+    pub(crate) lock_waiters: Arc<tokio::sync::Semaphore>,
     pub(crate) changed: watch::Sender<u64>,
     /// The L2 norms and weights of the task's last accepted updates, for the adaptive bounds.
     pub(crate) recent: Mutex<Recent>,
@@ -38,6 +38,17 @@ pub struct Task {
 }
 
 impl Task {
+    /// A place among the task's requests that wait for its round's lock on blocking threads
+    /// (at most [`super::LOCK_WAITERS`]); moved into the blocking work, so it is held for as
+    /// long as that thread waits even if the request that started it is dropped.
+    pub(crate) async fn lock_waiter(&self) -> tokio::sync::OwnedSemaphorePermit {
+        self.lock_waiters
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the lock waiters' semaphore is never closed")
+    }
+
     pub(crate) fn new(
         id: String,
         record: TaskRecord,
@@ -50,7 +61,7 @@ impl Task {
             writing: Mutex::default(),
             round: Mutex::new(round),
             commit_wanted: tokio::sync::Notify::new(),
-            lock_waiters: tokio::sync::Semaphore::new(super::LOCK_WAITERS),
+            lock_waiters: Arc::new(tokio::sync::Semaphore::new(super::LOCK_WAITERS)),
             changed: watch::channel(0).0,
             recent: Mutex::default(),
             strategy,

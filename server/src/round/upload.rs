@@ -176,10 +176,10 @@ impl Coordinator {
         // Then the fold, which takes the round's lock: at most LOCK_WAITERS of the task's
         // requests wait for it on blocking threads, the others here (their bodies held in the
         // byte budget), so a close that holds the lock long cannot take the blocking pool.
-        let waiting = task.lock_waiters.acquire().await;
+        let waiting = task.lock_waiter().await;
         let (me, t) = (self.clone(), task.clone());
         let folded = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
-            let task = t;
+            let (task, _waiting) = (t, waiting);
             let view = reparse(&body[plaintext], &spec)?;
             let round = folding.round;
             let opened = Opened {
@@ -210,7 +210,6 @@ impl Coordinator {
         })
         .await
         .map_err(ServerError::internal)??;
-        drop(waiting);
         task.commit_wanted.notify_one();
         self.receipt(&folded.round, folded.index).await
     }
@@ -271,8 +270,12 @@ impl Coordinator {
         round_number: u64,
     ) -> Result<Admission, ServerError> {
         let (me, t, client) = (self.clone(), task.clone(), client.to_string());
-        let _waiting = task.lock_waiters.acquire().await;
-        crate::blocking(move || me.check_upload(&t, &client, round_number)).await
+        let waiting = task.lock_waiter().await;
+        crate::blocking(move || {
+            let _waiting = waiting;
+            me.check_upload(&t, &client, round_number)
+        })
+        .await
     }
 }
 

@@ -102,6 +102,7 @@ impl StoreLocation {
         data_dir: &std::path::Path,
         blobs: &BlobLocation,
     ) -> Result<std::sync::Arc<Store>, StoreError> {
+        let apart = !matches!(blobs, BlobLocation::DataDir);
         let blobs = blobs.open(data_dir)?;
         let store: std::sync::Arc<Store> = match self {
             StoreLocation::Sled => std::sync::Arc::new(SledStore::open_with(data_dir, blobs)?),
@@ -109,7 +110,9 @@ impl StoreLocation {
                 std::sync::Arc::new(PostgresStore::open_with(target, blobs)?.claim()?)
             }
         };
-        self::blobs::bind(&*store)?;
+        if apart {
+            self::blobs::bind(&*store)?;
+        }
         Ok(store)
     }
 }

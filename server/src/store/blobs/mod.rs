@@ -89,13 +89,14 @@ pub fn reachable(blobs: &dyn BlobStore) -> Result<(), StoreError> {
     blobs.head(BlobKind::Meta, STORE_ID).map(drop)
 }
 
-/// Ties the blobs to the records (both opened by one server) with an id written in each: the
-/// records' meta `store-id` and the blob `blobs/meta/store-id`. A blob store already tied to
-/// other records is refused (their server's blobs would be swept as unreferenced by this one),
-/// and so is a blob store holding blobs but no id while the records have one (`--blobs`
-/// changed between runs). Untied records and blobs (a new deployment, or one from before the
-/// ids) are tied now; so is an empty blob store to records that have an id (a fresh location,
-/// or a crash between the two writes: the records' id is written first).
+/// Ties blobs kept apart from the records (`--blobs`) to those records, with an id written in
+/// each: the blob `blobs/meta/store-id` first, then the records' meta `store-id`. A blob store
+/// tied to other records is refused (their server's blobs would be swept as unreferenced by
+/// this one), and so is a blob store holding blobs but no id while the records have one
+/// (`--blobs` changed between runs). Untied records and blobs (a new deployment, or one from
+/// before the ids) are tied now; so is an empty blob store to records that have an id (a fresh
+/// location). Records with tasks but no id over blobs with one take the blobs' id: the first
+/// start with ids, ended between the two writes.
 pub fn bind(store: &super::Store) -> Result<(), StoreError> {
     let blobs = store.blobs();
     let refused = |why: String| StoreError::Blobs {
@@ -110,10 +111,14 @@ pub fn bind(store: &super::Store) -> Result<(), StoreError> {
         ),
         None => None,
     };
-    let records = store.meta(STORE_ID)?;
-    match (records, marker) {
+    let adopt = |id: &str| -> Result<(), StoreError> {
+        store.put_meta(STORE_ID, id)?;
+        store.flush()
+    };
+    match (store.meta(STORE_ID)?, marker) {
         (Some(ours), Some(theirs)) if ours == theirs => Ok(()),
         (Some(ours), Some(theirs)) => Err(refused(format!("these blobs belong to another Hora store (id {theirs}; this server's records are {ours}): give each deployment its own --blobs location; sharing one would let each server delete the other's blobs as unreferenced"))),
+        (None, Some(theirs)) if !store.tasks()?.is_empty() => adopt(&theirs),
         (None, Some(theirs)) => Err(refused(format!("these blobs belong to another Hora store (id {theirs}) and this server's records are new: give this server its own --blobs location (to move a deployment, move its records with its blobs)"))),
         (Some(ours), None) => {
             let used = BlobKind::ALL
@@ -127,8 +132,8 @@ pub fn bind(store: &super::Store) -> Result<(), StoreError> {
         }
         (None, None) => {
             let id = format!("{:032x}", rand::random::<u128>());
-            store.put_meta(STORE_ID, &id)?;
-            put(blobs, BlobKind::Meta, STORE_ID, id.as_bytes())
+            put(blobs, BlobKind::Meta, STORE_ID, id.as_bytes())?;
+            adopt(&id)
         }
     }
 }
