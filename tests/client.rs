@@ -431,6 +431,27 @@ async fn a_client_retries_while_the_server_is_down() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_client_given_several_servers_fails_over_to_one_that_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(&dir.path().join("server"), &[]);
+    let admin = server.api(ADMIN_TOKEN);
+    create_task(&admin, "t", 1, 1, 1).await;
+    let token = token(&admin).await;
+    // The first URL is a port nothing listens on (a server that died): the client moves on.
+    let urls = format!("https://127.0.0.1:{},{}", free_port(), server.url);
+    let mut cmd = client_command(&urls, &server.ca, &dir.path().join("c"), "t", 0);
+    cmd.args(["--token", &token]).env("HORA_LOG", "warn");
+    let out = finish(spawn(cmd));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("does not answer; trying"), "{stderr}");
+    let info = task_info(&admin, "t").await;
+    assert_eq!(
+        (info.state, info.published_rounds),
+        (TaskState::Finished, 1)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn refusals_stop_the_client_with_a_clear_message() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("server"));

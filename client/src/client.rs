@@ -39,7 +39,8 @@ pub const UPDATE_META_HEADER: &str = "x-hora-update";
 /// Where and how a client connects.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
-    /// `https://host:port`.
+    /// `https://host:port`, or several comma-separated, tried in turn when one cannot be
+    /// reached.
     pub server: String,
     /// The CA certificate the server's certificate chains to.
     pub ca: PathBuf,

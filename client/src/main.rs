@@ -269,7 +269,8 @@ struct TrainArgs {
     #[arg(long, env = "HORA_CONFIG")]
     #[serde(skip)]
     config: Option<PathBuf>,
-    /// The server, `https://host:port`.
+    /// The server, `https://host:port`; several, comma-separated, are tried in turn when one
+    /// cannot be reached (servers of one deployment, or a standby).
     #[arg(long, env = "HORA_SERVER")]
     server: Option<String>,
     /// CA certificate the server's certificate chains to (the dev CA: <data dir>/certs/ca.pem).

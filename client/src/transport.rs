@@ -5,6 +5,8 @@
 //! [`ClientError`] carrying the server's [`ApiError`].
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hora_common::tls::{client_config, Identity};
@@ -77,11 +79,15 @@ fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
     Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER))
 }
 
-/// An authenticated connection to one server.
+/// An authenticated connection to a server, given as one URL or several (servers sharing one
+/// deployment's state, or a standby): requests go to one of them, and to the next when it
+/// cannot be reached or says it is shutting down.
 #[derive(Clone, Debug)]
 pub struct Connection {
     http: reqwest::Client,
-    base: String,
+    bases: Arc<[String]>,
+    /// Which of `bases` requests go to now; shared by the connection's clones.
+    current: Arc<AtomicUsize>,
     token: Option<String>,
     retry: RetryPolicy,
 }
@@ -115,10 +121,19 @@ impl Connection {
         identity: Option<&Identity>,
         retry: RetryPolicy,
     ) -> Result<Self> {
-        let base = server.trim_end_matches('/').to_string();
-        if !base.starts_with("https://") {
+        let bases: Vec<String> = server
+            .split(',')
+            .map(|url| url.trim().trim_end_matches('/').to_string())
+            .filter(|url| !url.is_empty())
+            .collect();
+        if bases.is_empty() {
+            return Err(ClientError::Protocol(
+                "no server URL given: pass --server https://host:port (several, comma-separated, fail over in turn)".into(),
+            ));
+        }
+        if let Some(plain) = bases.iter().find(|url| !url.starts_with("https://")) {
             return Err(ClientError::Protocol(format!(
-                "server URL `{server}` must start with https:// (Hora always uses TLS)"
+                "server URL `{plain}` must start with https:// (Hora always uses TLS)"
             )));
         }
         let http = reqwest::Client::builder()
@@ -128,7 +143,8 @@ impl Connection {
             .map_err(|e| ClientError::Protocol(format!("building the HTTPS client: {e}")))?;
         Ok(Connection {
             http,
-            base,
+            bases: bases.into(),
+            current: Arc::default(),
             token: None,
             retry,
         })
@@ -139,8 +155,28 @@ impl Connection {
         self
     }
 
+    /// The URL requests go to now.
     pub fn base_url(&self) -> &str {
-        &self.base
+        &self.bases[self.current.load(Ordering::Relaxed) % self.bases.len()]
+    }
+
+    /// After a request to `bases[used]` found no server: the next URL, unless another request
+    /// moved on already.
+    fn fail_over(&self, used: usize) {
+        if self.bases.len() > 1 {
+            let next = (used + 1) % self.bases.len();
+            if self
+                .current
+                .compare_exchange(used, next, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                tracing::warn!(
+                    "{} does not answer; trying {}",
+                    self.bases[used],
+                    self.bases[next]
+                );
+            }
+        }
     }
 
     pub fn retry_policy(&self) -> &RetryPolicy {
@@ -151,7 +187,7 @@ impl Connection {
     pub fn request(&self, method: Method, path: &str, extra_wait: Duration) -> RequestBuilder {
         let req = self
             .http
-            .request(method, format!("{}{path}", self.base))
+            .request(method, format!("{}{path}", self.base_url()))
             .timeout(self.retry.request_timeout + extra_wait);
         match &self.token {
             Some(t) => req.bearer_auth(t),
@@ -176,6 +212,7 @@ impl Connection {
         loop {
             attempt += 1;
             let mut asked = None;
+            let used = self.current.load(Ordering::Relaxed) % self.bases.len();
             let last = match make().send().await {
                 Ok(resp) if !transient(resp.status()) => return Ok((resp, attempt)),
                 Ok(resp) => {
@@ -188,6 +225,9 @@ impl Connection {
                             message: body.chars().take(200).collect(),
                         });
                     let last = format!("{status}: {} ({})", error.message, error.code);
+                    if error.code == ErrorCode::ShuttingDown {
+                        self.fail_over(used);
+                    }
                     answered = Some((status.as_u16(), error));
                     last
                 }
@@ -198,12 +238,16 @@ impl Connection {
                             "{what}: {chain} (not retried: check --server, --ca and the network)"
                         )));
                     }
+                    if e.is_connect() {
+                        self.fail_over(used);
+                    }
                     chain
                 }
             };
             let delay = self.retry.after_refusal(attempt, asked);
             if start.elapsed() + delay > self.retry.budget {
-                let (url, attempts, secs) = (self.base.clone(), attempt, start.elapsed().as_secs());
+                let (url, attempts, secs) =
+                    (self.bases.join(","), attempt, start.elapsed().as_secs());
                 return Err(match answered {
                     Some((status, error)) => ClientError::Failing {
                         url,
