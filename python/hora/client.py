@@ -61,7 +61,8 @@ class Client:
     trained instead of training again.
 
     Args:
-        server: ``https://host:port`` of the server.
+        server: ``https://host:port`` of the server; several, comma-separated, are tried in
+            turn when one cannot be reached or is shutting down.
         ca: the CA certificate (PEM) the server's certificate chains to.
         state_dir: where credentials, cached models and the round in progress live.
         token: one-time enrolment token (first run only).
