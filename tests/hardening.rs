@@ -16,6 +16,17 @@ use reqwest::{Method, StatusCode};
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// The operator's `GET /admin/v1/tasks` sent from `source` over a connection of its own, its
+/// answer read up to `until` within `limit`.
+async fn admin_tasks_from(server: &Server, source: &str, until: &str, limit: Duration) -> String {
+    let mut conn = raw_tls_from(server, source).await;
+    let request = format!(
+        "GET /admin/v1/tasks HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n"
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    answer_within(&mut conn, until, limit).await
+}
+
 /// Reads what the server answers on `conn` until the text holds `needle` or the connection
 /// ends, at most `limit`.
 async fn answer_within(conn: &mut RawTls, needle: &str, limit: Duration) -> String {
@@ -370,17 +381,7 @@ async fn one_source_keeps_at_most_its_limit_of_unauthenticated_requests_in_fligh
         assert_eq!(probe.await.unwrap(), StatusCode::OK);
     }
     // ...and the operator asks from another address, and is answered.
-    let mut other = raw_tls_from(&server, "127.0.0.2").await;
-    other
-        .write_all(
-            format!(
-                "GET /admin/v1/tasks HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n"
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
-    let answer = answer_within(&mut other, "\r\n\r\n", Duration::from_secs(3)).await;
+    let answer = admin_tasks_from(&server, "127.0.0.2", "\r\n\r\n", Duration::from_secs(3)).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     // The guesses beyond the limit are refused at once, with when to retry; the others are
     // refused for their token (or, past the server's budget of slow checks, told it is busy).
@@ -432,15 +433,7 @@ async fn admin_token_guesses_from_one_address_do_not_lock_the_operator_out_from_
     }
     assert!(busy >= 5, "{busy} of 20 guesses rationed");
     // The operator, from 127.0.0.2, still gets its slow check.
-    let mut operator = raw_tls_from(&server, "127.0.0.2").await;
-    operator
-        .write_all(
-            format!("GET /admin/v1/tasks HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-        .unwrap();
-    let answer = answer_within(&mut operator, "[]", Duration::from_secs(5)).await;
+    let answer = admin_tasks_from(&server, "127.0.0.2", "[]", Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     // And once it passed, the right token needs no slow check from anywhere.
     let admin = server.api(ADMIN_TOKEN);
@@ -468,15 +461,7 @@ async fn the_admin_api_answers_only_the_networks_it_is_allowed_to() {
     }
     healthz_ok(&server).await;
     // From the allowed address, the operator is served.
-    let mut operator = raw_tls_from(&server, "127.0.0.2").await;
-    operator
-        .write_all(
-            format!("GET /admin/v1/tasks HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {ADMIN_TOKEN}\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-        .unwrap();
-    let answer = answer_within(&mut operator, "[]", Duration::from_secs(5)).await;
+    let answer = admin_tasks_from(&server, "127.0.0.2", "[]", Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 

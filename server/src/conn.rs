@@ -262,12 +262,9 @@ impl Connections {
 /// admin token's budget): IPv4 as it is (an IPv4-mapped IPv6 address as its IPv4 one), IPv6 by
 /// its /64, what one host or one customer line is commonly given.
 pub fn source_key(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V4(v4) => IpAddr::V4(v4),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
-        },
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+        v4 => v4,
     }
 }
 

@@ -150,12 +150,7 @@ impl FromRequestParts<Shared> for AdminAuth {
         // allowed. (Without the connection guard, in-process, there is no source to check.)
         let allow = &state.limits.admin_allow;
         if !allow.is_empty() && parts.extensions.get::<conn::Peer>().is_some() {
-            let source = source.map(|source| match source {
-                std::net::IpAddr::V6(v6) => {
-                    v6.to_ipv4_mapped().map_or(source, std::net::IpAddr::V4)
-                }
-                v4 => v4,
-            });
+            let source = source.map(|source| source.to_canonical());
             if !source.is_some_and(|source| allow.iter().any(|net| net.contains(&source))) {
                 return Err(ServerError::Forbidden(
                     "the admin API does not answer this address (see the server's --admin-allow)"

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hora_common::envelope::{self, Binding, RoundSecretKey};
-use hora_common::model::{ModelDigest, ModelSpec, ModelView};
+use hora_common::model::{Limits, ModelDigest, ModelSpec, ModelView};
 use hora_common::wire::{self, ErrorCode, TaskState, UpdateMeta};
 
 use super::collection::Opened;
@@ -107,10 +107,11 @@ impl Coordinator {
         }
         // First, on a blocking thread: open and check the update, and work out how it folds;
         // then the ingest slot goes.
-        let (t, client_id, spec_) = (task.clone(), client.clone(), spec.clone());
+        let limits = spec.limits();
+        let (t, client_id) = (task.clone(), client.clone());
         let (body, plaintext, folding, permit) =
             tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
-                let (task, spec) = (t, spec_);
+                let task = t;
                 let started = Instant::now();
                 let (key, sealed, base) = match &sealing {
                     Sealing::Current => (&round.key, round.number, round.base),
@@ -122,8 +123,7 @@ impl Coordinator {
                     client: &client_id,
                     base_model: &base,
                 };
-                let plaintext = open_update_at(&mut body, key, &binding, &spec)?;
-                let view = reparse(&body[plaintext.clone()], &spec)?;
+                let (plaintext, view) = open_update_at(&mut body, key, &binding, &spec)?;
                 // The task's bound: the configured one, else the adaptive one (a multiple of
                 // the median norm of recent accepted updates, once there are enough of them).
                 let adaptive = bounds.max_norm.is_none() && bounds.adaptive_norm_factor.is_some();
@@ -180,7 +180,7 @@ impl Coordinator {
         let (me, t) = (self.clone(), task.clone());
         let folded = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
             let (task, _waiting) = (t, waiting);
-            let view = reparse(&body[plaintext], &spec)?;
+            let view = reparse(&body[plaintext], &limits)?;
             let round = folding.round;
             let opened = Opened {
                 update: Contribution {
@@ -288,18 +288,17 @@ pub fn open_update<'a>(
     binding: &Binding<'_>,
     spec: &ModelSpec,
 ) -> Result<ModelView<'a>, ServerError> {
-    let plaintext = open_update_at(body, key, binding, spec)?;
-    reparse(&body[plaintext], spec)
+    open_update_at(body, key, binding, spec).map(|(_, view)| view)
 }
 
-/// [`open_update`], saying where in `body` the checked update lies (for [`reparse`] later,
-/// without the borrow).
-fn open_update_at(
-    body: &mut [u8],
+/// [`open_update`], saying too where in `body` the checked update lies (for [`reparse`] once
+/// the view's borrow is over).
+fn open_update_at<'a>(
+    body: &'a mut [u8],
     key: &RoundSecretKey,
     binding: &Binding<'_>,
     spec: &ModelSpec,
-) -> Result<std::ops::Range<usize>, ServerError> {
+) -> Result<(std::ops::Range<usize>, ModelView<'a>), ServerError> {
     let invalid = |e: &dyn std::fmt::Display| ServerError::InvalidUpdate(e.to_string());
     let base = body.as_ptr() as usize;
     let plaintext = envelope::open(body, key, binding).map_err(|e| invalid(&e))?;
@@ -308,14 +307,13 @@ fn open_update_at(
     let view = ModelView::parse(plaintext, &spec.limits()).map_err(|e| invalid(&e))?;
     spec.check_spec(&view.spec()).map_err(|e| invalid(&e))?;
     view.check_finite().map_err(|e| invalid(&e))?;
-    Ok(at)
+    Ok((at, view))
 }
 
 /// The view of an update [`open_update_at`] checked: its header parsed again (the values are
 /// not read).
-fn reparse<'a>(plaintext: &'a [u8], spec: &ModelSpec) -> Result<ModelView<'a>, ServerError> {
-    ModelView::parse(plaintext, &spec.limits())
-        .map_err(|e| ServerError::InvalidUpdate(e.to_string()))
+fn reparse<'a>(plaintext: &'a [u8], limits: &Limits) -> Result<ModelView<'a>, ServerError> {
+    ModelView::parse(plaintext, limits).map_err(|e| ServerError::InvalidUpdate(e.to_string()))
 }
 
 /// How an opened update folds, worked out before the fold waits for the round's lock.

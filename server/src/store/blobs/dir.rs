@@ -2,7 +2,7 @@
 //! the [store's docs](crate::store)).
 
 use std::fs::{self, File};
-use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -102,7 +102,7 @@ impl BlobStore for DirBlobs {
         range: Option<Range<u64>>,
     ) -> Result<Box<dyn Read + Send>, StoreError> {
         let (file, len, _) = self.open_range(kind, name, range)?;
-        Ok(Box::new(BufReader::with_capacity(1 << 20, file.take(len))))
+        Ok(super::file_reader(file, len))
     }
 
     fn stream(
@@ -111,14 +111,11 @@ impl BlobStore for DirBlobs {
         name: &str,
         range: Option<Range<u64>>,
     ) -> Result<BlobStream, StoreError> {
-        use tokio::io::AsyncReadExt;
         let (file, len, total) = self.open_range(kind, name, range)?;
-        let file = tokio::fs::File::from_std(file).take(len);
         Ok(BlobStream {
             len,
             total,
-            // Concurrent downloads cost a buffer each, not a file each.
-            stream: Box::pin(tokio_util::io::ReaderStream::with_capacity(file, 256 << 10)),
+            stream: super::file_stream(file, len),
         })
     }
 

@@ -162,6 +162,19 @@ pub struct BlobMeta {
 pub type ByteStream =
     futures_util::stream::BoxStream<'static, Result<bytes::Bytes, std::io::Error>>;
 
+/// A reader of the next `len` bytes of `file`, buffered.
+fn file_reader(file: std::fs::File, len: u64) -> Box<dyn Read + Send> {
+    Box::new(std::io::BufReader::with_capacity(1 << 20, file.take(len)))
+}
+
+/// A stream of the next `len` bytes of `file`: concurrent downloads cost a buffer each, not a
+/// file read whole each.
+fn file_stream(file: std::fs::File, len: u64) -> ByteStream {
+    use tokio::io::AsyncReadExt;
+    let file = tokio::fs::File::from_std(file).take(len);
+    Box::pin(tokio_util::io::ReaderStream::with_capacity(file, 256 << 10))
+}
+
 /// A blob (or a range of it) being read as a stream.
 pub struct BlobStream {
     /// The bytes the stream yields.

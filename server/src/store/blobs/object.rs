@@ -403,9 +403,7 @@ impl BlobStore for ObjectBlobs {
         range: Option<Range<u64>>,
     ) -> Result<Box<dyn Read + Send>, StoreError> {
         Ok(match self.get(kind, name, range)?.0 {
-            Payload::File(file, len) => {
-                Box::new(std::io::BufReader::with_capacity(1 << 20, file.take(len)))
-            }
+            Payload::File(file, len) => super::file_reader(file, len),
             Payload::Stream(stream) => Box::new(StreamReader {
                 handle: self.handle().clone(),
                 stream: Some(stream),
@@ -420,13 +418,9 @@ impl BlobStore for ObjectBlobs {
         name: &str,
         range: Option<Range<u64>>,
     ) -> Result<BlobStream, StoreError> {
-        use tokio::io::AsyncReadExt;
         let (payload, len, total) = self.get(kind, name, range)?;
         let stream = match payload {
-            Payload::File(file, len) => {
-                let file = tokio::fs::File::from_std(file).take(len);
-                tokio_util::io::ReaderStream::with_capacity(file, 256 << 10).boxed()
-            }
+            Payload::File(file, len) => super::file_stream(file, len),
             Payload::Stream(stream) => stream,
         };
         Ok(BlobStream { len, total, stream })

@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::store::postgres::test_server::{cache_dir, free_port};
+
 pub(crate) const BUCKET: &str = "hora-test";
 pub(crate) const ACCESS_KEY: &str = "hora-test-access";
 pub(crate) const SECRET_KEY: &str = "hora-test-secret";
@@ -120,22 +122,4 @@ fn binary() -> Option<PathBuf> {
         .join(format!("s3s-fs-{VERSION}"))
         .join("bin/s3s-fs");
     bin.is_file().then_some(bin)
-}
-
-fn cache_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("HORA_CACHE_DIR") {
-        return PathBuf::from(dir);
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir);
-    base.join("hora")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
 }

@@ -313,7 +313,9 @@ fn template(bin: &Path, owner: Owner) -> PathBuf {
     template
 }
 
-fn cache_dir() -> PathBuf {
+/// Hora's cache directory (`HORA_CACHE_DIR`, else the user's cache), where the set-up scripts
+/// install what tests start.
+pub(crate) fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("HORA_CACHE_DIR") {
         return PathBuf::from(dir);
     }
@@ -324,7 +326,8 @@ fn cache_dir() -> PathBuf {
     base.join("hora")
 }
 
-fn free_port() -> u16 {
+/// A loopback port nothing listens on now.
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")
