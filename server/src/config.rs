@@ -33,6 +33,12 @@ pub struct ServeArgs {
     /// usual AWS_* environment variables).
     #[arg(long, env = "HORA_BLOBS")]
     pub blobs: Option<String>,
+    /// With --store postgres://…: how long the lease of the replica that leads lasts, in
+    /// seconds. It renews it every third of that; the others stand by (not listening) and take
+    /// over once it has lapsed: after a leader dies, another serves within this time and a
+    /// second or two. Shorter fails over sooner and costs more renewals.
+    #[arg(long, env = "HORA_LEASE_SECS")]
+    pub lease_secs: Option<u64>,
     /// The endpoint of an S3-compatible server for --blobs s3://… (http://127.0.0.1:9000);
     /// plain http only on loopback, unless AWS_ALLOW_HTTP=true.
     #[arg(long, env = "HORA_BLOBS_ENDPOINT")]
@@ -153,6 +159,7 @@ struct FileConfig {
     store: Option<String>,
     blobs: Option<String>,
     blobs_endpoint: Option<String>,
+    lease_secs: Option<u64>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     client_ca: Option<PathBuf>,
@@ -202,6 +209,8 @@ pub struct ServeConfig {
     pub data_dir: PathBuf,
     pub store: crate::store::StoreLocation,
     pub blobs: crate::store::BlobLocation,
+    /// The lease of the replica that leads (PostgreSQL store only).
+    pub lease: Duration,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub client_ca: Option<PathBuf>,
@@ -262,9 +271,14 @@ impl ServeConfig {
         }
         .with_endpoint(args.blobs_endpoint.or(file.blobs_endpoint))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let lease_secs = args.lease_secs.or(file.lease_secs).unwrap_or(10);
+        if !(1..=3600).contains(&lease_secs) {
+            anyhow::bail!("lease_secs is {lease_secs}; give 1 to 3600 seconds (10: the default)");
+        }
         Ok(ServeConfig {
             store,
             blobs,
+            lease: Duration::from_secs(lease_secs),
             listen: args
                 .listen
                 .or(file.listen)

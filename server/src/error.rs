@@ -117,6 +117,13 @@ impl From<crate::store::StoreError> for ServerError {
                     "the server cannot reach its database right now; retry in a moment",
                 )
             }
+            crate::store::StoreError::Fenced { .. } => {
+                tracing::warn!(error = %e, "a write was fenced");
+                ServerError::unavailable(
+                    ErrorCode::ShuttingDown,
+                    "this replica no longer leads and is stepping down; retry on another replica",
+                )
+            }
             crate::store::StoreError::Blobs { .. } => {
                 tracing::warn!(error = %e, "the blob store failed a request");
                 ServerError::unavailable(

@@ -47,7 +47,7 @@ pub mod tls;
 
 use anyhow::Result;
 
-pub use crate::server::Server;
+pub use crate::server::{Server, Stopped};
 
 /// Runs `work` on one of the runtime's blocking threads and waits for it: store writes and
 /// flushes, file I/O, hashing, and anything that takes a lock some other thread holds across
@@ -64,6 +64,8 @@ where
 }
 
 /// Runs the server until SIGINT/SIGTERM: [`Server::build`], bind `--listen`, [`Server::run`].
+/// With a PostgreSQL store the build first waits, standing by, for the database's lease; a
+/// replica that loses the lease steps down and stands by again.
 pub async fn serve(config: config::ServeConfig) -> Result<()> {
     // Everything the server writes (database, blobs, certificates and keys) is its user's alone.
     #[cfg(unix)]
@@ -71,14 +73,36 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
     unsafe {
         libc::umask(0o077);
     }
-    let server = Server::build(config)?;
-    if let Some(token) = &server.generated_admin_token {
-        println!("admin token: {token}");
-        println!("  (shown once; only its hash is stored. Pass --admin-token or HORA_ADMIN_TOKEN to set your own.)");
+    let stop = shutdown::Stop::on_signal();
+    loop {
+        let building = {
+            let (config, stop) = (config.clone(), stop.clone());
+            tokio::task::spawn_blocking(move || Server::build_unless(config, &|| stop.requested()))
+        };
+        let server = match building.await? {
+            Ok(server) => server,
+            Err(e) if matches!(e.downcast_ref(), Some(store::StoreError::Stopped)) => {
+                tracing::info!("stopped while standing by");
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        if let Some(token) = &server.generated_admin_token {
+            println!("admin token: {token}");
+            println!("  (shown once; only its hash is stored. Pass --admin-token or HORA_ADMIN_TOKEN to set your own.)");
+        }
+        if let Some(ca) = &server.dev_ca {
+            println!("development TLS: clients trust {}", ca.display());
+        }
+        let listener = server.bind()?;
+        match server.run(listener, stop.clone().wait()).await? {
+            server::Stopped::Shutdown => return Ok(()),
+            server::Stopped::Deposed(why) => {
+                tracing::warn!(
+                    why,
+                    "stepped down (this replica no longer leads); standing by to lead again"
+                );
+            }
+        }
     }
-    if let Some(ca) = &server.dev_ca {
-        println!("development TLS: clients trust {}", ca.display());
-    }
-    let listener = server.bind()?;
-    server.run(listener, shutdown::signal()).await
 }

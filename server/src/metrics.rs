@@ -46,6 +46,10 @@ pub struct ServerMetrics {
     connections_closed: Family<ReasonLabel, Counter>,
     pub unauthenticated_refused: Counter,
     pub tasks_broken: Gauge,
+    /// 1 while this replica holds its database's lease (PostgreSQL store), else 0.
+    pub lease_held: Gauge,
+    /// The epoch (fencing token) of the lease it holds or last held.
+    pub lease_epoch: Gauge,
     pub clients_quarantined: Counter,
     dp_epsilon: Family<TaskLabel, Gauge<f64, AtomicU64>>,
     async_buffered: Family<TaskLabel, Gauge>,
@@ -75,6 +79,8 @@ impl Default for ServerMetrics {
             connections_closed: Family::default(),
             unauthenticated_refused: Counter::default(),
             tasks_broken: Gauge::default(),
+            lease_held: Gauge::default(),
+            lease_epoch: Gauge::default(),
             clients_quarantined: Counter::default(),
             dp_epsilon: Family::default(),
             async_buffered: Family::default(),
@@ -131,6 +137,16 @@ impl Default for ServerMetrics {
             "sync_join_timeouts",
             "Sync-job joins answered 408 because the world stayed incomplete",
             m.sync_join_timeouts.clone(),
+        );
+        registry.register(
+            "lease_held",
+            "1 while this replica holds its database's lease and leads (PostgreSQL store), 0 once it lost it or gave it back",
+            m.lease_held.clone(),
+        );
+        registry.register(
+            "lease_epoch",
+            "The epoch (fencing token) of the lease this replica holds or last held",
+            m.lease_epoch.clone(),
         );
         registry.register(
             "connections_open",

@@ -27,6 +27,7 @@ pub struct Server {
     app: axum::Router,
     tls: rustls::ServerConfig,
     connections: Arc<conn::Connections>,
+    metrics: Arc<metrics::ServerMetrics>,
     /// The admin token made at this start, when none was given and none was stored: it is shown
     /// once (only its hash is kept).
     pub generated_admin_token: Option<String>,
@@ -39,10 +40,21 @@ impl Server {
     /// rounds from their checkpoints — and every sync job, and prepares TLS (development
     /// certificates are made when none are given).
     pub fn build(config: ServeConfig) -> Result<Server> {
+        Self::build_unless(config, &|| false)
+    }
+
+    /// [`build`](Self::build), which with a PostgreSQL store first waits, standing by, until
+    /// this replica leads (see `store::postgres::lease`); it fails with
+    /// [`store::StoreError::Stopped`] once `give_up` says so.
+    pub fn build_unless(config: ServeConfig, give_up: &dyn Fn() -> bool) -> Result<Server> {
         let fd_limit = conn::raise_fd_limit();
+        let lease = store::postgres::LeaseSettings {
+            replica: store::postgres::Replica::this(&config.listen.to_string()),
+            ttl: config.lease,
+        };
         let store: Arc<Store> = config
             .store
-            .open(&config.data_dir, &config.blobs)
+            .open_leading(&config.data_dir, &config.blobs, &lease, give_up)
             .with_context(|| {
                 let blobs = match &config.blobs {
                     store::BlobLocation::DataDir => {
@@ -74,6 +86,10 @@ impl Server {
         let tls = tls::server_config(&cert_paths, config.client_ca.as_deref())?;
 
         let metrics = Arc::new(metrics::ServerMetrics::default());
+        if let Some(lease) = store.lease() {
+            metrics.lease_held.set(1);
+            metrics.lease_epoch.set(lease.epoch);
+        }
         let coordinator = Coordinator::open(
             store.clone(),
             CoordinatorConfig {
@@ -133,9 +149,10 @@ impl Server {
                 idle_timeout: config.idle_timeout,
                 max_unauthenticated_per_source: config.max_unauthenticated_per_source,
             },
-            metrics,
+            metrics.clone(),
         );
         Ok(Server {
+            metrics,
             app: api::router(state),
             config,
             store,
@@ -153,23 +170,51 @@ impl Server {
             .with_context(|| format!("listening on {}", self.config.listen))
     }
 
-    /// Serves on `listener` until `shutdown` resolves, then stops accepting connections and
-    /// gives requests in flight up to ten seconds. Uploads not yet acknowledged are retried by
-    /// their clients; acknowledged ones are durable already.
+    /// Serves on `listener` until `shutdown` resolves, or until this replica loses its
+    /// database's lease; then stops accepting connections and gives requests in flight up to ten
+    /// seconds, and hands the lease back (a standby takes over). Uploads not yet acknowledged
+    /// are retried by their clients; acknowledged ones are durable already.
     pub async fn run(
         self,
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> Result<()> {
+    ) -> Result<Stopped> {
         listener.set_nonblocking(true)?;
         self.coordinator.start();
         let handle = axum_server::Handle::new();
+        let (stopped_tx, mut stopped_rx) = tokio::sync::oneshot::channel();
         {
             let handle = handle.clone();
+            let lease = self.store.lease();
+            let metrics = self.metrics.clone();
             tokio::spawn(async move {
-                shutdown.await;
-                tracing::info!("shutting down: finishing requests in flight");
+                let deposed = async move {
+                    let Some(mut lease) = lease else {
+                        return std::future::pending().await;
+                    };
+                    let why = lease
+                        .lost
+                        .wait_for(Option::is_some)
+                        .await
+                        .map(|why| why.clone().unwrap_or_default());
+                    match why {
+                        Ok(why) => why,
+                        Err(_) => std::future::pending().await,
+                    }
+                };
+                let stopped = tokio::select! {
+                    () = shutdown => {
+                        tracing::info!("shutting down: finishing requests in flight");
+                        Stopped::Shutdown
+                    }
+                    why = deposed => {
+                        metrics.lease_held.set(0);
+                        tracing::error!(why, "this replica lost its database's lease: it stops serving (its writes are refused already) and finishes requests in flight");
+                        Stopped::Deposed(why)
+                    }
+                };
                 handle.graceful_shutdown(Some(Duration::from_secs(10)));
+                let _ = stopped_tx.send(stopped);
             });
         }
         let tls = axum_server::tls_rustls::RustlsAcceptor::new(
@@ -210,10 +255,26 @@ impl Server {
         let (result, ()) = tokio::join!(serving, announce);
         self.coordinator.stop().await;
         result.context("serving")?;
-        self.store.flush()?;
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || {
+            store.flush()?;
+            store.step_down()
+        })
+        .await??;
+        self.metrics.lease_held.set(0);
         tracing::info!("stopped");
-        Ok(())
+        // Ended by the lease's loss, or else by `shutdown` (or the listener's end).
+        Ok(stopped_rx.try_recv().unwrap_or(Stopped::Shutdown))
     }
+}
+
+/// Why [`Server::run`] returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stopped {
+    /// Its shutdown future resolved.
+    Shutdown,
+    /// It lost its database's lease to another replica (why): it no longer leads.
+    Deposed(String),
 }
 
 /// The shortest admin token the server accepts from its configuration (a generated one is 64).

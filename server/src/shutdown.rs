@@ -20,3 +20,32 @@ pub async fn signal() {
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
 }
+
+/// A stop request every part of `serve` can see: set at the first SIGINT or SIGTERM, it ends a
+/// standby's wait for the lease as well as a server that runs.
+#[derive(Clone)]
+pub struct Stop(tokio::sync::watch::Receiver<bool>);
+
+impl Stop {
+    /// Starts listening for the signals (on the current runtime).
+    pub fn on_signal() -> Stop {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            signal().await;
+            let _ = tx.send(true);
+            // Held until the process ends, so the receivers never see the sender gone.
+            std::future::pending::<()>().await;
+        });
+        Stop(rx)
+    }
+
+    /// Whether a stop was asked for.
+    pub fn requested(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Resolves once a stop is asked for.
+    pub async fn wait(mut self) {
+        let _ = self.0.wait_for(|stop| *stop).await;
+    }
+}

@@ -43,7 +43,7 @@ fn start(
 ) -> (
     Api,
     oneshot::Sender<()>,
-    tokio::task::JoinHandle<anyhow::Result<()>>,
+    tokio::task::JoinHandle<anyhow::Result<hora_server::Stopped>>,
 ) {
     let server = Server::build(config(data_dir, store, blobs)).expect("a built server");
     assert!(

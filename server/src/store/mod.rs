@@ -96,18 +96,38 @@ impl std::str::FromStr for StoreLocation {
 }
 
 impl StoreLocation {
-    /// Opens the store, its blobs where `blobs` says (under `data_dir` by default).
+    /// Opens the store, its blobs where `blobs` says (under `data_dir` by default); a
+    /// PostgreSQL store waits to lead, with the default lease (see [`open_leading`]).
+    ///
+    /// [`open_leading`]: StoreLocation::open_leading
     pub fn open(
         &self,
         data_dir: &std::path::Path,
         blobs: &BlobLocation,
+    ) -> Result<std::sync::Arc<Store>, StoreError> {
+        let lease = postgres::LeaseSettings {
+            replica: postgres::Replica::this("(embedded)"),
+            ttl: std::time::Duration::from_secs(10),
+        };
+        self.open_leading(data_dir, blobs, &lease, &|| false)
+    }
+
+    /// Opens the store, its blobs where `blobs` says (under `data_dir` by default). A
+    /// PostgreSQL store is opened to lead: this waits, standing by, until the database's lease
+    /// is this replica's (see `postgres::lease`), or until `give_up` says to stop.
+    pub fn open_leading(
+        &self,
+        data_dir: &std::path::Path,
+        blobs: &BlobLocation,
+        lease: &postgres::LeaseSettings,
+        give_up: &dyn Fn() -> bool,
     ) -> Result<std::sync::Arc<Store>, StoreError> {
         let apart = !matches!(blobs, BlobLocation::DataDir);
         let blobs = blobs.open(data_dir)?;
         let store: std::sync::Arc<Store> = match self {
             StoreLocation::Sled => std::sync::Arc::new(SledStore::open_with(data_dir, blobs)?),
             StoreLocation::Postgres(target) => {
-                std::sync::Arc::new(PostgresStore::open_with(target, blobs)?.claim()?)
+                std::sync::Arc::new(PostgresStore::open_with(target, blobs)?.claim(lease, give_up)?)
             }
         };
         if apart {
@@ -126,6 +146,14 @@ pub enum StoreChange {
     /// Changes may have gone unheard (the feed lost its connection and has it back): re-read
     /// whatever is watched. A subscriber that lagged (`RecvError::Lagged`) is in the same spot.
     Missed,
+}
+
+/// The lease a replica leads under ([`Housekeeping::lease`]).
+pub struct LeaseWatch {
+    /// Its fencing token.
+    pub epoch: i64,
+    /// Becomes the reason once the lease is lost (the server then steps down).
+    pub lost: tokio::sync::watch::Receiver<Option<String>>,
 }
 
 /// What the server holds: every consumer's slice of the store.
@@ -303,6 +331,17 @@ pub trait Housekeeping: Durable {
     /// Whether the store answers now (`/readyz`): an embedded store always does; a database
     /// is asked a trivial query.
     fn ready(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// For a replica that leads under a lease (see [`StoreLocation::open`]): the lease. None
+    /// for stores one server owns alone.
+    fn lease(&self) -> Option<LeaseWatch> {
+        None
+    }
+
+    /// Gives up leading (the server stops): the lease is handed back so a standby takes over.
+    fn step_down(&self) -> Result<(), StoreError> {
         Ok(())
     }
 }

@@ -35,6 +35,13 @@ pub enum StoreError {
     /// `store_unavailable`.
     #[error("blob store {at}: {reason}")]
     Blobs { at: String, reason: String },
+    /// This replica's lease on the database (under `epoch`) was taken by another: it no longer
+    /// leads, and its writes are refused (the API answers 503 `shutting_down`).
+    #[error("this replica no longer leads: its lease on the database (epoch {epoch}) was taken by another replica, so it writes nothing more and steps down")]
+    Fenced { epoch: i64 },
+    /// The server was asked to stop while it stood by for the lease.
+    #[error("stopped while standing by")]
+    Stopped,
     #[error("the database's schema migration {version} ({name}) is not the one this hora-server ships (its SQL was changed after it was applied): run the hora-server that set the database up, or restore the migration's original file")]
     MigrationChanged { version: u32, name: String },
 }

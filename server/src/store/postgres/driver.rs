@@ -210,6 +210,11 @@ impl Driver {
         }
     }
 
+    /// Its pool (for the lease's keeper, which runs on the store's runtime).
+    pub(super) fn pool(&self) -> Pool {
+        self.pool.clone()
+    }
+
     /// The database it talks to.
     pub(super) fn target(&self) -> &Target {
         &self.target

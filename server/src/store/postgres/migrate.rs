@@ -21,11 +21,18 @@ pub(super) struct Migration {
 }
 
 /// Every migration, oldest first. A shipped file is never edited: a change is a new file.
-pub(super) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_initial",
-    sql: include_str!("../../../migrations/0001_initial.sql"),
-}];
+pub(super) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_initial",
+        sql: include_str!("../../../migrations/0001_initial.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_leases",
+        sql: include_str!("../../../migrations/0002_leases.sql"),
+    },
+];
 
 /// The advisory lock key the migrations are applied under (any constant; "hora" in ASCII).
 const LOCK: i64 = 0x686f_7261;

@@ -16,6 +16,7 @@
 
 mod driver;
 mod feed;
+mod lease;
 mod migrate;
 #[cfg(test)]
 pub(crate) mod test_server;
@@ -33,6 +34,8 @@ use tokio_postgres::Row;
 
 use self::driver::Driver;
 pub use self::driver::Target;
+use self::lease::Held;
+pub use self::lease::{LeaseSettings, Replica};
 use super::blobs::{self, BlobStore, Blobs, DirBlobs};
 use super::{
     decode, json, referenced, remove_unused_models, ClientRecord, Durable, EnrolmentRecord,
@@ -47,17 +50,15 @@ pub struct PostgresStore {
     blobs: Arc<dyn BlobStore>,
     driver: Driver,
     changes: broadcast::Sender<StoreChange>,
-    /// The connection holding the database for this server alone ([`PostgresStore::claim`]),
-    /// once claimed.
-    owner: std::sync::Mutex<Option<tokio_postgres::Client>>,
+    /// The lease this replica leads under, once [`claim`](PostgresStore::claim)ed: every write
+    /// is fenced by it. A store never claimed (tests, `migrate`) writes unfenced.
+    leading: std::sync::OnceLock<Leading>,
 }
 
-/// The session advisory lock a server holds on its database while it serves ("hora" and 1):
-/// until replicas share a database through leases, one server at a time.
-const OWNER_LOCK: i64 = 0x686f_7261_0000_0001;
-/// How long a starting server waits for the lock (a predecessor's session may take a moment to
-/// end after it stopped).
-const OWNER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+struct Leading {
+    held: Arc<Held>,
+    settings: LeaseSettings,
+}
 
 /// A query parameter, owned (a query runs on the store's runtime, not the caller's stack).
 type Param = Box<dyn ToSql + Send + Sync>;
@@ -131,46 +132,71 @@ impl PostgresStore {
             blobs,
             driver,
             changes,
-            owner: std::sync::Mutex::new(None),
+            leading: std::sync::OnceLock::new(),
         })
     }
 
-    /// Claims the database for this server alone: a session advisory lock held on a connection
-    /// of its own for as long as the store lives (PostgreSQL releases it when that session
-    /// ends). Refused, after waiting a few seconds for a predecessor's session to end, while
-    /// another server holds it: two servers running the same tasks on one database would both
-    /// publish. (Replicas that share a database will hold leases per task instead.)
-    pub fn claim(self) -> Result<Self, StoreError> {
-        self.hold()?;
-        Ok(self)
+    /// Waits until this replica leads: takes the database's lease (see `lease`) as soon as it
+    /// is free or its holder's has lapsed, standing by meanwhile (the holder named in the log),
+    /// then renews it in the background. Every write from then on is fenced by the lease. Ends
+    /// [`StoreError::Stopped`] once `give_up` says so (the server was asked to stop).
+    pub fn claim(
+        self,
+        settings: &LeaseSettings,
+        give_up: &dyn Fn() -> bool,
+    ) -> Result<Self, StoreError> {
+        let mut told: Option<String> = None;
+        loop {
+            let attempt = {
+                let settings = settings.clone();
+                self.driver.with(move |client| async move {
+                    let taken = lease::take(&client, &settings).await?;
+                    let role = if taken.is_ok() { "leader" } else { "standby" };
+                    lease::heartbeat(&client, &settings.replica, role).await?;
+                    Ok(taken)
+                })
+            };
+            match attempt {
+                Ok(Ok(held)) => {
+                    tracing::info!(database = %self.driver.target(), replica = %settings.replica.id, epoch = held.epoch, "this replica leads: it holds the database's lease");
+                    let held = Arc::new(held);
+                    self.driver.spawn(lease::keep(
+                        self.driver.pool(),
+                        held.clone(),
+                        settings.clone(),
+                    ));
+                    let _ = self.leading.set(Leading {
+                        held,
+                        settings: settings.clone(),
+                    });
+                    return Ok(self);
+                }
+                Ok(Err(holder)) if told.as_deref() != Some(&holder.holder) => {
+                    tracing::info!(database = %self.driver.target(), leader = %holder.holder, at = %holder.address, epoch = holder.epoch, expires_in_secs = holder.expires_in.max(0.0), "standing by: another replica leads; this one takes over when its lease lapses");
+                    told = Some(holder.holder);
+                }
+                Ok(Err(_)) => {}
+                Err(e @ StoreError::Unavailable { .. }) => {
+                    if told.as_deref() != Some("") {
+                        tracing::warn!(error = %e, "standing by: the database does not answer; trying again");
+                        told = Some(String::new());
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+            let until = std::time::Instant::now() + settings.poll();
+            while std::time::Instant::now() < until {
+                if give_up() {
+                    return Err(StoreError::Stopped);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        }
     }
 
-    /// Takes the owner lock (again, after its connection was lost).
-    fn hold(&self) -> Result<(), StoreError> {
-        let target = self.driver.target().clone();
-        let client = self.driver.run(async move {
-            let (client, connection) = target.config().connect(tokio_postgres::NoTls).await?;
-            tokio::spawn(async move {
-                let _ = connection.await;
-            });
-            let deadline = tokio::time::Instant::now() + OWNER_WAIT;
-            loop {
-                let row = client
-                    .query_one("SELECT pg_try_advisory_lock($1)", &[&OWNER_LOCK])
-                    .await?;
-                if row.try_get::<_, bool>(0)? {
-                    return Ok(client);
-                }
-                if tokio::time::Instant::now() >= deadline {
-                    return Err(driver::Failure::Store(StoreError::Postgres(format!(
-                        "another hora-server is using the database at {target} (it holds the server's lock): stop it first; several servers on one database are not supported yet"
-                    ))));
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-            }
-        })?;
-        *self.owner.lock().unwrap_or_else(|p| p.into_inner()) = Some(client);
-        Ok(())
+    /// The lease this replica leads under, if claimed.
+    fn held(&self) -> Option<Arc<Held>> {
+        self.leading.get().map(|l| l.held.clone())
     }
 
     /// The rows `sql` selects.
@@ -181,11 +207,20 @@ impl PostgresStore {
         })
     }
 
-    /// Runs `sql`; the number of rows it changed.
+    /// Runs `sql`, a write; the number of rows it changed. Fenced by the lease when this
+    /// replica leads under one.
     fn execute(&self, sql: &'static str, params: Vec<Param>) -> Result<u64, StoreError> {
-        self.driver.with(move |client| async move {
+        let held = self.held();
+        self.driver.with(move |mut client| async move {
             let statement = client.prepare_cached(sql).await?;
-            Ok(client.execute(&statement, &refs(&params)).await?)
+            let Some(held) = held else {
+                return Ok(client.execute(&statement, &refs(&params)).await?);
+            };
+            let tx = client.transaction().await?;
+            lease::fence(&tx, &held).await?;
+            let changed = tx.execute(&statement, &refs(&params)).await?;
+            tx.commit().await?;
+            Ok(changed)
         })
     }
 
@@ -292,8 +327,12 @@ impl RoundLog for PostgresStore {
         let pruned = record.pruned;
         let entry = json(record);
         let next = next.map(json);
+        let held = self.held();
         self.driver.with(move |mut client| async move {
             let tx = client.transaction().await?;
+            if let Some(held) = &held {
+                lease::fence(&tx, held).await?;
+            }
             tx.execute(
                 "INSERT INTO tasks (task, record) VALUES ($1, $2)
                  ON CONFLICT (task) DO UPDATE SET record = excluded.record",
@@ -396,8 +435,12 @@ impl RoundLog for PostgresStore {
             int(upto.saturating_add(1))?,
         );
         let upto = int(upto)?;
+        let held = self.held();
         let dropped = self.driver.with(move |mut client| async move {
             let tx = client.transaction().await?;
+            if let Some(held) = &held {
+                lease::fence(&tx, held).await?;
+            }
             let mark = tx
                 .query_opt(
                     "SELECT retain_last, retain_every, below, compacted_below FROM prune_marks
@@ -557,8 +600,12 @@ impl Registry for PostgresStore {
         client: &ClientRecord,
     ) -> Result<Option<EnrolmentRecord>, StoreError> {
         let (token_hash, id, record) = (token_hash.to_string(), id.to_string(), json(client));
+        let held = self.held();
         let spent = self.driver.with(move |mut client| async move {
             let tx = client.transaction().await?;
+            if let Some(held) = &held {
+                lease::fence(&tx, held).await?;
+            }
             let Some(spent) = tx
                 .query_opt(
                     "DELETE FROM enrolments WHERE token_hash = $1 RETURNING record",
@@ -696,21 +743,37 @@ impl Housekeeping for PostgresStore {
         )
     }
 
+    /// The database answers, and this replica still leads if it did.
     fn ready(&self) -> Result<(), StoreError> {
         self.query("SELECT 1", params![])?;
-        // A claimed store whose lock's connection was lost takes the lock again (or is not
-        // ready: another server has it).
-        let lost = self
-            .owner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .is_some_and(|c| c.is_closed());
-        if lost {
-            tracing::warn!(database = %self.driver.target(), "lost the connection holding the server's lock on the database; taking it again");
-            self.hold()?;
+        match self.held() {
+            Some(held) if held.is_lost() => Err(StoreError::Fenced { epoch: held.epoch }),
+            _ => Ok(()),
         }
-        Ok(())
+    }
+
+    fn lease(&self) -> Option<super::LeaseWatch> {
+        self.held().map(|held| super::LeaseWatch {
+            epoch: held.epoch,
+            lost: held.watch(),
+        })
+    }
+
+    /// Gives the lease back, so a standby takes over at once, and leaves the replica list.
+    fn step_down(&self) -> Result<(), StoreError> {
+        let Some(leading) = self.leading.get() else {
+            return Ok(());
+        };
+        let (held, replica) = (leading.held.clone(), leading.settings.replica.clone());
+        if held.is_lost() {
+            return Ok(());
+        }
+        held.lose("it stepped down".into());
+        self.driver.with(move |client| async move {
+            lease::release(&client, &held).await?;
+            lease::leave(&client, &replica).await?;
+            Ok(())
+        })
     }
 }
 

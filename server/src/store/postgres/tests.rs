@@ -62,7 +62,7 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
     });
     assert_eq!(
         sql(&target, "SELECT name FROM hora_migrations ORDER BY version"),
-        ["0001_initial"]
+        ["0001_initial", "0002_leases"]
     );
     assert!(migrate(&target).unwrap().is_empty(), "up to date");
 
@@ -87,7 +87,7 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
     );
     sql(
         &target,
-        "INSERT INTO hora_migrations (version, name, checksum) VALUES (2, '0002_later', 'x')",
+        "INSERT INTO hora_migrations (version, name, checksum) VALUES (3, '0003_later', 'x')",
     );
     let refused = migrate(&target).expect_err("refused");
     assert!(
@@ -96,7 +96,7 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
     );
     assert_eq!(
         sql(&target, "SELECT name FROM hora_migrations ORDER BY version"),
-        ["0001_initial", "0002_later"]
+        ["0001_initial", "0002_leases", "0003_later"]
     );
 }
 
@@ -201,4 +201,97 @@ fn a_target_is_shown_without_its_password() {
     }
     let nowhere = "postgres://u@/fl".parse::<Target>().unwrap_err();
     assert!(nowhere.contains("names no host"), "{nowhere}");
+}
+
+fn leading(name: &str, ttl: Duration) -> LeaseSettings {
+    LeaseSettings {
+        replica: Replica {
+            id: name.into(),
+            address: format!("{name} 127.0.0.1:0"),
+        },
+        ttl,
+    }
+}
+
+#[test]
+fn one_replica_leads_a_standby_takes_over_a_lapsed_lease_and_the_old_leaders_writes_are_fenced() {
+    let server = TestServer::start();
+    let target = target(&server);
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let open = |i: usize| PostgresStore::open(&target, dirs[i].path()).unwrap();
+    let ttl = Duration::from_secs(2);
+
+    let a = open(0).claim(&leading("a", ttl), &|| false).unwrap();
+    let lease_a = a.lease().expect("a leads");
+    assert_eq!(lease_a.epoch, 1);
+    a.put_meta("k", "from a").unwrap();
+
+    // While a renews its lease, b stands by, and stops standing by when told to.
+    let asked = Instant::now();
+    let stopped = open(1)
+        .claim(&leading("b", ttl), &|| {
+            asked.elapsed() > Duration::from_secs(3)
+        })
+        .err()
+        .expect("b stood by");
+    assert!(matches!(stopped, StoreError::Stopped), "{stopped}");
+    assert_eq!(
+        sql(&target, "SELECT holder || ' ' || epoch FROM leases"),
+        ["a 1"]
+    );
+    assert_eq!(
+        sql(
+            &target,
+            "SELECT id || ' ' || role FROM replicas ORDER BY id"
+        ),
+        ["a leader", "b standby"]
+    );
+
+    // a is cut off (its lease lapses without a renewal that lands): b takes over under the next
+    // epoch, and a's writes are refused from then on; a learns that it lost the lease.
+    sql(&target, "UPDATE leases SET expires_at = now()");
+    let b = open(1).claim(&leading("b", ttl), &|| false).unwrap();
+    assert_eq!(b.lease().expect("b leads").epoch, 2);
+    let fenced = a.put_meta("k", "from a, too late").expect_err("fenced");
+    assert!(
+        matches!(fenced, StoreError::Fenced { epoch: 1 }),
+        "{fenced}"
+    );
+    let fenced = a
+        .finish_round(
+            "t",
+            &task(model([1.0; 3]).digest(), 1),
+            &published(1, 0, None),
+            0,
+            None,
+        )
+        .expect_err("a cannot publish");
+    assert!(matches!(fenced, StoreError::Fenced { .. }), "{fenced}");
+    assert!(a.history("t").unwrap().is_empty());
+    assert!(lease_a.lost.borrow().is_some());
+    assert!(matches!(a.ready(), Err(StoreError::Fenced { .. })));
+    // Which the API answers as a refusal to retry elsewhere.
+    let answer = ServerError::from(fenced).into_response();
+    assert_eq!(answer.status(), 503);
+    assert_eq!(answer.headers()["retry-after"], "1");
+    b.put_meta("k", "from b").unwrap();
+    assert_eq!(b.meta("k").unwrap().as_deref(), Some("from b"));
+
+    // b renews (its lease outlives several of its lengths) and, stepping down, hands it over at
+    // once: c leads under epoch 3 without waiting for it to lapse.
+    std::thread::sleep(2 * ttl);
+    assert!(b.ready().is_ok());
+    let stepped = Instant::now();
+    b.step_down().unwrap();
+    let c = open(2).claim(&leading("c", ttl), &|| false).unwrap();
+    assert!(stepped.elapsed() < ttl, "{:?}", stepped.elapsed());
+    assert_eq!(c.lease().expect("c leads").epoch, 3);
+    assert_eq!(
+        sql(
+            &target,
+            "SELECT id || ' ' || role FROM replicas ORDER BY id"
+        ),
+        ["a leader", "c leader"],
+        "b left the list as it stepped down"
+    );
 }
