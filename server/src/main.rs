@@ -45,6 +45,24 @@ enum Command {
         #[arg(long, env = "HORA_STORE", hide_env_values = true)]
         store: String,
     },
+    /// Show the replicas that share a PostgreSQL store: which one leads (its lease, epoch and
+    /// last renewal), which stand by, each one's last heartbeat, and the tasks.
+    Status {
+        /// The database: postgres://user:password@host:port/database.
+        #[arg(long, env = "HORA_STORE", hide_env_values = true)]
+        store: String,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The PostgreSQL database `--store` names (the embedded store has no replicas or schema).
+fn postgres_target(store: &str, what: &str) -> Result<hora_server::store::postgres::Target> {
+    match store.parse().map_err(|e| anyhow::anyhow!("--store: {e}"))? {
+        StoreLocation::Postgres(target) => Ok(*target),
+        StoreLocation::Sled => anyhow::bail!("--store sled: {what}"),
+    }
 }
 
 fn main() -> Result<()> {
@@ -80,13 +98,26 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Admin(args) => runtime.block_on(admin_cli::run(args)),
+        Command::Status { store, json } => {
+            let target = postgres_target(
+                &store,
+                "the embedded store belongs to one server; ask it (GET /readyz, the admin API)",
+            )?;
+            let status = hora_server::store::postgres::status(&target).with_context(|| {
+                format!("reading the replicas of the PostgreSQL store at {target}")
+            })?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print_status(&status);
+            }
+            Ok(())
+        }
         Command::Migrate { store } => {
-            let target = match store.parse().map_err(|e| anyhow::anyhow!("--store: {e}"))? {
-                StoreLocation::Postgres(target) => target,
-                StoreLocation::Sled => {
-                    anyhow::bail!("--store sled: the embedded store has no schema to migrate (it upgrades itself when it opens)")
-                }
-            };
+            let target = postgres_target(
+                &store,
+                "the embedded store has no schema to migrate (it upgrades itself when it opens)",
+            )?;
             let applied = hora_server::store::postgres::migrate(&target)
                 .with_context(|| format!("migrating the PostgreSQL store at {target}"))?;
             if applied.is_empty() {
@@ -98,4 +129,31 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// `hora-server status` as text.
+fn print_status(status: &hora_server::store::postgres::Status) {
+    println!("database {}", status.database);
+    match &status.lease {
+        None => println!("lease: never taken (no replica has served on this database yet)"),
+        Some(l) if l.expires_in_secs > 0.0 => println!(
+            "lease: held by {} ({}), epoch {}, renewed {:.1} s ago, expires in {:.1} s",
+            l.holder, l.address, l.epoch, l.renewed_secs_ago, l.expires_in_secs
+        ),
+        Some(l) => println!(
+            "lease: LAPSED {:.1} s ago (last holder {}, epoch {}): no replica leads; a standby takes it at its next poll",
+            -l.expires_in_secs, l.holder, l.epoch
+        ),
+    }
+    println!("replicas: {}", status.replicas.len());
+    for r in &status.replicas {
+        println!(
+            "  {:<8} {}  at {}  version {}  last heartbeat {:.1} s ago",
+            r.role, r.id, r.address, r.version, r.seen_secs_ago
+        );
+    }
+    println!(
+        "tasks: {} ({} with a round open)",
+        status.tasks, status.open_rounds
+    );
 }

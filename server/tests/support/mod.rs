@@ -74,6 +74,14 @@ impl Server {
         let _ = self.child.wait();
     }
 
+    /// SIGTERM (to the child this test started), then waits for it to exit: a clean stop.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid");
+        // SAFETY: kill only sends a signal, to the child this test started and still holds.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        self.child.wait().expect("the server exits")
+    }
+
     /// The admin API of this server.
     pub fn admin(&self) -> Api {
         Api {

@@ -105,6 +105,111 @@ pub fn migrate(target: &Target) -> Result<Vec<&'static str>, StoreError> {
         .with(|mut client| async move { migrate::migrate(&mut client, migrate::MIGRATIONS).await })
 }
 
+/// What `hora-server status` shows of a database that replicas share.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Status {
+    pub database: String,
+    /// The lease, once any replica took it.
+    pub lease: Option<LeaseStatus>,
+    /// Every replica on the replica list, the leader first.
+    pub replicas: Vec<ReplicaStatus>,
+    pub tasks: i64,
+    pub open_rounds: i64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LeaseStatus {
+    pub holder: String,
+    pub address: String,
+    pub epoch: i64,
+    pub renewed_secs_ago: f64,
+    /// Negative: it has lapsed (its holder is gone, and nobody took it yet).
+    pub expires_in_secs: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReplicaStatus {
+    pub id: String,
+    pub address: String,
+    /// `leader` (it holds the lease, unlapsed), `standby`, or `silent` (no heartbeat for three
+    /// lease lengths: stopped without leaving, or cut off).
+    pub role: String,
+    pub version: String,
+    pub seen_secs_ago: f64,
+}
+
+/// Reads `target`'s lease, replica list and task counts (nothing is written).
+pub fn status(target: &Target) -> Result<Status, StoreError> {
+    let driver = Driver::start(target)?;
+    let database = target.to_string();
+    driver.with(move |client| async move {
+        let lease = client
+            .query_opt(
+                "SELECT holder, address, epoch,
+                     EXTRACT(EPOCH FROM now() - renewed_at)::float8,
+                     EXTRACT(EPOCH FROM expires_at - now())::float8,
+                     EXTRACT(EPOCH FROM expires_at - renewed_at)::float8
+                 FROM leases WHERE scope = $1",
+                &[&lease::SCOPE],
+            )
+            .await?;
+        let (lease, ttl) = match lease {
+            None => (None, 10.0),
+            Some(row) => (
+                Some(LeaseStatus {
+                    holder: col(&row, 0)?,
+                    address: col(&row, 1)?,
+                    epoch: col(&row, 2)?,
+                    renewed_secs_ago: col(&row, 3)?,
+                    expires_in_secs: col(&row, 4)?,
+                }),
+                col::<f64>(&row, 5)?,
+            ),
+        };
+        let mut replicas = Vec::new();
+        for row in client
+            .query(
+                "SELECT id, address, version, EXTRACT(EPOCH FROM now() - seen_at)::float8
+                 FROM replicas ORDER BY id",
+                &[],
+            )
+            .await?
+        {
+            let id: String = col(&row, 0)?;
+            let seen_secs_ago: f64 = col(&row, 3)?;
+            let leads = lease
+                .as_ref()
+                .is_some_and(|l| l.holder == id && l.expires_in_secs > 0.0);
+            let role = match (leads, seen_secs_ago > 3.0 * ttl) {
+                (true, _) => "leader",
+                (false, false) => "standby",
+                (false, true) => "silent",
+            };
+            replicas.push(ReplicaStatus {
+                id,
+                address: col(&row, 1)?,
+                role: role.into(),
+                version: col(&row, 2)?,
+                seen_secs_ago,
+            });
+        }
+        replicas.sort_by_key(|r| r.role != "leader");
+        let counts = client
+            .query_one(
+                "SELECT (SELECT count(*) FROM tasks), (SELECT count(*) FROM open_rounds)",
+                &[],
+            )
+            .await?;
+        Ok(Status {
+            database,
+            lease,
+            replicas,
+            tasks: col(&counts, 0)?,
+            open_rounds: col(&counts, 1)?,
+        })
+    })
+}
+
 impl PostgresStore {
     /// Opens the store: records in `target`'s database (its schema brought up to date), blobs
     /// under `data_dir` (created, private to this user, if needed), and the change feed
