@@ -2,8 +2,10 @@
 //! shared directory (`--blobs file://…`): the first `hora-server` process leads, a second stands
 //! by without listening. The leader is SIGKILLed with a round half done: the standby takes the
 //! lease within the lease's length and two seconds, and the round publishes with every
-//! acknowledged update, FedAvg of all of them. `hora-server status` shows who leads at each
-//! step, and a clean stop hands the lease back at once.
+//! acknowledged update, FedAvg of all of them, though PostgreSQL itself is stopped and started
+//! again while it is open. `hora-server status` shows who leads at each step, and a clean stop
+//! hands the lease back at once. A leader cut off from the database (through a relay the test
+//! cuts) stops acknowledging, and steps down when it is back, while the standby carries on.
 
 mod support;
 
@@ -72,7 +74,7 @@ fn model(values: [f32; 4]) -> Model {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every_acknowledged_update(
 ) {
-    let postgres = test_server::TestServer::start();
+    let mut postgres = test_server::TestServer::start();
     let store = postgres.url();
     let (shared, a_dir, b_dir) = (
         tempfile::tempdir().unwrap(),
@@ -147,13 +149,27 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     let admin = b.admin();
     let info = admin.task("ha").await;
     assert_eq!(info.open_round.expect("round 1 is open").accepted, 2);
-    for (i, c) in clients.iter_mut().enumerate().skip(2) {
+    for c in clients.iter_mut().skip(2) {
         c.api = support::Api {
             url: b.url.clone(),
             http: b.http(),
             token: c.api.token.clone(),
         };
-        c.upload("ha", &offers[i], i as u64 + 1, &deltas[i]).await;
+    }
+    clients[2].upload("ha", &offers[2], 3, &deltas[2]).await;
+    // PostgreSQL goes away with the round at three of four: the last upload is refused, worth
+    // retrying, until it is back; then it is taken, and nothing acknowledged is lost.
+    postgres.stop();
+    let refused = clients[3].try_upload("ha", &offers[3], 4, &deltas[3]).await;
+    assert_eq!(refused, 503);
+    postgres.restart();
+    let back = Instant::now();
+    while clients[3].try_upload("ha", &offers[3], 4, &deltas[3]).await != 200 {
+        assert!(
+            back.elapsed() < Duration::from_secs(20),
+            "the replica did not recover"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     admin.wait_published("ha", 1).await;
     let published = admin.round_model("ha", 1).await;
@@ -183,4 +199,162 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
             .all(|r| r["id"] != led["lease"]["holder"]),
         "{left:#}"
     );
+}
+
+/// A TCP relay on loopback to PostgreSQL, standing for the network between one replica and the
+/// database: [`cut`](Relay::cut) closes every connection through it and refuses new ones until
+/// [`restore`](Relay::restore).
+struct Relay {
+    port: u16,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    links: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+}
+
+impl Relay {
+    async fn to(port: u16) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let relay = Relay {
+            port: listener.local_addr().unwrap().port(),
+            cut: Default::default(),
+            links: Default::default(),
+        };
+        let (cut, links) = (relay.cut.clone(), relay.links.clone());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if cut.load(std::sync::atomic::Ordering::SeqCst) {
+                    continue; // dropped: the connection is refused
+                }
+                let link = tokio::spawn(async move {
+                    if let Ok(mut outbound) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", port)).await
+                    {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                links.lock().unwrap().push(link.abort_handle());
+            }
+        });
+        relay
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        for link in self.links.lock().unwrap().drain(..) {
+            link.abort();
+        }
+    }
+
+    fn restore(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_while_the_standby_carries_on(
+) {
+    let postgres = test_server::TestServer::start();
+    let store = postgres.url();
+    let port: u16 = store
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .expect("the server's port");
+    let relay = Relay::to(port).await;
+    let relayed = store.replace(&format!(":{port}/"), &format!(":{}/", relay.port));
+    let (shared, a_dir, b_dir) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let blobs = format!("file://{}", shared.path().display());
+    let certs = a_dir.path().join("certs");
+    let a = replica(&relayed, a_dir.path(), &blobs, &certs);
+    let standby = {
+        let (store, blobs, certs) = (store.clone(), blobs.clone(), certs.clone());
+        let dir = b_dir.path().to_path_buf();
+        std::thread::spawn(move || replica(&store, &dir, &blobs, &certs))
+    };
+    let both = status_until(&store, "a leads, b stands by", |s| {
+        s["replicas"].as_array().map(Vec::len) == Some(2)
+    });
+    let a_id = both["lease"]["holder"].as_str().unwrap().to_string();
+
+    let admin = a.admin();
+    let digest = admin.upload_model(&model([0.0; 4])).await;
+    admin
+        .call(
+            Method::POST,
+            "/admin/v1/tasks",
+            Some(json!({
+                "id": "cut", "initial_model": digest,
+                "model": {"kind": "builtin", "name": "mlp"},
+                "rounds": 1, "min_clients": 3, "target_clients": 3, "round_deadline_secs": 600,
+            })),
+        )
+        .await;
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        clients.push(admin.enrol().await);
+    }
+    let mut offers = Vec::new();
+    for c in &clients {
+        offers.push(c.join("cut").await);
+    }
+    let deltas = [
+        model([3.0, 0.0, 0.0, 0.0]),
+        model([0.0, 3.0, 0.0, 0.0]),
+        model([0.0, 0.0, 3.0, 0.0]),
+    ];
+    clients[0].upload("cut", &offers[0], 1, &deltas[0]).await;
+
+    // a loses the database: an upload it takes now is never acknowledged, and the standby
+    // takes the lease once a's has lapsed.
+    relay.cut();
+    let refused = clients[1]
+        .try_upload("cut", &offers[1], 1, &deltas[1])
+        .await;
+    assert_eq!(refused, 503, "a cut-off leader acknowledged an upload");
+    let mut b = standby.join().expect("the standby leads");
+    assert_eq!(status(&store)["lease"]["epoch"], 2);
+
+    // The network comes back: a finds its lease taken, writes nothing (its pending checkpoint
+    // of the refused upload is fenced), stops serving and stands by.
+    relay.restore();
+    let http = a.http();
+    let stepped_down = Instant::now();
+    while http.get(format!("{}/healthz", a.url)).send().await.is_ok() {
+        assert!(
+            stepped_down.elapsed() < Duration::from_secs(15),
+            "the deposed leader still serves"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    status_until(&store, "a stands by again", |s| {
+        s["replicas"].as_array().unwrap().iter().any(|r| {
+            r["id"] == a_id.as_str()
+                && r["role"] == "standby"
+                && r["seen_secs_ago"].as_f64().unwrap() < 2.0
+        })
+    });
+
+    // The round goes on at b with the one acknowledged update, the others upload there, and
+    // the published model counts each once.
+    b.ca = certs.join("ca.pem");
+    let admin = b.admin();
+    assert_eq!(admin.task("cut").await.open_round.unwrap().accepted, 1);
+    for (i, c) in clients.iter_mut().enumerate().skip(1) {
+        c.api = support::Api {
+            url: b.url.clone(),
+            http: b.http(),
+            token: c.api.token.clone(),
+        };
+        c.upload("cut", &offers[i], 1, &deltas[i]).await;
+    }
+    admin.wait_published("cut", 1).await;
+    let published = admin.round_model("cut", 1).await;
+    for got in &published.data()[..3] {
+        assert!((got - 1.0).abs() < 1e-6, "{:?}", published.data());
+    }
+    drop(a);
 }

@@ -37,15 +37,20 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// This process, serving at `listen`.
+    /// This process, serving at `listen`: one id for the life of the process, however often
+    /// it stands by and leads again.
     pub fn this(listen: &str) -> Replica {
+        static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let host = hostname();
-        Replica {
-            id: format!(
+        let id = ID.get_or_init(|| {
+            format!(
                 "{host}:{}:{:04x}",
                 std::process::id(),
                 rand::random::<u16>()
-            ),
+            )
+        });
+        Replica {
+            id: id.clone(),
             address: format!("{host} {listen}"),
         }
     }
