@@ -25,7 +25,7 @@ S3_ENV := eval "$$(scripts/setup-s3.sh --print-env)"
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
-.PHONY: demo test bench lint deps-check setup python
+.PHONY: demo replicas test bench lint deps-check setup python
 
 ## Set up libtorch, the API fuzzer, the Python environment, PostgreSQL and the S3 test server
 ## (idempotent; seconds once installed).
@@ -43,6 +43,15 @@ demo:
 	cargo build --release -p hora-server -p hora-client --bins; \
 	cargo build --release --example federated; \
 	target/release/examples/federated
+
+## Three replicas on one PostgreSQL database (started for the run) and a shared blob directory,
+## a federation across them, and the leader SIGKILLed after round 2: the failover, and the
+## federation finishing on a standby. Leaves nothing running.
+replicas:
+	@$(TORCH_ENV); $(PG_ENV); \
+	cargo build --release -p hora-server -p hora-client --bins; \
+	cargo build --release --example replicas; \
+	target/release/examples/replicas
 
 ## Every test (Rust, then the Python package's pytest suite), then the dependency policy. The
 ## binaries and examples are built first: the cross-process tests in tests/ and python/tests run them.

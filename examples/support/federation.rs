@@ -1,12 +1,14 @@
 //! What the examples share: a real `hora-server` process on loopback (embedded sled, development
-//! TLS made on the fly, in a temporary directory), the operator's side of the admin API, and
-//! `hora-client` processes. Every process is ours and is killed by its id when the federation
-//! is dropped, so an example leaves nothing running, however it ends.
+//! TLS made on the fly, in a temporary directory), or several replicas of it on one PostgreSQL
+//! database, the operator's side of the admin API, and `hora-client` processes. Every process is
+//! ours and is killed by its id when the federation is dropped, so an example leaves nothing
+//! running, however it ends.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -33,10 +35,16 @@ pub fn binary(name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// A server, its operator, and the clients started against it.
+/// A server (or replicas of one), its operator, and the clients started against it.
 pub struct Federation {
-    server: Child,
+    /// The server processes (one, or the replicas; None once killed).
+    servers: Vec<Option<Child>>,
+    /// The server's URL (with replicas: the one that leads, as far as this side knows).
     pub url: String,
+    /// Every replica's URL, which the clients are given.
+    pub urls: Vec<String>,
+    /// Replicas that start to lead, as they say so (index, URL).
+    leads: Option<mpsc::Receiver<(usize, String)>>,
     pub ca: PathBuf,
     pub dir: tempfile::TempDir,
     http: reqwest::Client,
@@ -48,51 +56,112 @@ impl Federation {
     /// Starts `hora-server serve` on an ephemeral loopback port.
     pub fn start() -> Result<Federation> {
         let dir = tempfile::Builder::new().prefix("hora-example-").tempdir()?;
-        let mut server = Command::new(binary("hora-server")?)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-token",
-                ADMIN_TOKEN,
-            ])
-            .arg("--data-dir")
-            .arg(dir.path().join("server"))
-            .env("HORA_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("starting hora-server")?;
-        let stdout = server.stdout.take().context("server stdout")?;
+        let (server, stdout) = serve(&dir.path().join("server"), "127.0.0.1:0", &[])?;
         let mut lines = BufReader::new(stdout).lines();
-        let url = loop {
-            match lines.next() {
-                Some(Ok(line)) => {
-                    if let Some(url) = line.strip_prefix("hora-server listening on ") {
-                        break url.trim().to_string();
-                    }
-                }
-                _ => {
-                    let _ = server.kill();
-                    bail!("hora-server exited before listening");
-                }
-            }
+        let url = match lines.find_map(|l| listening(&l.ok()?)) {
+            Some(url) => url,
+            None => bail!("hora-server exited before listening"),
         };
         // Keep draining the server's stdout so it never blocks on a full pipe.
         std::thread::spawn(move || lines.for_each(drop));
+        Federation::with_servers(dir, vec![server], url.clone(), vec![url], None)
+    }
+
+    /// Starts `replicas` `hora-server serve` processes on one PostgreSQL database (`store`),
+    /// their blobs in one shared directory, each on a loopback port of its own: the first leads,
+    /// the others stand by (not listening) until one of them takes the lease, `lease_secs` after
+    /// the leader is gone at most.
+    pub fn start_replicas(replicas: usize, store: &str, lease_secs: u64) -> Result<Federation> {
+        let dir = tempfile::Builder::new()
+            .prefix("hora-replicas-")
+            .tempdir()?;
+        let blobs = format!("file://{}", dir.path().join("blobs").display());
+        let certs = dir.path().join("server/certs");
+        let lease = lease_secs.to_string();
+        let extra = [
+            "--store",
+            store,
+            "--blobs",
+            &blobs,
+            "--lease-secs",
+            &lease,
+            "--certs-dir",
+            certs.to_str().context("a UTF-8 temporary directory")?,
+        ];
+        let (leads_tx, leads) = mpsc::channel();
+        let (mut servers, mut urls) = (Vec::new(), Vec::new());
+        for i in 0..replicas {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port();
+            let listen = format!("127.0.0.1:{port}");
+            let (server, stdout) =
+                serve(&dir.path().join(format!("replica-{i}")), &listen, &extra)?;
+            servers.push(server);
+            urls.push(format!("https://{listen}"));
+            let leads_tx = leads_tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    if let Some(url) = listening(&line) {
+                        let _ = leads_tx.send((i, url));
+                    }
+                }
+            });
+            if i == 0 {
+                // The first leads before the others start, so it is the one that leads.
+                match leads.recv_timeout(Duration::from_secs(60)) {
+                    Ok(_) => {}
+                    Err(_) => bail!("the first replica did not start serving"),
+                }
+            }
+        }
+        let url = urls[0].clone();
+        Federation::with_servers(dir, servers, url, urls, Some(leads))
+    }
+
+    fn with_servers(
+        dir: tempfile::TempDir,
+        servers: Vec<Child>,
+        url: String,
+        urls: Vec<String>,
+        leads: Option<mpsc::Receiver<(usize, String)>>,
+    ) -> Result<Federation> {
         let ca = dir.path().join("server/certs/ca.pem");
         let http = reqwest::Client::builder()
             .use_preconfigured_tls(hora_common::tls::client_config(&ca, None)?)
             .build()?;
         Ok(Federation {
-            server,
+            servers: servers.into_iter().map(Some).collect(),
             url,
+            urls,
+            leads,
             ca,
             dir,
             http,
             clients: Vec::new(),
             may_fail: Vec::new(),
         })
+    }
+
+    /// SIGKILLs server (replica) `i`, by its id.
+    pub fn kill_server(&mut self, i: usize) {
+        if let Some(mut server) = self.servers.get_mut(i).and_then(Option::take) {
+            let _ = server.kill();
+            let _ = server.wait();
+        }
+    }
+
+    /// Waits until another replica says it leads, and talks to it from then on; its index.
+    pub fn wait_leader(&mut self, timeout: Duration) -> Result<usize> {
+        let leads = self
+            .leads
+            .as_ref()
+            .context("one server: nothing to fail over to")?;
+        let (i, url) = leads
+            .recv_timeout(timeout)
+            .map_err(|_| anyhow::anyhow!("no replica took over within {timeout:?}"))?;
+        self.url = url;
+        Ok(i)
     }
 
     fn admin(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
@@ -240,7 +309,7 @@ impl Federation {
         let mut all: Vec<String> = [
             "train",
             "--server",
-            &self.url,
+            &self.urls.join(","),
             "--token",
             token,
             "--no-progress",
@@ -409,7 +478,32 @@ impl Drop for Federation {
             let _ = child.kill();
             let _ = child.wait();
         }
-        let _ = self.server.kill();
-        let _ = self.server.wait();
+        for server in self.servers.iter_mut().flatten() {
+            let _ = server.kill();
+            let _ = server.wait();
+        }
     }
+}
+
+/// Starts `hora-server serve` on `listen` with its data in `data` and `extra` flags; its stdout,
+/// where it says when it listens.
+fn serve(data: &std::path::Path, listen: &str, extra: &[&str]) -> Result<(Child, ChildStdout)> {
+    let mut server = Command::new(binary("hora-server")?)
+        .args(["serve", "--listen", listen, "--admin-token", ADMIN_TOKEN])
+        .arg("--data-dir")
+        .arg(data)
+        .args(extra)
+        .env("HORA_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting hora-server")?;
+    let stdout = server.stdout.take().context("server stdout")?;
+    Ok((server, stdout))
+}
+
+/// The URL a `hora-server listening on …` line names.
+fn listening(line: &str) -> Option<String> {
+    line.strip_prefix("hora-server listening on ")
+        .map(|url| url.trim().to_string())
 }
