@@ -25,6 +25,8 @@ pub struct ServeArgs {
     /// PostgreSQL database, postgres://user:password@host:port/database (its schema is brought
     /// up to date at start; blobs stay under the data directory). Give a URL holding a password
     /// through HORA_STORE or the config file rather than the command line, which others see.
+    /// TLS: add ?sslmode=require&sslrootcert=/path/to/ca.pem (the database's certificate is
+    /// verified against that CA and the host name).
     #[arg(long, env = "HORA_STORE", hide_env_values = true)]
     pub store: Option<String>,
     /// Where the blobs live (models, modules, strategy states, checkpoints): files under the

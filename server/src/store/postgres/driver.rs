@@ -37,19 +37,62 @@ const USER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A PostgreSQL database, as `--store postgres://user:password@host:port/database` names it
 /// (with any of the URL parameters `tokio-postgres` reads: `connect_timeout`,
-/// `application_name`, …). Shown and debugged without its password.
+/// `application_name`, `sslmode`, …, and libpq's `sslrootcert`). Shown and debugged without its
+/// password.
+///
+/// TLS: `sslmode=require&sslrootcert=/path/ca.pem` connects only over TLS, verifying that the
+/// database's certificate chains to that CA and names the host (libpq's `verify-full`); with
+/// `sslrootcert` and the default `sslmode=prefer`, TLS is used when the database offers it, and
+/// verified the same way. Without `sslrootcert`, connections are plain (`require` is refused:
+/// there would be nothing to verify the database against).
 #[derive(Clone)]
 pub struct Target {
     config: tokio_postgres::Config,
     /// `host:port/database`, for messages.
     shown: String,
+    /// TLS to the database, verified against `sslrootcert`'s CA.
+    tls: Option<tokio_postgres_rustls::MakeRustlsConnect>,
+}
+
+/// `url` without its `sslrootcert` parameter, and that parameter's value (decoded).
+fn take_root_cert(url: &str) -> (String, Option<String>) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_string(), None);
+    };
+    let (mut kept, mut root) = (Vec::new(), None);
+    for pair in query.split('&') {
+        match pair.strip_prefix("sslrootcert=") {
+            Some(value) => {
+                root = Some(
+                    percent_encoding::percent_decode_str(value)
+                        .decode_utf8_lossy()
+                        .into_owned(),
+                )
+            }
+            None => kept.push(pair),
+        }
+    }
+    match kept.is_empty() {
+        true => (base.to_string(), root),
+        false => (format!("{base}?{}", kept.join("&")), root),
+    }
+}
+
+/// A TLS connector that trusts only the CA in `path` (PEM).
+fn tls_to(path: &str) -> Result<tokio_postgres_rustls::MakeRustlsConnect, String> {
+    let mut config = hora_common::tls::client_config(std::path::Path::new(path), None)
+        .map_err(|e| format!("sslrootcert: {e}"))?;
+    // PostgreSQL 17 accepts only its own protocol name, when a client names one.
+    config.alpn_protocols = vec![b"postgresql".to_vec()];
+    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
 }
 
 impl FromStr for Target {
     type Err = String;
 
     fn from_str(url: &str) -> Result<Self, String> {
-        let mut config = tokio_postgres::Config::from_str(url).map_err(|e| {
+        let (url, root) = take_root_cert(url);
+        let mut config = tokio_postgres::Config::from_str(&url).map_err(|e| {
             let detail = std::error::Error::source(&e)
                 .map(|s| format!(": {s}"))
                 .unwrap_or_default();
@@ -58,8 +101,17 @@ impl FromStr for Target {
         if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
             return Err("the PostgreSQL URL names no host: give postgres://user:password@host:port/database".into());
         }
-        if config.get_ssl_mode() == SslMode::Require {
-            return Err("sslmode=require: this hora-server does not speak TLS to PostgreSQL yet; reach the database over a trusted network, a Unix socket or a tunnel, with sslmode=disable".into());
+        let tls = root.as_deref().map(tls_to).transpose()?;
+        match (config.get_ssl_mode(), &tls) {
+            (SslMode::Require, None) => {
+                return Err("sslmode=require needs sslrootcert=/path/to/ca.pem too (the CA that signed the database's certificate), so that the database's certificate is verified; e.g. postgres://user@db:5432/hora?sslmode=require&sslrootcert=/etc/hora/db-ca.pem".into());
+            }
+            // Nothing to verify a certificate against: plain, as libpq's `prefer` would end up
+            // without a CA it trusts.
+            (SslMode::Prefer, None) => {
+                config.ssl_mode(SslMode::Disable);
+            }
+            _ => {}
         }
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
@@ -87,13 +139,23 @@ impl FromStr for Target {
                 .or(config.get_user())
                 .unwrap_or_default()
         );
-        Ok(Target { config, shown })
+        Ok(Target { config, shown, tls })
     }
 }
 
 impl Target {
     pub(super) fn config(&self) -> &tokio_postgres::Config {
         &self.config
+    }
+
+    /// The TLS connector, when connections may use TLS (`sslrootcert` given).
+    pub(super) fn tls(&self) -> Option<tokio_postgres_rustls::MakeRustlsConnect> {
+        self.tls.clone()
+    }
+
+    /// Whether connections use TLS whenever the database offers it.
+    pub fn uses_tls(&self) -> bool {
+        self.tls.is_some()
     }
 }
 
@@ -148,15 +210,15 @@ impl Driver {
                 path: "the PostgreSQL store's runtime".into(),
                 source,
             })?;
-        let manager = Manager::from_config(
-            target.config.clone(),
-            NoTls,
-            ManagerConfig {
-                // A connection the server closed is found out at its next use: that query
-                // fails (503, retried by the client) and the connection is dropped.
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let manager_config = ManagerConfig {
+            // A connection the server closed is found out at its next use: that query fails
+            // (503, retried by the client) and the connection is dropped.
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let manager = match target.tls() {
+            Some(tls) => Manager::from_config(target.config.clone(), tls, manager_config),
+            None => Manager::from_config(target.config.clone(), NoTls, manager_config),
+        };
         let pool = Pool::builder(manager)
             .max_size(POOL_SIZE)
             .runtime(deadpool_postgres::Runtime::Tokio1)

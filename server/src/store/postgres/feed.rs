@@ -37,25 +37,42 @@ pub(super) async fn listen(
     target: &Target,
     changes: broadcast::Sender<StoreChange>,
 ) -> Result<Listening, tokio_postgres::Error> {
-    let (client, mut connection) = target.config().connect(NoTls).await?;
-    let reader = tokio::spawn(async move {
-        loop {
-            match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
-                Some(Ok(AsyncMessage::Notification(n))) if n.channel() == CHANNEL => {
-                    // No subscriber is not an error: the next one hears of later changes.
-                    let _ = changes.send(StoreChange::Task(n.payload().to_string()));
-                }
-                Some(Ok(_)) => {}
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "the PostgreSQL change feed's connection failed");
-                    return;
-                }
-                None => return,
-            }
+    let (client, reader) = match target.tls() {
+        Some(tls) => {
+            let (client, connection) = target.config().connect(tls).await?;
+            (client, tokio::spawn(read(connection, changes)))
         }
-    });
+        None => {
+            let (client, connection) = target.config().connect(NoTls).await?;
+            (client, tokio::spawn(read(connection, changes)))
+        }
+    };
     client.batch_execute(&format!("LISTEN {CHANNEL}")).await?;
     Ok(Listening { client, reader })
+}
+
+/// Passes `connection`'s notifications to `changes` until it ends.
+async fn read<S, T>(
+    mut connection: tokio_postgres::Connection<S, T>,
+    changes: broadcast::Sender<StoreChange>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    loop {
+        match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+            Some(Ok(AsyncMessage::Notification(n))) if n.channel() == CHANNEL => {
+                // No subscriber is not an error: the next one hears of later changes.
+                let _ = changes.send(StoreChange::Task(n.payload().to_string()));
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "the PostgreSQL change feed's connection failed");
+                return;
+            }
+            None => return,
+        }
+    }
 }
 
 /// Keeps the feed up for as long as the store's runtime runs: waits until the connection is

@@ -33,11 +33,23 @@ pub(crate) struct TestServer {
     owner: Owner,
     port: u16,
     dir: tempfile::TempDir,
+    /// TLS only, with this certificate and key (copies in `dir`).
+    tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl TestServer {
     /// Starts a server on a copy of the template (made first if there is none yet).
     pub(crate) fn start() -> TestServer {
+        TestServer::start_with(None)
+    }
+
+    /// Starts a server that takes TCP connections over TLS only, with the certificate (PEM,
+    /// chain) and key (PEM) given.
+    pub(crate) fn start_tls(cert: &Path, key: &Path) -> TestServer {
+        TestServer::start_with(Some((cert, key)))
+    }
+
+    fn start_with(tls: Option<(&Path, &Path)>) -> TestServer {
         let bin = bindir().unwrap_or_else(|| {
             panic!(
                 "PostgreSQL's server programs (initdb, postgres) are not installed, and the \
@@ -57,12 +69,30 @@ impl TestServer {
             .arg("-a")
             .arg(&template)
             .arg(dir.path().join("data")));
+        let tls = tls.map(|(cert, key)| {
+            let data = dir.path().join("data");
+            // Over TCP, TLS or nothing; the Unix socket (unused) as it was.
+            fs::write(
+                data.join("pg_hba.conf"),
+                "local all all trust\nhostssl all all 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 reject\n",
+            )
+            .expect("pg_hba.conf");
+            let copies = (dir.path().join("server.crt"), dir.path().join("server.key"));
+            for (from, to) in [(cert, &copies.0), (key, &copies.1)] {
+                fs::copy(from, to).expect("a copy of the certificate or key");
+                fs::set_permissions(to, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+                    .expect("chmod");
+                owner.give(to);
+            }
+            copies
+        });
         let mut server = TestServer {
             child: None,
             bin,
             owner,
             port: 0,
             dir,
+            tls,
         };
         // Another process may take the free port before the server binds it: then another.
         for _ in 0..5 {
@@ -120,6 +150,16 @@ impl TestServer {
             // stop and `restart`), not the machine. Commits still write their WAL first.
             .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
             .args(["-c", "shared_buffers=16MB"])
+            .args(self.tls.iter().flat_map(|(cert, key)| {
+                [
+                    "-c".to_string(),
+                    "ssl=on".to_string(),
+                    "-c".to_string(),
+                    format!("ssl_cert_file={}", cert.display()),
+                    "-c".to_string(),
+                    format!("ssl_key_file={}", key.display()),
+                ]
+            }))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(fs::File::create(&log).map_err(|e| e.to_string())?);

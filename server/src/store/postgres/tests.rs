@@ -295,3 +295,64 @@ fn one_replica_leads_a_standby_takes_over_a_lapsed_lease_and_the_old_leaders_wri
         "b left the list as it stepped down"
     );
 }
+
+#[test]
+fn over_tls_the_store_verifies_the_database_and_plain_or_unverifiable_connections_are_refused() {
+    let certs = tempfile::tempdir().unwrap();
+    let paths = crate::tls::make_dev_certs(certs.path(), &[]).unwrap();
+    let server = TestServer::start_tls(&paths.cert, &paths.key);
+    let ca = certs.path().join(crate::tls::CA_CERT);
+    let dir = tempfile::tempdir().unwrap();
+
+    // This database takes TLS only: a plain connection is refused, and `require` without a CA
+    // to verify it against is refused before connecting.
+    let plain = PostgresStore::open(&target(&server), dir.path())
+        .err()
+        .expect("refused");
+    assert!(plain.to_string().contains("no encryption"), "{plain}");
+    let unverifiable = format!("{}?sslmode=require", server.url())
+        .parse::<Target>()
+        .err()
+        .expect("refused");
+    assert!(unverifiable.contains("sslrootcert"), "{unverifiable}");
+
+    // With the CA: over TLS, verified, the change feed included.
+    for mode in ["sslmode=require&", ""] {
+        let url = format!("{}?{mode}sslrootcert={}", server.url(), ca.display());
+        let tls: Target = url.parse().unwrap();
+        assert!(tls.uses_tls());
+        let store = PostgresStore::open(&tls, dir.path()).unwrap();
+        let mut feed = store.changes().unwrap();
+        store
+            .put_task("t", &task(model([0.0; 3]).digest(), 0))
+            .unwrap();
+        assert_eq!(next(&mut feed), StoreChange::Task("t".into()));
+        assert_eq!(
+            sql(
+                &tls,
+                "SELECT CASE WHEN ssl THEN 'tls' ELSE 'plain' END FROM pg_stat_ssl
+                 WHERE pid = pg_backend_pid()"
+            ),
+            ["tls"]
+        );
+    }
+
+    // A CA that did not sign the database's certificate: refused, saying why.
+    let other = tempfile::tempdir().unwrap();
+    crate::tls::make_dev_certs(other.path(), &[]).unwrap();
+    let url = format!(
+        "{}?sslmode=require&sslrootcert={}",
+        server.url(),
+        other.path().join(crate::tls::CA_CERT).display()
+    );
+    let refused = PostgresStore::open(&url.parse().unwrap(), dir.path())
+        .err()
+        .expect("refused");
+    assert!(refused.to_string().contains("certificate"), "{refused}");
+    // And a CA file that is not there, when the URL is read.
+    let missing = format!("{}?sslrootcert=/nonexistent/ca.pem", server.url())
+        .parse::<Target>()
+        .err()
+        .expect("refused");
+    assert!(missing.contains("/nonexistent/ca.pem"), "{missing}");
+}
