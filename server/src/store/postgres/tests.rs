@@ -312,8 +312,7 @@ fn over_tls_the_store_verifies_the_database_and_plain_or_unverifiable_connection
     assert!(plain.to_string().contains("no encryption"), "{plain}");
     let unverifiable = format!("{}?sslmode=require", server.url())
         .parse::<Target>()
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(unverifiable.contains("sslrootcert"), "{unverifiable}");
 
     // With the CA: over TLS, verified, the change feed included.
@@ -352,7 +351,6 @@ fn over_tls_the_store_verifies_the_database_and_plain_or_unverifiable_connection
     // And a CA file that is not there, when the URL is read.
     let missing = format!("{}?sslrootcert=/nonexistent/ca.pem", server.url())
         .parse::<Target>()
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(missing.contains("/nonexistent/ca.pem"), "{missing}");
 }
