@@ -1,6 +1,7 @@
 //! Asynchronous (FedBuff) tasks against the real `hora-server` binary on loopback TLS: versions
 //! are the staleness-weighted average their buffers say, an update too stale is refused, a
-//! SIGKILL in the middle of a buffer loses no acknowledged update (and changes no model), only
+//! SIGKILL in the middle of a buffer loses no acknowledged update (and changes no model), nor does
+//! the SIGKILL of a leading replica whose standby (on one PostgreSQL database) takes over, only
 //! clients holding a training slot upload, and a fleet of fast and slow `hora-client` processes
 //! all contribute.
 
@@ -51,24 +52,46 @@ fn fedbuff(global: &Model, version: u64, updates: &[&Update]) -> Model {
     out
 }
 
-/// The server of a scenario, restarted on the same address after each SIGKILL when `crash`.
+/// How a scenario's server meets its `Crash` steps.
+#[derive(Clone, Copy, PartialEq)]
+enum Crashes {
+    /// It does not crash.
+    None,
+    /// SIGKILLed and restarted on its data directory (sled).
+    Restart,
+    /// Replicas on one PostgreSQL database: the leader is SIGKILLed and its standby takes over
+    /// (on the same address), and a new standby starts.
+    Failover,
+}
+
+/// The server of a scenario.
 struct Run {
     dir: tempfile::TempDir,
     listen: String,
     server: Option<Server>,
-    crash: bool,
+    crashes: Crashes,
+    replicas: Option<(Replicas, Option<Starting>)>,
 }
 
 impl Run {
-    fn start(crash: bool) -> Run {
+    fn start(crashes: Crashes) -> Run {
         let dir = tempfile::tempdir().unwrap();
         let listen = format!("127.0.0.1:{}", free_port());
-        let server = Server::start_on(dir.path(), &listen, &[]);
+        let (server, replicas) = match crashes {
+            Crashes::Failover => {
+                let mut replicas = Replicas::new(&listen);
+                let leader = replicas.spawn().listening();
+                let standby = replicas.spawn();
+                (leader, Some((replicas, Some(standby))))
+            }
+            _ => (Server::start_on(dir.path(), &listen, &[]), None),
+        };
         Run {
             dir,
             listen,
             server: Some(server),
-            crash,
+            crashes,
+            replicas,
         }
     }
 
@@ -76,12 +99,21 @@ impl Run {
         self.server.as_ref().expect("running")
     }
 
-    /// SIGKILL and start again, if this run crashes.
+    /// SIGKILL, and start again or fail over, if this run crashes.
     fn maybe_crash(&mut self) {
-        if self.crash {
-            self.server.take().expect("running").kill();
-            self.server = Some(Server::start_on(self.dir.path(), &self.listen, &[]));
+        if self.crashes == Crashes::None {
+            return;
         }
+        self.server.take().expect("running").kill();
+        self.server = Some(match &mut self.replicas {
+            None => Server::start_on(self.dir.path(), &self.listen, &[]),
+            Some((replicas, standby)) => {
+                // The standby takes over; only then does the next one start (else either might).
+                let leader = standby.take().expect("a standby").listening();
+                *standby = Some(replicas.spawn());
+                leader
+            }
+        });
     }
 }
 
@@ -128,8 +160,8 @@ const SCRIPT: &[Step] = &[
 /// Runs [`SCRIPT`] (with its SIGKILLs when `crash`); then client 6, still on version 1, three
 /// versions behind, is refused. Returns the models of versions 0-3, the history, and the
 /// updates in the order they were acknowledged.
-async fn scenario(crash: bool) -> (Vec<Model>, Vec<RoundRecord>, Vec<Update>) {
-    let mut run = Run::start(crash);
+async fn scenario(crashes: Crashes) -> (Vec<Model>, Vec<RoundRecord>, Vec<Update>) {
+    let mut run = Run::start(crashes);
     let admin = run.server().api(ADMIN_TOKEN);
     let initial = small_model();
     let digest = admin.upload_model(&initial).await;
@@ -206,7 +238,7 @@ async fn scenario(crash: bool) -> (Vec<Model>, Vec<RoundRecord>, Vec<Update>) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn versions_are_the_staleness_weighted_average_of_their_buffers() {
-    let (models, history, u) = scenario(false).await;
+    let (models, history, u) = scenario(Crashes::None).await;
     // Independently: each version from the one before and the updates in its buffer, each
     // weighted by its example count and (1 + staleness)^-½.
     let v1 = fedbuff(&models[0], 1, &[&u[0], &u[1], &u[2]]);
@@ -245,18 +277,21 @@ async fn versions_are_the_staleness_weighted_average_of_their_buffers() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_sigkill_mid_buffer_loses_no_acknowledged_update_and_changes_no_model() {
-    let (calm, _, _) = scenario(false).await;
-    let (crashed, history, _) = scenario(true).await;
-    for (version, (a, b)) in calm.iter().zip(&crashed).enumerate() {
-        assert_eq!(
-            a.data(),
-            b.data(),
-            "version {version} differs after the SIGKILLs"
-        );
+async fn a_sigkill_mid_buffer_or_of_the_leading_replica_loses_no_acknowledged_update_and_changes_no_model(
+) {
+    let (calm, _, _) = scenario(Crashes::None).await;
+    for crashes in [Crashes::Restart, Crashes::Failover] {
+        let (crashed, history, _) = scenario(crashes).await;
+        for (version, (a, b)) in calm.iter().zip(&crashed).enumerate() {
+            assert_eq!(
+                a.data(),
+                b.data(),
+                "version {version} differs after the SIGKILLs"
+            );
+        }
+        let contributions: usize = history.iter().map(|h| h.participants.len()).sum();
+        assert_eq!(contributions, 9, "every acknowledged update, once");
     }
-    let contributions: usize = history.iter().map(|h| h.participants.len()).sum();
-    assert_eq!(contributions, 9, "every acknowledged update, once");
 }
 
 /// Six `hora-client train` processes whose local training takes 0.2 s to 2 s, buffers of four:

@@ -20,7 +20,9 @@ use rand_chacha::rand_core::SeedableRng;
 use reqwest::{Method, StatusCode};
 
 mod support;
-use support::{delta, free_port, run_example, small_model, task, Api, Client, Server, ADMIN_TOKEN};
+use support::{
+    delta, free_port, run_example, small_model, task, Api, Client, Replicas, Server, ADMIN_TOKEN,
+};
 
 /// Runs the secure example and checks the secure round against plain FedAvg of its survivors.
 fn secure_round(args: &[&str], summed: u64, abandoned: u64) {
@@ -276,6 +278,22 @@ async fn the_protocol_state_and_masked_sum_survive_a_server_restart() {
     let dir = tempfile::tempdir().unwrap();
     let listen = format!("127.0.0.1:{}", free_port());
     let server = Server::start_on(dir.path(), &listen, &[]);
+    survives_a_sigkill(server, || Server::start_on(dir.path(), &listen, &[])).await;
+}
+
+/// The same across replicas on one PostgreSQL database: the leader is SIGKILLed and its standby
+/// (on the same address) takes over the round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_protocol_state_and_masked_sum_survive_a_failover_to_a_standby_replica() {
+    let mut replicas = Replicas::new(&format!("127.0.0.1:{}", free_port()));
+    let leader = replicas.spawn().listening();
+    let standby = replicas.spawn();
+    survives_a_sigkill(leader, move || standby.listening()).await;
+}
+
+/// A round of four: two masked inputs acknowledged, then `server` is SIGKILLed and `next` (on
+/// the same address) has their sum, the keys and the shares, and the round carries on.
+async fn survives_a_sigkill(server: Server, next: impl FnOnce() -> Server) {
     let admin = server.api(ADMIN_TOKEN);
     let mut h = Harness::start(&admin, 4, SecureAggregationConfig::default()).await;
     for i in 0..4 {
@@ -291,10 +309,9 @@ async fn the_protocol_state_and_masked_sum_survive_a_server_restart() {
     }
     h.upload(0, &uploads[0]).await;
     h.upload(1, &uploads[1]).await;
-    // SIGKILL with two masked inputs acknowledged; the restarted server has their sum, the
-    // keys and the shares, and the round carries on.
+    // SIGKILL with two masked inputs acknowledged.
     server.kill();
-    let server = Server::start_on(dir.path(), &listen, &[]);
+    let server = next();
     h.upload(2, &uploads[2]).await;
     h.upload(3, &uploads[3]).await;
     for i in 0..4 {

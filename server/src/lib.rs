@@ -74,10 +74,14 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
         libc::umask(0o077);
     }
     let stop = shutdown::Stop::on_signal();
+    let mut led = false;
+    let replica = store::postgres::Replica::this(&config.listen.to_string());
     loop {
         let building = {
-            let (config, stop) = (config.clone(), stop.clone());
-            tokio::task::spawn_blocking(move || Server::build_unless(config, &|| stop.requested()))
+            let (config, stop, replica) = (config.clone(), stop.clone(), replica.clone());
+            tokio::task::spawn_blocking(move || {
+                Server::build_as(config, replica, &|| stop.requested())
+            })
         };
         let server = match building.await? {
             Ok(server) => server,
@@ -85,14 +89,36 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
                 tracing::info!("stopped while standing by");
                 return Ok(());
             }
+            // A replica that stepped down usually did because its database was in trouble:
+            // trouble that lasts a while is no reason for it to exit.
+            Err(e)
+                if led
+                    && matches!(
+                        e.downcast_ref(),
+                        Some(
+                            store::StoreError::Unavailable { .. }
+                                | store::StoreError::Fenced { .. }
+                                | store::StoreError::Blobs { .. }
+                        )
+                    ) =>
+            {
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "standing by again failed; trying again in a second"
+                );
+                tokio::select! {
+                    () = tokio::time::sleep(std::time::Duration::from_secs(1)) => continue,
+                    () = stop.clone().wait() => return Ok(()),
+                }
+            }
             Err(e) => return Err(e),
         };
+        led = true;
         if let Some(token) = &server.generated_admin_token {
-            println!("admin token: {token}");
-            println!("  (shown once; only its hash is stored. Pass --admin-token or HORA_ADMIN_TOKEN to set your own.)");
+            say(&format!("admin token: {token}\n  (shown once; only its hash is stored. Pass --admin-token or HORA_ADMIN_TOKEN to set your own.)"));
         }
         if let Some(ca) = &server.dev_ca {
-            println!("development TLS: clients trust {}", ca.display());
+            say(&format!("development TLS: clients trust {}", ca.display()));
         }
         let listener = server.bind()?;
         match server.run(listener, stop.clone().wait()).await? {
@@ -105,4 +131,11 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
             }
         }
     }
+}
+
+/// Prints a line on standard output for the operator (and the scripts that read it); a closed
+/// or full standard output is no reason for a server to stop.
+pub(crate) fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
 }

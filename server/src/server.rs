@@ -47,10 +47,22 @@ impl Server {
     /// this replica leads (see `store::postgres::lease`); it fails with
     /// [`store::StoreError::Stopped`] once `give_up` says so.
     pub fn build_unless(config: ServeConfig, give_up: &dyn Fn() -> bool) -> Result<Server> {
+        let replica = store::postgres::Replica::this(&config.listen.to_string());
+        Self::build_as(config, replica, give_up)
+    }
+
+    /// [`build_unless`](Self::build_unless) as `replica` (the same each time a process stands
+    /// by again).
+    pub fn build_as(
+        config: ServeConfig,
+        replica: store::postgres::Replica,
+        give_up: &dyn Fn() -> bool,
+    ) -> Result<Server> {
         let fd_limit = conn::raise_fd_limit();
         let lease = store::postgres::LeaseSettings {
-            replica: store::postgres::Replica::this(&config.listen.to_string()),
+            replica,
             ttl: config.lease,
+            shared_blobs: !matches!(config.blobs, store::BlobLocation::DataDir),
         };
         let store: Arc<Store> = config
             .store
@@ -72,6 +84,16 @@ impl Server {
                     }
                 }
             })?;
+        // Whatever fails from here, a lease taken is handed back at once, not left to lapse.
+        Self::build_on(config, store.clone(), fd_limit).inspect_err(|_| {
+            if let Err(e) = store.step_down() {
+                tracing::warn!(error = %e, "handing the lease back failed; it lapses by itself");
+            }
+        })
+    }
+
+    /// The rest of [`build`](Self::build), on an open store.
+    fn build_on(config: ServeConfig, store: Arc<Store>, fd_limit: Option<u64>) -> Result<Server> {
         // Housekeeping: a blob store that fails it now (a blip during a restart) costs some
         // space until the next start, not the start.
         match store.sweep_orphans() {
@@ -249,19 +271,21 @@ impl Server {
         let announce = async {
             if let Some(addr) = handle.listening().await {
                 // Tests and scripts read this line to learn the port (with --listen 127.0.0.1:0).
-                println!("hora-server listening on https://{addr}");
+                crate::say(&format!("hora-server listening on https://{addr}"));
             }
         };
         let (result, ()) = tokio::join!(serving, announce);
         self.coordinator.stop().await;
-        result.context("serving")?;
+        // Handed back even when serving failed: a standby takes over at once.
         let store = self.store.clone();
-        tokio::task::spawn_blocking(move || {
-            store.flush()?;
-            store.step_down()
+        let stepped = tokio::task::spawn_blocking(move || {
+            let flushed = store.flush();
+            store.step_down().and(flushed)
         })
-        .await??;
+        .await;
         self.metrics.lease_held.set(0);
+        result.context("serving")?;
+        stepped??;
         tracing::info!("stopped");
         // Ended by the lease's loss, or else by `shutdown` (or the listener's end).
         Ok(stopped_rx.try_recv().unwrap_or(Stopped::Shutdown))

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use hora_common::model::Model;
 use reqwest::Method;
 use serde_json::{json, Value};
-use support::Server;
+use support::{Server, Starting};
 
 const LEASE_SECS: u64 = 3;
 
@@ -51,9 +51,11 @@ fn status_until(store: &str, what: &str, check: impl Fn(&Value) -> bool) -> Valu
     }
 }
 
-fn replica(store: &str, data: &Path, blobs: &str, certs: &Path) -> Server {
-    Server::start_with(
+/// A replica on `store`, listening (once it leads) on `listen`.
+fn replica(store: &str, data: &Path, blobs: &str, certs: &Path, listen: &str) -> Starting {
+    let mut starting = Server::spawn_on(
         data,
+        listen,
         &[
             "--store",
             store,
@@ -64,7 +66,19 @@ fn replica(store: &str, data: &Path, blobs: &str, certs: &Path) -> Server {
             "--certs-dir",
             certs.to_str().unwrap(),
         ],
-    )
+    );
+    starting.ca = certs.join("ca.pem");
+    starting
+}
+
+/// A loopback address nothing listens on now.
+fn free_listen() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}")
 }
 
 fn model(values: [f32; 4]) -> Model {
@@ -83,12 +97,8 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     );
     let blobs = format!("file://{}", shared.path().display());
     let certs = a_dir.path().join("certs");
-    let a = replica(&store, a_dir.path(), &blobs, &certs);
-    let standby = {
-        let (store, blobs, certs) = (store.clone(), blobs.clone(), certs.clone());
-        let dir = b_dir.path().to_path_buf();
-        std::thread::spawn(move || replica(&store, &dir, &blobs, &certs))
-    };
+    let a = replica(&store, a_dir.path(), &blobs, &certs, &free_listen()).listening();
+    let mut standby = replica(&store, b_dir.path(), &blobs, &certs, &free_listen());
     let both = status_until(&store, "a leads, b stands by", |s| {
         s["replicas"].as_array().map(Vec::len) == Some(2)
     });
@@ -96,7 +106,7 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     assert_eq!(both["replicas"][0]["role"], "leader", "{both:#}");
     assert_eq!(both["replicas"][1]["role"], "standby", "{both:#}");
     let a_id = both["lease"]["holder"].as_str().unwrap().to_string();
-    assert!(!standby.is_finished(), "the standby does not listen");
+    assert!(!standby.exited(), "the standby waits");
 
     // A round of four: two acknowledged by a, which then dies.
     let admin = a.admin();
@@ -133,7 +143,7 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     }
     a.kill();
     let killed = Instant::now();
-    let mut b = standby.join().expect("the standby leads");
+    let b = standby.listening();
     let takeover = killed.elapsed();
     println!("takeover after the leader's SIGKILL: {takeover:?} (lease {LEASE_SECS} s)");
     assert!(
@@ -145,7 +155,6 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     assert_ne!(led["lease"]["holder"], a_id.as_str(), "{led:#}");
 
     // The other two upload to b: the round holds all four, weighted by examples.
-    b.ca = certs.join("ca.pem");
     let admin = b.admin();
     let info = admin.task("ha").await;
     assert_eq!(info.open_round.expect("round 1 is open").accepted, 2);
@@ -206,8 +215,8 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
 /// [`restore`](Relay::restore).
 struct Relay {
     port: u16,
-    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    links: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    /// Whether it is cut, and the links through it; one lock, so no link outlives a cut.
+    state: std::sync::Arc<std::sync::Mutex<(bool, Vec<tokio::task::AbortHandle>)>>,
 }
 
 impl Relay {
@@ -215,13 +224,13 @@ impl Relay {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let relay = Relay {
             port: listener.local_addr().unwrap().port(),
-            cut: Default::default(),
-            links: Default::default(),
+            state: Default::default(),
         };
-        let (cut, links) = (relay.cut.clone(), relay.links.clone());
+        let state = relay.state.clone();
         tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
-                if cut.load(std::sync::atomic::Ordering::SeqCst) {
+                let mut state = state.lock().unwrap();
+                if state.0 {
                     continue; // dropped: the connection is refused
                 }
                 let link = tokio::spawn(async move {
@@ -231,21 +240,22 @@ impl Relay {
                         let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
                     }
                 });
-                links.lock().unwrap().push(link.abort_handle());
+                state.1.push(link.abort_handle());
             }
         });
         relay
     }
 
     fn cut(&self) {
-        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
-        for link in self.links.lock().unwrap().drain(..) {
+        let mut state = self.state.lock().unwrap();
+        state.0 = true;
+        for link in state.1.drain(..) {
             link.abort();
         }
     }
 
     fn restore(&self) {
-        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.state.lock().unwrap().0 = false;
     }
 }
 
@@ -269,12 +279,9 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
     );
     let blobs = format!("file://{}", shared.path().display());
     let certs = a_dir.path().join("certs");
-    let a = replica(&relayed, a_dir.path(), &blobs, &certs);
-    let standby = {
-        let (store, blobs, certs) = (store.clone(), blobs.clone(), certs.clone());
-        let dir = b_dir.path().to_path_buf();
-        std::thread::spawn(move || replica(&store, &dir, &blobs, &certs))
-    };
+    let a_listen = free_listen();
+    let a = replica(&relayed, a_dir.path(), &blobs, &certs, &a_listen).listening();
+    let standby = replica(&store, b_dir.path(), &blobs, &certs, &free_listen());
     let both = status_until(&store, "a leads, b stands by", |s| {
         s["replicas"].as_array().map(Vec::len) == Some(2)
     });
@@ -308,28 +315,29 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
     ];
     clients[0].upload("cut", &offers[0], 1, &deltas[0]).await;
 
-    // a loses the database: an upload it takes now is never acknowledged, and the standby
-    // takes the lease once a's has lapsed.
+    // a loses the database: an upload it takes now is never acknowledged (folded, its
+    // checkpoint pending), and once a whole lease passes without a renewal a stops serving by
+    // itself, before the standby can take the lease.
     relay.cut();
     let refused = clients[1]
         .try_upload("cut", &offers[1], 1, &deltas[1])
         .await;
     assert_eq!(refused, 503, "a cut-off leader acknowledged an upload");
-    let mut b = standby.join().expect("the standby leads");
-    assert_eq!(status(&store)["lease"]["epoch"], 2);
-
-    // The network comes back: a finds its lease taken, writes nothing (its pending checkpoint
-    // of the refused upload is fenced), stops serving and stands by.
-    relay.restore();
     let http = a.http();
-    let stepped_down = Instant::now();
+    let cut = Instant::now();
     while http.get(format!("{}/healthz", a.url)).send().await.is_ok() {
         assert!(
-            stepped_down.elapsed() < Duration::from_secs(15),
-            "the deposed leader still serves"
+            cut.elapsed() < Duration::from_secs(LEASE_SECS + 10),
+            "the cut-off leader still serves"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let b = standby.listening();
+    assert_eq!(status(&store)["lease"]["epoch"], 2);
+
+    // The network comes back: a stands by (it does not take the lease back), and its
+    // checkpoint of the unacknowledged upload never lands.
+    relay.restore();
     status_until(&store, "a stands by again", |s| {
         s["replicas"].as_array().unwrap().iter().any(|r| {
             r["id"] == a_id.as_str()
@@ -337,24 +345,34 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
                 && r["seen_secs_ago"].as_f64().unwrap() < 2.0
         })
     });
+    assert_eq!(status(&store)["lease"]["epoch"], 2);
 
-    // The round goes on at b with the one acknowledged update, the others upload there, and
-    // the published model counts each once.
-    b.ca = certs.join("ca.pem");
-    let admin = b.admin();
-    assert_eq!(admin.task("cut").await.open_round.unwrap().accepted, 1);
-    for (i, c) in clients.iter_mut().enumerate().skip(1) {
-        c.api = support::Api {
-            url: b.url.clone(),
-            http: b.http(),
-            token: c.api.token.clone(),
-        };
-        c.upload("cut", &offers[i], 1, &deltas[i]).await;
+    // b dies too: a leads again, on what the database holds: the one acknowledged upload.
+    b.kill();
+    let admin = a.admin();
+    let back = Instant::now();
+    let info = loop {
+        if let Ok(resp) = http.get(format!("{}/healthz", a.url)).send().await {
+            if resp.status().is_success() {
+                break admin.task("cut").await;
+            }
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(LEASE_SECS + 10),
+            "a did not lead again"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(info.open_round.expect("round 1 is open").accepted, 1);
+    assert_eq!(status(&store)["lease"]["epoch"], 3);
+
+    // The others upload there, and the published model counts each once.
+    for i in 1..3 {
+        clients[i].upload("cut", &offers[i], 1, &deltas[i]).await;
     }
     admin.wait_published("cut", 1).await;
     let published = admin.round_model("cut", 1).await;
     for got in &published.data()[..3] {
         assert!((got - 1.0).abs() < 1e-6, "{:?}", published.data());
     }
-    drop(a);
 }

@@ -87,7 +87,13 @@ impl Server {
 
     /// Starts listening on `listen` (a fixed port lets a restarted server keep its URL).
     pub fn start_on(data_dir: &Path, listen: &str, extra: &[&str]) -> Server {
-        let mut child = Command::new(binary("hora-server"))
+        Server::spawn_on(data_dir, listen, extra).listening()
+    }
+
+    /// Starts `hora-server serve` on `listen` without waiting for it to listen (a standby
+    /// replica listens only once it leads).
+    pub fn spawn_on(data_dir: &Path, listen: &str, extra: &[&str]) -> Starting {
+        let child = Command::new(binary("hora-server"))
             .args([
                 "serve",
                 "--listen",
@@ -103,19 +109,8 @@ impl Server {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start hora-server");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut url = None;
-        for line in BufReader::new(stdout).lines() {
-            let line = line.expect("server stdout");
-            if let Some(u) = line.strip_prefix("hora-server listening on ") {
-                url = Some(u.trim().to_string());
-                break;
-            }
-        }
-        let url = url.expect("the server exited before listening");
-        Server {
-            child,
-            url,
+        Starting {
+            child: Some(child),
             ca: data_dir.join("certs/ca.pem"),
             data_dir: data_dir.to_path_buf(),
         }
@@ -144,6 +139,101 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A server process started but not (yet) listening; killed by its pid when dropped.
+pub struct Starting {
+    child: Option<Child>,
+    ca: PathBuf,
+    data_dir: PathBuf,
+}
+
+impl Starting {
+    /// Waits until it listens (a standby: until it leads), a minute at most (then it is
+    /// killed and the test fails); its later output is drained.
+    pub fn listening(mut self) -> Server {
+        let stdout = self
+            .child
+            .as_mut()
+            .and_then(|c| c.stdout.take())
+            .expect("not waited for yet");
+        let (said, listening) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("hora-server listening on ") {
+                    let _ = said.send(url.trim().to_string());
+                }
+            }
+        });
+        let url = listening
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the server exited, or did not listen within a minute");
+        Server {
+            child: self.child.take().expect("still ours"),
+            url,
+            ca: self.ca.clone(),
+            data_dir: self.data_dir.clone(),
+        }
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The throwaway PostgreSQL server the store's tests start, this same file.
+#[path = "../../server/src/store/postgres/test_server.rs"]
+mod test_server;
+
+/// Replicas of one server: `hora-server` processes on one PostgreSQL database of the test's own,
+/// their blobs in one shared directory (`--blobs file://…`) and their development certificates
+/// in another, all on one `--listen` address (a standby listens only once it leads), each with
+/// its own data directory and a lease of one second.
+pub struct Replicas {
+    postgres: test_server::TestServer,
+    pub listen: String,
+    shared: tempfile::TempDir,
+    dirs: Vec<tempfile::TempDir>,
+}
+
+impl Replicas {
+    pub fn new(listen: &str) -> Replicas {
+        Replicas {
+            postgres: test_server::TestServer::start(),
+            listen: listen.to_string(),
+            shared: tempfile::tempdir().expect("a temporary directory"),
+            dirs: Vec::new(),
+        }
+    }
+
+    /// Starts one more replica: the first leads, the others stand by.
+    pub fn spawn(&mut self) -> Starting {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let blobs = format!("file://{}", self.shared.path().join("blobs").display());
+        let certs = self.shared.path().join("certs");
+        let mut starting = Server::spawn_on(
+            dir.path(),
+            &self.listen,
+            &[
+                "--store",
+                &self.postgres.url(),
+                "--blobs",
+                &blobs,
+                "--lease-secs",
+                "1",
+                "--certs-dir",
+                certs.to_str().expect("a UTF-8 path"),
+            ],
+        );
+        starting.ca = certs.join("ca.pem");
+        self.dirs.push(dir);
+        starting
     }
 }
 

@@ -406,9 +406,14 @@ impl Coordinator {
             Ok(v) => v,
             Err(e) => {
                 // (A database that went away mid-commit may have committed it: then the record
-                // names the new file, which must stay. Left, it is an orphan at worst, and the
-                // sweep at the next start removes it.)
-                let ambiguous = e.code() == hora_common::wire::ErrorCode::StoreUnavailable;
+                // names the new file, which must stay; so must a file the replica that leads now
+                // may have recorded too, if this one was fenced. Left, it is an orphan at worst,
+                // and the sweep at a start removes it.)
+                let ambiguous = matches!(
+                    e.code(),
+                    hora_common::wire::ErrorCode::StoreUnavailable
+                        | hora_common::wire::ErrorCode::ShuttingDown
+                );
                 if let Some(new) = new_state.filter(|n| {
                     !recorded.get()
                         && !ambiguous

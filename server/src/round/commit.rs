@@ -88,9 +88,9 @@ impl Coordinator {
             let new = std::mem::replace(&mut acc.checkpoint, old);
             let kept = acc.checkpoint.as_ref().map(|c| c.file.as_str());
             // A database that went away mid-commit may have committed the record naming the
-            // new file: then it must stay (an orphan at worst, which the sweep at the next
-            // start removes).
-            let ambiguous = matches!(e, crate::store::StoreError::Unavailable { .. });
+            // new file, and a replica that leads now may have recorded the same file: then it
+            // must stay (an orphan at worst, which the sweep at a start removes).
+            let ambiguous = e.keeps_new_blobs();
             if let Some(new) = new.filter(|n| !ambiguous && Some(n.file.as_str()) != kept) {
                 self.store.remove_checkpoint(&new.file);
             }

@@ -240,7 +240,18 @@ impl SecAggRound {
                 *s = s.wrapping_sub(w);
             }
             inner.survivors.remove(&me);
-            if let Some(new) = inner.sum_file.take().filter(|n| Some(n) != old.as_ref()) {
+            // (Kept when the write may have committed, or another replica may have recorded the
+            // same sum: see `StoreError::keeps_new_blobs`.)
+            let keep = matches!(
+                e.code(),
+                hora_common::wire::ErrorCode::StoreUnavailable
+                    | hora_common::wire::ErrorCode::ShuttingDown
+            );
+            if let Some(new) = inner
+                .sum_file
+                .take()
+                .filter(|n| !keep && Some(n) != old.as_ref())
+            {
                 store.remove_checkpoint(&new);
             }
             inner.sum_file = old;

@@ -108,6 +108,7 @@ impl StoreLocation {
         let lease = postgres::LeaseSettings {
             replica: postgres::Replica::this("(embedded)"),
             ttl: std::time::Duration::from_secs(10),
+            shared_blobs: false,
         };
         self.open_leading(data_dir, blobs, &lease, &|| false)
     }
@@ -127,7 +128,13 @@ impl StoreLocation {
         let store: std::sync::Arc<Store> = match self {
             StoreLocation::Sled => std::sync::Arc::new(SledStore::open_with(data_dir, blobs)?),
             StoreLocation::Postgres(target) => {
-                std::sync::Arc::new(PostgresStore::open_with(target, blobs)?.claim(lease, give_up)?)
+                let lease = postgres::LeaseSettings {
+                    shared_blobs: apart,
+                    ..lease.clone()
+                };
+                std::sync::Arc::new(
+                    PostgresStore::open_with(target, blobs)?.claim(&lease, give_up)?,
+                )
             }
         };
         if apart {

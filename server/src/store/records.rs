@@ -39,11 +39,29 @@ pub enum StoreError {
     /// leads, and its writes are refused (the API answers 503 `shutting_down`).
     #[error("this replica no longer leads: its lease on the database (epoch {epoch}) was taken by another replica, so it writes nothing more and steps down")]
     Fenced { epoch: i64 },
+    /// A replica whose blobs are under its own data directory would take over from one on
+    /// another host.
+    #[error("the database was last led by a replica on host {host}, and this one keeps its blobs under its own data directory: replicas on more than one machine must share their blobs (--blobs file:///shared/dir or s3://bucket/prefix), or the records would name files this machine does not have")]
+    Unshared { host: String },
     /// The server was asked to stop while it stood by for the lease.
     #[error("stopped while standing by")]
     Stopped,
     #[error("the database's schema migration {version} ({name}) is not the one this hora-server ships (its SQL was changed after it was applied): run the hora-server that set the database up, or restore the migration's original file")]
     MigrationChanged { version: u32, name: String },
+}
+
+impl StoreError {
+    /// Whether a blob written for the failed write must stay: the database went away mid-commit
+    /// (it may have committed the record naming the blob), or this replica was fenced (another
+    /// replica leads now, and blobs are content-addressed in a store they share: it may have
+    /// written and recorded the same one). Left, it is an orphan at worst, which the sweep at a
+    /// start removes.
+    pub fn keeps_new_blobs(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Unavailable { .. } | StoreError::Fenced { .. }
+        )
+    }
 }
 
 /// A task as stored.

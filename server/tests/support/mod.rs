@@ -31,14 +31,14 @@ impl Server {
 
     /// Starts with extra `serve` flags.
     pub fn start_with(data_dir: &Path, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_hora-server"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-token",
-                ADMIN_TOKEN,
-            ])
+        Server::spawn_on(data_dir, "127.0.0.1:0", extra).listening()
+    }
+
+    /// Starts `hora-server serve` on `listen` without waiting for it to listen (a standby
+    /// replica listens only once it leads).
+    pub fn spawn_on(data_dir: &Path, listen: &str, extra: &[&str]) -> Starting {
+        let child = Command::new(env!("CARGO_BIN_EXE_hora-server"))
+            .args(["serve", "--listen", listen, "--admin-token", ADMIN_TOKEN])
             .arg("--data-dir")
             .arg(data_dir)
             .args(extra)
@@ -47,18 +47,8 @@ impl Server {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start hora-server");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let url = BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .find_map(|l| {
-                l.strip_prefix("hora-server listening on ")
-                    .map(|u| u.trim().to_string())
-            });
-        let url = url.expect("the server exited before it was listening");
-        Server {
-            child,
-            url,
+        Starting {
+            child: Some(child),
             ca: data_dir.join("certs/ca.pem"),
         }
     }
@@ -280,5 +270,55 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A server process started but not (yet) listening; killed by its pid when dropped.
+pub struct Starting {
+    child: Option<Child>,
+    pub ca: PathBuf,
+}
+
+impl Starting {
+    /// Waits until it listens (a standby: until it leads), a minute at most (then it is
+    /// killed and the test fails); its later output is drained.
+    pub fn listening(mut self) -> Server {
+        let stdout = self
+            .child
+            .as_mut()
+            .and_then(|c| c.stdout.take())
+            .expect("not waited for yet");
+        let (said, listening) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("hora-server listening on ") {
+                    let _ = said.send(url.trim().to_string());
+                }
+            }
+        });
+        let url = listening
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the server exited, or did not listen within a minute");
+        Server {
+            child: self.child.take().expect("still ours"),
+            url,
+            ca: self.ca.clone(),
+        }
+    }
+
+    /// Whether it exited already.
+    pub fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))))
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }

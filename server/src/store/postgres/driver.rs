@@ -34,6 +34,9 @@ const CALL_LIMIT: Duration = Duration::from_secs(30);
 /// seconds, not after the system's two hours.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
 const USER_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest a transaction may sit idle on the database (every one of the store's runs its
+/// statements back to back; one that sits is a client gone).
+const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(5);
 
 /// A PostgreSQL database, as `--store postgres://user:password@host:port/database` names it
 /// (with any of the URL parameters `tokio-postgres` reads: `connect_timeout`,
@@ -119,9 +122,20 @@ impl FromStr for Target {
         config.keepalives(true);
         config.keepalives_idle(KEEPALIVE_IDLE);
         config.tcp_user_timeout(USER_TIMEOUT);
-        if config.get_options().is_none() {
-            config.options(format!("-c statement_timeout={}", CALL_LIMIT.as_millis()));
-        }
+        // Session settings, after any the URL gives (which win): a statement's limit, and the
+        // database's own watch on this connection. A transaction left open by a replica on a
+        // dead network path (holding the lease's fence) ends in seconds, and a dead client is
+        // found by keepalive, instead of after the system's two hours.
+        let session = format!(
+            "-c statement_timeout={} -c idle_in_transaction_session_timeout={} -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3 -c tcp_user_timeout=10000",
+            CALL_LIMIT.as_millis(),
+            IDLE_IN_TRANSACTION.as_millis()
+        );
+        let options = match config.get_options() {
+            Some(given) => format!("{session} {given}"),
+            None => session,
+        };
+        config.options(options);
         if config.get_application_name().is_none() {
             config.application_name("hora-server");
         }
@@ -151,6 +165,22 @@ impl Target {
     /// The TLS connector, when connections may use TLS (`sslrootcert` given).
     pub(super) fn tls(&self) -> Option<tokio_postgres_rustls::MakeRustlsConnect> {
         self.tls.clone()
+    }
+
+    /// A connection of its own, outside the pool (its I/O task spawned on the current runtime).
+    pub(super) async fn connect(&self) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+        match self.tls() {
+            Some(tls) => {
+                let (client, connection) = self.config.connect(tls).await?;
+                tokio::spawn(connection);
+                Ok(client)
+            }
+            None => {
+                let (client, connection) = self.config.connect(NoTls).await?;
+                tokio::spawn(connection);
+                Ok(client)
+            }
+        }
     }
 
     /// Whether connections use TLS whenever the database offers it.
@@ -270,11 +300,6 @@ impl Driver {
                 "a query ended without an answer".into(),
             )),
         }
-    }
-
-    /// Its pool (for the lease's keeper, which runs on the store's runtime).
-    pub(super) fn pool(&self) -> Pool {
-        self.pool.clone()
     }
 
     /// The database it talks to.

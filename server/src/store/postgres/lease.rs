@@ -3,25 +3,31 @@
 //! `migrations/0002_leases.sql`).
 //!
 //! A replica that starts takes the lease if it is free or has lapsed, under the next epoch, and
-//! serves; the others stand by and try again a few times a lease ([`poll`]). The leader renews
-//! the lease every third of its time ([`keep`]) and gives it back when it stops
-//! ([`release`]), so a clean stop fails over at the next poll and a dead leader after its lease.
+//! serves; the others stand by and try again every quarter of a lease, at least once a second
+//! ([`LeaseSettings::poll`]). The leader renews the lease every third of its length on a
+//! connection of its own ([`keep`]) and gives it back when it stops ([`release`]), so a clean stop
+//! fails over at the next poll and a dead leader after its lease.
 //!
 //! Safety does not rest on the renewals or on anyone's clock: every write the leader makes runs
-//! in a transaction that first checks, `FOR SHARE`, that the lease is still its own under its
-//! epoch ([`fence`]). Taking the lease updates that row, so it waits for those transactions to
-//! commit, and the new leader, which loads its state after taking, sees all of them; any write
-//! after the take finds another epoch and fails. A leader that lost its lease (cut off from the
-//! database long enough for another to take it) can therefore never acknowledge an upload or
-//! publish a round; it learns so at its next renewal or write, and steps down.
+//! in a transaction that first checks, `FOR KEY SHARE`, that the lease is still its own under its
+//! epoch ([`fence`]). Taking the lease locks the row `FOR UPDATE`, so it waits for those
+//! transactions to commit, and the new leader, which loads its state after taking, sees all of
+//! them; any write after the take finds another epoch and fails. (Renewals take a lock that
+//! does not conflict with the fence's.) A leader that lost its lease (cut off from the database
+//! long enough for another to take it) can therefore never acknowledge an upload or publish a
+//! round. It also stops by itself: once a whole lease has passed without a renewal that
+//! landed, it counts the lease as lost and steps down, before another replica can have taken it.
+//!
+//! A leader's backend left holding a fence's lock by a dead network path is ended by the
+//! database itself (the session settings `driver` gives every connection: an idle transaction
+//! times out, and dead clients are found by TCP keepalive), so it holds up a take for seconds.
 
 use std::time::Duration;
 
-use deadpool_postgres::GenericClient;
-use deadpool_postgres::Pool;
 use tokio::sync::watch;
+use tokio_postgres::GenericClient;
 
-use super::driver::Failure;
+use super::driver::{Failure, Target};
 use crate::store::StoreError;
 
 /// The lease's scope: the whole database (per-task leases would name their task).
@@ -37,20 +43,16 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// This process, serving at `listen`: one id for the life of the process, however often
-    /// it stands by and leads again.
+    /// A new replica of this process, serving at `listen` (`serve` keeps one for the life of
+    /// the process, however often it stands by and leads again).
     pub fn this(listen: &str) -> Replica {
-        static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let host = hostname();
-        let id = ID.get_or_init(|| {
-            format!(
+        Replica {
+            id: format!(
                 "{host}:{}:{:04x}",
                 std::process::id(),
                 rand::random::<u16>()
-            )
-        });
-        Replica {
-            id: id.clone(),
+            ),
             address: format!("{host} {listen}"),
         }
     }
@@ -73,11 +75,22 @@ fn hostname() -> String {
 pub struct LeaseSettings {
     pub replica: Replica,
     pub ttl: Duration,
+    /// Whether its blobs are in a store every replica reaches (`--blobs`). When they are files
+    /// under its own data directory, it refuses to take over from a replica on another host:
+    /// the records would name files this host does not have.
+    pub shared_blobs: bool,
+}
+
+impl Replica {
+    /// The host of the replica whose id is `id`.
+    pub(super) fn host_of(id: &str) -> &str {
+        id.rsplitn(3, ':').last().unwrap_or(id)
+    }
 }
 
 impl LeaseSettings {
-    /// How often a standby tries to take the lease: four times a lease, at most once a second
-    /// (a dead leader is replaced within its lease and a second).
+    /// How often a standby tries to take the lease: every quarter of a lease, and at least
+    /// once a second (a dead leader is replaced within its lease and a second).
     pub(super) fn poll(&self) -> Duration {
         (self.ttl / 4).clamp(Duration::from_millis(100), Duration::from_secs(1))
     }
@@ -130,41 +143,108 @@ pub(super) struct Holder {
     pub expires_in: f64,
 }
 
-/// Takes the lease if nobody holds it or its holder's has lapsed: the lease under its new
-/// epoch, or who holds it.
+/// The session advisory lock a hora-server from before leases held on its database while it
+/// served (it wrote unfenced): while one holds it, no replica may lead.
+const OLD_OWNER_LOCK: i64 = 0x686f_7261_0000_0001;
+
+/// How long a take waits for the lease row's lock (a leader's writes in flight hold it for
+/// milliseconds; a dead leader's backend until the database ends it).
+const TAKE_LOCK_TIMEOUT: &str = "2s";
+
+/// Takes the lease if nobody holds it, its holder's has lapsed, or this replica holds it
+/// already (under a new epoch, which fences any older handle of its own), and records this
+/// replica's heartbeat, in one transaction: the lease, or who holds it.
 pub(super) async fn take(
-    client: &impl GenericClient,
+    client: &mut tokio_postgres::Client,
     settings: &LeaseSettings,
 ) -> Result<Result<Held, Holder>, Failure> {
-    let taken = client
-        .query_opt(
-            "INSERT INTO leases (scope, holder, epoch, address, taken_at, renewed_at, expires_at)
-             VALUES ($1, $2, 1, $3, now(), now(), now() + make_interval(secs => $4))
-             ON CONFLICT (scope) DO UPDATE SET holder = excluded.holder,
-                 epoch = leases.epoch + 1, address = excluded.address, taken_at = now(),
-                 renewed_at = now(), expires_at = excluded.expires_at
-             WHERE leases.expires_at <= now()
-             RETURNING epoch",
-            &[
-                &SCOPE,
-                &settings.replica.id,
-                &settings.replica.address,
-                &settings.ttl.as_secs_f64(),
-            ],
-        )
+    let me = &settings.replica;
+    let ttl_ms = i64::try_from(settings.ttl.as_millis()).unwrap_or(i64::MAX);
+    let tx = client.transaction().await?;
+    tx.batch_execute(&format!("SET LOCAL lock_timeout = '{TAKE_LOCK_TIMEOUT}'"))
         .await?;
-    if let Some(row) = taken {
-        return Ok(Ok(Held::new(settings.replica.id.clone(), row.try_get(0)?)));
-    }
-    match holder(client).await? {
-        Some(holder) => Ok(Err(holder)),
-        // Deleted by hand between the two statements: try again at the next poll.
-        None => Ok(Err(Holder {
-            holder: "nobody".into(),
+    heartbeat(&tx, me).await?;
+    let old_owner = tx
+        .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&OLD_OWNER_LOCK])
+        .await?;
+    if !old_owner.try_get::<_, bool>(0)? {
+        return Ok(Err(Holder {
+            holder: "an older hora-server (it holds the database's advisory lock): stop it".into(),
             address: String::new(),
             epoch: 0,
-            expires_in: 0.0,
-        })),
+            expires_in: f64::INFINITY,
+        }));
+    }
+    // Read first without a lock: a standby's poll of a held lease never waits on the fence.
+    if let Some(holder) = holder(&tx).await? {
+        let (theirs, ours) = (Replica::host_of(&holder.holder), Replica::host_of(&me.id));
+        if !settings.shared_blobs && theirs != ours {
+            return Err(StoreError::Unshared {
+                host: theirs.to_string(),
+            }
+            .into());
+        }
+        if holder.expires_in > 0.0 && holder.holder != me.id {
+            tx.commit().await?;
+            return Ok(Err(holder));
+        }
+    }
+    let row = tx
+        .query_opt(
+            "SELECT holder, epoch, expires_at <= clock_timestamp() FROM leases
+             WHERE scope = $1 FOR UPDATE",
+            &[&SCOPE],
+        )
+        .await?;
+    let epoch: i64 = match row {
+        None => {
+            let inserted = tx
+                .query_opt(
+                    "INSERT INTO leases
+                         (scope, holder, epoch, address, ttl_ms, taken_at, renewed_at, expires_at)
+                     VALUES ($1, $2, 1, $3, $4, clock_timestamp(), clock_timestamp(),
+                         clock_timestamp() + make_interval(secs => $4::bigint / 1000.0))
+                     ON CONFLICT (scope) DO NOTHING RETURNING epoch",
+                    &[&SCOPE, &me.id, &me.address, &ttl_ms],
+                )
+                .await?;
+            match inserted {
+                Some(row) => row.try_get(0)?,
+                // Another replica inserted it first: it leads.
+                None => {
+                    tx.commit().await?;
+                    return Ok(Err(holder(client).await?.unwrap_or_else(nobody)));
+                }
+            }
+        }
+        Some(row) => {
+            let (holder_id, lapsed): (String, bool) = (row.try_get(0)?, row.try_get(2)?);
+            if !lapsed && holder_id != me.id {
+                let current = holder(&tx).await?.unwrap_or_else(nobody);
+                tx.commit().await?;
+                return Ok(Err(current));
+            }
+            tx.query_one(
+                "UPDATE leases SET holder = $2, epoch = epoch + 1, address = $3, ttl_ms = $4,
+                     taken_at = clock_timestamp(), renewed_at = clock_timestamp(),
+                     expires_at = clock_timestamp() + make_interval(secs => $4::bigint / 1000.0)
+                 WHERE scope = $1 RETURNING epoch",
+                &[&SCOPE, &me.id, &me.address, &ttl_ms],
+            )
+            .await?
+            .try_get(0)?
+        }
+    };
+    tx.commit().await?;
+    Ok(Ok(Held::new(me.id.clone(), epoch)))
+}
+
+fn nobody() -> Holder {
+    Holder {
+        holder: "nobody".into(),
+        address: String::new(),
+        epoch: 0,
+        expires_in: 0.0,
     }
 }
 
@@ -172,7 +252,8 @@ pub(super) async fn take(
 pub(super) async fn holder(client: &impl GenericClient) -> Result<Option<Holder>, Failure> {
     let row = client
         .query_opt(
-            "SELECT holder, address, epoch, EXTRACT(EPOCH FROM expires_at - now())::float8
+            "SELECT holder, address, epoch,
+                 EXTRACT(EPOCH FROM expires_at - clock_timestamp())::float8
              FROM leases WHERE scope = $1",
             &[&SCOPE],
         )
@@ -189,28 +270,37 @@ pub(super) async fn holder(client: &impl GenericClient) -> Result<Option<Holder>
 }
 
 /// Checks, first in a write's transaction, that the lease is still `held`'s; the row stays
-/// share-locked until the transaction ends, so nobody takes the lease before it commits.
+/// key-share-locked until the transaction ends, so nobody takes the lease before it commits.
 pub(super) async fn fence(client: &impl GenericClient, held: &Held) -> Result<(), Failure> {
+    let fenced = || StoreError::Fenced { epoch: held.epoch };
+    // Known lost (taken, given back, or not renewed within a lease): no write, no round trip.
+    if held.is_lost() {
+        return Err(fenced().into());
+    }
     let still = client
         .query_opt(
-            "SELECT 1 FROM leases WHERE scope = $1 AND holder = $2 AND epoch = $3 FOR SHARE",
+            "SELECT 1 FROM leases WHERE scope = $1 AND holder = $2 AND epoch = $3
+             FOR KEY SHARE",
             &[&SCOPE, &held.holder, &held.epoch],
         )
         .await?;
     if still.is_some() {
         return Ok(());
     }
-    let error = StoreError::Fenced { epoch: held.epoch };
-    held.lose(error.to_string());
-    Err(error.into())
+    held.lose(fenced().to_string());
+    Err(fenced().into())
 }
 
-/// Renews `held`, then records this replica's heartbeat: every third of a lease, until the
-/// lease is lost (another replica took it, or this one gave it back). A database that does not
-/// answer is tried again at the next beat: the fence, not the renewal, keeps writes safe.
-pub(super) async fn keep(pool: Pool, held: std::sync::Arc<Held>, settings: LeaseSettings) {
+/// Renews `held` and records this replica's heartbeat every third of a lease, on a connection
+/// of its own, until the lease is lost: another replica took it, this one gave it back, or a
+/// whole lease passed without a renewal that landed (counted from when the last one that did
+/// was sent, so this replica stops before the database can let another take over).
+pub(super) async fn keep(target: Target, held: std::sync::Arc<Held>, settings: LeaseSettings) {
     let beat = settings.ttl / 3;
+    let ttl_ms = i64::try_from(settings.ttl.as_millis()).unwrap_or(i64::MAX);
     let mut lost = held.watch();
+    let mut renewed = tokio::time::Instant::now();
+    let mut connection: Option<tokio_postgres::Client> = None;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(beat) => {}
@@ -219,37 +309,47 @@ pub(super) async fn keep(pool: Pool, held: std::sync::Arc<Held>, settings: Lease
         if held.is_lost() {
             return;
         }
-        let renewed = async {
-            let client = pool.get().await.map_err(|e| e.to_string())?;
-            let renewed = client
-                .execute(
-                    "UPDATE leases SET renewed_at = now(),
-                         expires_at = now() + make_interval(secs => $4)
-                     WHERE scope = $1 AND holder = $2 AND epoch = $3",
-                    &[
-                        &SCOPE,
-                        &held.holder,
-                        &held.epoch,
-                        &settings.ttl.as_secs_f64(),
-                    ],
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-            if renewed == 1 {
-                heartbeat(&client, &settings.replica, "leader")
-                    .await
-                    .map_err(|e| e.to_string())?;
+        let sent = tokio::time::Instant::now();
+        let attempt = async {
+            if connection.as_ref().is_none_or(|c| c.is_closed()) {
+                connection = Some(target.connect().await?);
             }
-            Ok::<_, String>(renewed == 1)
+            let client = connection.as_ref().expect("connected just above");
+            let n = client
+                .execute(
+                    "UPDATE leases SET renewed_at = clock_timestamp(), ttl_ms = $4,
+                         expires_at = clock_timestamp() + make_interval(secs => $4::bigint / 1000.0)
+                     WHERE scope = $1 AND holder = $2 AND epoch = $3",
+                    &[&SCOPE, &held.holder, &held.epoch, &ttl_ms],
+                )
+                .await?;
+            if n == 1 {
+                heartbeat(client, &settings.replica).await?;
+            }
+            Ok::<_, tokio_postgres::Error>(n == 1)
         };
-        match tokio::time::timeout(beat, renewed).await {
-            Ok(Ok(true)) => {}
+        match tokio::time::timeout(beat, attempt).await {
+            Ok(Ok(true)) => renewed = sent,
             Ok(Ok(false)) => held.lose(format!(
                 "its lease (epoch {}) was taken by another replica",
                 held.epoch
             )),
-            Ok(Err(e)) => tracing::warn!(error = %e, "renewing the lease failed; trying again"),
-            Err(_) => tracing::warn!("renewing the lease took longer than a beat; trying again"),
+            Ok(Err(e)) => {
+                connection = None;
+                tracing::warn!(error = %e, "renewing the lease failed; trying again");
+            }
+            Err(_) => {
+                connection = None;
+                tracing::warn!("renewing the lease took longer than a beat; trying again");
+            }
+        }
+        // The next beat's renewal could land only after the lease has lapsed: stop first.
+        if renewed.elapsed() + beat >= settings.ttl {
+            held.lose(format!(
+                "it could not renew its lease (epoch {}) for {:.1} s, its whole length less a beat: cut off from the database",
+                held.epoch,
+                renewed.elapsed().as_secs_f64()
+            ));
         }
     }
 }
@@ -258,7 +358,7 @@ pub(super) async fn keep(pool: Pool, held: std::sync::Arc<Held>, settings: Lease
 pub(super) async fn release(client: &impl GenericClient, held: &Held) -> Result<(), Failure> {
     client
         .execute(
-            "UPDATE leases SET expires_at = now()
+            "UPDATE leases SET expires_at = clock_timestamp()
              WHERE scope = $1 AND holder = $2 AND epoch = $3",
             &[&SCOPE, &held.holder, &held.epoch],
         )
@@ -266,34 +366,25 @@ pub(super) async fn release(client: &impl GenericClient, held: &Held) -> Result<
     Ok(())
 }
 
-/// Records that `replica` is alive in `role` (`leader`, `standby`); a leader also forgets
-/// replicas unseen for a day.
+/// Records that `replica` is alive, and forgets replicas unseen for a day.
 pub(super) async fn heartbeat(
     client: &impl GenericClient,
     replica: &Replica,
-    role: &str,
 ) -> Result<(), tokio_postgres::Error> {
     client
         .execute(
-            "INSERT INTO replicas (id, address, role, version, started_at, seen_at)
-             VALUES ($1, $2, $3, $4, now(), now())
-             ON CONFLICT (id) DO UPDATE SET role = excluded.role, seen_at = now()",
-            &[
-                &replica.id,
-                &replica.address,
-                &role,
-                &env!("CARGO_PKG_VERSION"),
-            ],
+            "INSERT INTO replicas (id, address, version, started_at, seen_at)
+             VALUES ($1, $2, $3, clock_timestamp(), clock_timestamp())
+             ON CONFLICT (id) DO UPDATE SET seen_at = clock_timestamp()",
+            &[&replica.id, &replica.address, &env!("CARGO_PKG_VERSION")],
         )
         .await?;
-    if role == "leader" {
-        client
-            .execute(
-                "DELETE FROM replicas WHERE seen_at < now() - interval '1 day'",
-                &[],
-            )
-            .await?;
-    }
+    client
+        .execute(
+            "DELETE FROM replicas WHERE seen_at < clock_timestamp() - interval '1 day'",
+            &[],
+        )
+        .await?;
     Ok(())
 }
 

@@ -105,6 +105,19 @@ pub fn migrate(target: &Target) -> Result<Vec<&'static str>, StoreError> {
         .with(|mut client| async move { migrate::migrate(&mut client, migrate::MIGRATIONS).await })
 }
 
+/// A transaction on `client`, fenced by `held` (see `lease`) when this replica leads under a
+/// lease.
+async fn fenced<'a>(
+    client: &'a mut deadpool_postgres::Object,
+    held: Option<&Held>,
+) -> Result<deadpool_postgres::Transaction<'a>, driver::Failure> {
+    let tx = client.transaction().await?;
+    if let Some(held) = held {
+        lease::fence(&*tx, held).await?;
+    }
+    Ok(tx)
+}
+
 /// What `hora-server status` shows of a database that replicas share.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Status {
@@ -146,9 +159,9 @@ pub fn status(target: &Target) -> Result<Status, StoreError> {
         let lease = client
             .query_opt(
                 "SELECT holder, address, epoch,
-                     EXTRACT(EPOCH FROM now() - renewed_at)::float8,
-                     EXTRACT(EPOCH FROM expires_at - now())::float8,
-                     EXTRACT(EPOCH FROM expires_at - renewed_at)::float8
+                     EXTRACT(EPOCH FROM clock_timestamp() - renewed_at)::float8,
+                     EXTRACT(EPOCH FROM expires_at - clock_timestamp())::float8,
+                     ttl_ms::float8 / 1000.0
                  FROM leases WHERE scope = $1",
                 &[&lease::SCOPE],
             )
@@ -169,7 +182,8 @@ pub fn status(target: &Target) -> Result<Status, StoreError> {
         let mut replicas = Vec::new();
         for row in client
             .query(
-                "SELECT id, address, version, EXTRACT(EPOCH FROM now() - seen_at)::float8
+                "SELECT id, address, version,
+                     EXTRACT(EPOCH FROM clock_timestamp() - seen_at)::float8
                  FROM replicas ORDER BY id",
                 &[],
             )
@@ -254,11 +268,8 @@ impl PostgresStore {
         loop {
             let attempt = {
                 let settings = settings.clone();
-                self.driver.with(move |client| async move {
-                    let taken = lease::take(&client, &settings).await?;
-                    let role = if taken.is_ok() { "leader" } else { "standby" };
-                    lease::heartbeat(&client, &settings.replica, role).await?;
-                    Ok(taken)
+                self.driver.with(move |mut client| async move {
+                    lease::take(&mut client, &settings).await
                 })
             };
             match attempt {
@@ -266,7 +277,7 @@ impl PostgresStore {
                     tracing::info!(database = %self.driver.target(), replica = %settings.replica.id, epoch = held.epoch, "this replica leads: it holds the database's lease");
                     let held = Arc::new(held);
                     self.driver.spawn(lease::keep(
-                        self.driver.pool(),
+                        self.driver.target().clone(),
                         held.clone(),
                         settings.clone(),
                     ));
@@ -318,11 +329,10 @@ impl PostgresStore {
         let held = self.held();
         self.driver.with(move |mut client| async move {
             let statement = client.prepare_cached(sql).await?;
-            let Some(held) = held else {
+            if held.is_none() {
                 return Ok(client.execute(&statement, &refs(&params)).await?);
-            };
-            let tx = client.transaction().await?;
-            lease::fence(&tx, &held).await?;
+            }
+            let tx = fenced(&mut client, held.as_deref()).await?;
             let changed = tx.execute(&statement, &refs(&params)).await?;
             tx.commit().await?;
             Ok(changed)
@@ -434,10 +444,7 @@ impl RoundLog for PostgresStore {
         let next = next.map(json);
         let held = self.held();
         self.driver.with(move |mut client| async move {
-            let tx = client.transaction().await?;
-            if let Some(held) = &held {
-                lease::fence(&tx, held).await?;
-            }
+            let tx = fenced(&mut client, held.as_deref()).await?;
             tx.execute(
                 "INSERT INTO tasks (task, record) VALUES ($1, $2)
                  ON CONFLICT (task) DO UPDATE SET record = excluded.record",
@@ -542,10 +549,7 @@ impl RoundLog for PostgresStore {
         let upto = int(upto)?;
         let held = self.held();
         let dropped = self.driver.with(move |mut client| async move {
-            let tx = client.transaction().await?;
-            if let Some(held) = &held {
-                lease::fence(&tx, held).await?;
-            }
+            let tx = fenced(&mut client, held.as_deref()).await?;
             let mark = tx
                 .query_opt(
                     "SELECT retain_last, retain_every, below, compacted_below FROM prune_marks
@@ -707,10 +711,7 @@ impl Registry for PostgresStore {
         let (token_hash, id, record) = (token_hash.to_string(), id.to_string(), json(client));
         let held = self.held();
         let spent = self.driver.with(move |mut client| async move {
-            let tx = client.transaction().await?;
-            if let Some(held) = &held {
-                lease::fence(&tx, held).await?;
-            }
+            let tx = fenced(&mut client, held.as_deref()).await?;
             let Some(spent) = tx
                 .query_opt(
                     "DELETE FROM enrolments WHERE token_hash = $1 RETURNING record",
@@ -875,8 +876,8 @@ impl Housekeeping for PostgresStore {
         }
         held.lose("it stepped down".into());
         self.driver.with(move |client| async move {
-            lease::release(&client, &held).await?;
-            lease::leave(&client, &replica).await?;
+            lease::release(&**client, &held).await?;
+            lease::leave(&**client, &replica).await?;
             Ok(())
         })
     }

@@ -210,6 +210,7 @@ fn leading(name: &str, ttl: Duration) -> LeaseSettings {
             address: format!("{name} 127.0.0.1:0"),
         },
         ttl,
+        shared_blobs: true,
     }
 }
 
@@ -219,18 +220,31 @@ fn one_replica_leads_a_standby_takes_over_a_lapsed_lease_and_the_old_leaders_wri
     let target = target(&server);
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
     let open = |i: usize| PostgresStore::open(&target, dirs[i].path()).unwrap();
-    let ttl = Duration::from_secs(2);
-
-    let a = open(0).claim(&leading("a", ttl), &|| false).unwrap();
+    // Standing by ends, failing the test, rather than hanging it.
+    let within = |limit: Duration| {
+        let asked = Instant::now();
+        move || {
+            assert!(asked.elapsed() < limit, "still standing by after {limit:?}");
+            false
+        }
+    };
+    // a renews rarely (every 20 s): the test lets its lease lapse by hand.
+    let a = open(0)
+        .claim(
+            &leading("a", Duration::from_secs(60)),
+            &within(Duration::from_secs(20)),
+        )
+        .unwrap();
     let lease_a = a.lease().expect("a leads");
     assert_eq!(lease_a.epoch, 1);
     a.put_meta("k", "from a").unwrap();
 
-    // While a renews its lease, b stands by, and stops standing by when told to.
+    // While a holds its lease, b stands by, and stops standing by when told to.
+    let ttl = Duration::from_secs(2);
     let asked = Instant::now();
     let stopped = open(1)
         .claim(&leading("b", ttl), &|| {
-            asked.elapsed() > Duration::from_secs(3)
+            asked.elapsed() > Duration::from_secs(2)
         })
         .err()
         .expect("b stood by");
@@ -240,23 +254,24 @@ fn one_replica_leads_a_standby_takes_over_a_lapsed_lease_and_the_old_leaders_wri
         ["a 1"]
     );
     assert_eq!(
-        sql(
-            &target,
-            "SELECT id || ' ' || role FROM replicas ORDER BY id"
-        ),
-        ["a leader", "b standby"]
+        sql(&target, "SELECT id FROM replicas ORDER BY id"),
+        ["a", "b"]
     );
 
     // a is cut off (its lease lapses without a renewal that lands): b takes over under the next
     // epoch, and a's writes are refused from then on; a learns that it lost the lease.
-    sql(&target, "UPDATE leases SET expires_at = now()");
-    let b = open(1).claim(&leading("b", ttl), &|| false).unwrap();
+    let b = open(1);
+    sql(&target, "UPDATE leases SET expires_at = clock_timestamp()");
+    let b = b
+        .claim(&leading("b", ttl), &within(Duration::from_secs(20)))
+        .unwrap();
     assert_eq!(b.lease().expect("b leads").epoch, 2);
     let fenced = a.put_meta("k", "from a, too late").expect_err("fenced");
     assert!(
         matches!(fenced, StoreError::Fenced { epoch: 1 }),
         "{fenced}"
     );
+    assert!(fenced.keeps_new_blobs());
     let fenced = a
         .finish_round(
             "t",
@@ -278,22 +293,51 @@ fn one_replica_leads_a_standby_takes_over_a_lapsed_lease_and_the_old_leaders_wri
     assert_eq!(b.meta("k").unwrap().as_deref(), Some("from b"));
 
     // b renews (its lease outlives several of its lengths) and, stepping down, hands it over at
-    // once: c leads under epoch 3 without waiting for it to lapse.
+    // once: c leads under epoch 3 without waiting for it to lapse; b writes nothing more.
     std::thread::sleep(2 * ttl);
     assert!(b.ready().is_ok());
+    let c = open(2);
     let stepped = Instant::now();
     b.step_down().unwrap();
-    let c = open(2).claim(&leading("c", ttl), &|| false).unwrap();
+    let c = c
+        .claim(&leading("c", ttl), &within(Duration::from_secs(20)))
+        .unwrap();
     assert!(stepped.elapsed() < ttl, "{:?}", stepped.elapsed());
     assert_eq!(c.lease().expect("c leads").epoch, 3);
+    assert!(matches!(
+        b.put_meta("k", "late"),
+        Err(StoreError::Fenced { epoch: 2 })
+    ));
     assert_eq!(
-        sql(
-            &target,
-            "SELECT id || ' ' || role FROM replicas ORDER BY id"
-        ),
-        ["a leader", "c leader"],
+        sql(&target, "SELECT id FROM replicas ORDER BY id"),
+        ["a", "c"],
         "b left the list as it stepped down"
     );
+    // A replica on another host whose blobs are its own files is refused: the records would
+    // name files it does not have.
+    let local = LeaseSettings {
+        shared_blobs: false,
+        ..leading("elsewhere:1:beef", ttl)
+    };
+    let refused = open(0)
+        .claim(&local, &within(Duration::from_secs(20)))
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&refused, StoreError::Unshared { host } if host == "c"),
+        "{refused}"
+    );
+    // A leader that cannot renew for a whole lease counts it lost by itself.
+    let held = c.lease().unwrap();
+    sql(
+        &target,
+        "UPDATE leases SET holder = 'c, renamed by hand', expires_at = clock_timestamp() + interval '1 hour'",
+    );
+    let deadline = Instant::now() + 3 * ttl;
+    while held.lost.borrow().is_none() {
+        assert!(Instant::now() < deadline, "c still thinks it leads");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]
