@@ -56,15 +56,19 @@ impl Federation {
     /// Starts `hora-server serve` on an ephemeral loopback port.
     pub fn start() -> Result<Federation> {
         let dir = tempfile::Builder::new().prefix("hora-example-").tempdir()?;
-        let (server, stdout) = serve(&dir.path().join("server"), "127.0.0.1:0", &[])?;
+        let (mut server, stdout) = serve(&dir.path().join("server"), "127.0.0.1:0", &[])?;
         let mut lines = BufReader::new(stdout).lines();
         let url = match lines.find_map(|l| listening(&l.ok()?)) {
             Some(url) => url,
-            None => bail!("hora-server exited before listening"),
+            None => {
+                let _ = server.kill();
+                let _ = server.wait();
+                bail!("hora-server exited before listening");
+            }
         };
         // Keep draining the server's stdout so it never blocks on a full pipe.
         std::thread::spawn(move || lines.for_each(drop));
-        Federation::with_servers(dir, vec![server], url.clone(), vec![url], None)
+        Federation::with_servers(dir, vec![server], url.clone(), vec![url])
     }
 
     /// Starts `replicas` `hora-server serve` processes on one PostgreSQL database (`store`),
@@ -89,16 +93,14 @@ impl Federation {
             certs.to_str().context("a UTF-8 temporary directory")?,
         ];
         let (leads_tx, leads) = mpsc::channel();
-        let (mut servers, mut urls) = (Vec::new(), Vec::new());
-        for i in 0..replicas {
+        // Starts replica `i` on a port of its own; its stdout's `listening` lines go to `leads`.
+        let start = |i: usize, dir: &std::path::Path| -> Result<(Child, String)> {
+            // (A port another process takes before the replica binds it fails the run.)
             let port = std::net::TcpListener::bind("127.0.0.1:0")?
                 .local_addr()?
                 .port();
             let listen = format!("127.0.0.1:{port}");
-            let (server, stdout) =
-                serve(&dir.path().join(format!("replica-{i}")), &listen, &extra)?;
-            servers.push(server);
-            urls.push(format!("https://{listen}"));
+            let (server, stdout) = serve(&dir.join(format!("replica-{i}")), &listen, &extra)?;
             let leads_tx = leads_tx.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -107,16 +109,27 @@ impl Federation {
                     }
                 }
             });
-            if i == 0 {
-                // The first leads before the others start, so it is the one that leads.
-                match leads.recv_timeout(Duration::from_secs(60)) {
-                    Ok(_) => {}
-                    Err(_) => bail!("the first replica did not start serving"),
-                }
+            Ok((server, format!("https://{listen}")))
+        };
+        // The first leads before the others start, so it is the one that leads (and it makes
+        // the certificates).
+        let (mut first, first_url) = start(0, dir.path())?;
+        let url = match leads.recv_timeout(Duration::from_secs(60)) {
+            Ok((_, url)) => url,
+            Err(_) => {
+                let _ = first.kill();
+                let _ = first.wait();
+                bail!("the first replica did not start serving");
             }
+        };
+        let mut fed = Federation::with_servers(dir, vec![first], url, vec![first_url])?;
+        for i in 1..replicas {
+            let (server, url) = start(i, fed.dir.path())?;
+            fed.servers.push(Some(server));
+            fed.urls.push(url);
         }
-        let url = urls[0].clone();
-        Federation::with_servers(dir, servers, url, urls, Some(leads))
+        fed.leads = Some(leads);
+        Ok(fed)
     }
 
     fn with_servers(
@@ -124,7 +137,6 @@ impl Federation {
         servers: Vec<Child>,
         url: String,
         urls: Vec<String>,
-        leads: Option<mpsc::Receiver<(usize, String)>>,
     ) -> Result<Federation> {
         let ca = dir.path().join("server/certs/ca.pem");
         let http = reqwest::Client::builder()
@@ -134,7 +146,7 @@ impl Federation {
             servers: servers.into_iter().map(Some).collect(),
             url,
             urls,
-            leads,
+            leads: None,
             ca,
             dir,
             http,
