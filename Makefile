@@ -85,6 +85,7 @@ bench:
 	cargo bench -p hora-server --bench ingest; \
 	cargo bench -p hora-server --bench history; \
 	cargo bench -p hora-server --bench dp_noise; \
+	$(PG_ENV); cargo bench -p hora-server --bench fence; \
 	cargo bench -p hora --bench server_memory; \
 	cargo bench -p hora --bench hostile; \
 	cargo build --release -p hora-client --bins; \

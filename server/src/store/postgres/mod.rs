@@ -329,11 +329,17 @@ impl PostgresStore {
         let held = self.held();
         self.driver.with(move |mut client| async move {
             let statement = client.prepare_cached(sql).await?;
-            if held.is_none() {
+            let Some(held) = held else {
                 return Ok(client.execute(&statement, &refs(&params)).await?);
-            }
-            let tx = fenced(&mut client, held.as_deref()).await?;
-            let changed = tx.execute(&statement, &refs(&params)).await?;
+            };
+            // The fence and the write go out together (one round trip, not two): the database
+            // runs them in order, and a failed fence rolls the write back with the transaction.
+            let tx = client.transaction().await?;
+            let params = refs(&params);
+            let (fence, changed) =
+                tokio::join!(lease::fence(&*tx, &held), tx.execute(&statement, &params));
+            fence?;
+            let changed = changed?;
             tx.commit().await?;
             Ok(changed)
         })
