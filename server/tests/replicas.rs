@@ -18,6 +18,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use hora_common::model::Model;
+use hora_common::wire::RoundOffer;
 use reqwest::Method;
 use serde_json::{json, Value};
 use support::{Server, Starting};
@@ -85,6 +86,37 @@ fn model(values: [f32; 4]) -> Model {
     Model::from_tensors([("w", vec![4], values.to_vec())]).unwrap()
 }
 
+/// Creates task `id` (from `initial`, rounds of `n` clients), enrols `n` clients and has each
+/// join its first round: the clients and their offers.
+async fn round_of(
+    admin: &support::Api,
+    id: &str,
+    initial: Model,
+    n: usize,
+) -> (Vec<support::Client>, Vec<RoundOffer>) {
+    let digest = admin.upload_model(&initial).await;
+    admin
+        .call(
+            Method::POST,
+            "/admin/v1/tasks",
+            Some(json!({
+                "id": id, "initial_model": digest,
+                "model": {"kind": "builtin", "name": "mlp"},
+                "rounds": 2, "min_clients": n, "target_clients": n, "round_deadline_secs": 600,
+            })),
+        )
+        .await;
+    let mut clients = Vec::new();
+    for _ in 0..n {
+        clients.push(admin.enrol().await);
+    }
+    let mut offers = Vec::new();
+    for c in &clients {
+        offers.push(c.join(id).await);
+    }
+    (clients, offers)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every_acknowledged_update(
 ) {
@@ -110,26 +142,7 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
 
     // A round of four: two acknowledged by a, which then dies.
     let admin = a.admin();
-    let digest = admin.upload_model(&model([1.0, 2.0, 3.0, 4.0])).await;
-    admin
-        .call(
-            Method::POST,
-            "/admin/v1/tasks",
-            Some(json!({
-                "id": "ha", "initial_model": digest,
-                "model": {"kind": "builtin", "name": "mlp"},
-                "rounds": 2, "min_clients": 4, "target_clients": 4, "round_deadline_secs": 600,
-            })),
-        )
-        .await;
-    let mut clients = Vec::new();
-    for _ in 0..4 {
-        clients.push(admin.enrol().await);
-    }
-    let mut offers = Vec::new();
-    for c in &clients {
-        offers.push(c.join("ha").await);
-    }
+    let (mut clients, offers) = round_of(&admin, "ha", model([1.0, 2.0, 3.0, 4.0]), 4).await;
     let deltas = [
         model([1.0, 0.0, 0.0, 0.0]),
         model([0.0, 2.0, 0.0, 0.0]),
@@ -288,26 +301,7 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
     let a_id = both["lease"]["holder"].as_str().unwrap().to_string();
 
     let admin = a.admin();
-    let digest = admin.upload_model(&model([0.0; 4])).await;
-    admin
-        .call(
-            Method::POST,
-            "/admin/v1/tasks",
-            Some(json!({
-                "id": "cut", "initial_model": digest,
-                "model": {"kind": "builtin", "name": "mlp"},
-                "rounds": 1, "min_clients": 3, "target_clients": 3, "round_deadline_secs": 600,
-            })),
-        )
-        .await;
-    let mut clients = Vec::new();
-    for _ in 0..3 {
-        clients.push(admin.enrol().await);
-    }
-    let mut offers = Vec::new();
-    for c in &clients {
-        offers.push(c.join("cut").await);
-    }
+    let (clients, offers) = round_of(&admin, "cut", model([0.0; 4]), 3).await;
     let deltas = [
         model([3.0, 0.0, 0.0, 0.0]),
         model([0.0, 3.0, 0.0, 0.0]),
