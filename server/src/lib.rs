@@ -120,7 +120,13 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
         if let Some(ca) = &server.dev_ca {
             say(&format!("development TLS: clients trust {}", ca.display()));
         }
-        let listener = server.bind()?;
+        let listener = match server.bind() {
+            Ok(listener) => listener,
+            Err(e) => {
+                server.hand_back().await;
+                return Err(e);
+            }
+        };
         match server.run(listener, stop.clone().wait()).await? {
             server::Stopped::Shutdown => return Ok(()),
             server::Stopped::Deposed(why) => {

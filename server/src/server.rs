@@ -186,6 +186,15 @@ impl Server {
         })
     }
 
+    /// Hands the store's lease back (a server that will not run after all), so that a standby
+    /// takes over at once.
+    pub async fn hand_back(&self) {
+        let store = self.store.clone();
+        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || store.step_down()).await {
+            tracing::warn!(error = %e, "handing the lease back failed; it lapses by itself");
+        }
+    }
+
     /// Binds the configured `--listen` address.
     pub fn bind(&self) -> Result<TcpListener> {
         TcpListener::bind(self.config.listen)

@@ -229,7 +229,7 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
 struct Relay {
     port: u16,
     /// Whether it is cut, and the links through it; one lock, so no link outlives a cut.
-    state: std::sync::Arc<std::sync::Mutex<(bool, Vec<tokio::task::AbortHandle>)>>,
+    state: std::sync::Arc<std::sync::Mutex<(bool, Vec<tokio::task::JoinHandle<()>>)>>,
 }
 
 impl Relay {
@@ -253,17 +253,22 @@ impl Relay {
                         let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
                     }
                 });
-                state.1.push(link.abort_handle());
+                state.1.push(link);
             }
         });
         relay
     }
 
-    fn cut(&self) {
-        let mut state = self.state.lock().unwrap();
-        state.0 = true;
-        for link in state.1.drain(..) {
+    /// Cuts every link, and returns once each is closed.
+    async fn cut(&self) {
+        let links: Vec<_> = {
+            let mut state = self.state.lock().unwrap();
+            state.0 = true;
+            state.1.drain(..).collect()
+        };
+        for link in links {
             link.abort();
+            let _ = link.await;
         }
     }
 
@@ -312,7 +317,7 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
     // a loses the database: an upload it takes now is never acknowledged (folded, its
     // checkpoint pending), and once a whole lease passes without a renewal a stops serving by
     // itself, before the standby can take the lease.
-    relay.cut();
+    relay.cut().await;
     let refused = clients[1]
         .try_upload("cut", &offers[1], 1, &deltas[1])
         .await;

@@ -194,7 +194,7 @@ mod test_server;
 /// Replicas of one server: `hora-server` processes on one PostgreSQL database of the test's own,
 /// their blobs in one shared directory (`--blobs file://…`) and their development certificates
 /// in another, all on one `--listen` address (a standby listens only once it leads), each with
-/// its own data directory and a lease of one second.
+/// its own data directory and a lease of two seconds.
 pub struct Replicas {
     postgres: test_server::TestServer,
     pub listen: String,
@@ -226,7 +226,7 @@ impl Replicas {
                 "--blobs",
                 &blobs,
                 "--lease-secs",
-                "1",
+                "2",
                 "--certs-dir",
                 certs.to_str().expect("a UTF-8 path"),
             ],

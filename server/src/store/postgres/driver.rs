@@ -351,9 +351,10 @@ pub(super) fn classify(target: &Target, e: tokio_postgres::Error) -> StoreError 
             // Connection exceptions, authentication, no such database, transaction rollback
             // (a serialization failure or deadlock: worth retrying), insufficient resources (too
             // many connections), operator intervention (shutdown, restart, starting up, a
-            // statement over its time limit).
+            // statement over its time limit), a lock not had within its timeout.
             matches!(class, "08" | "28" | "40" | "53" | "57")
                 || *code == SqlState::INVALID_CATALOG_NAME
+                || *code == SqlState::LOCK_NOT_AVAILABLE
         }
         None => {
             e.is_closed()

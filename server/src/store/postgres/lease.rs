@@ -128,6 +128,15 @@ impl Held {
         self.lost.borrow().is_some()
     }
 
+    /// Known lost (taken, given back, or not renewed within a lease): refused without a round
+    /// trip.
+    pub(super) fn check(&self) -> Result<(), StoreError> {
+        match self.is_lost() {
+            true => Err(StoreError::Fenced { epoch: self.epoch }),
+            false => Ok(()),
+        }
+    }
+
     pub(super) fn watch(&self) -> watch::Receiver<Option<String>> {
         self.lost.subscribe()
     }
@@ -164,10 +173,16 @@ pub(super) async fn take(
     tx.batch_execute(&format!("SET LOCAL lock_timeout = '{TAKE_LOCK_TIMEOUT}'"))
         .await?;
     heartbeat(&tx, me).await?;
+    // Shared: replicas of this version never exclude each other; an old server's exclusive
+    // session lock excludes them all.
     let old_owner = tx
-        .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&OLD_OWNER_LOCK])
+        .query_one(
+            "SELECT pg_try_advisory_xact_lock_shared($1)",
+            &[&OLD_OWNER_LOCK],
+        )
         .await?;
     if !old_owner.try_get::<_, bool>(0)? {
+        tx.commit().await?;
         return Ok(Err(Holder {
             holder: "an older hora-server (it holds the database's advisory lock): stop it".into(),
             address: String::new(),
@@ -189,13 +204,23 @@ pub(super) async fn take(
             return Ok(Err(holder));
         }
     }
-    let row = tx
+    let row = match tx
         .query_opt(
             "SELECT holder, epoch, expires_at <= clock_timestamp() FROM leases
              WHERE scope = $1 FOR UPDATE",
             &[&SCOPE],
         )
-        .await?;
+        .await
+    {
+        Ok(row) => row,
+        // A write of the holder's (or a dead holder's transaction, until the database ends it)
+        // holds the row: not this time; the next poll tries again.
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+            drop(tx);
+            return Ok(Err(holder(client).await?.unwrap_or_else(nobody)));
+        }
+        Err(e) => return Err(e.into()),
+    };
     let epoch: i64 = match row {
         None => {
             let inserted = tx
@@ -269,37 +294,51 @@ pub(super) async fn holder(client: &impl GenericClient) -> Result<Option<Holder>
     })
 }
 
+/// The fence's query (see [`fence`]).
+pub(super) const FENCE: &str =
+    "SELECT 1 FROM leases WHERE scope = $1 AND holder = $2 AND epoch = $3 FOR KEY SHARE";
+
 /// Checks, first in a write's transaction, that the lease is still `held`'s; the row stays
 /// key-share-locked until the transaction ends, so nobody takes the lease before it commits.
 pub(super) async fn fence(client: &impl GenericClient, held: &Held) -> Result<(), Failure> {
-    let fenced = || StoreError::Fenced { epoch: held.epoch };
-    // Known lost (taken, given back, or not renewed within a lease): no write, no round trip.
-    if held.is_lost() {
-        return Err(fenced().into());
-    }
+    let statement = client.prepare(FENCE).await?;
+    fence_with(client, &statement, held).await
+}
+
+/// [`fence`] with [`FENCE`] prepared already (so that its execution is sent at once).
+pub(super) async fn fence_with(
+    client: &impl GenericClient,
+    statement: &tokio_postgres::Statement,
+    held: &Held,
+) -> Result<(), Failure> {
+    held.check()?;
     let still = client
-        .query_opt(
-            "SELECT 1 FROM leases WHERE scope = $1 AND holder = $2 AND epoch = $3
-             FOR KEY SHARE",
-            &[&SCOPE, &held.holder, &held.epoch],
-        )
+        .query_opt(statement, &[&SCOPE, &held.holder, &held.epoch])
         .await?;
     if still.is_some() {
         return Ok(());
     }
-    held.lose(fenced().to_string());
-    Err(fenced().into())
+    let fenced = StoreError::Fenced { epoch: held.epoch };
+    held.lose(fenced.to_string());
+    Err(fenced.into())
 }
 
-/// Renews `held` and records this replica's heartbeat every third of a lease, on a connection
-/// of its own, until the lease is lost: another replica took it, this one gave it back, or a
-/// whole lease passed without a renewal that landed (counted from when the last one that did
-/// was sent, so this replica stops before the database can let another take over).
-pub(super) async fn keep(target: Target, held: std::sync::Arc<Held>, settings: LeaseSettings) {
+/// Renews `held` every third of a lease on a connection of its own, and records this
+/// replica's heartbeat, until the lease is lost: another replica took it, this one gave it back,
+/// or no renewal landed for a whole lease less a margin. That is counted from when the last
+/// renewal that landed (at first, the take, sent at `taken`) was sent: the database's lease runs
+/// at least a lease from then, so this replica stops serving before another can take over.
+pub(super) async fn keep(
+    target: Target,
+    held: std::sync::Arc<Held>,
+    settings: LeaseSettings,
+    taken: std::time::Instant,
+) {
     let beat = settings.ttl / 3;
+    let margin = settings.ttl / 10;
     let ttl_ms = i64::try_from(settings.ttl.as_millis()).unwrap_or(i64::MAX);
     let mut lost = held.watch();
-    let mut renewed = tokio::time::Instant::now();
+    let mut renewed = tokio::time::Instant::from_std(taken);
     let mut connection: Option<tokio_postgres::Client> = None;
     loop {
         tokio::select! {
@@ -309,10 +348,17 @@ pub(super) async fn keep(target: Target, held: std::sync::Arc<Held>, settings: L
         if held.is_lost() {
             return;
         }
+        let deadline = renewed + settings.ttl - margin;
         let sent = tokio::time::Instant::now();
         let attempt = async {
             if connection.as_ref().is_none_or(|c| c.is_closed()) {
-                connection = Some(target.connect().await?);
+                let client = target.connect().await?;
+                // Held for as long as this connection lives: an older hora-server (which takes
+                // this lock exclusively) cannot start to serve beside this leader.
+                client
+                    .query_one("SELECT pg_try_advisory_lock_shared($1)", &[&OLD_OWNER_LOCK])
+                    .await?;
+                connection = Some(client);
             }
             let client = connection.as_ref().expect("connected just above");
             let n = client
@@ -323,13 +369,28 @@ pub(super) async fn keep(target: Target, held: std::sync::Arc<Held>, settings: L
                     &[&SCOPE, &held.holder, &held.epoch, &ttl_ms],
                 )
                 .await?;
-            if n == 1 {
-                heartbeat(client, &settings.replica).await?;
-            }
             Ok::<_, tokio_postgres::Error>(n == 1)
         };
-        match tokio::time::timeout(beat, attempt).await {
-            Ok(Ok(true)) => renewed = sent,
+        match tokio::time::timeout_at(deadline.max(sent), attempt).await {
+            Ok(Ok(true)) => {
+                renewed = sent;
+                // The heartbeat and the list's upkeep are no part of holding the lease.
+                if let Some(client) = &connection {
+                    let beat = async {
+                        heartbeat(client, &settings.replica).await?;
+                        client
+                            .execute(
+                                "DELETE FROM replicas
+                                 WHERE seen_at < clock_timestamp() - interval '1 day'",
+                                &[],
+                            )
+                            .await
+                    };
+                    if let Err(e) = beat.await {
+                        tracing::debug!(error = %e, "recording the heartbeat failed");
+                    }
+                }
+            }
             Ok(Ok(false)) => held.lose(format!(
                 "its lease (epoch {}) was taken by another replica",
                 held.epoch
@@ -340,13 +401,12 @@ pub(super) async fn keep(target: Target, held: std::sync::Arc<Held>, settings: L
             }
             Err(_) => {
                 connection = None;
-                tracing::warn!("renewing the lease took longer than a beat; trying again");
+                tracing::warn!("renewing the lease did not land in time; trying again");
             }
         }
-        // The next beat's renewal could land only after the lease has lapsed: stop first.
-        if renewed.elapsed() + beat >= settings.ttl {
+        if tokio::time::Instant::now() >= renewed + settings.ttl - margin {
             held.lose(format!(
-                "it could not renew its lease (epoch {}) for {:.1} s, its whole length less a beat: cut off from the database",
+                "it could not renew its lease (epoch {}) for {:.1} s, nearly its whole length: cut off from the database",
                 held.epoch,
                 renewed.elapsed().as_secs_f64()
             ));
@@ -366,7 +426,7 @@ pub(super) async fn release(client: &impl GenericClient, held: &Held) -> Result<
     Ok(())
 }
 
-/// Records that `replica` is alive, and forgets replicas unseen for a day.
+/// Records that `replica` is alive.
 pub(super) async fn heartbeat(
     client: &impl GenericClient,
     replica: &Replica,
@@ -377,12 +437,6 @@ pub(super) async fn heartbeat(
              VALUES ($1, $2, $3, clock_timestamp(), clock_timestamp())
              ON CONFLICT (id) DO UPDATE SET seen_at = clock_timestamp()",
             &[&replica.id, &replica.address, &env!("CARGO_PKG_VERSION")],
-        )
-        .await?;
-    client
-        .execute(
-            "DELETE FROM replicas WHERE seen_at < clock_timestamp() - interval '1 day'",
-            &[],
         )
         .await?;
     Ok(())

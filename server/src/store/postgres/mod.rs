@@ -266,6 +266,7 @@ impl PostgresStore {
     ) -> Result<Self, StoreError> {
         let mut told: Option<String> = None;
         loop {
+            let sent = std::time::Instant::now();
             let attempt = {
                 let settings = settings.clone();
                 self.driver.with(move |mut client| async move {
@@ -280,6 +281,7 @@ impl PostgresStore {
                         self.driver.target().clone(),
                         held.clone(),
                         settings.clone(),
+                        sent,
                     ));
                     let _ = self.leading.set(Leading {
                         held,
@@ -332,16 +334,27 @@ impl PostgresStore {
             let Some(held) = held else {
                 return Ok(client.execute(&statement, &refs(&params)).await?);
             };
-            // The fence and the write go out together (one round trip, not two): the database
-            // runs them in order, and a failed fence rolls the write back with the transaction.
+            held.check()?;
+            // The fence's execution and the write's go out together (both statements prepared
+            // already, the fence's first): the database runs them in that order, and a failed
+            // fence rolls the write back with the transaction.
+            let fence = client.prepare_cached(lease::FENCE).await?;
             let tx = client.transaction().await?;
             let params = refs(&params);
-            let (fence, changed) =
-                tokio::join!(lease::fence(&*tx, &held), tx.execute(&statement, &params));
-            fence?;
-            let changed = changed?;
-            tx.commit().await?;
-            Ok(changed)
+            let (fenced, changed) = tokio::join!(
+                lease::fence_with(&*tx, &fence, &held),
+                tx.execute(&statement, &params)
+            );
+            // Refused as fenced first; else the write's own error, not the abort it caused.
+            match (fenced, changed) {
+                (Err(e @ driver::Failure::Store(StoreError::Fenced { .. })), _) => Err(e),
+                (_, Err(e)) => Err(e.into()),
+                (Err(e), Ok(_)) => Err(e),
+                (Ok(()), Ok(changed)) => {
+                    tx.commit().await?;
+                    Ok(changed)
+                }
+            }
         })
     }
 

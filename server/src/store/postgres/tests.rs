@@ -327,7 +327,40 @@ fn one_replica_leads_a_standby_takes_over_a_lapsed_lease_and_the_old_leaders_wri
         matches!(&refused, StoreError::Unshared { host } if host == "c"),
         "{refused}"
     );
-    // A leader that cannot renew for a whole lease counts it lost by itself.
+    // A leader whose renewals do not land (the row held FOR UPDATE by another session, as a
+    // database cut off would) counts its lease lost by itself, before it lapses.
+    let held = c.lease().unwrap();
+    let blocked = Instant::now();
+    let holding = {
+        let target = target.clone();
+        std::thread::spawn(move || {
+            sql(
+                &target,
+                "BEGIN; SELECT 1 FROM leases FOR UPDATE; SELECT pg_sleep(3); COMMIT",
+            )
+        })
+    };
+    while held.lost.borrow().is_none() {
+        assert!(
+            blocked.elapsed() < ttl,
+            "c still thinks it leads after its lease"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        held.lost
+            .borrow()
+            .as_deref()
+            .unwrap_or_default()
+            .contains("could not renew"),
+        "{:?}",
+        held.lost.borrow()
+    );
+    holding.join().unwrap();
+    // And one whose lease another replica took counts it lost at its next renewal.
+    let c = open(2)
+        .claim(&leading("c", ttl), &within(Duration::from_secs(20)))
+        .unwrap();
     let held = c.lease().unwrap();
     sql(
         &target,
