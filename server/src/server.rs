@@ -59,11 +59,7 @@ impl Server {
         give_up: &dyn Fn() -> bool,
     ) -> Result<Server> {
         let fd_limit = conn::raise_fd_limit();
-        let lease = store::postgres::LeaseSettings {
-            replica,
-            ttl: config.lease,
-            shared_blobs: !matches!(config.blobs, store::BlobLocation::DataDir),
-        };
+        let lease = store::postgres::LeaseSettings::new(replica, config.lease);
         let store: Arc<Store> = config
             .store
             .open_leading(&config.data_dir, &config.blobs, &lease, give_up)

@@ -14,7 +14,6 @@ mod support;
 #[path = "../src/store/postgres/test_server.rs"]
 mod test_server;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use hora_common::model::Model;
@@ -52,24 +51,43 @@ fn status_until(store: &str, what: &str, check: impl Fn(&Value) -> bool) -> Valu
     }
 }
 
-/// A replica on `store`, listening (once it leads) on `listen`.
-fn replica(store: &str, data: &Path, blobs: &str, certs: &Path, listen: &str) -> Starting {
-    let mut starting = Server::spawn_on(
-        data,
-        listen,
-        &[
-            "--store",
-            store,
-            "--blobs",
-            blobs,
-            "--lease-secs",
-            &LEASE_SECS.to_string(),
-            "--certs-dir",
-            certs.to_str().unwrap(),
-        ],
-    );
-    starting.ca = certs.join("ca.pem");
-    starting
+/// The directories of two replicas: a data directory each, and a blob directory and development
+/// certificates they share.
+struct Dirs {
+    shared: tempfile::TempDir,
+    data: [tempfile::TempDir; 2],
+}
+
+impl Dirs {
+    fn new() -> Dirs {
+        let dir = || tempfile::tempdir().unwrap();
+        Dirs {
+            shared: dir(),
+            data: [dir(), dir()],
+        }
+    }
+
+    /// Replica `i` (0 or 1) on `store`, listening (once it leads) on a port of its own.
+    fn replica(&self, i: usize, store: &str) -> Starting {
+        let blobs = format!("file://{}", self.shared.path().join("blobs").display());
+        let certs = self.shared.path().join("certs");
+        let mut starting = Server::spawn_on(
+            self.data[i].path(),
+            &free_listen(),
+            &[
+                "--store",
+                store,
+                "--blobs",
+                &blobs,
+                "--lease-secs",
+                &LEASE_SECS.to_string(),
+                "--certs-dir",
+                certs.to_str().unwrap(),
+            ],
+        );
+        starting.ca = certs.join("ca.pem");
+        starting
+    }
 }
 
 /// A loopback address nothing listens on now.
@@ -122,15 +140,9 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
 ) {
     let mut postgres = test_server::TestServer::start();
     let store = postgres.url();
-    let (shared, a_dir, b_dir) = (
-        tempfile::tempdir().unwrap(),
-        tempfile::tempdir().unwrap(),
-        tempfile::tempdir().unwrap(),
-    );
-    let blobs = format!("file://{}", shared.path().display());
-    let certs = a_dir.path().join("certs");
-    let a = replica(&store, a_dir.path(), &blobs, &certs, &free_listen()).listening();
-    let mut standby = replica(&store, b_dir.path(), &blobs, &certs, &free_listen());
+    let dirs = Dirs::new();
+    let a = dirs.replica(0, &store).listening();
+    let mut standby = dirs.replica(1, &store);
     let both = status_until(&store, "a leads, b stands by", |s| {
         s["replicas"].as_array().map(Vec::len) == Some(2)
     });
@@ -290,16 +302,9 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
         .expect("the server's port");
     let relay = Relay::to(port).await;
     let relayed = store.replace(&format!(":{port}/"), &format!(":{}/", relay.port));
-    let (shared, a_dir, b_dir) = (
-        tempfile::tempdir().unwrap(),
-        tempfile::tempdir().unwrap(),
-        tempfile::tempdir().unwrap(),
-    );
-    let blobs = format!("file://{}", shared.path().display());
-    let certs = a_dir.path().join("certs");
-    let a_listen = free_listen();
-    let a = replica(&relayed, a_dir.path(), &blobs, &certs, &a_listen).listening();
-    let standby = replica(&store, b_dir.path(), &blobs, &certs, &free_listen());
+    let dirs = Dirs::new();
+    let a = dirs.replica(0, &relayed).listening();
+    let standby = dirs.replica(1, &store);
     let both = status_until(&store, "a leads, b stands by", |s| {
         s["replicas"].as_array().map(Vec::len) == Some(2)
     });

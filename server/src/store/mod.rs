@@ -105,11 +105,10 @@ impl StoreLocation {
         data_dir: &std::path::Path,
         blobs: &BlobLocation,
     ) -> Result<std::sync::Arc<Store>, StoreError> {
-        let lease = postgres::LeaseSettings {
-            replica: postgres::Replica::this("(embedded)"),
-            ttl: std::time::Duration::from_secs(10),
-            shared_blobs: false,
-        };
+        let lease = postgres::LeaseSettings::new(
+            postgres::Replica::this("(embedded)"),
+            std::time::Duration::from_secs(10),
+        );
         self.open_leading(data_dir, blobs, &lease, &|| false)
     }
 

@@ -81,6 +81,19 @@ pub struct LeaseSettings {
     pub shared_blobs: bool,
 }
 
+impl LeaseSettings {
+    /// `replica`'s lease of `ttl`; whether its blobs are shared is for
+    /// [`StoreLocation::open_leading`](crate::store::StoreLocation::open_leading) to say, from
+    /// where it opens them.
+    pub fn new(replica: Replica, ttl: Duration) -> LeaseSettings {
+        LeaseSettings {
+            replica,
+            ttl,
+            shared_blobs: false,
+        }
+    }
+}
+
 impl Replica {
     /// The host of the replica whose id is `id`.
     pub(super) fn host_of(id: &str) -> &str {
