@@ -433,17 +433,46 @@ async fn a_client_retries_while_the_server_is_down() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_given_several_servers_fails_over_to_one_that_answers() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start_with(&dir.path().join("server"), &[]);
+    // Replicas on PostgreSQL: one leads, one stands by on a port of its own.
+    let mut replicas = Replicas::new(&format!("127.0.0.1:{}", free_port()));
+    let server = replicas.spawn().listening();
+    let standby_listen = format!("127.0.0.1:{}", free_port());
+    let _standby = replicas.spawn_on(&standby_listen);
     let admin = server.api(ADMIN_TOKEN);
     create_task(&admin, "t", 1, 1, 1).await;
     let token = token(&admin).await;
-    // The first URL is a port nothing listens on (a server that died): the client moves on.
-    let urls = format!("https://127.0.0.1:{},{}", free_port(), server.url);
+    // The first URL is a port nothing listens on (a server that died), the second the standby
+    // (it answers 503 `standby` once its port is up): the client moves on to the leader.
+    let http = hora_server::tls::https_client(&server.ca, None).expect("an HTTPS client");
+    let asked = Instant::now();
+    while http
+        .get(format!("https://{standby_listen}/readyz"))
+        .send()
+        .await
+        .map(|r| r.status())
+        .ok()
+        != Some(reqwest::StatusCode::SERVICE_UNAVAILABLE)
+    {
+        assert!(
+            asked.elapsed().as_secs() < 30,
+            "the standby does not answer"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let urls = format!(
+        "https://127.0.0.1:{},https://{standby_listen},{}",
+        free_port(),
+        server.url
+    );
     let mut cmd = client_command(&urls, &server.ca, &dir.path().join("c"), "t", 0);
     cmd.args(["--token", &token]).env("HORA_LOG", "warn");
     let out = finish(spawn(cmd));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("does not answer; trying"), "{stderr}");
+    assert!(
+        stderr.contains("stands by (another replica leads); trying"),
+        "{stderr}"
+    );
     let info = task_info(&admin, "t").await;
     assert_eq!(
         (info.state, info.published_rounds),

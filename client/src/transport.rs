@@ -160,9 +160,9 @@ impl Connection {
         &self.bases[self.current.load(Ordering::Relaxed) % self.bases.len()]
     }
 
-    /// After a request to `bases[used]` found no server: the next URL, unless another request
-    /// moved on already.
-    fn fail_over(&self, used: usize) {
+    /// After a request to `bases[used]` found no server that serves (`why` not): the next URL,
+    /// unless another request moved on already.
+    fn fail_over(&self, used: usize, why: &str) {
         if self.bases.len() > 1 {
             let next = (used + 1) % self.bases.len();
             if self
@@ -170,11 +170,7 @@ impl Connection {
                 .compare_exchange(used, next, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
             {
-                tracing::warn!(
-                    "{} does not answer; trying {}",
-                    self.bases[used],
-                    self.bases[next]
-                );
+                tracing::warn!("{} {why}; trying {}", self.bases[used], self.bases[next]);
             }
         }
     }
@@ -225,8 +221,12 @@ impl Connection {
                             message: body.chars().take(200).collect(),
                         });
                     let last = format!("{status}: {} ({})", error.message, error.code);
-                    if error.code == ErrorCode::ShuttingDown {
-                        self.fail_over(used);
+                    match error.code {
+                        ErrorCode::ShuttingDown => self.fail_over(used, "is shutting down"),
+                        ErrorCode::Standby => {
+                            self.fail_over(used, "stands by (another replica leads)")
+                        }
+                        _ => {}
                     }
                     answered = Some((status.as_u16(), error));
                     last
@@ -239,7 +239,7 @@ impl Connection {
                         )));
                     }
                     if e.is_connect() {
-                        self.fail_over(used);
+                        self.fail_over(used, "does not answer");
                     }
                     chain
                 }

@@ -64,8 +64,9 @@ where
 }
 
 /// Runs the server until SIGINT/SIGTERM: [`Server::build`], bind `--listen`, [`Server::run`].
-/// With a PostgreSQL store the build first waits, standing by, for the database's lease; a
-/// replica that loses the lease steps down and stands by again.
+/// With a PostgreSQL store the build first waits, standing by, for the database's lease (its
+/// port bound already and answering as a standby: see [`server::Port`]); a replica that loses
+/// the lease steps down and stands by again.
 pub async fn serve(config: config::ServeConfig) -> Result<()> {
     // Everything the server writes (database, blobs, certificates and keys) is its user's alone.
     #[cfg(unix)]
@@ -76,6 +77,12 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
     let stop = shutdown::Stop::on_signal();
     let mut led = false;
     let replica = store::postgres::Replica::this(&config.listen.to_string());
+    // A replica's port answers while it stands by (an embedded store has no standby).
+    let port = match config.store {
+        store::StoreLocation::Postgres(_) => server::Port::bind(&config)?,
+        store::StoreLocation::Sled => None,
+    };
+    let mut standing_by = None;
     loop {
         let building = {
             let (config, stop, replica) = (config.clone(), stop.clone(), replica.clone());
@@ -83,6 +90,16 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
                 Server::build_as(config, replica, &|| stop.requested())
             })
         };
+        // (A port that cannot answer meanwhile is no reason not to lead.)
+        if standing_by.is_none() {
+            standing_by = port.as_ref().and_then(|port| {
+                port.stand_by()
+                    .inspect_err(|e| {
+                        tracing::warn!(error = format!("{e:#}"), "cannot answer as a standby")
+                    })
+                    .ok()
+            });
+        }
         let server = match building.await? {
             Ok(server) => server,
             Err(e) if matches!(e.downcast_ref(), Some(store::StoreError::Stopped)) => {
@@ -113,6 +130,9 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
             }
             Err(e) => return Err(e),
         };
+        if let Some(standing_by) = standing_by.take() {
+            standing_by.end().await;
+        }
         led = true;
         if let Some(token) = &server.generated_admin_token {
             say(&format!("admin token: {token}\n  (shown once; only its hash is stored. Pass --admin-token or HORA_ADMIN_TOKEN to set your own.)"));
@@ -120,7 +140,10 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
         if let Some(ca) = &server.dev_ca {
             say(&format!("development TLS: clients trust {}", ca.display()));
         }
-        let listener = match server.bind() {
+        let listener = match port
+            .as_ref()
+            .map_or_else(|| server.bind(), server::Port::listener)
+        {
             Ok(listener) => listener,
             Err(e) => {
                 server.hand_back().await;

@@ -146,29 +146,16 @@ impl Server {
             },
             rendezvous,
         );
-        let max_connections = config
-            .max_connections
-            .unwrap_or_else(|| conn::default_max_connections(fd_limit));
+        let limits = connection_limits(&config, fd_limit);
         tracing::info!(
-            max_connections,
-            max_connections_per_source = ?config.max_connections_per_source,
-            max_unauthenticated_per_source = config.max_unauthenticated_per_source,
+            max_connections = limits.max_connections,
+            max_connections_per_source = limits.max_per_source,
+            max_unauthenticated_per_source = limits.max_unauthenticated_per_source,
             open_file_limit = fd_limit,
-            idle_timeout_secs = config.idle_timeout.as_secs(),
+            idle_timeout_secs = limits.idle_timeout.as_secs(),
             "connection limits"
         );
-        let max_per_source = config
-            .max_connections_per_source
-            .unwrap_or((max_connections / 4).max(1));
-        let connections = conn::Connections::new(
-            conn::ConnectionLimits {
-                max_connections,
-                max_per_source,
-                idle_timeout: config.idle_timeout,
-                max_unauthenticated_per_source: config.max_unauthenticated_per_source,
-            },
-            metrics.clone(),
-        );
+        let connections = conn::Connections::new(limits, metrics.clone());
         Ok(Server {
             metrics,
             app: api::router(state),
@@ -244,35 +231,14 @@ impl Server {
                 let _ = stopped_tx.send(stopped);
             });
         }
-        let tls = axum_server::tls_rustls::RustlsAcceptor::new(
-            axum_server::tls_rustls::RustlsConfig::from_config(Arc::new(self.tls)),
-        )
-        .handshake_timeout(self.config.header_timeout)
-        .acceptor(conn::GuardAcceptor::new(self.connections));
-        let mut server = axum_server::from_tcp(listener)
-            .context("listening")?
-            .acceptor(tls)
-            .handle(handle.clone());
-        // Slow senders of headers are cut off (HTTP/1.1; HTTP/2 headers are frames on a
-        // connection the guard already watches).
-        server
-            .http_builder()
-            .http1()
-            .timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(self.config.header_timeout);
-        // HTTP/2 buffers up to the flow-control window of body data per stream that nobody
-        // reads yet. Uploads wait for room in the upload budget before their body is read, so
-        // with many uploaders the windows, not the bodies, decide memory: keep them small (data
-        // then waits in kernel socket buffers and on the clients). 128 KiB still fills a
-        // loopback or LAN link; raise it for high-latency WAN clients at the cost of that much
-        // memory per waiting upload.
-        server
-            .http_builder()
-            .http2()
-            .initial_stream_window_size(HTTP2_STREAM_WINDOW)
-            .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
-            .max_concurrent_streams(64);
-        let serving = server.serve(self.app.into_make_service());
+        let serving = serve_tls(
+            listener,
+            self.tls,
+            self.config.header_timeout,
+            self.connections,
+            handle.clone(),
+            self.app,
+        )?;
         let announce = async {
             if let Some(addr) = handle.listening().await {
                 // Tests and scripts read this line to learn the port (with --listen 127.0.0.1:0).
@@ -295,6 +261,157 @@ impl Server {
         // Ended by the lease's loss, or else by `shutdown` (or the listener's end).
         Ok(stopped_rx.try_recv().unwrap_or(Stopped::Shutdown))
     }
+}
+
+/// The connection limits of `config`, on a process allowed `fd_limit` open files.
+fn connection_limits(config: &ServeConfig, fd_limit: Option<u64>) -> conn::ConnectionLimits {
+    let max_connections = config
+        .max_connections
+        .unwrap_or_else(|| conn::default_max_connections(fd_limit));
+    conn::ConnectionLimits {
+        max_connections,
+        max_per_source: config
+            .max_connections_per_source
+            .unwrap_or((max_connections / 4).max(1)),
+        idle_timeout: config.idle_timeout,
+        max_unauthenticated_per_source: config.max_unauthenticated_per_source,
+    }
+}
+
+/// A replica's port (`--listen`), bound once, before it first stands by: a port in use fails
+/// the start, not a takeover. While the replica stands by, the port answers as
+/// [`api::standby_router`] says ([`stand_by`](Self::stand_by)), so that liveness probes find
+/// it alive, load balancers route past it and clients move on; once it leads,
+/// [`listener`](Self::listener) goes to [`Server::run`].
+pub struct Port {
+    listener: TcpListener,
+    tls: rustls::ServerConfig,
+    header_timeout: Duration,
+    connections: Arc<conn::Connections>,
+}
+
+impl Port {
+    /// Binds `config`'s `--listen` address and prepares its TLS (making development
+    /// certificates when none are given, as [`Server::build`] would). None when the address is
+    /// taken or not this machine's yet: the leader's own (replicas on one address, or a floating
+    /// address that moves to whoever leads), which this replica binds only once it leads.
+    pub fn bind(config: &ServeConfig) -> Result<Option<Port>> {
+        let listener = match TcpListener::bind(config.listen) {
+            Ok(listener) => listener,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::AddrInUse | std::io::ErrorKind::AddrNotAvailable
+                ) =>
+            {
+                tracing::info!(
+                    listen = %config.listen,
+                    error = %e,
+                    "cannot listen while standing by (another replica's address?): this replica listens once it leads"
+                );
+                return Ok(None);
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("listening on {}", config.listen));
+            }
+        };
+        let (cert_paths, _) = certificates(config)?;
+        let tls = tls::server_config(&cert_paths, config.client_ca.as_deref())?;
+        let limits = connection_limits(config, conn::raise_fd_limit());
+        Ok(Some(Port {
+            listener,
+            tls,
+            header_timeout: config.header_timeout,
+            connections: conn::Connections::new(limits, Arc::default()),
+        }))
+    }
+
+    /// The bound listener, for [`Server::run`].
+    pub fn listener(&self) -> Result<TcpListener> {
+        self.listener
+            .try_clone()
+            .context("sharing the listening socket")
+    }
+
+    /// Answers as a standby until [`StandingBy::end`] (while this replica waits for the lease,
+    /// and while it loads its state once it has it).
+    pub fn stand_by(&self) -> Result<StandingBy> {
+        let listener = self.listener()?;
+        listener.set_nonblocking(true)?;
+        let handle = axum_server::Handle::new();
+        let serving = serve_tls(
+            listener,
+            self.tls.clone(),
+            self.header_timeout,
+            self.connections.clone(),
+            handle.clone(),
+            api::standby_router(),
+        )?;
+        let serving = tokio::spawn(async move {
+            if let Err(e) = serving.await {
+                tracing::warn!(error = %e, "answering as a standby failed");
+            }
+        });
+        Ok(StandingBy { handle, serving })
+    }
+}
+
+/// A [`Port`] answering as a standby.
+pub struct StandingBy {
+    handle: axum_server::Handle<std::net::SocketAddr>,
+    serving: tokio::task::JoinHandle<()>,
+}
+
+impl StandingBy {
+    /// Stops answering as a standby: its connections are closed (clients reconnect, to the
+    /// leader this replica has become or to another), and the port is left bound.
+    pub async fn end(self) {
+        self.handle.graceful_shutdown(Some(Duration::from_secs(1)));
+        if let Err(e) = self.serving.await {
+            tracing::warn!(error = %e, "the standby's answering task failed");
+        }
+    }
+}
+
+/// Serves `app` over TLS on `listener` until `handle` shuts it down, behind the connection
+/// guard and with the HTTP limits of every port of the server.
+fn serve_tls(
+    listener: TcpListener,
+    tls: rustls::ServerConfig,
+    header_timeout: Duration,
+    connections: Arc<conn::Connections>,
+    handle: axum_server::Handle<std::net::SocketAddr>,
+    app: axum::Router,
+) -> Result<impl Future<Output = std::io::Result<()>>> {
+    let tls = axum_server::tls_rustls::RustlsAcceptor::new(
+        axum_server::tls_rustls::RustlsConfig::from_config(Arc::new(tls)),
+    )
+    .handshake_timeout(header_timeout)
+    .acceptor(conn::GuardAcceptor::new(connections));
+    let mut server = axum_server::from_tcp(listener)
+        .context("listening")?
+        .acceptor(tls)
+        .handle(handle.clone());
+    // Slow senders of headers are cut off (HTTP/1.1; HTTP/2 headers are frames on a
+    // connection the guard already watches).
+    server
+        .http_builder()
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    // HTTP/2 buffers up to the flow-control window of body data per stream that nobody
+    // reads yet. Uploads wait for room in the upload budget before their body is read, so
+    // with many uploaders the windows, not the bodies, decide memory: keep them small (data
+    // then waits in kernel socket buffers and on the clients). 128 KiB still fills a
+    // loopback or LAN link; raise it for high-latency WAN clients at the cost of that much
+    // memory per waiting upload.
+    server
+        .http_builder()
+        .http2()
+        .initial_stream_window_size(HTTP2_STREAM_WINDOW)
+        .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
+        .max_concurrent_streams(64);
+    Ok(server.serve(app.into_make_service()))
 }
 
 /// Why [`Server::run`] returned.

@@ -1,11 +1,12 @@
 //! Replicas on one PostgreSQL database (a real server the test starts) with their blobs in one
 //! shared directory (`--blobs file://…`): the first `hora-server` process leads, a second stands
-//! by without listening. The leader is SIGKILLed with a round half done: the standby takes the
-//! lease within the lease's length and two seconds, and the round publishes with every
-//! acknowledged update, FedAvg of all of them, though PostgreSQL itself is stopped and started
-//! again while it is open. `hora-server status` shows who leads at each step, and a clean stop
-//! hands the lease back at once. A leader cut off from the database (through a relay the test
-//! cuts) stops acknowledging, and steps down when it is back, while the standby carries on.
+//! by, its port answering 503 `standby` to all but its liveness probe. The leader is SIGKILLed
+//! with a round half done: the standby takes the lease within the lease's length and two
+//! seconds, and the round publishes with every acknowledged update, FedAvg of all of them,
+//! though PostgreSQL itself is stopped and started again while it is open. `hora-server status`
+//! shows who leads at each step, and a clean stop hands the lease back at once. A leader cut off
+//! from the database (through a relay the test cuts) stops acknowledging, and steps down when it
+//! is back, while the standby carries on.
 
 mod support;
 
@@ -67,13 +68,18 @@ impl Dirs {
         }
     }
 
-    /// Replica `i` (0 or 1) on `store`, listening (once it leads) on a port of its own.
+    /// Replica `i` (0 or 1) on `store`, serving (once it leads) on a port of its own.
     fn replica(&self, i: usize, store: &str) -> Starting {
+        self.replica_on(i, store, &free_listen())
+    }
+
+    /// [`replica`](Self::replica) on `listen`.
+    fn replica_on(&self, i: usize, store: &str, listen: &str) -> Starting {
         let blobs = format!("file://{}", self.shared.path().join("blobs").display());
         let certs = self.shared.path().join("certs");
         let mut starting = Server::spawn_on(
             self.data[i].path(),
-            &free_listen(),
+            listen,
             &[
                 "--store",
                 store,
@@ -98,6 +104,16 @@ fn free_listen() -> String {
         .unwrap()
         .port();
     format!("127.0.0.1:{port}")
+}
+
+/// What `url`'s `/readyz` says: `ready`, the code of its refusal, or None without an answer.
+async fn readiness(http: &reqwest::Client, url: &str) -> Option<String> {
+    let response = http.get(format!("{url}/readyz")).send().await.ok()?;
+    if response.status().is_success() {
+        return Some("ready".into());
+    }
+    let error: Value = response.json().await.ok()?;
+    error["code"].as_str().map(str::to_string)
 }
 
 fn model(values: [f32; 4]) -> Model {
@@ -142,7 +158,8 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     let store = postgres.url();
     let dirs = Dirs::new();
     let a = dirs.replica(0, &store).listening();
-    let mut standby = dirs.replica(1, &store);
+    let b_listen = free_listen();
+    let mut standby = dirs.replica_on(1, &store, &b_listen);
     let both = status_until(&store, "a leads, b stands by", |s| {
         s["replicas"].as_array().map(Vec::len) == Some(2)
     });
@@ -151,6 +168,42 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     assert_eq!(both["replicas"][1]["role"], "standby", "{both:#}");
     let a_id = both["lease"]["holder"].as_str().unwrap().to_string();
     assert!(!standby.exited(), "the standby waits");
+    // The standby's port answers meanwhile: alive, not ready, and every other request refused
+    // with 503 `standby`, worth sending elsewhere or retrying.
+    let at_standby = |path: &str| {
+        let (http, url) = (a.http(), format!("https://{b_listen}{path}"));
+        async move {
+            let response = http
+                .get(url)
+                .bearer_auth(support::ADMIN_TOKEN)
+                .send()
+                .await?;
+            let retry_after = response.headers().get("retry-after").cloned();
+            let status = response.status().as_u16();
+            Ok::<_, reqwest::Error>((status, retry_after, response.text().await?))
+        }
+    };
+    let probing = Instant::now();
+    let (status_code, _, body) = loop {
+        match at_standby("/healthz").await {
+            Ok(answer) => break answer,
+            Err(e) => {
+                assert!(
+                    probing.elapsed() < Duration::from_secs(10),
+                    "the standby does not answer: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!((status_code, body.as_str()), (200, "ok"));
+    for path in ["/readyz", "/admin/v1/tasks"] {
+        let (status_code, retry_after, body) = at_standby(path).await.unwrap();
+        assert_eq!(status_code, 503, "{path}: {body}");
+        assert_eq!(retry_after.as_ref().map(|v| v.as_bytes()), Some(&b"1"[..]));
+        let error: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["code"], "standby", "{path}: {body}");
+    }
 
     // A round of four: two acknowledged by a, which then dies.
     let admin = a.admin();
@@ -329,7 +382,7 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
     assert_eq!(refused, 503, "a cut-off leader acknowledged an upload");
     let http = a.http();
     let cut = Instant::now();
-    while http.get(format!("{}/healthz", a.url)).send().await.is_ok() {
+    while readiness(&http, &a.url).await.as_deref() != Some("standby") {
         assert!(
             cut.elapsed() < Duration::from_secs(LEASE_SECS + 10),
             "the cut-off leader still serves"
@@ -356,10 +409,8 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
     let admin = a.admin();
     let back = Instant::now();
     let info = loop {
-        if let Ok(resp) = http.get(format!("{}/healthz", a.url)).send().await {
-            if resp.status().is_success() {
-                break admin.task("cut").await;
-            }
+        if readiness(&http, &a.url).await.as_deref() == Some("ready") {
+            break admin.task("cut").await;
         }
         assert!(
             back.elapsed() < Duration::from_secs(LEASE_SECS + 10),

@@ -193,8 +193,9 @@ mod test_server;
 
 /// Replicas of one server: `hora-server` processes on one PostgreSQL database of the test's own,
 /// their blobs in one shared directory (`--blobs file://…`) and their development certificates
-/// in another, all on one `--listen` address (a standby listens only once it leads), each with
-/// its own data directory and a lease of two seconds.
+/// in another, all on one `--listen` address (a standby finds it taken, and listens only once it
+/// leads) unless started [on one of its own](Replicas::spawn_on), each with its own data
+/// directory and a lease of two seconds.
 pub struct Replicas {
     postgres: test_server::TestServer,
     pub listen: String,
@@ -214,12 +215,19 @@ impl Replicas {
 
     /// Starts one more replica: the first leads, the others stand by.
     pub fn spawn(&mut self) -> Starting {
+        let listen = self.listen.clone();
+        self.spawn_on(&listen)
+    }
+
+    /// [`spawn`](Self::spawn) on an address of its own, where it answers as a standby until it
+    /// leads.
+    pub fn spawn_on(&mut self, listen: &str) -> Starting {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let blobs = format!("file://{}", self.shared.path().join("blobs").display());
         let certs = self.shared.path().join("certs");
         let mut starting = Server::spawn_on(
             dir.path(),
-            &self.listen,
+            listen,
             &[
                 "--store",
                 &self.postgres.url(),

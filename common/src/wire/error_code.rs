@@ -95,6 +95,10 @@ error_codes! {
     TooManyRequests => "too_many_requests",
     /// The server is shutting down. Retry the same request (an upload gets its receipt then).
     ShuttingDown => "shutting_down",
+    /// This server is a standby replica: another replica of the deployment leads and serves.
+    /// Send the request to another of its servers (a client given several moves on by itself),
+    /// or retry after the `Retry-After` header's seconds, by when this one may lead.
+    Standby => "standby",
     /// The update (or a join's selection) was accepted but is not durable yet (storage is slow).
     /// Retry the same upload to get its receipt, or the same join to get its offer; neither is
     /// counted twice.

@@ -38,7 +38,10 @@ impl ServerError {
     /// unreachable.
     fn retry_after(&self) -> Option<u64> {
         match self.code() {
-            ErrorCode::Busy | ErrorCode::TooManyRequests | ErrorCode::ShuttingDown => Some(1),
+            ErrorCode::Busy
+            | ErrorCode::TooManyRequests
+            | ErrorCode::ShuttingDown
+            | ErrorCode::Standby => Some(1),
             ErrorCode::StoreUnavailable => Some(2),
             _ => None,
         }

@@ -371,7 +371,7 @@ const READY_WITHIN: Duration = Duration::from_secs(2);
 #[utoipa::path(get, path = "/readyz", tag = "ops",
     responses(
         (status = 200, description = "This server can reach its store (records and blobs) and serve", body = inline(doc::Text), content_type = "text/plain"),
-        (status = 503, body = ApiError, description = "`store_unavailable`: the store (its records or its blobs) did not answer (within 2 s); `shutting_down`: the server is shutting down. A load balancer sends this server nothing meanwhile")))]
+        (status = 503, body = ApiError, description = "`store_unavailable`: the store (its records or its blobs) did not answer (within 2 s); `shutting_down`: the server is shutting down; `standby`: this replica stands by while another leads (it answers every request but `/healthz` so). A load balancer sends this server nothing meanwhile")))]
 async fn readyz(State(state): State<Shared>) -> Result<&'static str, ServerError> {
     if state.coordinator.stopping.is_cancelled() {
         return Err(ServerError::unavailable(
@@ -634,6 +634,25 @@ async fn request_timeout(
         }
         .into_response(),
     }
+}
+
+/// What a standby replica answers on its port while another replica leads (see
+/// `store::postgres::lease`): it is alive (`/healthz`) but not ready (`/readyz`), and refuses
+/// every other request with 503 `standby` and `Retry-After`, so that a load balancer routes past
+/// it, an orchestrator's liveness probe leaves it running, and a client given several servers
+/// moves on. It reads no body and holds nothing: it has nothing to serve until it leads.
+pub fn standby_router() -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .fallback(standby)
+        .layer(axum::middleware::from_fn(close_when_body_unread))
+}
+
+async fn standby() -> ServerError {
+    ServerError::unavailable(
+        ErrorCode::Standby,
+        "this replica stands by: another replica of this deployment leads and serves; send the request to another of its servers (`hora-server status` lists them), or retry",
+    )
 }
 
 pub fn router(state: Shared) -> Router {
