@@ -169,18 +169,6 @@ impl Coordinator {
             dp::validate_for_model(dp, &config, initial.numel())
                 .map_err(ServerError::BadRequest)?;
         }
-        // A checkpoint (and a stateful strategy's state) holds 8 bytes per value.
-        let blobs = self.store.blobs();
-        let state_bytes = 8 * initial.numel() as u64 + 4096;
-        if let Some(largest) = blobs.largest_renamed().filter(|l| state_bytes > *l) {
-            return Err(ServerError::BadRequest(format!(
-                "a model of {} values needs checkpoints of {:.2} GiB, and the blob store ({}) takes at most {:.2} GiB under a name given at commit (one S3 copy): use a smaller model, or blobs on a file system (--blobs file://…)",
-                initial.numel(),
-                state_bytes as f64 / f64::from(1 << 30),
-                blobs.describe(),
-                largest as f64 / f64::from(1 << 30),
-            )));
-        }
         if let wire::ModelKind::TorchScript { module_digest } = &config.model {
             if !self.store.has_module(module_digest)? {
                 return Err(ServerError::BadRequest(format!("no uploaded TorchScript module {module_digest}: upload it first with POST /admin/v1/modules")));

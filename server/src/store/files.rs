@@ -7,7 +7,10 @@ use std::path::Path;
 
 use super::StoreError;
 
-const CHECKPOINT_MAGIC: &[u8; 8] = b"HORACKP1";
+/// Checkpoints with a trailer of their SHA-256, named by [`fresh_name`].
+const CHECKPOINT_MAGIC: &[u8; 8] = b"HORACKP2";
+/// Checkpoints of earlier versions, named by the SHA-256 of their bytes (still read).
+const CHECKPOINT_MAGIC_V1: &[u8; 8] = b"HORACKP1";
 const MASKED_SUM_MAGIC: &[u8; 8] = b"HORAMSK1";
 
 /// Maps an I/O error on `path` to a [`StoreError`].
@@ -69,78 +72,134 @@ pub(super) fn make_private_dir(dir: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// A name for a blob written under it from its first byte (so an object store puts it once and
+/// never copies it), of `extension`: 128 random bits, so no two writes share one. Such a blob
+/// proves its contents by a trailer ([`Sealing`]) rather than by its name.
+pub(crate) fn fresh_name(extension: &str) -> String {
+    format!("{:032x}.{extension}", rand::random::<u128>())
+}
+
+/// How a blob that is read proves its contents, once every byte of its body went through
+/// [`Sealing::hash`]: blobs of a first format by their name, the SHA-256 of their bytes
+/// (`<64 hex>.<extension>`); blobs of a second format, written under a [`fresh_name`], by a
+/// trailer of the 32-byte SHA-256 of every byte before it.
+pub(crate) struct Sealing {
+    pub(crate) hash: ring::digest::Context,
+    trailer: bool,
+}
+
+impl Sealing {
+    /// A reading of a blob whose header said whether it carries a `trailer`.
+    pub(crate) fn new(trailer: bool) -> Sealing {
+        Sealing {
+            hash: ring::digest::Context::new(&ring::digest::SHA256),
+            trailer,
+        }
+    }
+
+    /// After the body: checks the trailer (if the format has one), that nothing follows, and
+    /// for the first formats that the bytes match `name`. The reason it failed, else nothing.
+    pub(crate) fn check(
+        self,
+        mut r: impl Read,
+        name: &str,
+        extension: &str,
+    ) -> Result<Result<(), String>, std::io::Error> {
+        let digest = self.hash.finish();
+        if self.trailer {
+            let mut trailer = [0u8; 32];
+            if let Err(e) = r.read_exact(&mut trailer) {
+                return match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => Ok(Err("truncated".into())),
+                    _ => Err(e),
+                };
+            }
+            if trailer != digest.as_ref() {
+                return Ok(Err("contents do not match their checksum".into()));
+            }
+        }
+        if r.read(&mut [0u8; 1])? != 0 {
+            return Ok(Err("trailing bytes".into()));
+        }
+        if !self.trailer && format!("{}.{extension}", hex::encode(digest)) != name {
+            return Ok(Err(
+                "contents do not match the file's content address".into()
+            ));
+        }
+        Ok(Ok(()))
+    }
+}
+
 /// Feeds the encoding of an accumulator checkpoint to `put`, piece by piece so that the sum is
-/// never held twice: `"HORACKP1"`, the u64 count, then the f64 values, all little-endian.
+/// never held twice: `"HORACKP2"`, the u64 count, the f64 values, all little-endian, then the
+/// SHA-256 of all of it (a checkpoint is written under a [`fresh_name`]).
 pub(super) fn encode_checkpoint(
     sum: &[f64],
     mut put: impl FnMut(&[u8]) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
-    put(CHECKPOINT_MAGIC)?;
-    put(&(sum.len() as u64).to_le_bytes())?;
+    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut hashed = |bytes: &[u8]| {
+        hash.update(bytes);
+        put(bytes)
+    };
+    hashed(CHECKPOINT_MAGIC)?;
+    hashed(&(sum.len() as u64).to_le_bytes())?;
     let mut buf = Vec::with_capacity(8 << 16);
     for chunk in sum.chunks(1 << 16) {
         buf.clear();
         buf.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
-        put(&buf)?;
+        hashed(&buf)?;
     }
-    Ok(())
-}
-
-/// A checkpoint's name: the SHA-256 of its encoding.
-pub(super) fn checkpoint_name(hash: ring::digest::Context) -> String {
-    format!("{}.ckpt", hex::encode(hash.finish()))
+    put(hash.finish().as_ref())
 }
 
 /// Reads the checkpoint named `file` from `r`, checking its header against `expected_len` and
-/// its contents against its name. `read_error` maps a failure to read the header or to look
-/// past the end (the data itself running short is corruption).
+/// its contents against its trailer (or, written by an earlier version, its name). `read_error`
+/// maps a failure to read the header or to look past the end (the data itself running short is
+/// corruption).
 pub(super) fn decode_checkpoint(
     mut r: impl Read,
     file: &str,
     expected_len: usize,
     read_error: impl Fn(std::io::Error) -> StoreError,
 ) -> Result<Vec<f64>, StoreError> {
+    let corrupt = |reason: String| StoreError::Corrupt {
+        key: file.into(),
+        reason,
+    };
     let mut header = [0u8; 16];
     r.read_exact(&mut header).map_err(&read_error)?;
-    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
-    hash.update(&header);
+    let trailer = match &header[..8] {
+        m if m == CHECKPOINT_MAGIC => true,
+        m if m == CHECKPOINT_MAGIC_V1 => false,
+        _ => return Err(corrupt("not a checkpoint".into())),
+    };
+    let mut sealing = Sealing::new(trailer);
+    sealing.hash.update(&header);
     let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
-    if &header[..8] != CHECKPOINT_MAGIC || len != expected_len as u64 {
-        return Err(StoreError::Corrupt {
-            key: file.into(),
-            reason: format!("expected {expected_len} values, header says {len}"),
-        });
+    if len != expected_len as u64 {
+        return Err(corrupt(format!(
+            "expected {expected_len} values, header says {len}"
+        )));
     }
     // Read in pieces: the sum is the largest thing the server holds; never hold it twice.
     let mut values = Vec::with_capacity(expected_len);
     let mut buf = vec![0u8; 1 << 20];
     while values.len() < expected_len {
         let want = ((expected_len - values.len()) * 8).min(buf.len());
-        r.read_exact(&mut buf[..want]).map_err(|e| {
-            short_or_carried(e, || StoreError::Corrupt {
-                key: file.into(),
-                reason: "truncated".into(),
-            })
-        })?;
-        hash.update(&buf[..want]);
+        r.read_exact(&mut buf[..want])
+            .map_err(|e| short_or_carried(e, || corrupt("truncated".into())))?;
+        sealing.hash.update(&buf[..want]);
         values.extend(
             buf[..want]
                 .chunks_exact(8)
                 .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))),
         );
     }
-    if r.read(&mut buf[..1]).map_err(&read_error)? != 0 {
-        return Err(StoreError::Corrupt {
-            key: file.into(),
-            reason: "trailing bytes".into(),
-        });
-    }
-    if checkpoint_name(hash) != file {
-        return Err(StoreError::Corrupt {
-            key: file.into(),
-            reason: "contents do not match the checkpoint's content address".into(),
-        });
-    }
+    sealing
+        .check(r, file, "ckpt")
+        .map_err(&read_error)?
+        .map_err(corrupt)?;
     Ok(values)
 }
 

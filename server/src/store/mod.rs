@@ -33,9 +33,9 @@
 //! <data>/blobs/models/<hex>.safetensors   global models, content-addressed by model digest
 //! <data>/blobs/modules/<hex>.pt           TorchScript modules, by SHA-256 of their bytes
 //! <data>/blobs/strategy/<hex>.state      stateful strategies' state (see `strategy::state`),
-//!                                         by SHA-256 of its bytes; one per task, the current
-//! <data>/checkpoints/<hex>.ckpt   round accumulators (f64 sums), by SHA-256 of their bytes
-//! <data>/checkpoints/<hex>.msum   secure aggregation's masked sums (u32), likewise
+//!                                         a fresh name, SHA-256 trailer; one per task, the current
+//! <data>/checkpoints/<hex>.ckpt   round accumulators (f64 sums), a fresh name, SHA-256 trailer
+//! <data>/checkpoints/<hex>.msum   secure aggregation's masked sums (u32), by SHA-256 of their bytes
 //! ```
 //!
 //! Blobs are written atomically and durably (see [`blobs`]: a temporary file, fsync, rename,
@@ -54,7 +54,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 pub mod blobs;
 #[cfg(test)]
 mod conformance;
-mod files;
+pub(crate) mod files;
 mod memory;
 pub mod postgres;
 mod records;

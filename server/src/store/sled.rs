@@ -554,7 +554,7 @@ mod tests {
     }
 
     #[test]
-    fn a_damaged_checkpoint_file_is_caught_by_its_content_address() {
+    fn a_damaged_checkpoint_file_is_caught_by_its_checksum() {
         let dir = tempfile::tempdir().unwrap();
         let store = SledStore::open(dir.path()).unwrap();
         let ckpt = store.write_checkpoint(&[1.5, -2.0, 1e300]).unwrap();
@@ -569,6 +569,25 @@ mod tests {
         fs::write(&path, &bytes[..30]).unwrap();
         assert!(matches!(
             store.read_checkpoint(&ckpt, 3),
+            Err(StoreError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn checkpoints_of_the_first_format_named_by_their_hash_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(dir.path()).unwrap();
+        let mut bytes = b"HORACKP1".to_vec();
+        bytes.extend(2u64.to_le_bytes());
+        bytes.extend([1.5f64, -2.0].iter().flat_map(|v| v.to_le_bytes()));
+        let name = format!("{}.ckpt", hora_common::sha256_hex(&bytes));
+        let path = dir.path().join("checkpoints").join(&name);
+        fs::write(&path, &bytes).unwrap();
+        assert_eq!(store.read_checkpoint(&name, 2).unwrap(), [1.5, -2.0]);
+        bytes[20] ^= 1;
+        fs::write(&path, &bytes).unwrap();
+        assert!(matches!(
+            store.read_checkpoint(&name, 2),
             Err(StoreError::Corrupt { .. })
         ));
     }

@@ -1,29 +1,37 @@
 //! A stateful strategy's state in the blob store, streamed stretch by stretch.
 //!
-//! One blob per published round, content-addressed like every blob (its name is the SHA-256 of
-//! its bytes, so a torn or altered blob is caught on reading):
+//! One blob per published round, under a fresh name, with a trailer of the SHA-256 of every byte
+//! before it (so a torn or altered blob is caught on reading):
 //!
 //! ```text
-//! blobs/strategy/<sha256 hex>.state
-//!     "HORASTA1"  u64 parameters  u64 values per parameter  f32 values, little-endian,
+//! blobs/strategy/<32 hex>.state
+//!     "HORASTA2"  u64 parameters  u64 values per parameter  f32 values, little-endian,
 //!                                                             parameter-major (m₀ v₀ m₁ v₁ …)
+//!     SHA-256 of all the above
 //! ```
+//!
+//! (States of earlier versions, `"HORASTA1"` without the trailer, are named `<64 hex>.state` by
+//! the SHA-256 of their bytes, and still read.)
 //!
 //! A round reads the previous blob and writes the next one in step with the model's stretches
 //! ([`FileState`]), so its memory is one stretch of state, whatever the model size. The next
-//! blob streams into the blob store and is named only once complete ([`StateWriter::commit`]:
-//! durable, visible whole or not at all); the caller then records its name in the transaction
-//! that publishes the model, and deletes the previous blob after that is flushed. A crash in
-//! between leaves an unreferenced blob, which the start-up sweep removes.
+//! blob streams into the blob store under its name from the first byte (an object store puts it
+//! once, never copies it) and is visible only once complete ([`StateWriter::commit`]: durable,
+//! whole or not at all); the caller then records its name in the transaction that publishes the
+//! model, and deletes the previous blob after that is flushed. A crash in between leaves an
+//! unreferenced blob, which the start-up sweep removes.
 
 use std::io::{BufReader, Read, Write};
 
 use ring::digest::{Context, SHA256};
 
 use super::{StateStretches, Strategy};
+use crate::store::files::{fresh_name, Sealing};
 use crate::store::{short_or_carried, BlobKind, BlobStore, StoreError};
 
-const MAGIC: &[u8; 8] = b"HORASTA1";
+const MAGIC: &[u8; 8] = b"HORASTA2";
+/// States of earlier versions: no trailer, named by their SHA-256.
+const MAGIC_V1: &[u8; 8] = b"HORASTA1";
 
 fn io_error(name: &str) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     move |source| StoreError::Io {
@@ -42,16 +50,17 @@ fn corrupt(name: &str, reason: impl Into<String>) -> StoreError {
 /// Whether `name` could be a state file's name (the sweep and the loaders check it before
 /// touching a path built from a stored record).
 pub fn valid_name(name: &str) -> bool {
-    name.strip_suffix(".state")
-        .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+    name.strip_suffix(".state").is_some_and(|hex| {
+        matches!(hex.len(), 32 | 64) && hex.bytes().all(|b| b.is_ascii_hexdigit())
+    })
 }
 
-/// Reads a state file in order, hashing as it goes; [`StateReader::finish`] checks the content
-/// address once everything is read.
+/// Reads a state file in order, hashing as it goes; [`StateReader::finish`] checks the trailer
+/// (or an earlier version's content address) once everything is read.
 pub struct StateReader {
     name: String,
     file: BufReader<Box<dyn Read + Send>>,
-    hash: Context,
+    sealing: Sealing,
     /// f32 values not yet read.
     remaining: u64,
     bytes: Vec<u8>,
@@ -74,8 +83,12 @@ impl StateReader {
         file.read_exact(&mut header)
             .map_err(|e| short_or_carried(e, || corrupt(name, "shorter than its header")))?;
         let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().expect("8 bytes"));
-        if &header[..8] != MAGIC || word(8) != parameters as u64 || word(16) != per_parameter as u64
-        {
+        let trailer = match &header[..8] {
+            m if m == MAGIC => true,
+            m if m == MAGIC_V1 => false,
+            _ => return Err(corrupt(name, "not a strategy state")),
+        };
+        if word(8) != parameters as u64 || word(16) != per_parameter as u64 {
             return Err(corrupt(
                 name,
                 format!(
@@ -85,12 +98,12 @@ impl StateReader {
                 ),
             ));
         }
-        let mut hash = Context::new(&SHA256);
-        hash.update(&header);
+        let mut sealing = Sealing::new(trailer);
+        sealing.hash.update(&header);
         Ok(StateReader {
             name: name.to_string(),
             file,
-            hash,
+            sealing,
             remaining: (parameters * per_parameter) as u64,
             bytes: Vec::new(),
         })
@@ -105,7 +118,7 @@ impl StateReader {
         self.file
             .read_exact(&mut self.bytes)
             .map_err(|e| short_or_carried(e, || corrupt(&self.name, "truncated")))?;
-        self.hash.update(&self.bytes);
+        self.sealing.hash.update(&self.bytes);
         for (v, b) in into.iter_mut().zip(self.bytes.chunks_exact(4)) {
             *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
@@ -113,22 +126,16 @@ impl StateReader {
         Ok(())
     }
 
-    /// Checks that every value was read, nothing follows, and the bytes match the file's name.
-    pub fn finish(mut self) -> Result<(), StoreError> {
+    /// Checks that every value was read, then the trailer (or an earlier version's name), and
+    /// that nothing follows.
+    pub fn finish(self) -> Result<(), StoreError> {
         if self.remaining != 0 {
             return Err(corrupt(&self.name, "not read to the end"));
         }
-        let mut extra = [0u8; 1];
-        if self.file.read(&mut extra).map_err(io_error(&self.name))? != 0 {
-            return Err(corrupt(&self.name, "trailing bytes"));
-        }
-        if format!("{}.state", hex::encode(self.hash.finish())) != self.name {
-            return Err(corrupt(
-                &self.name,
-                "contents do not match the file's content address",
-            ));
-        }
-        Ok(())
+        self.sealing
+            .check(self.file, &self.name, "state")
+            .map_err(|e| short_or_carried(e, || corrupt(&self.name, "unreadable")))?
+            .map_err(|reason| corrupt(&self.name, reason))
     }
 }
 
@@ -149,9 +156,10 @@ pub fn verify(
     reader.finish()
 }
 
-/// Writes a new state blob, named by its hash at [`StateWriter::commit`]. Dropped uncommitted
-/// (an aggregation that failed), nothing of it stays.
+/// Writes a new state blob under a fresh name, visible at [`StateWriter::commit`]. Dropped
+/// uncommitted (an aggregation that failed), nothing of it stays.
 pub struct StateWriter {
+    name: String,
     blob: Box<dyn crate::store::blobs::BlobWriter>,
     hash: Context,
     bytes: Vec<u8>,
@@ -163,8 +171,10 @@ impl StateWriter {
         parameters: usize,
         per_parameter: usize,
     ) -> Result<Self, StoreError> {
+        let name = fresh_name("state");
         let mut writer = StateWriter {
-            blob: blobs.writer(BlobKind::StrategyState, None)?,
+            blob: blobs.writer(BlobKind::StrategyState, &name)?,
+            name,
             hash: Context::new(&SHA256),
             bytes: Vec::new(),
         };
@@ -192,11 +202,14 @@ impl StateWriter {
         written
     }
 
-    /// Makes the blob durable under its content address and returns its name.
-    pub fn commit(self) -> Result<String, StoreError> {
-        let name = format!("{}.state", hex::encode(self.hash.finish()));
-        self.blob.commit(&name)?;
-        Ok(name)
+    /// Appends the trailer, makes the blob durable and visible, and returns its name.
+    pub fn commit(mut self) -> Result<String, StoreError> {
+        let trailer = std::mem::replace(&mut self.hash, Context::new(&SHA256)).finish();
+        self.blob
+            .write_all(trailer.as_ref())
+            .map_err(io_error("a new strategy state"))?;
+        self.blob.commit()?;
+        Ok(self.name)
     }
 }
 
@@ -291,6 +304,41 @@ mod tests {
             Err(StoreError::Corrupt { .. })
         ));
         assert!(StateReader::open(&blobs, "../x.state", 5, 2).is_err());
+        // Torn: the trailer cut short.
+        bytes[30] ^= 1;
+        std::fs::write(&path, &bytes[..bytes.len() - 5]).unwrap();
+        assert!(matches!(
+            verify(&blobs, &name, 5, 2),
+            Err(StoreError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn states_of_the_first_format_named_by_their_hash_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let blobs = DirBlobs::open(dir.path()).unwrap();
+        let mut bytes = MAGIC_V1.to_vec();
+        bytes.extend(2u64.to_le_bytes());
+        bytes.extend(1u64.to_le_bytes());
+        bytes.extend([0.5f32, -1.0].iter().flat_map(|v| v.to_le_bytes()));
+        let name = format!("{}.state", hora_common::sha256_hex(&bytes));
+        assert!(valid_name(&name));
+        let mut w = blobs.writer(BlobKind::StrategyState, &name).unwrap();
+        w.write_all(&bytes).unwrap();
+        w.commit().unwrap();
+        let mut r = StateReader::open(&blobs, &name, 2, 1).unwrap();
+        let mut got = [0f32; 2];
+        r.read(&mut got).unwrap();
+        r.finish().unwrap();
+        assert_eq!(got, [0.5, -1.0]);
+        // A flipped bit no longer matches the name.
+        let path = blobs.path(BlobKind::StrategyState, &name).unwrap();
+        bytes[26] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(matches!(
+            verify(&blobs, &name, 2, 1),
+            Err(StoreError::Corrupt { .. })
+        ));
     }
 
     #[test]

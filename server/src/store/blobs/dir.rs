@@ -119,22 +119,16 @@ impl BlobStore for DirBlobs {
         })
     }
 
-    fn writer(
-        &self,
-        kind: BlobKind,
-        name: Option<&str>,
-    ) -> Result<Box<dyn BlobWriter>, StoreError> {
+    fn writer(&self, kind: BlobKind, name: &str) -> Result<Box<dyn BlobWriter>, StoreError> {
+        let path = self.path(kind, name)?;
         let folder = self.dir.join(kind.folder());
-        if let Some(name) = name {
-            self.path(kind, name)?;
-        }
         let tmp = folder.join(files::temp_name(""));
         let file = File::create(&tmp).map_err(io(&tmp))?;
         Ok(Box::new(DirWriter {
             file: Some(BufWriter::with_capacity(1 << 20, file)),
             folder,
             tmp,
-            named: name.map(str::to_string),
+            path,
             durable: self.durable,
         }))
     }
@@ -184,7 +178,7 @@ struct DirWriter {
     file: Option<BufWriter<File>>,
     folder: PathBuf,
     tmp: PathBuf,
-    named: Option<String>,
+    path: PathBuf,
     durable: bool,
 }
 
@@ -200,17 +194,8 @@ impl Write for DirWriter {
 
 impl BlobWriter for DirWriter {
     /// Flush, fsync, rename, fsync of the folder.
-    fn commit(mut self: Box<Self>, name: &str) -> Result<(), StoreError> {
-        let path = self.folder.join(name);
-        if !valid_name(name) || self.named.as_deref().is_some_and(|n| n != name) {
-            return Err(StoreError::Io {
-                path: path.display().to_string(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    "not the name the blob was started under",
-                ),
-            });
-        }
+    fn commit(mut self: Box<Self>) -> Result<(), StoreError> {
+        let path = self.path.clone();
         let file = self.file.take().expect("committed once");
         let result = (|| {
             let file = file.into_inner().map_err(|e| e.into_error())?;

@@ -19,10 +19,10 @@
 //!   it: the parts are invisible until the upload completes) is atomic in every object store;
 //!   S3, GCS and Azure acknowledge a put once the object is durably stored (S3: redundantly,
 //!   across devices, read-after-write consistent). `file://` writes through `object_store`'s
-//!   local store with fsync on (file, then folder) and an atomic rename. A blob whose name is
-//!   only known once written (a checkpoint, a strategy state: named by their hash) goes to a
-//!   temporary key first and is renamed (S3: a server-side copy, then a delete of the
-//!   temporary key; the copy is as durable as a put).
+//!   local store with fsync on (file, then folder) and an atomic rename. Every blob is written
+//!   under its final name from the first byte, so no object is ever copied: models and modules
+//!   by their digest, checkpoints and strategy states under a fresh random name, with a trailer
+//!   of their SHA-256 to prove their contents.
 //!
 //! A crash leaves at worst an unreferenced blob or a temporary one, which the start-up sweep
 //! ([`sweep`]) removes; an abandoned multipart upload's parts are the object store's to expire
@@ -185,13 +185,13 @@ pub struct BlobStream {
 }
 
 /// A blob being written: [`commit`](BlobWriter::commit) makes it durable under its name;
-/// dropped uncommitted, nothing of it stays (a temporary file or key is removed, a multipart
-/// upload aborted).
+/// dropped uncommitted, nothing of it stays (a temporary file is removed, a multipart upload
+/// aborted).
 pub trait BlobWriter: Write + Send {
-    /// Makes what was written durable as blob `name` (the name the writer was created with, if
-    /// any): visible whole or not at all. A blob of that name already there is replaced (names
-    /// are content addresses: it has the same bytes).
-    fn commit(self: Box<Self>, name: &str) -> Result<(), StoreError>;
+    /// Makes what was written durable as the blob the writer was started for: visible whole or
+    /// not at all. A blob of that name already there is replaced (a name is a content address
+    /// or a fresh one: it has the same bytes).
+    fn commit(self: Box<Self>) -> Result<(), StoreError>;
 }
 
 /// Where blobs are kept. Synchronous, like the stores: called on blocking threads.
@@ -217,10 +217,10 @@ pub trait BlobStore: Send + Sync {
         range: Option<Range<u64>>,
     ) -> Result<BlobStream, StoreError>;
 
-    /// Starts writing a blob of `kind`: named `name` when the caller knows it before writing,
-    /// else named at commit (by the hash the caller computed while writing).
-    fn writer(&self, kind: BlobKind, name: Option<&str>)
-        -> Result<Box<dyn BlobWriter>, StoreError>;
+    /// Starts writing blob `name` of `kind`. Every blob is written under its name from the
+    /// first byte (a content address, or a fresh name for a blob that proves its contents by a
+    /// trailer): an object store puts it once and never copies it.
+    fn writer(&self, kind: BlobKind, name: &str) -> Result<Box<dyn BlobWriter>, StoreError>;
 
     /// Deletes a blob; false if there was none (where the store can tell).
     fn remove(&self, kind: BlobKind, name: &str) -> Result<bool, StoreError>;
@@ -234,13 +234,6 @@ pub trait BlobStore: Send + Sync {
 
     /// Where the blobs are, for messages.
     fn describe(&self) -> String;
-
-    /// The largest blob this store can take under a name given only at commit (a checkpoint,
-    /// a strategy's state, named by their content): S3 renames by one server-side copy, which
-    /// takes at most 5 GiB. None: no limit.
-    fn largest_renamed(&self) -> Option<u64> {
-        None
-    }
 
     /// Removes what interrupted writes left where [`BlobStore::list`] does not show it; for
     /// the start-up sweep, when nothing is being written. Returns how many.
@@ -267,9 +260,9 @@ fn module_name(hex_digest: &str) -> String {
 
 /// Writes `bytes` as blob `name` of `kind`.
 fn put(blobs: &dyn BlobStore, kind: BlobKind, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
-    let mut w = blobs.writer(kind, Some(name))?;
+    let mut w = blobs.writer(kind, name)?;
     w.write_all(bytes).map_err(files::io_at(name))?;
-    w.commit(name)
+    w.commit()
 }
 
 /// Reads a whole blob.
@@ -365,24 +358,21 @@ pub trait Blobs {
         }
     }
 
-    /// Writes an accumulator checkpoint (the f64 sum), named by the SHA-256 of its encoding;
-    /// returns the name. The sum is streamed out, hashed as it goes (it is the largest thing
-    /// the server holds: never hold it twice).
+    /// Writes an accumulator checkpoint (the f64 sum) under a fresh name, which it returns.
+    /// The sum is streamed out under that name from the first byte (an object store puts it
+    /// once: no copy, whatever its size), hashed as it goes into the trailer that proves it (it
+    /// is the largest thing the server holds: never hold it twice).
     fn write_checkpoint(&self, sum: &[f64]) -> Result<String, StoreError> {
-        let mut w = self.blobs().writer(BlobKind::Checkpoint, None)?;
-        let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
-        files::encode_checkpoint(sum, |bytes| {
-            hash.update(bytes);
-            w.write_all(bytes)
-        })
-        .map_err(files::io_at("a new checkpoint"))?;
-        let name = files::checkpoint_name(hash);
-        w.commit(&name)?;
+        let name = files::fresh_name("ckpt");
+        let mut w = self.blobs().writer(BlobKind::Checkpoint, &name)?;
+        files::encode_checkpoint(sum, |bytes| w.write_all(bytes))
+            .map_err(files::io_at("a new checkpoint"))?;
+        w.commit()?;
         Ok(name)
     }
 
     /// Reads a checkpoint back; corrupt if it does not hold `expected_len` values or its
-    /// contents do not match its name.
+    /// contents do not match its checksum.
     fn read_checkpoint(&self, file: &str, expected_len: usize) -> Result<Vec<f64>, StoreError> {
         let r = self.blobs().reader(BlobKind::Checkpoint, file, None)?;
         files::decode_checkpoint(r, file, expected_len, files::io_at(file))

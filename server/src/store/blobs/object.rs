@@ -24,7 +24,6 @@ use object_store::path::Path as Key;
 use object_store::{GetOptions, GetRange, GetResultPayload, ObjectStore, ObjectStoreExt};
 
 use super::{valid_name, BlobKind, BlobMeta, BlobStore, BlobStream, BlobWriter, ByteStream};
-use crate::store::files::temp_name;
 use crate::store::StoreError;
 
 /// The size of a multipart upload's parts, and the most a write holds before it starts one
@@ -131,14 +130,9 @@ pub struct ObjectBlobs {
     /// Some until dropped (then shut down without waiting, as the PostgreSQL store's).
     runtime: Option<tokio::runtime::Runtime>,
     shown: String,
-    /// [`BlobStore::largest_renamed`].
-    largest_renamed: Option<u64>,
     /// The directory of a `file://` store, whose staged writes the sweep looks for.
     local: Option<PathBuf>,
 }
-
-/// The largest object S3's CopyObject takes in one request.
-const S3_LARGEST_COPY: u64 = 5 << 30;
 
 impl ObjectBlobs {
     pub fn open(location: &BlobLocation) -> Result<Self, StoreError> {
@@ -233,9 +227,7 @@ impl ObjectBlobs {
                 Key::from(prefix),
             ))
         };
-        let mut blobs = Self::with_store(store, shown)?;
-        blobs.largest_renamed = Some(S3_LARGEST_COPY);
-        Ok(blobs)
+        Self::with_store(store, shown)
     }
 
     /// Blobs in `store`, `shown` in messages.
@@ -253,7 +245,6 @@ impl ObjectBlobs {
             store,
             runtime: Some(runtime),
             shown,
-            largest_renamed: None,
             local: None,
         })
     }
@@ -426,17 +417,9 @@ impl BlobStore for ObjectBlobs {
         Ok(BlobStream { len, total, stream })
     }
 
-    fn writer(
-        &self,
-        kind: BlobKind,
-        name: Option<&str>,
-    ) -> Result<Box<dyn BlobWriter>, StoreError> {
-        // A name known now is written to directly (a put is atomic); else a temporary key,
-        // renamed at commit.
-        let key = match name {
-            Some(name) => self.key(kind, name)?,
-            None => self.key(kind, &temp_name(""))?,
-        };
+    /// Written to its key directly: a put, or a multipart upload's completion, is atomic.
+    fn writer(&self, kind: BlobKind, name: &str) -> Result<Box<dyn BlobWriter>, StoreError> {
+        let key = self.key(kind, name)?;
         let upload = object_store::buffered::BufWriter::with_capacity(
             self.store.clone(),
             key.clone(),
@@ -445,10 +428,7 @@ impl BlobStore for ObjectBlobs {
         .with_max_concurrency(PARTS_IN_FLIGHT);
         Ok(Box::new(ObjectWriter {
             handle: self.handle().clone(),
-            store: self.store.clone(),
-            kind,
             key,
-            named: name.map(str::to_string),
             upload: Some(upload),
             pending: Vec::new(),
             shown: self.shown.clone(),
@@ -499,10 +479,6 @@ impl BlobStore for ObjectBlobs {
 
     fn describe(&self) -> String {
         self.shown.clone()
-    }
-
-    fn largest_renamed(&self) -> Option<u64> {
-        self.largest_renamed
     }
 
     /// `object_store`'s local store writes `<key>#<n>` and renames it into place; a crash, or
@@ -583,11 +559,8 @@ impl Read for StreamReader {
 /// `object_store`'s buffered writer (one put, or a multipart upload once past [`PART_BYTES`]).
 struct ObjectWriter {
     handle: tokio::runtime::Handle,
-    store: Arc<dyn ObjectStore>,
-    kind: BlobKind,
-    /// Where the bytes go: the blob's key, or a temporary one.
+    /// The blob's key.
     key: Key,
-    named: Option<String>,
     /// Some until committed (or failed).
     upload: Option<object_store::buffered::BufWriter>,
     pending: Vec<u8>,
@@ -643,10 +616,7 @@ impl Write for ObjectWriter {
 }
 
 impl BlobWriter for ObjectWriter {
-    fn commit(mut self: Box<Self>, name: &str) -> Result<(), StoreError> {
-        if !valid_name(name) || self.named.as_deref().is_some_and(|n| n != name) {
-            return Err(self.failed(format!("{name} is not the name the blob was started under")));
-        }
+    fn commit(mut self: Box<Self>) -> Result<(), StoreError> {
         if !self.pending.is_empty() {
             let bytes = Bytes::from(std::mem::take(&mut self.pending));
             self.send(bytes).map_err(|e| self.failed(e))?;
@@ -664,18 +634,7 @@ impl BlobWriter for ObjectWriter {
                     source: Box::new(e),
                 })
         })
-        .map_err(|e| self.failed(e))?;
-        if self.named.is_none() {
-            let to = Key::from(self.kind.folder()).join(name);
-            let (store, from) = (self.store.clone(), self.key.clone());
-            let renamed = run(&self.handle, async move { store.rename(&from, &to).await });
-            if let Err(e) = renamed {
-                let (store, from) = (self.store.clone(), self.key.clone());
-                let _ = run(&self.handle, async move { store.delete(&from).await });
-                return Err(self.failed(e));
-            }
-        }
-        Ok(())
+        .map_err(|e| self.failed(e))
     }
 }
 

@@ -19,9 +19,9 @@ fn names(s: &dyn Storage, kind: BlobKind) -> HashSet<String> {
 
 /// Writes blob `name` of `kind` with `bytes` as it is (not through a typed helper).
 fn plant(s: &dyn Storage, kind: BlobKind, name: &str, bytes: &[u8]) {
-    let mut w = s.blobs().writer(kind, Some(name)).unwrap();
+    let mut w = s.blobs().writer(kind, name).unwrap();
     w.write_all(bytes).unwrap();
-    w.commit(name).unwrap();
+    w.commit().unwrap();
 }
 
 fn read(
@@ -77,12 +77,11 @@ pub(super) fn checkpoints_and_masked_sums_round_trip(f: &mut dyn Fixture) {
     let sum = [1.5, -2.0, 1e300];
     let ckpt = s.write_checkpoint(&sum).unwrap();
     assert!(ckpt.ends_with(".ckpt"));
-    assert_eq!(
-        s.write_checkpoint(&sum).unwrap(),
-        ckpt,
-        "equal contents, equal names"
-    );
-    assert_ne!(s.write_checkpoint(&[1.5, -2.0, 0.0]).unwrap(), ckpt);
+    let again = s.write_checkpoint(&sum).unwrap();
+    assert_ne!(again, ckpt, "every checkpoint has a name of its own");
+    assert_eq!(s.read_checkpoint(&again, 3).unwrap(), sum);
+    s.remove_checkpoint(&again);
+    assert_eq!(s.read_checkpoint(&ckpt, 3).unwrap(), sum, "not the other's");
     assert_eq!(s.read_checkpoint(&ckpt, 3).unwrap(), sum);
     assert!(matches!(
         s.read_checkpoint(&ckpt, 4),
@@ -274,11 +273,11 @@ pub(super) fn blobs_stream_in_ranges_and_large_ones_in_parts(f: &mut dyn Fixture
     // in pieces of odd sizes.
     let big: Vec<u8> = (0..20_000_003u32).map(|i| (i % 251) as u8).collect();
     let name = format!("{}.safetensors", hora_common::sha256_hex(&big));
-    let mut w = s.blobs().writer(BlobKind::Model, Some(&name)).unwrap();
+    let mut w = s.blobs().writer(BlobKind::Model, &name).unwrap();
     for piece in big.chunks(3_000_017) {
         w.write_all(piece).unwrap();
     }
-    w.commit(&name).unwrap();
+    w.commit().unwrap();
     let meta = s.blobs().head(BlobKind::Model, &name).unwrap().unwrap();
     assert_eq!(meta.len, big.len() as u64);
     assert!(
@@ -301,10 +300,18 @@ pub(super) fn blobs_stream_in_ranges_and_large_ones_in_parts(f: &mut dyn Fixture
         .unwrap();
     let chunks: Vec<bytes::Bytes> = runtime.block_on(blob.stream.try_collect()).unwrap();
     assert!(chunks.concat() == big[100..8_400_000], "streamed range");
-    // A name known only once written (a checkpoint's, a state's): named at commit.
-    let mut w = s.blobs().writer(BlobKind::StrategyState, None).unwrap();
+    // A blob is under its name once committed, not before.
+    let mut w = s
+        .blobs()
+        .writer(BlobKind::StrategyState, "late.state")
+        .unwrap();
     w.write_all(&big[..10_000_000]).unwrap();
-    w.commit("late.state").unwrap();
+    assert!(s
+        .blobs()
+        .head(BlobKind::StrategyState, "late.state")
+        .unwrap()
+        .is_none());
+    w.commit().unwrap();
     assert_eq!(
         read(s, BlobKind::StrategyState, "late.state", Some(0..10)),
         big[..10]
@@ -328,12 +335,15 @@ pub(super) fn blobs_stream_in_ranges_and_large_ones_in_parts(f: &mut dyn Fixture
 pub(super) fn an_uncommitted_blob_leaves_nothing(f: &mut dyn Fixture) {
     let s = f.store();
     for size in [10, 9_000_000] {
-        let mut w = s.blobs().writer(BlobKind::Checkpoint, None).unwrap();
+        let mut w = s
+            .blobs()
+            .writer(BlobKind::Checkpoint, "never.ckpt")
+            .unwrap();
         w.write_all(&vec![7u8; size]).unwrap();
         drop(w);
         let mut w = s
             .blobs()
-            .writer(BlobKind::Model, Some("never.safetensors"))
+            .writer(BlobKind::Model, "never.safetensors")
             .unwrap();
         w.write_all(&vec![7u8; size]).unwrap();
         drop(w);
