@@ -133,6 +133,33 @@ impl BlobStore for DirBlobs {
         }))
     }
 
+    /// Written to a temporary file, then hard-linked to its name (which fails if the name is
+    /// taken), so it appears whole or not at all.
+    fn create(&self, kind: BlobKind, name: &str, bytes: &[u8]) -> Result<bool, StoreError> {
+        let path = self.path(kind, name)?;
+        let folder = self.dir.join(kind.folder());
+        let tmp = folder.join(files::temp_name(""));
+        let result = (|| {
+            let mut file = File::create(&tmp)?;
+            file.write_all(bytes)?;
+            if self.durable {
+                file.sync_all()?;
+            }
+            drop(file);
+            let linked = match fs::hard_link(&tmp, &path) {
+                Ok(()) => true,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
+                Err(e) => return Err(e),
+            };
+            if linked && self.durable {
+                File::open(&folder)?.sync_all()?;
+            }
+            Ok(linked)
+        })();
+        let _ = fs::remove_file(&tmp);
+        result.map_err(io(&path))
+    }
+
     fn remove(&self, kind: BlobKind, name: &str) -> Result<bool, StoreError> {
         let path = self.path(kind, name)?;
         match fs::remove_file(&path) {

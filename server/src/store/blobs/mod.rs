@@ -96,8 +96,25 @@ pub fn reachable(blobs: &dyn BlobStore) -> Result<(), StoreError> {
 /// (`--blobs` changed between runs). Untied records and blobs (a new deployment, or one from
 /// before the ids) are tied now; so is an empty blob store to records that have an id (a fresh
 /// location). Records with tasks but no id over blobs with one take the blobs' id: the first
-/// start with ids, ended between the two writes.
+/// start with ids, ended between the two writes. The blob's id is created only if absent, so of
+/// two new deployments started at once on one new location, one ties it and the other is
+/// refused.
 pub fn bind(store: &super::Store) -> Result<(), StoreError> {
+    // Judged again when another server tied the blobs between our look and our write (once is
+    // enough: the id, once there, stays).
+    for _ in 0..2 {
+        if let Some(bound) = try_bind(store)? {
+            return Ok(bound);
+        }
+    }
+    Err(StoreError::Blobs {
+        at: store.blobs().describe(),
+        reason: "their id changed while this server was reading it: is another server starting on this --blobs location?".into(),
+    })
+}
+
+/// [`bind`], or None when another server wrote the blobs' id first.
+fn try_bind(store: &super::Store) -> Result<Option<()>, StoreError> {
     let blobs = store.blobs();
     let refused = |why: String| StoreError::Blobs {
         at: blobs.describe(),
@@ -116,9 +133,9 @@ pub fn bind(store: &super::Store) -> Result<(), StoreError> {
         store.flush()
     };
     match (store.meta(STORE_ID)?, marker) {
-        (Some(ours), Some(theirs)) if ours == theirs => Ok(()),
+        (Some(ours), Some(theirs)) if ours == theirs => Ok(Some(())),
         (Some(ours), Some(theirs)) => Err(refused(format!("these blobs belong to another Hora store (id {theirs}; this server's records are {ours}): give each deployment its own --blobs location; sharing one would let each server delete the other's blobs as unreferenced"))),
-        (None, Some(theirs)) if !store.tasks()?.is_empty() => adopt(&theirs),
+        (None, Some(theirs)) if !store.tasks()?.is_empty() => adopt(&theirs).map(Some),
         (None, Some(theirs)) => Err(refused(format!("these blobs belong to another Hora store (id {theirs}) and this server's records are new: give this server its own --blobs location (to move a deployment, move its records with its blobs)"))),
         (Some(ours), None) => {
             let used = BlobKind::ALL
@@ -128,12 +145,16 @@ pub fn bind(store: &super::Store) -> Result<(), StoreError> {
             if used.contains(&false) {
                 return Err(refused(format!("these blobs were not written for this server's records (store {ours}): was --blobs changed since the last run? Point it back at the blobs these records were written with")));
             }
-            put(blobs, BlobKind::Meta, STORE_ID, ours.as_bytes())
+            Ok(blobs
+                .create(BlobKind::Meta, STORE_ID, ours.as_bytes())?
+                .then_some(()))
         }
         (None, None) => {
             let id = format!("{:032x}", rand::random::<u128>());
-            put(blobs, BlobKind::Meta, STORE_ID, id.as_bytes())?;
-            adopt(&id)
+            if !blobs.create(BlobKind::Meta, STORE_ID, id.as_bytes())? {
+                return Ok(None);
+            }
+            adopt(&id).map(Some)
         }
     }
 }
@@ -221,6 +242,10 @@ pub trait BlobStore: Send + Sync {
     /// first byte (a content address, or a fresh name for a blob that proves its contents by a
     /// trailer): an object store puts it once and never copies it.
     fn writer(&self, kind: BlobKind, name: &str) -> Result<Box<dyn BlobWriter>, StoreError>;
+
+    /// Writes a small blob unless one of that name is there already, atomically (two servers
+    /// creating it at once: one wins, and the other is told so); true if this call wrote it.
+    fn create(&self, kind: BlobKind, name: &str, bytes: &[u8]) -> Result<bool, StoreError>;
 
     /// Deletes a blob; false if there was none (where the store can tell).
     fn remove(&self, kind: BlobKind, name: &str) -> Result<bool, StoreError>;

@@ -435,6 +435,33 @@ impl BlobStore for ObjectBlobs {
         }))
     }
 
+    /// A put with `If-None-Match: *` on S3 (and a hard link on `file://`). An S3-compatible
+    /// store told not to use conditional puts (`AWS_CONDITIONAL_PUT=disabled`) gets a look,
+    /// then a put: not atomic.
+    fn create(&self, kind: BlobKind, name: &str, bytes: &[u8]) -> Result<bool, StoreError> {
+        let key = self.key(kind, name)?;
+        let (store, at) = (self.store.clone(), key.clone());
+        let payload = object_store::PutPayload::from(bytes.to_vec());
+        let created = run(self.handle(), async move {
+            store
+                .put_opts(&at, payload, object_store::PutMode::Create.into())
+                .await
+        });
+        match created {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(object_store::Error::NotImplemented { .. }) => {
+                tracing::warn!(blobs = %self.shown, "the blob store takes no conditional puts: {name} is written after a look, which two servers starting at once could both pass");
+                if self.head(kind, name)?.is_some() {
+                    return Ok(false);
+                }
+                super::put(self, kind, name, bytes)?;
+                Ok(true)
+            }
+            Err(e) => Err(self.error(&key)(e)),
+        }
+    }
+
     fn remove(&self, kind: BlobKind, name: &str) -> Result<bool, StoreError> {
         let key = self.key(kind, name)?;
         let store = self.store.clone();

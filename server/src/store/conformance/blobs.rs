@@ -332,6 +332,29 @@ pub(super) fn blobs_stream_in_ranges_and_large_ones_in_parts(f: &mut dyn Fixture
         .is_err());
 }
 
+pub(super) fn a_blob_is_created_once(f: &mut dyn Fixture) {
+    let s = f.store();
+    // Servers creating one blob at once: exactly one writes it, and it is that one's.
+    let racers = if f.creates_atomically() { 4 } else { 1 };
+    let created: Vec<(bool, u8)> = std::thread::scope(|scope| {
+        let racers: Vec<_> = (0..racers)
+            .map(|i| {
+                scope.spawn(move || {
+                    let wrote = s.blobs().create(BlobKind::Meta, "once", &[i; 64]).unwrap();
+                    (wrote, i)
+                })
+            })
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let winners: Vec<u8> = created.iter().filter(|c| c.0).map(|c| c.1).collect();
+    assert_eq!(winners.len(), 1, "{created:?}");
+    assert_eq!(read(s, BlobKind::Meta, "once", None), [winners[0]; 64]);
+    assert!(!s.blobs().create(BlobKind::Meta, "once", b"late").unwrap());
+    assert_eq!(read(s, BlobKind::Meta, "once", None), [winners[0]; 64]);
+    assert!(s.blobs().remove(BlobKind::Meta, "once").unwrap());
+}
+
 pub(super) fn an_uncommitted_blob_leaves_nothing(f: &mut dyn Fixture) {
     let s = f.store();
     for size in [10, 9_000_000] {
