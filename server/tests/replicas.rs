@@ -15,6 +15,18 @@ mod support;
 #[path = "../src/store/postgres/test_server.rs"]
 mod test_server;
 
+/// The S3-compatible server the store's unit tests start, this same file.
+#[allow(dead_code)]
+#[path = "../src/store/blobs/test_s3.rs"]
+mod test_s3;
+
+/// Where `test_s3` finds what it needs of the crate.
+mod store {
+    pub(crate) mod postgres {
+        pub(crate) use crate::test_server;
+    }
+}
+
 use std::time::{Duration, Instant};
 
 use hora_common::model::Model;
@@ -288,9 +300,9 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     );
 }
 
-/// A TCP relay on loopback to PostgreSQL, standing for the network between one replica and the
-/// database: [`cut`](Relay::cut) closes every connection through it and refuses new ones until
-/// [`restore`](Relay::restore).
+/// A TCP relay on loopback to PostgreSQL (or the blob store), standing for the network between
+/// one replica and the database: [`cut`](Relay::cut) closes every connection through it and
+/// refuses new ones until [`restore`](Relay::restore).
 struct Relay {
     port: u16,
     /// Whether it is cut, and the links through it; one lock, so no link outlives a cut.
@@ -430,4 +442,79 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
     for got in &published.data()[..3] {
         assert!((got - 1.0).abs() < 1e-6, "{:?}", published.data());
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_blob_store_outage_is_answered_503_and_loses_nothing_acknowledged() {
+    let s3 = test_s3::TestS3::start();
+    let port: u16 = s3
+        .endpoint()
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the S3 server's port");
+    let relay = Relay::to(port).await;
+    let data = tempfile::tempdir().unwrap();
+    let endpoint = format!("http://127.0.0.1:{}", relay.port);
+    let bucket = format!("s3://{}/outage", test_s3::BUCKET);
+    let server = Server::spawn_with(
+        data.path(),
+        "127.0.0.1:0",
+        &["--blobs", &bucket, "--blobs-endpoint", &endpoint],
+        &[
+            ("AWS_ACCESS_KEY_ID", test_s3::ACCESS_KEY),
+            ("AWS_SECRET_ACCESS_KEY", test_s3::SECRET_KEY),
+            ("AWS_REGION", "us-east-1"),
+        ],
+    )
+    .listening();
+    let admin = server.admin();
+    let (clients, offers) = round_of(&admin, "s3", model([0.0; 4]), 2).await;
+    clients[0]
+        .upload("s3", &offers[0], 1, &model([2.0, 0.0, 0.0, 0.0]))
+        .await;
+
+    // The blob store goes away: the model's download, readiness and the next upload (whose
+    // checkpoint cannot be written) are answered 503, worth retrying, within seconds.
+    relay.cut().await;
+    let http = server.http();
+    let asked = Instant::now();
+    let download = http
+        .get(format!("{}/v1/tasks/s3/model", server.url))
+        .bearer_auth(&clients[1].api.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(download.status(), 503);
+    let error: Value = download.json().await.unwrap();
+    assert_eq!(error["code"], "store_unavailable", "{error}");
+    assert_eq!(
+        readiness(&http, &server.url).await.as_deref(),
+        Some("store_unavailable")
+    );
+    let refused = clients[1]
+        .try_upload("s3", &offers[1], 3, &model([0.0, 2.0, 0.0, 0.0]))
+        .await;
+    assert_eq!(
+        refused, 503,
+        "an upload was acknowledged without its checkpoint"
+    );
+    println!("answered within {:?} of the outage", asked.elapsed());
+    assert!(asked.elapsed() < Duration::from_secs(60));
+
+    // It comes back: the upload is taken, and the round publishes both, nothing lost.
+    relay.restore();
+    let back = Instant::now();
+    while clients[1]
+        .try_upload("s3", &offers[1], 3, &model([0.0, 2.0, 0.0, 0.0]))
+        .await
+        != 200
+    {
+        assert!(back.elapsed() < Duration::from_secs(30), "no recovery");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    admin.wait_published("s3", 1).await;
+    let published = admin.round_model("s3", 1).await;
+    // (1·2 + 3·0)/4 and (1·0 + 3·2)/4.
+    assert_eq!(&published.data()[..2], &[0.5, 1.5]);
 }

@@ -44,9 +44,19 @@ impl Coordinator {
             let Some(round) = task.current() else {
                 continue;
             };
-            let (me, t) = (self.clone(), task.clone());
-            if let Err(e) = crate::blocking(move || me.checkpoint(&t, &round)).await {
-                tracing::error!(task = %task.id, error = %e, "checkpoint failed; uploads stay unacknowledged and will be retried");
+            let (me, t, r) = (self.clone(), task.clone(), round.clone());
+            match crate::blocking(move || me.checkpoint(&t, &r)).await {
+                Ok(()) => {
+                    round
+                        .storage_trouble
+                        .send_if_modified(|t| t.take().is_some());
+                }
+                Err(e) => {
+                    tracing::error!(task = %task.id, error = %e, "checkpoint failed; uploads stay unacknowledged and will be retried");
+                    if e.code() == ErrorCode::StoreUnavailable {
+                        round.storage_trouble.send_replace(Some(e.to_string()));
+                    }
+                }
             }
             last = started.elapsed();
         }
@@ -134,13 +144,30 @@ impl Coordinator {
         index: usize,
     ) -> Result<wire::UpdateReceipt, ServerError> {
         let mut durability = round.durability.subscribe();
-        let waited = tokio::time::timeout(
-            self.config.durability_timeout,
-            durability.wait_for(|d| match d {
-                Durability::Upto(n) => *n > index,
-                Durability::Abandoned(_) => true,
-            }),
-        )
+        let mut trouble = round.storage_trouble.subscribe();
+        // (Only trouble that comes after this upload was folded: an earlier failure's is old news
+        // to it, and the next checkpoint, which holds it, may land.)
+        trouble.mark_unchanged();
+        let durable = durability.wait_for(|d| match d {
+            Durability::Upto(n) => *n > index,
+            Durability::Abandoned(_) => true,
+        });
+        let troubled = async {
+            loop {
+                if trouble.changed().await.is_err() {
+                    return std::future::pending().await;
+                }
+                if let Some(why) = trouble.borrow_and_update().clone() {
+                    return why;
+                }
+            }
+        };
+        let waited = tokio::time::timeout(self.config.durability_timeout, async {
+            tokio::select! {
+                durable = durable => Ok(durable),
+                why = troubled => Err(why),
+            }
+        })
         .await
         .map_err(|_| {
             ServerError::unavailable(
@@ -149,6 +176,12 @@ impl Coordinator {
                     "the update was accepted but is not durable after {} s (storage is slow); retry the same upload to get its receipt",
                     self.config.durability_timeout.as_secs()
                 ),
+            )
+        })?
+        .map_err(|why| {
+            ServerError::unavailable(
+                ErrorCode::StoreUnavailable,
+                format!("the update was taken but cannot be made durable now ({why}); retry the same upload to get its receipt"),
             )
         })?;
         let outcome = waited.map(|d| d.clone()).map_err(|_| {

@@ -204,6 +204,9 @@ pub struct Round {
     /// Who `acc` has selected and taken updates from, readable while `acc` is busy.
     pub(crate) roster: Mutex<Roster>,
     pub(crate) durability: watch::Sender<Durability>,
+    /// Why the last checkpoint failed, while the store is unreachable (None once one lands):
+    /// waiting uploads are answered 503 at once rather than at the durability timeout.
+    pub(crate) storage_trouble: watch::Sender<Option<String>>,
     /// What waiting joins learn about their selection.
     pub(crate) selection: watch::Sender<SelectionDurability>,
     /// How the round's updates arrive.

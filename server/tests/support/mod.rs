@@ -37,12 +37,23 @@ impl Server {
     /// Starts `hora-server serve` on `listen` without waiting for it to listen (a standby
     /// replica listens only once it leads).
     pub fn spawn_on(data_dir: &Path, listen: &str, extra: &[&str]) -> Starting {
+        Server::spawn_with(data_dir, listen, extra, &[])
+    }
+
+    /// [`spawn_on`](Self::spawn_on) with environment variables `envs` set.
+    pub fn spawn_with(
+        data_dir: &Path,
+        listen: &str,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Starting {
         let child = Command::new(env!("CARGO_BIN_EXE_hora-server"))
             .args(["serve", "--listen", listen, "--admin-token", ADMIN_TOKEN])
             .arg("--data-dir")
             .arg(data_dir)
             .args(extra)
             .env("HORA_LOG", "warn")
+            .envs(envs.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -214,6 +214,20 @@ impl ObjectBlobs {
                 builder = builder.with_config(Client(key), value);
             }
         }
+        // A store that is down is answered 503 within seconds, not after object_store's three
+        // minutes of retries: the callers retry by themselves (clients, the group commit, a
+        // round's close).
+        if builder
+            .get_config_value(&Client(ClientConfigKey::ConnectTimeout))
+            .is_none()
+        {
+            builder = builder.with_config(Client(ClientConfigKey::ConnectTimeout), "5s");
+        }
+        builder = builder.with_retry(object_store::RetryConfig {
+            max_retries: 3,
+            retry_timeout: std::time::Duration::from_secs(15),
+            ..Default::default()
+        });
         // object_store's HTTP client is reqwest with rustls and no provider of its own: it takes
         // the process's default, which is ring (the only provider in the tree) unless one was
         // installed already.
