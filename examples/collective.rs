@@ -165,13 +165,8 @@ fn run(args: &Args) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("HORA_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    use hora_common::logging::{init, LogFormat};
+    init(LogFormat::from_env(), "warn");
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,

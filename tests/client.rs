@@ -465,14 +465,26 @@ async fn a_client_given_several_servers_fails_over_to_one_that_answers() {
         server.url
     );
     let mut cmd = client_command(&urls, &server.ca, &dir.path().join("c"), "t", 0);
-    cmd.args(["--token", &token]).env("HORA_LOG", "warn");
+    cmd.args(["--token", &token, "--log-format", "json"])
+        .env("HORA_LOG", "warn");
     let out = finish(spawn(cmd));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("does not answer; trying"), "{stderr}");
-    assert!(
-        stderr.contains("stands by (another replica leads); trying"),
-        "{stderr}"
-    );
+    // (Its logs are JSON events, one per line.)
+    let warnings: Vec<String> = stderr
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|event| event["level"] == "WARN")
+        .filter_map(|event| event["fields"]["message"].as_str().map(str::to_string))
+        .collect();
+    for moved in [
+        "does not answer; trying",
+        "stands by (another replica leads); trying",
+    ] {
+        assert!(
+            warnings.iter().any(|w| w.contains(moved)),
+            "no `{moved}` warning among {warnings:?}:\n{stderr}"
+        );
+    }
     let info = task_info(&admin, "t").await;
     assert_eq!(
         (info.state, info.published_rounds),

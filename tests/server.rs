@@ -665,6 +665,29 @@ async fn a_round_short_of_min_clients_at_its_deadline_is_abandoned_and_retried()
 
 #[test]
 fn a_short_admin_token_is_refused_at_start() {
+    let stderr = refused_at_start("text");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    assert!(stderr.contains("at least 16"), "{stderr}");
+    // With JSON logs, the reason is an event too, for the log collector.
+    let stderr = refused_at_start("json");
+    let event: serde_json::Value = stderr
+        .lines()
+        .find_map(|line| serde_json::from_str(line).ok())
+        .unwrap_or_else(|| panic!("no JSON event in:\n{stderr}"));
+    assert_eq!(event["level"], "ERROR", "{event}");
+    assert_eq!(event["fields"]["message"], "stopped", "{event}");
+    assert!(
+        event["fields"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("at least 16")),
+        "{event}"
+    );
+    assert!(event["timestamp"].is_string(), "{event}");
+}
+
+/// The standard error of `hora-server serve` with a 7-character admin token, logging as
+/// `log_format` says; it must exit by itself, failed.
+fn refused_at_start(log_format: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let mut child = std::process::Command::new(binary("hora-server"))
         .args([
@@ -673,6 +696,8 @@ fn a_short_admin_token_is_refused_at_start() {
             "127.0.0.1:0",
             "--admin-token",
             "hunter2",
+            "--log-format",
+            log_format,
         ])
         .arg("--data-dir")
         .arg(dir.path())
@@ -695,8 +720,8 @@ fn a_short_admin_token_is_refused_at_start() {
     };
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
-    assert!(!status.success());
-    assert!(stderr.contains("at least 16"), "{stderr}");
+    assert!(!status.success(), "{stderr}");
+    stderr
 }
 
 /// An HTTPS client for `server` that speaks only HTTP/1.1, or only HTTP/2.

@@ -27,6 +27,7 @@ use hora_client::transport::RetryPolicy;
 use hora_client::{
     Client, ClientConfig, ClientError, Paced, RoundOutcome, RoundReport, SupervisedTrainer, Trainer,
 };
+use hora_common::logging::{self, LogFormat};
 use hora_common::tls::Identity;
 use hora_common::wire::ModelKind;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -69,6 +70,16 @@ macro_rules! fill_from {
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How logs are written to standard error: `text` for people, `json` (one object per line)
+    /// for a log collector. Which events: `HORA_LOG` (for example `warn` or `info,hora=debug`).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "HORA_LOG_FORMAT",
+        default_value_t = LogFormat::Text
+    )]
+    log_format: LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -792,14 +803,9 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("HORA_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    logging::init(cli.log_format, "info");
+    let cli_format = cli.log_format;
     let result = match cli.command {
         Command::Train(args) => tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -818,7 +824,7 @@ fn main() -> ExitCode {
                 eprintln!("fault drill: dropped out after the {stage:?} stage");
                 return ExitCode::from(3);
             }
-            eprintln!("error: {e:#}");
+            logging::fatal(cli_format, &format!("{e:#}"));
             let refused = matches!(
                 e.downcast_ref::<ClientError>(),
                 Some(

@@ -20,6 +20,8 @@
 
 pub mod envelope;
 pub mod kernel;
+#[cfg(feature = "logging")]
+pub mod logging;
 pub mod model;
 pub mod secagg;
 #[cfg(any(test, feature = "test-util"))]
@@ -27,7 +29,7 @@ pub mod testing;
 pub mod tls;
 pub mod wire;
 
-/// The hex SHA-256 of `bytes`: how modules, checkpoints and stored secrets are named and checked.
+/// The hex SHA-256 of `bytes`: how modules, masked sums and stored secrets are named and checked.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(ring::digest::digest(&ring::digest::SHA256, bytes))
 }

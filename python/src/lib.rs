@@ -143,16 +143,11 @@ fn sync_error(py: Python<'_>, e: SyncError) -> PyErr {
     err
 }
 
-/// Logs of the Rust core go to stderr, filtered by `HORA_LOG` (default `info`).
+/// Logs of the Rust core go to stderr, filtered by `HORA_LOG` (default `info`), as text or, with
+/// `HORA_LOG_FORMAT=json`, JSON.
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("HORA_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .try_init();
+    use hora_common::logging::{init, LogFormat};
+    init(LogFormat::from_env(), "info");
 }
 
 #[pymodule]

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use hora_common::logging::{self, LogFormat};
 use hora_server::store::StoreLocation;
 use hora_server::{admin_cli, config, tls};
 
@@ -17,6 +18,16 @@ use hora_server::{admin_cli, config, tls};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How logs are written to standard error: `text` for people, `json` (one object per line)
+    /// for a log collector. Which events: `HORA_LOG` (for example `warn` or `info,hora=debug`).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "HORA_LOG_FORMAT",
+        default_value_t = LogFormat::Text
+    )]
+    log_format: LogFormat,
 }
 
 // Parsed once, on main's stack: the size of its largest variant costs nothing.
@@ -65,17 +76,21 @@ fn postgres_target(store: &str, what: &str) -> Result<hora_server::store::postgr
     }
 }
 
-fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("HORA_LOG")
-                .unwrap_or_else(|_| "info,hora_server=info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    logging::init(cli.log_format, "info");
+    match run(cli.command) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            logging::fatal(cli.log_format, &format!("{e:#}"));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
-    match cli.command {
+    match command {
         Command::Serve(args) => {
             runtime.block_on(hora_server::serve(config::ServeConfig::resolve(args)?))
         }
