@@ -445,14 +445,16 @@ async fn a_client_given_several_servers_fails_over_to_one_that_answers() {
     // (it answers 503 `standby` once its port is up): the client moves on to the leader.
     let http = hora_server::tls::https_client(&server.ca, None).expect("an HTTPS client");
     let asked = Instant::now();
-    while http
-        .get(format!("https://{standby_listen}/readyz"))
-        .send()
-        .await
-        .map(|r| r.status())
-        .ok()
-        != Some(reqwest::StatusCode::SERVICE_UNAVAILABLE)
-    {
+    let standing_by = || async {
+        let answer = http
+            .get(format!("https://{standby_listen}/readyz"))
+            .send()
+            .await
+            .ok()?;
+        let error: wire::ApiError = answer.json().await.ok()?;
+        Some(error.code == ErrorCode::Standby)
+    };
+    while standing_by().await != Some(true) {
         assert!(
             asked.elapsed().as_secs() < 30,
             "the standby does not answer"

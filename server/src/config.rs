@@ -36,7 +36,7 @@ pub struct ServeArgs {
     #[arg(long, env = "HORA_BLOBS")]
     pub blobs: Option<String>,
     /// With --store postgres://…: how long the lease of the replica that leads lasts, in
-    /// seconds. It renews it every third of that; the others stand by (not listening) and take
+    /// seconds. It renews it every third of that; the others stand by (answering 503 `standby`) and take
     /// over once it has lapsed: after a leader dies, another serves within this time and a
     /// second or two. Shorter fails over sooner and costs more renewals.
     #[arg(long, env = "HORA_LEASE_SECS")]

@@ -3,7 +3,7 @@
 //! It hands out the current global model of each federated task over HTTPS, takes sealed weight
 //! deltas from clients, folds each into its round's running weighted sum the moment it arrives
 //! (memory O(model), never O(clients × model)), keeps its records in sled (or PostgreSQL) with
-//! large blobs in content-addressed files, and is driven by operators through a REST admin API.
+//! large blobs in files that prove their contents, and is driven by operators through a REST admin API.
 //!
 //! Reading order, following a request:
 //! - [`Server`] wires everything together ([`Server::build`] from a config, [`Server::run`] on a
@@ -83,6 +83,8 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
         store::StoreLocation::Sled => None,
     };
     let mut standing_by = None;
+    // Leads in a row that found the address taken.
+    let mut taken = 0;
     loop {
         let building = {
             let (config, stop, replica) = (config.clone(), stop.clone(), replica.clone());
@@ -95,7 +97,7 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
             standing_by = port.as_ref().and_then(|port| {
                 port.stand_by()
                     .inspect_err(|e| {
-                        tracing::warn!(error = format!("{e:#}"), "cannot answer as a standby")
+                        tracing::info!(error = format!("{e:#}"), "not answering as a standby")
                     })
                     .ok()
             });
@@ -145,11 +147,30 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
             .map_or_else(|| server.bind(), server::Port::listener)
         {
             Ok(listener) => listener,
+            // Another replica on this address answers there as a standby (both started at
+            // once, and it bound the address first): it should lead, so this one hands the
+            // lease back and stands by. A few times at most: then the address is taken by
+            // something else.
+            Err(e)
+                if port.is_none()
+                    && taken < 10
+                    && e.downcast_ref::<std::io::Error>()
+                        .is_some_and(|e| e.kind() == std::io::ErrorKind::AddrInUse) =>
+            {
+                taken += 1;
+                tracing::warn!(error = format!("{e:#}"), "this replica leads but its address is taken (by a standby replica on the same address?): handing the lease back");
+                server.hand_back().await;
+                tokio::select! {
+                    () = tokio::time::sleep(std::time::Duration::from_secs(1)) => continue,
+                    () = stop.clone().wait() => return Ok(()),
+                }
+            }
             Err(e) => {
                 server.hand_back().await;
                 return Err(e);
             }
         };
+        taken = 0;
         match server.run(listener, stop.clone().wait()).await? {
             server::Stopped::Shutdown => return Ok(()),
             server::Stopped::Deposed(why) => {

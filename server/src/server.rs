@@ -285,14 +285,12 @@ fn connection_limits(config: &ServeConfig, fd_limit: Option<u64>) -> conn::Conne
 /// [`listener`](Self::listener) goes to [`Server::run`].
 pub struct Port {
     listener: TcpListener,
-    tls: rustls::ServerConfig,
-    header_timeout: Duration,
+    config: ServeConfig,
     connections: Arc<conn::Connections>,
 }
 
 impl Port {
-    /// Binds `config`'s `--listen` address and prepares its TLS (making development
-    /// certificates when none are given, as [`Server::build`] would). None when the address is
+    /// Binds `config`'s `--listen` address. None when the address is
     /// taken or not this machine's yet: the leader's own (replicas on one address, or a floating
     /// address that moves to whoever leads), which this replica binds only once it leads.
     pub fn bind(config: &ServeConfig) -> Result<Option<Port>> {
@@ -315,13 +313,10 @@ impl Port {
                 return Err(e).with_context(|| format!("listening on {}", config.listen));
             }
         };
-        let (cert_paths, _) = certificates(config)?;
-        let tls = tls::server_config(&cert_paths, config.client_ca.as_deref())?;
         let limits = connection_limits(config, conn::raise_fd_limit());
         Ok(Some(Port {
             listener,
-            tls,
-            header_timeout: config.header_timeout,
+            config: config.clone(),
             connections: conn::Connections::new(limits, Arc::default()),
         }))
     }
@@ -334,15 +329,21 @@ impl Port {
     }
 
     /// Answers as a standby until [`StandingBy::end`] (while this replica waits for the lease,
-    /// and while it loads its state once it has it).
+    /// and while it loads its state once it has it). It needs the server's certificates: given
+    /// ones, or development ones made already (by whichever replica led first, under the
+    /// lease, so that replicas sharing a certificates directory never make two at once).
     pub fn stand_by(&self) -> Result<StandingBy> {
+        let cert_paths = existing_certificates(&self.config).context(
+            "no certificates yet: development certificates are made by the first replica to lead",
+        )?;
+        let tls = tls::server_config(&cert_paths, self.config.client_ca.as_deref())?;
         let listener = self.listener()?;
         listener.set_nonblocking(true)?;
         let handle = axum_server::Handle::new();
         let serving = serve_tls(
             listener,
-            self.tls.clone(),
-            self.header_timeout,
+            tls,
+            self.config.header_timeout,
             self.connections.clone(),
             handle.clone(),
             api::standby_router(),
@@ -363,10 +364,11 @@ pub struct StandingBy {
 }
 
 impl StandingBy {
-    /// Stops answering as a standby: its connections are closed (clients reconnect, to the
-    /// leader this replica has become or to another), and the port is left bound.
+    /// Stops answering as a standby: its connections are closed at once, a handshake in
+    /// progress included (clients reconnect, to the leader this replica has become or to
+    /// another), and the port is left bound.
     pub async fn end(self) {
-        self.handle.graceful_shutdown(Some(Duration::from_secs(1)));
+        self.handle.shutdown();
         if let Err(e) = self.serving.await {
             tracing::warn!(error = %e, "the standby's answering task failed");
         }
@@ -457,6 +459,33 @@ fn admin_token(store: &Store, config: &ServeConfig) -> Result<(String, Option<St
     Ok((hash, Some(token)))
 }
 
+/// The server's certificate and key as they are now: the given ones, or development ones made
+/// already; None if those are still to be made.
+fn existing_certificates(config: &ServeConfig) -> Option<tls::CertPaths> {
+    match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::CertPaths {
+            cert: cert.clone(),
+            key: key.clone(),
+        }),
+        _ => {
+            let dir = dev_certs_dir(config);
+            let paths = tls::CertPaths {
+                cert: dir.join(tls::SERVER_CERT),
+                key: dir.join(tls::SERVER_KEY),
+            };
+            (paths.cert.exists() && paths.key.exists()).then_some(paths)
+        }
+    }
+}
+
+/// Where development certificates are kept.
+fn dev_certs_dir(config: &ServeConfig) -> PathBuf {
+    config
+        .certs_dir
+        .clone()
+        .unwrap_or_else(|| config.data_dir.join("certs"))
+}
+
 /// The server's certificate and key, made under the certificates directory when none are given
 /// (with the development CA that clients must trust).
 fn certificates(config: &ServeConfig) -> Result<(tls::CertPaths, Option<PathBuf>)> {
@@ -469,10 +498,7 @@ fn certificates(config: &ServeConfig) -> Result<(tls::CertPaths, Option<PathBuf>
             None,
         )),
         (None, None) => {
-            let dir = config
-                .certs_dir
-                .clone()
-                .unwrap_or_else(|| config.data_dir.join("certs"));
+            let dir = dev_certs_dir(config);
             let paths = if dir.join(tls::SERVER_CERT).exists() && dir.join(tls::SERVER_KEY).exists()
             {
                 tls::CertPaths {

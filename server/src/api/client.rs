@@ -366,7 +366,7 @@ pub async fn module(
         (status = 409, body = ApiError, description = "wrong, closed or abandoned round; not selected; already uploaded; `too_stale`: an asynchronous task's update trained from a version more than `max_staleness` behind; `upload_in_progress`: another upload of this client to this round is being read"),
         (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
         (status = 413, body = ApiError, description = "`payload_too_large`: over the task's update size"),
-        (status = 503, body = ApiError, description = "`not_durable_yet`: the update could not be made durable in time, or `shutting_down`: the server is shutting down (retry the upload); `busy`: no room to read the body within the body wait (retry later); `request_timeout`: the server gave up on the request")))]
+        (status = 503, body = ApiError, description = "`not_durable_yet`: the update could not be made durable in time, or `shutting_down`: the server is shutting down (retry the upload); `store_unavailable`: the update was taken but its checkpoint cannot be written now, or the store is down (retry the same upload); `standby`: this replica stands by (send it to another); `busy`: no room to read the body within the body wait (retry later); `request_timeout`: the server gave up on the request")))]
 pub async fn update(
     State(state): State<Shared>,
     auth: ClientAuth,

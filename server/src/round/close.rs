@@ -20,6 +20,7 @@ use hora_common::kernel::{KernelError, WeightedSum};
 use hora_common::wire::{Metrics, RoundOutcome, RoundRecord, TaskState};
 
 use super::collection::Step;
+use super::task::Unsettled;
 use super::{lock, Accumulator, Coordinator, Durability, Ending, Round, SelectionDurability, Task};
 use crate::dp;
 use crate::error::ServerError;
@@ -121,6 +122,17 @@ impl Coordinator {
         };
         if let Some(c) = acc.checkpoint.take() {
             self.store.remove_checkpoint(&c.file);
+        }
+        // Blobs kept after writes of unknown outcome are superseded by the records just written.
+        for settled in task.settled(true) {
+            match settled {
+                Unsettled::Checkpoint(file) => self.store.remove_checkpoint(&file),
+                Unsettled::StrategyState(name) => {
+                    if !self.state_used_by_another_task(&task.id, &name) {
+                        self.store.remove_strategy_state(&name);
+                    }
+                }
+            }
         }
         if let Some(file) = round.collection.leftover_file() {
             self.store.remove_checkpoint(&file);
@@ -406,27 +418,21 @@ impl Coordinator {
             Ok(v) => v,
             Err(e) => {
                 // (A database that went away mid-commit may have committed it: then the record
-                // names the new file, which must stay; so must a file the replica that leads now
-                // may have recorded too, if this one was fenced. Left, it is an orphan at worst,
-                // and the sweep at a start removes it.)
-                let ambiguous = matches!(
-                    e.code(),
-                    hora_common::wire::ErrorCode::StoreUnavailable
-                        | hora_common::wire::ErrorCode::ShuttingDown
-                );
-                if let Some(new) = new_state.filter(|n| {
-                    !recorded.get()
-                        && !ambiguous
-                        && Some(n) != previous_state.as_ref()
-                        && !self.state_used_by_another_task(&task.id, n)
-                }) {
-                    self.store.remove_strategy_state(&new);
+                // names the new file, which stays until a later close lands. A state written
+                // under its fresh name is no other replica's or task's.)
+                if let Some(new) = new_state.filter(|n| Some(n) != previous_state.as_ref()) {
+                    match e.code() == hora_common::wire::ErrorCode::StoreUnavailable
+                        || recorded.get()
+                    {
+                        true => task.unsettled(Unsettled::StrategyState(new)),
+                        false => self.store.remove_strategy_state(&new),
+                    }
                 }
                 return Err(e);
             }
         };
-        // The new state is published with the model: the previous one is garbage now. (Equal
-        // contents have equal names: never delete the file just recorded.)
+        // The new state is published with the model: the previous one is garbage now (a state
+        // of an earlier version, named by its content, may be another task's too).
         if let Some(old) = previous_state.filter(|o| {
             Some(o) != tally.record.strategy_state.as_ref()
                 && !self.state_used_by_another_task(&task.id, o)
@@ -436,9 +442,10 @@ impl Coordinator {
         Ok((tally, history, next))
     }
 
-    /// Whether a task other than `task` records the strategy state file `name`. State files are
-    /// content-addressed, so two tasks with the same strategy, spec and sums share one; the
-    /// startup sweep keeps every recorded file, and a task must not delete another's.
+    /// Whether a task other than `task` records the strategy state file `name`. State files of
+    /// earlier versions are content-addressed, so two tasks with the same strategy, spec and sums
+    /// may share one; the startup sweep keeps every recorded file, and a task must not delete
+    /// another's. (States written now have names of their own.)
     fn state_used_by_another_task(&self, task: &str, name: &str) -> bool {
         self.tasks
             .read()

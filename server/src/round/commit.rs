@@ -4,20 +4,24 @@
 //! never holds up the acknowledgements of another task. It is woken by the first pending update, waits a short
 //! window for more (at least as long as the last checkpoint took: while one is written, uploads
 //! queue behind the accumulator lock, so one checkpoint covers many uploads when the model is
-//! large), then per round writes the sum (atomic file, fsync, rename), then the round's record
+//! large), then per round writes the sum (a blob of its own, durable), then the round's record
 //! listing its contributors, flushes, and only then are those uploads acknowledged
-//! ([`Coordinator::receipt`]). A failed checkpoint acknowledges nothing and is retried by the
-//! next commit. The round's publication is durable too: it acknowledges whatever it contains.
+//! ([`Coordinator::receipt`]). A failed checkpoint acknowledges nothing and is tried again a
+//! second later, until one lands. The round's publication is durable too: it acknowledges whatever it contains.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hora_common::wire::{self, ErrorCode};
 
+use super::task::Unsettled;
 use super::{
     lock, Accumulator, Checkpointed, Coordinator, Durability, Round, SelectionDurability, Task,
 };
 use crate::error::ServerError;
+
+/// How long the committer waits before it tries a failed checkpoint again.
+const RETRY: Duration = Duration::from_secs(1);
 
 impl Coordinator {
     /// Starts `task`'s group committer, which runs until the coordinator stops.
@@ -52,9 +56,16 @@ impl Coordinator {
                         .send_if_modified(|t| t.take().is_some());
                 }
                 Err(e) => {
-                    tracing::error!(task = %task.id, error = %e, "checkpoint failed; uploads stay unacknowledged and will be retried");
+                    tracing::error!(task = %task.id, error = %e, "checkpoint failed; uploads stay unacknowledged and it is tried again in a second");
                     if e.code() == ErrorCode::StoreUnavailable {
                         round.storage_trouble.send_replace(Some(e.to_string()));
+                    }
+                    // Tried again by itself: the uploads it holds become durable once the store
+                    // is back, whether or not their clients send them again.
+                    task.commit_wanted.notify_one();
+                    tokio::select! {
+                        () = tokio::time::sleep(RETRY) => {}
+                        _ = self.stopping.cancelled() => return,
                     }
                 }
             }
@@ -95,21 +106,25 @@ impl Coordinator {
         if let Err(e) = written {
             // Roll back: these uploads are not durable yet.
             acc.durable = pending;
-            let new = std::mem::replace(&mut acc.checkpoint, old);
-            let kept = acc.checkpoint.as_ref().map(|c| c.file.as_str());
-            // A database that went away mid-commit may have committed the record naming the
-            // new file, and a replica that leads now may have recorded the same file: then it
-            // must stay (an orphan at worst, which the sweep at a start removes).
-            let ambiguous = e.keeps_new_blobs();
-            if let Some(new) = new.filter(|n| !ambiguous && Some(n.file.as_str()) != kept) {
-                self.store.remove_checkpoint(&new.file);
+            if let Some(new) = std::mem::replace(&mut acc.checkpoint, old) {
+                // A database that went away mid-commit may have committed the record naming the
+                // new file: then it stays until a later checkpoint lands. Else it goes now.
+                match e.may_have_landed() {
+                    true => task.unsettled(Unsettled::Checkpoint(new.file)),
+                    false => self.store.remove_checkpoint(&new.file),
+                }
             }
             return Err(e.into());
         }
-        // (Equal contents have equal names: never delete the file just written.)
-        let kept = acc.checkpoint.as_ref().map(|c| c.file.as_str());
-        if let Some(old) = old.filter(|o| Some(o.file.as_str()) != kept) {
+        // The record names the new file (every checkpoint has a name of its own): the previous
+        // one, and any kept after writes of unknown outcome, are garbage now.
+        if let Some(old) = old {
             self.store.remove_checkpoint(&old.file);
+        }
+        for settled in task.settled(false) {
+            if let Unsettled::Checkpoint(file) = settled {
+                self.store.remove_checkpoint(&file);
+            }
         }
         round.durability.send_replace(Durability::Upto(acc.durable));
         selection_recorded(round, &mut acc);
@@ -164,6 +179,8 @@ impl Coordinator {
         };
         let waited = tokio::time::timeout(self.config.durability_timeout, async {
             tokio::select! {
+                // (Durable wins a tie: a receipt rather than a needless retry.)
+                biased;
                 durable = durable => Ok(durable),
                 why = troubled => Err(why),
             }

@@ -35,6 +35,19 @@ pub struct Task {
     pub(crate) recent: Mutex<Recent>,
     /// The task's strategy, built once from its (immutable) configuration.
     pub(crate) strategy: Box<dyn strategy::Strategy>,
+    /// Blobs written for writes of the task's records that failed with an unknown outcome (the
+    /// database went away mid-commit): kept, since the record naming them may have landed,
+    /// and removed once a later write of the same record landed and names another.
+    pub(crate) unsettled: Mutex<Vec<Unsettled>>,
+}
+
+/// A blob kept after a write of unknown outcome (see [`Task::unsettled`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Unsettled {
+    /// A checkpoint of the open round: superseded by the next checkpoint or close that lands.
+    Checkpoint(String),
+    /// A strategy's state: superseded by the next close that lands.
+    StrategyState(String),
 }
 
 impl Task {
@@ -65,7 +78,24 @@ impl Task {
             changed: watch::channel(0).0,
             recent: Mutex::default(),
             strategy,
+            unsettled: Mutex::default(),
         }
+    }
+
+    /// Keeps `blob` until a later write settles it (see [`Task::unsettled`]).
+    pub(crate) fn unsettled(&self, blob: Unsettled) {
+        super::lock(&self.unsettled).push(blob);
+    }
+
+    /// The kept blobs that a write which just landed supersedes, taken off the list:
+    /// checkpoints after a checkpoint, everything after a close.
+    pub(crate) fn settled(&self, by_close: bool) -> Vec<Unsettled> {
+        let mut unsettled = super::lock(&self.unsettled);
+        let (settled, kept) = std::mem::take(&mut *unsettled)
+            .into_iter()
+            .partition(|b| by_close || matches!(b, Unsettled::Checkpoint(_)));
+        *unsettled = kept;
+        settled
     }
 }
 

@@ -466,3 +466,100 @@ async fn after_its_warm_up_the_adaptive_bound_clips_a_poisoned_update_to_ten_med
         assert!((f64::from(*g) - w).abs() < 1e-5, "{got:?} vs {want:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_checkpoint_whose_record_may_have_landed_is_kept_until_a_later_one_lands() {
+    // A real PostgreSQL server that goes away while a checkpoint's record is written: the
+    // checkpoint file stays (the record naming it might have been committed), and goes once
+    // the next checkpoint's record lands.
+    let mut postgres = crate::store::postgres::test_server::TestServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<Store> = Arc::new(
+        crate::store::PostgresStore::open(&postgres.url().parse().unwrap(), dir.path()).unwrap(),
+    );
+    let initial = Model::from_tensors([("w", vec![3], vec![1.0, 2.0, 3.0])]).unwrap();
+    let digest = store.put_model(&initial).unwrap();
+    let coordinator = Coordinator::open(
+        store,
+        CoordinatorConfig {
+            // Room to stop the database between an upload's fold and its checkpoint.
+            commit_window: Duration::from_secs(2),
+            ..CoordinatorConfig::default()
+        },
+        Arc::new(ServerMetrics::default()),
+    )
+    .unwrap();
+    coordinator.start();
+    let engine = Engine {
+        coordinator,
+        initial,
+        digest,
+    };
+    let task = engine.create("t", 3, 3, 600);
+    let (a, b) = (engine.join(&task, "a").await, engine.join(&task, "b").await);
+    engine
+        .upload(&task, "a", &a, 1, [1.0, 0.0, 0.0])
+        .await
+        .unwrap();
+    let checkpoints = || -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir.path().join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".ckpt"))
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(checkpoints().len(), 1);
+
+    let uploading = {
+        let (engine_task, b) = (task.clone(), b.clone());
+        let coordinator = engine.coordinator.clone();
+        tokio::spawn(async move {
+            let delta = Model::from_tensors([("w", vec![3], vec![0.0, 1.0, 0.0])]).unwrap();
+            let binding = Binding {
+                task: "t",
+                round: b.round,
+                client: "b",
+                base_model: &b.model,
+            };
+            let sealed = envelope::seal(&delta.to_safetensors(), &b.round_key, &binding).unwrap();
+            let meta = UpdateMeta {
+                num_examples: 1,
+                metrics: Default::default(),
+            };
+            coordinator
+                .upload(engine_task, "b".into(), b.round, meta, sealed, ())
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    postgres.stop();
+    let refused = uploading.await.unwrap().unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::StoreUnavailable, "{refused}");
+    let unsettled = checkpoints();
+    assert_eq!(
+        unsettled.len(),
+        2,
+        "the new checkpoint is kept: {unsettled:?}"
+    );
+
+    postgres.restart();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match engine.upload(&task, "b", &b, 1, [0.0, 1.0, 0.0]).await {
+            Ok(receipt) => {
+                assert_eq!(receipt.accepted, 2);
+                break;
+            }
+            Err(e) => assert!(std::time::Instant::now() < deadline, "{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let settled = checkpoints();
+    assert_eq!(settled.len(), 1, "{settled:?}");
+    assert!(
+        !unsettled.contains(&settled[0]),
+        "a new checkpoint, and neither of the others: {unsettled:?} → {settled:?}"
+    );
+}

@@ -75,7 +75,11 @@ impl Coordinator {
             .await?;
         let (round, sealing) = match admission {
             Admission::Fresh(round, sealing) => (round, sealing),
-            Admission::Pending(round, index) => return self.receipt(&round, index).await,
+            Admission::Pending(round, index) => {
+                // (Its checkpoint may have failed: a retry is a reason to try again now.)
+                task.commit_wanted.notify_one();
+                return self.receipt(&round, index).await;
+            }
         };
         if meta.num_examples == 0 {
             return Err(ServerError::InvalidUpdate(

@@ -1,5 +1,6 @@
-//! Blob formats and file handling shared by the stores: the checkpoint and masked-sum encodings
-//! (both content-addressed: equal contents get equal names), temporary names, private folders.
+//! Blob formats and file handling shared by the stores: the checkpoint encoding (a fresh name, a
+//! SHA-256 trailer) and the masked-sum encoding (content-addressed), temporary names, private
+//! folders.
 
 use std::fs;
 use std::io::Read;

@@ -62,6 +62,13 @@ impl StoreError {
             StoreError::Unavailable { .. } | StoreError::Fenced { .. }
         )
     }
+
+    /// Whether the failed write may have landed after all: the database went away mid-commit.
+    /// A blob under a fresh name (a checkpoint, a strategy state) that only this write names
+    /// must then stay until a later write settles it; after any other failure it can go.
+    pub fn may_have_landed(&self) -> bool {
+        matches!(self, StoreError::Unavailable { .. })
+    }
 }
 
 /// A task as stored.

@@ -12,7 +12,7 @@
 //!   strategy's state, to [`Strategy::apply`]. Every rule is per coordinate, so a strategy never
 //!   needs the whole model, and publishing allocates no second model-sized buffer.
 //! - State (momentum m, second moment v) is [`Strategy::state_per_parameter`] f32 values per
-//!   parameter, parameter-major, in a content-addressed file ([`state`]). A round streams the
+//!   parameter, parameter-major, in a file of its own with a SHA-256 trailer ([`state`]). A round streams the
 //!   previous file into the next one stretch by stretch, so the state is never in memory whole.
 //!   [`aggregate_round`] returns the new file's name; the coordinator records it in the same
 //!   sled transaction that publishes the new model (the task record), so the model and the state

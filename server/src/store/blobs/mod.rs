@@ -4,8 +4,10 @@
 //! blobs, [`Blobs`], written once on top of it. A blob store belongs to one deployment's
 //! records ([`bind`]).
 //!
-//! A blob is a kind ([`BlobKind`], a folder or key prefix) and a name, content-addressed: a
-//! model by its digest, anything else by the SHA-256 of its bytes. Nothing hands out a local
+//! A blob is a kind ([`BlobKind`], a folder or key prefix) and a name that proves its contents:
+//! a model by its digest, a module or a masked sum by the SHA-256 of its bytes (content
+//! addresses), a checkpoint or a strategy state by a trailer of its SHA-256 under a fresh name
+//! of its own (known before the bytes, so the blob is written under it). Nothing hands out a local
 //! path: readers get a reader or a stream over a byte range, writers stream in, existence is a
 //! head request. So any server holding the records reads any blob another wrote.
 //!

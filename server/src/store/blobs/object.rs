@@ -202,7 +202,7 @@ impl ObjectBlobs {
             builder = builder.with_endpoint(endpoint);
         }
         // A transfer lasts as long as its reader's pace (a download to a slow client) or the
-        // object's size (a server-side copy): no limit on a whole request, unless the operator
+        // object's size (a multipart upload's part): no limit on a whole request, unless the operator
         // set one (AWS_TIMEOUT); a connection quiet for a minute is given up instead.
         use object_store::aws::AmazonS3ConfigKey::Client;
         use object_store::ClientConfigKey;
@@ -297,8 +297,8 @@ fn missing(key: &str) -> StoreError {
     }
 }
 
-/// The longest one call to the blob store may take (a part's upload, a server-side copy of up
-/// to 5 GB, a listing), its retries included: a store that stops answering holds a blocking
+/// The longest one call to the blob store may take (a part's upload, a listing), its retries
+/// included: a store that stops answering holds a blocking
 /// thread (and whatever lock its caller holds) no longer.
 const CALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
 
