@@ -27,7 +27,7 @@ use hora_client::transport::RetryPolicy;
 use hora_client::{
     Client, ClientConfig, ClientError, Paced, RoundOutcome, RoundReport, SupervisedTrainer, Trainer,
 };
-use hora_common::logging::{self, LogFormat};
+use hora_common::logging;
 use hora_common::tls::Identity;
 use hora_common::wire::ModelKind;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -70,16 +70,8 @@ macro_rules! fill_from {
 struct Cli {
     #[command(subcommand)]
     command: Command,
-    /// How logs are written to standard error: `text` for people, `json` (one object per line)
-    /// for a log collector. Which events: `HORA_LOG` (for example `warn` or `info,hora=debug`).
-    #[arg(
-        long,
-        global = true,
-        value_enum,
-        env = "HORA_LOG_FORMAT",
-        default_value_t = LogFormat::Text
-    )]
-    log_format: LogFormat,
+    #[command(flatten)]
+    logging: logging::LogArgs,
 }
 
 #[derive(Subcommand)]
@@ -804,8 +796,8 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.log_format, "info");
-    let cli_format = cli.log_format;
+    logging::init(cli.logging.log_format, "info");
+    let cli_format = cli.logging.log_format;
     let result = match cli.command {
         Command::Train(args) => tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)

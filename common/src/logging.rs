@@ -4,6 +4,21 @@
 
 use tracing_subscriber::EnvFilter;
 
+/// The logging flag every program takes (`#[command(flatten)]`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogArgs {
+    /// How logs are written to standard error: `text` for people, `json` (one object per line)
+    /// for a log collector. Which events: `HORA_LOG` (for example `warn` or `info,hora=debug`).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "HORA_LOG_FORMAT",
+        default_value_t = LogFormat::Text
+    )]
+    pub log_format: LogFormat,
+}
+
 /// How log events are written.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {

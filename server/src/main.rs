@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use hora_common::logging::{self, LogFormat};
+use hora_common::logging;
 use hora_server::store::StoreLocation;
 use hora_server::{admin_cli, config, tls};
 
@@ -18,16 +18,8 @@ use hora_server::{admin_cli, config, tls};
 struct Cli {
     #[command(subcommand)]
     command: Command,
-    /// How logs are written to standard error: `text` for people, `json` (one object per line)
-    /// for a log collector. Which events: `HORA_LOG` (for example `warn` or `info,hora=debug`).
-    #[arg(
-        long,
-        global = true,
-        value_enum,
-        env = "HORA_LOG_FORMAT",
-        default_value_t = LogFormat::Text
-    )]
-    log_format: LogFormat,
+    #[command(flatten)]
+    logging: logging::LogArgs,
 }
 
 // Parsed once, on main's stack: the size of its largest variant costs nothing.
@@ -78,11 +70,11 @@ fn postgres_target(store: &str, what: &str) -> Result<hora_server::store::postgr
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.log_format, "info");
+    logging::init(cli.logging.log_format, "info");
     match run(cli.command) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            logging::fatal(cli.log_format, &format!("{e:#}"));
+            logging::fatal(cli.logging.log_format, &format!("{e:#}"));
             std::process::ExitCode::FAILURE
         }
     }

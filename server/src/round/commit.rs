@@ -38,6 +38,8 @@ impl Coordinator {
         // uploads queue behind the accumulator lock, and between two of them several uploads
         // fold, so one checkpoint covers many uploads when the model is large.
         let mut last = Duration::ZERO;
+        // Checkpoints failed in a row (logged at 1, 2, 4, 8, …: an outage is not a flood).
+        let mut failures: u64 = 0;
         loop {
             tokio::select! {
                 _ = task.commit_wanted.notified() => {}
@@ -49,14 +51,23 @@ impl Coordinator {
                 continue;
             };
             let (me, t, r) = (self.clone(), task.clone(), round.clone());
-            match crate::blocking(move || me.checkpoint(&t, &r)).await {
+            let checkpointed = crate::blocking(move || me.checkpoint(&t, &r)).await;
+            last = started.elapsed();
+            match checkpointed {
                 Ok(()) => {
+                    if failures > 0 {
+                        tracing::info!(task = %task.id, failures, "a checkpoint landed again");
+                        failures = 0;
+                    }
                     round
                         .storage_trouble
                         .send_if_modified(|t| t.take().is_some());
                 }
                 Err(e) => {
-                    tracing::error!(task = %task.id, error = %e, "checkpoint failed; uploads stay unacknowledged and it is tried again in a second");
+                    failures += 1;
+                    if failures.is_power_of_two() {
+                        tracing::error!(task = %task.id, error = %e, failures, "checkpoint failed; uploads stay unacknowledged and it is tried again every second");
+                    }
                     if e.code() == ErrorCode::StoreUnavailable {
                         round.storage_trouble.send_replace(Some(e.to_string()));
                     }
@@ -69,7 +80,6 @@ impl Coordinator {
                     }
                 }
             }
-            last = started.elapsed();
         }
     }
 
