@@ -685,6 +685,25 @@ fn a_short_admin_token_is_refused_at_start() {
     assert!(event["timestamp"].is_string(), "{event}");
 }
 
+#[test]
+fn a_taken_port_stops_the_embedded_server_at_once_saying_so() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(binary("hora-server"))
+        .args(["serve", "--listen", &addr, "--admin-token", ADMIN_TOKEN])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .env("HORA_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains(&format!("listening on {addr}")), "{stderr}");
+    // No standby and no lease to hand back: it does not try again.
+    assert!(!stderr.contains("handing the lease back"), "{stderr}");
+}
+
 /// The standard error of `hora-server serve` with a 7-character admin token, logging as
 /// `log_format` says; it must exit by itself, failed.
 fn refused_at_start(log_format: &str) -> String {

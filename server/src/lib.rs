@@ -153,6 +153,7 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
             // something else.
             Err(e)
                 if port.is_none()
+                    && matches!(config.store, store::StoreLocation::Postgres(_))
                     && taken < 10
                     && e.downcast_ref::<std::io::Error>()
                         .is_some_and(|e| e.kind() == std::io::ErrorKind::AddrInUse) =>
