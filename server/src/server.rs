@@ -489,29 +489,18 @@ fn dev_certs_dir(config: &ServeConfig) -> PathBuf {
 /// The server's certificate and key, made under the certificates directory when none are given
 /// (with the development CA that clients must trust).
 fn certificates(config: &ServeConfig) -> Result<(tls::CertPaths, Option<PathBuf>)> {
-    match (&config.tls_cert, &config.tls_key) {
-        (Some(cert), Some(key)) => Ok((
-            tls::CertPaths {
-                cert: cert.clone(),
-                key: key.clone(),
-            },
-            None,
-        )),
-        (None, None) => {
-            let dir = dev_certs_dir(config);
-            let paths = if dir.join(tls::SERVER_CERT).exists() && dir.join(tls::SERVER_KEY).exists()
-            {
-                tls::CertPaths {
-                    cert: dir.join(tls::SERVER_CERT),
-                    key: dir.join(tls::SERVER_KEY),
-                }
-            } else {
-                tls::make_dev_certs(&dir, &config.hosts)?
-            };
-            Ok((paths, Some(dir.join(tls::CA_CERT))))
-        }
-        _ => anyhow::bail!(
+    if config.tls_cert.is_some() != config.tls_key.is_some() {
+        anyhow::bail!(
             "give both --tls-cert and --tls-key, or neither (for development certificates)"
-        ),
+        );
     }
+    let dev_ca = config
+        .tls_cert
+        .is_none()
+        .then(|| dev_certs_dir(config).join(tls::CA_CERT));
+    let paths = match existing_certificates(config) {
+        Some(paths) => paths,
+        None => tls::make_dev_certs(&dev_certs_dir(config), &config.hosts)?,
+    };
+    Ok((paths, dev_ca))
 }

@@ -298,19 +298,27 @@ mod tests {
         let path = blobs.path(BlobKind::StrategyState, &name).unwrap();
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[30] ^= 1;
-        std::fs::write(&path, &bytes).unwrap();
-        assert!(matches!(
-            verify(&blobs, &name, 5, 2),
-            Err(StoreError::Corrupt { .. })
-        ));
+        assert!(corrupt_once(&blobs, &name, &bytes, (5, 2)));
         assert!(StateReader::open(&blobs, "../x.state", 5, 2).is_err());
         // Torn: the trailer cut short.
         bytes[30] ^= 1;
-        std::fs::write(&path, &bytes[..bytes.len() - 5]).unwrap();
-        assert!(matches!(
-            verify(&blobs, &name, 5, 2),
-            Err(StoreError::Corrupt { .. })
+        assert!(corrupt_once(
+            &blobs,
+            &name,
+            &bytes[..bytes.len() - 5],
+            (5, 2)
         ));
+    }
+
+    /// Whether state `name`, once its file holds `bytes`, is refused as corrupt (laid out as
+    /// `layout`: parameters × values per parameter).
+    fn corrupt_once(blobs: &DirBlobs, name: &str, bytes: &[u8], layout: (usize, usize)) -> bool {
+        let path = blobs.path(BlobKind::StrategyState, name).unwrap();
+        std::fs::write(path, bytes).unwrap();
+        matches!(
+            verify(blobs, name, layout.0, layout.1),
+            Err(StoreError::Corrupt { .. })
+        )
     }
 
     #[test]
@@ -332,13 +340,8 @@ mod tests {
         r.finish().unwrap();
         assert_eq!(got, [0.5, -1.0]);
         // A flipped bit no longer matches the name.
-        let path = blobs.path(BlobKind::StrategyState, &name).unwrap();
         bytes[26] ^= 1;
-        std::fs::write(&path, &bytes).unwrap();
-        assert!(matches!(
-            verify(&blobs, &name, 2, 1),
-            Err(StoreError::Corrupt { .. })
-        ));
+        assert!(corrupt_once(&blobs, &name, &bytes, (2, 1)));
     }
 
     #[test]
