@@ -329,8 +329,11 @@ impl Driver {
 
     /// Spawns `work` on the store's runtime (the LISTEN connection's loop); it ends with the
     /// store.
-    pub(super) fn spawn(&self, work: impl Future<Output = ()> + Send + 'static) {
-        self.handle().spawn(work);
+    pub(super) fn spawn(
+        &self,
+        work: impl Future<Output = ()> + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        self.handle().spawn(work)
     }
 }
 

@@ -58,6 +58,10 @@ pub struct PostgresStore {
 struct Leading {
     held: Arc<Held>,
     settings: LeaseSettings,
+    /// The task that renews the lease and records the heartbeat ([`lease::keep`]): stepping
+    /// down waits for it, so that no renewal or heartbeat in flight lands after the lease is
+    /// handed back and the replica has left the list.
+    keeper: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 /// A query parameter, owned (a query runs on the store's runtime, not the caller's stack).
@@ -277,7 +281,7 @@ impl PostgresStore {
                 Ok(Ok(held)) => {
                     tracing::info!(database = %self.driver.target(), replica = %settings.replica.id, epoch = held.epoch, "this replica leads: it holds the database's lease");
                     let held = Arc::new(held);
-                    self.driver.spawn(lease::keep(
+                    let keeper = self.driver.spawn(lease::keep(
                         self.driver.target().clone(),
                         held.clone(),
                         settings.clone(),
@@ -286,6 +290,7 @@ impl PostgresStore {
                     let _ = self.leading.set(Leading {
                         held,
                         settings: settings.clone(),
+                        keeper: std::sync::Mutex::new(Some(keeper)),
                     });
                     return Ok(self);
                 }
@@ -894,7 +899,20 @@ impl Housekeeping for PostgresStore {
             return Ok(());
         }
         held.lose("it stepped down".into());
+        let keeper = leading
+            .keeper
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let ttl = leading.settings.ttl;
         self.driver.with(move |client| async move {
+            // The keeper ends at once when it is between renewals; one in flight ends within
+            // its deadline (under a lease). Past that it is cut off.
+            if let Some(mut keeper) = keeper {
+                if tokio::time::timeout(ttl, &mut keeper).await.is_err() {
+                    keeper.abort();
+                }
+            }
             lease::release(&**client, &held).await?;
             lease::leave(&**client, &replica).await?;
             Ok(())
