@@ -25,19 +25,41 @@ S3_ENV := eval "$$(scripts/setup-s3.sh --print-env)"
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
-.PHONY: demo replicas test bench lint deps-check setup python
+.PHONY: demo replicas test bench lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
 
-## Set up libtorch, the API fuzzer, the Python environment, PostgreSQL and the S3 test server
-## (idempotent; seconds once installed).
+## Release artefacts of this machine's architecture in dist/: the server's tarball, the client's
+## tarball with its CPU libtorch beside it ($$ORIGIN), and an abi3 wheel (scripts/dist.sh).
+dist:
+	@scripts/dist.sh
+
+## The artefacts unpacked and installed into a fresh directory without the build cache, and a
+## federated round from each client artefact against the server's (scripts/dist-test.sh).
+dist-test: dist
+	@scripts/dist-test.sh
+
+## The server's and the client's tarballs for 64-bit Arm (aarch64), cross-built with Debian's
+## cross compilers and PyPI's aarch64 torch (scripts/setup-aarch64.sh installs them).
+dist-aarch64:
+	@scripts/dist.sh --target aarch64
+
+## The aarch64 tarballs under qemu-user against this machine's: an emulated client trains rounds
+## against an x86-64 server, an emulated server serves an x86-64 client.
+dist-test-aarch64: dist dist-aarch64
+	@scripts/dist-test.sh --target aarch64
+
+## Set up libtorch, the API fuzzer, the Python environment, PostgreSQL, the S3 test server and
+## cargo-deny (idempotent; seconds once installed).
 setup:
 	@scripts/setup-libtorch.sh
 	@scripts/setup-schemathesis.sh
 	@scripts/setup-python.sh
 	@scripts/setup-postgres.sh
 	@scripts/setup-s3.sh
+	@scripts/setup-cargo-deny.sh
 
-## The federated Synthetic(1,1) benchmark with real processes: a server, 10 clients, 20 rounds,
-## a per-round table and the centralised baseline. Leaves nothing running.
+## The federated Synthetic(1,1) benchmark with real processes: a server, 10 clients, 20 rounds
+## of FedAvg and then of FedProx, a per-round table of each and the centralised baseline. Leaves
+## nothing running.
 demo:
 	@$(TORCH_ENV); \
 	cargo build --release -p hora-server -p hora-client --bins; \
@@ -90,6 +112,7 @@ bench:
 	cargo bench -p hora --bench hostile; \
 	cargo build --release -p hora-client --bins; \
 	cargo bench -p hora --bench round_latency; \
+	scripts/dist.sh; cargo bench -p hora --bench footprint; \
 	cargo build --release --example asynchronous; \
 	target/release/examples/asynchronous; \
 	cargo build --release --example collective; \
@@ -102,5 +125,6 @@ lint:
 	cargo fmt --all -- --check
 	@$(TORCH_ENV); cargo clippy --workspace --all-targets -- -D warnings
 
+## The dependency policy: cargo-deny (deny.toml) and the libtorch checks (scripts/check-deps.sh).
 deps-check:
 	@scripts/check-deps.sh

@@ -1,6 +1,7 @@
 """The round-latency benchmark's baseline: the same federation in Flower, real processes.
 
-`benches/round_latency.rs` runs this with the Python of `scripts/setup-flower.sh`:
+`benches/round_latency.rs` (and `benches/footprint.rs`, one client, `--mnist` data, through a
+byte-counting relay) run this with the Python of `scripts/setup-flower.sh`:
 
     python benches/flower_round.py run --data DIR --rounds 35 --warmup 5 [--tls DIR] ...
 
@@ -11,8 +12,8 @@ each training the same MLP on its own shard of the data the Rust benchmark wrote
 size and optimizer. The server times each round as Hora's benchmark does, publish to publish:
 a FedAvg subclass notes when `configure_fit` starts a round and when `aggregate_fit` returns
 its new global model. Clients note how long their `fit` took (training, and evaluating on the
-held-out split as the Hora client does). `run` prints one line, `RESULT {json}`, and ends every
-process it started.
+held-out split as the Hora client does), their peak resident memory and when their first `fit`
+began. `run` prints one line, `RESULT {json}`, and ends every process it started.
 """
 
 import argparse
@@ -102,6 +103,26 @@ def serve(args):
         )
 
 
+def peak_rss_kb():
+    """VmHWM of /proc/self/status: this program's peak resident memory, in kB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return None
+
+
+def read_idx(path):
+    """An IDX file (MNIST's format) as a numpy array."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        data = f.read()
+    dims = data[3]
+    shape = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
+
+
 def client(args):
     import numpy as np
     import torch
@@ -109,16 +130,30 @@ def client(args):
 
     torch.set_num_threads(1)
     torch.manual_seed(args.index)
-    with open(os.path.join(args.data, f"shard-{args.index}.json")) as f:
-        shard = json.load(f)
-    dim = shard["dim"]
-    train_x = torch.tensor(shard["train_features"], dtype=torch.float32).view(-1, dim)
-    train_y = torch.tensor(shard["train_labels"], dtype=torch.int64)
-    test_x = torch.tensor(shard["test_features"], dtype=torch.float32).view(-1, dim)
-    test_y = torch.tensor(shard["test_labels"], dtype=torch.int64)
+    if args.mnist:
+        # As Hora's `mnist:DIR`: pixels scaled to [0, 1], train-* to train on, t10k-* held out.
+        def images(name):
+            x = read_idx(os.path.join(args.mnist, f"{name}-images-idx3-ubyte"))
+            return torch.from_numpy(x.astype(np.float32) / 255.0).view(x.shape[0], -1)
+
+        def labels(name):
+            y = read_idx(os.path.join(args.mnist, f"{name}-labels-idx1-ubyte"))
+            return torch.from_numpy(y.astype(np.int64))
+
+        train_x, train_y = images("train"), labels("train")
+        test_x, test_y = images("t10k"), labels("t10k")
+    else:
+        with open(os.path.join(args.data, f"shard-{args.index}.json")) as f:
+            shard = json.load(f)
+        dim = shard["dim"]
+        train_x = torch.tensor(shard["train_features"], dtype=torch.float32).view(-1, dim)
+        train_y = torch.tensor(shard["train_labels"], dtype=torch.int64)
+        test_x = torch.tensor(shard["test_features"], dtype=torch.float32).view(-1, dim)
+        test_y = torch.tensor(shard["test_labels"], dtype=torch.int64)
     model = mlp(args.inputs, args.hidden, args.classes)
     keys = list(model.state_dict().keys())
     fits = []
+    first_fit = []
 
     class ShardClient(NumPyClient):
         def get_parameters(self, config):
@@ -126,6 +161,7 @@ def client(args):
 
         def fit(self, parameters, config):
             started = time.time()
+            first_fit.append(started)
             model.load_state_dict(
                 {k: torch.from_numpy(np.copy(v)) for k, v in zip(keys, parameters)}
             )
@@ -150,14 +186,23 @@ def client(args):
             fits.append(time.time() - started)
             return weights, n, {"loss": loss_sum / max(seen, 1), "accuracy": accuracy}
 
-    kwargs = {"server_address": f"127.0.0.1:{args.port}", "client": ShardClient().to_client()}
+    port = args.client_port or args.port
+    kwargs = {"server_address": f"127.0.0.1:{port}", "client": ShardClient().to_client()}
     if args.tls:
         kwargs["root_certificates"] = read_certs(args.tls)[0]
     else:
         kwargs["insecure"] = True
     start_client(**kwargs)
     with open(args.out, "w") as f:
-        json.dump({"fit_seconds": fits}, f)
+        json.dump(
+            {
+                "fit_seconds": fits,
+                "first_fit_unix": first_fit[0] if first_fit else None,
+                # This process's own high-water mark (ru_maxrss would include its parent's).
+                "peak_rss_kb": peak_rss_kb(),
+            },
+            f,
+        )
 
 
 def free_port():
@@ -192,7 +237,7 @@ def wait_listening(port, server, logs, timeout=120):
 
 def run(args):
     """Starts the server and the clients as processes; prints RESULT {json}."""
-    port = free_port()
+    port = args.port or free_port()
     common = [
         "--port", str(port),
         "--inputs", str(args.inputs),
@@ -208,6 +253,8 @@ def run(args):
     ]
     if args.tls:
         common += ["--tls", args.tls]
+    if args.mnist:
+        common += ["--mnist", args.mnist]
     env = dict(os.environ, GRPC_VERBOSITY="ERROR", PYTHONWARNINGS="ignore")
     me = [sys.executable, os.path.abspath(__file__)]
     logs = os.path.join(args.data, "flower-logs")
@@ -225,9 +272,12 @@ def run(args):
         server_out = os.path.join(args.data, "flower-server.json")
         server = spawn("server", ["--out", server_out])
         wait_listening(port, server, logs)
+        spawned = []
         for k in range(args.clients):
+            connect = ["--connect-port", str(args.client_port)] if args.client_port else []
+            spawned.append(time.time())
             spawn(f"client-{k}", ["--index", str(k), "--out",
-                                  os.path.join(args.data, f"flower-client-{k}.json")])
+                                  os.path.join(args.data, f"flower-client-{k}.json")] + connect)
         deadline = time.time() + args.timeout
         while server.poll() is None:
             for role, p in procs:
@@ -243,11 +293,12 @@ def run(args):
             p.wait(timeout=30)
         with open(server_out) as f:
             result = json.load(f)
-        fits = []
+        clients = []
         for k in range(args.clients):
             with open(os.path.join(args.data, f"flower-client-{k}.json")) as f:
-                fits.append(json.load(f)["fit_seconds"])
-        result["client_fit_seconds"] = fits
+                clients.append(dict(json.load(f), spawned_unix=spawned[k]))
+        result["client_fit_seconds"] = [c["fit_seconds"] for c in clients]
+        result["clients"] = clients
         result["tls"] = bool(args.tls)
         print("RESULT " + json.dumps(result), flush=True)
     finally:
@@ -273,7 +324,11 @@ def main():
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--tls", help="directory with ca.pem, server.pem and server-key.pem "
                         "(hora-server's certificates)")
-    parser.add_argument("--port", type=int)
+    parser.add_argument("--port", type=int, help="the server's port (run: else a free one)")
+    parser.add_argument("--connect-port", "--client-port", dest="client_port", type=int,
+                        help="the port clients connect to, when a relay sits before the server")
+    parser.add_argument("--mnist", help="a directory of MNIST IDX files to train on instead of "
+                        "shard-K.json")
     parser.add_argument("--index", type=int)
     parser.add_argument("--out")
     parser.add_argument("--timeout", type=float, default=300)

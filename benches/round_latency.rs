@@ -22,19 +22,20 @@
 //! `HORA_FLOWER_PYTHON` the Python with flwr, else `scripts/setup-flower.sh` installs it;
 //! `HORA_BENCH_FLOWER=0` runs Hora alone, to profile it).
 
+#[path = "common/flower.rs"]
+mod flower;
+#[path = "common/harness.rs"]
+mod harness;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use hora_client::data::synthetic::{self, SyntheticConfig};
+use hora_client::data::synthetic::SyntheticConfig;
 use hora_client::network::{Architecture, Network};
-use hora_common::wire::{
-    CreateTask, OptimizerConfig, RoundOutcome, RoundRecord, StrategyConfig, TaskInfo,
-    TrainingConfig,
-};
+use hora_common::wire::{CreateTask, RoundOutcome, RoundRecord, StrategyConfig, TaskInfo};
 use reqwest::Method;
 use support::*;
 
@@ -42,23 +43,6 @@ const CLIENTS: usize = 10;
 const HIDDEN: usize = 32;
 const SAMPLES: usize = 100;
 const TASK: &str = "latency";
-
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn training() -> TrainingConfig {
-    TrainingConfig {
-        epochs: 1,
-        batch_size: 20,
-        learning_rate: 0.05,
-        optimizer: OptimizerConfig::Sgd { momentum: 0.0 },
-        ..Default::default()
-    }
-}
 
 fn data() -> SyntheticConfig {
     let mut config = SyntheticConfig::iid(CLIENTS, 0);
@@ -120,16 +104,7 @@ impl Drop for Processes {
 }
 
 fn main() {
-    // `cargo test`/`nextest` list and run bench targets without `--bench`: nothing to do then.
-    if !std::env::args().any(|a| a == "--bench") {
-        return;
-    }
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-        .block_on(run());
+    harness::main(run);
 }
 
 /// What the Hora run measured.
@@ -180,7 +155,7 @@ async fn run_hora(dir: &Path, warmup: u64, rounds: u64) -> (HoraRun, PathBuf) {
             target_clients: CLIENTS as u32,
             over_selection: 0.0,
             round_deadline_secs: 120,
-            training: training(),
+            training: harness::sgd_training(),
             secure_aggregation: None,
             update_bounds: Default::default(),
             differential_privacy: None,
@@ -357,39 +332,6 @@ async fn run_hora(dir: &Path, warmup: u64, rounds: u64) -> (HoraRun, PathBuf) {
     (run, certs)
 }
 
-/// Writes each client's shard for the Flower clients (the same shards the Hora clients make).
-fn write_shards(dir: &Path) {
-    let shards = synthetic::shards(&data()).expect("shards");
-    for (k, s) in shards.iter().enumerate() {
-        let json = serde_json::json!({
-            "dim": s.train.sample_len(),
-            "train_features": s.train.features,
-            "train_labels": s.train.labels,
-            "test_features": s.test.features,
-            "test_labels": s.test.labels,
-        });
-        std::fs::write(dir.join(format!("shard-{k}.json")), json.to_string()).expect("shard");
-    }
-}
-
-fn flower_python() -> String {
-    if let Ok(p) = std::env::var("HORA_FLOWER_PYTHON") {
-        return p;
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-flower.sh");
-    let out = Command::new(&script)
-        .arg("--print-env")
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run scripts/setup-flower.sh");
-    assert!(out.status.success(), "scripts/setup-flower.sh failed");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("export HORA_FLOWER_PYTHON="))
-        .map(|p| p.trim().trim_matches('\'').to_string())
-        .expect("HORA_FLOWER_PYTHON from scripts/setup-flower.sh")
-}
-
 /// Flower's round times (ms, publish to publish, measured rounds only) and its version.
 fn run_flower(
     python: &str,
@@ -398,40 +340,25 @@ fn run_flower(
     warmup: u64,
     rounds: u64,
 ) -> (Vec<f64>, String, f64) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/flower_round.py");
-    let mut cmd = Command::new(python);
-    cmd.arg(&script)
-        .arg("run")
-        .arg("--data")
-        .arg(dir)
-        .args(["--clients", &CLIENTS.to_string()])
-        .args(["--rounds", &(warmup + rounds).to_string()])
-        .args([
-            "--inputs",
-            "60",
-            "--hidden",
-            &HIDDEN.to_string(),
-            "--classes",
-            "10",
-        ]);
-    let t = training();
-    cmd.args(["--epochs", &t.epochs.to_string()])
-        .args(["--batch-size", &t.batch_size.to_string()])
-        .args(["--lr", &t.learning_rate.to_string(), "--momentum", "0"]);
-    if let Some(tls) = tls {
-        cmd.arg("--tls").arg(tls);
+    let t = harness::sgd_training();
+    let mut args: Vec<std::ffi::OsString> = vec!["--data".into(), dir.into()];
+    for (flag, value) in [
+        ("--clients", CLIENTS.to_string()),
+        ("--rounds", (warmup + rounds).to_string()),
+        ("--inputs", "60".into()),
+        ("--hidden", HIDDEN.to_string()),
+        ("--classes", "10".into()),
+        ("--epochs", t.epochs.to_string()),
+        ("--batch-size", t.batch_size.to_string()),
+        ("--lr", t.learning_rate.to_string()),
+        ("--momentum", "0".into()),
+    ] {
+        args.extend([flag.into(), value.into()]);
     }
-    let out = cmd
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run benches/flower_round.py");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "flower_round.py failed:\n{stdout}");
-    let result: serde_json::Value = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("RESULT "))
-        .and_then(|j| serde_json::from_str(j).ok())
-        .unwrap_or_else(|| panic!("no RESULT line from flower_round.py:\n{stdout}"));
+    if let Some(tls) = tls {
+        args.extend(["--tls".into(), tls.into()]);
+    }
+    let result = flower::run(python, &args);
     let published: Vec<f64> =
         serde_json::from_value(result["published_unix"].clone()).expect("published");
     let rounds_ms = published
@@ -453,14 +380,9 @@ fn run_flower(
 }
 
 async fn run() {
-    let warmup = env_or("HORA_BENCH_WARMUP", 5).max(1) as u64;
-    let rounds = env_or("HORA_BENCH_ROUNDS", 30).max(2) as u64;
-    let with_flower = std::env::var("HORA_BENCH_FLOWER").map_or(true, |v| v != "0");
-    let python = if with_flower {
-        flower_python()
-    } else {
-        String::new()
-    };
+    let warmup = harness::env_or("HORA_BENCH_WARMUP", 5).max(1) as u64;
+    let rounds = harness::env_or("HORA_BENCH_ROUNDS", 30).max(2) as u64;
+    let python = flower::wanted();
     let dir = tempfile::Builder::new()
         .prefix("hora-round-latency-")
         .tempdir()
@@ -471,14 +393,14 @@ async fn run() {
          Synthetic-IID {} training samples each, 1 local epoch of batch {}, SGD; {warmup} warm-up \
          then {rounds} measured rounds",
         SAMPLES * 4 / 5,
-        training().batch_size
+        harness::sgd_training().batch_size
     );
     let (hora, certs) = run_hora(dir.path(), warmup, rounds).await;
 
-    let (flower_tls, version, flower_fit, flower_plain) = if with_flower {
-        write_shards(dir.path());
-        let (tls, version, fit) = run_flower(&python, dir.path(), Some(&certs), warmup, rounds);
-        let (plain, _, _) = run_flower(&python, dir.path(), None, warmup, rounds);
+    let (flower_tls, version, flower_fit, flower_plain) = if let Some(python) = &python {
+        flower::write_shards(dir.path(), &data());
+        let (tls, version, fit) = run_flower(python, dir.path(), Some(&certs), warmup, rounds);
+        let (plain, _, _) = run_flower(python, dir.path(), None, warmup, rounds);
         (tls, version, fit, plain)
     } else {
         (Vec::new(), "(not run)".to_string(), f64::NAN, Vec::new())

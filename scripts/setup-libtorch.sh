@@ -23,7 +23,7 @@ if [ ! -f "$stamp" ] || [ "$(installed_version || true)" != "$TORCH_VERSION" ]; 
     log "installing torch==$TORCH_VERSION into $venv (about 4.6 GB, a few minutes, once)"
     mkdir -p "$cache_root"
     base_python="${HORA_PYTHON:-$(command -v python3)}"
-    [ -n "$base_python" ] || { log "python3 not found: install Python 3.9+ first"; exit 1; }
+    [ -n "$base_python" ] || { log "python3 not found: install Python 3.10+ first"; exit 1; }
     rm -f "$stamp"
     [ -x "$python" ] || "$base_python" -m venv "$venv"
     "$python" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy

@@ -24,7 +24,7 @@ if [ ! -f "$stamp" ] || [ "$(installed_version || true)" != "$SCHEMATHESIS_VERSI
     log "installing schemathesis==$SCHEMATHESIS_VERSION into $venv (about 100 MB, a minute, once)"
     mkdir -p "$cache_root"
     base_python="${HORA_PYTHON:-$(command -v python3 || true)}"
-    [ -n "$base_python" ] || { log "python3 not found: install Python 3.9+ first"; exit 1; }
+    [ -n "$base_python" ] || { log "python3 not found: install Python 3.10+ first"; exit 1; }
     rm -f "$stamp"
     [ -x "$python" ] || "$base_python" -m venv "$venv"
     "$python" -m pip install --quiet --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION"

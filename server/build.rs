@@ -1,0 +1,6 @@
+#[path = "../build-support/commit.rs"]
+mod commit;
+
+fn main() {
+    commit::emit();
+}
