@@ -775,7 +775,7 @@ fn strangers_at_a_ring_port_learn_nothing_and_the_job_trains_as_without_them() {
         a.extend(strings(&[
             "--rank",
             &rank.to_string(),
-            "--listen",
+            "--ring-listen",
             &format!("127.0.0.1:{}", ports[rank as usize]),
         ]));
         a

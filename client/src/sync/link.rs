@@ -764,7 +764,7 @@ impl Links {
     pub fn listen(address: &str) -> Result<TcpListener> {
         TcpListener::bind(address).map_err(|e| {
             SyncError::io(
-                format!("listening for the ring on {address} (choose another with --listen)"),
+                format!("listening for the ring on {address} (choose another with --ring-listen)"),
                 e,
             )
         })

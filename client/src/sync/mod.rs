@@ -54,7 +54,7 @@ use thiserror::Error;
 
 #[cfg(feature = "torch")]
 pub use fusion::Fusion;
-pub use launch::LaunchRank;
+pub use launch::{torchrun_peers, LaunchRank};
 #[cfg(feature = "torch")]
 pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, SyncOptimizer};
 pub use rendezvous::World;

@@ -32,7 +32,18 @@ pub enum Algorithm {
 }
 
 /// How the learning rate follows the world size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum LrScaling {
     /// `lr × world size` (Goyal et al.; Horovod's advice): each rank keeps its batch size, so the
     /// global batch, and with it the step size, grows with the world.
