@@ -10,7 +10,7 @@ from urllib.parse import quote
 import numpy as np
 
 from . import _hora
-from .client import PathLike, load_state, to_numpy
+from .client import PathLike, _identity, load_state, to_numpy
 
 Weights = Mapping[str, Any]
 
@@ -22,13 +22,25 @@ class Admin:
         url: ``https://host:port`` of the server.
         ca: the CA certificate (PEM) the server's certificate chains to.
         token: the server's admin token (``HORA_ADMIN_TOKEN`` on the server).
+        cert, key: a client certificate (PEM) and its private key, for a server that requires
+            mutual TLS (``--client-ca``); ``HORA_CLIENT_CERT`` and ``HORA_CLIENT_KEY`` when not
+            given.
 
     Every method raises :class:`hora.Refused` (with ``code``) when the server refuses, and
     :class:`hora.Unavailable` when it cannot be reached within the retry budget.
     """
 
-    def __init__(self, url: str, ca: PathLike, token: str) -> None:
-        self._conn = _hora.AdminConnection(url, os.fspath(ca), token)
+    def __init__(
+        self,
+        url: str,
+        ca: PathLike,
+        token: str,
+        *,
+        cert: Optional[PathLike] = None,
+        key: Optional[PathLike] = None,
+    ) -> None:
+        cert, key = _identity(cert, key)
+        self._conn = _hora.AdminConnection(url, os.fspath(ca), token, cert, key)
 
     def _json(self, method: str, path: str, body: Optional[Any] = None) -> Any:
         text = None if body is None else json.dumps(body)

@@ -20,6 +20,14 @@ TrainFn = Callable[[Dict[str, np.ndarray], Dict[str, Any]], TrainResult]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def _identity(cert: Optional[PathLike], key: Optional[PathLike]) -> Tuple[Optional[str], Optional[str]]:
+    """A client certificate and its key for mutual TLS, from the arguments or else
+    ``HORA_CLIENT_CERT`` and ``HORA_CLIENT_KEY`` (the names ``hora-client`` reads)."""
+    if cert is None and key is None:
+        cert, key = os.environ.get("HORA_CLIENT_CERT"), os.environ.get("HORA_CLIENT_KEY")
+    return (None if cert is None else os.fspath(cert), None if key is None else os.fspath(key))
+
+
 def to_numpy(weights: Mapping[str, Any]) -> Dict[str, np.ndarray]:
     """Weights as C-contiguous float32 NumPy arrays.
 
@@ -68,6 +76,9 @@ class Client:
         token: one-time enrolment token (first run only).
         label: shown to operators in the client list.
         poll_wait_secs: how long one long poll for a round may be held open.
+        cert, key: a client certificate (PEM) and its private key, for a server that requires
+            mutual TLS (``--client-ca``); ``HORA_CLIENT_CERT`` and ``HORA_CLIENT_KEY`` when not
+            given.
 
     Raises:
         Refused: the server refused the enrolment (``e.code`` says why).
@@ -84,7 +95,10 @@ class Client:
         *,
         label: Optional[str] = None,
         poll_wait_secs: float = 30.0,
+        cert: Optional[PathLike] = None,
+        key: Optional[PathLike] = None,
     ) -> None:
+        cert, key = _identity(cert, key)
         self._inner = _hora.Client(
             server,
             os.fspath(ca),
@@ -92,6 +106,8 @@ class Client:
             token=token,
             label=label,
             poll_wait_secs=poll_wait_secs,
+            cert=cert,
+            key=key,
         )
 
     @property

@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import numpy as np
 
 from . import _hora
+from .client import _identity
 
 _ring: Optional[_hora.Ring] = None
 
@@ -77,6 +78,8 @@ def init(
     timeout_secs: float = 30.0,
     half_precision: bool = False,
     seal_frames: bool = True,
+    cert: Optional[str] = None,
+    key: Optional[str] = None,
 ) -> None:
     """Joins this process to its job's ring.
 
@@ -87,8 +90,13 @@ def init(
       this worker's ``rank`` (or ``HORA_RANK``, mpirun's or Slurm's variables);
     - ``server`` (or ``HORA_SERVER``) with ``ca``, ``job`` and ``token`` (``HORA_CA``,
       ``HORA_JOB``, ``HORA_SYNC_TOKEN``): meet at the Hora server, which assigns ranks unless
-      the launcher gave them; ``size`` (or the launcher's) is the world size;
-    - otherwise a world of one.
+      the launcher gave them; ``size`` (or the launcher's) is the world size; ``cert`` and
+      ``key`` (or ``HORA_CLIENT_CERT``, ``HORA_CLIENT_KEY``) for a server that requires mutual
+      TLS;
+    - a job ``torchrun`` started on one host: rank r listens on ``MASTER_ADDR:MASTER_PORT+1+r``
+      (with ``secret`` or ``HORA_SYNC_SECRET`` as for ``peers``);
+    - otherwise, when no launcher says there are other workers, a world of one (a launcher that
+      says there are, with nowhere to meet them, is an error).
 
     Under :func:`hora.spark.run` the world is already formed and ``init()`` does nothing.
     ``timeout_secs`` is how long a silent worker is given before the others fail and name it.
@@ -105,6 +113,8 @@ def init(
     if peers is None and os.environ.get("HORA_PEERS"):
         peers = [p for p in os.environ["HORA_PEERS"].split(",") if p]
     server = server or os.environ.get("HORA_SERVER")
+    if not peers and not server:
+        peers = _hora.torchrun_peers()
     if peers:
         if rank is None:
             raise _hora.HoraError(
@@ -123,6 +133,7 @@ def init(
         ca = ca or os.environ.get("HORA_CA")
         job = job or os.environ.get("HORA_JOB")
         token = token or os.environ.get("HORA_SYNC_TOKEN")
+        cert, key = _identity(cert, key)
         if not (ca and job and token and size):
             raise _hora.HoraError(
                 "meeting at the server needs ca, job, token and the world size "
@@ -140,6 +151,13 @@ def init(
             timeout_secs=timeout_secs,
             half_precision=half_precision,
             seal_frames=seal_frames,
+            cert=cert,
+            key=key,
+        )
+    elif size is not None and size > 1:
+        raise _hora.HoraError(
+            f"the launcher says this worker is one of {size}, but not where to meet the others: "
+            "give server= (or HORA_SERVER, with a sync job) or peers= (or HORA_PEERS)"
         )
     else:
         _ring = _hora.Ring.single()

@@ -56,8 +56,16 @@ async fn answer(
 #[pymethods]
 impl AdminConnection {
     #[new]
-    fn new(url: &str, ca: PathBuf, token: String) -> PyResult<Self> {
-        let conn = Connection::new(url, &ca, None, RetryPolicy::default())
+    #[pyo3(signature = (url, ca, token, cert=None, key=None))]
+    fn new(
+        url: &str,
+        ca: PathBuf,
+        token: String,
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+    ) -> PyResult<Self> {
+        let identity = crate::identity(cert, key)?;
+        let conn = Connection::new(url, &ca, identity.as_ref(), RetryPolicy::default())
             .map_err(|e| crate::HoraError::new_err(e.to_string()))?
             .with_token(token);
         Ok(AdminConnection { conn })

@@ -27,7 +27,8 @@ pub(crate) struct Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (server, ca, state_dir, token=None, label=None, poll_wait_secs=30.0))]
+    #[pyo3(signature = (server, ca, state_dir, token=None, label=None, poll_wait_secs=30.0, cert=None, key=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         server: String,
@@ -36,9 +37,12 @@ impl Client {
         token: Option<String>,
         label: Option<String>,
         poll_wait_secs: f64,
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
     ) -> PyResult<Self> {
         let mut config = ClientConfig::new(server, ca, state_dir);
         config.label = label;
+        config.identity = crate::identity(cert, key)?;
         config.poll_wait = crate::seconds("poll_wait_secs", poll_wait_secs, 0.0, 300.0)?;
         let connected = block_on(py, async move {
             hora_client::Client::connect(config, token.as_deref()).await

@@ -132,6 +132,20 @@ fn client_error(py: Python<'_>, e: ClientError) -> PyErr {
     }
 }
 
+/// A client certificate and its key for mutual TLS: both or neither.
+fn identity(
+    cert: Option<std::path::PathBuf>,
+    key: Option<std::path::PathBuf>,
+) -> PyResult<Option<hora_common::tls::Identity>> {
+    match (cert, key) {
+        (Some(cert), Some(key)) => Ok(Some(hora_common::tls::Identity { cert, key })),
+        (None, None) => Ok(None),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(
+            "mutual TLS needs both cert= and key= (the client certificate and its private key)",
+        )),
+    }
+}
+
 /// A sync error as `SyncFailed`, with the failed rank when one is known.
 fn sync_error(py: Python<'_>, e: SyncError) -> PyErr {
     let rank = match &e {
@@ -164,6 +178,7 @@ fn _hora(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ring::Ring>()?;
     m.add_class::<ring::PendingRing>()?;
     m.add_function(wrap_pyfunction!(ring::launch_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(ring::torchrun_peers, m)?)?;
     m.add_function(wrap_pyfunction!(convert::encode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::decode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::load_dataset, m)?)?;

@@ -162,7 +162,7 @@ impl Ring {
     /// Meets the job's other workers at the Hora server (`hora-server admin sync-create`).
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (server, ca, job, token, world_size, rank=None, listen="127.0.0.1:0".to_string(), advertise=None, timeout_secs=30.0, half_precision=false, seal_frames=true))]
+    #[pyo3(signature = (server, ca, job, token, world_size, rank=None, listen="127.0.0.1:0".to_string(), advertise=None, timeout_secs=30.0, half_precision=false, seal_frames=true, cert=None, key=None))]
     fn from_server(
         py: Python<'_>,
         server: String,
@@ -176,7 +176,10 @@ impl Ring {
         timeout_secs: f64,
         half_precision: bool,
         seal_frames: bool,
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
     ) -> PyResult<Ring> {
+        let identity = crate::identity(cert, key)?;
         let launch = LaunchRank {
             rank,
             world_size: Some(world_size),
@@ -188,7 +191,7 @@ impl Ring {
             let rendezvous = ServerRendezvous {
                 server: &server,
                 ca: &ca,
-                identity: None,
+                identity: identity.as_ref(),
                 job: &job,
                 token: &token,
                 timeout: Duration::from_secs(600),
@@ -286,8 +289,8 @@ type Launch = (Option<u32>, Option<u32>, Option<u32>, &'static str);
 /// --
 ///
 /// This worker's (rank, world size, local rank, source) as `hora-client sync` finds them:
-/// `rank`/`size` (or `HORA_RANK`/`HORA_WORLD_SIZE`) first, then mpirun's, Slurm's or PMI's
-/// variables; None where nothing says.
+/// `rank`/`size` (or `HORA_RANK`/`HORA_WORLD_SIZE`) first, then mpirun's, Slurm's, PMI's or
+/// torchrun's variables; None where nothing says.
 #[pyfunction]
 #[pyo3(signature = (rank=None, size=None))]
 pub(crate) fn launch_rank(
@@ -312,6 +315,17 @@ pub(crate) fn launch_rank(
     )
     .map_err(|e| sync_error(py, e))?;
     Ok((found.rank, found.world_size, found.local_rank, found.source))
+}
+
+/// torchrun_peers() -> list[str] | None
+/// --
+///
+/// The ring's addresses of a job torchrun started on one host (`MASTER_ADDR:MASTER_PORT+1+r`
+/// for rank r), as `hora-client sync` finds them; None when torchrun did not start this
+/// process. Raises when it started the job on several hosts.
+#[pyfunction]
+pub(crate) fn torchrun_peers(py: Python<'_>) -> PyResult<Option<Vec<String>>> {
+    hora_client::sync::torchrun_peers(|k| std::env::var(k).ok()).map_err(|e| sync_error(py, e))
 }
 
 /// A worker that has bound its ring port but does not know its peers yet.

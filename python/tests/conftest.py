@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 
@@ -43,13 +43,18 @@ def free_port() -> int:
 class Server:
     """`hora-server serve` on a loopback port, its data in `dir`."""
 
-    def __init__(self, dir: Path, port: Optional[int] = None) -> None:
+    def __init__(self, dir: Path, port: Optional[int] = None, extra: Sequence[str] = (),
+                 ca: Optional[Path] = None, cert: Optional[Path] = None,
+                 key: Optional[Path] = None) -> None:
+        """`extra` flags for `serve`; `ca` when they name certificates, and the admin's client
+        certificate (`cert`, `key`) when they require one."""
         self.dir = dir
         self.port = port or free_port()
+        self.extra = list(extra)
         self.proc: Optional[subprocess.Popen] = None
         self.start()
-        self.ca = dir / "server" / "certs" / "ca.pem"
-        self.admin = hora.Admin(self.url, self.ca, ADMIN_TOKEN)
+        self.ca = ca or dir / "server" / "certs" / "ca.pem"
+        self.admin = hora.Admin(self.url, self.ca, ADMIN_TOKEN, cert=cert, key=key)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -62,6 +67,7 @@ class Server:
                 ADMIN_TOKEN,
                 "--data-dir",
                 str(self.dir / "server"),
+                *self.extra,
             ],
             stdout=subprocess.PIPE,
             stderr=open(self.dir / "server.log", "ab"),

@@ -79,6 +79,28 @@ def test_workers_given_their_peers_need_no_server(procs):
         assert '"ranks": [0, 1]' in Path(w.log_path).read_text()
 
 
+def test_workers_torchrun_starts_on_one_host_meet_by_themselves(procs):
+    from conftest import free_port
+
+    env = {"HORA_SYNC_SECRET": "a secret of the tests, long enough", "TIMEOUT": "10",
+           "CKPT": str(procs.dir / "torchrun.pt"), "HORA_LOG": "warn", "OMP_NUM_THREADS": "1"}
+    run = procs.start("torchrun", [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER, "allreduce",
+    ], env=env)
+    assert run.wait(timeout=180) == 0, log(run)
+    # Both workers' lines, in one ring of two (not two worlds of one).
+    assert Path(run.log_path).read_text().count('"ranks": [0, 1]') == 2, log(run)
+
+
+def test_a_launcher_world_with_nowhere_to_meet_is_an_error_not_a_world_of_one(procs):
+    lonely = procs.start("lonely", [sys.executable, "-c", "import hora.sync as hs; hs.init()"],
+                         env={"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "WORLD_SIZE": "2",
+                              "HORA_LOG": "warn"})
+    assert lonely.wait(timeout=60) != 0
+    assert "one of 2, but not where to meet the others" in Path(lonely.log_path).read_text()
+
+
 def peers_world(procs, n: int, mode: str, **env: str):
     """`n` workers of `mode` given their peers (no server); their processes and RESULTs."""
     from conftest import free_port
