@@ -7,8 +7,13 @@
 //! rate) gives the reference accuracy.
 //!
 //! This is `make demo`: `cargo run --release --example federated` (defaults: 10 clients,
-//! 20 rounds, Synthetic(1,1)). `--iid`, `--alpha`, `--beta`, `--clients`, `--rounds` and the
-//! training options (Adam at 0.01, 5 local epochs, batch 10 by default) change it; `--json` adds a machine-readable summary line.
+//! 20 rounds, Synthetic(1,1)). By default it federates twice on the same data, from the same
+//! initial model and with the same budget: FedAvg, then FedProx (`--fedprox-mu`, μ = 0.1), whose
+//! proximal term keeps each client's local model near the global one and so copes with data as
+//! heterogeneous as Synthetic(1,1)'s. `--strategy`, `--proximal-mu` or `--dp` (or `--single`)
+//! run only the federation they describe. `--iid`, `--alpha`, `--beta`, `--clients`, `--rounds`
+//! and the training options (Adam at 0.01, 5 local epochs, batch 10 by default) change it;
+//! `--json` adds a machine-readable summary line.
 
 #[path = "support/federation.rs"]
 mod federation;
@@ -71,9 +76,135 @@ struct Args {
     /// `{"noise_multiplier":1.0,"clip":{"mode":"fixed","norm":0.5}}`.
     #[arg(long, value_parser = json_arg::<DpConfig>)]
     dp: Option<DpConfig>,
+    /// FedProx's μ for the second federation of the default comparison.
+    #[arg(long, default_value_t = 0.1, value_parser = positive,
+          conflicts_with_all = ["single", "strategy", "proximal_mu", "dp"])]
+    fedprox_mu: f64,
+    /// Run only the federation the options describe (no FedProx comparison).
+    #[arg(long)]
+    single: bool,
     /// Print a final `RESULT {json}` line.
     #[arg(long)]
     json: bool,
+}
+
+/// One federation of the demo: its label and what the server and the clients are told.
+struct Run {
+    label: String,
+    task: String,
+    strategy: StrategyConfig,
+    training: TrainingConfig,
+    dp: Option<DpConfig>,
+}
+
+/// What every federation of the demo shares: the data, the model and the scoring.
+struct Setup {
+    clients: usize,
+    rounds: u64,
+    data: String,
+    arch: Architecture,
+    initial: hora_common::model::Model,
+    test: DeviceData,
+}
+
+/// Runs one federation to its end; the published models' test accuracy, round 0 first, and
+/// the last round's ε under differential privacy.
+async fn federate(
+    fed: &mut Federation,
+    setup: &Setup,
+    run: &Run,
+) -> Result<(Vec<f64>, Option<f64>)> {
+    let digest = fed.upload_model(&setup.initial).await?;
+    fed.create_task(&CreateTask {
+        id: run.task.clone(),
+        initial_model: digest,
+        model: setup.arch.to_kind(),
+        strategy: run.strategy.clone(),
+        rounds: setup.rounds,
+        min_clients: setup.clients as u32,
+        target_clients: setup.clients as u32,
+        over_selection: 0.0,
+        round_deadline_secs: 300,
+        training: run.training.clone(),
+        secure_aggregation: None,
+        update_bounds: Default::default(),
+        differential_privacy: run.dp.clone(),
+        asynchronous: None,
+    })
+    .await?;
+    for k in 0..setup.clients {
+        let extra = vec!["--seed".to_string(), k.to_string()];
+        fed.spawn_named_shard_client(
+            &format!("{}-client-{k}", run.task),
+            &run.task,
+            &setup.data,
+            k,
+            &extra,
+        )
+        .await?;
+    }
+    println!(
+        "\n{}: strategy {}; FedProx μ {}; differential privacy {}",
+        run.label,
+        serde_json::to_string(&run.strategy)?,
+        run.training.proximal_mu,
+        run.dp
+            .as_ref()
+            .map_or("off".to_string(), |d| serde_json::to_string(d)
+                .unwrap_or_default()),
+    );
+    println!(
+        "{:>5}  {:>7}  {:>8}  {:>10}  {:>13}  {:>7}",
+        "round", "clients", "examples", "train loss", "test accuracy", "ε"
+    );
+    let mut accuracy = vec![score(&setup.arch, &setup.initial, &setup.test)?];
+    println!(
+        "{:>5}  {:>7}  {:>8}  {:>10}  {:>13.4}",
+        0, "-", "-", "-", accuracy[0]
+    );
+    let mut epsilon = None;
+    for round in 1..=setup.rounds {
+        let record = fed
+            .wait_round(&run.task, round, Duration::from_secs(600))
+            .await?;
+        let model = fed.round_model(&run.task, round).await?;
+        accuracy.push(score(&setup.arch, &model, &setup.test)?);
+        epsilon = record.privacy.as_ref().map(|p| p.epsilon);
+        println!(
+            "{:>5}  {:>7}  {:>8}  {:>10}  {:>13.4}  {:>7}",
+            round,
+            record.participants.len(),
+            record.examples,
+            record
+                .metrics
+                .loss
+                .map_or("-".into(), |l| format!("{l:.4}")),
+            accuracy[round as usize],
+            record
+                .privacy
+                .as_ref()
+                .map_or("-".into(), |p| format!("{:.2}", p.epsilon)),
+        );
+        let info = fed.task(&run.task).await?;
+        // (Finished after its last round is no early end: a fast task gets there before this
+        // loop reads its next round.)
+        if round < setup.rounds
+            && info.state == TaskState::Finished
+            && info.published_rounds == round
+        {
+            println!("the task finished early (its privacy budget)");
+            break;
+        }
+    }
+    fed.wait_clients(Duration::from_secs(60))?;
+    Ok((accuracy, epsilon))
+}
+
+fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err("a positive number (FedProx with μ = 0 is FedAvg)".into()),
+    }
 }
 
 fn json_arg<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, String> {
@@ -128,28 +259,6 @@ async fn main() -> Result<()> {
         ..Default::default()
     };
 
-    let mut fed = Federation::start()?;
-    let digest = fed.upload_model(&initial).await?;
-    let task = "synthetic";
-    fed.create_task(&CreateTask {
-        id: task.into(),
-        initial_model: digest,
-        model: arch.to_kind(),
-        strategy: args.strategy.clone().unwrap_or_default(),
-        rounds: args.rounds,
-        min_clients: args.clients as u32,
-        target_clients: args.clients as u32,
-        over_selection: 0.0,
-        round_deadline_secs: 300,
-        training: training.clone(),
-        secure_aggregation: None,
-        update_bounds: Default::default(),
-        differential_privacy: args.dp.clone(),
-        asynchronous: None,
-    })
-    .await?;
-    fed.spawn_clients(task, &data, args.clients, &["--seed", "{k}"])
-        .await?;
     println!(
         "{} clients on {} ({} training and {} held-out samples in all; shard sizes {}..{}), \
          logistic regression, {} local epoch(s) of batch {} at lr {} ({})",
@@ -176,53 +285,48 @@ async fn main() -> Result<()> {
         args.learning_rate,
         if args.sgd { "SGD" } else { "Adam" },
     );
-    println!(
-        "strategy {}; FedProx μ {}; differential privacy {}",
-        serde_json::to_string(&args.strategy.clone().unwrap_or_default())?,
-        args.proximal_mu,
-        args.dp
-            .as_ref()
-            .map_or("off".to_string(), |d| serde_json::to_string(d)
-                .unwrap_or_default()),
-    );
-    println!(
-        "{:>5}  {:>7}  {:>8}  {:>10}  {:>13}  {:>7}",
-        "round", "clients", "examples", "train loss", "test accuracy", "ε"
-    );
-    let mut accuracy = vec![score(&arch, &initial, &test)?];
-    println!(
-        "{:>5}  {:>7}  {:>8}  {:>10}  {:>13.4}",
-        0, "-", "-", "-", accuracy[0]
-    );
-    let mut epsilon = None;
-    for round in 1..=args.rounds {
-        let record = fed
-            .wait_round(task, round, Duration::from_secs(600))
-            .await?;
-        let model = fed.round_model(task, round).await?;
-        accuracy.push(score(&arch, &model, &test)?);
-        epsilon = record.privacy.as_ref().map(|p| p.epsilon);
-        println!(
-            "{:>5}  {:>7}  {:>8}  {:>10}  {:>13.4}  {:>7}",
-            round,
-            record.participants.len(),
-            record.examples,
-            record
-                .metrics
-                .loss
-                .map_or("-".into(), |l| format!("{l:.4}")),
-            accuracy[round as usize],
-            record
-                .privacy
-                .as_ref()
-                .map_or("-".into(), |p| format!("{:.2}", p.epsilon)),
-        );
-        if round < args.rounds && fed.task(task).await?.state == TaskState::Finished {
-            println!("the task finished early (its privacy budget)");
-            break;
-        }
+    let setup = Setup {
+        clients: args.clients,
+        rounds: args.rounds,
+        data,
+        arch: arch.clone(),
+        initial: initial.clone(),
+        test,
+    };
+    let configured = Run {
+        label: "the configured federation".into(),
+        task: "synthetic".into(),
+        strategy: args.strategy.clone().unwrap_or_default(),
+        training: training.clone(),
+        dp: args.dp.clone(),
+    };
+    let compare =
+        !args.single && args.strategy.is_none() && args.proximal_mu == 0.0 && args.dp.is_none();
+    let runs = if compare {
+        vec![
+            Run {
+                label: "FedAvg".into(),
+                ..configured
+            },
+            Run {
+                label: "FedProx".into(),
+                task: "synthetic-fedprox".into(),
+                strategy: StrategyConfig::default(),
+                training: TrainingConfig {
+                    proximal_mu: args.fedprox_mu,
+                    ..training.clone()
+                },
+                dp: None,
+            },
+        ]
+    } else {
+        vec![configured]
+    };
+    let mut fed = Federation::start()?;
+    let mut results = Vec::new();
+    for run in &runs {
+        results.push(federate(&mut fed, &setup, run).await?);
     }
-    fed.wait_clients(Duration::from_secs(60))?;
     let federated_secs = started.elapsed().as_secs_f64();
 
     // Centralised: the pooled training data, the same initial model and the same budget.
@@ -243,20 +347,31 @@ async fn main() -> Result<()> {
         None,
         &mut |_| {},
     )?;
-    let centralized = evaluate(&mut net, &test, 4096)?.accuracy;
-    let last = *accuracy.last().unwrap_or(&f64::NAN);
-    println!(
-        "centralised model (pooled data, {epochs} epochs): test accuracy {centralized:.4}; \
-         federated after {} rounds: {last:.4} ({:.2}x); federation took {federated_secs:.1} s",
-        args.rounds,
-        last / centralized
-    );
+    let centralized = evaluate(&mut net, &setup.test, 4096)?.accuracy;
+    println!("\ncentralised model (pooled data, {epochs} epochs): test accuracy {centralized:.4}");
+    for (run, (accuracy, _)) in runs.iter().zip(&results) {
+        let last = *accuracy.last().unwrap_or(&f64::NAN);
+        println!(
+            "{:<26} after {} rounds: test accuracy {last:.4} ({:.2}x centralised)",
+            run.label,
+            accuracy.len() - 1,
+            last / centralized
+        );
+    }
+    println!("{} federation(s) took {federated_secs:.1} s", runs.len());
     if args.json {
+        let runs: Vec<_> = runs
+            .iter()
+            .zip(&results)
+            .map(|(run, (accuracy, epsilon))| {
+                serde_json::json!({"label": run.label, "accuracy": accuracy,
+                    "strategy": run.strategy, "proximal_mu": run.training.proximal_mu,
+                    "dp": run.dp, "epsilon": epsilon})
+            })
+            .collect();
         println!(
             "RESULT {}",
-            serde_json::json!({"accuracy": accuracy, "centralized": centralized, "iid": args.iid,
-                "strategy": args.strategy, "proximal_mu": args.proximal_mu, "dp": args.dp,
-                "epsilon": epsilon})
+            serde_json::json!({"runs": runs, "centralized": centralized, "iid": args.iid})
         );
     }
     Ok(())

@@ -271,7 +271,17 @@ async fn federation(initial: &Model, rounds: u64, kills: usize) -> (Vec<RoundRec
     wait_for(
         "the federation to finish",
         Duration::from_secs(600),
-        async || task_info(&admin, "t").await.state == TaskState::Finished,
+        async || {
+            // A client that failed would stall the federation (every round needs the whole
+            // fleet): say why at once rather than at the timeout.
+            if let Some(k) = clients
+                .iter_mut()
+                .position(|c| c.try_wait().ok().flatten().is_some_and(|s| !s.success()))
+            {
+                finish(clients.swap_remove(k));
+            }
+            task_info(&admin, "t").await.state == TaskState::Finished
+        },
     )
     .await;
     for child in clients {
@@ -786,4 +796,94 @@ async fn a_download_without_content_length_is_cut_off_at_the_clients_limit() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let sent = sent.load(Ordering::SeqCst);
     assert!(sent < 32 << 20, "the client read {sent} bytes");
+}
+
+/// Every option of `train` and `sync` is honoured from the file, the environment and the
+/// flags, in that order of precedence; the option lists are the declarations' own.
+#[test]
+fn every_client_option_is_layered_flags_over_environment_over_file() {
+    let tls: [support::Sample; 3] = [
+        ("ca", "/srv/a/ca.pem", "/srv/b/ca.pem"),
+        ("cert", "/srv/a/cert.pem", "/srv/b/cert.pem"),
+        ("key", "/srv/a/key.pem", "/srv/b/key.pem"),
+    ];
+    let common: [support::Sample; 9] = [
+        ("data", "a.csv", "mnist:b"),
+        ("device", "cpu", "cuda:1"),
+        ("holdout", "0.1", "0.3"),
+        ("no_progress", "true", "false"),
+        ("retry_for", "60", "70"),
+        ("server", "https://a.example:1", "https://b.example:2"),
+        ("threads", "2", "3"),
+        ("token", "token-a", "token-b-longer"),
+        ("token_file", "secret-file:token-a", "secret-file:token-b"),
+    ];
+    let train: [support::Sample; 11] = [
+        ("client_index", "1", "2"),
+        ("label", "site-a", "site-b"),
+        ("min_train_secs", "0.5", "1.5"),
+        ("rounds", "3", "4"),
+        ("seed", "5", "6"),
+        ("state_dir", "/srv/a/state", "/srv/b/state"),
+        ("task", "task-a", "task-b"),
+        ("timings", "/srv/a/t.jsonl", "/srv/b/t.jsonl"),
+        ("token_file", "secret-file:token-a", "secret-file:token-b"),
+        ("token", "token-a", "token-b-longer"),
+        ("server", "https://a.example:1", "https://b.example:2"),
+    ];
+    let samples: Vec<support::Sample> = tls
+        .iter()
+        .chain(&common)
+        .chain(train.iter().filter(|s| !common.iter().any(|c| c.0 == s.0)))
+        .copied()
+        .collect();
+    support::check_layering(
+        "hora-client",
+        &["config", "check", "train"],
+        &samples,
+        &[("token", "token_file")],
+    );
+    let sync: [support::Sample; 26] = [
+        ("advertise", "10.0.0.1", "10.0.0.2"),
+        ("backward_passes_per_step", "2", "3"),
+        ("batch_size", "16", "64"),
+        ("checkpoint_dir", "/srv/a/ckpt", "/srv/b/ckpt"),
+        ("checkpoint_every", "5", "6"),
+        ("epochs", "2", "3"),
+        ("fp16", "true", "false"),
+        ("fusion_mib", "8", "16"),
+        ("job", "job-a", "job-b"),
+        ("learning_rate", "0.1", "0.2"),
+        ("lr_scaling", "none", "linear"),
+        ("model", "mlp", "logreg"),
+        ("momentum", "0.5", "0.6"),
+        ("optimizer", "adam", "sgd"),
+        (
+            "params",
+            "{\"inputs\":4,\"hidden\":[8],\"classes\":3}",
+            "{\"inputs\":5,\"classes\":3}",
+        ),
+        ("peers", "127.0.0.1:7001,127.0.0.1:7002", "127.0.0.1:7003"),
+        ("rank", "0", "1"),
+        ("ring_listen", "127.0.0.1:7001", "127.0.0.1:7002"),
+        ("ring_unsealed", "true", "false"),
+        ("save", "/srv/a/w.safetensors", "/srv/b/w.safetensors"),
+        ("seed", "5", "6"),
+        (
+            "session_secret",
+            "a-session-secret-0123456789",
+            "b-session-secret-01234",
+        ),
+        ("sub_chunk_kib", "128", "512"),
+        ("timeout", "10", "20"),
+        ("weight_decay", "0.01", "0.02"),
+        ("world_size", "2", "3"),
+    ];
+    let samples: Vec<support::Sample> = tls.iter().chain(&common).chain(&sync).copied().collect();
+    support::check_layering(
+        "hora-client",
+        &["config", "check", "sync"],
+        &samples,
+        &[("token", "token_file"), ("server", "peers")],
+    );
 }

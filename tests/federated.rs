@@ -19,6 +19,7 @@ fn federation(extra: &[&str]) -> (String, serde_json::Value) {
         "2",
         "--learning-rate",
         "0.02",
+        "--single",
         "--json",
     ];
     args.extend_from_slice(extra);
@@ -26,7 +27,7 @@ fn federation(extra: &[&str]) -> (String, serde_json::Value) {
 }
 
 fn curve(result: &serde_json::Value) -> Vec<f64> {
-    result["accuracy"]
+    result["runs"][0]["accuracy"]
         .as_array()
         .expect("accuracy curve")
         .iter()
@@ -69,6 +70,27 @@ fn synthetic_non_iid_federation_learns_over_rounds() {
     // Mostly rising: the second half is better than the first.
     let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
     assert!(mean(&acc[8..]) > mean(&acc[1..8]), "{acc:?}");
+}
+
+#[test]
+fn the_demo_compares_fedavg_with_fedprox_on_the_same_data() {
+    let (stdout, result) = run(
+        "federated",
+        &["--clients", "3", "--rounds", "2", "--epochs", "1", "--json"],
+    );
+    println!("{stdout}");
+    let runs = result["runs"].as_array().expect("runs");
+    let labels: Vec<_> = runs.iter().map(|r| r["label"].as_str()).collect();
+    assert_eq!(labels, [Some("FedAvg"), Some("FedProx")], "{stdout}");
+    assert_eq!(runs[0]["proximal_mu"].as_f64(), Some(0.0));
+    assert_eq!(runs[1]["proximal_mu"].as_f64(), Some(0.1));
+    for r in runs {
+        let accuracy = r["accuracy"].as_array().expect("accuracy");
+        assert_eq!(accuracy.len(), 3, "round 0 and 2 rounds: {stdout}");
+        // Both start from the same initial model.
+        assert_eq!(accuracy[0], runs[0]["accuracy"][0]);
+    }
+    assert!(stdout.contains("FedProx") && stdout.contains("centralised model"));
 }
 
 #[test]

@@ -572,6 +572,12 @@ async fn operations_routes_and_long_poll() {
         matches!(&history.last().unwrap().outcome, RoundOutcome::Abandoned { reason } if reason == "task stopped")
     );
 
+    let unknown = anon
+        .request(Method::GET, "/no/such/route")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
     let metrics = anon
         .request(Method::GET, "/metrics")
         .send()
@@ -586,6 +592,14 @@ async fn operations_routes_and_long_poll() {
         "hora_upload_bytes_total",
         "hora_ingest_seconds",
         "hora_aggregation_seconds",
+        // Per route (by template, not by the path asked for), and the process's own.
+        "hora_http_requests_total{route=\"/admin/v1/tasks/{task}/stop\",method=\"POST\",status=\"200\"} 1",
+        "hora_http_request_duration_seconds_count{route=\"/v1/tasks/{task}/poll\",method=\"GET\"}",
+        // What no route answered, under one label whatever the path.
+        "hora_http_requests_total{route=\"(none)\",method=\"GET\",status=\"404\"} 1",
+        "\nprocess_resident_memory_bytes ",
+        "\nprocess_cpu_seconds_total ",
+        "\nprocess_open_fds ",
     ] {
         assert!(metrics.contains(m), "/metrics lacks {m}:\n{metrics}");
     }
@@ -827,7 +841,7 @@ fn admin_cli(server: &Server, args: &[&str]) -> serde_json::Value {
     let out = std::process::Command::new(binary("hora-server"))
         .args([
             "admin",
-            "--url",
+            "--server",
             &server.url,
             "--token",
             ADMIN_TOKEN,
@@ -918,7 +932,7 @@ async fn the_admin_cli_drives_a_task_from_model_upload_to_published_model() {
     let out = std::process::Command::new(binary("hora-server"))
         .args([
             "admin",
-            "--url",
+            "--server",
             &server.url,
             "--token",
             ADMIN_TOKEN,
@@ -985,5 +999,170 @@ async fn mutual_tls_refuses_clients_without_a_certificate() {
         resp.version(),
         reqwest::Version::HTTP_2,
         "HTTP/2 is negotiated by ALPN"
+    );
+    // The admin CLI presents one with --cert/--key, and is refused without.
+    let admin = |with_cert: bool| {
+        let mut cmd = std::process::Command::new(binary("hora-server"));
+        cmd.args([
+            "admin",
+            "--server",
+            &server.url,
+            "--token",
+            ADMIN_TOKEN,
+            "--ca",
+        ])
+        .arg(&ca);
+        if with_cert {
+            cmd.arg("--cert")
+                .arg(&identity.cert)
+                .arg("--key")
+                .arg(&identity.key);
+        }
+        cmd.arg("tasks").output().unwrap()
+    };
+    let out = admin(true);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!admin(false).status.success());
+}
+
+/// Every option of `serve` is honoured from the file, the environment and the flags, in that
+/// order of precedence; the option list is the declaration's own.
+#[test]
+fn every_serve_option_is_layered_flags_over_environment_over_file() {
+    support::check_layering(
+        "hora-server",
+        &["config", "check"],
+        &[
+            ("admin_allow", "10.0.0.0/8", "192.168.0.7"),
+            (
+                "admin_token",
+                "a-admin-token-0123456789abcdef",
+                "b-admin-token-0123456789",
+            ),
+            (
+                "admin_token_file",
+                "secret-file:admin-a",
+                "secret-file:admin-b",
+            ),
+            ("blobs", "s3://bucket-a/p", "s3://bucket-b/q"),
+            (
+                "blobs_endpoint",
+                "http://127.0.0.1:9000",
+                "http://127.0.0.1:9001",
+            ),
+            ("body_wait_secs", "11", "12"),
+            ("certs_dir", "/srv/a/certs", "/srv/b/certs"),
+            ("client_ca", "/srv/a/ca.pem", "/srv/b/ca.pem"),
+            ("commit_window_ms", "3", "4"),
+            ("data_dir", "/srv/a", "/srv/b"),
+            ("durability_timeout_secs", "61", "62"),
+            ("header_timeout_secs", "11", "12"),
+            ("history_detail_rounds", "7", "8"),
+            ("hosts", "a.example", "b.example"),
+            ("idle_timeout_secs", "16", "17"),
+            ("lease_secs", "5", "6"),
+            ("listen", "127.0.0.1:9001", "[::1]:9002"),
+            ("max_concurrent_uploads", "2", "3"),
+            ("max_connections", "100", "200"),
+            ("max_connections_per_source", "10", "20"),
+            ("max_model_bytes", "1000", "2000"),
+            ("max_unauthenticated_per_source", "4", "5"),
+            ("max_upload_share", "0.5", "0.75"),
+            ("metrics_require_token", "true", "false"),
+            ("min_upload_rate", "100", "200"),
+            ("quarantine_after", "2", "3"),
+            ("request_timeout_secs", "31", "32"),
+            ("retain_rounds_every", "2", "3"),
+            ("retain_rounds_last", "4", "5"),
+            (
+                "store",
+                "postgres://u:pw@db-a/fl",
+                "postgres://u:pw@db-b/fl",
+            ),
+            ("tls_cert", "/srv/a/cert.pem", "/srv/b/cert.pem"),
+            ("tls_key", "/srv/a/key.pem", "/srv/b/key.pem"),
+            ("upload_buffer_bytes", "1000000", "2000000"),
+            ("upload_grace_secs", "11", "12"),
+        ],
+        &[("admin_token", "admin_token_file")],
+    );
+}
+
+/// The example configuration beside the systemd unit is one `serve` takes.
+#[test]
+fn the_systemd_example_configuration_checks() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("admin-token");
+    std::fs::write(&token, "an-admin-token-of-the-example-0123456789\n").unwrap();
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/systemd/hora.toml");
+    let out = std::process::Command::new(support::binary("hora-server"))
+        .args(["config", "check", "--json", "--config"])
+        .arg(&example)
+        .arg("--admin-token-file")
+        .arg(&token)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["listen"]["value"], "0.0.0.0:8443");
+    assert_eq!(report["listen"]["source"], "file");
+    assert_eq!(report["admin_token_file"]["source"], "flag");
+}
+
+/// Both programs say which commit they are, and write completions and man pages.
+#[test]
+fn version_completions_and_man_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    for program in ["hora-server", "hora-client"] {
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new(support::binary(program))
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{program} {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap()
+        };
+        let version = run(&["--version"]);
+        assert!(version.starts_with(&format!("{program} 0.")), "{version}");
+        if let Some(head) = &head {
+            assert!(
+                version.contains(&format!("(commit {head})")),
+                "{version} is not at {head}"
+            );
+        }
+        assert!(
+            run(&["completions", "bash"]).contains(&format!("_{}()", program.replace('-', "__")))
+        );
+        assert!(run(&["completions", "zsh"]).contains(&format!("#compdef {program}")));
+        let man = dir.path().join(program);
+        let pages = run(&["man", "--dir", man.to_str().unwrap()]);
+        let page = std::fs::read_to_string(man.join(format!("{program}.1"))).unwrap();
+        assert!(page.starts_with(".ie") || page.contains(".TH"), "{page}");
+        assert!(pages.lines().count() > 5, "{pages}");
+    }
+    let serve =
+        std::fs::read_to_string(dir.path().join("hora-server/hora-server-serve.1")).unwrap();
+    assert!(
+        serve.contains("HORA_LISTEN"),
+        "the page of serve names its variables"
     );
 }

@@ -6,8 +6,9 @@ use std::str::FromStr;
 use tch::Device;
 use thiserror::Error;
 
-/// A device as the user asked for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// A device as the user asked for it (`auto`, `cpu`, `cuda` or `cuda:N`; so in files too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum DeviceChoice {
     /// The first CUDA device if there is one, else the CPU.
     #[default]
@@ -38,6 +39,30 @@ impl FromStr for DeviceChoice {
                 .map(DeviceChoice::Cuda)
                 .ok_or_else(|| DeviceError::Unknown(s.to_string())),
         }
+    }
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceChoice::Auto => f.write_str("auto"),
+            DeviceChoice::Cpu => f.write_str("cpu"),
+            DeviceChoice::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl TryFrom<String> for DeviceChoice {
+    type Error = DeviceError;
+
+    fn try_from(s: String) -> Result<Self, DeviceError> {
+        s.parse()
+    }
+}
+
+impl From<DeviceChoice> for String {
+    fn from(d: DeviceChoice) -> String {
+        d.to_string()
     }
 }
 

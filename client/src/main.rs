@@ -2,8 +2,12 @@
 //!
 //! - `hora-client train`: enrol (once), then take part in a task's rounds until it ends,
 //!   training on local data with the built-in trainer. A progress bar while training, one line
-//!   per round. Options come from flags, then `HORA_*` environment variables, then a TOML file
-//!   (`--config`), in that order.
+//!   per round.
+//! - `hora-client config check train|sync …`: the options a command would run with, and where
+//!   each came from.
+//!
+//! Each option is a flag, a `HORA_*` environment variable and a key of the `--config` TOML file;
+//! the first of those that says something wins, else the default (`hora_common::config`).
 //! - `hora-client init`: initial weights for a task (a built-in architecture, or the parameters
 //!   of a TorchScript module), and the `model` JSON to create the task with.
 //!
@@ -19,52 +23,29 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use hora_client::data::DataSource;
 use hora_client::device::DeviceChoice;
 use hora_client::network::{Architecture, Network};
+use hora_client::sync::LrScaling;
 use hora_client::transport::RetryPolicy;
 use hora_client::{
     Client, ClientConfig, ClientError, Paced, RoundOutcome, RoundReport, SupervisedTrainer, Trainer,
 };
+use hora_common::config::{self as layers, Layered};
 use hora_common::logging;
 use hora_common::tls::Identity;
 use hora_common::wire::ModelKind;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-/// A secret given directly, or the first line of a file (kept off the command line, where other
-/// local users can read it).
-fn secret_or_file(
-    value: Option<String>,
-    file: Option<&std::path::Path>,
-) -> anyhow::Result<Option<String>> {
-    match (value, file) {
-        (Some(v), _) => Ok(Some(v)),
-        (None, Some(path)) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading the token file {}", path.display()))?;
-            let token = text.lines().next().unwrap_or_default().trim().to_string();
-            if token.is_empty() {
-                anyhow::bail!("the token file {} is empty", path.display());
-            }
-            Ok(Some(token))
-        }
-        (None, None) => Ok(None),
-    }
-}
-
-/// Takes each named option from `$file` where neither a flag nor the environment set it.
-macro_rules! fill_from {
-    ($args:ident, $file:ident; $($f:ident),* $(,)?) => {
-        $( if $args.$f.is_none() { $args.$f = $file.$f; } )*
-    };
-}
+/// Environment variables renamed for one naming scheme across Hora's programs: (old, new).
+const RENAMED_ENV: [(&str, &str); 1] = [("HORA_LISTEN", "HORA_RING_LISTEN")];
 
 #[derive(Parser)]
 #[command(
     name = "hora-client",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("HORA_COMMIT"), ")"),
     about = "Hora federated-learning client"
 )]
 struct Cli {
@@ -82,18 +63,55 @@ enum Command {
     Init(InitArgs),
     /// Train in lock-step with the other workers of a sync job (ring allreduce).
     Sync(Box<SyncArgs>),
+    /// Check a configuration before running with it.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    #[command(flatten)]
+    Docs(layers::DocsCommand),
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print every option of `train` or `sync` as it would run (given the same flags,
+    /// environment and --config file): its value and where it came from (flag, environment,
+    /// file or default), secrets masked.
+    Check {
+        /// Print JSON instead of text: {"key": {"value": …, "source": "flag", "from": "--task"}}.
+        #[arg(long, global = true)]
+        json: bool,
+        #[command(subcommand)]
+        command: CheckCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum CheckCommand {
+    /// The options of `hora-client train`.
+    Train(Box<TrainArgs>),
+    /// The options of `hora-client sync`.
+    Sync(Box<SyncArgs>),
+}
+
+/// The update rule of a sync job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Optimizer {
+    Sgd,
+    Adam,
 }
 
 /// `sync`'s options. Each is a flag, a `HORA_*` variable, or a key of the `--config` file.
-#[derive(Args, Deserialize, Default, Debug)]
-#[serde(default, deny_unknown_fields)]
+#[derive(Args, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct SyncArgs {
     /// TOML file with any of these options (keys as the long flags, with underscores).
     #[arg(long, env = "HORA_CONFIG")]
     #[serde(skip)]
     config: Option<PathBuf>,
     /// The server to meet the other workers at, `https://host:port` (or give --peers).
-    #[arg(long, env = "HORA_SERVER", conflicts_with = "peers")]
+    #[arg(long, env = "HORA_SERVER")]
     server: Option<String>,
     /// CA certificate the server's certificate chains to.
     #[arg(long, env = "HORA_CA")]
@@ -111,7 +129,7 @@ struct SyncArgs {
     #[arg(long, env = "HORA_SYNC_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// Read the job's token from this file (first line) instead.
-    #[arg(long, env = "HORA_SYNC_TOKEN_FILE", conflicts_with = "token")]
+    #[arg(long, env = "HORA_SYNC_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     /// Instead of the server: every worker's ring address by rank, `host:port,host:port,…`.
     #[arg(long, env = "HORA_PEERS", value_delimiter = ',')]
@@ -128,145 +146,155 @@ struct SyncArgs {
     /// Number of workers [default: from mpirun or Slurm, or the length of --peers].
     #[arg(long, env = "HORA_WORLD_SIZE")]
     world_size: Option<u32>,
-    /// Where to accept the ring neighbour's connection [default: 127.0.0.1:0].
-    #[arg(long, env = "HORA_LISTEN")]
-    listen: Option<String>,
-    /// The host the other workers reach this one at [default: the --listen address].
+    /// Where to accept the ring neighbour's connection (was --listen and HORA_LISTEN).
+    #[arg(
+        long,
+        alias = "listen",
+        env = "HORA_RING_LISTEN",
+        default_value = "127.0.0.1:0"
+    )]
+    ring_listen: String,
+    /// The host the other workers reach this one at [default: the --ring-listen address].
     #[arg(long, env = "HORA_ADVERTISE")]
     advertise: Option<String>,
-    /// Seconds a silent worker is given before the others stop and name it [default: 30].
-    #[arg(long, env = "HORA_TIMEOUT")]
-    timeout: Option<u64>,
-    /// Give up on an unreachable server after this many seconds of retries [default: 600].
-    #[arg(long, env = "HORA_RETRY_FOR")]
-    retry_for: Option<u64>,
+    /// Seconds a silent worker is given before the others stop and name it.
+    #[arg(long, env = "HORA_TIMEOUT", default_value_t = 30)]
+    timeout: u64,
+    /// Give up on an unreachable server after this many seconds of retries.
+    #[arg(long, env = "HORA_RETRY_FOR", default_value_t = 600)]
+    retry_for: u64,
     /// Built-in architecture: logreg, mlp or cnn.
     #[arg(long, env = "HORA_MODEL")]
     model: Option<String>,
     /// Its parameters as JSON, e.g. '{"inputs":784,"hidden":[200,200],"classes":10}'.
-    #[arg(long, env = "HORA_MODEL_PARAMS")]
-    params: Option<String>,
+    #[arg(long, env = "HORA_MODEL_PARAMS", default_value = "{}")]
+    params: String,
     /// The training data (every worker reads it and trains on its slice of each global batch):
     /// FILE.csv[?label=COLUMN], mnist:DIR or synthetic-iid:clients=1,seed=0.
     #[arg(long, env = "HORA_DATA")]
     data: Option<String>,
-    /// Fraction of CSV data held out for the accuracy rank 0 reports [default: 0.2].
-    #[arg(long, env = "HORA_HOLDOUT")]
-    holdout: Option<f64>,
-    /// Passes over the training data [default: 10].
-    #[arg(long, env = "HORA_EPOCHS")]
-    epochs: Option<u64>,
-    /// Samples per worker per pass; the global batch is world size × this [default: 32].
-    #[arg(long, env = "HORA_BATCH_SIZE")]
-    batch_size: Option<usize>,
-    /// Learning rate before scaling [default: 0.05].
-    #[arg(long, env = "HORA_LEARNING_RATE")]
-    learning_rate: Option<f64>,
-    /// linear (× world size, Horovod's rule) or none [default: linear].
-    #[arg(long, env = "HORA_LR_SCALING")]
-    lr_scaling: Option<String>,
-    /// sgd or adam [default: sgd].
-    #[arg(long, env = "HORA_OPTIMIZER")]
-    optimizer: Option<String>,
-    /// SGD momentum [default: 0.9].
-    #[arg(long, env = "HORA_MOMENTUM")]
-    momentum: Option<f64>,
-    /// L2 weight decay [default: 0].
-    #[arg(long, env = "HORA_WEIGHT_DECAY")]
-    weight_decay: Option<f64>,
-    /// Local passes whose gradients are accumulated before each allreduce [default: 1].
-    #[arg(long, env = "HORA_BACKWARD_PASSES_PER_STEP")]
-    backward_passes_per_step: Option<u32>,
-    /// Tensors are fused into buffers of up to this many MiB per allreduce [default: 64].
-    #[arg(long, env = "HORA_FUSION_MIB")]
-    fusion_mib: Option<usize>,
-    /// Pipelined pieces of this many KiB on the ring [default: 256].
-    #[arg(long, env = "HORA_SUB_CHUNK_KIB")]
-    sub_chunk_kib: Option<usize>,
+    /// Fraction of CSV data held out for the accuracy rank 0 reports.
+    #[arg(long, env = "HORA_HOLDOUT", default_value_t = 0.2)]
+    holdout: f64,
+    /// Passes over the training data.
+    #[arg(long, env = "HORA_EPOCHS", default_value_t = 10)]
+    epochs: u64,
+    /// Samples per worker per pass; the global batch is world size × this.
+    #[arg(long, env = "HORA_BATCH_SIZE", default_value_t = 32)]
+    batch_size: usize,
+    /// Learning rate before scaling.
+    #[arg(long, env = "HORA_LEARNING_RATE", default_value_t = 0.05)]
+    learning_rate: f64,
+    /// linear (× world size, Horovod's rule) or none.
+    #[arg(long, env = "HORA_LR_SCALING", value_enum, default_value_t = LrScaling::Linear)]
+    lr_scaling: LrScaling,
+    /// sgd or adam.
+    #[arg(long, env = "HORA_OPTIMIZER", value_enum, default_value_t = Optimizer::Sgd)]
+    optimizer: Optimizer,
+    /// SGD momentum.
+    #[arg(long, env = "HORA_MOMENTUM", default_value_t = 0.9)]
+    momentum: f64,
+    /// L2 weight decay.
+    #[arg(long, env = "HORA_WEIGHT_DECAY", default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Local passes whose gradients are accumulated before each allreduce.
+    #[arg(long, env = "HORA_BACKWARD_PASSES_PER_STEP", default_value_t = 1)]
+    backward_passes_per_step: u32,
+    /// Tensors are fused into buffers of up to this many MiB per allreduce.
+    #[arg(long, env = "HORA_FUSION_MIB", default_value_t = 64)]
+    fusion_mib: usize,
+    /// Pipelined pieces of this many KiB on the ring.
+    #[arg(long, env = "HORA_SUB_CHUNK_KIB", default_value_t = 256)]
+    sub_chunk_kib: usize,
     /// Send gradients as half precision (half the bytes; about 3 significant digits).
     #[arg(long, env = "HORA_FP16")]
-    #[serde(default)]
     fp16: bool,
     /// Leave the ring's frames unsealed (no AES-256-GCM after the handshake): only on a network
     /// that nobody else can reach, and on every worker of the job alike.
     #[arg(long, env = "HORA_RING_UNSEALED")]
-    #[serde(default)]
     ring_unsealed: bool,
-    /// Seed of the initialisation and of the shuffling (the same on every worker) [default: 0].
-    #[arg(long, env = "HORA_SEED")]
-    seed: Option<u64>,
-    /// auto (cuda:LOCAL_RANK when there are GPUs), cpu, cuda or cuda:N [default: auto].
-    #[arg(long, env = "HORA_DEVICE")]
-    device: Option<String>,
+    /// Seed of the initialisation and of the shuffling (the same on every worker).
+    #[arg(long, env = "HORA_SEED", default_value_t = 0)]
+    seed: u64,
+    /// auto (cuda:LOCAL_RANK when there are GPUs), cpu, cuda or cuda:N.
+    #[arg(long, env = "HORA_DEVICE", default_value = "auto")]
+    device: DeviceChoice,
     /// CPU threads for libtorch [default: libtorch's choice].
     #[arg(long, env = "HORA_THREADS")]
     threads: Option<i32>,
     /// Rank 0 writes checkpoints here; a restarted job resumes from the newest.
     #[arg(long, env = "HORA_CHECKPOINT_DIR")]
     checkpoint_dir: Option<PathBuf>,
-    /// Checkpoint every this many steps as well as at each epoch's end [default: 0, epochs only].
-    #[arg(long, env = "HORA_CHECKPOINT_EVERY")]
-    checkpoint_every: Option<u64>,
+    /// Checkpoint every this many steps as well as at each epoch's end (0: at epochs only).
+    #[arg(long, env = "HORA_CHECKPOINT_EVERY", default_value_t = 0)]
+    checkpoint_every: u64,
     /// Rank 0 writes the trained weights here (safetensors).
     #[arg(long, env = "HORA_SAVE")]
     save: Option<PathBuf>,
     /// No progress bar.
     #[arg(long, env = "HORA_NO_PROGRESS")]
-    #[serde(default)]
     no_progress: bool,
 }
 
 impl SyncArgs {
-    /// Fills what neither a flag nor the environment set from the `--config` file.
-    fn merge_file(mut self) -> anyhow::Result<Self> {
-        let Some(file) = config_file::<SyncArgs>(self.config.as_deref())? else {
-            return Ok(self);
-        };
-        fill_from!(self, file;
-            server,
-            ca,
-            cert,
-            key,
-            job,
-            token,
-            peers,
-            session_secret,
-            rank,
-            world_size,
-            listen,
-            advertise,
-            timeout,
-            retry_for,
-            model,
-            params,
-            data,
-            holdout,
-            epochs,
-            batch_size,
-            learning_rate,
-            lr_scaling,
-            optimizer,
-            momentum,
-            weight_decay,
-            backward_passes_per_step,
-            fusion_mib,
-            sub_chunk_kib,
-            seed,
-            device,
-            threads,
-            checkpoint_dir,
-            checkpoint_every,
-            save
-        );
-        self.fp16 |= file.fp16;
-        self.no_progress |= file.no_progress;
-        Ok(self)
+    /// These options layered with the `--config` file (`matches` are those they came from).
+    fn layered(&self, matches: &ArgMatches) -> anyhow::Result<Layered<SyncArgs>> {
+        let renamed = [("listen", "ring_listen")];
+        let mut layered = layers::layer(self, matches, self.config.as_deref(), &renamed)?;
+        layered.value.config = self.config.clone();
+        Ok(layered)
     }
 }
 
+/// How a sync worker meets the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Meet {
+    /// At the server (`server`, `ca`, `job`, `token`).
+    Server,
+    /// At the addresses of `peers`.
+    Peers,
+    /// Neither given: where torchrun put the ring, if it did.
+    Launcher,
+}
+
+/// What `sync` would refuse before it starts, checked: the job's token (a secret and its file),
+/// and how the worker meets the others (`--server` or `--peers`, the higher layer's).
+fn check_sync(layered: &Layered<SyncArgs>) -> anyhow::Result<(Option<String>, Meet)> {
+    let args = &layered.value;
+    let token = layered
+        .secret(
+            "token",
+            args.token.clone(),
+            "token_file",
+            args.token_file.as_deref(),
+        )
+        .map_err(anyhow::Error::msg)?;
+    let meet = match layered
+        .higher(
+            ("peers", args.peers.is_some()),
+            ("server", args.server.is_some()),
+        )
+        .map_err(anyhow::Error::msg)?
+    {
+        Some(true) => Meet::Peers,
+        Some(false) => {
+            required(args.ca.as_ref(), "ca")?;
+            required(args.job.as_ref(), "job")?;
+            required(token.as_ref(), "token")?;
+            Meet::Server
+        }
+        None => Meet::Launcher,
+    };
+    let params: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&args.params).context("--params must be a JSON object")?;
+    Architecture::from_builtin(required(args.model.as_deref(), "model")?, &params)?;
+    required(args.data.as_deref(), "data")?.parse::<DataSource>()?;
+    Ok((token, meet))
+}
+
 /// `train`'s options. Each is a flag, a `HORA_*` variable, or a key of the `--config` file.
-#[derive(Args, Deserialize, Default, Debug)]
-#[serde(default, deny_unknown_fields)]
+#[derive(Args, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct TrainArgs {
     /// TOML file with any of these options (keys as the long flags, with underscores).
     #[arg(long, env = "HORA_CONFIG")]
@@ -292,11 +320,11 @@ struct TrainArgs {
     #[arg(long, env = "HORA_ENROLMENT_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// Read the enrolment token from this file (first line) instead.
-    #[arg(long, env = "HORA_ENROLMENT_TOKEN_FILE", conflicts_with = "token")]
+    #[arg(long, env = "HORA_ENROLMENT_TOKEN_FILE")]
     token_file: Option<PathBuf>,
-    /// Credentials, cached models and the round in progress [default: hora-client-state].
-    #[arg(long, env = "HORA_STATE_DIR")]
-    state_dir: Option<PathBuf>,
+    /// Credentials, cached models and the round in progress.
+    #[arg(long, env = "HORA_STATE_DIR", default_value = "hora-client-state")]
+    state_dir: PathBuf,
     /// A label operators see (host name, site).
     #[arg(long, env = "HORA_LABEL")]
     label: Option<String>,
@@ -307,27 +335,26 @@ struct TrainArgs {
     /// This client's shard of a synthetic dataset (0-based).
     #[arg(long, env = "HORA_CLIENT_INDEX")]
     client_index: Option<usize>,
-    /// Fraction of CSV data held out to report accuracy on [default: 0.2].
-    #[arg(long, env = "HORA_HOLDOUT")]
-    holdout: Option<f64>,
-    /// auto, cpu, cuda or cuda:N [default: auto].
-    #[arg(long, env = "HORA_DEVICE")]
-    device: Option<String>,
+    /// Fraction of CSV data held out to report accuracy on.
+    #[arg(long, env = "HORA_HOLDOUT", default_value_t = 0.2)]
+    holdout: f64,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, env = "HORA_DEVICE", default_value = "auto")]
+    device: DeviceChoice,
     /// CPU threads for libtorch [default: libtorch's choice].
     #[arg(long, env = "HORA_THREADS")]
     threads: Option<i32>,
     /// Stop after this many rounds [default: until the task ends].
     #[arg(long, env = "HORA_ROUNDS")]
     rounds: Option<u64>,
-    /// Give up on an unreachable server after this many seconds of retries [default: 600].
-    #[arg(long, env = "HORA_RETRY_FOR")]
-    retry_for: Option<u64>,
+    /// Give up on an unreachable server after this many seconds of retries.
+    #[arg(long, env = "HORA_RETRY_FOR", default_value_t = 600)]
+    retry_for: u64,
     /// Seed of libtorch's generator (initialisation and shuffling).
     #[arg(long, env = "HORA_SEED")]
     seed: Option<i64>,
     /// No progress bar.
     #[arg(long, env = "HORA_NO_PROGRESS")]
-    #[serde(default)]
     no_progress: bool,
     /// Append one JSON line per round to this file: where the round's time went (milliseconds
     /// per phase: wait, join, download, train, record, seal, upload, finish) and when the round
@@ -356,34 +383,38 @@ fn parse_stage(s: &str) -> Result<hora_common::secagg::Stage, String> {
 }
 
 impl TrainArgs {
-    /// Fills what neither a flag nor the environment set from the `--config` file.
-    fn merge_file(mut self) -> anyhow::Result<Self> {
-        let Some(file) = config_file::<TrainArgs>(self.config.as_deref())? else {
-            return Ok(self);
-        };
-        fill_from!(self, file;
-            server,
-            ca,
-            cert,
-            key,
-            task,
-            token,
-            state_dir,
-            label,
-            data,
-            client_index,
-            holdout,
-            device,
-            threads,
-            rounds,
-            retry_for,
-            seed,
-            timings,
-            min_train_secs
-        );
-        self.no_progress |= file.no_progress;
-        Ok(self)
+    /// These options layered with the `--config` file (`matches` are those they came from).
+    fn layered(&self, matches: &ArgMatches) -> anyhow::Result<Layered<TrainArgs>> {
+        let mut layered = layers::layer(self, matches, self.config.as_deref(), &[])?;
+        layered.value.config = self.config.clone();
+        layered.value.drop_out_after = self.drop_out_after;
+        Ok(layered)
     }
+}
+
+/// What `train` would refuse before it starts, checked; the enrolment token (a secret and its
+/// file).
+fn check_train(layered: &Layered<TrainArgs>) -> anyhow::Result<Option<String>> {
+    let args = &layered.value;
+    let token = layered
+        .secret(
+            "token",
+            args.token.clone(),
+            "token_file",
+            args.token_file.as_deref(),
+        )
+        .map_err(anyhow::Error::msg)?;
+    required(args.server.as_ref(), "server")?;
+    required(args.ca.as_ref(), "ca")?;
+    required(args.task.as_ref(), "task")?;
+    required(args.data.as_deref(), "data")?.parse::<DataSource>()?;
+    if let Some(secs) = args
+        .min_train_secs
+        .filter(|s| !(s.is_finite() && *s >= 0.0))
+    {
+        anyhow::bail!("--min-train-secs must be a number of seconds ≥ 0, not {secs}");
+    }
+    Ok(token)
 }
 
 #[derive(Args)]
@@ -407,19 +438,6 @@ struct InitArgs {
     /// Where to write the weights (safetensors).
     #[arg(short, long)]
     output: PathBuf,
-}
-
-/// The `--config` TOML file, if one was given.
-fn config_file<T: serde::de::DeserializeOwned>(
-    path: Option<&std::path::Path>,
-) -> anyhow::Result<Option<T>> {
-    let Some(path) = path else {
-        return Ok(None);
-    };
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let file = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    Ok(Some(file))
 }
 
 fn required<T>(value: Option<T>, flag: &str) -> anyhow::Result<T> {
@@ -483,56 +501,47 @@ fn summary(task: &str, r: &RoundReport) -> String {
     )
 }
 
-async fn train(args: TrainArgs) -> anyhow::Result<()> {
-    let args = args.merge_file()?;
+async fn train(layered: Layered<TrainArgs>) -> anyhow::Result<()> {
+    let token = check_train(&layered)?;
+    let args = layered.value;
     let server = required(args.server, "server")?;
     let ca = required(args.ca, "ca")?;
     let task = required(args.task, "task")?;
     let source: DataSource = required(args.data, "data")?.parse()?;
-    let device = args
-        .device
-        .as_deref()
-        .unwrap_or("auto")
-        .parse::<DeviceChoice>()?
-        .resolve()?;
+    let device = args.device.resolve()?;
     if let Some(t) = args.threads {
         tch::set_num_threads(t.max(1));
     }
     if let Some(seed) = args.seed {
         tch::manual_seed(seed);
     }
-    let (train, test) = source.load(args.client_index, args.holdout.unwrap_or(0.2))?;
+    let (train, test) = source.load(args.client_index, args.holdout)?;
     tracing::info!(
         train = train.len(),
         test = test.as_ref().map_or(0, |t| t.len()),
         ?device,
         "local data loaded"
     );
-    let mut config = ClientConfig::new(
-        server,
-        ca,
-        args.state_dir.unwrap_or_else(|| "hora-client-state".into()),
-    );
+    let mut config = ClientConfig::new(server, ca, args.state_dir);
     config.label = args.label;
     config.identity = match (args.cert, args.key) {
         (Some(cert), Some(key)) => Some(Identity { cert, key }),
         _ => None,
     };
     config.retry = RetryPolicy {
-        budget: Duration::from_secs(args.retry_for.unwrap_or(600)),
+        budget: Duration::from_secs(args.retry_for),
         ..RetryPolicy::default()
     };
     config.drop_out_after = args.drop_out_after;
-    let token = secret_or_file(args.token, args.token_file.as_deref())?;
     let client = Client::connect(config, token.as_deref()).await?;
     tracing::info!(client = client.id(), task = %task, "waiting for rounds");
     let supervised = SupervisedTrainer::new(train, test, device)?.with_seed(args.seed);
     let mut trainer: Box<dyn Trainer> = match args.min_train_secs {
-        Some(secs) if secs.is_finite() && secs >= 0.0 => Box::new(Paced {
+        // (Checked by check_train.)
+        Some(secs) => Box::new(Paced {
             inner: supervised,
             min: Duration::from_secs_f64(secs),
         }),
-        Some(secs) => anyhow::bail!("--min-train-secs must be a number of seconds ≥ 0, not {secs}"),
         None => Box::new(supervised),
     };
 
@@ -593,6 +602,23 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `config check train|sync`: the options as the command would run with them.
+fn check(command: CheckCommand, json: bool, matches: &ArgMatches) -> anyhow::Result<()> {
+    let report = match command {
+        CheckCommand::Train(args) => {
+            let layered = args.layered(matches)?;
+            (layered.report(), check_train(&layered).map(drop))
+        }
+        CheckCommand::Sync(args) => {
+            let layered = args.layered(matches)?;
+            (layered.report(), check_sync(&layered).map(drop))
+        }
+    };
+    // The options first, then what the command would refuse.
+    println!("{}", layers::render(&report.0, json)?);
+    report.1
+}
+
 fn init(args: InitArgs) -> anyhow::Result<()> {
     tch::manual_seed(args.seed);
     let (net, kind) = match (&args.model, &args.torchscript) {
@@ -629,76 +655,72 @@ fn init(args: InitArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn sync(args: SyncArgs) -> anyhow::Result<()> {
+fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
     use hora_client::sync::rendezvous::ServerRendezvous;
     use hora_client::sync::worker::{self, Meeting, SyncTraining};
-    use hora_client::sync::{Algorithm, CommOptions, LaunchRank, LrScaling, Wire};
+    use hora_client::sync::{Algorithm, CommOptions, LaunchRank, Wire};
 
-    let args = args.merge_file()?;
+    let (job_token, meet) = check_sync(&layered)?;
+    let args = layered.value;
     let launch = LaunchRank::detect(args.rank, args.world_size, |k| std::env::var(k).ok())?;
+    let peers = match meet {
+        Meet::Peers => args.peers,
+        Meet::Server => None,
+        // A job torchrun started on one host finds its ring by itself.
+        Meet::Launcher => hora_client::sync::torchrun_peers(|k| std::env::var(k).ok())?,
+    };
     let launch = LaunchRank {
-        world_size: launch
-            .world_size
-            .or(args.peers.as_ref().map(|p| p.len() as u32)),
+        world_size: launch.world_size.or(peers.as_ref().map(|p| p.len() as u32)),
         ..launch
     };
-    let device = match (args.device.as_deref().unwrap_or("auto"), launch.local_rank) {
-        ("auto", Some(local)) if tch::Cuda::device_count() > 0 => {
+    let device = match (args.device, launch.local_rank) {
+        (DeviceChoice::Auto, Some(local)) if tch::Cuda::device_count() > 0 => {
             tch::Device::Cuda(local as usize % tch::Cuda::device_count() as usize)
         }
-        (choice, _) => choice.parse::<DeviceChoice>()?.resolve()?,
+        (choice, _) => choice.resolve()?,
     };
     if let Some(t) = args.threads {
         tch::set_num_threads(t.max(1));
     }
     let name = required(args.model, "model")?;
     let params: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_str(args.params.as_deref().unwrap_or("{}"))
-            .context("--params must be a JSON object")?;
+        serde_json::from_str(&args.params).context("--params must be a JSON object")?;
     let architecture = Architecture::from_builtin(&name, &params)?;
-    let optimizer = args.optimizer.as_deref().unwrap_or("sgd");
-    let weight_decay = args.weight_decay.unwrap_or(0.0);
-    let algorithm = match optimizer {
-        "sgd" => Algorithm::Sgd {
-            momentum: args.momentum.unwrap_or(0.9),
+    let weight_decay = args.weight_decay;
+    let algorithm = match args.optimizer {
+        Optimizer::Sgd => Algorithm::Sgd {
+            momentum: args.momentum,
             weight_decay,
         },
-        "adam" => Algorithm::Adam {
+        Optimizer::Adam => Algorithm::Adam {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
             weight_decay,
         },
-        other => bail!("unknown optimizer `{other}`: use sgd or adam"),
     };
-    let lr_scaling: LrScaling = args
-        .lr_scaling
-        .as_deref()
-        .unwrap_or("linear")
-        .parse()
-        .map_err(anyhow::Error::msg)?;
     let training = SyncTraining {
         architecture,
         data: required(args.data, "data")?.parse()?,
-        holdout: args.holdout.unwrap_or(0.2),
-        epochs: args.epochs.unwrap_or(10),
-        batch_size: args.batch_size.unwrap_or(32),
-        learning_rate: args.learning_rate.unwrap_or(0.05),
-        lr_scaling,
+        holdout: args.holdout,
+        epochs: args.epochs,
+        batch_size: args.batch_size,
+        learning_rate: args.learning_rate,
+        lr_scaling: args.lr_scaling,
         algorithm,
-        backward_passes_per_step: args.backward_passes_per_step.unwrap_or(1),
-        seed: args.seed.unwrap_or(0),
+        backward_passes_per_step: args.backward_passes_per_step,
+        seed: args.seed,
         device,
-        fusion_bytes: args.fusion_mib.unwrap_or(64) << 20,
+        fusion_bytes: args.fusion_mib << 20,
         checkpoint_dir: args.checkpoint_dir,
-        checkpoint_every: args.checkpoint_every.unwrap_or(0),
+        checkpoint_every: args.checkpoint_every,
         save: args.save,
     };
     let options = CommOptions {
-        sub_chunk_bytes: args.sub_chunk_kib.unwrap_or(256).max(1) << 10,
+        sub_chunk_bytes: args.sub_chunk_kib.max(1) << 10,
         wire: if args.fp16 { Wire::F16 } else { Wire::F32 },
         // A day at most: longer is a hang in all but name (and would overflow deadlines).
-        timeout: Duration::from_secs(args.timeout.unwrap_or(30).clamp(1, 86_400)),
+        timeout: Duration::from_secs(args.timeout.clamp(1, 86_400)),
         seal_frames: !args.ring_unsealed,
         ..CommOptions::default()
     };
@@ -708,7 +730,7 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let (server, ca, job, token);
-    let meeting = match args.peers {
+    let meeting = match peers {
         Some(peers) => Meeting::Peers {
             peers,
             secret: args.session_secret,
@@ -717,10 +739,7 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
             server = required(args.server, "server")?;
             ca = required(args.ca, "ca")?;
             job = required(args.job, "job")?;
-            token = required(
-                secret_or_file(args.token, args.token_file.as_deref())?,
-                "token",
-            )?;
+            token = required(job_token, "token")?;
             Meeting::Server(ServerRendezvous {
                 server: &server,
                 ca: &ca,
@@ -728,14 +747,14 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
                 job: &job,
                 token: &token,
                 timeout: options.timeout,
-                retry_for: Duration::from_secs(args.retry_for.unwrap_or(600)),
+                retry_for: Duration::from_secs(args.retry_for),
             })
         }
     };
     let comm = worker::form_world(
         meeting,
         &launch,
-        args.listen.as_deref().unwrap_or("127.0.0.1:0"),
+        &args.ring_listen,
         args.advertise.as_deref(),
         options,
     )?;
@@ -795,18 +814,28 @@ fn sync(args: SyncArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let renamed = layers::rename_env(&RENAMED_ENV);
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     logging::init(cli.logging.log_format, "info");
+    layers::warn_renamed(&renamed);
     let cli_format = cli.logging.log_format;
+    let matches = layers::leaf(&matches);
     let result = match cli.command {
-        Command::Train(args) => tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .context("starting the async runtime")
-            .and_then(|rt| rt.block_on(train(*args))),
+        Command::Train(args) => args.layered(matches).and_then(|layered| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .context("starting the async runtime")
+                .and_then(|rt| rt.block_on(train(layered)))
+        }),
         Command::Init(args) => init(args),
-        Command::Sync(args) => sync(*args),
+        Command::Sync(args) => args.layered(matches).and_then(sync),
+        Command::Config {
+            command: ConfigCommand::Check { json, command },
+        } => check(command, json, matches),
+        Command::Docs(docs) => docs.run(Cli::command()).map_err(anyhow::Error::msg),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -100,17 +100,31 @@ fn transient(status: StatusCode) -> bool {
 /// Whether a failure to get an answer is worth another attempt: a refused or dropped
 /// connection or a timeout is; a certificate the CA does not vouch for is not (retrying cannot
 /// fix it, and hanging for the whole retry budget would hide the cause).
-fn transient_error(e: &reqwest::Error, chain: &str) -> bool {
-    let tls = [
-        "certificate",
-        "Certificate",
-        "UnknownIssuer",
-        "InvalidCertificate",
-        "handshake",
-    ]
-    .iter()
-    .any(|needle| chain.contains(needle));
-    !tls && (e.is_connect() || e.is_timeout() || e.is_request() || e.is_body())
+fn transient_error(e: &reqwest::Error) -> bool {
+    // The causes only: the request's URL (a host or task name) must not decide.
+    let mut causes = String::new();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        causes.push_str(&cause.to_string());
+        causes.push_str(": ");
+        source = cause.source();
+    }
+    !tls_refusal(&causes) && (e.is_connect() || e.is_timeout() || e.is_request() || e.is_body())
+}
+
+/// Whether a failure's error chain is a TLS refusal that retrying cannot fix: a certificate
+/// the CA does not vouch for, a client certificate the server requires, a handshake the two
+/// sides cannot agree on. A handshake cut short (the server went away in the middle of it: end
+/// of file, reset) is not: the server is restarting, and the next attempt may reach it.
+fn tls_refusal(chain: &str) -> bool {
+    let certificate = ["certificate", "Certificate", "UnknownIssuer"]
+        .iter()
+        .any(|needle| chain.contains(needle));
+    let lower = chain.to_ascii_lowercase();
+    let cut_short = ["eof", "reset", "broken pipe", "aborted"]
+        .iter()
+        .any(|needle| lower.contains(needle));
+    certificate || (lower.contains("handshake") && !cut_short)
 }
 
 impl Connection {
@@ -233,9 +247,16 @@ impl Connection {
                 }
                 Err(e) => {
                     let chain = error_chain(&e);
-                    if !transient_error(&e, &chain) {
+                    if !transient_error(&e) {
+                        let hint = if chain.contains("CertificateRequired") {
+                            "the server requires a client certificate (mutual TLS): give one \
+                             signed by its --client-ca with --cert and --key (cert= and key= \
+                             in Python; HORA_CLIENT_CERT and HORA_CLIENT_KEY)"
+                        } else {
+                            "check --server, --ca and the network"
+                        };
                         return Err(ClientError::Protocol(format!(
-                            "{what}: {chain} (not retried: check --server, --ca and the network)"
+                            "{what}: {chain} (not retried: {hint})"
                         )));
                     }
                     if e.is_connect() {
@@ -335,6 +356,36 @@ fn error_chain(e: &reqwest::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_handshake_cut_short_is_retried_a_certificate_refusal_is_not() {
+        let url = "error sending request for url (https://127.0.0.1:1/v1/enrol)";
+        for (cause, refusal) in [
+            ("client error (Connect): tls handshake eof", false),
+            (
+                "client error (Connect): Connection reset by peer (os error 104)",
+                false,
+            ),
+            (
+                "client error (Connect): tcp connect error: Connection refused (os error 111)",
+                false,
+            ),
+            (
+                "client error (Connect): invalid peer certificate: UnknownIssuer",
+                true,
+            ),
+            (
+                "client error (Connect): received fatal alert: CertificateRequired",
+                true,
+            ),
+            (
+                "client error (Connect): received fatal alert: HandshakeFailure",
+                true,
+            ),
+        ] {
+            assert_eq!(tls_refusal(&format!("{url}: {cause}")), refusal, "{cause}");
+        }
+    }
 
     #[test]
     fn backoff_grows_and_is_capped_and_jittered() {

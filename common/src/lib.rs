@@ -18,6 +18,8 @@
 //! checked with [`model::ModelSpec::check`] and [`model::Model::check_finite`], and folded with
 //! [`kernel::WeightedSum::add`]; the round's result is [`kernel::WeightedSum::finish`].
 
+#[cfg(feature = "config")]
+pub mod config;
 pub mod envelope;
 pub mod kernel;
 #[cfg(feature = "logging")]

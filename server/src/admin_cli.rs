@@ -8,11 +8,16 @@ use clap::{Args, Subcommand};
 use hora_common::wire::{ApiError, CreateEnrolment, CreateSyncJob, CreateTask};
 use reqwest::Method;
 
-#[derive(Debug, Args)]
+#[derive(Args)]
 pub struct AdminArgs {
-    /// Server base URL.
-    #[arg(long, env = "HORA_URL", default_value = "https://127.0.0.1:8443")]
-    pub url: String,
+    /// The server, `https://host:port` (was --url and HORA_URL).
+    #[arg(
+        long,
+        alias = "url",
+        env = "HORA_SERVER",
+        default_value = "https://127.0.0.1:8443"
+    )]
+    pub server: String,
     /// CA certificate to trust (the development CA is <data dir>/certs/ca.pem).
     #[arg(long, env = "HORA_CA")]
     pub ca: PathBuf,
@@ -25,8 +30,15 @@ pub struct AdminArgs {
     )]
     pub token: Option<String>,
     /// Read the admin token from this file (first line) instead.
-    #[arg(long, env = "HORA_ADMIN_TOKEN_FILE", conflicts_with = "token")]
+    /// (Given with --token, the one from the higher layer wins: the flag, then the environment.)
+    #[arg(long, env = "HORA_ADMIN_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// Client certificate (PEM) for a server that requires mutual TLS (--client-ca).
+    #[arg(long, env = "HORA_CLIENT_CERT", requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, env = "HORA_CLIENT_KEY", requires = "cert")]
+    pub key: Option<PathBuf>,
     #[command(subcommand)]
     pub command: AdminCommand,
 }
@@ -112,9 +124,14 @@ pub struct AdminClient {
 }
 
 impl AdminClient {
-    pub fn new(url: &str, ca: &std::path::Path, token: &str) -> Result<Self> {
+    pub fn new(
+        url: &str,
+        ca: &std::path::Path,
+        identity: Option<&crate::tls::CertPaths>,
+        token: &str,
+    ) -> Result<Self> {
         Ok(AdminClient {
-            http: crate::tls::https_client(ca, None)?,
+            http: crate::tls::https_client(ca, identity)?,
             base: url.trim_end_matches('/').to_string(),
             token: token.to_string(),
         })
@@ -185,15 +202,34 @@ impl AdminClient {
     }
 }
 
-pub async fn run(args: AdminArgs) -> Result<()> {
-    let token = match (args.token, &args.token_file) {
-        (Some(token), _) => token,
-        (None, Some(file)) => crate::config::read_secret(file)?,
-        (None, None) => {
-            bail!("give the admin token with --token, HORA_ADMIN_TOKEN or --token-file")
-        }
+/// `matches` are those of `admin`, which `args` came from.
+pub async fn run(args: AdminArgs, matches: &clap::ArgMatches) -> Result<()> {
+    use hora_common::config::{clap_source, pick_secret};
+    let token = args.token.map(|t| {
+        (
+            t,
+            clap_source(matches, "token", "--token", "HORA_ADMIN_TOKEN"),
+        )
+    });
+    let file = args.token_file.as_deref().map(|f| {
+        let source = clap_source(
+            matches,
+            "token_file",
+            "--token-file",
+            "HORA_ADMIN_TOKEN_FILE",
+        );
+        (f, source)
+    });
+    let Some(token) =
+        pick_secret(("--token", token), ("--token-file", file)).map_err(anyhow::Error::msg)?
+    else {
+        bail!("give the admin token with --token, HORA_ADMIN_TOKEN or --token-file")
     };
-    let c = AdminClient::new(&args.url, &args.ca, &token)?;
+    let identity = match (args.cert, args.key) {
+        (Some(cert), Some(key)) => Some(crate::tls::CertPaths { cert, key }),
+        _ => None,
+    };
+    let c = AdminClient::new(&args.server, &args.ca, identity.as_ref(), &token)?;
     let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
     let out = match args.command {
         AdminCommand::UploadModel { file } => c.upload("/admin/v1/models", read(&file)?).await?,

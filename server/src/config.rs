@@ -1,34 +1,46 @@
-//! `hora-server serve` configuration: flags, then environment variables (`HORA_*`), then an
-//! optional TOML file (`--config`), then defaults — the first that says something wins.
+//! `hora-server serve` configuration, declared once in [`ServeArgs`]: each option is a flag, a
+//! `HORA_*` environment variable and a key of the `--config` TOML file, and the first of those
+//! that says something wins, else the default (`hora_common::config`).
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
-use clap::Args;
-use serde::Deserialize;
+use anyhow::Result;
+use clap::{ArgMatches, Args};
+use hora_common::config::Layered;
+use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Args, Default)]
+// No Debug: it holds secrets (the admin token, a store URL's password); `config check` shows
+// them masked.
+#[derive(Clone, Args, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ServeArgs {
     /// TOML file with any of the settings below (keys as the flags, with underscores).
     #[arg(long, env = "HORA_CONFIG")]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Address to listen on (port 0 picks a free one; the chosen address is printed).
-    #[arg(long, env = "HORA_LISTEN")]
-    pub listen: Option<SocketAddr>,
+    #[arg(long, env = "HORA_LISTEN", default_value = "127.0.0.1:8443")]
+    pub listen: SocketAddr,
     /// Where state lives (the sled database, model blobs, checkpoints; with PostgreSQL the
     /// blobs and checkpoints only).
-    #[arg(long, env = "HORA_DATA_DIR")]
-    pub data_dir: Option<PathBuf>,
+    #[arg(long, env = "HORA_DATA_DIR", default_value = "hora-data")]
+    pub data_dir: PathBuf,
     /// Where the records live: `sled` (the default: embedded, under the data directory) or a
     /// PostgreSQL database, postgres://user:password@host:port/database (its schema is brought
     /// up to date at start; blobs stay under the data directory). Give a URL holding a password
     /// through HORA_STORE or the config file rather than the command line, which others see.
     /// TLS: add ?sslmode=require&sslrootcert=/path/to/ca.pem (the database's certificate is
     /// verified against that CA and the host name).
-    #[arg(long, env = "HORA_STORE", hide_env_values = true)]
-    pub store: Option<String>,
+    #[arg(
+        long,
+        env = "HORA_STORE",
+        hide_env_values = true,
+        default_value = "sled"
+    )]
+    pub store: String,
     /// Where the blobs live (models, modules, strategy states, checkpoints): files under the
     /// data directory by default, or an object store every replica shares: file:///path/to/dir
     /// (a local or shared directory) or s3://bucket/prefix (credentials and region from the
@@ -39,8 +51,8 @@ pub struct ServeArgs {
     /// seconds. It renews it every third of that; the others stand by (answering 503 `standby`) and take
     /// over once it has lapsed: after a leader dies, another serves within this time and a
     /// second or two. Shorter fails over sooner and costs more renewals.
-    #[arg(long, env = "HORA_LEASE_SECS")]
-    pub lease_secs: Option<u64>,
+    #[arg(long, env = "HORA_LEASE_SECS", default_value_t = 10)]
+    pub lease_secs: u64,
     /// The endpoint of an S3-compatible server for --blobs s3://… (http://127.0.0.1:9000);
     /// plain http only on loopback, unless AWS_ALLOW_HTTP=true.
     #[arg(long, env = "HORA_BLOBS_ENDPOINT")]
@@ -58,19 +70,23 @@ pub struct ServeArgs {
     pub certs_dir: Option<PathBuf>,
     /// Extra host names or IPs for the development server certificate.
     #[arg(long = "host", env = "HORA_HOSTS", value_delimiter = ',')]
+    #[serde(default)]
     pub hosts: Vec<String>,
     /// The admin bearer token (else the one stored, else a new one printed once).
     #[arg(long, env = "HORA_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// Read the admin token from this file (first line) instead of the command line.
-    #[arg(long, env = "HORA_ADMIN_TOKEN_FILE", conflicts_with = "admin_token")]
+    /// (Given with --admin-token, the one from the higher layer wins: flags, the environment,
+    /// the file.)
+    #[arg(long, env = "HORA_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
     /// Networks the admin API answers, comma-separated (e.g. `10.0.0.0/8,2001:db8::/32`, or
     /// addresses); default: every address. A request from elsewhere is refused 403 before its
     /// token is looked at, so guesses from the internet cannot spend the token check's budget
     /// that the operator's first request after a start needs.
     #[arg(long, env = "HORA_ADMIN_ALLOW", value_delimiter = ',', value_parser = parse_net)]
-    pub admin_allow: Vec<ipnet::IpNet>,
+    #[serde(default)]
+    pub admin_allow: Vec<Net>,
     /// Most connections held at once (default: 3/4 of the open-file limit, at most 16,384). At
     /// the cap the longest-idle connection is closed to make room.
     #[arg(long, env = "HORA_MAX_CONNECTIONS")]
@@ -86,126 +102,110 @@ pub struct ServeArgs {
     /// `/openapi.json`; not the health probes `/healthz` and `/readyz`); beyond it that address
     /// is answered 429 `too_many_requests` (default 32). Raise it for many devices behind one
     /// NAT gateway.
-    #[arg(long, env = "HORA_MAX_UNAUTHENTICATED_PER_SOURCE")]
-    pub max_unauthenticated_per_source: Option<usize>,
+    #[arg(
+        long,
+        env = "HORA_MAX_UNAUTHENTICATED_PER_SOURCE",
+        default_value_t = 32
+    )]
+    pub max_unauthenticated_per_source: usize,
     /// A connection with no request in flight that moves no byte for this long is closed; at a
     /// connection cap, one whose every request waits for a body that sent nothing for this long
     /// makes room like an idle one.
-    #[arg(long, env = "HORA_IDLE_TIMEOUT_SECS")]
-    pub idle_timeout_secs: Option<u64>,
+    #[arg(long, env = "HORA_IDLE_TIMEOUT_SECS", default_value_t = 15)]
+    pub idle_timeout_secs: u64,
     /// Time allowed to send a request's headers (HTTP/1.1).
-    #[arg(long, env = "HORA_HEADER_TIMEOUT_SECS")]
-    pub header_timeout_secs: Option<u64>,
+    #[arg(long, env = "HORA_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    pub header_timeout_secs: u64,
     /// Time allowed for a request that is neither a long poll nor an upload (answered 503).
-    #[arg(long, env = "HORA_REQUEST_TIMEOUT_SECS")]
-    pub request_timeout_secs: Option<u64>,
+    #[arg(long, env = "HORA_REQUEST_TIMEOUT_SECS", default_value_t = 30)]
+    pub request_timeout_secs: u64,
     /// Slowest upload body accepted, in bytes per second averaged from the start of the body
     /// (after the grace period); slower bodies are cut off with 408 `upload_too_slow`.
-    #[arg(long, env = "HORA_MIN_UPLOAD_RATE")]
-    pub min_upload_rate: Option<u64>,
+    #[arg(long, env = "HORA_MIN_UPLOAD_RATE", default_value_t = 16 << 10)]
+    pub min_upload_rate: u64,
     /// Seconds an upload body may take before the minimum rate applies.
-    #[arg(long, env = "HORA_UPLOAD_GRACE_SECS")]
-    pub upload_grace_secs: Option<u64>,
+    #[arg(long, env = "HORA_UPLOAD_GRACE_SECS", default_value_t = 10)]
+    pub upload_grace_secs: u64,
     /// Bytes of upload bodies held in memory at once while they are read.
-    #[arg(long, env = "HORA_UPLOAD_BUFFER_BYTES")]
-    pub upload_buffer_bytes: Option<u64>,
+    #[arg(long, env = "HORA_UPLOAD_BUFFER_BYTES", default_value_t = 64 << 20)]
+    pub upload_buffer_bytes: u64,
     /// The largest share of that budget one upload reserves, a fraction in (0, 1] (default
     /// 0.25). Bodies larger than the share are read one at a time, each reserving the share, so
     /// a slow large body never holds the room smaller ones are read in; memory for bodies stays
     /// within the budget plus one such body.
-    #[arg(long, env = "HORA_MAX_UPLOAD_SHARE")]
-    pub max_upload_share: Option<f64>,
+    #[arg(long, env = "HORA_MAX_UPLOAD_SHARE", default_value_t = 0.25)]
+    pub max_upload_share: f64,
     /// Seconds a body waits for room in that budget before it is answered 503 `busy` (and
     /// retried by its client); below the request timeout, so `busy` is what a waiter hears.
-    #[arg(long, env = "HORA_BODY_WAIT_SECS")]
-    pub body_wait_secs: Option<u64>,
+    #[arg(long, env = "HORA_BODY_WAIT_SECS", default_value_t = 10)]
+    pub body_wait_secs: u64,
     /// Quarantine a client after this many of its updates in a row are refused as invalid or
     /// out of bounds (0: never); the operator releases it with `hora-server admin release`.
-    #[arg(long, env = "HORA_QUARANTINE_AFTER")]
-    pub quarantine_after: Option<u32>,
+    #[arg(long, env = "HORA_QUARANTINE_AFTER", default_value_t = 5)]
+    pub quarantine_after: u32,
     /// Longest an upload waits for the checkpoint that makes it durable before it is answered
     /// 503 `not_durable_yet` (the client retries; the update is not folded twice).
-    #[arg(long, env = "HORA_DURABILITY_TIMEOUT_SECS")]
-    pub durability_timeout_secs: Option<u64>,
+    #[arg(long, env = "HORA_DURABILITY_TIMEOUT_SECS", default_value_t = 60)]
+    pub durability_timeout_secs: u64,
     /// Keep the models of the last N published rounds of each task (0: keep every round).
-    #[arg(long, env = "HORA_RETAIN_ROUNDS_LAST")]
-    pub retain_rounds_last: Option<u64>,
+    #[arg(long, env = "HORA_RETAIN_ROUNDS_LAST", default_value_t = 50)]
+    pub retain_rounds_last: u64,
     /// Also keep the model of every Kth round (0: none beyond the last N).
-    #[arg(long, env = "HORA_RETAIN_ROUNDS_EVERY")]
-    pub retain_rounds_every: Option<u64>,
+    #[arg(long, env = "HORA_RETAIN_ROUNDS_EVERY", default_value_t = 10)]
+    pub retain_rounds_every: u64,
     /// Keep the per-client detail (participants, dropped, staleness bases) of the history
     /// entries of the last N rounds of each task; older entries keep only their counts (0: keep
     /// every entry whole).
-    #[arg(long, env = "HORA_HISTORY_DETAIL_ROUNDS")]
-    pub history_detail_rounds: Option<u64>,
+    #[arg(long, env = "HORA_HISTORY_DETAIL_ROUNDS", default_value_t = 1000)]
+    pub history_detail_rounds: u64,
     /// Require the admin token for `GET /metrics`.
     #[arg(long, env = "HORA_METRICS_REQUIRE_TOKEN")]
+    #[serde(default)]
     pub metrics_require_token: bool,
     /// Group-commit window in milliseconds.
-    #[arg(long, env = "HORA_COMMIT_WINDOW_MS")]
-    pub commit_window_ms: Option<u64>,
+    #[arg(long, env = "HORA_COMMIT_WINDOW_MS", default_value_t = 2)]
+    pub commit_window_ms: u64,
     /// Updates opened (decrypted and checked) at once: the CPU work of uploads, whose bodies
     /// are already in memory under --upload-buffer-bytes; folds into a round take its lock.
-    #[arg(long, env = "HORA_MAX_CONCURRENT_UPLOADS")]
-    pub max_concurrent_uploads: Option<usize>,
+    #[arg(long, env = "HORA_MAX_CONCURRENT_UPLOADS", default_value_t = 1)]
+    pub max_concurrent_uploads: usize,
     /// Largest model or module an admin may upload, in bytes.
-    #[arg(long, env = "HORA_MAX_MODEL_BYTES")]
-    pub max_model_bytes: Option<u64>,
+    #[arg(long, env = "HORA_MAX_MODEL_BYTES", default_value_t = 4 << 30)]
+    pub max_model_bytes: u64,
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    listen: Option<SocketAddr>,
-    data_dir: Option<PathBuf>,
-    store: Option<String>,
-    blobs: Option<String>,
-    blobs_endpoint: Option<String>,
-    lease_secs: Option<u64>,
-    tls_cert: Option<PathBuf>,
-    tls_key: Option<PathBuf>,
-    client_ca: Option<PathBuf>,
-    certs_dir: Option<PathBuf>,
-    #[serde(default)]
-    hosts: Vec<String>,
-    admin_token: Option<String>,
-    admin_token_file: Option<PathBuf>,
-    #[serde(default)]
-    admin_allow: Vec<String>,
-    commit_window_ms: Option<u64>,
-    max_concurrent_uploads: Option<usize>,
-    max_model_bytes: Option<u64>,
-    max_connections: Option<usize>,
-    max_connections_per_source: Option<usize>,
-    max_unauthenticated_per_source: Option<usize>,
-    idle_timeout_secs: Option<u64>,
-    header_timeout_secs: Option<u64>,
-    request_timeout_secs: Option<u64>,
-    min_upload_rate: Option<u64>,
-    upload_grace_secs: Option<u64>,
-    upload_buffer_bytes: Option<u64>,
-    max_upload_share: Option<f64>,
-    body_wait_secs: Option<u64>,
-    quarantine_after: Option<u32>,
-    durability_timeout_secs: Option<u64>,
-    retain_rounds_last: Option<u64>,
-    retain_rounds_every: Option<u64>,
-    history_detail_rounds: Option<u64>,
-    metrics_require_token: Option<bool>,
+/// A network (`10.0.0.0/8`) or one address (`192.0.2.7`, a /32 or /128), as flags, variables
+/// and the file say it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Net(pub ipnet::IpNet);
+
+impl TryFrom<String> for Net {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Net, String> {
+        parse_net(&s)
+    }
 }
 
-/// A network (`10.0.0.0/8`) or one address (`192.0.2.7`, a /32 or /128).
-fn parse_net(s: &str) -> Result<ipnet::IpNet, String> {
+impl From<Net> for String {
+    fn from(net: Net) -> String {
+        net.0.to_string()
+    }
+}
+
+fn parse_net(s: &str) -> Result<Net, String> {
     let s = s.trim();
     s.parse::<ipnet::IpNet>()
         .or_else(|_| s.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+        .map(Net)
         .map_err(|_| {
             format!("`{s}` is neither a network (10.0.0.0/8, 2001:db8::/32) nor an address")
         })
 }
 
-/// The resolved configuration.
-#[derive(Debug, Clone)]
+/// The resolved configuration. Its `Debug` shows the admin token only by its presence.
+#[derive(Clone)]
 pub struct ServeConfig {
     pub listen: SocketAddr,
     pub data_dir: PathBuf,
@@ -242,38 +242,121 @@ pub struct ServeConfig {
     pub metrics_require_token: bool,
 }
 
+impl std::fmt::Debug for ServeConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeConfig")
+            .field("listen", &self.listen)
+            .field("data_dir", &self.data_dir)
+            .field("store", &self.store)
+            .field("blobs", &self.blobs)
+            .field("lease", &self.lease)
+            .field("tls_cert", &self.tls_cert)
+            .field("tls_key", &self.tls_key)
+            .field("client_ca", &self.client_ca)
+            .field("certs_dir", &self.certs_dir)
+            .field("hosts", &self.hosts)
+            .field(
+                "admin_token",
+                &self.admin_token.as_ref().map(|_| "(secret)"),
+            )
+            .field("admin_allow", &self.admin_allow)
+            .field("commit_window_ms", &self.commit_window_ms)
+            .field("max_concurrent_uploads", &self.max_concurrent_uploads)
+            .field("max_model_bytes", &self.max_model_bytes)
+            .field("max_connections", &self.max_connections)
+            .field(
+                "max_connections_per_source",
+                &self.max_connections_per_source,
+            )
+            .field(
+                "max_unauthenticated_per_source",
+                &self.max_unauthenticated_per_source,
+            )
+            .field("idle_timeout", &self.idle_timeout)
+            .field("header_timeout", &self.header_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field("min_upload_rate", &self.min_upload_rate)
+            .field("upload_grace", &self.upload_grace)
+            .field("upload_buffer_bytes", &self.upload_buffer_bytes)
+            .field("max_upload_share", &self.max_upload_share)
+            .field("body_wait", &self.body_wait)
+            .field("quarantine_after", &self.quarantine_after)
+            .field("durability_timeout", &self.durability_timeout)
+            .field("retention", &self.retention)
+            .field("metrics_require_token", &self.metrics_require_token)
+            .finish()
+    }
+}
+
 impl ServeConfig {
     pub fn commit_window(&self) -> Duration {
         Duration::from_millis(self.commit_window_ms)
     }
 
-    pub fn resolve(args: ServeArgs) -> Result<Self> {
-        let file: FileConfig = match &args.config {
-            Some(path) => load(path)?,
-            None => FileConfig::default(),
-        };
-        let max_upload_share = args
-            .max_upload_share
-            .or(file.max_upload_share)
-            .unwrap_or(0.25);
+    /// The configuration a `serve` command line gives (with the file it names; not the
+    /// environment), for programs that start a server themselves: `["--data-dir", "d", …]`.
+    pub fn from_args<I, T>(args: I) -> Result<Self>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        #[derive(clap::Parser)]
+        struct Serve {
+            #[command(flatten)]
+            args: ServeArgs,
+        }
+        let matches = <Serve as clap::CommandFactory>::command()
+            // What this process's environment says is not the caller's configuration.
+            .mut_args(|a| a.env(None::<&'static str>))
+            .try_get_matches_from(
+                std::iter::once(OsString::from("serve")).chain(args.into_iter().map(Into::into)),
+            )?;
+        let serve = <Serve as clap::FromArgMatches>::from_arg_matches(&matches)?;
+        Self::resolve(&serve.args, &matches)
+    }
+
+    /// `args` (from `matches`) layered with the file they name: what `config check` shows.
+    pub fn layered(args: &ServeArgs, matches: &ArgMatches) -> Result<Layered<ServeArgs>> {
+        let mut layered = hora_common::config::layer(args, matches, args.config.as_deref(), &[])?;
+        layered.value.config = args.config.clone();
+        Ok(layered)
+    }
+
+    /// The configuration `args` (from `matches`) and the file they name give, checked.
+    pub fn resolve(args: &ServeArgs, matches: &ArgMatches) -> Result<Self> {
+        Self::from_layered(Self::layered(args, matches)?)
+    }
+
+    /// The configuration `layered` gives, checked.
+    pub fn from_layered(layered: Layered<ServeArgs>) -> Result<Self> {
+        let admin_token = layered
+            .secret(
+                "admin_token",
+                layered.value.admin_token.clone(),
+                "admin_token_file",
+                layered.value.admin_token_file.as_deref(),
+            )
+            .map_err(anyhow::Error::msg)?;
+        let args = layered.value;
+        let max_upload_share = args.max_upload_share;
         if !(max_upload_share > 0.0 && max_upload_share <= 1.0) {
             anyhow::bail!(
                 "max_upload_share is {max_upload_share}; give a fraction of the upload buffer above 0 and at most 1 (0.25: a quarter)"
             );
         }
-        let store = match args.store.or(file.store) {
-            Some(store) => store.parse().map_err(|e| anyhow::anyhow!("--store: {e}"))?,
-            None => crate::store::StoreLocation::Sled,
-        };
-        let blobs = match args.blobs.or(file.blobs) {
+        let store = args
+            .store
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--store: {e}"))?;
+        let blobs = match args.blobs {
             Some(blobs) => blobs
                 .parse::<crate::store::BlobLocation>()
                 .map_err(|e| anyhow::anyhow!("--blobs: {e}"))?,
             None => crate::store::BlobLocation::DataDir,
         }
-        .with_endpoint(args.blobs_endpoint.or(file.blobs_endpoint))
+        .with_endpoint(args.blobs_endpoint)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let lease_secs = args.lease_secs.or(file.lease_secs).unwrap_or(10);
+        let lease_secs = args.lease_secs;
         if !(1..=3600).contains(&lease_secs) {
             anyhow::bail!("lease_secs is {lease_secs}; give 1 to 3600 seconds (10: the default)");
         }
@@ -281,122 +364,64 @@ impl ServeConfig {
             store,
             blobs,
             lease: Duration::from_secs(lease_secs),
-            listen: args
-                .listen
-                .or(file.listen)
-                .unwrap_or_else(|| "127.0.0.1:8443".parse().expect("valid address")),
-            data_dir: args
-                .data_dir
-                .or(file.data_dir)
-                .unwrap_or_else(|| PathBuf::from("hora-data")),
-            tls_cert: args.tls_cert.or(file.tls_cert),
-            tls_key: args.tls_key.or(file.tls_key),
-            client_ca: args.client_ca.or(file.client_ca),
-            certs_dir: args.certs_dir.or(file.certs_dir),
-            hosts: if args.hosts.is_empty() {
-                file.hosts
-            } else {
-                args.hosts
-            },
-            admin_token: match args.admin_token.or(file.admin_token).map(Ok).or_else(|| {
-                args.admin_token_file
-                    .or(file.admin_token_file)
-                    .map(|p| read_secret(&p))
-            }) {
-                Some(token) => Some(token?),
-                None => None,
-            },
-            admin_allow: if args.admin_allow.is_empty() {
-                file.admin_allow
-                    .iter()
-                    .map(|n| parse_net(n).map_err(|e| anyhow::anyhow!("admin_allow: {e}")))
-                    .collect::<Result<_, _>>()?
-            } else {
-                args.admin_allow
-            },
-            commit_window_ms: args.commit_window_ms.or(file.commit_window_ms).unwrap_or(2),
-            max_concurrent_uploads: args
-                .max_concurrent_uploads
-                .or(file.max_concurrent_uploads)
-                .unwrap_or(1),
-            max_model_bytes: args
-                .max_model_bytes
-                .or(file.max_model_bytes)
-                .unwrap_or(4 << 30),
-            max_connections: args.max_connections.or(file.max_connections),
-            max_connections_per_source: args
-                .max_connections_per_source
-                .or(file.max_connections_per_source),
-            max_unauthenticated_per_source: args
-                .max_unauthenticated_per_source
-                .or(file.max_unauthenticated_per_source)
-                .unwrap_or(32)
-                .max(1),
-            idle_timeout: secs(args.idle_timeout_secs.or(file.idle_timeout_secs), 15),
-            header_timeout: secs(args.header_timeout_secs.or(file.header_timeout_secs), 10),
-            request_timeout: secs(args.request_timeout_secs.or(file.request_timeout_secs), 30),
-            min_upload_rate: args
-                .min_upload_rate
-                .or(file.min_upload_rate)
-                .unwrap_or(16 << 10),
-            upload_grace: secs(args.upload_grace_secs.or(file.upload_grace_secs), 10),
-            body_wait: secs(args.body_wait_secs.or(file.body_wait_secs), 10),
-            quarantine_after: args.quarantine_after.or(file.quarantine_after).unwrap_or(5),
-            upload_buffer_bytes: args
-                .upload_buffer_bytes
-                .or(file.upload_buffer_bytes)
-                .unwrap_or(64 << 20),
+            listen: args.listen,
+            data_dir: args.data_dir,
+            tls_cert: args.tls_cert,
+            tls_key: args.tls_key,
+            client_ca: args.client_ca,
+            certs_dir: args.certs_dir,
+            hosts: args.hosts,
+            admin_token,
+            admin_allow: args.admin_allow.into_iter().map(|n| n.0).collect(),
+            commit_window_ms: args.commit_window_ms,
+            max_concurrent_uploads: args.max_concurrent_uploads,
+            max_model_bytes: args.max_model_bytes,
+            max_connections: args.max_connections,
+            max_connections_per_source: args.max_connections_per_source,
+            max_unauthenticated_per_source: args.max_unauthenticated_per_source.max(1),
+            idle_timeout: secs(args.idle_timeout_secs),
+            header_timeout: secs(args.header_timeout_secs),
+            request_timeout: secs(args.request_timeout_secs),
+            min_upload_rate: args.min_upload_rate,
+            upload_grace: secs(args.upload_grace_secs),
+            body_wait: secs(args.body_wait_secs),
+            quarantine_after: args.quarantine_after,
+            upload_buffer_bytes: args.upload_buffer_bytes,
             max_upload_share,
-            durability_timeout: secs(
-                args.durability_timeout_secs
-                    .or(file.durability_timeout_secs),
-                60,
-            ),
+            durability_timeout: secs(args.durability_timeout_secs),
             retention: crate::store::Retention {
-                last: args
-                    .retain_rounds_last
-                    .or(file.retain_rounds_last)
-                    .unwrap_or(50),
-                every: args
-                    .retain_rounds_every
-                    .or(file.retain_rounds_every)
-                    .unwrap_or(10),
-                detail: args
-                    .history_detail_rounds
-                    .or(file.history_detail_rounds)
-                    .unwrap_or(1000),
+                last: args.retain_rounds_last,
+                every: args.retain_rounds_every,
+                detail: args.history_detail_rounds,
             },
-            metrics_require_token: args.metrics_require_token
-                || file.metrics_require_token.unwrap_or(false),
+            metrics_require_token: args.metrics_require_token,
         })
     }
 }
 
-fn secs(value: Option<u64>, default: u64) -> Duration {
-    Duration::from_secs(value.unwrap_or(default).max(1))
+fn secs(value: u64) -> Duration {
+    Duration::from_secs(value.max(1))
 }
 
 /// A secret kept in a file: its first line, trimmed. The file should be readable by the
 /// server's user only.
 pub fn read_secret(path: &Path) -> Result<String> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading the secret file {}", path.display()))?;
-    let secret = text.lines().next().unwrap_or_default().trim().to_string();
-    if secret.is_empty() {
-        anyhow::bail!("the secret file {} is empty", path.display());
-    }
-    Ok(secret)
-}
-
-fn load(path: &Path) -> Result<FileConfig> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading the config file {}", path.display()))?;
-    toml::from_str(&text).with_context(|| format!("in the config file {}", path.display()))
+    hora_common::config::read_secret(path).map_err(anyhow::Error::msg)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_output_names_the_admin_token_only_by_its_presence() {
+        let token = "a-secret-admin-token-of-some-length";
+        let c = ServeConfig::from_args(["--admin-token", token]).unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains(token), "{shown}");
+        assert!(shown.contains("admin_token: Some(\"(secret)\")"), "{shown}");
+        assert!(shown.contains("listen: 127.0.0.1:8443"), "{shown}");
+    }
 
     #[test]
     fn flags_beat_the_file_and_the_file_beats_defaults() {
@@ -407,12 +432,8 @@ mod tests {
             "listen = \"127.0.0.1:9000\"\ndata_dir = \"/srv/hora\"\ncommit_window_ms = 50\n",
         )
         .unwrap();
-        let args = ServeArgs {
-            config: Some(path.clone()),
-            data_dir: Some("here".into()),
-            ..Default::default()
-        };
-        let c = ServeConfig::resolve(args).unwrap();
+        let config = path.to_str().unwrap();
+        let c = ServeConfig::from_args(["--config", config, "--data-dir", "here"]).unwrap();
         assert_eq!(c.listen.port(), 9000);
         assert_eq!(c.data_dir, PathBuf::from("here"));
         assert!(matches!(c.store, crate::store::StoreLocation::Sled));
@@ -425,11 +446,7 @@ mod tests {
             "max_upload_share = 0.5\nmax_unauthenticated_per_source = 4\nadmin_allow = [\"10.0.0.0/8\", \"2001:db8::7\"]\n",
         )
         .unwrap();
-        let c = ServeConfig::resolve(ServeArgs {
-            config: Some(path.clone()),
-            ..Default::default()
-        })
-        .unwrap();
+        let c = ServeConfig::from_args(["--config", config]).unwrap();
         assert_eq!(
             (c.max_upload_share, c.max_unauthenticated_per_source),
             (0.5, 4)
@@ -437,21 +454,15 @@ mod tests {
         let nets: Vec<String> = c.admin_allow.iter().map(|n| n.to_string()).collect();
         assert_eq!(nets, ["10.0.0.0/8", "2001:db8::7/128"]);
         std::fs::write(&path, "admin_allow = [\"10.0.0.0/33\"]\n").unwrap();
-        let err = ServeConfig::resolve(ServeArgs {
-            config: Some(path.clone()),
-            ..Default::default()
-        })
-        .unwrap_err();
+        let err = ServeConfig::from_args(["--config", config]).unwrap_err();
         assert!(
-            format!("{err:#}").contains("admin_allow: `10.0.0.0/33`"),
+            format!("{err:#}").contains("`10.0.0.0/33` is neither")
+                && format!("{err:#}").contains("key \"admin_allow.0\""),
             "{err:#}"
         );
         for share in [0.0, 1.5, f64::NAN] {
-            let err = ServeConfig::resolve(ServeArgs {
-                max_upload_share: Some(share),
-                ..Default::default()
-            })
-            .unwrap_err();
+            let err =
+                ServeConfig::from_args(["--max-upload-share", &share.to_string()]).unwrap_err();
             assert!(format!("{err:#}").contains("max_upload_share"), "{err:#}");
         }
         std::fs::write(
@@ -459,22 +470,13 @@ mod tests {
             "store = \"postgres://hora:secret@db.example:5433/fl\"\n",
         )
         .unwrap();
-        let c = ServeConfig::resolve(ServeArgs {
-            config: Some(path.clone()),
-            ..Default::default()
-        })
-        .unwrap();
+        let c = ServeConfig::from_args(["--config", config]).unwrap();
         let crate::store::StoreLocation::Postgres(target) = &c.store else {
             panic!("{:?}", c.store)
         };
         assert_eq!(target.to_string(), "db.example:5433/fl");
         assert!(!format!("{c:?}").contains("secret"), "{c:?}");
-        let c = ServeConfig::resolve(ServeArgs {
-            config: Some(path.clone()),
-            store: Some("sled".into()),
-            ..Default::default()
-        })
-        .unwrap();
+        let c = ServeConfig::from_args(["--config", config, "--store", "sled"]).unwrap();
         assert!(matches!(c.store, crate::store::StoreLocation::Sled));
         for (store, says) in [
             ("mysql://x", "unknown store `mysql`"),
@@ -484,19 +486,11 @@ mod tests {
                 "not a PostgreSQL connection URL",
             ),
         ] {
-            let err = ServeConfig::resolve(ServeArgs {
-                store: Some(store.into()),
-                ..Default::default()
-            })
-            .unwrap_err();
+            let err = ServeConfig::from_args(["--store", store]).unwrap_err();
             assert!(format!("{err:#}").contains(says), "{store}: {err:#}");
         }
         std::fs::write(&path, "lisen = \"x\"\n").unwrap();
-        let err = ServeConfig::resolve(ServeArgs {
-            config: Some(path),
-            ..Default::default()
-        })
-        .unwrap_err();
+        let err = ServeConfig::from_args(["--config", config]).unwrap_err();
         assert!(format!("{err:#}").contains("lisen"), "{err:#}");
     }
 
@@ -504,12 +498,14 @@ mod tests {
     fn blobs_are_under_the_data_directory_unless_told() {
         use crate::store::BlobLocation;
         let resolve = |blobs: Option<&str>, endpoint: Option<&str>| {
-            ServeConfig::resolve(ServeArgs {
-                blobs: blobs.map(Into::into),
-                blobs_endpoint: endpoint.map(Into::into),
-                ..Default::default()
-            })
-            .map(|c| c.blobs)
+            let mut args = Vec::new();
+            if let Some(blobs) = blobs {
+                args.extend(["--blobs", blobs]);
+            }
+            if let Some(endpoint) = endpoint {
+                args.extend(["--blobs-endpoint", endpoint]);
+            }
+            ServeConfig::from_args(args).map(|c| c.blobs)
         };
         assert_eq!(resolve(None, None).unwrap(), BlobLocation::DataDir);
         assert_eq!(

@@ -4,15 +4,15 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
-use hora_common::logging;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
+use hora_common::{config as layers, logging};
 use hora_server::store::StoreLocation;
 use hora_server::{admin_cli, config, tls};
 
-#[derive(Debug, Parser)]
+#[derive(Parser)]
 #[command(
     name = "hora-server",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("HORA_COMMIT"), ")"),
     about = "Hora federated-learning aggregation server"
 )]
 struct Cli {
@@ -23,8 +23,9 @@ struct Cli {
 }
 
 // Parsed once, on main's stack: the size of its largest variant costs nothing.
+// No Debug: it holds secrets (the admin token, a store URL's password).
 #[allow(clippy::large_enum_variant)]
-#[derive(Debug, Subcommand)]
+#[derive(Subcommand)]
 enum Command {
     /// Run the server (HTTPS always; development certificates are made when none are given).
     Serve(config::ServeArgs),
@@ -41,6 +42,13 @@ enum Command {
     },
     /// Drive a running server through its admin API.
     Admin(admin_cli::AdminArgs),
+    /// Check a configuration before running with it.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    #[command(flatten)]
+    Docs(layers::DocsCommand),
     /// Bring a PostgreSQL store's schema up to this hora-server's (`serve` does it too, at
     /// start); prints the migrations it applied.
     Migrate {
@@ -60,6 +68,21 @@ enum Command {
     },
 }
 
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print every option `serve` would run with (given the same flags, environment and
+    /// --config file), its value and where it came from (flag, environment, file or default),
+    /// secrets masked; fails, saying why, on a configuration `serve` would refuse.
+    Check {
+        /// Print JSON instead of text: {"key": {"value": …, "source": "flag", "from": "--listen"}}.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        serve: config::ServeArgs,
+    },
+}
+
 /// The PostgreSQL database `--store` names (the embedded store has no replicas or schema).
 fn postgres_target(store: &str, what: &str) -> Result<hora_server::store::postgres::Target> {
     match store.parse().map_err(|e| anyhow::anyhow!("--store: {e}"))? {
@@ -68,10 +91,16 @@ fn postgres_target(store: &str, what: &str) -> Result<hora_server::store::postgr
     }
 }
 
+/// Environment variables renamed for one naming scheme across Hora's programs: (old, new).
+const RENAMED_ENV: [(&str, &str); 1] = [("HORA_URL", "HORA_SERVER")];
+
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let renamed = layers::rename_env(&RENAMED_ENV);
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     logging::init(cli.logging.log_format, "info");
-    match run(cli.command) {
+    layers::warn_renamed(&renamed);
+    match run(cli.command, &matches) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             logging::fatal(cli.logging.log_format, &format!("{e:#}"));
@@ -80,11 +109,31 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run(command: Command) -> Result<()> {
+fn run(command: Command, all: &ArgMatches) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
+    let matches = layers::leaf(all);
     match command {
-        Command::Serve(args) => {
-            runtime.block_on(hora_server::serve(config::ServeConfig::resolve(args)?))
+        Command::Serve(args) => runtime.block_on(hora_server::serve(config::ServeConfig::resolve(
+            &args, matches,
+        )?)),
+        Command::Docs(docs) => docs.run(Cli::command()).map_err(anyhow::Error::msg),
+        Command::Config {
+            command: ConfigCommand::Check { json, serve },
+        } => {
+            let layered = config::ServeConfig::layered(&serve, matches)?;
+            let mut report = layered.report();
+            let resolved = config::ServeConfig::from_layered(layered)?;
+            for setting in &mut report {
+                if setting.key == "store" {
+                    // The database without its password.
+                    setting.value = match &resolved.store {
+                        StoreLocation::Sled => "sled".into(),
+                        StoreLocation::Postgres(target) => format!("postgres://{target}").into(),
+                    };
+                }
+            }
+            println!("{}", layers::render(&report, json)?);
+            Ok(())
         }
         Command::Certs {
             dir,
@@ -104,7 +153,10 @@ fn run(command: Command) -> Result<()> {
             }
             Ok(())
         }
-        Command::Admin(args) => runtime.block_on(admin_cli::run(args)),
+        Command::Admin(args) => {
+            let admin = all.subcommand_matches("admin").unwrap_or(matches);
+            runtime.block_on(admin_cli::run(args, admin))
+        }
         Command::Status { store, json } => {
             let target = postgres_target(
                 &store,

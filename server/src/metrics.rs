@@ -5,7 +5,9 @@
 //! whose stored state could not be loaded; the privacy each task with differential privacy has
 //! spent (ε at the task's δ); for asynchronous tasks, the updates in each open buffer, the
 //! clients holding a training slot and the staleness of folded updates (versions per second are
-//! the rate of `hora_rounds_published_total`).
+//! the rate of `hora_rounds_published_total`); every route's requests by method and status and
+//! their time to a response (`hora_http_*`); and the process's own CPU time, memory, threads and
+//! open files (`process_*`, the names every Prometheus exporter uses).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -28,6 +30,25 @@ pub struct JobLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: String,
+}
+
+/// A request as `hora_http_requests_total` counts it: its route's template
+/// (`/v1/tasks/{task}/poll`, never the path a client chose), method and answer.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabel {
+    pub route: String,
+    pub method: String,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabel {
+    pub route: String,
+    pub method: String,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(1e-4, 2.0, 20))
 }
 
 pub struct ServerMetrics {
@@ -55,6 +76,8 @@ pub struct ServerMetrics {
     async_buffered: Family<TaskLabel, Gauge>,
     async_training: Family<TaskLabel, Gauge>,
     update_staleness: Family<TaskLabel, Histogram, fn() -> Histogram>,
+    http_requests: Family<RequestLabel, Counter>,
+    http_seconds: Family<RouteLabel, Histogram, fn() -> Histogram>,
 }
 
 fn staleness_histogram() -> Histogram {
@@ -63,8 +86,12 @@ fn staleness_histogram() -> Histogram {
 
 impl Default for ServerMetrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("hora");
+        let mut root = Registry::default();
+        root.register_collector(Box::new(ProcessCollector));
+        let registry = root.sub_registry_with_prefix("hora");
         let m = ServerMetrics {
+            http_requests: Family::default(),
+            http_seconds: Family::new_with_constructor(latency_histogram),
             rounds_published: Family::default(),
             rounds_abandoned: Family::default(),
             uploads_accepted: Counter::default(),
@@ -193,7 +220,20 @@ impl Default for ServerMetrics {
             "Versions published between an asynchronous update's base and the version it went into",
             m.update_staleness.clone(),
         );
-        ServerMetrics { registry, ..m }
+        registry.register(
+            "http_requests",
+            "Requests answered, by route (its template), method and status",
+            m.http_requests.clone(),
+        );
+        registry.register(
+            "http_request_duration_seconds",
+            "Time from a request's arrival to its response's head, by route and method (a long poll's includes its wait; a download's excludes its body)",
+            m.http_seconds.clone(),
+        );
+        ServerMetrics {
+            registry: root,
+            ..m
+        }
     }
 }
 
@@ -263,10 +303,276 @@ impl ServerMetrics {
             .inc();
     }
 
+    /// One answered request of `route` (its template).
+    pub fn request(&self, route: &str, method: &str, status: u16, seconds: f64) {
+        self.http_requests
+            .get_or_create(&RequestLabel {
+                route: route.into(),
+                method: method.into(),
+                status,
+            })
+            .inc();
+        self.http_seconds
+            .get_or_create(&RouteLabel {
+                route: route.into(),
+                method: method.into(),
+            })
+            .observe(seconds);
+    }
+
+    /// The metrics in OpenMetrics text; reads `/proc` for the process's (call it off the async
+    /// runtime's threads).
     pub fn render(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out
+    }
+}
+
+/// The process's CPU time, resident memory, threads, open files and start time, read from
+/// `/proc/self` at each scrape under the conventional `process_*` names; nothing where there is
+/// no `/proc`.
+#[derive(Debug)]
+struct ProcessCollector;
+
+/// One reading of `/proc/self`.
+#[derive(Debug, PartialEq)]
+struct ProcessSample {
+    cpu_seconds: f64,
+    resident_bytes: f64,
+    virtual_bytes: f64,
+    threads: f64,
+    start_time_seconds: f64,
+    open_fds: f64,
+    max_fds: f64,
+}
+
+impl ProcessSample {
+    fn read() -> Option<ProcessSample> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let boot = std::fs::read_to_string("/proc/stat").ok()?;
+        let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+        let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count();
+        // SAFETY: sysconf only reads a configuration value.
+        let (ticks, page) = unsafe {
+            (
+                libc::sysconf(libc::_SC_CLK_TCK),
+                libc::sysconf(libc::_SC_PAGESIZE),
+            )
+        };
+        Self::parse(&stat, &boot, &limits, open_fds, ticks as f64, page as f64)
+    }
+
+    fn parse(
+        stat: &str,
+        boot: &str,
+        limits: &str,
+        open_fds: usize,
+        ticks: f64,
+        page: f64,
+    ) -> Option<ProcessSample> {
+        if ticks <= 0.0 || page <= 0.0 {
+            return None;
+        }
+        // After the command's closing parenthesis (the command may hold spaces and parentheses),
+        // fields from the 3rd (state) on.
+        let fields: Vec<&str> = stat
+            .get(stat.rfind(')')? + 1..)?
+            .split_whitespace()
+            .collect();
+        let field = |n: usize| fields.get(n - 3)?.parse::<f64>().ok();
+        let boot_time: f64 = boot
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))?
+            .trim()
+            .parse()
+            .ok()?;
+        let max_fds = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .and_then(|l| l.split_whitespace().nth(3))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::INFINITY);
+        Some(ProcessSample {
+            cpu_seconds: (field(14)? + field(15)?) / ticks,
+            threads: field(20)?,
+            start_time_seconds: boot_time + field(22)? / ticks,
+            virtual_bytes: field(23)?,
+            resident_bytes: field(24)? * page,
+            open_fds: open_fds as f64,
+            max_fds,
+        })
+    }
+}
+
+impl prometheus_client::collector::Collector for ProcessCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let Some(s) = ProcessSample::read() else {
+            return Ok(());
+        };
+        let cpu = ConstCounter::new(s.cpu_seconds);
+        cpu.encode(encoder.encode_descriptor(
+            "process_cpu_seconds",
+            "User and system CPU time spent, in seconds",
+            None,
+            cpu.metric_type(),
+        )?)?;
+        for (name, help, value) in [
+            (
+                "process_resident_memory_bytes",
+                "Resident memory, in bytes",
+                s.resident_bytes,
+            ),
+            (
+                "process_virtual_memory_bytes",
+                "Virtual memory, in bytes",
+                s.virtual_bytes,
+            ),
+            ("process_threads", "Operating-system threads", s.threads),
+            (
+                "process_open_fds",
+                "Open file descriptors (connections among them)",
+                s.open_fds,
+            ),
+            (
+                "process_max_fds",
+                "The limit on open file descriptors",
+                s.max_fds,
+            ),
+            (
+                "process_start_time_seconds",
+                "When the process started, in seconds since the Unix epoch",
+                s.start_time_seconds,
+            ),
+        ] {
+            let gauge = ConstGauge::new(value);
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_readings_are_parsed_whatever_the_command_is_called() {
+        let stat = "4242 (hora (serve) x) S 1 4242 4242 0 -1 4194560 1000 0 0 0 250 50 0 0 20 0 7 0 12345 104857600 2560 18446744073709551615";
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\nMax open files            1024                 524288               files\n";
+        let s = ProcessSample::parse(
+            stat,
+            "cpu 1 2 3\nbtime 1700000000\n",
+            limits,
+            12,
+            100.0,
+            4096.0,
+        )
+        .unwrap();
+        assert_eq!(
+            s,
+            ProcessSample {
+                cpu_seconds: 3.0,
+                resident_bytes: 2560.0 * 4096.0,
+                virtual_bytes: 104857600.0,
+                threads: 7.0,
+                start_time_seconds: 1700000000.0 + 123.45,
+                open_fds: 12.0,
+                max_fds: 1024.0,
+            }
+        );
+        assert_eq!(
+            ProcessSample::parse("garbage", "", "", 0, 100.0, 4096.0),
+            None
+        );
+    }
+
+    #[test]
+    fn the_scrape_holds_the_process_and_route_metrics() {
+        let m = ServerMetrics::default();
+        m.request("/v1/tasks/{task}/poll", "GET", 200, 0.25);
+        let text = m.render();
+        assert!(
+            text.contains(
+                "hora_http_requests_total{route=\"/v1/tasks/{task}/poll\",method=\"GET\",status=\"200\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("hora_http_request_duration_seconds_count"),
+            "{text}"
+        );
+        if std::path::Path::new("/proc/self/stat").exists() {
+            for name in [
+                "process_cpu_seconds_total",
+                "process_resident_memory_bytes",
+                "process_open_fds",
+            ] {
+                assert!(text.contains(&format!("\n{name} ")), "{name}: {text}");
+            }
+        }
+        assert_eq!(text.matches("# EOF").count(), 1);
+    }
+
+    /// The Grafana dashboard (deploy/grafana/hora.json) asks only for metrics the server has.
+    #[test]
+    fn the_dashboard_asks_for_exported_metrics_only() {
+        let m = ServerMetrics::default();
+        // A series in every family (an empty family is not exported).
+        m.round_published("t", 0.1);
+        m.round_abandoned("t");
+        m.dp_epsilon("t", 1.0);
+        m.async_buffered("t", 1);
+        m.async_training("t", 1);
+        m.update_staleness("t", 1);
+        m.upload_rejected("invalid_update");
+        m.sync_world_formed("j");
+        m.sync_join_timed_out("j");
+        m.connections_closed("idle");
+        m.request("/healthz", "GET", 200, 0.001);
+        let text = m.render();
+        let families: std::collections::BTreeSet<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/hora.json");
+        let dashboard: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let mut asked = std::collections::BTreeSet::new();
+        for panel in dashboard["panels"].as_array().unwrap() {
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                let expr = target["expr"].as_str().unwrap();
+                for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                    if !(word.starts_with("hora_") || word.starts_with("process_")) {
+                        continue;
+                    }
+                    let family = ["_total", "_bucket", "_count", "_sum"]
+                        .iter()
+                        .find_map(|suffix| word.strip_suffix(suffix))
+                        .unwrap_or(word);
+                    assert!(
+                        families.contains(family),
+                        "the dashboard's panel {} asks for {word}, which the server does not export:\n{text}",
+                        panel["title"]
+                    );
+                    asked.insert(family);
+                }
+            }
+        }
+        // And it shows every family but the start time.
+        let shown: Vec<_> = families
+            .iter()
+            .filter(|f| !asked.contains(*f) && **f != "process_start_time_seconds")
+            .collect();
+        assert!(shown.is_empty(), "not on the dashboard: {shown:?}");
     }
 }

@@ -16,22 +16,27 @@ use std::net::TcpListener;
 use std::path::Path;
 
 use hora_common::model::Model;
-use hora_server::config::{ServeArgs, ServeConfig};
+use hora_server::config::ServeConfig;
 use hora_server::Server;
 use serde_json::json;
 use support::{Api, ADMIN_TOKEN};
 use tokio::sync::oneshot;
 
 fn config(data_dir: &Path, store: Option<&str>, blobs: Option<&str>) -> ServeConfig {
-    ServeConfig::resolve(ServeArgs {
-        data_dir: Some(data_dir.to_path_buf()),
-        store: store.map(Into::into),
-        blobs: blobs.map(Into::into),
-        listen: Some("127.0.0.1:0".parse().unwrap()),
-        admin_token: Some(ADMIN_TOKEN.into()),
-        ..Default::default()
-    })
-    .expect("a configuration")
+    let mut args = vec![
+        "--data-dir".into(),
+        data_dir.as_os_str().to_owned(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--admin-token".into(),
+        ADMIN_TOKEN.into(),
+    ];
+    for (flag, value) in [("--store", store), ("--blobs", blobs)] {
+        if let Some(value) = value {
+            args.extend([flag.into(), value.into()]);
+        }
+    }
+    ServeConfig::from_args::<_, std::ffi::OsString>(args).expect("a configuration")
 }
 
 /// Builds and runs a server on a free loopback port; returns its admin API, the signal that

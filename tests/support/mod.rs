@@ -587,3 +587,165 @@ pub fn assert_close(got: &Model, want: &Model) {
         );
     }
 }
+
+/// A sample of one option for [`check_layering`]: its key and two different values as a flag
+/// would give them.
+pub type Sample = (&'static str, &'static str, &'static str);
+
+/// Checks, through `config check --json` of the real binary (`program` with `check_args`),
+/// that every declared option is honoured from the `--config` file, its `HORA_*` variable and
+/// its flag, with flags > environment > file > default. The options come from the declaration
+/// itself (the report of a bare run), so `samples` must name each of them: a new option without
+/// a sample fails here. `pairs` say one thing two ways and cannot both be given in one layer
+/// (`token` and `token_file`): the first of each is checked in one set of runs, the second in
+/// another. A secret shows only its length, so secrets' samples differ in length.
+pub fn check_layering(
+    program: &str,
+    check_args: &[&str],
+    samples: &[Sample],
+    pairs: &[(&str, &str)],
+) {
+    use serde_json::Value;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    // (A bare run may be refused for what it lacks; it still prints its options.)
+    let run_as = |bare: bool,
+                  file: Option<&str>,
+                  env: &[(String, String)],
+                  flags: &[String]|
+     -> BTreeMap<String, Value> {
+        let mut cmd = Command::new(binary(program));
+        cmd.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .args(check_args)
+            .arg("--json");
+        if let Some(text) = file {
+            std::fs::write(&config, text).unwrap();
+            cmd.arg("--config").arg(&config);
+        }
+        cmd.envs(env.iter().map(|(k, v)| (k, v))).args(flags);
+        let out = cmd.output().unwrap();
+        assert!(
+            bare || out.status.success(),
+            "{program} {check_args:?} {flags:?} with {env:?} and {file:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "{program} {check_args:?}: {e}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    };
+    let run = |file: Option<&str>, env: &[(String, String)], flags: &[String]| {
+        run_as(false, file, env, flags)
+    };
+    let bare = run_as(true, None, &[], &[]);
+    let declared: BTreeSet<&str> = bare.keys().map(String::as_str).collect();
+    let sampled: BTreeSet<&str> = samples.iter().map(|s| s.0).collect();
+    assert_eq!(
+        declared, sampled,
+        "{program} {check_args:?}: every declared option needs a sample here, and only those"
+    );
+    for (key, setting) in &bare {
+        assert_eq!(setting["source"], "default", "{key}: {setting}");
+    }
+    let name = |key: &str, what: &str| -> String {
+        bare[key][what]
+            .as_str()
+            .unwrap_or_else(|| panic!("{key} has no {what}"))
+            .to_string()
+    };
+    // A file's secret (token_file) must exist: each sample path names a file holding a token.
+    for (_, a, b) in samples {
+        for v in [a, b] {
+            if let Some(file) = v.strip_prefix("secret-file:") {
+                std::fs::write(dir.path().join(file), format!("token-in-{file}\n")).unwrap();
+            }
+        }
+    }
+    let value = |v: &str| -> String {
+        match v.strip_prefix("secret-file:") {
+            Some(file) => dir.path().join(file).to_str().unwrap().to_string(),
+            None => v.to_string(),
+        }
+    };
+    for first in [true, false] {
+        let left_out: Vec<&str> = pairs
+            .iter()
+            .map(|p| if first { p.1 } else { p.0 })
+            .collect();
+        let keys: Vec<&Sample> = samples
+            .iter()
+            .filter(|s| !left_out.contains(&s.0))
+            .collect();
+        let flags = |pick: fn(&Sample) -> &'static str| -> Vec<String> {
+            let mut flags = Vec::new();
+            for s in &keys {
+                let v = value(pick(s));
+                match v.as_str() {
+                    "true" => flags.push(name(s.0, "flag")),
+                    "false" => {}
+                    _ => flags.extend([name(s.0, "flag"), v]),
+                }
+            }
+            flags
+        };
+        let (a, b) = (
+            run(None, &[], &flags(|s| s.1)),
+            run(None, &[], &flags(|s| s.2)),
+        );
+        let file: String = keys
+            .iter()
+            .map(|s| format!("{} = {}\n", s.0, a[s.0]["value"]))
+            .collect();
+        // A secret's value is masked: the file gets it from the flag's sample instead.
+        let file: String = file
+            .lines()
+            .zip(&keys)
+            .map(|(line, s)| match a[s.0]["value"].as_str() {
+                Some(v) if v.starts_with("(secret") => format!("{} = {:?}\n", s.0, value(s.1)),
+                _ => format!("{line}\n"),
+            })
+            .collect();
+        let env: Vec<(String, String)> = keys
+            .iter()
+            .map(|s| (name(s.0, "env"), value(s.2)))
+            .collect();
+        let check = |got: &BTreeMap<String, Value>,
+                     want: &BTreeMap<String, Value>,
+                     source: &str,
+                     layers: &str| {
+            for s in &keys {
+                let (g, w) = (&got[s.0], &want[s.0]);
+                assert_eq!(g["value"], w["value"], "{program}: {} from {layers}", s.0);
+                assert_eq!(g["source"], source, "{program}: {} from {layers}: {g}", s.0);
+            }
+        };
+        check(&run(Some(&file), &[], &[]), &a, "file", "the file");
+        check(
+            &run(Some(&file), &env, &[]),
+            &b,
+            "env",
+            "the file and the environment",
+        );
+        check(
+            &run(Some(&file), &env, &flags(|s| s.1)),
+            &a,
+            "flag",
+            "the file, the environment and flags",
+        );
+        if !first {
+            // The other of each pair in the environment beside these flags: taken, the flag's
+            // winning (not refused as a conflict).
+            for (other, _) in pairs {
+                let sample = samples.iter().find(|s| s.0 == *other).unwrap();
+                let env = [(name(other, "env"), value(sample.2))];
+                let got = run(None, &env, &flags(|s| s.1));
+                assert_eq!(got[*other]["source"], "env", "{program}: {other}");
+            }
+        }
+    }
+}

@@ -162,7 +162,7 @@ pub async fn read_small(
 }
 
 /// The declared `Content-Length`, checked against `limit`.
-fn declared_length(headers: &HeaderMap, limit: u64) -> Result<u64, ServerError> {
+pub fn declared_length(headers: &HeaderMap, limit: u64) -> Result<u64, ServerError> {
     let declared: u64 = headers
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())

@@ -17,7 +17,8 @@ use hora_common::wire::{
 use serde::Deserialize;
 
 use super::{
-    json_body, not_modified, read_upload, ApiPath, ApiQuery, ClientAuth, Shared, Unverified,
+    declared_length, json_body, not_modified, read_upload, ApiPath, ApiQuery, ClientAuth, Shared,
+    Unverified,
 };
 use crate::auth;
 use crate::error::ServerError;
@@ -389,8 +390,13 @@ pub async fn update(
                     ServerError::BadRequest(format!("malformed `{UPDATE_META_HEADER}` header: {e}"))
                 })
             })?;
-        // Cheap checks before the body is read at all. A retry of an update that is folded but
-        // not yet durable gets its receipt once it is, without sending the body again.
+        // Cheap checks before the body is read at all. The length comes before the claim on
+        // this client's upload slot: a body refused unread is dropped (its stream reset) at
+        // once, and the client, told so, may send its next upload before this handler ends.
+        let limit = upload_limit(&task.spec());
+        declared_length(&headers, limit)?;
+        // A retry of an update that is folded but not yet durable gets its receipt once it is,
+        // without sending the body again.
         let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
         if let Some(receipt) = state
             .coordinator
@@ -399,7 +405,6 @@ pub async fn update(
         {
             return Ok(receipt);
         }
-        let limit = upload_limit(&task.spec());
         let within = Duration::from_secs(task.record().config.round_deadline_secs);
         let (body, permit) = read_upload(&state, &headers, body, limit, within).await?;
         let len = body.len() as u64;

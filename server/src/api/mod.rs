@@ -42,7 +42,7 @@ use crate::round::Coordinator;
 use crate::store::ClientRecord;
 use crate::{auth, conn};
 
-pub use body::{read_body, read_upload, BodyRate};
+pub use body::{declared_length, read_body, read_upload, BodyRate};
 
 /// Limits on what the HTTP layer accepts.
 #[derive(Debug, Clone)]
@@ -462,12 +462,17 @@ async fn metrics(State(state): State<Shared>, parts: Parts) -> Result<Response, 
         let mut parts = parts;
         AdminAuth::from_request_parts(&mut parts, &state).await?;
     }
+    // The process's figures are read from /proc: off the runtime's threads.
+    let coordinator = state.coordinator.clone();
+    let text = tokio::task::spawn_blocking(move || coordinator.metrics.render())
+        .await
+        .map_err(|e| ServerError::Internal(format!("rendering the metrics: {e}")))?;
     Ok((
         [(
             CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.coordinator.metrics.render(),
+        text,
     )
         .into_response())
 }
@@ -606,6 +611,68 @@ fn holds_open(method: &axum::http::Method, route: &str) -> bool {
     long_poll || upload
 }
 
+/// Counts each request of a route by its template, method and status, and times it to its
+/// response's head (`hora_http_*`).
+async fn observe(
+    State(state): State<Shared>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let start = std::time::Instant::now();
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| UNROUTED.to_string(), |m| m.as_str().to_string());
+    let method = request.method().clone();
+    let mut response = next.run(request).await;
+    state.coordinator.metrics.request(
+        &route,
+        method.as_str(),
+        response.status().as_u16(),
+        start.elapsed().as_secs_f64(),
+    );
+    response.extensions_mut().insert(Observed);
+    response
+}
+
+/// The route label of requests answered before or without a route (404, 405, 429, 413).
+const UNROUTED: &str = "(none)";
+
+/// A response [`observe`] counted.
+#[derive(Clone, Copy)]
+struct Observed;
+
+/// Counts what no route answered (unknown paths, wrong methods, refusals before routing) under
+/// the route `(none)`, its method one of the standard ones or `other`, so that the labels stay
+/// few whatever clients send.
+async fn observe_unrouted(
+    State(state): State<Shared>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let start = std::time::Instant::now();
+    let method: &'static str = match request.method().as_str() {
+        "GET" => "GET",
+        "HEAD" => "HEAD",
+        "POST" => "POST",
+        "PUT" => "PUT",
+        "DELETE" => "DELETE",
+        "PATCH" => "PATCH",
+        "OPTIONS" => "OPTIONS",
+        _ => "other",
+    };
+    let response = next.run(request).await;
+    if response.extensions().get::<Observed>().is_none() {
+        state.coordinator.metrics.request(
+            UNROUTED,
+            method,
+            response.status().as_u16(),
+            start.elapsed().as_secs_f64(),
+        );
+    }
+    response
+}
+
 /// Bounds every other request's time: answered 503 `request_timeout` when it runs over.
 async fn request_timeout(
     State(state): State<Shared>,
@@ -670,6 +737,8 @@ pub fn router(state: Shared) -> Router {
             state.clone(),
             request_timeout,
         ))
+        // Outside the timeout: its 503s are counted too.
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), observe))
         // After every route is in place: it is set on the routes registered so far.
         .method_not_allowed_fallback(method_not_allowed)
         // Bodies are bounded per route (read_body, json_body); this catches any other reader.
@@ -678,6 +747,10 @@ pub fn router(state: Shared) -> Router {
         ))
         // Outside the routes, inside the next layer: its refusals close unread HTTP/1.1 bodies.
         .layer(axum::middleware::from_fn(limit_unauthenticated))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            observe_unrouted,
+        ))
         .layer(axum::middleware::from_fn(close_when_body_unread))
         .with_state(state)
 }

@@ -32,8 +32,9 @@ pub const PART_BYTES: usize = 8 << 20;
 /// Parts in flight per upload: a writer holds at most this many parts and one being filled.
 const PARTS_IN_FLIGHT: usize = 4;
 
-/// Where the blobs are, as `--blobs` names them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Where the blobs are, as `--blobs` names them. `Debug` is `Display`: the endpoint's
+/// credentials masked.
+#[derive(Clone, Default, PartialEq, Eq)]
 pub enum BlobLocation {
     /// Files under the data directory (the default).
     #[default]
@@ -81,6 +82,12 @@ impl FromStr for BlobLocation {
     }
 }
 
+impl fmt::Debug for BlobLocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
 impl fmt::Display for BlobLocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -93,7 +100,8 @@ impl fmt::Display for BlobLocation {
             } => {
                 write!(f, "s3://{bucket}/{prefix}")?;
                 match endpoint {
-                    Some(e) => write!(f, " at {e}"),
+                    // Masked: an endpoint may carry credentials.
+                    Some(e) => write!(f, " at {}", hora_common::config::mask_password(e)),
                     None => Ok(()),
                 }
             }
