@@ -46,6 +46,11 @@ struct Args {
     iterations: u32,
     #[arg(long, default_value_t = 2)]
     warmup: u32,
+    /// Where the buffer starts: this many bytes past a page boundary (a multiple of 4; the
+    /// default 0 is page-aligned). Buffers that numpy, Python's allocator or malloc hand out
+    /// start 16 or 32 bytes past one.
+    #[arg(long, default_value_t = 0)]
+    offset: usize,
     /// Half precision on the wire.
     #[arg(long)]
     fp16: bool,
@@ -110,16 +115,25 @@ fn check(comm: &mut Communicator, args: &Args) -> Result<()> {
 
 fn bench(comm: &mut Communicator, args: &Args) -> Result<()> {
     let n = comm.size();
+    if args.offset % 4 != 0 {
+        bail!(
+            "--offset {} is not a multiple of 4 (an f32's size)",
+            args.offset
+        );
+    }
     for &bytes in &args.bytes {
-        let mut buf = data(comm.rank(), bytes / 4);
+        let mut backing = data(comm.rank(), bytes / 4 + 2048);
+        let page = (4096 - backing.as_ptr() as usize % 4096) % 4096;
+        let at = (page + args.offset % 4096) / 4;
+        let buf = &mut backing[at..at + bytes / 4];
         for _ in 0..args.warmup {
-            comm.allreduce(&mut buf[..], Reduce::Sum, 0)?;
+            comm.allreduce(&mut *buf, Reduce::Sum, 0)?;
         }
         // Start together: a one-element allreduce is a barrier.
         comm.allreduce(&mut [0f32][..], Reduce::Sum, 1)?;
         let start = Instant::now();
         for _ in 0..args.iterations {
-            comm.allreduce(&mut buf[..], Reduce::Average, 0)?;
+            comm.allreduce(&mut *buf, Reduce::Average, 0)?;
         }
         comm.allreduce(&mut [0f32][..], Reduce::Sum, 1)?;
         let seconds = start.elapsed().as_secs_f64() / f64::from(args.iterations);
@@ -128,7 +142,7 @@ fn bench(comm: &mut Communicator, args: &Args) -> Result<()> {
             let busbw = algbw * 2.0 * f64::from(n - 1) / f64::from(n);
             println!(
                 "{}",
-                serde_json::json!({"ranks": n, "bytes": bytes, "seconds": seconds, "algbw": algbw, "busbw": busbw, "fp16": args.fp16, "tcp_only": args.tcp_only, "sealed": !args.unsealed})
+                serde_json::json!({"ranks": n, "bytes": bytes, "seconds": seconds, "algbw": algbw, "busbw": busbw, "fp16": args.fp16, "tcp_only": args.tcp_only, "sealed": !args.unsealed, "offset": args.offset})
             );
         }
     }

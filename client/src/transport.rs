@@ -82,7 +82,7 @@ fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
 /// An authenticated connection to a server, given as one URL or several (servers sharing one
 /// deployment's state, or a standby): requests go to one of them, and to the next when it
 /// cannot be reached or says it is shutting down.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Connection {
     http: reqwest::Client,
     bases: Arc<[String]>,
@@ -90,6 +90,17 @@ pub struct Connection {
     current: Arc<AtomicUsize>,
     token: Option<String>,
     retry: RetryPolicy,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("bases", &self.bases)
+            .field("current", &self.current)
+            .field("token", &hora_common::wire::redacted(&self.token))
+            .field("retry", &self.retry)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Whether an answer is worth another attempt.

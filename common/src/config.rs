@@ -173,11 +173,14 @@ impl<T: Serialize> Layered<T> {
     }
 }
 
-/// `value` with the user information of every URL in it masked (`https://user:***@host/`,
-/// `https://***@host/` for a token given as the user name), URLs separated by commas as
-/// `--server` takes them. A password may hold `/`, `?` or `#` unencoded (PostgreSQL's parser
-/// takes them), so the credentials run to the last `@`: a URL whose path holds an `@` is masked
-/// more than needed, never less. A string that is not a URL is returned as it is.
+/// `value` with the credentials of every URL in it masked, URLs separated by commas as
+/// `--server` takes them: the user information (`https://user:***@host/`, `https://***@host/`
+/// for a token given as the user name), and query parameters that carry a secret
+/// (`?password=***`, `?sslpassword=***`, `?access_token=***`: any whose name holds `password`,
+/// `secret`, `token`, `key` or `credential`). A password may hold `/`, `?` or `#` unencoded
+/// (PostgreSQL's parser takes them), so the credentials run to the last `@`: a URL whose path
+/// holds an `@` is masked more than needed, never less. A string that is not a URL is returned
+/// as it is.
 pub fn mask_password(value: &str) -> String {
     value.split(',').map(mask_url).collect::<Vec<_>>().join(",")
 }
@@ -190,12 +193,48 @@ fn mask_url(url: &str) -> String {
         && scheme
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
-    let Some((userinfo, host)) = rest.rsplit_once('@').filter(|_| is_scheme) else {
+    if !is_scheme {
         return url.to_string();
+    }
+    match rest.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let host = mask_query(host);
+            match userinfo.split_once(':') {
+                Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
+                None => format!("{scheme}://***@{host}"),
+            }
+        }
+        None => format!("{scheme}://{}", mask_query(rest)),
+    }
+}
+
+/// `rest` (a URL past its credentials) with the values of its secret-bearing query parameters
+/// masked; the fragment is kept.
+fn mask_query(rest: &str) -> String {
+    let Some((head, query)) = rest.split_once('?') else {
+        return rest.to_string();
     };
-    match userinfo.split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***@{host}"),
-        None => format!("{scheme}://***@{host}"),
+    let (query, fragment) = match query.split_once('#') {
+        Some((query, fragment)) => (query, Some(fragment)),
+        None => (query, None),
+    };
+    let secret = |name: &str| {
+        let name = name.to_ascii_lowercase();
+        ["password", "secret", "token", "key", "credential"]
+            .iter()
+            .any(|word| name.contains(word))
+    };
+    let query = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, value)) if secret(name) && !value.is_empty() => format!("{name}=***"),
+            _ => pair.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("&");
+    match fragment {
+        Some(fragment) => format!("{head}?{query}#{fragment}"),
+        None => format!("{head}?{query}"),
     }
 }
 
@@ -500,6 +539,24 @@ mod tests {
         );
         assert_eq!(mask_password("plain:text@host"), "plain:text@host");
         assert_eq!(mask_password("{\"b\":\"c:d@e\"}"), "{\"b\":\"c:d@e\"}");
+        // Credentials in the query: PostgreSQL's `password` and `sslpassword`, an object
+        // store's keys, a token; other parameters and the fragment as they were.
+        assert_eq!(
+            mask_password("postgres://u@db/hora?sslmode=verify-full&password=hunter2"),
+            "postgres://***@db/hora?sslmode=verify-full&password=***"
+        );
+        assert_eq!(
+            mask_password("postgresql:///hora?host=/run/pg&sslpassword=p%40ss&user=u"),
+            "postgresql:///hora?host=/run/pg&sslpassword=***&user=u"
+        );
+        assert_eq!(
+            mask_password("https://s3.example/b?AWS_SECRET_ACCESS_KEY=abc&region=eu#top"),
+            "https://s3.example/b?AWS_SECRET_ACCESS_KEY=***&region=eu#top"
+        );
+        assert_eq!(
+            mask_password("https://a:8443/?access_token=t,https://b:8443/?token="),
+            "https://a:8443/?access_token=***,https://b:8443/?token="
+        );
     }
     use clap::{FromArgMatches, Parser};
     use serde::Deserialize;

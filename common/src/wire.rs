@@ -20,6 +20,22 @@ mod error_code;
 pub use asynchronous::{AsynchronousConfig, Staleness};
 pub use error_code::ErrorCode;
 
+/// Stands in for a secret in `{:?}`: says that one is there, never what it is. Types that carry
+/// tokens or secrets write their `Debug` with it, so that a log line or a panic message that
+/// formats one cannot leak it.
+pub struct Redacted;
+
+impl fmt::Debug for Redacted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// `Some(Redacted)` for a secret that is set, `None` for one that is not.
+pub fn redacted<T>(secret: &Option<T>) -> Option<Redacted> {
+    secret.as_ref().map(|_| Redacted)
+}
+
 /// Path prefix of the client API.
 pub const CLIENT_API: &str = "/v1";
 /// Path prefix of the admin API.
@@ -678,7 +694,7 @@ pub enum RoundOutcome {
 }
 
 /// `POST /admin/v1/enrolments` → a one-time token a client exchanges for credentials.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct EnrolmentToken {
     pub token: String,
     pub expires_unix_ms: u64,
@@ -689,7 +705,7 @@ pub struct EnrolmentToken {
 
 /// `POST /v1/enrol`, with the one-time enrolment token as its bearer credentials
 /// (`Authorization: Bearer <token>`), checked before the body is read.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EnrolRequest {
     /// The secret the client chose for itself (64 hex digits, from a cryptographic RNG; the
@@ -710,10 +726,38 @@ pub struct EnrolRequest {
 }
 
 /// The client's credentials: shown once; the server keeps only a hash of the secret.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Credentials {
     pub client_id: String,
     pub secret: String,
+}
+
+impl fmt::Debug for EnrolmentToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EnrolmentToken")
+            .field("token", &Redacted)
+            .field("expires_unix_ms", &self.expires_unix_ms)
+            .finish()
+    }
+}
+
+impl fmt::Debug for EnrolRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EnrolRequest")
+            .field("secret", &redacted(&self.secret))
+            .field("label", &self.label)
+            .field("identity_key", &self.identity_key)
+            .finish()
+    }
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("client_id", &self.client_id)
+            .field("secret", &Redacted)
+            .finish()
+    }
 }
 
 /// `GET /v1/tasks/{task}/poll?after=N&attempt=A&wait_ms=W`: the task's state, answered as soon
@@ -1012,7 +1056,7 @@ pub struct CreateSyncJob {
 
 /// A sync job as the admin API shows it. `token` is present only in the answer that created the
 /// job (it is shown once; only its hash is stored).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct SyncJobInfo {
     pub id: String,
     pub world_size: u32,
@@ -1023,6 +1067,18 @@ pub struct SyncJobInfo {
     pub generations: u64,
     /// Workers waiting in the world being formed now.
     pub waiting: u32,
+}
+
+impl fmt::Debug for SyncJobInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SyncJobInfo")
+            .field("id", &self.id)
+            .field("world_size", &self.world_size)
+            .field("token", &redacted(&self.token))
+            .field("generations", &self.generations)
+            .field("waiting", &self.waiting)
+            .finish()
+    }
 }
 
 /// A worker joins its job's rendezvous (bearer: the job token). The request is held until the
@@ -1061,6 +1117,63 @@ pub struct SyncWorld {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_never_shows_a_token_or_a_secret() {
+        let shown = [
+            format!(
+                "{:?}",
+                EnrolmentToken {
+                    token: "enrol-SECRET".into(),
+                    expires_unix_ms: 7,
+                }
+            ),
+            format!(
+                "{:?}",
+                EnrolRequest {
+                    secret: Some("client-SECRET".into()),
+                    label: Some("site-a".into()),
+                    identity_key: None,
+                }
+            ),
+            format!(
+                "{:?}",
+                Credentials {
+                    client_id: "c-1".into(),
+                    secret: "client-SECRET".into(),
+                }
+            ),
+            format!(
+                "{:?}",
+                SyncJobInfo {
+                    id: "job".into(),
+                    world_size: 2,
+                    token: Some("job-SECRET".into()),
+                    generations: 0,
+                    waiting: 0,
+                }
+            ),
+        ];
+        for line in &shown {
+            assert!(!line.contains("SECRET"), "{line}");
+            assert!(line.contains("<redacted>"), "{line}");
+        }
+        // What is not secret is still there to debug with.
+        assert!(shown[0].contains("expires_unix_ms: 7"), "{}", shown[0]);
+        assert!(shown[1].contains("site-a"), "{}", shown[1]);
+        assert!(shown[2].contains("c-1"), "{}", shown[2]);
+        let unset = format!(
+            "{:?}",
+            SyncJobInfo {
+                id: "job".into(),
+                world_size: 2,
+                token: None,
+                generations: 0,
+                waiting: 0,
+            }
+        );
+        assert!(unset.contains("token: None"), "{unset}");
+    }
 
     #[test]
     fn create_task_applies_defaults_and_rejects_typos() {

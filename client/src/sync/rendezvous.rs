@@ -140,7 +140,7 @@ impl World {
 }
 
 /// Where and how to join at the server.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServerRendezvous<'a> {
     pub server: &'a str,
     pub ca: &'a Path,
@@ -152,6 +152,20 @@ pub struct ServerRendezvous<'a> {
     pub timeout: Duration,
     /// How long to keep retrying while the server cannot be reached.
     pub retry_for: Duration,
+}
+
+impl std::fmt::Debug for ServerRendezvous<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerRendezvous")
+            .field("server", &self.server)
+            .field("ca", &self.ca)
+            .field("identity", &self.identity)
+            .field("job", &self.job)
+            .field("token", &hora_common::wire::Redacted)
+            .field("timeout", &self.timeout)
+            .field("retry_for", &self.retry_for)
+            .finish()
+    }
 }
 
 impl ServerRendezvous<'_> {

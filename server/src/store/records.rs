@@ -4,8 +4,10 @@
 //! [`PostgresStore`](super::PostgresStore) (small, and readable when an operator has to look), so
 //! every field added later needs `#[serde(default)]` for stores written before it.
 
+use std::fmt;
+
 use hora_common::model::{ModelDigest, ModelSpec};
-use hora_common::wire::{CreateTask, Metrics, TaskState};
+use hora_common::wire::{CreateTask, Metrics, Redacted, TaskState};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
@@ -125,7 +127,7 @@ pub struct CheckpointRecord {
 }
 
 /// The round a task has open, enough to resume it after a crash.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub struct OpenRoundRecord {
     pub round: u64,
     pub attempt: u32,
@@ -147,6 +149,23 @@ pub struct OpenRoundRecord {
     pub slots: Vec<TrainingSlot>,
 }
 
+impl fmt::Debug for OpenRoundRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpenRoundRecord")
+            .field("round", &self.round)
+            .field("attempt", &self.attempt)
+            .field("secret", &Redacted)
+            .field("base_model", &self.base_model)
+            .field("opened_unix_ms", &self.opened_unix_ms)
+            .field("deadline_unix_ms", &self.deadline_unix_ms)
+            .field("selected", &self.selected)
+            .field("checkpoint", &self.checkpoint)
+            .field("earlier", &self.earlier)
+            .field("slots", &self.slots)
+            .finish()
+    }
+}
+
 /// A client's training slot in an asynchronous task.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TrainingSlot {
@@ -155,12 +174,22 @@ pub struct TrainingSlot {
 }
 
 /// What opening an update trained from an earlier version of an asynchronous task needs.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Serialize, Deserialize, PartialEq)]
 pub struct EarlierVersion {
     pub round: u64,
     /// The version's X25519 secret (hex).
     pub secret: String,
     pub base_model: ModelDigest,
+}
+
+impl fmt::Debug for EarlierVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EarlierVersion")
+            .field("round", &self.round)
+            .field("secret", &Redacted)
+            .field("base_model", &self.base_model)
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -257,4 +286,39 @@ pub struct SyncJobRecord {
     pub token_hash: String,
     /// Worlds formed so far.
     pub generations: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_open_rounds_debug_never_shows_its_secrets() {
+        let secret = "5ec7e75ec7e75ec7e75ec7e75ec7e75ec7e75ec7e75ec7e75ec7e75ec7e75ec7";
+        let earlier = "ea71e7ea71e7ea71e7ea71e7ea71e7ea71e7ea71e7ea71e7ea71e7ea71e7ea71";
+        let record = OpenRoundRecord {
+            round: 3,
+            attempt: 1,
+            secret: secret.into(),
+            base_model: ModelDigest([7; 32]),
+            opened_unix_ms: 1,
+            deadline_unix_ms: 2,
+            selected: vec!["c-1".into()],
+            checkpoint: None,
+            earlier: vec![EarlierVersion {
+                round: 2,
+                secret: earlier.into(),
+                base_model: ModelDigest([8; 32]),
+            }],
+            slots: Vec::new(),
+        };
+        let shown = format!("{record:?}");
+        assert!(!shown.contains(secret), "{shown}");
+        assert!(!shown.contains(earlier), "{shown}");
+        assert_eq!(shown.matches("<redacted>").count(), 2, "{shown}");
+        assert!(
+            shown.contains("round: 3") && shown.contains("c-1"),
+            "{shown}"
+        );
+    }
 }
