@@ -6,8 +6,14 @@
 //! (AES-256-GCM) by default; the TCP-only ring runs both sealed and unsealed (`--unsealed`),
 //! and the ratio is the cost of sealing (`RESULT allreduce n=… tcp busbw sealed/unsealed = …`).
 //!
+//! A last table shows how where the caller's buffer starts (on a page, 16 or 4 bytes past one)
+//! changes the bus bandwidth, with pieces copied through shared memory by memcpy (before) and by
+//! `kernel::copy` (after), and over TCP (`RESULT allreduce n=2 …MiB shm after busbw offset
+//! 16/aligned = …`).
+//!
 //! `make bench` (it builds `examples/collective` in release first). `HORA_BENCH_RANKS=2,4`,
-//! `HORA_BENCH_MIB=4,64,256` and `HORA_BENCH_ITERATIONS=5` change the set-up.
+//! `HORA_BENCH_MIB=4,64,256`, `HORA_BENCH_ALIGN_MIB=64` and `HORA_BENCH_ITERATIONS=5` change the
+//! set-up; `HORA_BENCH_RANKS=` (empty) runs the alignment table alone.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -34,6 +40,16 @@ fn parse(stdout: &[u8]) -> Vec<(usize, f64)> {
 }
 
 fn hora(n: usize, sizes: &str, iterations: usize, flags: &[&str]) -> Vec<(usize, f64)> {
+    hora_with(n, sizes, iterations, flags, &[])
+}
+
+fn hora_with(
+    n: usize,
+    sizes: &str,
+    iterations: usize,
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> Vec<(usize, f64)> {
     let peers: Vec<String> = (0..n)
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
@@ -48,6 +64,7 @@ fn hora(n: usize, sizes: &str, iterations: usize, flags: &[&str]) -> Vec<(usize,
                 .args(["--bytes", sizes, "--iterations", &iterations.to_string()])
                 .stdout(Stdio::piped())
                 .args(flags)
+                .envs(env.iter().copied())
                 .stderr(Stdio::inherit());
             cmd.spawn()
                 .expect("start examples/collective (make bench builds it)")
@@ -152,6 +169,63 @@ fn main() {
                 "RESULT allreduce n={n} {}MiB tcp busbw sealed/unsealed = {:.2}",
                 tcp[i].0 >> 20,
                 tcp[i].1 / plain[i].1
+            );
+        }
+    }
+    alignment(iterations);
+}
+
+/// Where the caller's buffer starts, before and after the alignment-proof copy: 2 ranks, one
+/// size (`HORA_BENCH_ALIGN_MIB`, 64), buffers on a page and 16 and 4 bytes past one, pieces
+/// copied in and out of shared-memory slots with memcpy (`HORA_RING_PLAIN_COPY=1`, before) or
+/// with `kernel::copy` (after), and over TCP (where the kernel copies). Interleaved, three
+/// times, the best of each: the machine's noise should not decide the ratio.
+fn alignment(iterations: usize) {
+    let mib = env_list("HORA_BENCH_ALIGN_MIB", "64")[0].max(1);
+    let size = (mib << 20).to_string();
+    let offsets = ["0", "16", "4"];
+    // (name, flags, environment)
+    type Case = (
+        &'static str,
+        &'static [&'static str],
+        &'static [(&'static str, &'static str)],
+    );
+    let cases: [Case; 3] = [
+        ("shm before", &[], &[("HORA_RING_PLAIN_COPY", "1")]),
+        ("shm after", &[], &[]),
+        ("tcp", &["--tcp-only"], &[]),
+    ];
+    let mut best = vec![[0f64; 3]; offsets.len()];
+    for _ in 0..3 {
+        for (o, offset) in offsets.iter().enumerate() {
+            for (c, (_, flags, env)) in cases.iter().enumerate() {
+                let flags: Vec<&str> = flags.iter().copied().chain(["--offset", offset]).collect();
+                if let Some(&(_, busbw)) = hora_with(2, &size, iterations, &flags, env).first() {
+                    best[o][c] = best[o][c].max(busbw);
+                }
+            }
+        }
+    }
+    println!();
+    println!("buffer alignment: 2 ranks, {mib} MiB, the buffer this many bytes past a page (GB/s busbw; shm before: pieces copied with memcpy, after: with kernel::copy)");
+    println!(
+        "{:>7} {:>11} {:>10} {:>8}",
+        "offset", cases[0].0, cases[1].0, cases[2].0
+    );
+    for (o, offset) in offsets.iter().enumerate() {
+        let [b, a, t] = best[o];
+        println!(
+            "{offset:>7} {:>11.2} {:>10.2} {:>8.2}",
+            b / 1e9,
+            a / 1e9,
+            t / 1e9
+        );
+    }
+    for (o, offset) in offsets.iter().enumerate().skip(1) {
+        for (c, (name, _, _)) in cases.iter().enumerate() {
+            println!(
+                "RESULT allreduce n=2 {mib}MiB {name} busbw offset {offset}/aligned = {:.2}",
+                best[o][c] / best[0][c]
             );
         }
     }

@@ -39,7 +39,9 @@
 //! system calls — what NCCL and MPI do within a node. The sender maps only a regular file of
 //! its own user with mode 0600, opened without following links. The TCP connection stays: it
 //! carries the headers, credits, aborts and timeouts, so failure detection is the same either
-//! way. `HORA_RING_SHM=0` turns it off. The slots' contents are not sealed: shared memory is
+//! way. `HORA_RING_SHM=0` turns it off. Pieces go in and out of slots with
+//! [`kernel::copy`], whose speed does not depend on where the caller's buffer starts
+//! (`HORA_RING_PLAIN_COPY=1` uses memcpy instead, for the benchmark's comparison). The slots' contents are not sealed: shared memory is
 //! reachable only by this user on this host (a file of mode 0600 that is unlinked at once), who
 //! can read and write both processes' memory anyway; the headers, credits and aborts that cross
 //! the socket are sealed like every other frame.
@@ -51,6 +53,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use hora_common::kernel;
 
 use super::handshake::{self, LinkTerms, Nonces, RingKey, Role, NONCE_LEN, PROOF_LEN};
 use super::rendezvous::World;
@@ -320,7 +324,7 @@ impl Outbound {
             let dst =
                 unsafe { std::slice::from_raw_parts_mut(slots.map.as_mut_ptr().add(at), len) };
             match direct {
-                Some(bytes) => dst.copy_from_slice(bytes),
+                Some(bytes) => kernel::copy(dst, bytes, plain_copy()),
                 None => fill(dst)?,
             }
             // The slot's bytes are written before the header that announces them.
@@ -516,7 +520,7 @@ impl Inbound {
         match incoming {
             Incoming::Stream => self.payload(dst),
             Incoming::Slot(slot) => {
-                dst.copy_from_slice(self.slot(slot, dst.len())?);
+                kernel::copy(dst, self.slot(slot, dst.len())?, plain_copy());
                 self.credit(slot)
             }
         }
@@ -636,6 +640,13 @@ fn tune(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
     socket.set_send_buffer_size(SOCKET_BUFFER)?;
     socket.set_recv_buffer_size(SOCKET_BUFFER)?;
     Ok(())
+}
+
+/// Whether pieces are copied in and out of slots with plain memcpy (`HORA_RING_PLAIN_COPY=1`:
+/// what `benches/allreduce.rs` compares [`kernel::copy`] with).
+fn plain_copy() -> bool {
+    static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PLAIN.get_or_init(|| std::env::var("HORA_RING_PLAIN_COPY").is_ok_and(|v| v == "1"))
 }
 
 /// This machine's identity for the shared-memory offer: the kernel's boot id (two processes
