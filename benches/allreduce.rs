@@ -64,6 +64,10 @@ fn hora_with(
                 .args(["--bytes", sizes, "--iterations", &iterations.to_string()])
                 .stdout(Stdio::piped())
                 .args(flags)
+                // Only what this case asks for: an exported switch must not turn every column
+                // into one of them.
+                .env_remove("HORA_RING_PLAIN_COPY")
+                .env_remove("HORA_RING_SHM")
                 .envs(env.iter().copied())
                 .stderr(Stdio::inherit());
             cmd.spawn()
@@ -181,7 +185,11 @@ fn main() {
 /// with `kernel::copy` (after), and over TCP (where the kernel copies). Interleaved, three
 /// times, the best of each: the machine's noise should not decide the ratio.
 fn alignment(iterations: usize) {
-    let mib = env_list("HORA_BENCH_ALIGN_MIB", "64")[0].max(1);
+    let mib = env_list("HORA_BENCH_ALIGN_MIB", "64")
+        .first()
+        .copied()
+        .unwrap_or(64)
+        .max(1);
     let size = (mib << 20).to_string();
     let offsets = ["0", "16", "4"];
     // (name, flags, environment)

@@ -188,7 +188,8 @@ task "$native" "$client" dist 2
 train "$native" "$client" dist 1
 
 # The wheel keeps its manylinux promise: no glibc symbol newer than its tag's (2.28).
-python3 - "$wheel" <<'EOF' || fail "the wheel needs a newer glibc than its tag says"
+command -v objdump > /dev/null || fail "objdump (binutils) is needed to check the wheel's glibc symbols"
+python3 - "$wheel" <<'EOF' || fail "the wheel's glibc check failed (above)"
 import re, subprocess, sys, tempfile, zipfile
 wheel = sys.argv[1]
 tag = re.search(r"manylinux_(\d+)_(\d+)", wheel)
@@ -198,7 +199,7 @@ with tempfile.TemporaryDirectory() as d, zipfile.ZipFile(wheel) as z:
     for name in (n for n in z.namelist() if n.endswith(".so")):
         path = z.extract(name, d)
         symbols = subprocess.run(["objdump", "-T", path], capture_output=True, text=True, check=True).stdout
-        needed = max((int(a), int(b)) for a, b in re.findall(r"GLIBC_(\d+)\.(\d+)", symbols))
+        needed = max(((int(a), int(b)) for a, b in re.findall(r"GLIBC_(\d+)\.(\d+)", symbols)), default=(0, 0))
         assert needed <= allowed, f"{name} needs glibc {needed}, the tag allows {allowed}"
         print(f"dist-test: {name} needs glibc {needed[0]}.{needed[1]} (manylinux_{allowed[0]}_{allowed[1]})", file=sys.stderr)
 EOF

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hora_common::config::mask_password;
 use hora_common::tls::{client_config, Identity};
 use hora_common::wire::{ApiError, ErrorCode};
 use rand::Rng;
@@ -94,8 +95,9 @@ pub struct Connection {
 
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let bases: Vec<String> = self.bases.iter().map(|b| mask_password(b)).collect();
         f.debug_struct("Connection")
-            .field("bases", &self.bases)
+            .field("bases", &bases)
             .field("current", &self.current)
             .field("token", &hora_common::wire::redacted(&self.token))
             .field("retry", &self.retry)
@@ -195,7 +197,11 @@ impl Connection {
                 .compare_exchange(used, next, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
             {
-                tracing::warn!("{} {why}; trying {}", self.bases[used], self.bases[next]);
+                tracing::warn!(
+                    "{} {why}; trying {}",
+                    mask_password(&self.bases[used]),
+                    mask_password(&self.bases[next])
+                );
             }
         }
     }

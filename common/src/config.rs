@@ -176,26 +176,47 @@ impl<T: Serialize> Layered<T> {
 /// `value` with the credentials of every URL in it masked, URLs separated by commas as
 /// `--server` takes them: the user information (`https://user:***@host/`, `https://***@host/`
 /// for a token given as the user name), and query parameters that carry a secret
-/// (`?password=***`, `?sslpassword=***`, `?access_token=***`: any whose name holds `password`,
-/// `secret`, `token`, `key` or `credential`). A password may hold `/`, `?` or `#` unencoded
-/// (PostgreSQL's parser takes them), so the credentials run to the last `@`: a URL whose path
-/// holds an `@` is masked more than needed, never less. A string that is not a URL is returned
-/// as it is.
+/// (`?password=***`, `?sslpassword=***`, `?access_token=***`: any whose name, percent-decoded,
+/// holds `password`, `secret`, `token`, `key`, `credential` or `signature`). A password may hold
+/// `/`, `?`, `#` or `,` unencoded (PostgreSQL's parser takes them), so the credentials run to
+/// the last `@`, a secret parameter's value to the next `&`, and a comma starts another URL only
+/// where a scheme follows it: a URL is masked more than needed, never less. A string that is not
+/// a URL is returned as it is.
 pub fn mask_password(value: &str) -> String {
-    value.split(',').map(mask_url).collect::<Vec<_>>().join(",")
+    let mut starts: Vec<usize> = value
+        .match_indices(',')
+        .map(|(at, _)| at + 1)
+        .filter(|&at| scheme_at(&value[at..]))
+        .collect();
+    starts.insert(0, 0);
+    let mut out = String::with_capacity(value.len());
+    for (i, &start) in starts.iter().enumerate() {
+        let end = starts.get(i + 1).map_or(value.len(), |&next| next - 1);
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(&mask_url(&value[start..end]));
+    }
+    out
+}
+
+/// Whether `s` starts with `scheme://`.
+fn scheme_at(s: &str) -> bool {
+    s.split_once("://")
+        .is_some_and(|(scheme, _)| is_scheme(scheme))
+}
+
+fn is_scheme(scheme: &str) -> bool {
+    scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
 }
 
 fn mask_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
+    let Some((scheme, rest)) = url.split_once("://").filter(|(s, _)| is_scheme(s)) else {
         return url.to_string();
     };
-    let is_scheme = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
-        && scheme
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
-    if !is_scheme {
-        return url.to_string();
-    }
     match rest.rsplit_once('@') {
         Some((userinfo, host)) => {
             let host = mask_query(host);
@@ -209,20 +230,23 @@ fn mask_url(url: &str) -> String {
 }
 
 /// `rest` (a URL past its credentials) with the values of its secret-bearing query parameters
-/// masked; the fragment is kept.
+/// masked, each to the next `&` (a fragment after one goes with it).
 fn mask_query(rest: &str) -> String {
     let Some((head, query)) = rest.split_once('?') else {
         return rest.to_string();
     };
-    let (query, fragment) = match query.split_once('#') {
-        Some((query, fragment)) => (query, Some(fragment)),
-        None => (query, None),
-    };
     let secret = |name: &str| {
-        let name = name.to_ascii_lowercase();
-        ["password", "secret", "token", "key", "credential"]
-            .iter()
-            .any(|word| name.contains(word))
+        let name = percent_decode(name).to_ascii_lowercase();
+        [
+            "password",
+            "secret",
+            "token",
+            "key",
+            "credential",
+            "signature",
+        ]
+        .iter()
+        .any(|word| name.contains(word))
     };
     let query = query
         .split('&')
@@ -232,10 +256,32 @@ fn mask_query(rest: &str) -> String {
         })
         .collect::<Vec<_>>()
         .join("&");
-    match fragment {
-        Some(fragment) => format!("{head}?{query}#{fragment}"),
-        None => format!("{head}?{query}"),
+    format!("{head}?{query}")
+}
+
+/// `s` with its `%XX` escapes decoded (invalid ones kept as they are).
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(high), Some(low)) => {
+                out.push((high * 16 + low) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
     }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// `config check`'s answer: one line per option, `key = value  (source)`, or with `json` one
@@ -556,6 +602,28 @@ mod tests {
         assert_eq!(
             mask_password("https://a:8443/?access_token=t,https://b:8443/?token="),
             "https://a:8443/?access_token=***,https://b:8443/?token="
+        );
+        // A comma or a `#` inside a secret is masked with it; a comma starts a new URL only
+        // where a scheme follows; a percent-encoded name is decoded before it is matched.
+        assert_eq!(
+            mask_password("postgres://db/h?password=abc,def&sslmode=require"),
+            "postgres://db/h?password=***&sslmode=require"
+        );
+        assert_eq!(
+            mask_password("postgres://u:a,b@db/h"),
+            "postgres://u:***@db/h"
+        );
+        assert_eq!(
+            mask_password("postgres://db/h?password=ab#cd"),
+            "postgres://db/h?password=***"
+        );
+        assert_eq!(
+            mask_password("postgres://db/h?pass%77ord=x&user=u"),
+            "postgres://db/h?pass%77ord=***&user=u"
+        );
+        assert_eq!(
+            mask_password("https://s3/b?X-Amz-Signature=abc#top"),
+            "https://s3/b?X-Amz-Signature=***"
         );
     }
     use clap::{FromArgMatches, Parser};

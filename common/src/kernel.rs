@@ -265,16 +265,19 @@ pub fn check_weight(weight: f64) -> Result<(), KernelError> {
 // operations for tensors on any device).
 
 /// `dst` = `src`, at the same speed however the two sit against each other. A plain copy
-/// (`copy_from_slice`, memcpy) of a large piece becomes `rep movsb`, which slows down by up to 4×
-/// when the destination is not at the source's offset within a cache line: a shared-memory slot
-/// starts on a page, the caller's buffer wherever its allocator put it (16 bytes past a 64-byte
-/// boundary is common; a tensor's slice, anywhere). Copied here in cache-line blocks through
-/// registers instead (measured on a 64 MiB buffer at +4 bytes: 3.3 → 13 GB/s; aligned: the same as
-/// memcpy). `plain` (`HORA_RING_PLAIN_COPY=1`, for benchmarks) copies with memcpy.
+/// (`copy_from_slice`, memcpy) of a large piece becomes `rep movsb` on x86-64, which slows down
+/// by up to 4× when the destination is not at the source's offset within a cache line: a
+/// shared-memory slot starts on a page, the caller's buffer wherever its allocator put it (16
+/// bytes past a 64-byte boundary is common; a tensor's slice, anywhere). Such a piece is copied
+/// here in cache-line blocks through registers instead (measured on a 64 MiB buffer at +4 bytes:
+/// 3.3 → 13 GB/s); pieces at the same offset within a line, and small ones, go to memcpy.
+/// `plain` (`HORA_RING_PLAIN_COPY=1`, for benchmarks) always uses memcpy. The allreduce
+/// benchmark's alignment table is what shows the blocks were not turned back into memcpy.
 pub fn copy(dst: &mut [u8], src: &[u8], plain: bool) {
     assert_eq!(dst.len(), src.len(), "copy: lengths differ");
     const LINE: usize = 64;
-    if plain || dst.len() < 4096 {
+    let apart = (dst.as_ptr() as usize ^ src.as_ptr() as usize) % LINE;
+    if plain || apart == 0 || dst.len() < 4096 {
         dst.copy_from_slice(src);
         return;
     }

@@ -1100,7 +1100,7 @@ pub struct SyncJoinRequest {
 }
 
 /// The complete world, the same for every worker of one generation.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct SyncWorld {
     /// Counts the worlds this job has formed; a restart forms a new one.
     pub generation: u64,
@@ -1112,6 +1112,18 @@ pub struct SyncWorld {
     pub world_size: u32,
     /// Ring addresses by rank.
     pub peers: Vec<String>,
+}
+
+impl fmt::Debug for SyncWorld {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SyncWorld")
+            .field("generation", &self.generation)
+            .field("session", &Redacted)
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("peers", &self.peers)
+            .finish()
+    }
 }
 
 #[cfg(test)]
@@ -1173,6 +1185,20 @@ mod tests {
             }
         );
         assert!(unset.contains("token: None"), "{unset}");
+        let world = format!(
+            "{:?}",
+            SyncWorld {
+                generation: 1,
+                session: "session-SECRET".into(),
+                rank: 0,
+                world_size: 2,
+                peers: vec!["h:1".into(), "h:2".into()],
+            }
+        );
+        assert!(
+            !world.contains("SECRET") && world.contains("<redacted>"),
+            "{world}"
+        );
     }
 
     #[test]

@@ -157,7 +157,7 @@ pub struct ServerRendezvous<'a> {
 impl std::fmt::Debug for ServerRendezvous<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServerRendezvous")
-            .field("server", &self.server)
+            .field("server", &hora_common::config::mask_password(self.server))
             .field("ca", &self.ca)
             .field("identity", &self.identity)
             .field("job", &self.job)

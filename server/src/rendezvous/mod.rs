@@ -49,12 +49,23 @@ const MAX_RANKS_NAMED: usize = 32;
 
 /// A formed world, shared by all its members until each answer is written out: the peer list is
 /// held once, not once per worker (a world of 4096 would otherwise copy 4096² addresses).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 struct FormedWorld {
     generation: u64,
     session: Arc<str>,
     world_size: u32,
     peers: Arc<[String]>,
+}
+
+impl std::fmt::Debug for FormedWorld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FormedWorld")
+            .field("generation", &self.generation)
+            .field("session", &hora_common::wire::Redacted)
+            .field("world_size", &self.world_size)
+            .field("peers", &self.peers)
+            .finish()
+    }
 }
 
 impl FormedWorld {

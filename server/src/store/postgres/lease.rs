@@ -388,9 +388,21 @@ pub(super) async fn keep(
             Ok(Ok(true)) => {
                 renewed = sent;
                 // The heartbeat and the list's upkeep are no part of holding the lease.
+                let mut stuck = false;
                 if let Some(client) = &connection {
+                    // An update only, never an insert, and not once the lease is lost: a
+                    // heartbeat that lands after stepping down cannot put the replica back on
+                    // the list it left.
                     let beat = async {
-                        heartbeat(client, &settings.replica).await?;
+                        if held.is_lost() {
+                            return Ok(0);
+                        }
+                        client
+                            .execute(
+                                "UPDATE replicas SET seen_at = clock_timestamp() WHERE id = $1",
+                                &[&settings.replica.id],
+                            )
+                            .await?;
                         client
                             .execute(
                                 "DELETE FROM replicas
@@ -399,9 +411,19 @@ pub(super) async fn keep(
                             )
                             .await
                     };
-                    if let Err(e) = beat.await {
-                        tracing::debug!(error = %e, "recording the heartbeat failed");
+                    match tokio::time::timeout_at(renewed + settings.ttl - margin, beat).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "recording the heartbeat failed")
+                        }
+                        Err(_) => {
+                            stuck = true;
+                            tracing::debug!("recording the heartbeat did not land in time");
+                        }
                     }
+                }
+                if stuck {
+                    connection = None;
                 }
             }
             Ok(Ok(false)) => held.lose(format!(

@@ -904,15 +904,20 @@ impl Housekeeping for PostgresStore {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
-        let ttl = leading.settings.ttl;
-        self.driver.with(move |client| async move {
-            // The keeper ends at once when it is between renewals; one in flight ends within
-            // its deadline (under a lease). Past that it is cut off.
-            if let Some(mut keeper) = keeper {
-                if tokio::time::timeout(ttl, &mut keeper).await.is_err() {
+        if let Some(mut keeper) = keeper {
+            // The keeper ends at once between renewals; one in flight ends within its deadline.
+            // A keeper still running past that is cut off (its heartbeat only updates, so a
+            // late one cannot put this replica back on the list).
+            let wait = leading.settings.ttl.min(std::time::Duration::from_secs(5));
+            let _ = self.driver.run(async move {
+                if tokio::time::timeout(wait, &mut keeper).await.is_err() {
                     keeper.abort();
+                    let _ = keeper.await;
                 }
-            }
+                Ok(())
+            });
+        }
+        self.driver.with(move |client| async move {
             lease::release(&**client, &held).await?;
             lease::leave(&**client, &replica).await?;
             Ok(())
