@@ -76,12 +76,18 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
     }
     let stop = shutdown::Stop::on_signal();
     let mut led = false;
-    let replica = store::postgres::Replica::this(&config.listen.to_string());
     // A replica's port answers while it stands by (an embedded store has no standby).
     let port = match config.store {
         store::StoreLocation::Postgres(_) => server::Port::bind(&config)?,
         store::StoreLocation::Sled => None,
     };
+    // What `status` shows of this replica: the address bound (with `--listen …:0`, the port
+    // the system chose), else the one asked for.
+    let listen = port
+        .as_ref()
+        .and_then(|port| port.local_addr().ok())
+        .unwrap_or(config.listen);
+    let replica = store::postgres::Replica::this(&listen.to_string());
     let mut standing_by = None;
     // Leads in a row that found the address taken.
     let mut taken = 0;

@@ -321,6 +321,11 @@ impl Port {
         }))
     }
 
+    /// The address bound.
+    pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.listener.local_addr()
+    }
+
     /// The bound listener, for [`Server::run`].
     pub fn listener(&self) -> Result<TcpListener> {
         self.listener
@@ -348,8 +353,17 @@ impl Port {
             handle.clone(),
             api::standby_router(),
         )?;
+        let announced = handle.clone();
         let serving = tokio::spawn(async move {
-            if let Err(e) = serving.await {
+            let announce = async {
+                if let Some(addr) = announced.listening().await {
+                    // Scripts and tests read this line to learn a standby's port (with
+                    // --listen 127.0.0.1:0); it says "listening on" once it leads.
+                    crate::say(&format!("hora-server standing by on https://{addr}"));
+                }
+            };
+            let (served, ()) = tokio::join!(serving, announce);
+            if let Err(e) = served {
                 tracing::warn!(error = %e, "answering as a standby failed");
             }
         });

@@ -170,11 +170,22 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     let store = postgres.url();
     let dirs = Dirs::new();
     let a = dirs.replica(0, &store).listening();
-    let b_listen = free_listen();
-    let mut standby = dirs.replica_on(1, &store, &b_listen);
+    // On a port the system chooses: the standby says which, and `status` shows it.
+    let mut standby = dirs.replica_on(1, &store, "127.0.0.1:0");
+    let b_url = standby.standing_by();
+    let b_listen = b_url
+        .strip_prefix("https://")
+        .expect("an https URL")
+        .to_string();
     let both = status_until(&store, "a leads, b stands by", |s| {
         s["replicas"].as_array().map(Vec::len) == Some(2)
     });
+    assert!(
+        both["replicas"][1]["address"]
+            .as_str()
+            .is_some_and(|a| a.ends_with(&format!(" {b_listen}"))),
+        "{both:#}"
+    );
     assert_eq!(both["lease"]["epoch"], 1, "{both:#}");
     assert_eq!(both["replicas"][0]["role"], "leader", "{both:#}");
     assert_eq!(both["replicas"][1]["role"], "standby", "{both:#}");
@@ -235,6 +246,7 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     let killed = Instant::now();
     let b = standby.listening();
     let takeover = killed.elapsed();
+    assert_eq!(b.url, b_url, "it leads on the port it stood by on");
     println!("takeover after the leader's SIGKILL: {takeover:?} (lease {LEASE_SECS} s)");
     assert!(
         takeover < Duration::from_secs(LEASE_SECS + 2),

@@ -61,6 +61,7 @@ impl Server {
         Starting {
             child: Some(child),
             ca: data_dir.join("certs/ca.pem"),
+            lines: None,
         }
     }
 
@@ -288,28 +289,50 @@ impl Drop for Server {
 pub struct Starting {
     child: Option<Child>,
     pub ca: PathBuf,
+    /// Its standard output, line by line, once read (drained by a thread of its own).
+    lines: Option<std::sync::mpsc::Receiver<String>>,
 }
 
 impl Starting {
+    /// The next line of standard output that starts with `prefix`, without it (a minute at
+    /// most: then the test fails).
+    fn said(&mut self, prefix: &str, what: &str) -> String {
+        if self.lines.is_none() {
+            let stdout = self
+                .child
+                .as_mut()
+                .and_then(|c| c.stdout.take())
+                .expect("its output not read yet");
+            let (said, lines) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    let _ = said.send(line);
+                }
+            });
+            self.lines = Some(lines);
+        }
+        let lines = self.lines.as_ref().expect("set above");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let line = lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("the server exited, or did not {what} within a minute"));
+            if let Some(rest) = line.strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+        }
+    }
+
+    /// Waits until it stands by, answering on its own port, and returns that port's URL.
+    pub fn standing_by(&mut self) -> String {
+        self.said("hora-server standing by on ", "stand by")
+    }
+
     /// Waits until it listens (a standby: until it leads), a minute at most (then it is
     /// killed and the test fails); its later output is drained.
     pub fn listening(mut self) -> Server {
-        let stdout = self
-            .child
-            .as_mut()
-            .and_then(|c| c.stdout.take())
-            .expect("not waited for yet");
-        let (said, listening) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("hora-server listening on ") {
-                    let _ = said.send(url.trim().to_string());
-                }
-            }
-        });
-        let url = listening
-            .recv_timeout(std::time::Duration::from_secs(60))
-            .expect("the server exited, or did not listen within a minute");
+        let url = self.said("hora-server listening on ", "listen");
         Server {
             child: self.child.take().expect("still ours"),
             url,
