@@ -262,12 +262,7 @@ enum Meet {
 fn check_sync(layered: &Layered<SyncArgs>) -> anyhow::Result<(Option<String>, Meet)> {
     let args = &layered.value;
     let token = layered
-        .secret(
-            "token",
-            args.token.clone(),
-            "token_file",
-            args.token_file.as_deref(),
-        )
+        .secret("token", args.token.clone(), args.token_file.as_deref())
         .map_err(anyhow::Error::msg)?;
     let meet = match layered
         .higher(
@@ -397,12 +392,7 @@ impl TrainArgs {
 fn check_train(layered: &Layered<TrainArgs>) -> anyhow::Result<Option<String>> {
     let args = &layered.value;
     let token = layered
-        .secret(
-            "token",
-            args.token.clone(),
-            "token_file",
-            args.token_file.as_deref(),
-        )
+        .secret("token", args.token.clone(), args.token_file.as_deref())
         .map_err(anyhow::Error::msg)?;
     required(args.server.as_ref(), "server")?;
     required(args.ca.as_ref(), "ca")?;

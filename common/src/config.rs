@@ -106,18 +106,18 @@ impl<T> Layered<T> {
         self.sources.get(key).cloned().unwrap_or(Source::Default)
     }
 
-    /// A secret given directly (`key`) or as the first line of a file (`file_key`): the one from
-    /// the higher layer wins; both in one layer is a mistake the user is told about.
+    /// A secret given directly (`key`) or as the first line of a file (`{key}_file`): the one
+    /// from the higher layer wins; both in one layer is a mistake the user is told about.
     pub fn secret(
         &self,
         key: &str,
         value: Option<String>,
-        file_key: &str,
         file: Option<&Path>,
     ) -> Result<Option<String>, String> {
+        let file_key = format!("{key}_file");
         let value = value.map(|v| (v, self.source(key)));
-        let file = file.map(|f| (f, self.source(file_key)));
-        pick_secret((key, value), (file_key, file))
+        let file = file.map(|f| (f, self.source(&file_key)));
+        pick_secret((key, value), (&file_key, file))
     }
 
     /// Of two options that say one thing two ways (`--server` and `--peers`), which one is set
@@ -714,7 +714,6 @@ mod tests {
             .secret(
                 "token",
                 l.value.token.clone(),
-                "token_file",
                 l.value.token_file.as_deref(),
             )
             .unwrap();
@@ -731,7 +730,6 @@ mod tests {
             .secret(
                 "token",
                 l.value.token.clone(),
-                "token_file",
                 l.value.token_file.as_deref(),
             )
             .unwrap_err();

@@ -333,7 +333,6 @@ impl ServeConfig {
             .secret(
                 "admin_token",
                 layered.value.admin_token.clone(),
-                "admin_token_file",
                 layered.value.admin_token_file.as_deref(),
             )
             .map_err(anyhow::Error::msg)?;
