@@ -44,7 +44,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hora_client::data::synthetic::SyntheticConfig;
 use hora_client::network::{Architecture, Network};
-use hora_common::wire::{CreateTask, StrategyConfig};
 use rand::{Rng, SeedableRng};
 use reqwest::Method;
 use support::*;
@@ -284,22 +283,14 @@ async fn hora(server: &Server, client: &Path, dir: &Path, w: &Workload, rounds: 
         .expect("initial weights");
     let digest = admin.upload_model(&initial).await;
     admin
-        .create_task(&CreateTask {
-            id: w.name.into(),
-            initial_model: digest,
-            model: w.arch.to_kind(),
-            strategy: StrategyConfig::FedAvg,
+        .create_task(&harness::fedavg_task(
+            w.name,
+            digest,
+            w.arch.to_kind(),
             rounds,
-            min_clients: 1,
-            target_clients: 1,
-            over_selection: 0.0,
-            round_deadline_secs: 600,
-            training: harness::sgd_training(),
-            secure_aggregation: None,
-            update_bounds: Default::default(),
-            differential_privacy: None,
-            asynchronous: None,
-        })
+            1,
+            600,
+        ))
         .await;
     let token: serde_json::Value = admin
         .ok(admin

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use hora_client::data::synthetic::SyntheticConfig;
 use hora_client::network::{Architecture, Network};
-use hora_common::wire::{CreateTask, RoundOutcome, RoundRecord, StrategyConfig, TaskInfo};
+use hora_common::wire::{RoundOutcome, RoundRecord, TaskInfo};
 use reqwest::Method;
 use support::*;
 
@@ -145,22 +145,14 @@ async fn run_hora(dir: &Path, warmup: u64, rounds: u64) -> (HoraRun, PathBuf) {
     let digest = admin.upload_model(&initial).await;
     let total = warmup + rounds;
     admin
-        .create_task(&CreateTask {
-            id: TASK.into(),
-            initial_model: digest,
-            model: arch.to_kind(),
-            strategy: StrategyConfig::FedAvg,
-            rounds: total,
-            min_clients: CLIENTS as u32,
-            target_clients: CLIENTS as u32,
-            over_selection: 0.0,
-            round_deadline_secs: 120,
-            training: harness::sgd_training(),
-            secure_aggregation: None,
-            update_bounds: Default::default(),
-            differential_privacy: None,
-            asynchronous: None,
-        })
+        .create_task(&harness::fedavg_task(
+            TASK,
+            digest,
+            arch.to_kind(),
+            total,
+            CLIENTS as u32,
+            120,
+        ))
         .await;
     let mut clients = Processes(Vec::new());
     for k in 0..CLIENTS {

@@ -3,7 +3,8 @@
 
 use std::future::Future;
 
-use hora_common::wire::{OptimizerConfig, TrainingConfig};
+use hora_common::model::ModelDigest;
+use hora_common::wire::{CreateTask, ModelKind, OptimizerConfig, StrategyConfig, TrainingConfig};
 
 /// Runs `bench` on a two-thread runtime, only under `cargo bench` (`cargo test` and nextest
 /// list and run bench targets without `--bench`: nothing to do then).
@@ -35,5 +36,33 @@ pub fn sgd_training() -> TrainingConfig {
         learning_rate: 0.05,
         optimizer: OptimizerConfig::Sgd { momentum: 0.0 },
         ..Default::default()
+    }
+}
+
+/// A FedAvg task of `rounds` rounds over `clients` clients with [`sgd_training`], and nothing
+/// else switched on: the round both process benchmarks time.
+pub fn fedavg_task(
+    id: &str,
+    initial_model: ModelDigest,
+    model: ModelKind,
+    rounds: u64,
+    clients: u32,
+    round_deadline_secs: u64,
+) -> CreateTask {
+    CreateTask {
+        id: id.into(),
+        initial_model,
+        model,
+        strategy: StrategyConfig::FedAvg,
+        rounds,
+        min_clients: clients,
+        target_clients: clients,
+        over_selection: 0.0,
+        round_deadline_secs,
+        training: sgd_training(),
+        secure_aggregation: None,
+        update_bounds: Default::default(),
+        differential_privacy: None,
+        asynchronous: None,
     }
 }
