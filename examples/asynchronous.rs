@@ -182,6 +182,7 @@ async fn run_mode(
     };
     let rounds = args.versions.unwrap_or(100_000);
     let config = CreateTask {
+        compression: None,
         id: task.clone(),
         initial_model: digest,
         model: data.arch.to_kind(),

@@ -85,6 +85,7 @@ async fn main() -> Result<()> {
     let digest = fed.upload_model(&initial).await?;
     let rounds = 10;
     fed.create_task(&CreateTask {
+        compression: None,
         id: "line".into(),
         initial_model: digest,
         // The server only needs a name for models it does not know; our trainer ignores it.

@@ -887,3 +887,148 @@ fn every_client_option_is_layered_flags_over_environment_over_file() {
         &[("token", "token_file"), ("server", "peers")],
     );
 }
+
+/// A trainer that moves every weight by the same fixed delta.
+struct Shift(Model);
+
+impl Trainer for Shift {
+    fn train(&mut self, global: &Model, _: TrainRequest<'_>) -> hora_client::Result<TrainOutcome> {
+        let mut weights = global.clone();
+        weights
+            .data_mut()
+            .iter_mut()
+            .zip(self.0.data())
+            .for_each(|(w, d)| *w += d);
+        Ok(TrainOutcome {
+            weights,
+            num_examples: 5,
+            metrics: Metrics::default(),
+            stopped_early: false,
+        })
+    }
+}
+
+/// Every value of `a − b` within 1e-6 of `want`'s.
+fn assert_difference(a: &Model, b: &Model, want: &Model, what: &str) {
+    for (i, ((a, b), w)) in a.data().iter().zip(b.data()).zip(want.data()).enumerate() {
+        assert!(
+            ((a - b) - w).abs() <= 1e-6 * (1.0 + w.abs()),
+            "{what}, value {i}: {a} − {b} = {} != {w}",
+            a - b
+        );
+    }
+}
+
+/// Top-k with error feedback across a SIGKILL: the `hora-client` process, killed between rounds
+/// (its round-1 update acknowledged), leaves on its disk exactly what its upload left out
+/// (trained delta − residual = what the server folded); restarted from that directory, the
+/// client adds that residual to its round-2 update, and keeps the new remainder.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_top_k_clients_residual_survives_a_sigkill_between_rounds() {
+    use hora_client::state::StateDir;
+    use hora_common::codec::{Compression, ValueCodec};
+    use hora_common::model::Limits;
+
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+    let admin = server.api(ADMIN_TOKEN);
+    let (initial, digest) = upload_initial(&admin).await;
+    // Two clients wanted, one enough: each round waits for the second until its deadline, so
+    // the first client is between rounds meanwhile.
+    let mut task = logreg_task("t", digest, 2, 1, 2);
+    task.round_deadline_secs = 3;
+    task.compression = Some(Compression {
+        values: ValueCodec::F32,
+        block_size: 256,
+        top_k: Some(0.1),
+    });
+    admin.create_task(&task).await;
+    let state_dir = dir.path().join("a");
+    let mut a = client_command(&server.url, &server.ca, &state_dir, "t", 0);
+    a.args(["--token", &token(&admin).await]);
+    let mut a = spawn(a);
+    let mut a_stdout = BufReader::new(a.stdout.take().unwrap()).lines();
+    let first = a_stdout.next().expect("A's round line").unwrap();
+    assert!(first.contains("t round 1 ·"), "{first}");
+    a.kill().unwrap(); // SIGKILL
+    a.wait().unwrap();
+
+    let limits = Limits::default();
+    let state = StateDir::open(&state_dir).unwrap();
+    let record = state.round("t").unwrap().expect("a round record");
+    assert_eq!((record.round, record.uploaded), (1, true));
+    let trained = state
+        .trained_delta("t", &limits)
+        .expect("the trained delta");
+    let residual = state.residual("t", &limits).expect("the residual");
+    let sent = residual.data().iter().filter(|r| **r == 0.0).count();
+    let k: usize = residual.tensors().iter().map(|t| t.len.div_ceil(10)).sum();
+    assert!(
+        sent >= k && sent < residual.numel() / 5,
+        "{sent} of {} values sent",
+        residual.numel()
+    );
+    // Round 1 publishes at its deadline with A's update alone: the model moved by what it sent.
+    wait_for("round 1 to publish", Duration::from_secs(60), async || {
+        task_info(&admin, "t").await.published_rounds >= 1
+    })
+    .await;
+    let first_model = admin.round_model("t", 1).await;
+    assert_difference(
+        &trained,
+        &residual,
+        &{
+            let mut moved = first_model.clone();
+            moved
+                .data_mut()
+                .iter_mut()
+                .zip(initial.data())
+                .for_each(|(m, i)| *m -= i);
+            moved
+        },
+        "round 1: trained − residual vs the published move",
+    );
+
+    // Restarted on the same directory, with a trainer whose delta is known.
+    let config = ClientConfig::new(&server.url, &server.ca, &state_dir);
+    let restarted = Client::connect(config, None)
+        .await
+        .expect("stored credentials");
+    let shift = delta(&initial, 3);
+    let report = restarted
+        .participate("t", &mut Shift(shift.clone()), &mut |_| {})
+        .await
+        .unwrap()
+        .expect("round 2");
+    assert_eq!(
+        (report.round, report.outcome),
+        (2, RoundOutcome::Uploaded { accepted: Some(1) })
+    );
+    let second = state.trained_delta("t", &limits).expect("round 2's delta");
+    // Its update carried the residual from before the kill...
+    assert_difference(
+        &second,
+        &residual,
+        &shift,
+        "round 2's update − round 1's residual",
+    );
+    // ...and what it did not send now is the new residual.
+    let remainder = state.residual("t", &limits).expect("round 2's residual");
+    wait_for("round 2 to publish", Duration::from_secs(60), async || {
+        task_info(&admin, "t").await.published_rounds >= 2
+    })
+    .await;
+    let second_model = admin.round_model("t", 2).await;
+    let mut moved = second_model.clone();
+    moved
+        .data_mut()
+        .iter_mut()
+        .zip(first_model.data())
+        .for_each(|(m, f)| *m -= f);
+    assert_difference(
+        &second,
+        &remainder,
+        &moved,
+        "round 2: trained − residual vs the move",
+    );
+}

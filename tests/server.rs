@@ -350,7 +350,7 @@ async fn bad_input_gets_a_clear_refusal_and_loses_nothing() {
         .await;
 
     // Oversized: refused from Content-Length alone, without reading the body.
-    let limit = hora_server::round::upload_limit(&initial.spec());
+    let limit = hora_server::round::upload_limit(&initial.spec(), None);
     let endless = futures_stream(limit + 1);
     let req = a
         .api

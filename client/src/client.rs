@@ -484,20 +484,48 @@ impl Client {
         self.upload_sealed(task, offer, sealed, meta).await
     }
 
-    /// `delta` sealed to the round key of `offer`, bound to the task, round, this client and
-    /// the base model.
+    /// `delta` encoded as the round asks ([`RoundOffer::compression`]) and sealed to the round
+    /// key of `offer`, bound to the task, round, this client and the base model. What a
+    /// compression leaves out is dropped: [`Client::contribute`] keeps it for the next round
+    /// (error feedback); [`Client::seal_update`] hands it back.
     pub fn seal(&self, task: &str, offer: &RoundOffer, delta: &Model) -> Result<Vec<u8>> {
+        self.seal_update(task, offer, delta)
+            .map(|(sealed, _)| sealed)
+    }
+
+    /// [`Client::seal`], and the residual when the round's compression keeps one (top-k: what
+    /// was not sent, and the rounding of what was), to be added to the next round's update.
+    pub fn seal_update(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+        delta: &Model,
+    ) -> Result<(Vec<u8>, Option<Model>)> {
         let binding = Binding {
             task,
             round: offer.round,
             client: &self.id,
             base_model: &offer.model,
         };
-        Ok(envelope::seal(
-            &delta.to_safetensors(),
-            &offer.round_key,
-            &binding,
-        )?)
+        let (plaintext, residual) = match &offer.compression {
+            None => (delta.to_safetensors(), None),
+            Some(compression) => {
+                let mut residual = delta.clone();
+                let bytes = compression.encode(&mut residual, &mut rand::rng())?;
+                (bytes, compression.error_feedback().then_some(residual))
+            }
+        };
+        let sealed = envelope::seal(&plaintext, &offer.round_key, &binding)?;
+        Ok((sealed, residual))
+    }
+
+    /// The residual error feedback carries into an update trained for `offer`: what earlier
+    /// rounds' compression left out, when the task keeps one and it fits the model.
+    fn carried_residual(&self, task: &str, offer: &RoundOffer, delta: &Model) -> Option<Model> {
+        offer.compression.as_ref().filter(|c| c.error_feedback())?;
+        self.state
+            .residual(task, &self.config.limits)
+            .filter(|r| r.spec() == delta.spec())
     }
 
     /// Uploads an update sealed by [`Client::seal`] (see [`Client::upload`]).
@@ -720,7 +748,16 @@ impl Client {
                     return Ok(report(RoundOutcome::Skipped));
                 }
                 let recording = Instant::now();
-                let delta = difference(&outcome.weights, &global)?;
+                let mut delta = difference(&outcome.weights, &global)?;
+                // Error feedback: what earlier rounds left out goes with this update (and is in
+                // the delta recorded for a restart, which does not add it again).
+                if let Some(residual) = self.carried_residual(task, offer, &delta) {
+                    delta
+                        .data_mut()
+                        .iter_mut()
+                        .zip(residual.data())
+                        .for_each(|(d, r)| *d += r);
+                }
                 let record = RoundState {
                     round: offer.round,
                     attempt: offer.attempt,
@@ -739,14 +776,25 @@ impl Client {
             metrics: record.metrics,
         };
         let sealing = Instant::now();
-        let sealed = self.seal(task, offer, &delta)?;
+        let (sealed, residual) = self.seal_update(task, offer, &delta)?;
         let uploading = Instant::now();
         timings.seal = uploading - sealing;
         // The record for a restart is written while the update travels (the server answers a
-        // restarted client's second upload of a round as a duplicate, whichever delta it is).
-        let saving = (!resumed).then(|| {
+        // restarted client's second upload of a round as a duplicate, whichever delta it is),
+        // then the residual of this encoding (a restart encodes the recorded delta again, and
+        // writes its own).
+        let delta = (!resumed).then_some(delta);
+        let saving = (delta.is_some() || residual.is_some()).then(|| {
             let (state, task, record) = (self.state.clone(), task.to_string(), record.clone());
-            tokio::task::spawn_blocking(move || state.save_trained(&task, &record, &delta))
+            tokio::task::spawn_blocking(move || {
+                if let Some(delta) = delta {
+                    state.save_trained(&task, &record, &delta)?;
+                }
+                match residual {
+                    Some(residual) => state.save_residual(&task, &residual),
+                    None => Ok(()),
+                }
+            })
         });
         let uploaded = self.upload_sealed(task, offer, sealed, &meta).await;
         timings.upload = uploading.elapsed();

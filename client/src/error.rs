@@ -65,6 +65,8 @@ pub enum ClientError {
     Model(#[from] hora_common::model::ModelError),
     #[error("sealing the update: {0}")]
     Envelope(#[from] hora_common::envelope::EnvelopeError),
+    #[error("compressing the update: {0}")]
+    Codec(#[from] hora_common::codec::CodecError),
     #[error(transparent)]
     Data(#[from] DataError),
     #[cfg(feature = "torch")]

@@ -295,6 +295,28 @@ impl StateDir {
         Model::read_file(&self.delta_path(task), limits).ok()
     }
 
+    /// Records what error feedback carries into the task's next update (see
+    /// [`hora_common::codec`]).
+    pub fn save_residual(&self, task: &str, residual: &Model) -> Result<()> {
+        write_file(
+            &self.residual_path(task),
+            &residual.to_safetensors(),
+            true,
+            Sync::ProcessCrash,
+        )
+    }
+
+    /// The residual [`StateDir::save_residual`] recorded, if it is there and readable.
+    pub fn residual(&self, task: &str, limits: &Limits) -> Option<Model> {
+        Model::read_file(&self.residual_path(task), limits).ok()
+    }
+
+    fn residual_path(&self, task: &str) -> PathBuf {
+        self.dir
+            .join("rounds")
+            .join(format!("{task}.residual.safetensors"))
+    }
+
     /// Forgets the round in progress (its update can no longer be accepted).
     pub fn clear_round(&self, task: &str) -> Result<()> {
         for path in [self.delta_path(task), self.round_path(task)] {

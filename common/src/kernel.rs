@@ -24,6 +24,7 @@
 use rayon::prelude::*;
 use thiserror::Error;
 
+use crate::codec::Update;
 use crate::model::{f32_le, widen_half, DType, Model, ModelSpec, ModelView};
 
 /// Elements per parallel task: 32 Ki f32 + 32 Ki f64 = 384 KiB, about an L2's worth.
@@ -197,6 +198,34 @@ impl WeightedSum {
                 }),
             }
         }
+        self.total_weight += weight;
+        self.updates += 1;
+        Ok(())
+    }
+
+    /// Folds `weight × scale × update` for an update in either format ([`crate::codec`]): an
+    /// encoded one is decoded value by value into the sum, never widened as a whole.
+    pub fn add_update_scaled(
+        &mut self,
+        weight: f64,
+        scale: f64,
+        update: &Update<'_>,
+    ) -> Result<(), KernelError> {
+        let view = match update {
+            Update::Dense(view) => return self.add_view_scaled(weight, scale, view),
+            Update::Encoded(view) => view,
+        };
+        check_weight(weight)?;
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(KernelError::BadWeight(scale));
+        }
+        if view.numel() != self.sum.len() {
+            return Err(KernelError::LayoutMismatch(
+                "the encoded update is for another spec".into(),
+            ));
+        }
+        let factor = weight * scale;
+        view.fold_into(&mut self.sum, |s, v| *s += factor * f64::from(v));
         self.total_weight += weight;
         self.updates += 1;
         Ok(())

@@ -3,6 +3,8 @@
 //! - [`model`]: the model format — named f32 tensors in one flat buffer, safetensors in and out
 //!   (f16/bf16 widened), a SHA-256 digest, validation against a [`model::ModelSpec`], and size
 //!   limits checked before anything is allocated.
+//! - [`codec`]: compressed updates — f16/bf16, int8 and 4-bit with per-block scales and
+//!   stochastic rounding, top-k with error feedback — and the server's reading of them.
 //! - [`envelope`]: how a client's delta travels — sealed to the round's X25519 key (HKDF-SHA256,
 //!   AES-256-GCM) and bound to task, round, client and base model.
 //! - [`kernel`]: the averaging kernel — a running weighted sum (`add`, `merge`, `finish`) on the
@@ -18,6 +20,7 @@
 //! checked with [`model::ModelSpec::check`] and [`model::Model::check_finite`], and folded with
 //! [`kernel::WeightedSum::add`]; the round's result is [`kernel::WeightedSum::finish`].
 
+pub mod codec;
 #[cfg(feature = "config")]
 pub mod config;
 pub mod envelope;

@@ -503,30 +503,7 @@ impl<'a> ModelView<'a> {
     /// Parses safetensors bytes, checking every size against `limits` (with checked arithmetic)
     /// before anything proportional to them is allocated.
     pub fn parse(bytes: &'a [u8], limits: &Limits) -> Result<Self, ModelError> {
-        if bytes.len() as u64 > limits.max_bytes {
-            return Err(ModelError::TooLarge {
-                what: "model file".into(),
-                limit: limits.max_bytes,
-            });
-        }
-        let header_len = bytes
-            .get(..8)
-            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-            .ok_or_else(|| {
-                ModelError::Malformed("shorter than the 8-byte safetensors header length".into())
-            })?;
-        if header_len > limits.max_header_bytes {
-            return Err(ModelError::TooLarge {
-                what: "safetensors header".into(),
-                limit: limits.max_header_bytes,
-            });
-        }
-        if header_len > bytes.len() as u64 - 8 {
-            return Err(ModelError::Malformed(format!(
-                "header claims {header_len} bytes but only {} follow",
-                bytes.len() - 8
-            )));
-        }
+        check_header(bytes, limits)?;
         let st =
             SafeTensors::deserialize(bytes).map_err(|e| ModelError::Malformed(e.to_string()))?;
         if st.len() > limits.max_tensors {
@@ -857,6 +834,36 @@ fn layout(tensors: impl Iterator<Item = (String, Vec<usize>, DType)>) -> Vec<Ten
             info
         })
         .collect()
+}
+
+/// Checks a safetensors buffer's size and its header's claimed length against `limits`, before
+/// the header is parsed.
+pub(crate) fn check_header(bytes: &[u8], limits: &Limits) -> Result<(), ModelError> {
+    if bytes.len() as u64 > limits.max_bytes {
+        return Err(ModelError::TooLarge {
+            what: "model file".into(),
+            limit: limits.max_bytes,
+        });
+    }
+    let header_len = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .ok_or_else(|| {
+            ModelError::Malformed("shorter than the 8-byte safetensors header length".into())
+        })?;
+    if header_len > limits.max_header_bytes {
+        return Err(ModelError::TooLarge {
+            what: "safetensors header".into(),
+            limit: limits.max_header_bytes,
+        });
+    }
+    if header_len > bytes.len() as u64 - 8 {
+        return Err(ModelError::Malformed(format!(
+            "header claims {header_len} bytes but only {} follow",
+            bytes.len() - 8
+        )));
+    }
+    Ok(())
 }
 
 fn checked_numel(shape: &[usize]) -> Option<usize> {

@@ -11,6 +11,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+pub use crate::codec::{Compression, ValueCodec};
 use crate::envelope::RoundPublicKey;
 use crate::model::{ModelDigest, ModelSpec};
 
@@ -313,6 +314,11 @@ pub struct CreateTask {
     /// training slot before the slot goes to another (its update is still taken afterwards).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub asynchronous: Option<AsynchronousConfig>,
+    /// How clients compress their updates before sealing them (plain and asynchronous tasks;
+    /// secure aggregation quantises on its own): f16, bf16, int8 or int4 values, optionally only
+    /// the top-k fraction of each tensor with error feedback. Absent: plain float32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<Compression>,
 }
 
 /// What one client's update may weigh in a round (the plain path; secure aggregation has its
@@ -833,6 +839,9 @@ pub struct RoundOffer {
     /// (`/v1/tasks/{task}/secagg/{round}/{attempt}/…`) instead of the sealed upload.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_aggregation: Option<SecAggOffer>,
+    /// How the update must be encoded (update format [`crate::codec::UPDATE_FORMAT`], which a client must speak); absent: plain float32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<Compression>,
 }
 
 /// How a client takes part in a secure-aggregation round attempt.
@@ -1366,11 +1375,17 @@ mod tests {
                     ..Default::default()
                 },
                 secure_aggregation: None,
+                compression: Some(Compression {
+                    values: ValueCodec::Int8,
+                    block_size: 256,
+                    top_k: Some(0.01),
+                }),
             }),
             retry_after_ms: 250,
         };
         let json = serde_json::to_string(&poll).unwrap();
         assert!(json.contains(r#""name":"adam""#), "{json}");
+        assert!(json.contains(r#""values":"int8""#), "{json}");
         assert_eq!(serde_json::from_str::<JoinResponse>(&json).unwrap(), poll);
     }
 

@@ -36,6 +36,7 @@ fn record(round: u64, model: ModelDigest) -> RoundRecord {
 fn task(global: ModelDigest, spec: ModelSpec, published: u64) -> TaskRecord {
     TaskRecord {
         config: CreateTask {
+            compression: None,
             id: "t".into(),
             initial_model: global,
             model: ModelKind::Builtin {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use hora_common::envelope::{self, Binding, RoundSecretKey};
 use hora_common::kernel::WeightedSum;
-use hora_common::model::{DType, Model, ModelDigest, ModelSpec, ModelView, TensorSpec};
+use hora_common::model::{DType, Model, ModelDigest, ModelSpec, TensorSpec};
 use hora_server::round::open_update;
 
 fn spec(params: usize) -> ModelSpec {
@@ -70,16 +70,15 @@ fn main() {
         let ingest = best_of(reps, || {
             let mut body = sealed.clone(); // the server receives a fresh body; not timed
             let t = Instant::now();
-            let view = open_update(&mut body, &key, &binding, &spec).expect("valid update");
-            sum.add_view(10.0, &view).expect("fold");
+            let view = open_update(&mut body, &key, &binding, &spec, None).expect("valid update");
+            sum.add_update_scaled(10.0, 1.0, &view).expect("fold");
             t.elapsed()
         });
         let mut body = sealed.clone();
-        let view: ModelView<'_> =
-            open_update(&mut body, &key, &binding, &spec).expect("valid update");
+        let view = open_update(&mut body, &key, &binding, &spec, None).expect("valid update");
         let fold = best_of(reps, || {
             let t = Instant::now();
-            sum.add_view(10.0, &view).expect("fold");
+            sum.add_update_scaled(10.0, 1.0, &view).expect("fold");
             t.elapsed()
         });
         black_box(sum.sum()[0]);

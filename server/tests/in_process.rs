@@ -241,3 +241,229 @@ async fn runs_rounds_stops_and_resumes(store: Option<&str>, blobs: Option<&str>)
     // And the blobs where `blobs` said: none under the data directory with --blobs.
     assert_eq!(dir.path().join("blobs").exists(), blobs.is_none());
 }
+
+/// `POST /admin/v1/tasks` with `config`: the status and the body.
+async fn try_create(admin: &Api, config: &serde_json::Value) -> (u16, String) {
+    let resp = admin
+        .http
+        .post(format!("{}/admin/v1/tasks", admin.url))
+        .bearer_auth(&admin.token)
+        .json(config)
+        .send()
+        .await
+        .expect("an answer");
+    let status = resp.status().as_u16();
+    (status, resp.text().await.unwrap_or_default())
+}
+
+/// A task that takes compressed updates publishes exactly the weighted average of what its
+/// updates decode to, computed here from what each encoding left out (delta − residual, not the
+/// server's decoder); the norm bound clips on the decoded values. An asynchronous task takes
+/// 4-bit updates the same way. A plain update, another codec's, or a compressed update to a
+/// plain task is refused with what the task takes, and secure aggregation refuses compression.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_compressed_federation_publishes_the_average_of_its_decoded_updates() {
+    use hora_common::codec::{Compression, ValueCodec};
+    use rand::{Rng, SeedableRng};
+
+    let dir = tempfile::tempdir().unwrap();
+    let (admin, stop, running) = start(dir.path(), None, None);
+    let initial = Model::from_tensors([
+        (
+            "a.weight",
+            vec![20, 10],
+            (0..200).map(|i| i as f32 * 0.01).collect(),
+        ),
+        ("b.bias", vec![37], vec![0.5; 37]),
+    ])
+    .unwrap();
+    let digest = admin.upload_model(&initial).await;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    // Three clients' deltas, the last one large; their encodings, and what each decodes to.
+    let encode = |c: &Compression, scale: f32, rng: &mut rand_chacha::ChaCha8Rng| {
+        let mut delta = initial.clone();
+        delta
+            .data_mut()
+            .iter_mut()
+            .for_each(|v| *v = scale * rng.random_range(-1.0f32..1.0));
+        let mut residual = delta.clone();
+        let bytes = c.encode(&mut residual, rng).unwrap();
+        let mut decoded = delta;
+        decoded
+            .data_mut()
+            .iter_mut()
+            .zip(residual.data())
+            .for_each(|(d, r)| *d -= r);
+        (bytes, decoded)
+    };
+    let norm = |m: &Model| {
+        m.data()
+            .iter()
+            .map(|v| f64::from(*v).powi(2))
+            .sum::<f64>()
+            .sqrt()
+    };
+    let int8_top = Compression {
+        values: ValueCodec::Int8,
+        block_size: 16,
+        top_k: Some(0.5),
+    };
+    let updates: Vec<_> = [(0.1, 3u64), (0.2, 1), (5.0, 2)]
+        .into_iter()
+        .map(|(scale, examples)| {
+            let (bytes, decoded) = encode(&int8_top, scale, &mut rng);
+            (bytes, decoded, examples)
+        })
+        .collect();
+    let bound = (norm(&updates[1].1) + norm(&updates[2].1)) / 2.0;
+    assert!(norm(&updates[2].1) > bound && norm(&updates[1].1) < bound);
+    let task = |id: &str, extra: serde_json::Value| {
+        let mut config = json!({
+            "id": id, "initial_model": digest, "model": {"kind": "builtin", "name": "mlp"},
+            "rounds": 2, "min_clients": 3, "target_clients": 3, "round_deadline_secs": 600,
+        });
+        config
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        config
+    };
+    // Refused at creation: compression under secure aggregation, a fraction out of range.
+    let (status, body) = try_create(
+        &admin,
+        &task(
+            "sa",
+            json!({"compression": int8_top, "secure_aggregation": {}}),
+        ),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("secure aggregation"), "{body}");
+    let (status, body) = try_create(
+        &admin,
+        &task(
+            "bad",
+            json!({"compression": {"values": "int8", "top_k": 1.5}}),
+        ),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("top_k"), "{body}");
+
+    admin
+        .call(
+            reqwest::Method::POST,
+            "/admin/v1/tasks",
+            Some(task(
+                "packed",
+                json!({"compression": int8_top, "update_bounds": {"max_norm": bound}}),
+            )),
+        )
+        .await;
+    admin
+        .call(
+            reqwest::Method::POST,
+            "/admin/v1/tasks",
+            Some(task("plain", json!({}))),
+        )
+        .await;
+    let info = admin.task("packed").await;
+    assert_eq!(info.config.compression.as_ref(), Some(&int8_top));
+    let clients = [
+        admin.enrol().await,
+        admin.enrol().await,
+        admin.enrol().await,
+    ];
+    let mut offers = Vec::new();
+    for c in &clients {
+        offers.push(c.join("packed").await);
+        c.join("plain").await;
+    }
+    assert_eq!(offers[0].compression.as_ref(), Some(&int8_top));
+    // A plain update, and one in another codec, are refused with what the task takes; a
+    // compressed update to the plain task too.
+    let (status, body) = clients[0]
+        .upload_plaintext("packed", &offers[0], 1, &initial.to_safetensors())
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("top0.5+int8/16") && body.contains("upgrade"),
+        "{body}"
+    );
+    let int4 = Compression {
+        values: ValueCodec::Int4,
+        ..int8_top.clone()
+    };
+    let (other, _) = encode(&int4, 0.1, &mut rng);
+    let (status, body) = clients[0]
+        .upload_plaintext("packed", &offers[0], 1, &other)
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("`top0.5+int4/16`"), "{body}");
+    let plain_offer = clients[0].join("plain").await;
+    let (status, body) = clients[0]
+        .upload_plaintext("plain", &plain_offer, 1, &updates[0].0)
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("plain float32"), "{body}");
+
+    for ((client, offer), (bytes, _, examples)) in clients.iter().zip(&offers).zip(&updates) {
+        let (status, body) = client
+            .upload_plaintext("packed", offer, *examples, bytes)
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    admin.wait_published("packed", 1).await;
+    let published = admin.round_model("packed", 1).await;
+    let total: f64 = updates.iter().map(|u| u.2 as f64).sum();
+    for (i, got) in published.data().iter().enumerate() {
+        let sum: f64 = updates
+            .iter()
+            .map(|(_, decoded, examples)| {
+                let clip = (bound / norm(decoded)).min(1.0);
+                *examples as f64 * clip * f64::from(decoded.data()[i])
+            })
+            .sum();
+        let want = f64::from(initial.data()[i]) + sum / total;
+        assert!(
+            (f64::from(*got) - want).abs() < 1e-6,
+            "value {i}: published {got}, decoded and averaged {want}"
+        );
+    }
+
+    // An asynchronous task of 4-bit updates: two updates from version 0 make version 1.
+    admin
+        .call(
+            reqwest::Method::POST,
+            "/admin/v1/tasks",
+            Some(task(
+                "buffered",
+                json!({"compression": int4, "min_clients": 1, "target_clients": 1,
+                       "asynchronous": {"buffer_size": 2}}),
+            )),
+        )
+        .await;
+    let mut decoded = Vec::new();
+    for (client, examples) in clients.iter().zip([1u64, 3]) {
+        let offer = client.join("buffered").await;
+        let (bytes, d) = encode(&int4, 0.3, &mut rng);
+        let (status, body) = client
+            .upload_plaintext("buffered", &offer, examples, &bytes)
+            .await;
+        assert_eq!(status, 200, "{body}");
+        decoded.push((d, examples as f64));
+    }
+    admin.wait_published("buffered", 1).await;
+    let published = admin.round_model("buffered", 1).await;
+    for (i, got) in published.data().iter().enumerate() {
+        let want = f64::from(initial.data()[i])
+            + decoded
+                .iter()
+                .map(|(d, w)| w * f64::from(d.data()[i]))
+                .sum::<f64>()
+                / 4.0;
+        assert!((f64::from(*got) - want).abs() < 1e-6, "{got} != {want}");
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+}

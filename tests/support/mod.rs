@@ -414,6 +414,7 @@ pub fn task(
     deadline_secs: u64,
 ) -> CreateTask {
     CreateTask {
+        compression: None,
         id: id.into(),
         initial_model: initial,
         model: ModelKind::Builtin {

@@ -393,7 +393,8 @@ pub async fn update(
         // Cheap checks before the body is read at all. The length comes before the claim on
         // this client's upload slot: a body refused unread is dropped (its stream reset) at
         // once, and the client, told so, may send its next upload before this handler ends.
-        let limit = upload_limit(&task.spec());
+        let record = task.record();
+        let limit = upload_limit(&record.spec, record.config.compression.as_ref());
         declared_length(&headers, limit)?;
         // A retry of an update that is folded but not yet durable gets its receipt once it is,
         // without sending the body again.

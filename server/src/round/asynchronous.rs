@@ -337,7 +337,7 @@ impl AsyncCollection {
                 return Err(too_stale(base, round.number, self.config.max_staleness));
             }
             acc.sum
-                .add_view_scaled(update.examples as f64, scale * factor, view)
+                .add_update_scaled(update.examples as f64, scale * factor, view)
                 .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
             let mut state = lock(&self.state);
             let before = state.last_base.insert(client.clone(), base);

@@ -16,9 +16,10 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use hora_common::codec::Update;
 use hora_common::envelope::RoundSecretKey;
 use hora_common::kernel::WeightedSum;
-use hora_common::model::{ModelDigest, ModelView};
+use hora_common::model::ModelDigest;
 use hora_common::wire::{self, CreateTask, ErrorCode, SecAggOffer, VersionStaleness};
 use tokio::sync::watch;
 
@@ -78,7 +79,7 @@ pub struct Opened<'a> {
     pub weight: f64,
     /// What the task's norm bound (or DP clipping) scales it by.
     pub scale: f64,
-    pub view: &'a ModelView<'a>,
+    pub view: &'a Update<'a>,
 }
 
 /// How a round's clients take part. One implementation per round mode; every step defaults to

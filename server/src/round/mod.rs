@@ -260,6 +260,7 @@ impl Round {
             deadline_unix_ms,
             training: record.config.training.clone(),
             secure_aggregation: self.collection.offer(),
+            compression: record.config.compression.clone(),
         }
     }
 

@@ -133,7 +133,7 @@ pub(crate) fn fold(round: &Arc<Round>, opened: Opened<'_>) -> Result<Folded, Ser
         });
     }
     acc.sum
-        .add_view_scaled(opened.weight, opened.scale, opened.view)
+        .add_update_scaled(opened.weight, opened.scale, opened.view)
         .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
     lock(&round.roster).contributed(client);
     acc.contributions.push(opened.update);

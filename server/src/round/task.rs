@@ -199,6 +199,11 @@ impl Coordinator {
             dp::validate_for_model(dp, &config, initial.numel())
                 .map_err(ServerError::BadRequest)?;
         }
+        if let Some(compression) = &config.compression {
+            compression
+                .validate(&initial.spec())
+                .map_err(ServerError::BadRequest)?;
+        }
         if let wire::ModelKind::TorchScript { module_digest } = &config.model {
             if !self.store.has_module(module_digest)? {
                 return Err(ServerError::BadRequest(format!("no uploaded TorchScript module {module_digest}: upload it first with POST /admin/v1/modules")));
@@ -438,6 +443,9 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     // (Before secure aggregation's checks: combining the two is the first thing to hear about.)
     if let Some(config) = &c.differential_privacy {
         dp::validate(config, c).map_err(ServerError::BadRequest)?;
+    }
+    if c.compression.is_some() && c.secure_aggregation.is_some() {
+        return bad("secure aggregation quantises updates itself (its clip and scale) and cannot take compressed ones: remove compression, or secure_aggregation".into());
     }
     if let Some(sa) = &c.secure_aggregation {
         secagg::validate(sa, c.min_clients, capacity(c))?;

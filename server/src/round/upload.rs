@@ -12,8 +12,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use hora_common::codec::{Compression, Update};
 use hora_common::envelope::{self, Binding, RoundSecretKey};
-use hora_common::model::{Limits, ModelDigest, ModelSpec, ModelView};
+use hora_common::model::{ModelDigest, ModelSpec};
 use hora_common::wire::{self, ErrorCode, TaskState, UpdateMeta};
 
 use super::collection::Opened;
@@ -111,7 +112,8 @@ impl Coordinator {
         }
         // First, on a blocking thread: open and check the update, and work out how it folds;
         // then the ingest slot goes.
-        let limits = spec.limits();
+        let compression = record.config.compression;
+        let reading = (spec.clone(), compression.clone());
         let (t, client_id) = (task.clone(), client.clone());
         let (body, plaintext, folding, permit) =
             tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
@@ -127,7 +129,8 @@ impl Coordinator {
                     client: &client_id,
                     base_model: &base,
                 };
-                let (plaintext, view) = open_update_at(&mut body, key, &binding, &spec)?;
+                let (plaintext, view) =
+                    open_update_at(&mut body, key, &binding, &spec, compression.as_ref())?;
                 // The task's bound: the configured one, else the adaptive one (a multiple of
                 // the median norm of recent accepted updates, once there are enough of them).
                 let adaptive = bounds.max_norm.is_none() && bounds.adaptive_norm_factor.is_some();
@@ -184,7 +187,7 @@ impl Coordinator {
         let (me, t) = (self.clone(), task.clone());
         let folded = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
             let (task, _waiting) = (t, waiting);
-            let view = reparse(&body[plaintext], &limits)?;
+            let view = reparse(&body[plaintext], &reading.0, reading.1.as_ref())?;
             let round = folding.round;
             let opened = Opened {
                 update: Contribution {
@@ -284,15 +287,17 @@ impl Coordinator {
 }
 
 /// The upload path's checks, in order: open the envelope in place (authenticity and binding),
-/// parse the safetensors under the spec's limits, check names, shapes and dtypes against the
-/// spec, and check every value is finite. What comes back can be folded as it is.
+/// parse the update under the spec's limits in the format the task takes (`compression`),
+/// check names, shapes and dtypes against the spec (or the codec's), and check every value it
+/// decodes to is finite. What comes back can be folded as it is.
 pub fn open_update<'a>(
     body: &'a mut [u8],
     key: &RoundSecretKey,
     binding: &Binding<'_>,
     spec: &ModelSpec,
-) -> Result<ModelView<'a>, ServerError> {
-    open_update_at(body, key, binding, spec).map(|(_, view)| view)
+    compression: Option<&Compression>,
+) -> Result<Update<'a>, ServerError> {
+    open_update_at(body, key, binding, spec, compression).map(|(_, view)| view)
 }
 
 /// [`open_update`], saying too where in `body` the checked update lies (for [`reparse`] once
@@ -302,22 +307,26 @@ fn open_update_at<'a>(
     key: &RoundSecretKey,
     binding: &Binding<'_>,
     spec: &ModelSpec,
-) -> Result<(std::ops::Range<usize>, ModelView<'a>), ServerError> {
+    compression: Option<&Compression>,
+) -> Result<(std::ops::Range<usize>, Update<'a>), ServerError> {
     let invalid = |e: &dyn std::fmt::Display| ServerError::InvalidUpdate(e.to_string());
     let base = body.as_ptr() as usize;
     let plaintext = envelope::open(body, key, binding).map_err(|e| invalid(&e))?;
     let at = plaintext.as_ptr() as usize - base;
     let at = at..at + plaintext.len();
-    let view = ModelView::parse(plaintext, &spec.limits()).map_err(|e| invalid(&e))?;
-    spec.check_spec(&view.spec()).map_err(|e| invalid(&e))?;
-    view.check_finite().map_err(|e| invalid(&e))?;
+    let view = Update::open(plaintext, spec, compression).map_err(|e| invalid(&e))?;
     Ok((at, view))
 }
 
 /// The view of an update [`open_update_at`] checked: its header parsed again (the values are
-/// not read).
-fn reparse<'a>(plaintext: &'a [u8], limits: &Limits) -> Result<ModelView<'a>, ServerError> {
-    ModelView::parse(plaintext, limits).map_err(|e| ServerError::InvalidUpdate(e.to_string()))
+/// not read again, an encoded update's positions aside).
+fn reparse<'a>(
+    plaintext: &'a [u8],
+    spec: &ModelSpec,
+    compression: Option<&Compression>,
+) -> Result<Update<'a>, ServerError> {
+    Update::parse(plaintext, spec, compression)
+        .map_err(|e| ServerError::InvalidUpdate(e.to_string()))
 }
 
 /// How an opened update folds, worked out before the fold waits for the round's lock.
@@ -333,7 +342,10 @@ struct Folding {
     started: Instant,
 }
 
-/// The largest sealed upload a task of this spec takes, for the upload route's size limit.
-pub fn upload_limit(spec: &ModelSpec) -> u64 {
-    spec.limits().max_bytes + envelope::OVERHEAD as u64
+/// The largest sealed upload a task of this spec and compression takes, for the upload route's
+/// size limit (a plain update is read as far as the refusal that names the format the task
+/// takes).
+pub fn upload_limit(spec: &ModelSpec, compression: Option<&Compression>) -> u64 {
+    let encoded = compression.map_or(0, |c| c.limits(spec).max_bytes);
+    spec.limits().max_bytes.max(encoded) + envelope::OVERHEAD as u64
 }

@@ -241,14 +241,30 @@ impl Client {
         examples: u64,
         delta: &Model,
     ) -> u16 {
+        let (status, body) = self
+            .upload_plaintext(task, offer, examples, &delta.to_safetensors())
+            .await;
+        if status >= 300 {
+            eprintln!("upload: {status}: {body}");
+        }
+        status
+    }
+
+    /// Seals `plaintext` (an update in any format) and uploads it: the HTTP status and body.
+    pub async fn upload_plaintext(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+        examples: u64,
+        plaintext: &[u8],
+    ) -> (u16, String) {
         let binding = Binding {
             task,
             round: offer.round,
             client: &self.id,
             base_model: &offer.model,
         };
-        let sealed =
-            envelope::seal(&delta.to_safetensors(), &offer.round_key, &binding).expect("sealed");
+        let sealed = envelope::seal(plaintext, &offer.round_key, &binding).expect("sealed");
         let meta = UpdateMeta {
             num_examples: examples,
             metrics: Default::default(),
@@ -267,14 +283,8 @@ impl Client {
             .send()
             .await
             .expect("an answer");
-        let status = resp.status();
-        if !status.is_success() {
-            eprintln!(
-                "upload: {status}: {}",
-                resp.text().await.unwrap_or_default()
-            );
-        }
-        status.as_u16()
+        let status = resp.status().as_u16();
+        (status, resp.text().await.unwrap_or_default())
     }
 }
 
