@@ -960,7 +960,7 @@ async fn a_top_k_clients_residual_survives_a_sigkill_between_rounds() {
     let trained = state
         .trained_delta("t", &limits)
         .expect("the trained delta");
-    let residual = state.residual("t", &limits).expect("the residual");
+    let residual = state.carried("t", &limits).expect("the residual");
     let sent = residual.data().iter().filter(|r| **r == 0.0).count();
     let k: usize = residual.tensors().iter().map(|t| t.len.div_ceil(10)).sum();
     assert!(
@@ -1013,7 +1013,7 @@ async fn a_top_k_clients_residual_survives_a_sigkill_between_rounds() {
         "round 2's update − round 1's residual",
     );
     // ...and what it did not send now is the new residual.
-    let remainder = state.residual("t", &limits).expect("round 2's residual");
+    let remainder = state.carried("t", &limits).expect("round 2's residual");
     wait_for("round 2 to publish", Duration::from_secs(60), async || {
         task_info(&admin, "t").await.published_rounds >= 2
     })

@@ -487,45 +487,39 @@ impl Client {
     /// `delta` encoded as the round asks ([`RoundOffer::compression`]) and sealed to the round
     /// key of `offer`, bound to the task, round, this client and the base model. What a
     /// compression leaves out is dropped: [`Client::contribute`] keeps it for the next round
-    /// (error feedback); [`Client::seal_update`] hands it back.
+    /// (error feedback); [`Client::seal_update`] hands it back. CPU work the size of the model.
     pub fn seal(&self, task: &str, offer: &RoundOffer, delta: &Model) -> Result<Vec<u8>> {
         self.seal_update(task, offer, delta)
             .map(|(sealed, _)| sealed)
     }
 
-    /// [`Client::seal`], and the residual when the round's compression keeps one (top-k: what
-    /// was not sent, and the rounding of what was), to be added to the next round's update.
+    /// [`Client::seal`], and what the encoding left out when the round's compression keeps it
+    /// (top-k: the values not sent, and the rounding of those sent), to be added to the next
+    /// round's update once the server has taken this one.
     pub fn seal_update(
         &self,
         task: &str,
         offer: &RoundOffer,
         delta: &Model,
     ) -> Result<(Vec<u8>, Option<Model>)> {
-        let binding = Binding {
-            task,
-            round: offer.round,
-            client: &self.id,
-            base_model: &offer.model,
-        };
-        let (plaintext, residual) = match &offer.compression {
-            None => (delta.to_safetensors(), None),
-            Some(compression) => {
-                let mut residual = delta.clone();
-                let bytes = compression.encode(&mut residual, &mut rand::rng())?;
-                (bytes, compression.error_feedback().then_some(residual))
-            }
-        };
-        let sealed = envelope::seal(&plaintext, &offer.round_key, &binding)?;
-        Ok((sealed, residual))
+        seal_update(&self.id, task, offer, delta)
     }
 
-    /// The residual error feedback carries into an update trained for `offer`: what earlier
-    /// rounds' compression left out, when the task keeps one and it fits the model.
-    fn carried_residual(&self, task: &str, offer: &RoundOffer, delta: &Model) -> Option<Model> {
+    /// What error feedback carries into an update trained for `offer` (see
+    /// [`StateDir::carried`]), when the task keeps it and it fits the model. Blocking.
+    fn carried(&self, task: &str, offer: &RoundOffer, delta: &Model) -> Option<Model> {
         offer.compression.as_ref().filter(|c| c.error_feedback())?;
-        self.state
-            .residual(task, &self.config.limits)
-            .filter(|r| r.spec() == delta.spec())
+        let carried = self
+            .state
+            .carried(task, &self.config.limits)
+            .filter(|r| r.spec() == delta.spec())?;
+        match carried.check_finite() {
+            Ok(()) => Some(carried),
+            Err(e) => {
+                tracing::warn!("dropping the error-feedback residual: {e}");
+                None
+            }
+        }
     }
 
     /// Uploads an update sealed by [`Client::seal`] (see [`Client::upload`]).
@@ -751,12 +745,13 @@ impl Client {
                 let mut delta = difference(&outcome.weights, &global)?;
                 // Error feedback: what earlier rounds left out goes with this update (and is in
                 // the delta recorded for a restart, which does not add it again).
-                if let Some(residual) = self.carried_residual(task, offer, &delta) {
+                if let Some(residual) = self.carried(task, offer, &delta) {
                     delta
                         .data_mut()
                         .iter_mut()
                         .zip(residual.data())
                         .for_each(|(d, r)| *d += r);
+                    delta.check_finite()?;
                 }
                 let record = RoundState {
                     round: offer.round,
@@ -776,22 +771,29 @@ impl Client {
             metrics: record.metrics,
         };
         let sealing = Instant::now();
-        let (sealed, residual) = self.seal_update(task, offer, &delta)?;
+        let (sealed, unsent, delta) = {
+            let (id, t, o) = (self.id.clone(), task.to_string(), offer.clone());
+            tokio::task::spawn_blocking(move || {
+                seal_update(&id, &t, &o, &delta).map(|(sealed, unsent)| (sealed, unsent, delta))
+            })
+            .await
+            .map_err(|e| ClientError::Training(format!("sealing the update failed: {e}")))??
+        };
         let uploading = Instant::now();
         timings.seal = uploading - sealing;
         // The record for a restart is written while the update travels (the server answers a
         // restarted client's second upload of a round as a duplicate, whichever delta it is),
-        // then the residual of this encoding (a restart encodes the recorded delta again, and
+        // then what this encoding left out (a restart encodes the recorded delta again, and
         // writes its own).
         let delta = (!resumed).then_some(delta);
-        let saving = (delta.is_some() || residual.is_some()).then(|| {
+        let saving = (delta.is_some() || unsent.is_some()).then(|| {
             let (state, task, record) = (self.state.clone(), task.to_string(), record.clone());
             tokio::task::spawn_blocking(move || {
                 if let Some(delta) = delta {
                     state.save_trained(&task, &record, &delta)?;
                 }
-                match residual {
-                    Some(residual) => state.save_residual(&task, &residual),
+                match unsent {
+                    Some(unsent) => state.save_unsent(&task, &unsent),
                     None => Ok(()),
                 }
             })
@@ -831,8 +833,16 @@ impl Client {
             Err(ClientError::Conflict { error })
                 if matches!(error.code, ErrorCode::RoundClosed | ErrorCode::TooStale) =>
             {
-                // The update can never be accepted now: do not keep it, nor resume it.
-                self.state.clear_round(task)?;
+                // The update can never be accepted now: do not keep it, nor resume it (with
+                // error feedback, all of it carries into the next).
+                match offer
+                    .compression
+                    .as_ref()
+                    .is_some_and(|c| c.error_feedback())
+                {
+                    true => self.state.untaken(task)?,
+                    false => self.state.clear_round(task)?,
+                }
                 RoundOutcome::Missed {
                     reason: error.message,
                 }
@@ -888,6 +898,34 @@ impl Client {
             final_state,
         })
     }
+}
+
+/// `delta` encoded as `offer` asks and sealed for `client` (see [`Client::seal_update`]).
+fn seal_update(
+    client: &str,
+    task: &str,
+    offer: &RoundOffer,
+    delta: &Model,
+) -> Result<(Vec<u8>, Option<Model>)> {
+    let binding = Binding {
+        task,
+        round: offer.round,
+        client,
+        base_model: &offer.model,
+    };
+    let (plaintext, unsent) = match &offer.compression {
+        None => (delta.to_safetensors(), None),
+        Some(compression) => {
+            compression.validate(&delta.spec()).map_err(|m| {
+                ClientError::Protocol(format!("the task's compression is unusable here: {m}"))
+            })?;
+            let mut unsent = delta.clone();
+            let bytes = compression.encode(&mut unsent, &mut rand::rng())?;
+            (bytes, compression.error_feedback().then_some(unsent))
+        }
+    };
+    let sealed = envelope::seal(&plaintext, &offer.round_key, &binding)?;
+    Ok((sealed, unsent))
 }
 
 /// A download whose body broke off before its end (worth sending again).

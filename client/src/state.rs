@@ -67,6 +67,18 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8], private: bool) -> Result<(
     write_file(path, bytes, private, Sync::Durable)
 }
 
+/// Removes every file of `paths` that exists.
+fn remove_all<const N: usize>(paths: [PathBuf; N]) -> Result<()> {
+    for path in paths {
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(ClientError::io(path, e)),
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn write_file(path: &Path, bytes: &[u8], private: bool, sync: Sync) -> Result<()> {
     let tmp = path.with_extension("tmp");
     let result = (|| {
@@ -295,20 +307,46 @@ impl StateDir {
         Model::read_file(&self.delta_path(task), limits).ok()
     }
 
-    /// Records what error feedback carries into the task's next update (see
-    /// [`hora_common::codec`]).
-    pub fn save_residual(&self, task: &str, residual: &Model) -> Result<()> {
+    /// Records what the encoding of the recorded update left out (error feedback, see
+    /// [`hora_common::codec`]: it carries into the next update once the server took this one).
+    pub fn save_unsent(&self, task: &str, unsent: &Model) -> Result<()> {
         write_file(
-            &self.residual_path(task),
-            &residual.to_safetensors(),
+            &self.unsent_path(task),
+            &unsent.to_safetensors(),
             true,
             Sync::ProcessCrash,
         )
     }
 
-    /// The residual [`StateDir::save_residual`] recorded, if it is there and readable.
-    pub fn residual(&self, task: &str, limits: &Limits) -> Option<Model> {
-        Model::read_file(&self.residual_path(task), limits).ok()
+    /// What error feedback carries into the next update trained for `task`: what the encoding
+    /// of the last update the server took left out; all of a recorded update it never
+    /// acknowledged; with no round recorded, what [`StateDir::untaken`] kept. Nothing if that
+    /// is missing or unreadable.
+    pub fn carried(&self, task: &str, limits: &Limits) -> Option<Model> {
+        let path = match self.round(task).ok().flatten() {
+            Some(round) if round.uploaded => self.unsent_path(task),
+            Some(_) => self.delta_path(task),
+            None => self.residual_path(task),
+        };
+        Model::read_file(&path, limits).ok()
+    }
+
+    /// The recorded update can never be taken (its round closed without it): with error
+    /// feedback, all of it carries into the next update.
+    pub fn untaken(&self, task: &str) -> Result<()> {
+        let (delta, residual) = (self.delta_path(task), self.residual_path(task));
+        match fs::rename(&delta, &residual) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(ClientError::io(delta, e)),
+        }
+        remove_all([self.round_path(task), self.unsent_path(task)])
+    }
+
+    fn unsent_path(&self, task: &str) -> PathBuf {
+        self.dir
+            .join("rounds")
+            .join(format!("{task}.unsent.safetensors"))
     }
 
     fn residual_path(&self, task: &str) -> PathBuf {
@@ -317,16 +355,15 @@ impl StateDir {
             .join(format!("{task}.residual.safetensors"))
     }
 
-    /// Forgets the round in progress (its update can no longer be accepted).
+    /// Forgets the round in progress (its update can no longer be accepted) and what error
+    /// feedback would carry (the task has ended, or does not use it).
     pub fn clear_round(&self, task: &str) -> Result<()> {
-        for path in [self.delta_path(task), self.round_path(task)] {
-            match fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(ClientError::io(path, e)),
-            }
-        }
-        Ok(())
+        remove_all([
+            self.delta_path(task),
+            self.round_path(task),
+            self.unsent_path(task),
+            self.residual_path(task),
+        ])
     }
 
     /// Marks the round uploaded to `attempt`. The delta stays (until the next round's replaces
@@ -415,6 +452,36 @@ mod tests {
         fs::write(dir.path().join(CREDENTIALS), b"{").unwrap();
         let err = state.credentials().unwrap_err().to_string();
         assert!(err.contains("credentials.json"), "{err}");
+    }
+
+    /// What error feedback carries follows the round's record: what the encoding left out once
+    /// the server took the update, all of an update it never acknowledged or could not take,
+    /// nothing once the task has ended.
+    #[test]
+    fn error_feedback_carries_what_the_server_did_not_take() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        let limits = Limits::default();
+        assert_eq!(state.carried("t", &limits), None);
+        let round = RoundState {
+            round: 1,
+            attempt: 0,
+            base: model(0.0).digest(),
+            num_examples: 1,
+            metrics: Metrics::default(),
+            uploaded: false,
+        };
+        let (update, unsent) = (model(2.0), model(0.25));
+        state.save_trained("t", &round, &update).unwrap();
+        state.save_unsent("t", &unsent).unwrap();
+        assert_eq!(state.carried("t", &limits), Some(update.clone()));
+        state.mark_uploaded("t", &round, 0).unwrap();
+        assert_eq!(state.carried("t", &limits), Some(unsent));
+        state.untaken("t").unwrap();
+        assert_eq!(state.round("t").unwrap(), None);
+        assert_eq!(state.carried("t", &limits), Some(update));
+        state.clear_round("t").unwrap();
+        assert_eq!(state.carried("t", &limits), None);
     }
 
     #[test]

@@ -23,7 +23,7 @@
 //!
 //! ## Error bounds
 //! For a value x that was sent and its decoding d (tested in `tests`):
-//! - f32: d = x; f16: |x − d| ≤ 2⁻¹¹·|x| + 2⁻²⁵ (|x| > 65504 does not fit and is refused);
+//! - f32: d = x; f16: |x − d| ≤ 2⁻¹¹·|x| + 2⁻²⁵ (|x| ≥ 65520, which rounds past f16's largest, 65504, is refused);
 //!   bf16: |x − d| ≤ 2⁻⁸·|x| (round to nearest);
 //! - int8: |x − d| < m/127 and int4: |x − d| < m/7, m the largest |x| in x's block; E[d] = x;
 //! - top-k: values not sent decode to 0 and stay, exactly, in the client's residual.
@@ -31,11 +31,13 @@
 use std::collections::HashMap;
 
 use rand_chacha::rand_core::RngCore;
+use rayon::prelude::*;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype as StDtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::kernel::{CHUNK, PARALLEL_MIN};
 use crate::model::{check_header, f32_le, widen_half, DType, Limits, Model, ModelSpec, ModelView};
 
 /// The version of the encoded update format this build reads and writes.
@@ -51,7 +53,7 @@ const FORMAT: &str = "hora-update";
 pub enum ValueCodec {
     /// 4 bytes a value, exact.
     F32,
-    /// IEEE half precision, 2 bytes (values beyond ±65504 are refused by the client).
+    /// IEEE half precision, 2 bytes (values that round past ±65504 are refused by the client).
     F16,
     /// bfloat16, 2 bytes: f32's range, 8 bits of precision.
     Bf16,
@@ -130,7 +132,7 @@ fn default_block_size() -> u32 {
 pub enum CodecError {
     #[error("{0}")]
     Invalid(String),
-    #[error("tensor `{tensor}`: value {value} at {index} does not fit in float16 (beyond ±65504): use bf16 or f32 for this task, or lower the learning rate")]
+    #[error("tensor `{tensor}`: value {value} at {index} does not fit in float16 (it rounds past ±65504): use bf16 or f32 for this task, or lower the learning rate")]
     Overflow {
         tensor: String,
         index: usize,
@@ -219,7 +221,9 @@ impl Compression {
     /// The limits an encoded update of `spec` must be within.
     pub fn limits(&self, spec: &ModelSpec) -> Limits {
         let dense = spec.limits();
-        // Names are shorter than the spec's (`v12`), but three a tensor, and the metadata.
+        // (Only the sizes are checked against these before parsing: the parts are then checked
+        // one by one against the spec.) Names are short (`v12`), but three a tensor, and the
+        // metadata.
         let header = dense.max_header_bytes + 1024 + 128 * spec.tensors().len() as u64;
         Limits {
             max_bytes: 8 + header + self.data_bytes(spec),
@@ -405,19 +409,20 @@ impl<'a> Update<'a> {
         spec: &ModelSpec,
         compression: Option<&Compression>,
     ) -> Result<Self, CodecError> {
-        let update = Self::parse(bytes, spec, compression)?;
-        match &update {
+        let mut update = Self::parse(bytes, spec, compression)?;
+        match &mut update {
             Update::Dense(view) => {
                 spec.check_spec(&view.spec())
                     .map_err(|e| invalid(e.to_string()))?;
                 view.check_finite().map_err(|e| invalid(e.to_string()))?;
             }
-            Update::Encoded(view) => view.check_finite()?,
+            Update::Encoded(view) => view.norm = Some(view.squares()?.sqrt()),
         }
         Ok(update)
     }
 
-    /// [`Update::open`] without the checks of values and names that it made before: for an
+    /// [`Update::open`] without the dense checks of names and values nor the encoded check of
+    /// values (an encoded update's parts and positions are checked again): for an
     /// update already opened, read again.
     pub fn parse(
         bytes: &'a [u8],
@@ -449,14 +454,14 @@ impl<'a> Update<'a> {
                 "this update is compressed and the task takes plain float32 updates: the client must follow the task's config",
             )),
             (true, Some(c)) => {
-                let meta = meta.cloned().unwrap_or_default();
-                let version = meta.get("version").map(String::as_str).unwrap_or("");
+                let get = |key: &str| meta.and_then(|m| m.get(key)).map_or("", String::as_str);
+                let version = get("version");
                 if version != UPDATE_FORMAT.to_string() {
                     return Err(invalid(format!(
                         "the update is in format version `{version}` and this server reads version {UPDATE_FORMAT}: client and server must be upgraded together"
                     )));
                 }
-                let codec = meta.get("codec").map(String::as_str).unwrap_or("");
+                let codec = get("codec");
                 if codec != c.label() {
                     return Err(invalid(format!(
                         "the update is encoded as `{codec}` and the task takes `{}`",
@@ -488,8 +493,14 @@ impl<'a> Update<'a> {
         match self {
             Update::Dense(view) => view.to_model(),
             Update::Encoded(view) => {
+                let mut sum = vec![0.0f64; view.numel()];
+                view.fold_scaled(&mut sum, 1.0);
                 let mut model = Model::zeros(spec);
-                view.fold_into(model.data_mut(), |s: &mut f32, v| *s += v);
+                model
+                    .data_mut()
+                    .iter_mut()
+                    .zip(sum)
+                    .for_each(|(m, s)| *m = s as f32);
                 model
             }
         }
@@ -499,8 +510,10 @@ impl<'a> Update<'a> {
 /// One tensor of an encoded update, checked against its spec.
 #[derive(Debug, Clone)]
 struct EncodedTensor<'a> {
-    /// Where the tensor starts in the flat model.
+    name: String,
+    /// Where the tensor starts in the flat model, and its values (sent or not).
     offset: usize,
+    numel: usize,
     values: &'a [u8],
     /// f32 scales (the integer codecs).
     scales: &'a [u8],
@@ -519,6 +532,8 @@ pub struct EncodedView<'a> {
     tensors: Vec<EncodedTensor<'a>>,
     /// Values in the whole model (sent or not).
     numel: usize,
+    /// The L2 norm of the decoded values, once [`Update::open`] has checked them.
+    norm: Option<f64>,
 }
 
 impl<'a> EncodedView<'a> {
@@ -596,7 +611,27 @@ impl<'a> EncodedView<'a> {
                 }
                 None => None,
             };
+            match c.values {
+                ValueCodec::Int8 if values.contains(&0x80) => {
+                    return Err(invalid(format!(
+                        "tensor `{}`: int8 values are in −127..=127, not −128",
+                        t.name
+                    )))
+                }
+                ValueCodec::Int4
+                    if values.iter().any(|b| b & 0x0f == 0 || b >> 4 == 0)
+                        || (sent % 2 == 1 && values.last().is_some_and(|b| b >> 4 != 8)) =>
+                {
+                    return Err(invalid(format!(
+                        "tensor `{}`: 4-bit values are stored as q + 8 in 1..=15 (an odd count padded with 8)",
+                        t.name
+                    )))
+                }
+                _ => {}
+            }
             tensors.push(EncodedTensor {
+                name: t.name.clone(),
+                numel,
                 offset,
                 values,
                 scales,
@@ -610,48 +645,8 @@ impl<'a> EncodedView<'a> {
             block: c.block_size as usize,
             tensors,
             numel: offset,
+            norm: None,
         })
-    }
-
-    /// Calls `f(position in the flat model, decoded value)` for every value sent.
-    fn visit(&self, mut f: impl FnMut(usize, f32)) {
-        for t in &self.tensors {
-            let scale = |j: usize| f32_le(&t.scales[4 * (j / self.block)..]);
-            let position = |j: usize| match t.positions {
-                Some(p) => {
-                    t.offset
-                        + u32::from_le_bytes([p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]])
-                            as usize
-                }
-                None => t.offset + j,
-            };
-            match self.codec {
-                ValueCodec::F32 => t
-                    .values
-                    .chunks_exact(4)
-                    .enumerate()
-                    .for_each(|(j, b)| f(position(j), f32_le(b))),
-                ValueCodec::F16 | ValueCodec::Bf16 => {
-                    let dtype = match self.codec {
-                        ValueCodec::F16 => DType::F16,
-                        _ => DType::BF16,
-                    };
-                    t.values
-                        .chunks_exact(2)
-                        .enumerate()
-                        .for_each(|(j, b)| f(position(j), widen_half(dtype, [b[0], b[1]])))
-                }
-                ValueCodec::Int8 => t
-                    .values
-                    .iter()
-                    .enumerate()
-                    .for_each(|(j, &q)| f(position(j), f32::from(q as i8) * scale(j))),
-                ValueCodec::Int4 => (0..t.sent).for_each(|j| {
-                    let nibble = (t.values[j / 2] >> (4 * (j % 2))) & 0x0f;
-                    f(position(j), f32::from(nibble as i8 - 8) * scale(j))
-                }),
-            }
-        }
     }
 
     /// Values in the whole model the update is for (sent or not).
@@ -659,32 +654,104 @@ impl<'a> EncodedView<'a> {
         self.numel
     }
 
-    /// Adds every decoded value into `sum` (laid out as the flat model) with `add`.
-    pub fn fold_into<S>(&self, sum: &mut [S], mut add: impl FnMut(&mut S, f32)) {
-        self.visit(|at, v| add(&mut sum[at], v));
-    }
-
-    /// The L2 norm of the decoded update, in f64.
-    pub fn l2_norm(&self) -> f64 {
-        let mut squares = 0.0f64;
-        self.visit(|_, v| squares += f64::from(v) * f64::from(v));
-        squares.sqrt()
-    }
-
-    /// Fails if a value decodes to a NaN or an infinity (a huge scale, or a half-precision
-    /// infinity).
-    pub fn check_finite(&self) -> Result<(), CodecError> {
-        let mut bad = None;
-        self.visit(|at, v| {
-            if bad.is_none() && !v.is_finite() {
-                bad = Some((at, v));
+    /// Adds `factor ×` every decoded value into `sum` (laid out as the flat model): dense
+    /// tensors in pieces over rayon's pool, like the kernel's own fold; top-k ones value by value.
+    pub fn fold_scaled(&self, sum: &mut [f64], factor: f64) {
+        for t in &self.tensors {
+            let dst = &mut sum[t.offset..t.offset + t.numel];
+            let value = |j: usize| factor * f64::from(t.value(self.codec, self.block, j));
+            match t.positions {
+                Some(_) => (0..t.sent).for_each(|j| dst[t.position(j)] += value(j)),
+                None => {
+                    let piece = |start: usize, piece: &mut [f64]| {
+                        for (i, s) in piece.iter_mut().enumerate() {
+                            *s += value(start + i);
+                        }
+                    };
+                    if dst.len() < PARALLEL_MIN {
+                        piece(0, dst);
+                    } else {
+                        dst.par_chunks_mut(CHUNK)
+                            .enumerate()
+                            .for_each(|(c, p)| piece(c * CHUNK, p));
+                    }
+                }
             }
-        });
-        match bad {
-            None => Ok(()),
-            Some((at, v)) => Err(invalid(format!(
-                "the update decodes to {v} at position {at} of the model: every value must be finite"
-            ))),
+        }
+    }
+
+    /// The L2 norm of the decoded update, in f64 ([`Update::open`] works it out as it checks
+    /// the values).
+    pub fn l2_norm(&self) -> f64 {
+        self.norm
+            .or_else(|| self.squares().ok().map(f64::sqrt))
+            .unwrap_or(f64::NAN)
+    }
+
+    /// The sum of the squares of the decoded values; fails on the first that is a NaN or an
+    /// infinity (a huge scale, or a half-precision infinity).
+    fn squares(&self) -> Result<f64, CodecError> {
+        let mut total = 0.0;
+        for t in &self.tensors {
+            let squares = |range: std::ops::Range<usize>| -> Result<f64, usize> {
+                let mut s = 0.0f64;
+                for j in range {
+                    let v = t.value(self.codec, self.block, j);
+                    if !v.is_finite() {
+                        return Err(j);
+                    }
+                    s += f64::from(v) * f64::from(v);
+                }
+                Ok(s)
+            };
+            let sum = if t.sent < PARALLEL_MIN {
+                squares(0..t.sent)
+            } else {
+                (0..t.sent.div_ceil(CHUNK))
+                    .into_par_iter()
+                    .map(|c| squares(c * CHUNK..((c + 1) * CHUNK).min(t.sent)))
+                    .try_reduce(|| 0.0, |a, b| Ok(a + b))
+            };
+            total += sum.map_err(|j| {
+                invalid(format!(
+                    "tensor `{}`: value {} decodes to {}; every value must be finite",
+                    t.name,
+                    t.position(j),
+                    t.value(self.codec, self.block, j)
+                ))
+            })?;
+        }
+        Ok(total)
+    }
+}
+
+impl EncodedTensor<'_> {
+    /// The decoded value number `j` of those sent.
+    #[inline]
+    fn value(&self, codec: ValueCodec, block: usize, j: usize) -> f32 {
+        let scale = || f32_le(&self.scales[4 * (j / block)..]);
+        match codec {
+            ValueCodec::F32 => f32_le(&self.values[4 * j..]),
+            ValueCodec::F16 => widen_half(DType::F16, [self.values[2 * j], self.values[2 * j + 1]]),
+            ValueCodec::Bf16 => {
+                widen_half(DType::BF16, [self.values[2 * j], self.values[2 * j + 1]])
+            }
+            ValueCodec::Int8 => f32::from(self.values[j] as i8) * scale(),
+            ValueCodec::Int4 => {
+                let nibble = (self.values[j / 2] >> (4 * (j % 2))) & 0x0f;
+                f32::from(nibble as i8 - 8) * scale()
+            }
+        }
+    }
+
+    /// Where the value number `j` of those sent lies in the tensor.
+    #[inline]
+    fn position(&self, j: usize) -> usize {
+        match self.positions {
+            Some(p) => {
+                u32::from_le_bytes([p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]]) as usize
+            }
+            None => j,
         }
     }
 }
@@ -718,7 +785,7 @@ mod tests {
         ValueCodec::Int4,
     ];
 
-    /// Encodes, opens as the server does, and decodes: (original, decoded, residual).
+    /// Encodes, opens as the server does, and decodes: (decoded, residual).
     fn round_trip(c: &Compression, m: &Model, seed: u64) -> (Model, Model) {
         let mut residual = m.clone();
         let bytes = c
@@ -749,7 +816,7 @@ mod tests {
                 let x = &m.data()[t.offset..t.offset + t.len];
                 let d = &decoded.data()[t.offset..t.offset + t.len];
                 let r = &residual.data()[t.offset..t.offset + t.len];
-                let sent = d.iter().zip(x).filter(|(d, _)| **d != 0.0).count();
+                let sent = d.iter().filter(|d| **d != 0.0).count();
                 prop_assert!(sent <= c.sent(t.len));
                 for j in 0..t.len {
                     // decoded + residual = the original (to f32 rounding of the subtraction).
@@ -930,8 +997,48 @@ mod tests {
         assert!(err.contains("scale"), "{err}");
         let err = with("s0", StDtype::F32, f32::MAX.to_le_bytes().to_vec());
         assert!(err.contains("finite"), "{err}");
-        // A value tensor of the wrong type.
+        // A value tensor of the wrong type, and an int8 code out of range.
         let err = with("v0", StDtype::F32, vec![0; 8]);
         assert!(err.contains("expected I8"), "{err}");
+        let err = with("v0", StDtype::I8, vec![0x80, 1]);
+        assert!(err.contains("−127..=127"), "{err}");
+        // 4-bit codes are 1..=15, an odd count padded with 8.
+        let c = compression(ValueCodec::Int4, None);
+        let m = model(vec![1.0, -2.0, 3.0], vec![3.0]);
+        let bytes = c
+            .encode(&mut m.clone(), &mut ChaCha8Rng::seed_from_u64(0))
+            .unwrap();
+        let spec = m.spec();
+        assert!(Update::open(&bytes, &spec, Some(&c)).is_ok());
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let at = st.tensor("v0").unwrap().data().as_ptr() as usize - bytes.as_ptr() as usize;
+        for (byte, bad) in [(0, 0x80u8), (1, 0x08)] {
+            let mut broken = bytes.clone();
+            broken[at + byte] = bad; // a 0 nibble (q = −8), or a padding that is not 8
+            let err = Update::open(&broken, &spec, Some(&c))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("q + 8"), "{err}");
+        }
+    }
+
+    /// Large dense tensors fold in pieces over the pool: the same sums as one value at a time.
+    #[test]
+    fn a_large_update_folds_in_parallel_to_what_it_decodes_to() {
+        let n = 3 * PARALLEL_MIN + 17;
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let m = Model::from_tensors([("w", vec![n], values)]).unwrap();
+        for codec in [ValueCodec::Int8, ValueCodec::F16] {
+            let c = Compression {
+                block_size: 256,
+                ..compression(codec, None)
+            };
+            let (decoded, residual) = round_trip(&c, &m, 5);
+            for ((x, d), r) in m.data().iter().zip(decoded.data()).zip(residual.data()) {
+                assert!((x - r - d).abs() <= 1e-6, "{codec:?}: {x} − {r} != {d}");
+            }
+        }
     }
 }

@@ -28,9 +28,9 @@ use crate::codec::Update;
 use crate::model::{f32_le, widen_half, DType, Model, ModelSpec, ModelView};
 
 /// Elements per parallel task: 32 Ki f32 + 32 Ki f64 = 384 KiB, about an L2's worth.
-const CHUNK: usize = 1 << 15;
+pub(crate) const CHUNK: usize = 1 << 15;
 /// Below this many elements one thread is faster than waking the pool.
-const PARALLEL_MIN: usize = 1 << 17;
+pub(crate) const PARALLEL_MIN: usize = 1 << 17;
 
 /// Why a fold was refused. The sum is unchanged when any of these is returned.
 #[derive(Debug, Error, PartialEq)]
@@ -225,7 +225,7 @@ impl WeightedSum {
             ));
         }
         let factor = weight * scale;
-        view.fold_into(&mut self.sum, |s, v| *s += factor * f64::from(v));
+        view.fold_scaled(&mut self.sum, factor);
         self.total_weight += weight;
         self.updates += 1;
         Ok(())
