@@ -112,6 +112,7 @@ bench:
 	cargo bench -p hora --bench hostile; \
 	cargo build --release -p hora-client --bins; \
 	cargo bench -p hora --bench round_latency; \
+	cargo bench -p hora --bench compression; \
 	scripts/dist.sh; cargo bench -p hora --bench footprint; \
 	cargo build --release --example asynchronous; \
 	target/release/examples/asynchronous; \

@@ -32,6 +32,8 @@
 mod flower;
 #[path = "common/harness.rs"]
 mod harness;
+#[path = "common/mnist.rs"]
+mod mnist;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
@@ -44,7 +46,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hora_client::data::synthetic::SyntheticConfig;
 use hora_client::network::{Architecture, Network};
-use rand::{Rng, SeedableRng};
 use reqwest::Method;
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -216,38 +217,6 @@ impl Cost {
             self.received as f64 / 1024.0 / self.rounds as f64,
         )
     }
-}
-
-/// Writes MNIST-shaped IDX files (`train-*`, `t10k-*`) with `train` training images.
-fn write_mnist(dir: &Path, train: usize) {
-    std::fs::create_dir_all(dir).expect("mnist dir");
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    // One 28×28 pattern per class; each image is its class's pattern plus noise.
-    let patterns: Vec<Vec<u8>> = (0..10)
-        .map(|_| (0..784).map(|_| rng.random_range(0..=255u8)).collect())
-        .collect();
-    let mut write = |prefix: &str, n: usize| {
-        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
-        let mut images = vec![0, 0, 0x08, 3];
-        for d in [n as u32, 28, 28] {
-            images.extend_from_slice(&d.to_be_bytes());
-        }
-        for &l in &labels {
-            images.extend(
-                patterns[l as usize]
-                    .iter()
-                    .map(|&p| p / 2 + rng.random_range(0..=127u8)),
-            );
-        }
-        let mut idx_labels = vec![0, 0, 0x08, 1];
-        idx_labels.extend_from_slice(&(n as u32).to_be_bytes());
-        idx_labels.extend_from_slice(&labels);
-        std::fs::write(dir.join(format!("{prefix}-images-idx3-ubyte")), images).expect("images");
-        std::fs::write(dir.join(format!("{prefix}-labels-idx1-ubyte")), idx_labels)
-            .expect("labels");
-    };
-    write("train", train);
-    write("t10k", (train / 6).max(10));
 }
 
 /// The client of this machine's release tarball (`make dist`), unpacked under `dir`.
@@ -456,7 +425,7 @@ async fn run() {
         .train
         .len();
     let mnist = dir.path().join("mnist");
-    write_mnist(&mnist, mnist_samples);
+    mnist::write(&mnist, mnist_samples, 127);
     let workloads = [
         Workload {
             name: "demo-logreg",

@@ -30,7 +30,7 @@ mod harness;
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hora_client::data::synthetic::SyntheticConfig;
@@ -90,17 +90,6 @@ fn histogram(metrics: &str, name: &str) -> (f64, f64) {
             .unwrap_or(0.0)
     };
     (value("sum"), value("count"))
-}
-
-struct Processes(Vec<Child>);
-
-impl Drop for Processes {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 fn main() {

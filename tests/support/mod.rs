@@ -142,6 +142,18 @@ impl Drop for Server {
     }
 }
 
+/// Child processes killed (by their ids) and reaped when dropped.
+pub struct Processes(pub Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// A server process started but not (yet) listening; killed by its pid when dropped.
 pub struct Starting {
     child: Option<Child>,
