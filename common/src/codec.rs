@@ -14,7 +14,9 @@
 //! - `v{i}`: the values sent: F32, F16, BF16, I8, or U8 holding two 4-bit values per byte (low
 //!   nibble first, each stored as q + 8, q in −7..=7), one dimension;
 //! - `s{i}`: for int8 and int4, the scales (F32, one per `block_size` values sent, ≥ 0);
-//! - `i{i}`: for top-k, the positions in the tensor (U32, strictly increasing).
+//! - `i{i}`: for top-k, the positions in the tensor as gaps (U8): for each value sent, in
+//!   increasing position, the number of values skipped since the previous one sent (or since the
+//!   start) as an unsigned LEB128 varint — one byte a position at 1%, where a U32 costs four.
 //!
 //! A plain float32 update (no compression) stays a safetensors file of the model's own tensors,
 //! as before this module: [`Update::open`] tells the two apart by the metadata and refuses the
@@ -198,19 +200,23 @@ impl Compression {
         }
     }
 
-    /// Bytes a tensor of `numel` values takes encoded (values, scales, positions).
+    /// The most bytes a tensor of `numel` values takes encoded (values, scales, positions).
     fn tensor_bytes(&self, numel: usize) -> u64 {
         let sent = self.sent(numel) as u64;
         let scales = match self.values.levels() {
             Some(_) => 4 * sent.div_ceil(u64::from(self.block_size)),
             None => 0,
         };
-        let positions = if self.top_k.is_some() { 4 * sent } else { 0 };
+        let positions = if self.top_k.is_some() {
+            MAX_VARINT * sent
+        } else {
+            0
+        };
         self.values.bytes(sent) + scales + positions
     }
 
-    /// Bytes of the tensor data of an update of `spec` encoded so (what the wire carries besides
-    /// the header and the envelope).
+    /// The most bytes of tensor data an update of `spec` encoded so takes (what the wire carries
+    /// besides the header and the envelope; top-k's positions take fewer when they are close).
     pub fn data_bytes(&self, spec: &ModelSpec) -> u64 {
         spec.tensors()
             .iter()
@@ -270,16 +276,12 @@ impl Compression {
                 parts.push((format!("s{i}"), StDtype::F32, f32_bytes(&scales)));
             }
             if let Some(p) = positions {
-                parts.push((
-                    format!("i{i}"),
-                    StDtype::U32,
-                    bytemuck::cast_slice(&p).to_vec(),
-                ));
+                parts.push((format!("i{i}"), StDtype::U8, gaps(&p)));
             }
         }
         let views = parts.iter().map(|(name, dtype, bytes)| {
             let len = match dtype {
-                StDtype::F32 | StDtype::U32 => bytes.len() / 4,
+                StDtype::F32 => bytes.len() / 4,
                 StDtype::F16 | StDtype::BF16 => bytes.len() / 2,
                 _ => bytes.len(),
             };
@@ -374,6 +376,53 @@ fn stochastic_round(y: f32, levels: f32, rng: &mut impl RngCore) -> f32 {
     let u = (rng.next_u32() >> 8) as f32 * (1.0 / (1u32 << 24) as f32);
     let up = u < y - floor;
     (floor + if up { 1.0 } else { 0.0 }).clamp(-levels, levels)
+}
+
+/// The most bytes a position's gap takes as a varint (a u32's 32 bits, 7 a byte).
+const MAX_VARINT: u64 = 5;
+
+/// Increasing `positions` as the gaps between them, unsigned LEB128 varints.
+fn gaps(positions: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(positions.len() + positions.len() / 4);
+    let mut next = 0u32;
+    for &p in positions {
+        let mut gap = p - next;
+        next = p + 1;
+        while gap >= 0x80 {
+            out.push((gap & 0x7f) as u8 | 0x80);
+            gap >>= 7;
+        }
+        out.push(gap as u8);
+    }
+    out
+}
+
+/// The `count` positions `bytes` holds as [`gaps`], if they are exactly that many, every one
+/// below `numel` and every varint at most [`MAX_VARINT`] bytes.
+fn positions_from_gaps(bytes: &[u8], count: usize, numel: usize) -> Option<Vec<u32>> {
+    let mut positions = Vec::with_capacity(count);
+    let mut bytes = bytes.iter();
+    let mut next = 0u64;
+    while positions.len() < count {
+        let mut gap = 0u64;
+        for shift in (0..MAX_VARINT * 7).step_by(7) {
+            let b = *bytes.next()?;
+            gap |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                break;
+            }
+            if shift + 7 == MAX_VARINT * 7 {
+                return None;
+            }
+        }
+        let p = next + gap;
+        if p >= numel as u64 {
+            return None;
+        }
+        positions.push(p as u32);
+        next = p + 1;
+    }
+    bytes.next().is_none().then_some(positions)
 }
 
 /// The positions of the `k` values of largest magnitude, in increasing order.
@@ -517,8 +566,8 @@ struct EncodedTensor<'a> {
     values: &'a [u8],
     /// f32 scales (the integer codecs).
     scales: &'a [u8],
-    /// u32 positions, strictly increasing (top-k).
-    positions: Option<&'a [u8]>,
+    /// Positions of the values sent, strictly increasing (top-k).
+    positions: Option<Vec<u32>>,
     /// Values sent.
     sent: usize,
 }
@@ -549,11 +598,17 @@ impl<'a> EncodedView<'a> {
                 st.len()
             )));
         }
-        let part = |name: String, dtype: StDtype, len: u64| -> Result<&'a [u8], CodecError> {
+        // A part of the update: `len` bytes of `dtype` (at most `len` with `up_to`).
+        let part = |name: String, dtype: StDtype, len: u64, up_to: bool| {
             let view = st
                 .tensor(&name)
                 .map_err(|_| invalid(format!("the encoded update has no tensor `{name}`")))?;
-            if view.dtype() != dtype || view.shape().len() != 1 || view.data().len() as u64 != len {
+            let size = view.data().len() as u64;
+            if view.dtype() != dtype
+                || view.shape().len() != 1
+                || size > len
+                || (!up_to && size != len)
+            {
                 return Err(invalid(format!(
                     "encoded tensor `{name}` is {:?} {:?} ({} bytes); expected {dtype:?} of {len} bytes",
                     view.dtype(),
@@ -561,7 +616,7 @@ impl<'a> EncodedView<'a> {
                     view.data().len()
                 )));
             }
-            Ok(view.data())
+            Ok::<&'a [u8], CodecError>(view.data())
         };
         let mut tensors = Vec::with_capacity(spec.tensors().len());
         let mut offset = 0;
@@ -572,12 +627,14 @@ impl<'a> EncodedView<'a> {
                 format!("v{i}"),
                 c.values.dtype(),
                 c.values.bytes(sent as u64),
+                false,
             )?;
             let scales = match quantised {
                 true => part(
                     format!("s{i}"),
                     StDtype::F32,
                     4 * (sent as u64).div_ceil(u64::from(c.block_size)),
+                    false,
                 )?,
                 false => &[],
             };
@@ -593,21 +650,14 @@ impl<'a> EncodedView<'a> {
             }
             let positions = match c.top_k {
                 Some(_) => {
-                    let p = part(format!("i{i}"), StDtype::U32, 4 * sent as u64)?;
-                    let mut last: Option<u32> = None;
-                    for j in p
-                        .chunks_exact(4)
-                        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    {
-                        if j as usize >= numel || last.is_some_and(|l| j <= l) {
-                            return Err(invalid(format!(
-                                "tensor `{}`: positions must be strictly increasing and below {numel}",
-                                t.name
-                            )));
-                        }
-                        last = Some(j);
-                    }
-                    Some(p)
+                    let gaps = part(format!("i{i}"), StDtype::U8, MAX_VARINT * sent as u64, true)?;
+                    let positions = positions_from_gaps(gaps, sent, numel).ok_or_else(|| {
+                        invalid(format!(
+                            "tensor `{}`: the positions must be {sent} gaps (varints of at most {MAX_VARINT} bytes) that stay below {numel}",
+                            t.name
+                        ))
+                    })?;
+                    Some(positions)
                 }
                 None => None,
             };
@@ -747,10 +797,8 @@ impl EncodedTensor<'_> {
     /// Where the value number `j` of those sent lies in the tensor.
     #[inline]
     fn position(&self, j: usize) -> usize {
-        match self.positions {
-            Some(p) => {
-                u32::from_le_bytes([p[4 * j], p[4 * j + 1], p[4 * j + 2], p[4 * j + 3]]) as usize
-            }
+        match &self.positions {
+            Some(p) => p[j] as usize,
             None => j,
         }
     }
@@ -896,6 +944,19 @@ mod tests {
         }
     }
 
+    /// Gaps round-trip, near and far (a position past 2^28 takes five bytes).
+    #[test]
+    fn positions_travel_as_gaps() {
+        let positions = [0u32, 1, 2, 131, 132, 20_000, 1 << 29, u32::MAX - 1];
+        let bytes = gaps(&positions);
+        assert_eq!(bytes.len(), 1 + 1 + 1 + 2 + 1 + 3 + 5 + 5);
+        assert_eq!(
+            positions_from_gaps(&bytes, positions.len(), u32::MAX as usize).as_deref(),
+            Some(&positions[..])
+        );
+        assert_eq!(positions_from_gaps(&bytes, positions.len(), 1 << 29), None);
+    }
+
     #[test]
     fn int8_is_four_times_smaller_and_top_k_fifty() {
         let spec = model(vec![0.0; 100_000], vec![0.0; 1000]).spec();
@@ -980,18 +1041,19 @@ mod tests {
                 .unwrap_err()
                 .to_string()
         };
-        // Positions out of order, repeated, or past the tensor.
-        for p in [[1u32, 0], [1, 1], [0, 4]] {
-            let err = with("i0", StDtype::U32, bytemuck::cast_slice(&p).to_vec());
-            assert!(err.contains("strictly increasing"), "{err}");
+        // Gaps that run past the tensor, one too many or too few, a varint past 5 bytes.
+        for gaps in [
+            vec![0u8, 4],
+            vec![0, 0, 0],
+            vec![0],
+            vec![0x80, 0x80, 0x80, 0x80, 0x80, 0],
+        ] {
+            let err = with("i0", StDtype::U8, gaps);
+            assert!(err.contains("the positions must be"), "{err}");
         }
-        // A position too many.
-        let err = with(
-            "i0",
-            StDtype::U32,
-            bytemuck::cast_slice(&[0u32, 1, 2]).to_vec(),
-        );
-        assert!(err.contains("expected U32"), "{err}");
+        // More bytes than any 2 positions take.
+        let err = with("i0", StDtype::U8, vec![0; 11]);
+        assert!(err.contains("expected U8"), "{err}");
         // A scale that is not finite, or one that overflows what it scales.
         let err = with("s0", StDtype::F32, f32::NAN.to_le_bytes().to_vec());
         assert!(err.contains("scale"), "{err}");
