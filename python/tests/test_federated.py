@@ -242,7 +242,7 @@ def run_in_threads(server: Server, task: str, clients: int, tmp_path: Path) -> l
     return results
 
 
-def test_secure_aggregation_and_asynchronous_tasks_through_the_same_call(server, tmp_path):
+def test_secure_aggregation_asynchronous_and_compressed_tasks_through_the_same_call(server, tmp_path):
     digest = server.admin.upload_model(initial_model().state_dict())
     server.create_mlp_task("secure", digest, rounds=2, target_clients=3,
                            secure_aggregation={"stage_secs": 30})
@@ -259,3 +259,12 @@ def test_secure_aggregation_and_asynchronous_tasks_through_the_same_call(server,
     assert server.admin.task("async")["published_rounds"] == 4
     assert sum(len(r["rounds"]) for r in results) >= 8, "every version takes two updates"
     assert accuracy(server, "async", 4) > accuracy(server, "async", 0) + 0.1
+
+    # Updates in int8, read by the server inside the fold.
+    server.create_mlp_task("packed", digest, rounds=2, target_clients=3,
+                           compression={"values": "int8", "block_size": 64})
+    results = run_in_threads(server, "packed", 3, tmp_path)
+    for r in results:
+        assert [x["outcome"] for x in r["rounds"]] == ["uploaded", "uploaded"], r
+    assert server.admin.task("packed")["config"]["compression"]["values"] == "int8"
+    assert accuracy(server, "packed", 2) > accuracy(server, "packed", 0) + 0.1

@@ -431,6 +431,35 @@ async fn a_compressed_federation_publishes_the_average_of_its_decoded_updates() 
         );
     }
 
+    // Under central DP, each encoded update is clipped on its decoded norm and counted.
+    admin
+        .call(
+            reqwest::Method::POST,
+            "/admin/v1/tasks",
+            Some(task(
+                "private",
+                json!({"compression": int8_top, "differential_privacy": {
+                    "noise_multiplier": 0.5, "clip": {"mode": "fixed", "norm": bound}}}),
+            )),
+        )
+        .await;
+    for (client, (bytes, _, examples)) in clients.iter().zip(&updates) {
+        let offer = client.join("private").await;
+        let (status, body) = client
+            .upload_plaintext("private", &offer, *examples, bytes)
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    admin.wait_published("private", 1).await;
+    let history = admin
+        .call(reqwest::Method::GET, "/admin/v1/tasks/private/rounds", None)
+        .await;
+    let privacy = &history[0]["privacy"];
+    assert!(
+        privacy["epsilon"].as_f64().is_some_and(|e| e > 0.0),
+        "{history}"
+    );
+
     // An asynchronous task of 4-bit updates: two updates from version 0 make version 1.
     admin
         .call(
