@@ -90,7 +90,7 @@ async fn run() {
     let demo_test = Dataset::concat(&shards.iter().map(|s| &s.test).collect::<Vec<_>>())
         .expect("pooled test data");
     let mnist = dir.path().join("mnist");
-    mnist::write(&mnist, 2000, 245);
+    mnist::write(&mnist, 2000, 225);
     let demo_data = demo.to_string();
     let mnist_data = format!("mnist:{}", mnist.display());
     let workloads = [

@@ -704,26 +704,40 @@ impl<'a> EncodedView<'a> {
         self.numel
     }
 
-    /// Adds `factor ×` every decoded value into `sum` (laid out as the flat model): dense
-    /// tensors in pieces over rayon's pool, like the kernel's own fold; top-k ones value by value.
+    /// Adds `factor ×` every decoded value into `sum` (laid out as the flat model): pieces of
+    /// [`CHUNK`] values decoded into a buffer and added, over rayon's pool for large dense
+    /// tensors, like the kernel's own fold; top-k ones scattered to their positions.
     pub fn fold_scaled(&self, sum: &mut [f64], factor: f64) {
         for t in &self.tensors {
             let dst = &mut sum[t.offset..t.offset + t.numel];
-            let value = |j: usize| factor * f64::from(t.value(self.codec, self.block, j));
-            match t.positions {
-                Some(_) => (0..t.sent).for_each(|j| dst[t.position(j)] += value(j)),
-                None => {
-                    let piece = |start: usize, piece: &mut [f64]| {
-                        for (i, s) in piece.iter_mut().enumerate() {
-                            *s += value(start + i);
+            match &t.positions {
+                Some(positions) => {
+                    let mut values = vec![0.0f32; CHUNK.min(t.sent)];
+                    for start in (0..t.sent).step_by(CHUNK) {
+                        let values = &mut values[..CHUNK.min(t.sent - start)];
+                        t.decode(self.codec, self.block, start, values);
+                        for (p, v) in positions[start..].iter().zip(values.iter()) {
+                            dst[*p as usize] += factor * f64::from(*v);
                         }
+                    }
+                }
+                None => {
+                    let fold = |c: usize, piece: &mut [f64]| {
+                        let mut values = vec![0.0f32; piece.len()];
+                        t.decode(self.codec, self.block, c * CHUNK, &mut values);
+                        piece
+                            .iter_mut()
+                            .zip(&values)
+                            .for_each(|(s, v)| *s += factor * f64::from(*v));
                     };
                     if dst.len() < PARALLEL_MIN {
-                        piece(0, dst);
+                        dst.chunks_mut(CHUNK)
+                            .enumerate()
+                            .for_each(|(c, p)| fold(c, p));
                     } else {
                         dst.par_chunks_mut(CHUNK)
                             .enumerate()
-                            .for_each(|(c, p)| piece(c * CHUNK, p));
+                            .for_each(|(c, p)| fold(c, p));
                     }
                 }
             }
@@ -743,31 +757,31 @@ impl<'a> EncodedView<'a> {
     fn squares(&self) -> Result<f64, CodecError> {
         let mut total = 0.0;
         for t in &self.tensors {
-            let squares = |range: std::ops::Range<usize>| -> Result<f64, usize> {
-                let mut s = 0.0f64;
-                for j in range {
-                    let v = t.value(self.codec, self.block, j);
-                    if !v.is_finite() {
-                        return Err(j);
-                    }
-                    s += f64::from(v) * f64::from(v);
+            let squares = |c: usize| -> Result<f64, usize> {
+                let start = c * CHUNK;
+                let mut values = vec![0.0f32; CHUNK.min(t.sent - start)];
+                t.decode(self.codec, self.block, start, &mut values);
+                if let Some(k) = values.iter().position(|v| !v.is_finite()) {
+                    return Err(start + k);
                 }
-                Ok(s)
+                Ok(values.iter().map(|v| f64::from(*v) * f64::from(*v)).sum())
             };
+            let chunks = t.sent.div_ceil(CHUNK);
             let sum = if t.sent < PARALLEL_MIN {
-                squares(0..t.sent)
+                (0..chunks).try_fold(0.0, |acc, c| squares(c).map(|s| acc + s))
             } else {
-                (0..t.sent.div_ceil(CHUNK))
+                (0..chunks)
                     .into_par_iter()
-                    .map(|c| squares(c * CHUNK..((c + 1) * CHUNK).min(t.sent)))
+                    .map(squares)
                     .try_reduce(|| 0.0, |a, b| Ok(a + b))
             };
             total += sum.map_err(|j| {
+                let mut value = [0.0f32];
+                t.decode(self.codec, self.block, j, &mut value);
+                let at = t.positions.as_ref().map_or(j, |p| p[j] as usize);
                 invalid(format!(
-                    "tensor `{}`: value {} decodes to {}; every value must be finite",
-                    t.name,
-                    t.position(j),
-                    t.value(self.codec, self.block, j)
+                    "tensor `{}`: value {at} decodes to {}; every value must be finite",
+                    t.name, value[0]
                 ))
             })?;
         }
@@ -776,30 +790,45 @@ impl<'a> EncodedView<'a> {
 }
 
 impl EncodedTensor<'_> {
-    /// The decoded value number `j` of those sent.
-    #[inline]
-    fn value(&self, codec: ValueCodec, block: usize, j: usize) -> f32 {
-        let scale = || f32_le(&self.scales[4 * (j / block)..]);
+    /// Decodes the values sent number `start..start + out.len()` into `out`: block by block
+    /// for the integer codecs, so that each block's loop is a plain multiply that vectorises.
+    fn decode(&self, codec: ValueCodec, block: usize, start: usize, out: &mut [f32]) {
+        let halves = |dtype: DType, out: &mut [f32]| {
+            let bytes = &self.values[2 * start..2 * (start + out.len())];
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = widen_half(dtype, [b[0], b[1]]);
+            }
+        };
         match codec {
-            ValueCodec::F32 => f32_le(&self.values[4 * j..]),
-            ValueCodec::F16 => widen_half(DType::F16, [self.values[2 * j], self.values[2 * j + 1]]),
-            ValueCodec::Bf16 => {
-                widen_half(DType::BF16, [self.values[2 * j], self.values[2 * j + 1]])
+            ValueCodec::F32 => {
+                let bytes = &self.values[4 * start..4 * (start + out.len())];
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32_le(b);
+                }
             }
-            ValueCodec::Int8 => f32::from(self.values[j] as i8) * scale(),
-            ValueCodec::Int4 => {
-                let nibble = (self.values[j / 2] >> (4 * (j % 2))) & 0x0f;
-                f32::from(nibble as i8 - 8) * scale()
+            ValueCodec::F16 => halves(DType::F16, out),
+            ValueCodec::Bf16 => halves(DType::BF16, out),
+            ValueCodec::Int8 | ValueCodec::Int4 => {
+                let mut done = 0;
+                while done < out.len() {
+                    let j = start + done;
+                    let n = (block - j % block).min(out.len() - done);
+                    let scale = f32_le(&self.scales[4 * (j / block)..]);
+                    let out = &mut out[done..done + n];
+                    if codec == ValueCodec::Int8 {
+                        for (o, q) in out.iter_mut().zip(&self.values[j..j + n]) {
+                            *o = f32::from(*q as i8) * scale;
+                        }
+                    } else {
+                        for (k, o) in out.iter_mut().enumerate() {
+                            let j = j + k;
+                            let nibble = (self.values[j / 2] >> (4 * (j % 2))) & 0x0f;
+                            *o = f32::from(nibble as i8 - 8) * scale;
+                        }
+                    }
+                    done += n;
+                }
             }
-        }
-    }
-
-    /// Where the value number `j` of those sent lies in the tensor.
-    #[inline]
-    fn position(&self, j: usize) -> usize {
-        match &self.positions {
-            Some(p) => p[j] as usize,
-            None => j,
         }
     }
 }

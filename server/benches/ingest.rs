@@ -2,15 +2,19 @@
 //! against the kernel's fold alone, measured in the same run, for 1M- and 25M-parameter models.
 //!
 //! `make bench` (or `cargo bench -p hora-server --bench ingest`). Throughput is in GB/s of
-//! sealed update bytes (what arrives over the wire, about 4 bytes per parameter).
+//! sealed update bytes (what arrives over the wire, about 4 bytes per parameter); then the same
+//! update compressed (int8, and top-1% in int8), its ingest time next to float32's.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use hora_common::codec::{Compression, ValueCodec};
 use hora_common::envelope::{self, Binding, RoundSecretKey};
 use hora_common::kernel::WeightedSum;
 use hora_common::model::{DType, Model, ModelDigest, ModelSpec, TensorSpec};
 use hora_server::round::open_update;
+use rand_chacha::rand_core::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 
 fn spec(params: usize) -> ModelSpec {
     // A few tensors, like a real network.
@@ -93,5 +97,31 @@ fn main() {
             fold.as_secs_f64() * 1e3,
             fold.as_secs_f64() / ingest.as_secs_f64()
         );
+        // The same update compressed: the server decodes it inside the fold.
+        for (label, compression) in [("int8", None), ("top-1% int8", Some(0.01))] {
+            let compression = Compression {
+                values: ValueCodec::Int8,
+                block_size: 256,
+                top_k: compression,
+            };
+            let bytes = compression
+                .encode(&mut delta.clone(), &mut ChaCha8Rng::seed_from_u64(1))
+                .expect("encode");
+            let sealed_small = envelope::seal(&bytes, &key.public_key(), &binding).expect("seal");
+            let time = best_of(reps, || {
+                let mut body = sealed_small.clone();
+                let t = Instant::now();
+                let view = open_update(&mut body, &key, &binding, &spec, Some(&compression))
+                    .expect("valid update");
+                sum.add_update_scaled(10.0, 1.0, &view).expect("fold");
+                t.elapsed()
+            });
+            println!(
+                "        {label:<12} ({:>6.1} MB sealed): ingest {:7.1} ms = {:.2}x float32's ingest time",
+                sealed_small.len() as f64 / 1e6,
+                time.as_secs_f64() * 1e3,
+                time.as_secs_f64() / ingest.as_secs_f64()
+            );
+        }
     }
 }
