@@ -26,7 +26,6 @@ mod mnist;
 mod support;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hora_client::data::idx::load_mnist_dir;
@@ -201,33 +200,16 @@ async fn federate(
     );
     config.training = workload.training.clone();
     config.compression = compression;
-    let before = upload_bytes(admin).await;
+    let before = admin.metric("hora_upload_bytes_total").await;
     admin.create_task(&config).await;
     let mut clients = Processes(Vec::new());
     for k in 0..workload.clients {
-        let token: serde_json::Value = admin
-            .ok(admin
-                .request(Method::POST, "/admin/v1/enrolments")
-                .json(&serde_json::json!({})))
-            .await;
-        let log = std::fs::File::create(dir.join(format!("{task}-{k}.log"))).expect("log");
-        let child = Command::new(binary("hora-client"))
-            .args(["train", "--server", &server.url, "--task", task, "--token"])
-            .arg(token["token"].as_str().expect("token"))
-            .arg("--ca")
-            .arg(&server.ca)
-            .arg("--state-dir")
-            .arg(dir.join(format!("{task}-{k}")))
-            .arg("--data")
-            .arg((workload.data)(k))
-            .args(["--client-index", &k.to_string(), "--seed", &k.to_string()])
-            .args(["--threads", "1", "--device", "cpu", "--no-progress"])
-            .env("HORA_LOG", "warn")
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start hora-client");
-        clients.0.push(child);
+        let log = dir.join(format!("{task}-{k}.log"));
+        let state = dir.join(format!("{task}-{k}"));
+        let data = (workload.data)(k);
+        clients
+            .0
+            .push(spawn_train_client(server, task, &state, &data, k, &[], &log).await);
     }
     let started = Instant::now();
     loop {
@@ -248,7 +230,7 @@ async fn federate(
         .ok(admin.request(Method::GET, &format!("/admin/v1/tasks/{task}/rounds")))
         .await;
     let updates: usize = history.iter().map(|r| r.participants.len()).sum();
-    let bytes = upload_bytes(admin).await - before;
+    let bytes = admin.metric("hora_upload_bytes_total").await - before;
     drop(clients);
     let model = admin.round_model(task, rounds).await;
     let mut net = Network::builtin(&workload.arch, tch::Device::Cpu).expect("network");
@@ -260,21 +242,4 @@ async fn federate(
             .expect("evaluation")
             .accuracy,
     }
-}
-
-/// The server's count of sealed update bytes received.
-async fn upload_bytes(admin: &Api) -> f64 {
-    let metrics = admin
-        .request(Method::GET, "/metrics")
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics body");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("hora_upload_bytes_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("hora_upload_bytes_total in /metrics")
 }

@@ -30,7 +30,6 @@ mod harness;
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hora_client::data::synthetic::SyntheticConfig;
@@ -145,31 +144,16 @@ async fn run_hora(dir: &Path, warmup: u64, rounds: u64) -> (HoraRun, PathBuf) {
         .await;
     let mut clients = Processes(Vec::new());
     for k in 0..CLIENTS {
-        let token: serde_json::Value = admin
-            .ok(admin
-                .request(Method::POST, "/admin/v1/enrolments")
-                .json(&serde_json::json!({})))
-            .await;
-        let log = std::fs::File::create(dir.join(format!("client-{k}.log"))).expect("log");
-        let child = Command::new(binary("hora-client"))
-            .args(["train", "--server", &server.url, "--task", TASK, "--token"])
-            .arg(token["token"].as_str().expect("token"))
-            .arg("--ca")
-            .arg(&server.ca)
-            .arg("--state-dir")
-            .arg(dir.join(format!("client-{k}")))
-            .arg("--data")
-            .arg(data().to_string())
-            .args(["--client-index", &k.to_string(), "--seed", &k.to_string()])
-            .args(["--threads", "1", "--device", "cpu", "--no-progress"])
-            .arg("--timings")
-            .arg(dir.join(format!("timings-{k}.jsonl")))
-            .env("HORA_LOG", "warn")
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start hora-client");
-        clients.0.push(child);
+        let timings = dir.join(format!("timings-{k}.jsonl"));
+        let extra = [std::ffi::OsStr::new("--timings"), timings.as_os_str()];
+        let (state, log) = (
+            dir.join(format!("client-{k}")),
+            dir.join(format!("client-{k}.log")),
+        );
+        let data = data().to_string();
+        clients
+            .0
+            .push(spawn_train_client(&server, TASK, &state, &data, k, &extra, &log).await);
     }
 
     // /metrics once the warm-up rounds are published, and at the end: the server's own

@@ -72,21 +72,6 @@ async fn healthz_ok(server: &Server) -> Duration {
     started.elapsed()
 }
 
-async fn metric(admin: &Api, name: &str) -> f64 {
-    let text = admin
-        .request(Method::GET, "/metrics")
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test]
 async fn idle_and_half_open_connections_are_closed_and_healthz_answers_throughout() {
     let dir = tempfile::tempdir().unwrap();
@@ -140,9 +125,9 @@ async fn idle_and_half_open_connections_are_closed_and_healthz_answers_throughou
         );
     }
     healthz_ok(&server).await;
-    let open = metric(&admin, "hora_connections_open").await;
+    let open = admin.metric("hora_connections_open").await;
     assert!(open <= 3.0, "{open} connections still open");
-    assert!(metric(&admin, "hora_connections_closed_total").await >= 150.0);
+    assert!(admin.metric("hora_connections_closed_total").await >= 150.0);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -247,11 +232,9 @@ async fn one_source_cannot_take_every_connection_slot() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     let admin = server.api(ADMIN_TOKEN);
     assert!(
-        metric(
-            &admin,
-            "hora_connections_closed_total{reason=\"evicted_at_source_cap\"}"
-        )
-        .await
+        admin
+            .metric("hora_connections_closed_total{reason=\"evicted_at_source_cap\"}")
+            .await
             >= 1.0
     );
 }
@@ -327,11 +310,9 @@ async fn at_the_cap_a_stalled_upload_makes_room_and_long_polls_keep_their_connec
         assert!(p.await.expect("every poll answered") >= 2);
     }
     assert_eq!(
-        metric(
-            &admin,
-            "hora_connections_closed_total{reason=\"evicted_stalled_at_cap\"}"
-        )
-        .await,
+        admin
+            .metric("hora_connections_closed_total{reason=\"evicted_stalled_at_cap\"}")
+            .await,
         1.0,
         "the one stalled connection, counted once"
     );
@@ -403,7 +384,7 @@ async fn one_source_keeps_at_most_its_limit_of_unauthenticated_requests_in_fligh
         refused >= 4,
         "only {refused} of 16 guesses refused for the limit"
     );
-    assert!(metric(&admin, "hora_unauthenticated_refused_total").await >= refused as f64);
+    assert!(admin.metric("hora_unauthenticated_refused_total").await >= refused as f64);
     // Their places are free again: the address's own good credentials are served.
     let _: Vec<TaskInfo> = admin
         .ok(admin.request(Method::GET, "/admin/v1/tasks"))
@@ -761,7 +742,7 @@ async fn huge_norm_and_weight_updates_are_bounded_and_a_repeat_offender_is_quara
         (listed(&honest.id).strikes, listed(&honest.id).quarantined),
         (0, None)
     );
-    assert_eq!(metric(&admin, "hora_clients_quarantined_total").await, 1.0);
+    assert_eq!(admin.metric("hora_clients_quarantined_total").await, 1.0);
     // Released, it is served again, with a clean count.
     let released: ClientInfo = admin
         .ok(admin.request(
@@ -1006,7 +987,7 @@ async fn the_data_dir_is_private_metrics_can_need_the_token_and_500s_say_no_more
             "missing_credentials",
         )
         .await;
-    assert!(metric(&admin, "hora_uploads_accepted").await >= 0.0);
+    assert!(admin.metric("hora_uploads_accepted").await >= 0.0);
 
     // A blob gone from under the server is its fault (500), and the body names no path.
     let blob = data
@@ -1069,7 +1050,7 @@ async fn a_corrupt_task_leaves_the_others_serving() {
         )
         .await;
     assert!(!msg.contains(dir.path().to_str().unwrap()), "{msg}");
-    assert_eq!(metric(&admin, "hora_tasks_broken").await, 1.0);
+    assert_eq!(admin.metric("hora_tasks_broken").await, 1.0);
     // The healthy task serves and publishes.
     let offer = c.join("healthy").await;
     let d = delta(&model, 2);

@@ -142,6 +142,43 @@ impl Drop for Server {
     }
 }
 
+/// A `hora-client train` process for `task` on `server`, enrolled with a fresh token, its
+/// state in `state_dir`, training on `data` as client `k` (seeded `k`, one thread, on the
+/// CPU), with `extra` arguments; its output goes to `log`.
+pub async fn spawn_train_client(
+    server: &Server,
+    task: &str,
+    state_dir: &Path,
+    data: &str,
+    k: usize,
+    extra: &[&std::ffi::OsStr],
+    log: &Path,
+) -> Child {
+    let admin = server.api(ADMIN_TOKEN);
+    let token: serde_json::Value = admin
+        .ok(admin
+            .request(Method::POST, "/admin/v1/enrolments")
+            .json(&serde_json::json!({})))
+        .await;
+    let log = std::fs::File::create(log).expect("log");
+    Command::new(binary("hora-client"))
+        .args(["train", "--server", &server.url, "--task", task, "--token"])
+        .arg(token["token"].as_str().expect("token"))
+        .arg("--ca")
+        .arg(&server.ca)
+        .arg("--state-dir")
+        .arg(state_dir)
+        .args(["--data", data])
+        .args(["--client-index", &k.to_string(), "--seed", &k.to_string()])
+        .args(["--threads", "1", "--device", "cpu", "--no-progress"])
+        .args(extra)
+        .env("HORA_LOG", "warn")
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("start hora-client")
+}
+
 /// Child processes killed (by their ids) and reaped when dropped.
 pub struct Processes(pub Vec<Child>);
 
@@ -327,6 +364,22 @@ impl Api {
         } else {
             req.bearer_auth(&self.token)
         }
+    }
+
+    /// The sum of the `/metrics` samples whose name (and labels) start with `name`.
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = self
+            .request(Method::GET, "/metrics")
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text");
+        text.lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
     }
 
     /// Sends and decodes a success body, panicking with the server's error otherwise.
