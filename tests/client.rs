@@ -1032,3 +1032,133 @@ async fn a_top_k_clients_residual_survives_a_sigkill_between_rounds() {
         "round 2: trained − residual vs the move",
     );
 }
+
+/// A TCP relay on loopback to `upstream` that cuts its first connection once `cut_after` bytes
+/// have come back through it (later connections pass whole): a link that drops mid-download.
+/// Its port, and the count of bytes it passed back.
+async fn cutting_relay(upstream: std::net::SocketAddr, cut_after: u64) -> (u16, Arc<AtomicU64>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let back = Arc::new(AtomicU64::new(0));
+    let counted = back.clone();
+    tokio::spawn(async move {
+        let mut limit = cut_after;
+        while let Ok((down, _)) = listener.accept().await {
+            let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
+                continue;
+            };
+            let (counted, limit) = (counted.clone(), std::mem::replace(&mut limit, u64::MAX));
+            tokio::spawn(async move {
+                let (mut down_r, mut down_w) = down.into_split();
+                let (mut up_r, mut up_w) = up.into_split();
+                let forward = tokio::io::copy(&mut down_r, &mut up_w);
+                let backward = async {
+                    let (mut passed, mut buf) = (0u64, vec![0u8; 1 << 14]);
+                    while passed < limit {
+                        let n = match up_r.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n.min((limit - passed) as usize),
+                        };
+                        if down_w.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                        passed += n as u64;
+                        counted.fetch_add(n as u64, Ordering::SeqCst);
+                    }
+                };
+                // Either way ends the connection: both halves are dropped.
+                tokio::select! {
+                    _ = forward => {}
+                    _ = backward => {}
+                }
+            });
+        }
+    });
+    (port, back)
+}
+
+/// A model download cut at half its length resumes where it broke off: the client asks for the
+/// rest with `Range` and `If-Range` (the model's digest), and what comes back in all is the
+/// model once, not once and a half. The server answers a range as HTTP says: 206 with its
+/// `Content-Range`, the whole model when `If-Range` names another or the range lies past it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_model_download_cut_at_half_resumes_where_it_broke_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+    let admin = server.api(ADMIN_TOKEN);
+    let n = 2_000_000;
+    let initial = Model::from_tensors([(
+        "w",
+        vec![n],
+        (0..n).map(|i| (i % 1000) as f32 * 1e-3).collect(),
+    )])
+    .unwrap();
+    let digest = admin.upload_model(&initial).await;
+    admin.create_task(&task("t", digest, 1, 1, 1, 60)).await;
+    let size = initial.to_safetensors().len() as u64;
+
+    // The server's ranges, straight.
+    let client = admin.enrol().await;
+    let path = format!("/v1/tasks/t/model?digest={}", digest.to_hex());
+    let etag = format!("\"{}\"", digest.to_hex());
+    let get = |range: &str, if_range: &str| {
+        let mut req = client
+            .api
+            .request(Method::GET, &path)
+            .header("range", range);
+        if !if_range.is_empty() {
+            req = req.header("if-range", if_range);
+        }
+        req.send()
+    };
+    let resp = get("bytes=1000-", &etag).await.unwrap();
+    assert_eq!(resp.status(), 206);
+    let range = resp.headers()["content-range"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(range, format!("bytes 1000-{}/{size}", size - 1));
+    assert_eq!(
+        resp.bytes().await.unwrap(),
+        initial.to_safetensors()[1000..]
+    );
+    let resp = get("bytes=10-19", "").await.unwrap();
+    assert_eq!(resp.status(), 206);
+    assert_eq!(
+        resp.bytes().await.unwrap(),
+        initial.to_safetensors()[10..20]
+    );
+    for (range, if_range) in [
+        ("bytes=1000-", "\"another\""),
+        (&*format!("bytes={size}-"), ""),
+    ] {
+        let resp = get(range, if_range).await.unwrap();
+        assert_eq!(resp.status(), 200, "{range} {if_range}");
+        assert_eq!(resp.bytes().await.unwrap().len() as u64, size);
+    }
+
+    // The SDK client through a link that drops at half the model.
+    let upstream: std::net::SocketAddr = server.url.trim_start_matches("https://").parse().unwrap();
+    let (port, back) = cutting_relay(upstream, size / 2).await;
+    let config = ClientConfig::new(
+        format!("https://127.0.0.1:{port}"),
+        &server.ca,
+        dir.path().join("client"),
+    );
+    let sdk = Client::connect(config, Some(&token(&admin).await))
+        .await
+        .expect("enrol");
+    let model = sdk.model("t", &digest).await.expect("the model, resumed");
+    assert_eq!(model, initial);
+    let passed = back.load(Ordering::SeqCst);
+    assert!(
+        passed < size + size / 10,
+        "{passed} bytes came back for a model of {size}: the download started again"
+    );
+    eprintln!(
+        "model of {size} bytes cut at {}: {passed} bytes in all, {} re-sent or overhead",
+        size / 2,
+        passed - size
+    );
+}

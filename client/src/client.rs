@@ -401,30 +401,48 @@ impl Client {
     async fn download(&self, what: &str, path: &str) -> Result<Vec<u8>> {
         let start = Instant::now();
         let mut attempt = 0u32;
+        // What arrived of a download that broke off, and the ETag it came with: the next
+        // attempt asks for the rest of that same blob only (`Range` and `If-Range`).
+        let mut got = Partial::default();
         loop {
             attempt += 1;
-            match self.download_once(what, path).await {
+            match self.download_once(what, path, &mut got).await {
                 Err(Cut(e)) if start.elapsed() < self.config.retry.budget => {
                     let delay = self.config.retry.backoff(attempt);
                     tracing::warn!(
-                        "{what}: the answer broke off ({e}); retrying in {:.1} s",
+                        "{what}: the answer broke off after {} bytes ({e}); asking for the rest in {:.1} s",
+                        got.bytes.len(),
                         delay.as_secs_f64()
                     );
                     tokio::time::sleep(delay).await;
                 }
                 Err(Cut(e)) => return Err(ClientError::Protocol(format!("{what}: {e}"))),
-                Ok(result) => return result,
+                Ok(result) => return result.map(|()| got.bytes),
             }
         }
     }
 
-    /// One download: the answer (or a refusal) in `Ok`, a body that broke off in `Err`.
-    async fn download_once(&self, what: &str, path: &str) -> Result<Result<Vec<u8>>, Cut> {
+    /// One download into `got`, from where an earlier attempt stopped when the server can: the
+    /// answer (or a refusal) in `Ok`, a body that broke off in `Err`.
+    async fn download_once(
+        &self,
+        what: &str,
+        path: &str,
+        got: &mut Partial,
+    ) -> Result<Result<()>, Cut> {
         let max = self.config.limits.max_bytes;
+        let resume = got.etag.clone().filter(|_| !got.bytes.is_empty());
+        let from = got.bytes.len();
         let sent = self
             .conn
             .send(what, || {
-                self.conn.request(Method::GET, path, Duration::ZERO)
+                let req = self.conn.request(Method::GET, path, Duration::ZERO);
+                match &resume {
+                    Some(etag) => req
+                        .header(reqwest::header::RANGE, format!("bytes={from}-"))
+                        .header(reqwest::header::IF_RANGE, etag.as_str()),
+                    None => req,
+                }
             })
             .await;
         let (resp, _) = match sent {
@@ -440,19 +458,44 @@ impl Client {
                 "{what}: the answer exceeds the client's limit of {max} bytes"
             ))
         };
-        if resp.content_length().is_some_and(|n| n > max) {
+        // The rest of the blob we have the start of, or (200) all of it again.
+        let continues = resp.status() == reqwest::StatusCode::PARTIAL_CONTENT;
+        if continues {
+            let range = resp
+                .headers()
+                .get(reqwest::header::CONTENT_RANGE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            if !range.starts_with(&format!("bytes {from}-")) {
+                got.bytes.clear();
+                return Ok(Err(ClientError::Protocol(format!(
+                    "{what}: asked for the bytes from {from} on, the server sent `{range}`"
+                ))));
+            }
+            tracing::info!("{what}: resuming at byte {from}");
+        } else {
+            got.bytes.clear();
+        }
+        got.etag = resp
+            .headers()
+            .get(reqwest::header::ETAG)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let already = got.bytes.len() as u64;
+        if resp.content_length().is_some_and(|n| already + n > max) {
             return Ok(Err(too_large()));
         }
         // Read chunk by chunk against the limit: an answer without a Content-Length (or one that
         // runs past it) is cut off at the limit, not buffered whole.
-        let mut bytes = Vec::with_capacity(resp.content_length().unwrap_or(0) as usize);
+        got.bytes
+            .reserve(resp.content_length().unwrap_or(0) as usize);
         while let Some(chunk) = resp.chunk().await.map_err(Cut)? {
-            if (bytes.len() + chunk.len()) as u64 > max {
+            if (got.bytes.len() + chunk.len()) as u64 > max {
                 return Ok(Err(too_large()));
             }
-            bytes.extend_from_slice(&chunk);
+            got.bytes.extend_from_slice(&chunk);
         }
-        Ok(Ok(bytes))
+        Ok(Ok(()))
     }
 
     /// What round `offer` trains from: the global model and, for a TorchScript task, its module.
@@ -926,6 +969,13 @@ fn seal_update(
     };
     let sealed = envelope::seal(&plaintext, &offer.round_key, &binding)?;
     Ok((sealed, unsent))
+}
+
+/// What has arrived of a download, and the ETag of the blob it is the start of.
+#[derive(Default)]
+struct Partial {
+    bytes: Vec<u8>,
+    etag: Option<String>,
 }
 
 /// A download whose body broke off before its end (worth sending again).

@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, ETAG};
+use axum::http::header::{
+    ACCEPT_RANGES, AUTHORIZATION, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, ETAG, IF_RANGE,
+    RANGE,
+};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -272,6 +275,8 @@ pub struct ModelQuery {
     security(("client_credentials" = [])),
     responses((status = 200, body = inline(super::doc::Binary), content_type = "application/octet-stream",
             description = "the global model (safetensors), or the one `digest` names; ETag is its digest"),
+        (status = 206, body = inline(super::doc::Binary), content_type = "application/octet-stream",
+            description = "the bytes `Range: bytes=FIRST-[LAST]` asks for, when they are within the model and `If-Range`, if sent, names its digest: the rest of a download that broke off"),
         (status = 304, description = "unchanged: `If-None-Match` names the digest"),
         (status = 409, body = ApiError, description = "`round_closed`: the model `digest` names is no longer handed out (the task moved on); poll and join again"),
         (status = 410, body = ApiError, description = "`model_pruned`: the model `digest` names was removed by the retention policy")))]
@@ -300,33 +305,71 @@ pub(crate) async fn model_response(
     headers: &HeaderMap,
 ) -> Result<Response, ServerError> {
     let me = state.clone();
-    blob_response(&digest.to_hex(), headers, move || {
-        Ok(me.coordinator.store().model_stream(&digest)?)
+    blob_response(&digest.to_hex(), headers, move |range| {
+        Ok(me.coordinator.store().model_stream(&digest, range)?)
     })
     .await
 }
 
 /// A blob as the response, streamed from the blob store (concurrent downloads cost a buffer
 /// each, not a blob each), with `etag` as its strong ETag; 304 when the client has it. `open`
-/// opens the stream, on a blocking thread (a request to an object store, or a file to open).
+/// opens the stream, on a blocking thread (a request to an object store, or a file to open),
+/// given the byte range the request asks for ([`requested_range`]): what it opens is partial
+/// (206, with its `Content-Range`) when the range was within the blob, else whole (200).
 async fn blob_response(
     etag: &str,
     headers: &HeaderMap,
-    open: impl FnOnce() -> Result<crate::store::blobs::BlobStream, ServerError> + Send + 'static,
+    open: impl FnOnce(Option<(u64, Option<u64>)>) -> Result<crate::store::blobs::BlobStream, ServerError>
+        + Send
+        + 'static,
 ) -> Result<Response, ServerError> {
     if not_modified(headers, etag) {
         return Ok(StatusCode::NOT_MODIFIED.into_response());
     }
-    let blob = crate::blocking(open).await?;
-    Ok((
+    let range = requested_range(headers, etag);
+    let blob = crate::blocking(move || open(range)).await?;
+    let mut response = (
         [
             (CONTENT_TYPE, "application/octet-stream".to_string()),
             (ETAG, format!("\"{etag}\"")),
             (CONTENT_LENGTH, blob.len.to_string()),
+            (ACCEPT_RANGES, "bytes".to_string()),
         ],
         Body::from_stream(blob.stream),
     )
-        .into_response())
+        .into_response();
+    if let Some((start, _)) = range.filter(|_| blob.len < blob.total) {
+        *response.status_mut() = StatusCode::PARTIAL_CONTENT;
+        let end = start + blob.len.saturating_sub(1);
+        let value = format!("bytes {start}-{end}/{}", blob.total);
+        if let Ok(value) = axum::http::HeaderValue::from_str(&value) {
+            response.headers_mut().insert(CONTENT_RANGE, value);
+        }
+    }
+    Ok(response)
+}
+
+/// The byte range `Range: bytes=FIRST-[LAST]` asks for, if the request has one range of that
+/// form and its `If-Range`, if any, names `etag` (the blob the client has the start of). Any
+/// other range is ignored: the answer is the whole blob.
+fn requested_range(headers: &HeaderMap, etag: &str) -> Option<(u64, Option<u64>)> {
+    let if_range = headers.get(IF_RANGE).map(|v| v.to_str().unwrap_or(""));
+    if if_range.is_some_and(|v| v.trim().trim_matches('"') != etag) {
+        return None;
+    }
+    let spec = headers
+        .get(RANGE)?
+        .to_str()
+        .ok()?
+        .trim()
+        .strip_prefix("bytes=")?;
+    let (first, last) = spec.split_once('-')?;
+    let first = first.trim().parse().ok()?;
+    let last = match last.trim() {
+        "" => None,
+        last => Some(last.parse().ok()?),
+    };
+    Some((first, last))
 }
 
 #[utoipa::path(get, path = "/v1/tasks/{task}/module", tag = "client", params(("task" = String, Path)),
@@ -350,7 +393,7 @@ pub async fn module(
     })?;
     let me = state.clone();
     let hex = digest.clone();
-    blob_response(&digest, &headers, move || {
+    blob_response(&digest, &headers, move |_| {
         Ok(me.coordinator.store().module_stream(&hex)?)
     })
     .await

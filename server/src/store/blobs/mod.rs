@@ -344,10 +344,24 @@ pub trait Blobs {
         )?)
     }
 
-    /// A model's bytes as a stream (a download).
-    fn model_stream(&self, digest: &ModelDigest) -> Result<BlobStream, StoreError> {
-        self.blobs()
-            .stream(BlobKind::Model, &model_name(digest), None)
+    /// A model's bytes as a stream (a download): those from byte `range.0` to byte `range.1`
+    /// (inclusive; the end if None) when they are within the model (the rest of a download
+    /// that broke off), else all of them.
+    fn model_stream(
+        &self,
+        digest: &ModelDigest,
+        range: Option<(u64, Option<u64>)>,
+    ) -> Result<BlobStream, StoreError> {
+        let name = model_name(digest);
+        let range = match range {
+            None | Some((0, None)) => None,
+            Some((start, end)) => self
+                .blobs()
+                .head(BlobKind::Model, &name)?
+                .map(|meta| start..end.map_or(meta.len, |e| e.saturating_add(1).min(meta.len)))
+                .filter(|r| r.start < r.end),
+        };
+        self.blobs().stream(BlobKind::Model, &name, range)
     }
 
     /// Deletes a model's blob; false if there was none.
