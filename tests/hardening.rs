@@ -987,7 +987,13 @@ async fn the_data_dir_is_private_metrics_can_need_the_token_and_500s_say_no_more
             "missing_credentials",
         )
         .await;
-    assert!(admin.metric("hora_uploads_accepted").await >= 0.0);
+    let resp = admin.request(Method::GET, "/metrics").send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(resp
+        .text()
+        .await
+        .unwrap()
+        .contains("hora_uploads_accepted_total"));
 
     // A blob gone from under the server is its fault (500), and the body names no path.
     let blob = data

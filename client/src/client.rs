@@ -343,14 +343,28 @@ impl Client {
         // Pinned to the digest: in an asynchronous task the version may move on meanwhile, and
         // the server still hands out the one the offer names.
         let path = format!("/v1/tasks/{task}/model?digest={}", digest.to_hex());
-        let bytes = match self.download("downloading the model", &path).await {
-            Ok(bytes) => bytes,
-            Err(e) if e.code() == Some(&ErrorCode::RoundClosed) => {
-                return Err(ClientError::RoundMovedOn(e.to_string()))
+        let mut resume = true;
+        let model = loop {
+            let what = "downloading the model";
+            let (bytes, resumed) = match self.download(what, &path, resume).await {
+                Ok(got) => got,
+                Err(e) if e.code() == Some(&ErrorCode::RoundClosed) => {
+                    return Err(ClientError::RoundMovedOn(e.to_string()))
+                }
+                Err(e) => return Err(e),
+            };
+            match Model::from_safetensors(&bytes, &self.config.limits) {
+                Ok(model) if model.digest() == *digest || !resumed => break model,
+                Err(e) if !resumed => return Err(e.into()),
+                // A resumed download that does not make the model: once more, whole.
+                _ => {
+                    tracing::warn!(
+                        "{what}: the resumed download did not make the model; downloading it whole"
+                    );
+                    resume = false;
+                }
             }
-            Err(e) => return Err(e),
         };
-        let model = Model::from_safetensors(&bytes, &self.config.limits)?;
         let got = model.digest();
         if got != *digest {
             return Err(ClientError::RoundMovedOn(format!(
@@ -381,10 +395,11 @@ impl Client {
         if path.exists() {
             return Ok(path);
         }
-        let bytes = self
+        let (bytes, _) = self
             .download(
                 "downloading the TorchScript module",
                 &format!("/v1/tasks/{task}/module"),
+                true,
             )
             .await?;
         let got = hora_common::sha256_hex(&bytes);
@@ -398,14 +413,21 @@ impl Client {
 
     /// A download, sent again (within the retry budget) when its body breaks off midway, as it
     /// does when the server is restarted while it answers.
-    async fn download(&self, what: &str, path: &str) -> Result<Vec<u8>> {
+    /// Downloads `path`: the bytes, and whether an attempt resumed a body that broke off (with
+    /// `resume`, an attempt asks for the rest of the same blob only: `Range` and `If-Range`;
+    /// without, each starts from the first byte).
+    async fn download(&self, what: &str, path: &str, resume: bool) -> Result<(Vec<u8>, bool)> {
         let start = Instant::now();
         let mut attempt = 0u32;
-        // What arrived of a download that broke off, and the ETag it came with: the next
-        // attempt asks for the rest of that same blob only (`Range` and `If-Range`).
+        let mut resumed = false;
+        // What arrived of a download that broke off, and the ETag it came with.
         let mut got = Partial::default();
         loop {
             attempt += 1;
+            if !resume {
+                got = Partial::default();
+            }
+            resumed |= !got.bytes.is_empty();
             match self.download_once(what, path, &mut got).await {
                 Err(Cut(e)) if start.elapsed() < self.config.retry.budget => {
                     let delay = self.config.retry.backoff(attempt);
@@ -417,7 +439,7 @@ impl Client {
                     tokio::time::sleep(delay).await;
                 }
                 Err(Cut(e)) => return Err(ClientError::Protocol(format!("{what}: {e}"))),
-                Ok(result) => return result.map(|()| got.bytes),
+                Ok(result) => return result.map(|()| (got.bytes, resumed)),
             }
         }
     }
@@ -460,27 +482,34 @@ impl Client {
         };
         // The rest of the blob we have the start of, or (200) all of it again.
         let continues = resp.status() == reqwest::StatusCode::PARTIAL_CONTENT;
-        if continues {
-            let range = resp
-                .headers()
-                .get(reqwest::header::CONTENT_RANGE)
+        let header = |name| {
+            resp.headers()
+                .get(name)
                 .and_then(|v| v.to_str().ok())
-                .unwrap_or("");
-            if !range.starts_with(&format!("bytes {from}-")) {
-                got.bytes.clear();
-                return Ok(Err(ClientError::Protocol(format!(
-                    "{what}: asked for the bytes from {from} on, the server sent `{range}`"
-                ))));
+                .map(str::to_string)
+        };
+        let etag = header(reqwest::header::ETAG);
+        if continues {
+            // The rest of the very blob asked for, to its end: anything else starts again.
+            let range = header(reqwest::header::CONTENT_RANGE).unwrap_or_default();
+            let rest = content_range(&range).filter(|&(first, last, total)| {
+                resume.is_some()
+                    && first == from as u64
+                    && last.checked_add(1) == Some(total)
+                    && resp.content_length().is_none_or(|n| n == total - first)
+                    && etag == resume
+            });
+            if rest.is_none() {
+                *got = Partial::default();
+                return Err(Cut(format!(
+                    "asked for the bytes from {from} on, the server sent `{range}`"
+                )));
             }
             tracing::info!("{what}: resuming at byte {from}");
         } else {
             got.bytes.clear();
         }
-        got.etag = resp
-            .headers()
-            .get(reqwest::header::ETAG)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        got.etag = etag;
         let already = got.bytes.len() as u64;
         if resp.content_length().is_some_and(|n| already + n > max) {
             return Ok(Err(too_large()));
@@ -489,7 +518,7 @@ impl Client {
         // runs past it) is cut off at the limit, not buffered whole.
         got.bytes
             .reserve(resp.content_length().unwrap_or(0) as usize);
-        while let Some(chunk) = resp.chunk().await.map_err(Cut)? {
+        while let Some(chunk) = resp.chunk().await.map_err(|e| Cut(e.to_string()))? {
             if (got.bytes.len() + chunk.len()) as u64 > max {
                 return Ok(Err(too_large()));
             }
@@ -546,23 +575,6 @@ impl Client {
         delta: &Model,
     ) -> Result<(Vec<u8>, Option<Model>)> {
         seal_update(&self.id, task, offer, delta)
-    }
-
-    /// What error feedback carries into an update trained for `offer` (see
-    /// [`StateDir::carried`]), when the task keeps it and it fits the model. Blocking.
-    fn carried(&self, task: &str, offer: &RoundOffer, delta: &Model) -> Option<Model> {
-        offer.compression.as_ref().filter(|c| c.error_feedback())?;
-        let carried = self
-            .state
-            .carried(task, &self.config.limits)
-            .filter(|r| r.spec() == delta.spec())?;
-        match carried.check_finite() {
-            Ok(()) => Some(carried),
-            Err(e) => {
-                tracing::warn!("dropping the error-feedback residual: {e}");
-                None
-            }
-        }
     }
 
     /// Uploads an update sealed by [`Client::seal`] (see [`Client::upload`]).
@@ -788,13 +800,19 @@ impl Client {
                 let mut delta = difference(&outcome.weights, &global)?;
                 // Error feedback: what earlier rounds left out goes with this update (and is in
                 // the delta recorded for a restart, which does not add it again).
-                if let Some(residual) = self.carried(task, offer, &delta) {
-                    delta
-                        .data_mut()
-                        .iter_mut()
-                        .zip(residual.data())
-                        .for_each(|(d, r)| *d += r);
-                    delta.check_finite()?;
+                if offer
+                    .compression
+                    .as_ref()
+                    .is_some_and(|c| c.error_feedback())
+                {
+                    let (state, t, limits) =
+                        (self.state.clone(), task.to_string(), self.config.limits);
+                    delta = tokio::task::spawn_blocking(move || carry(&state, &t, &limits, delta))
+                        .await
+                        .map_err(|e| ClientError::State {
+                            dir: self.config.state_dir.clone(),
+                            message: format!("reading the error-feedback residual failed: {e}"),
+                        })??;
                 }
                 let record = RoundState {
                     round: offer.round,
@@ -943,6 +961,28 @@ impl Client {
     }
 }
 
+/// `delta` with what error feedback carries into it ([`StateDir::carried`]) when that fits the
+/// model and is finite. Blocking.
+fn carry(state: &StateDir, task: &str, limits: &Limits, mut delta: Model) -> Result<Model> {
+    let Some(carried) = state
+        .carried(task, limits)
+        .filter(|r| r.spec() == delta.spec())
+    else {
+        return Ok(delta);
+    };
+    if let Err(e) = carried.check_finite() {
+        tracing::warn!("dropping the error-feedback residual: {e}");
+        return Ok(delta);
+    }
+    delta
+        .data_mut()
+        .iter_mut()
+        .zip(carried.data())
+        .for_each(|(d, r)| *d += r);
+    delta.check_finite()?;
+    Ok(delta)
+}
+
 /// `delta` encoded as `offer` asks and sealed for `client` (see [`Client::seal_update`]).
 fn seal_update(
     client: &str,
@@ -978,8 +1018,17 @@ struct Partial {
     etag: Option<String>,
 }
 
-/// A download whose body broke off before its end (worth sending again).
-struct Cut(reqwest::Error);
+/// A download whose body broke off before its end, or whose resumption did not continue it
+/// (worth sending again).
+struct Cut(String);
+
+/// `bytes FIRST-LAST/TOTAL` of a `Content-Range` header.
+fn content_range(value: &str) -> Option<(u64, u64, u64)> {
+    let (range, total) = value.strip_prefix("bytes ")?.split_once('/')?;
+    let (first, last) = range.split_once('-')?;
+    let (first, last) = (first.parse().ok()?, last.parse().ok()?);
+    (first <= last).then_some((first, last, total.parse().ok()?))
+}
 
 /// Trains round `offer` from `global` until `deadline_unix_ms`, less a tenth of the time left
 /// (at most 5 s) for what must follow (sealing or masking, and the upload).
@@ -1046,4 +1095,24 @@ pub fn difference(local: &Model, global: &Model) -> Result<Model> {
         ))
     })?;
     Ok(delta)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::content_range;
+
+    #[test]
+    fn a_content_range_is_read_whole_or_not_at_all() {
+        assert_eq!(content_range("bytes 10-99/100"), Some((10, 99, 100)));
+        for bad in [
+            "bytes 10-9/100",
+            "bytes */100",
+            "bytes 10-99",
+            "items 10-99/100",
+            "bytes -5-99/100",
+            "bytes 10-99/*",
+        ] {
+            assert_eq!(content_range(bad), None, "{bad}");
+        }
+    }
 }

@@ -287,6 +287,9 @@ impl StateDir {
     }
 
     /// Records a trained, not yet uploaded delta (the delta first, then the record naming it).
+    /// What error feedback carried into it is in it now: the earlier remainders go before the
+    /// record (a crash between finds the old record and no remainder: the new delta, never
+    /// sent, carries whole).
     pub fn save_trained(&self, task: &str, state: &RoundState, delta: &Model) -> Result<()> {
         write_file(
             &self.delta_path(task),
@@ -294,6 +297,7 @@ impl StateDir {
             true,
             Sync::ProcessCrash,
         )?;
+        remove_all([self.unsent_path(task), self.residual_path(task)])?;
         self.save_round(task, state)
     }
 
@@ -319,16 +323,16 @@ impl StateDir {
     }
 
     /// What error feedback carries into the next update trained for `task`: what the encoding
-    /// of the last update the server took left out; all of a recorded update it never
-    /// acknowledged; with no round recorded, what [`StateDir::untaken`] kept. Nothing if that
-    /// is missing or unreadable.
+    /// of the recorded update left out, once it was encoded and sent (taken, or perhaps taken:
+    /// an acknowledgement lost on the way must not count it twice); all of a recorded update
+    /// never sent; with no round recorded, what [`StateDir::untaken`] kept (an update the server
+    /// refused as late). Nothing if that is missing or unreadable.
     pub fn carried(&self, task: &str, limits: &Limits) -> Option<Model> {
-        let path = match self.round(task).ok().flatten() {
-            Some(round) if round.uploaded => self.unsent_path(task),
-            Some(_) => self.delta_path(task),
-            None => self.residual_path(task),
-        };
-        Model::read_file(&path, limits).ok()
+        let read = |path: PathBuf| Model::read_file(&path, limits).ok();
+        match self.round(task).ok().flatten() {
+            Some(_) => read(self.unsent_path(task)).or_else(|| read(self.delta_path(task))),
+            None => read(self.residual_path(task)),
+        }
     }
 
     /// The recorded update can never be taken (its round closed without it): with error
@@ -473,13 +477,18 @@ mod tests {
         };
         let (update, unsent) = (model(2.0), model(0.25));
         state.save_trained("t", &round, &update).unwrap();
-        state.save_unsent("t", &unsent).unwrap();
+        // Trained, not yet encoded and sent: all of it.
         assert_eq!(state.carried("t", &limits), Some(update.clone()));
+        state.save_unsent("t", &unsent).unwrap();
+        assert_eq!(state.carried("t", &limits), Some(unsent.clone()));
         state.mark_uploaded("t", &round, 0).unwrap();
         assert_eq!(state.carried("t", &limits), Some(unsent));
+        // Refused as late: all of it, until the next update takes it in.
         state.untaken("t").unwrap();
         assert_eq!(state.round("t").unwrap(), None);
         assert_eq!(state.carried("t", &limits), Some(update));
+        state.save_trained("t", &round, &model(3.0)).unwrap();
+        assert_eq!(state.carried("t", &limits), Some(model(3.0)));
         state.clear_round("t").unwrap();
         assert_eq!(state.carried("t", &limits), None);
     }

@@ -470,8 +470,8 @@ impl<'a> Update<'a> {
         Ok(update)
     }
 
-    /// [`Update::open`] without the dense checks of names and values nor the encoded check of
-    /// values (an encoded update's parts and positions are checked again): for an
+    /// [`Update::open`] without the dense checks of names and values nor the encoded decoding
+    /// of values (an encoded update's parts, codes and positions are checked again): for an
     /// update already opened, read again.
     pub fn parse(
         bytes: &'a [u8],
@@ -610,10 +610,11 @@ impl<'a> EncodedView<'a> {
                 || (!up_to && size != len)
             {
                 return Err(invalid(format!(
-                    "encoded tensor `{name}` is {:?} {:?} ({} bytes); expected {dtype:?} of {len} bytes",
+                    "encoded tensor `{name}` is {:?} {:?} ({} bytes); expected {dtype:?} of {}{len} bytes",
                     view.dtype(),
                     view.shape(),
-                    view.data().len()
+                    view.data().len(),
+                    if up_to { "at most " } else { "" },
                 )));
             }
             Ok::<&'a [u8], CodecError>(view.data())

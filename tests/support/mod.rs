@@ -366,7 +366,8 @@ impl Api {
         }
     }
 
-    /// The sum of the `/metrics` samples whose name (and labels) start with `name`.
+    /// The sum of the `/metrics` samples of metric `name` (any labels), or of the one sample
+    /// `name` names with its labels (`name{label="value"}`).
     pub async fn metric(&self, name: &str) -> f64 {
         let text = self
             .request(Method::GET, "/metrics")
@@ -377,7 +378,10 @@ impl Api {
             .await
             .expect("text");
         text.lines()
-            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with([' ', '{']) || name.ends_with('}'))
+            })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     }

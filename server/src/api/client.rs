@@ -305,7 +305,7 @@ pub(crate) async fn model_response(
     headers: &HeaderMap,
 ) -> Result<Response, ServerError> {
     let me = state.clone();
-    blob_response(&digest.to_hex(), headers, move |range| {
+    blob_response(&digest.to_hex(), headers, true, move |range| {
         Ok(me.coordinator.store().model_stream(&digest, range)?)
     })
     .await
@@ -314,11 +314,13 @@ pub(crate) async fn model_response(
 /// A blob as the response, streamed from the blob store (concurrent downloads cost a buffer
 /// each, not a blob each), with `etag` as its strong ETag; 304 when the client has it. `open`
 /// opens the stream, on a blocking thread (a request to an object store, or a file to open),
-/// given the byte range the request asks for ([`requested_range`]): what it opens is partial
-/// (206, with its `Content-Range`) when the range was within the blob, else whole (200).
+/// given the byte range the request asks for ([`requested_range`]) when it serves `ranges`:
+/// what it opens is partial (206, with its `Content-Range`) when the range was within the
+/// blob, else whole (200).
 async fn blob_response(
     etag: &str,
     headers: &HeaderMap,
+    ranges: bool,
     open: impl FnOnce(Option<(u64, Option<u64>)>) -> Result<crate::store::blobs::BlobStream, ServerError>
         + Send
         + 'static,
@@ -326,14 +328,17 @@ async fn blob_response(
     if not_modified(headers, etag) {
         return Ok(StatusCode::NOT_MODIFIED.into_response());
     }
-    let range = requested_range(headers, etag);
+    let range = requested_range(headers, etag).filter(|_| ranges);
     let blob = crate::blocking(move || open(range)).await?;
     let mut response = (
         [
             (CONTENT_TYPE, "application/octet-stream".to_string()),
             (ETAG, format!("\"{etag}\"")),
             (CONTENT_LENGTH, blob.len.to_string()),
-            (ACCEPT_RANGES, "bytes".to_string()),
+            (
+                ACCEPT_RANGES,
+                if ranges { "bytes" } else { "none" }.to_string(),
+            ),
         ],
         Body::from_stream(blob.stream),
     )
@@ -393,7 +398,7 @@ pub async fn module(
     })?;
     let me = state.clone();
     let hex = digest.clone();
-    blob_response(&digest, &headers, move |_| {
+    blob_response(&digest, &headers, false, move |_| {
         Ok(me.coordinator.store().module_stream(&hex)?)
     })
     .await

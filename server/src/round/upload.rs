@@ -319,7 +319,7 @@ fn open_update_at<'a>(
 }
 
 /// The view of an update [`open_update_at`] checked: its header parsed again (the values are
-/// not read again, an encoded update's positions aside).
+/// not decoded again; an encoded update's codes and positions are checked again).
 fn reparse<'a>(
     plaintext: &'a [u8],
     spec: &ModelSpec,
