@@ -158,16 +158,6 @@ async fn run_hora(dir: &Path, warmup: u64, rounds: u64) -> (HoraRun, PathBuf) {
 
     // /metrics once the warm-up rounds are published, and at the end: the server's own
     // histograms over the measured rounds only.
-    let metrics = || async {
-        admin
-            .request(Method::GET, "/metrics")
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("metrics body")
-    };
     let started = Instant::now();
     loop {
         let info: TaskInfo = admin
@@ -183,7 +173,7 @@ async fn run_hora(dir: &Path, warmup: u64, rounds: u64) -> (HoraRun, PathBuf) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let before = metrics().await;
+    let before = admin.metrics().await;
     for (k, c) in clients.0.iter_mut().enumerate() {
         let status = loop {
             if let Some(status) = c.try_wait().expect("client status") {
@@ -202,7 +192,7 @@ async fn run_hora(dir: &Path, warmup: u64, rounds: u64) -> (HoraRun, PathBuf) {
             dir.join(format!("client-{k}.log")).display()
         );
     }
-    let after = metrics().await;
+    let after = admin.metrics().await;
     let history: Vec<RoundRecord> = admin
         .ok(admin.request(Method::GET, &format!("/admin/v1/tasks/{TASK}/rounds")))
         .await;

@@ -366,18 +366,23 @@ impl Api {
         }
     }
 
-    /// The sum of the `/metrics` samples of metric `name` (any labels), or of the one sample
-    /// `name` names with its labels (`name{label="value"}`).
-    pub async fn metric(&self, name: &str) -> f64 {
-        let text = self
-            .request(Method::GET, "/metrics")
+    /// The `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        self.request(Method::GET, "/metrics")
             .send()
             .await
             .expect("metrics")
             .text()
             .await
-            .expect("text");
-        text.lines()
+            .expect("metrics text")
+    }
+
+    /// The sum of the `/metrics` samples of metric `name` (any labels), or of the one sample
+    /// `name` names with its labels (`name{label="value"}`).
+    pub async fn metric(&self, name: &str) -> f64 {
+        self.metrics()
+            .await
+            .lines()
             .filter(|l| {
                 l.strip_prefix(name)
                     .is_some_and(|rest| rest.starts_with([' ', '{']) || name.ends_with('}'))
