@@ -227,16 +227,14 @@ impl Compression {
     /// The limits an encoded update of `spec` must be within.
     pub fn limits(&self, spec: &ModelSpec) -> Limits {
         let dense = spec.limits();
-        // (Only the sizes are checked against these before parsing: the parts are then checked
-        // one by one against the spec.) Names are short (`v12`), but three a tensor, and the
+        // Only the sizes are checked against these, before parsing: the parts are then checked
+        // one by one against the spec. Names are short (`v12`), but three a tensor, and the
         // metadata.
         let header = dense.max_header_bytes + 1024 + 128 * spec.tensors().len() as u64;
         Limits {
             max_bytes: 8 + header + self.data_bytes(spec),
             max_header_bytes: header,
-            max_tensors: 3 * spec.tensors().len(),
-            max_elements: dense.max_elements.saturating_mul(3),
-            max_rank: 1,
+            ..dense
         }
     }
 

@@ -148,8 +148,7 @@ impl WeightedSum {
             )));
         }
         zip_apply(&mut self.sum, update, |s, u| *s += weight * f64::from(u));
-        self.total_weight += weight;
-        self.updates += 1;
+        self.counted(weight);
         Ok(())
     }
 
@@ -167,11 +166,7 @@ impl WeightedSum {
         scale: f64,
         update: &ModelView<'_>,
     ) -> Result<(), KernelError> {
-        check_weight(weight)?;
-        if !(scale.is_finite() && scale > 0.0) {
-            return Err(KernelError::BadWeight(scale));
-        }
-        let factor = weight * scale;
+        let factor = fold_factor(weight, scale)?;
         let theirs = update.tensors();
         let ours = self.spec.tensors();
         if theirs.len() != ours.len()
@@ -198,8 +193,7 @@ impl WeightedSum {
                 }),
             }
         }
-        self.total_weight += weight;
-        self.updates += 1;
+        self.counted(weight);
         Ok(())
     }
 
@@ -215,20 +209,21 @@ impl WeightedSum {
             Update::Dense(view) => return self.add_view_scaled(weight, scale, view),
             Update::Encoded(view) => view,
         };
-        check_weight(weight)?;
-        if !(scale.is_finite() && scale > 0.0) {
-            return Err(KernelError::BadWeight(scale));
-        }
+        let factor = fold_factor(weight, scale)?;
         if view.numel() != self.sum.len() {
             return Err(KernelError::LayoutMismatch(
                 "the encoded update is for another spec".into(),
             ));
         }
-        let factor = weight * scale;
         view.fold_scaled(&mut self.sum, factor);
+        self.counted(weight);
+        Ok(())
+    }
+
+    /// One more update of `weight` in the sum.
+    fn counted(&mut self, weight: f64) {
         self.total_weight += weight;
         self.updates += 1;
-        Ok(())
     }
 
     /// Adds another partial sum over the same spec: `merge` of partial sums equals one sum.
@@ -320,6 +315,16 @@ pub fn copy(dst: &mut [u8], src: &[u8], plain: bool) {
         to.copy_from_slice(&block);
     }
     to.into_remainder().copy_from_slice(from.remainder());
+}
+
+/// `weight × scale`, once both are checked: a positive finite weight, and a positive finite
+/// scale (what a norm bound asks for).
+fn fold_factor(weight: f64, scale: f64) -> Result<f64, KernelError> {
+    check_weight(weight)?;
+    if !(scale.is_finite() && scale > 0.0) {
+        return Err(KernelError::BadWeight(scale));
+    }
+    Ok(weight * scale)
 }
 
 /// `dst[i] += src[i]`: one received chunk folded into this rank's partial sum. On the calling
