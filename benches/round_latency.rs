@@ -113,8 +113,8 @@ const PHASES: [&str; 8] = [
     "download the model",
     "train (1 epoch, 4 batches)",
     "record the delta on disk",
-    "seal",
-    "upload → durable ack",
+    "encode the delta",
+    "seal + upload → durable ack",
     "mark uploaded on disk",
 ];
 

@@ -1033,49 +1033,357 @@ async fn a_top_k_clients_residual_survives_a_sigkill_between_rounds() {
     );
 }
 
-/// A TCP relay on loopback to `upstream` that cuts its first connection once `cut_after` bytes
-/// have come back through it (later connections pass whole): a link that drops mid-download.
-/// Its port, and the count of bytes it passed back.
-async fn cutting_relay(upstream: std::net::SocketAddr, cut_after: u64) -> (u16, Arc<AtomicU64>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// Which way a [`cutting_relay`] cuts its first connection.
+#[derive(Clone, Copy)]
+enum Cut {
+    /// Once this many bytes came back from the server (a download that drops).
+    Back(u64),
+    /// Once this many bytes went to the server (an upload that drops).
+    Forth(u64),
+}
+
+/// A TCP relay on loopback to `upstream` that cuts its first connection as `cut` says (later
+/// connections pass whole). Its port, and the count of bytes all its connections passed in the
+/// cut direction.
+async fn cutting_relay(upstream: std::net::SocketAddr, cut: Cut) -> (u16, Arc<AtomicU64>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let back = Arc::new(AtomicU64::new(0));
-    let counted = back.clone();
+    let passed = Arc::new(AtomicU64::new(0));
+    let counted = passed.clone();
     tokio::spawn(async move {
-        let mut limit = cut_after;
+        let mut first = true;
         while let Ok((down, _)) = listener.accept().await {
             let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
                 continue;
             };
-            let (counted, limit) = (counted.clone(), std::mem::replace(&mut limit, u64::MAX));
+            let (counted, cutting) = (counted.clone(), std::mem::replace(&mut first, false));
             tokio::spawn(async move {
-                let (mut down_r, mut down_w) = down.into_split();
-                let (mut up_r, mut up_w) = up.into_split();
-                let forward = tokio::io::copy(&mut down_r, &mut up_w);
-                let backward = async {
-                    let (mut passed, mut buf) = (0u64, vec![0u8; 1 << 14]);
-                    while passed < limit {
-                        let n = match up_r.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => n.min((limit - passed) as usize),
-                        };
-                        if down_w.write_all(&buf[..n]).await.is_err() {
-                            break;
-                        }
-                        passed += n as u64;
-                        counted.fetch_add(n as u64, Ordering::SeqCst);
-                    }
+                let (down_r, down_w) = down.into_split();
+                let (up_r, up_w) = up.into_split();
+                let limit = |n: u64| if cutting { n } else { u64::MAX };
+                let (back_limit, forth_limit, back_count, forth_count) = match cut {
+                    Cut::Back(n) => (limit(n), u64::MAX, Some(counted), None),
+                    Cut::Forth(n) => (u64::MAX, limit(n), None, Some(counted)),
                 };
                 // Either way ends the connection: both halves are dropped.
                 tokio::select! {
-                    _ = forward => {}
-                    _ = backward => {}
+                    _ = pipe(up_r, down_w, back_limit, back_count) => {}
+                    _ = pipe(down_r, up_w, forth_limit, forth_count) => {}
                 }
             });
         }
     });
-    (port, back)
+    (port, passed)
+}
+
+/// Copies `from` to `to` until either ends or `limit` bytes passed, counting them in `count`.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    limit: u64,
+    count: Option<Arc<AtomicU64>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut passed, mut buf) = (0u64, vec![0u8; 1 << 14]);
+    while passed < limit {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n.min((limit - passed) as usize),
+        };
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+        passed += n as u64;
+        if let Some(count) = &count {
+            count.fetch_add(n as u64, Ordering::SeqCst);
+        }
+    }
+}
+
+/// An update larger than the server's chunk goes as an upload session. A connection cut at
+/// half of it resumes from the chunk the server expects next, so what comes through in all is
+/// the update once and less than one chunk more than over an unbroken link, and the round
+/// publishes exactly what the same update sent unbroken does.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chunked_upload_cut_at_half_resumes_and_publishes_what_an_unbroken_one_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let chunk = 65_536;
+    let server = Server::start_with(
+        &dir.path().join("server"),
+        &["--upload-chunk-bytes", &chunk.to_string()],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let n = 500_000;
+    let initial = Model::from_tensors([(
+        "w",
+        vec![n],
+        (0..n).map(|i| (i % 977) as f32 * 1e-3).collect(),
+    )])
+    .unwrap();
+    let digest = admin.upload_model(&initial).await;
+    for id in ["cut", "unbroken"] {
+        admin.create_task(&task(id, digest, 1, 1, 1, 60)).await;
+    }
+    let update = delta(&initial, 7);
+    let size = update.to_safetensors().len() as u64;
+    let upstream: std::net::SocketAddr = server.url.trim_start_matches("https://").parse().unwrap();
+    let meta = UpdateMeta {
+        num_examples: 10,
+        metrics: Metrics::default(),
+    };
+    let mut sent = Vec::new();
+    for (id, cut) in [("cut", size / 2), ("unbroken", u64::MAX)] {
+        let (port, forth) = cutting_relay(upstream, Cut::Forth(cut)).await;
+        let config = ClientConfig::new(
+            format!("https://127.0.0.1:{port}"),
+            &server.ca,
+            dir.path().join(id),
+        );
+        let client = Client::connect(config, Some(&token(&admin).await))
+            .await
+            .expect("enrol");
+        let offer = client.join(id).await.unwrap().offer.expect("selected");
+        assert_eq!(offer.upload_chunk_bytes, Some(chunk));
+        let receipt = client.upload(id, &offer, &update, &meta).await;
+        assert_eq!(receipt.expect(id).map(|r| r.accepted), Some(1), "{id}");
+        sent.push(forth.load(Ordering::SeqCst));
+    }
+    let (cut, unbroken) = (sent[0], sent[1]);
+    assert!(
+        unbroken > size,
+        "{unbroken} bytes went up for an update of {size}"
+    );
+    assert!(
+        cut < unbroken + chunk,
+        "the cut upload sent {cut} bytes, the unbroken one {unbroken}: more than a chunk ({chunk}) again"
+    );
+    eprintln!(
+        "update of {size} bytes in chunks of {chunk}, cut at {}: {cut} bytes up in all, {} more than unbroken",
+        size / 2,
+        cut - unbroken
+    );
+    let published = admin.round_model("cut", 1).await;
+    assert_eq!(published, admin.round_model("unbroken", 1).await);
+    assert_ne!(published, initial);
+}
+
+/// A chunk is taken only as the chunk its session expects next, sealed as that chunk of that
+/// upload: replayed, reordered, skipped or taken from another upload, it is refused, and the
+/// upload goes on from where it stood. A completion before every chunk is in, or of chunks that
+/// are not the plaintext announced, is refused too.
+#[tokio::test(flavor = "multi_thread")]
+async fn chunks_replayed_reordered_or_from_another_upload_are_refused() {
+    use hora_common::envelope::{seal_chunk, Binding, Chunk};
+    use hora_common::wire::{UpdateReceipt, UploadSession};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(
+        &dir.path().join("server"),
+        &["--upload-chunk-bytes", "65536"],
+    );
+    let admin = server.api(ADMIN_TOKEN);
+    let n = 50_000;
+    let initial = Model::from_tensors([("w", vec![n], vec![0.5; n])]).unwrap();
+    let digest = admin.upload_model(&initial).await;
+    admin.create_task(&task("t", digest, 1, 2, 2, 60)).await;
+    let (a, b) = (admin.enrol().await, admin.enrol().await);
+    let (offer_a, offer_b) = (a.join("t").await, b.join("t").await);
+    let (update, other) = (delta(&initial, 1), delta(&initial, 2));
+    let (plain, other_plain) = (update.to_safetensors(), other.to_safetensors());
+    assert_eq!(plain.len(), other_plain.len());
+    let sha = |p: &[u8]| -> [u8; 32] {
+        ring::digest::digest(&ring::digest::SHA256, p)
+            .as_ref()
+            .try_into()
+            .unwrap()
+    };
+    let (id, other_id) = (sha(&plain), sha(&other_plain));
+    let length = plain.len() as u64;
+    // Chunk `index` of `from`, sealed by `client` as chunk `as_index` of upload `upload`.
+    let seal = |client: &support::Client,
+                offer: &wire::RoundOffer,
+                from: &[u8],
+                upload: &[u8; 32],
+                index: u64,
+                as_index: u64| {
+        let at = |index| Chunk {
+            upload,
+            length,
+            chunk_bytes: 65_536,
+            index,
+        };
+        let range = at(index).range().unwrap();
+        let binding = Binding {
+            task: "t",
+            round: offer.round,
+            client: &client.id,
+            base_model: &offer.model,
+        };
+        seal_chunk(
+            &from[range.start as usize..range.end as usize],
+            &offer.round_key,
+            &binding,
+            &at(as_index),
+        )
+        .unwrap()
+    };
+    let uploads = format!("/v1/tasks/t/rounds/{}/uploads", offer_a.round);
+    let start = |client: &support::Client, upload: &[u8; 32]| {
+        client
+            .api
+            .request(Method::POST, &uploads)
+            .json(&serde_json::json!({
+                "digest": hex::encode(upload),
+                "length": length,
+            }))
+    };
+    let put = |client: &support::Client, upload: &[u8; 32], index: u64, body: Vec<u8>| {
+        client
+            .api
+            .request(
+                Method::PUT,
+                &format!("{uploads}/{}/chunks/{index}", hex::encode(upload)),
+            )
+            .body(body)
+    };
+    let complete = |client: &support::Client, upload: &[u8; 32]| {
+        client
+            .api
+            .request(
+                Method::POST,
+                &format!("{uploads}/{}/complete", hex::encode(upload)),
+            )
+            .header("x-hora-update", r#"{"num_examples": 10}"#)
+    };
+    let refused = |client: &support::Client,
+                   req: reqwest::RequestBuilder,
+                   status: u16,
+                   code: &'static str| {
+        let api = client.api.clone();
+        let status = reqwest::StatusCode::from_u16(status).unwrap();
+        async move { api.refused(req, status, code).await }
+    };
+
+    let session: UploadSession = a.api.ok(start(&a, &id)).await;
+    assert_eq!(
+        (session.next_chunk, session.chunks, session.received),
+        (0, 4, 0)
+    );
+    // Skipped ahead: the session expects chunk 0.
+    refused(
+        &a,
+        put(&a, &id, 1, seal(&a, &offer_a, &plain, &id, 1, 1)),
+        409,
+        "chunk_out_of_order",
+    )
+    .await;
+    // Chunk 1 sent as chunk 0 (reordered), another upload's chunk 0, another client's.
+    refused(
+        &a,
+        put(&a, &id, 0, seal(&a, &offer_a, &plain, &id, 0, 1)),
+        400,
+        "invalid_update",
+    )
+    .await;
+    refused(
+        &a,
+        put(
+            &a,
+            &id,
+            0,
+            seal(&a, &offer_a, &other_plain, &other_id, 0, 0),
+        ),
+        400,
+        "invalid_update",
+    )
+    .await;
+    refused(
+        &a,
+        put(&a, &id, 0, seal(&b, &offer_b, &plain, &id, 0, 0)),
+        400,
+        "invalid_update",
+    )
+    .await;
+    let session: UploadSession = a
+        .api
+        .ok(put(&a, &id, 0, seal(&a, &offer_a, &plain, &id, 0, 0)))
+        .await;
+    assert_eq!((session.next_chunk, session.received), (1, 65_536));
+    // Chunk 0 again (a replay), and a completion with chunks missing.
+    refused(
+        &a,
+        put(&a, &id, 0, seal(&a, &offer_a, &plain, &id, 0, 0)),
+        409,
+        "chunk_out_of_order",
+    )
+    .await;
+    refused(&a, complete(&a, &id), 409, "chunk_out_of_order").await;
+    for index in 1..3 {
+        let _: UploadSession = a
+            .api
+            .ok(put(
+                &a,
+                &id,
+                index,
+                seal(&a, &offer_a, &plain, &id, index, index),
+            ))
+            .await;
+    }
+    // Started again, the same upload resumes where it stood.
+    let session: UploadSession = a.api.ok(start(&a, &id)).await;
+    assert_eq!(session.next_chunk, 3);
+    let session: UploadSession = a
+        .api
+        .ok(put(&a, &id, 3, seal(&a, &offer_a, &plain, &id, 3, 3)))
+        .await;
+    assert_eq!((session.next_chunk, session.received), (4, length));
+    let receipt: UpdateReceipt = a.api.ok(complete(&a, &id)).await;
+    assert_eq!(receipt.accepted, 1);
+    // Chunks of one plaintext sent as another's upload: each opens, the whole is refused.
+    let _: UploadSession = b.api.ok(start(&b, &other_id)).await;
+    for index in 0..4 {
+        let _: UploadSession = b
+            .api
+            .ok(put(
+                &b,
+                &other_id,
+                index,
+                seal(&b, &offer_b, &plain, &other_id, index, index),
+            ))
+            .await;
+    }
+    refused(&b, complete(&b, &other_id), 400, "invalid_update").await;
+    refused(
+        &b,
+        put(&b, &other_id, 4, vec![0; 100]),
+        410,
+        "upload_unknown",
+    )
+    .await;
+    // And nothing taken was lost: b's own update completes the round.
+    let _: UploadSession = b.api.ok(start(&b, &other_id)).await;
+    for index in 0..4 {
+        let _: UploadSession = b
+            .api
+            .ok(put(
+                &b,
+                &other_id,
+                index,
+                seal(&b, &offer_b, &other_plain, &other_id, index, index),
+            ))
+            .await;
+    }
+    let receipt: UpdateReceipt = b.api.ok(complete(&b, &other_id)).await;
+    assert_eq!(receipt.accepted, 2);
+    let published = admin.round_model("t", 1).await;
+    let expected: Vec<f32> = initial
+        .data()
+        .iter()
+        .zip(update.data().iter().zip(other.data()))
+        .map(|(g, (x, y))| g + (x + y) / 2.0)
+        .collect();
+    for (p, e) in published.data().iter().zip(&expected) {
+        assert!((p - e).abs() < 1e-6, "{p} vs {e}");
+    }
 }
 
 /// A model download cut at half its length resumes where it broke off: the client asks for the
@@ -1140,7 +1448,7 @@ async fn a_model_download_cut_at_half_resumes_where_it_broke_off() {
 
     // The SDK client through a link that drops at half the model.
     let upstream: std::net::SocketAddr = server.url.trim_start_matches("https://").parse().unwrap();
-    let (port, back) = cutting_relay(upstream, size / 2).await;
+    let (port, back) = cutting_relay(upstream, Cut::Back(size / 2)).await;
     let config = ClientConfig::new(
         format!("https://127.0.0.1:{port}"),
         &server.ca,

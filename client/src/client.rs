@@ -19,12 +19,12 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use hora_common::envelope::{self, Binding};
+use hora_common::envelope::{self, Binding, Chunk};
 use hora_common::model::{Limits, Model, ModelDigest};
 use hora_common::tls::Identity;
 use hora_common::wire::{
     Credentials, DeadlinePolicy, EnrolRequest, ErrorCode, JoinResponse, Metrics, ModelKind,
-    PollResponse, RoundOffer, TaskState, UpdateMeta, UpdateReceipt,
+    PollResponse, RoundOffer, TaskState, UpdateMeta, UpdateReceipt, UploadSession, UploadStart,
 };
 use reqwest::Method;
 
@@ -111,9 +111,10 @@ pub struct RoundTimings {
     /// `local − global` (its record on disk, for a restarted client to upload it again, is
     /// written while the upload is under way).
     pub record: Duration,
-    /// Sealing the delta to the round key.
+    /// Encoding the delta as the round asks (safetensors, or its compression).
     pub seal: Duration,
-    /// Sending the sealed update until the server acknowledged it (folded and durable).
+    /// Sealing the update to the round key (whole, or chunk by chunk as it goes) and sending it
+    /// until the server acknowledged it (folded and durable).
     pub upload: Duration,
     /// After the acknowledgement: marking the round uploaded on disk.
     pub finish: Duration,
@@ -543,8 +544,10 @@ impl Client {
         Ok((global, module))
     }
 
-    /// Seals `delta` to the round key and uploads it. `Ok(None)` means an earlier attempt of
-    /// this upload got through but its acknowledgement was lost.
+    /// Encodes `delta` as the round asks, seals it to the round key and uploads it: in one
+    /// body, or in chunks when the server takes them and the update is larger than one
+    /// ([`Client::upload_encoded`]). `Ok(None)` means an earlier attempt of this upload got
+    /// through but its acknowledgement was lost.
     pub async fn upload(
         &self,
         task: &str,
@@ -552,8 +555,211 @@ impl Client {
         delta: &Model,
         meta: &UpdateMeta,
     ) -> Result<Option<UpdateReceipt>> {
-        let sealed = self.seal(task, offer, delta)?;
-        self.upload_sealed(task, offer, sealed, meta).await
+        let (plaintext, _) = encode_update(offer, delta)?;
+        self.upload_encoded(task, offer, plaintext, meta).await
+    }
+
+    /// Uploads an encoded update (its plaintext, before sealing). When the offer says the server
+    /// takes chunks and the update is larger than one, it goes as an upload session: each chunk
+    /// sealed with its index as it is sent, and a connection cut halfway resumes from the chunk
+    /// the server expects next, so what was acknowledged is not sent again; otherwise it is
+    /// sealed whole and sent in one body ([`Client::upload_sealed`]). The CPU work of sealing
+    /// is done off the async runtime.
+    pub async fn upload_encoded(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+        plaintext: Vec<u8>,
+        meta: &UpdateMeta,
+    ) -> Result<Option<UpdateReceipt>> {
+        let plaintext = std::sync::Arc::new(plaintext);
+        match offer
+            .upload_chunk_bytes
+            .filter(|&chunk| chunk > 0 && plaintext.len() as u64 > chunk)
+        {
+            Some(_) => self.upload_chunked(task, offer, plaintext, meta).await,
+            None => {
+                let (id, t, o) = (self.id.clone(), task.to_string(), offer.clone());
+                let sealed = tokio::task::spawn_blocking(move || {
+                    envelope::seal(&plaintext, &o.round_key, &binding(&id, &t, &o))
+                })
+                .await
+                .map_err(|e| ClientError::Training(format!("sealing the update failed: {e}")))??;
+                self.upload_sealed(task, offer, sealed, meta).await
+            }
+        }
+    }
+
+    /// [`Client::upload_encoded`] as an upload session (in the chunks its server cuts).
+    async fn upload_chunked(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+        plaintext: std::sync::Arc<Vec<u8>>,
+        meta: &UpdateMeta,
+    ) -> Result<Option<UpdateReceipt>> {
+        let hashed = plaintext.clone();
+        let digest: [u8; 32] = tokio::task::spawn_blocking(move || {
+            let digest = ring::digest::digest(&ring::digest::SHA256, &hashed);
+            digest.as_ref().try_into().expect("SHA-256 is 32 bytes")
+        })
+        .await
+        .map_err(|e| ClientError::Training(format!("hashing the update failed: {e}")))?;
+        let hex_digest = hex::encode(digest);
+        let length = plaintext.len() as u64;
+        let uploads = format!("/v1/tasks/{task}/rounds/{}/uploads", offer.round);
+        let start = UploadStart {
+            digest: hex_digest.clone(),
+            length,
+        };
+        // Whether some request was sent again (an `already_contributed` answer then means an
+        // earlier one got through).
+        let mut again = false;
+        let mut session = None;
+        // Starts without progress in a row: the server keeps forgetting the session.
+        let mut stalls = 0;
+        loop {
+            let mut at: UploadSession = match session.take() {
+                Some(at) => at,
+                None => {
+                    stalls += 1;
+                    if stalls > 8 {
+                        return Err(ClientError::Protocol(format!(
+                            "the server lost upload {hex_digest} {} times without taking a chunk of it; retry later",
+                            stalls - 1
+                        )));
+                    }
+                    let (resp, attempts) = self
+                        .conn
+                        .send("starting the upload", || {
+                            self.conn
+                                .request(Method::POST, &uploads, Duration::ZERO)
+                                .json(&start)
+                        })
+                        .await?;
+                    again |= attempts > 1;
+                    match receipt(resp, u32::from(again) + 1).await {
+                        Ok(Some(at)) => at,
+                        Ok(None) => return Ok(None),
+                        // The request an earlier connection carried is still ending there.
+                        Err(e) if again && e.code() == Some(&ErrorCode::UploadInProgress) => {
+                            tokio::time::sleep(self.conn.retry_policy().backoff(stalls)).await;
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+            if at.digest != hex_digest || at.length != length || at.chunk_bytes == 0 {
+                return Err(ClientError::Protocol(format!(
+                    "the server answered the start of upload {hex_digest} ({length} bytes) with another upload ({} of {} bytes, chunks of {})",
+                    at.digest, at.length, at.chunk_bytes
+                )));
+            }
+            if at.received > 0 && at.received < length {
+                tracing::info!(
+                    chunk = at.next_chunk,
+                    chunks = at.chunks,
+                    received = at.received,
+                    "resuming the upload where the server's copy ends"
+                );
+            }
+            // The chunks the server does not hold yet, one after another.
+            let mut lost = None;
+            while at.received < length {
+                let index = at.next_chunk;
+                let chunk = Chunk {
+                    upload: &digest,
+                    length,
+                    chunk_bytes: at.chunk_bytes,
+                    index,
+                };
+                let Some(range) = chunk.range().filter(|r| r.start == at.received) else {
+                    return Err(ClientError::Protocol(format!(
+                        "the server expects chunk {index} of upload {hex_digest}, which does not start at the {} bytes it says it holds",
+                        at.received
+                    )));
+                };
+                let (id, t, o, p) = (
+                    self.id.clone(),
+                    task.to_string(),
+                    offer.clone(),
+                    plaintext.clone(),
+                );
+                let chunk_bytes = at.chunk_bytes;
+                let sealed = tokio::task::spawn_blocking(move || {
+                    let chunk = Chunk {
+                        upload: &digest,
+                        length: p.len() as u64,
+                        chunk_bytes,
+                        index,
+                    };
+                    let piece = &p[range.start as usize..range.end as usize];
+                    envelope::seal_chunk(piece, &o.round_key, &binding(&id, &t, &o), &chunk)
+                })
+                .await
+                .map_err(|e| ClientError::Training(format!("sealing a chunk failed: {e}")))??;
+                let path = format!("{uploads}/{hex_digest}/chunks/{index}");
+                let (resp, attempts) = self
+                    .conn
+                    .send("uploading a chunk of the update", || {
+                        self.conn
+                            .request(Method::PUT, &path, Duration::ZERO)
+                            .body(sealed.clone())
+                    })
+                    .await?;
+                again |= attempts > 1;
+                match receipt::<UploadSession>(resp, u32::from(again) + 1).await {
+                    Ok(Some(next)) => {
+                        stalls = 0;
+                        at = next;
+                    }
+                    Ok(None) => return Ok(None),
+                    // An acknowledgement lost on a cut connection (the chunk is in), the
+                    // request that connection carried still ending on the server, or the
+                    // session gone: ask where the upload stands.
+                    Err(e)
+                        if matches!(
+                            e.code(),
+                            Some(
+                                ErrorCode::ChunkOutOfOrder
+                                    | ErrorCode::UploadUnknown
+                                    | ErrorCode::UploadInProgress
+                            )
+                        ) =>
+                    {
+                        again = true;
+                        lost = Some(e);
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            if let Some(e) = lost {
+                tracing::info!(error = %e, "asking the server where the upload stands");
+                continue;
+            }
+            let path = format!("{uploads}/{hex_digest}/complete");
+            let meta = serde_json::to_string(meta).expect("metadata serialises");
+            let (resp, attempts) = self
+                .conn
+                .send("completing the upload", || {
+                    self.conn
+                        .request(Method::POST, &path, Duration::ZERO)
+                        .header(UPDATE_META_HEADER, &meta)
+                })
+                .await?;
+            again |= attempts > 1;
+            match receipt(resp, u32::from(again) + 1).await {
+                Ok(done) => return Ok(done),
+                // The session went before the completion took it: start again.
+                Err(e) if e.code() == Some(&ErrorCode::UploadUnknown) => {
+                    tracing::info!(error = %e, "the server lost the upload; starting it again");
+                    again = true;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// `delta` encoded as the round asks ([`RoundOffer::compression`]) and sealed to the round
@@ -832,13 +1038,13 @@ impl Client {
             metrics: record.metrics,
         };
         let sealing = Instant::now();
-        let (sealed, unsent, delta) = {
-            let (id, t, o) = (self.id.clone(), task.to_string(), offer.clone());
+        let (plaintext, unsent, delta) = {
+            let o = offer.clone();
             tokio::task::spawn_blocking(move || {
-                seal_update(&id, &t, &o, &delta).map(|(sealed, unsent)| (sealed, unsent, delta))
+                encode_update(&o, &delta).map(|(plaintext, unsent)| (plaintext, unsent, delta))
             })
             .await
-            .map_err(|e| ClientError::Training(format!("sealing the update failed: {e}")))??
+            .map_err(|e| ClientError::Training(format!("encoding the update failed: {e}")))??
         };
         let uploading = Instant::now();
         timings.seal = uploading - sealing;
@@ -859,7 +1065,7 @@ impl Client {
                 }
             })
         });
-        let uploaded = self.upload_sealed(task, offer, sealed, &meta).await;
+        let uploaded = self.upload_encoded(task, offer, plaintext, &meta).await;
         timings.upload = uploading.elapsed();
         if let Some(saving) = saving {
             saving.await.map_err(|e| ClientError::State {
@@ -983,6 +1189,16 @@ fn carry(state: &StateDir, task: &str, limits: &Limits, mut delta: Model) -> Res
     Ok(delta)
 }
 
+/// What an update of `client` to `offer`'s round is bound to.
+fn binding<'a>(client: &'a str, task: &'a str, offer: &'a RoundOffer) -> Binding<'a> {
+    Binding {
+        task,
+        round: offer.round,
+        client,
+        base_model: &offer.model,
+    }
+}
+
 /// `delta` encoded as `offer` asks and sealed for `client` (see [`Client::seal_update`]).
 fn seal_update(
     client: &str,
@@ -990,25 +1206,25 @@ fn seal_update(
     offer: &RoundOffer,
     delta: &Model,
 ) -> Result<(Vec<u8>, Option<Model>)> {
-    let binding = Binding {
-        task,
-        round: offer.round,
-        client,
-        base_model: &offer.model,
-    };
-    let (plaintext, unsent) = match &offer.compression {
-        None => (delta.to_safetensors(), None),
+    let (plaintext, unsent) = encode_update(offer, delta)?;
+    let sealed = envelope::seal(&plaintext, &offer.round_key, &binding(client, task, offer))?;
+    Ok((sealed, unsent))
+}
+
+/// `delta` encoded as `offer` asks (its plaintext before sealing), and what the encoding left
+/// out when the round's compression keeps it (error feedback).
+fn encode_update(offer: &RoundOffer, delta: &Model) -> Result<(Vec<u8>, Option<Model>)> {
+    match &offer.compression {
+        None => Ok((delta.to_safetensors(), None)),
         Some(compression) => {
             compression.validate(&delta.spec()).map_err(|m| {
                 ClientError::Protocol(format!("the task's compression is unusable here: {m}"))
             })?;
             let mut unsent = delta.clone();
             let bytes = compression.encode(&mut unsent, &mut rand::rng())?;
-            (bytes, compression.error_feedback().then_some(unsent))
+            Ok((bytes, compression.error_feedback().then_some(unsent)))
         }
-    };
-    let sealed = envelope::seal(&plaintext, &offer.round_key, &binding)?;
-    Ok((sealed, unsent))
+    }
 }
 
 /// What has arrived of a download, and the ETag of the blob it is the start of.

@@ -73,6 +73,39 @@ impl Binding<'_> {
     }
 }
 
+/// Which piece of a chunked upload an envelope holds: chunk `index` (from 0) of the
+/// `length`-byte plaintext whose SHA-256 is `upload`, cut into chunks of `chunk_bytes` (the last
+/// one shorter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk<'a> {
+    pub upload: &'a [u8; 32],
+    pub length: u64,
+    pub chunk_bytes: u64,
+    pub index: u64,
+}
+
+impl Chunk<'_> {
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(b"hora-chunk-v1\0");
+        out.extend_from_slice(self.upload);
+        for n in [self.length, self.chunk_bytes, self.index] {
+            out.extend_from_slice(&n.to_le_bytes());
+        }
+    }
+
+    /// How many chunks the upload has (at least one: an empty plaintext is one empty chunk).
+    pub fn count(length: u64, chunk_bytes: u64) -> u64 {
+        length.div_ceil(chunk_bytes.max(1)).max(1)
+    }
+
+    /// Where this chunk's plaintext lies in the whole, or None when its index is past the end.
+    pub fn range(&self) -> Option<std::ops::Range<u64>> {
+        let start = self.index.checked_mul(self.chunk_bytes)?;
+        let count = Chunk::count(self.length, self.chunk_bytes);
+        (self.index < count).then(|| start..(start + self.chunk_bytes).min(self.length))
+    }
+}
+
 /// The public half of a round key, handed to clients (hex in JSON).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RoundPublicKey(pub [u8; KEY_LEN]);
@@ -161,6 +194,25 @@ pub fn seal(
     recipient: &RoundPublicKey,
     binding: &Binding<'_>,
 ) -> Result<Vec<u8>, EnvelopeError> {
+    seal_bound(plaintext, recipient, binding, None)
+}
+
+/// Seals one chunk of a chunked upload: [`seal`], bound to `chunk` as well.
+pub fn seal_chunk(
+    plaintext: &[u8],
+    recipient: &RoundPublicKey,
+    binding: &Binding<'_>,
+    chunk: &Chunk<'_>,
+) -> Result<Vec<u8>, EnvelopeError> {
+    seal_bound(plaintext, recipient, binding, Some(chunk))
+}
+
+fn seal_bound(
+    plaintext: &[u8],
+    recipient: &RoundPublicKey,
+    binding: &Binding<'_>,
+    chunk: Option<&Chunk<'_>>,
+) -> Result<Vec<u8>, EnvelopeError> {
     let rng = SystemRandom::new();
     let ephemeral =
         EphemeralPrivateKey::generate(&X25519, &rng).map_err(|_| EnvelopeError::Random)?;
@@ -184,7 +236,7 @@ pub fn seal(
     )
     .map_err(|_| EnvelopeError::BadKey)??;
 
-    let aad = associated_data(&out[..HEADER_LEN], binding, recipient);
+    let aad = associated_data(&out[..HEADER_LEN], binding, chunk, recipient);
     out.extend_from_slice(plaintext);
     let tag = key
         .seal_in_place_separate_tag(
@@ -203,6 +255,25 @@ pub fn open<'e>(
     envelope: &'e mut [u8],
     key: &RoundSecretKey,
     binding: &Binding<'_>,
+) -> Result<&'e mut [u8], EnvelopeError> {
+    open_bound(envelope, key, binding, None)
+}
+
+/// Opens one chunk sealed by [`seal_chunk`]: [`open`], bound to `chunk` as well.
+pub fn open_chunk<'e>(
+    envelope: &'e mut [u8],
+    key: &RoundSecretKey,
+    binding: &Binding<'_>,
+    chunk: &Chunk<'_>,
+) -> Result<&'e mut [u8], EnvelopeError> {
+    open_bound(envelope, key, binding, Some(chunk))
+}
+
+fn open_bound<'e>(
+    envelope: &'e mut [u8],
+    key: &RoundSecretKey,
+    binding: &Binding<'_>,
+    chunk: Option<&Chunk<'_>>,
 ) -> Result<&'e mut [u8], EnvelopeError> {
     if envelope.len() < OVERHEAD {
         return Err(EnvelopeError::Truncated(envelope.len()));
@@ -227,7 +298,7 @@ pub fn open<'e>(
         return Err(EnvelopeError::Rejected);
     }
     let aead_key = derive_key(shared.as_bytes(), &ephemeral_public, &recipient.0)?;
-    let aad = associated_data(header, binding, &recipient);
+    let aad = associated_data(header, binding, chunk, &recipient);
     aead_key
         .open_in_place(Nonce::assume_unique_for_key(nonce), Aad::from(&aad), body)
         .map_err(|_| EnvelopeError::Rejected)
@@ -246,10 +317,18 @@ fn derive_key(
     Ok(LessSafeKey::new(UnboundKey::from(okm)))
 }
 
-fn associated_data(header: &[u8], binding: &Binding<'_>, recipient: &RoundPublicKey) -> Vec<u8> {
-    let mut aad = Vec::with_capacity(HEADER_LEN + 128);
+fn associated_data(
+    header: &[u8],
+    binding: &Binding<'_>,
+    chunk: Option<&Chunk<'_>>,
+    recipient: &RoundPublicKey,
+) -> Vec<u8> {
+    let mut aad = Vec::with_capacity(HEADER_LEN + 192);
     aad.extend_from_slice(header);
     binding.encode(&mut aad);
+    if let Some(chunk) = chunk {
+        chunk.encode(&mut aad);
+    }
     aad.extend_from_slice(&recipient.0);
     aad
 }
@@ -430,6 +509,84 @@ mod tests {
             open(&mut t, &other_key, &b),
             Err(EnvelopeError::Rejected),
             "other round key"
+        );
+    }
+
+    #[test]
+    fn a_chunk_opens_only_as_the_chunk_it_was_sealed_as() {
+        let key = RoundSecretKey::generate().unwrap();
+        let d = digest(3);
+        let b = Binding {
+            task: "t",
+            round: 1,
+            client: "c",
+            base_model: &d,
+        };
+        let (upload, other) = ([1u8; 32], [2u8; 32]);
+        let chunk = Chunk {
+            upload: &upload,
+            length: 10,
+            chunk_bytes: 4,
+            index: 1,
+        };
+        let env = seal_chunk(b"4567", &key.public_key(), &b, &chunk).unwrap();
+        assert_eq!(
+            open_chunk(&mut env.clone(), &key, &b, &chunk).unwrap(),
+            b"4567"
+        );
+        let wrong = [
+            ("replayed at another index", Chunk { index: 2, ..chunk }),
+            (
+                "of another upload",
+                Chunk {
+                    upload: &other,
+                    ..chunk
+                },
+            ),
+            (
+                "of another length",
+                Chunk {
+                    length: 11,
+                    ..chunk
+                },
+            ),
+            (
+                "cut to another size",
+                Chunk {
+                    chunk_bytes: 5,
+                    ..chunk
+                },
+            ),
+        ];
+        for (what, c) in wrong {
+            assert_eq!(
+                open_chunk(&mut env.clone(), &key, &b, &c),
+                Err(EnvelopeError::Rejected),
+                "{what}"
+            );
+        }
+        // A chunk is no whole envelope, and a whole envelope no chunk.
+        assert_eq!(
+            open(&mut env.clone(), &key, &b),
+            Err(EnvelopeError::Rejected)
+        );
+        let mut whole = seal(b"4567", &key.public_key(), &b).unwrap();
+        assert_eq!(
+            open_chunk(&mut whole, &key, &b, &chunk),
+            Err(EnvelopeError::Rejected)
+        );
+        // Where chunks lie.
+        assert_eq!(Chunk::count(10, 4), 3);
+        assert_eq!(Chunk::count(0, 4), 1);
+        assert_eq!(Chunk { index: 2, ..chunk }.range(), Some(8..10));
+        assert_eq!(Chunk { index: 3, ..chunk }.range(), None);
+        assert_eq!(
+            Chunk {
+                index: u64::MAX,
+                ..chunk
+            }
+            .range(),
+            None
         );
     }
 

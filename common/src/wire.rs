@@ -842,6 +842,12 @@ pub struct RoundOffer {
     /// How the update must be encoded (update format [`crate::codec::UPDATE_FORMAT`], which a client must speak); absent: plain float32.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<Compression>,
+    /// Present when the server takes updates in chunks (an upload session:
+    /// `POST /v1/tasks/{task}/rounds/{round}/uploads`): an update whose plaintext is larger than
+    /// this many bytes goes that way, in chunks of this size, and resumes after a cut
+    /// connection; absent: one sealed body only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upload_chunk_bytes: Option<u64>,
 }
 
 /// How a client takes part in a secure-aggregation round attempt.
@@ -973,6 +979,33 @@ pub struct UpdateMeta {
     pub num_examples: u64,
     #[serde(default)]
     pub metrics: Metrics,
+}
+
+/// Starts (or resumes) a chunked upload (`POST /v1/tasks/{task}/rounds/{round}/uploads`): the
+/// update's plaintext is `length` bytes with this SHA-256. A session for the same plaintext
+/// resumes where it stopped; another one of the same client and task takes its place.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UploadStart {
+    /// SHA-256 of the whole plaintext (64 hex digits): the upload's id, bound into every chunk.
+    #[schema(pattern = "^[0-9a-f]{64}$")]
+    pub digest: String,
+    pub length: u64,
+}
+
+/// Where a chunked upload stands. Chunk `next_chunk` is the one to send
+/// (`PUT …/uploads/{digest}/chunks/{index}`, sealed with [`crate::envelope::seal_chunk`]); once
+/// `received` equals the length, `POST …/uploads/{digest}/complete` folds the update.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct UploadSession {
+    pub digest: String,
+    pub length: u64,
+    /// Bytes of plaintext per chunk (the last chunk holds the rest).
+    pub chunk_bytes: u64,
+    /// Plaintext bytes the server holds (durable on its disk, not yet folded).
+    pub received: u64,
+    pub next_chunk: u64,
+    pub chunks: u64,
 }
 
 /// The server's acknowledgement: the update is durable and counted.
@@ -1380,6 +1413,7 @@ mod tests {
                     block_size: 256,
                     top_k: Some(0.01),
                 }),
+                upload_chunk_bytes: Some(8 << 20),
             }),
             retry_after_ms: 250,
         };

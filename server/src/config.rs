@@ -135,6 +135,15 @@ pub struct ServeArgs {
     /// within the budget plus one such body.
     #[arg(long, env = "HORA_MAX_UPLOAD_SHARE", default_value_t = 0.25)]
     pub max_upload_share: f64,
+    /// Updates whose plaintext is larger than this many bytes are uploaded in chunks of this
+    /// size, each acknowledged, so a cut connection resumes where it broke off (64 KiB to
+    /// 1 GiB; 0: updates come in one body only).
+    #[arg(long, env = "HORA_UPLOAD_CHUNK_BYTES", default_value_t = 8 << 20)]
+    pub upload_chunk_bytes: u64,
+    /// Disk the chunks of uploads in progress may take together, in `<data-dir>/spool` (an
+    /// upload reserves its whole length when it starts; beyond it, 503 `busy`).
+    #[arg(long, env = "HORA_SPOOL_BYTES", default_value_t = 32 << 30)]
+    pub spool_bytes: u64,
     /// Seconds a body waits for room in that budget before it is answered 503 `busy` (and
     /// retried by its client); below the request timeout, so `busy` is what a waiter hears.
     #[arg(long, env = "HORA_BODY_WAIT_SECS", default_value_t = 10)]
@@ -235,6 +244,9 @@ pub struct ServeConfig {
     pub upload_grace: Duration,
     pub upload_buffer_bytes: u64,
     pub max_upload_share: f64,
+    /// 0: no chunked uploads.
+    pub upload_chunk_bytes: u64,
+    pub spool_bytes: u64,
     pub body_wait: Duration,
     pub quarantine_after: u32,
     pub durability_timeout: Duration,
@@ -279,6 +291,8 @@ impl std::fmt::Debug for ServeConfig {
             .field("upload_grace", &self.upload_grace)
             .field("upload_buffer_bytes", &self.upload_buffer_bytes)
             .field("max_upload_share", &self.max_upload_share)
+            .field("upload_chunk_bytes", &self.upload_chunk_bytes)
+            .field("spool_bytes", &self.spool_bytes)
             .field("body_wait", &self.body_wait)
             .field("quarantine_after", &self.quarantine_after)
             .field("durability_timeout", &self.durability_timeout)
@@ -343,6 +357,12 @@ impl ServeConfig {
                 "max_upload_share is {max_upload_share}; give a fraction of the upload buffer above 0 and at most 1 (0.25: a quarter)"
             );
         }
+        let chunk = args.upload_chunk_bytes;
+        if chunk != 0 && !((64 << 10)..=(1 << 30)).contains(&chunk) {
+            anyhow::bail!(
+                "upload_chunk_bytes is {chunk}; give 65536 (64 KiB) to 1073741824 (1 GiB), or 0 to take updates in one body only"
+            );
+        }
         let store = args
             .store
             .parse()
@@ -387,6 +407,8 @@ impl ServeConfig {
             quarantine_after: args.quarantine_after,
             upload_buffer_bytes: args.upload_buffer_bytes,
             max_upload_share,
+            upload_chunk_bytes: chunk,
+            spool_bytes: args.spool_bytes,
             durability_timeout: secs(args.durability_timeout_secs),
             retention: crate::store::Retention {
                 last: args.retain_rounds_last,

@@ -81,6 +81,12 @@ error_codes! {
     /// The same client already has an upload to this task in flight. Wait for its answer rather
     /// than sending a second copy.
     UploadInProgress => "upload_in_progress",
+    /// The server holds no chunked upload of this update (it completed, expired, or the server
+    /// restarted). Start it again with `POST …/uploads`.
+    UploadUnknown => "upload_unknown",
+    /// A chunk other than the one the upload session expects next (replayed, reordered or
+    /// skipped). Ask `POST …/uploads` where the upload stands and go on from its `next_chunk`.
+    ChunkOutOfOrder => "chunk_out_of_order",
 
     // The server's own state: worth retrying.
 

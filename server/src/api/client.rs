@@ -25,7 +25,7 @@ use super::{
 };
 use crate::auth;
 use crate::error::ServerError;
-use crate::round::{now_ms, upload_limit};
+use crate::round::{now_ms, upload_limit, UpdateBody};
 use crate::store::ClientRecord;
 
 /// Header carrying an update's [`UpdateMeta`] as JSON (the body is the sealed envelope).
@@ -259,7 +259,15 @@ pub async fn join(
     ApiPath(task): ApiPath<String>,
 ) -> Result<Json<JoinResponse>, ServerError> {
     let task = state.coordinator.task(&task)?;
-    Ok(Json(state.coordinator.join(&task, &auth.id).await?))
+    let mut joined = state.coordinator.join(&task, &auth.id).await?;
+    // Sealed updates may come in chunks when the server takes them (secure aggregation's
+    // stages have their own bodies).
+    if let Some(offer) = joined.offer.as_mut() {
+        if offer.secure_aggregation.is_none() {
+            offer.upload_chunk_bytes = state.limits.chunking.as_ref().map(|c| c.chunk_bytes);
+        }
+    }
+    Ok(Json(joined))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -425,19 +433,7 @@ pub async fn update(
 ) -> Result<Json<UpdateReceipt>, ServerError> {
     let result: Result<UpdateReceipt, ServerError> = async {
         let task = state.coordinator.task(&task)?;
-        let meta: UpdateMeta = headers
-            .get(UPDATE_META_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .ok_or_else(|| {
-                ServerError::BadRequest(format!(
-                    "missing the `{UPDATE_META_HEADER}` header (UpdateMeta as JSON)"
-                ))
-            })
-            .and_then(|v| {
-                serde_json::from_str(v).map_err(|e| {
-                    ServerError::BadRequest(format!("malformed `{UPDATE_META_HEADER}` header: {e}"))
-                })
-            })?;
+        let meta = update_meta(&headers)?;
         // Cheap checks before the body is read at all. The length comes before the claim on
         // this client's upload slot: a body refused unread is dropped (its stream reset) at
         // once, and the client, told so, may send its next upload before this handler ends.
@@ -459,35 +455,70 @@ pub async fn update(
         let len = body.len() as u64;
         let receipt = state
             .coordinator
-            .upload(task, auth.id.clone(), round, meta, body, permit)
+            .upload(
+                task,
+                auth.id.clone(),
+                round,
+                meta,
+                UpdateBody::Sealed(body),
+                permit,
+            )
             .await?;
         state.coordinator.metrics.upload_bytes.inc_by(len);
         Ok(receipt)
     }
     .await;
+    settled(&state, &auth.id, round, result).await.map(Json)
+}
+
+/// The [`UpdateMeta`] of the `x-hora-update` header.
+pub(crate) fn update_meta(headers: &HeaderMap) -> Result<UpdateMeta, ServerError> {
+    headers
+        .get(UPDATE_META_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| {
+            ServerError::BadRequest(format!(
+                "missing the `{UPDATE_META_HEADER}` header (UpdateMeta as JSON)"
+            ))
+        })
+        .and_then(|v| {
+            serde_json::from_str(v).map_err(|e| {
+                ServerError::BadRequest(format!("malformed `{UPDATE_META_HEADER}` header: {e}"))
+            })
+        })
+}
+
+/// An upload's outcome, counted: the metrics, the log line of a refusal, and the client's
+/// strikes (an invalid or out-of-bounds update counts one, an accepted one starts again).
+pub(crate) async fn settled(
+    state: &Shared,
+    client: &str,
+    round: u64,
+    result: Result<UpdateReceipt, ServerError>,
+) -> Result<UpdateReceipt, ServerError> {
     match &result {
         Ok(_) => {
             state.coordinator.metrics.uploads_accepted.inc();
             // (A refusal may have been counted since this request was authenticated.)
-            strikes(&state, &auth.id, None).await;
+            strikes(state, client, None).await;
         }
         Err(e) => {
             state.coordinator.metrics.upload_rejected(e.code().as_str());
-            tracing::info!(client = %auth.id, round, code = e.code().as_str(), error = ?e.to_string(), "update refused");
+            tracing::info!(client, round, code = e.code().as_str(), error = ?e.to_string(), "update refused");
             if matches!(
                 e.code(),
                 ErrorCode::InvalidUpdate | ErrorCode::UpdateNormExceeded
             ) {
-                strikes(&state, &auth.id, Some(e)).await;
+                strikes(state, client, Some(e)).await;
             }
         }
     }
-    result.map(Json)
+    result
 }
 
 /// Counts an update refused as invalid or out of bounds against its client (`refused`), or
 /// starts the count again after an accepted one (None): see [`crate::round::strikes`].
-async fn strikes(state: &Shared, client: &str, refused: Option<&ServerError>) {
+pub(crate) async fn strikes(state: &Shared, client: &str, refused: Option<&ServerError>) {
     let (me, id) = (state.coordinator.clone(), client.to_string());
     let why = refused.map(|e| format!("update refused: {e}"));
     let _ = crate::blocking(move || {

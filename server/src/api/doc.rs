@@ -27,7 +27,7 @@ use utoipa::OpenApi;
 
 use hora_common::wire::{ApiError, ID_PATTERN};
 
-use super::{admin, client, secagg, sync};
+use super::{admin, chunked, client, secagg, sync};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -40,6 +40,7 @@ use super::{admin, client, secagg, sync};
     paths(
         super::healthz, super::readyz, super::metrics, super::openapi,
         client::enrol, client::poll, client::join, client::model, client::module, client::update,
+        chunked::start, chunked::chunk, chunked::complete,
         admin::upload_model, admin::upload_module, admin::create_task, admin::list_tasks, admin::get_task,
         admin::pause, admin::resume, admin::stop, admin::rounds, admin::round_model,
         admin::create_enrolment, admin::list_clients, admin::revoke_client, admin::release_client,

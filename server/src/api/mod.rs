@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod body;
+pub mod chunked;
 pub mod client;
 pub mod doc;
 mod error;
@@ -69,6 +70,8 @@ pub struct HttpLimits {
     pub body_wait: Duration,
     /// Networks the admin API answers (empty: all).
     pub admin_allow: Vec<ipnet::IpNet>,
+    /// Chunked uploads (None: updates come in one body only).
+    pub chunking: Option<chunked::Chunking>,
 }
 
 impl Default for HttpLimits {
@@ -84,6 +87,7 @@ impl Default for HttpLimits {
             max_concurrent_uploads: 1,
             body_wait: Duration::from_secs(10),
             admin_allow: Vec::new(),
+            chunking: None,
         }
     }
 }
@@ -101,6 +105,8 @@ pub struct AppState {
     pub json_budget: body::IngestBudget,
     /// One upload per client and task in flight.
     pub uploads: Arc<body::UploadsInFlight>,
+    /// Chunked uploads in progress (None: the server takes updates in one body only).
+    pub sessions: Option<chunked::Sessions>,
     /// Sync jobs and the worlds their workers are forming.
     pub rendezvous: Rendezvous,
     pub readiness: Readiness,
@@ -121,6 +127,7 @@ impl AppState {
             // (Every JSON body is at most 1/JSON_BODIES of its budget already.)
             json_budget: body::IngestBudget::new(limits.max_json_bytes as u64 * JSON_BODIES, 1.0),
             uploads: Arc::default(),
+            sessions: limits.chunking.clone().map(chunked::Sessions::new),
             limits,
             rendezvous,
             readiness: Readiness::default(),
@@ -602,13 +609,15 @@ fn holds_open(method: &axum::http::Method, route: &str) -> bool {
             || route.ends_with("/neighbours")
             || route.ends_with("/shares")
             || route.ends_with("/unmask"));
+    let chunk = *method == axum::http::Method::PUT && route.ends_with("/chunks/{index}");
     let upload = *method == axum::http::Method::POST
         && (route.ends_with("/update")
+            || route.ends_with("/complete")
             || route.ends_with("/masked")
             || route == "/admin/v1/models"
             || route == "/admin/v1/modules"
             || route == "/v1/sync/{job}/join");
-    long_poll || upload
+    long_poll || upload || chunk
 }
 
 /// Counts each request of a route by its template, method and status, and times it to its
@@ -729,6 +738,7 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         .merge(client::routes())
+        .merge(chunked::routes())
         .merge(secagg::routes())
         .merge(sync::routes())
         .merge(admin::routes())

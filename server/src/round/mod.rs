@@ -59,7 +59,7 @@ pub use collection::Collection;
 pub use coordinator::{Coordinator, CoordinatorConfig};
 pub use phase::{Ending, Phase};
 pub use task::Task;
-pub use upload::{open_update, upload_limit, Admission, Ingest, Sealing};
+pub use upload::{open_update, upload_limit, Admission, Ingest, Sealing, UpdateBody};
 
 use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord, TaskRecord};
 
@@ -261,6 +261,8 @@ impl Round {
             training: record.config.training.clone(),
             secure_aggregation: self.collection.offer(),
             compression: record.config.compression.clone(),
+            // (The HTTP layer, which takes chunks, says so.)
+            upload_chunk_bytes: None,
         }
     }
 

@@ -9,7 +9,7 @@ use hora_common::envelope::{self, Binding};
 use hora_common::model::{Model, ModelDigest};
 use hora_common::wire::{self, ErrorCode, RoundOffer, RoundOutcome, TaskState, UpdateMeta};
 
-use super::{Coordinator, CoordinatorConfig, Phase, Round, Task};
+use super::{Coordinator, CoordinatorConfig, Phase, Round, Task, UpdateBody};
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
 use crate::store::MemoryStore;
@@ -82,7 +82,14 @@ impl Engine {
             metrics: Default::default(),
         };
         self.coordinator
-            .upload(task.clone(), client.into(), offer.round, meta, sealed, ())
+            .upload(
+                task.clone(),
+                client.into(),
+                offer.round,
+                meta,
+                UpdateBody::Sealed(sealed),
+                (),
+            )
             .await
     }
 
@@ -529,7 +536,14 @@ async fn a_checkpoint_whose_record_may_have_landed_is_kept_until_a_later_one_lan
                 metrics: Default::default(),
             };
             coordinator
-                .upload(engine_task, "b".into(), b.round, meta, sealed, ())
+                .upload(
+                    engine_task,
+                    "b".into(),
+                    b.round,
+                    meta,
+                    UpdateBody::Sealed(sealed),
+                    (),
+                )
                 .await
         })
     };

@@ -30,6 +30,33 @@ pub enum Admission {
     Pending(Arc<Round>, usize),
 }
 
+/// An update as the upload path takes it.
+pub enum UpdateBody {
+    /// One sealed envelope, opened in place.
+    Sealed(Vec<u8>),
+    /// A plaintext whose chunks were opened, each under the key [`Coordinator::check_upload`]
+    /// admitted it with, as they arrived (a chunked upload's spool).
+    Opened(Box<dyn AsRef<[u8]> + Send + Sync>),
+}
+
+impl UpdateBody {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            UpdateBody::Sealed(body) => body,
+            UpdateBody::Opened(plaintext) => (**plaintext).as_ref(),
+        }
+    }
+
+    /// Bytes that came over the wire for it (the envelope's, or the plaintext's).
+    pub fn len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Which version's key an update is sealed to.
 pub enum Sealing {
     /// The round's own.
@@ -40,6 +67,16 @@ pub enum Sealing {
         key: Arc<RoundSecretKey>,
         base: ModelDigest,
     },
+}
+
+impl Sealing {
+    /// The key that opens the update, and the round number and base model its binding names.
+    pub fn key<'r>(&'r self, round: &'r Round) -> (&'r RoundSecretKey, u64, ModelDigest) {
+        match self {
+            Sealing::Current => (&round.key, round.number, round.base),
+            Sealing::Earlier { round, key, base } => (&**key, *round, *base),
+        }
+    }
 }
 
 /// What an upload holds from the HTTP layer while the round engine works on it: an ingest slot
@@ -58,7 +95,8 @@ impl Ingest for () {
 
 impl Coordinator {
     /// The upload path: checks the round, opens the envelope, validates, folds, and returns
-    /// once the update is durable. `body` is the sealed envelope, decrypted in place.
+    /// once the update is durable. `body` is the sealed envelope, decrypted in place, or the
+    /// plaintext of a chunked upload.
     /// `permit`'s ingest slot is released once the update is open ([`Ingest::opened`]), and the
     /// rest of it (the body's share of the byte budget) as soon as the update is folded, before
     /// the wait for durability, so the next body can be read meanwhile.
@@ -68,7 +106,7 @@ impl Coordinator {
         client: String,
         round_number: u64,
         meta: UpdateMeta,
-        mut body: Vec<u8>,
+        mut body: UpdateBody,
         mut permit: impl Ingest,
     ) -> Result<wire::UpdateReceipt, ServerError> {
         let admission = self
@@ -119,18 +157,24 @@ impl Coordinator {
             tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
                 let task = t;
                 let started = Instant::now();
-                let (key, sealed, base) = match &sealing {
-                    Sealing::Current => (&round.key, round.number, round.base),
-                    Sealing::Earlier { round, key, base } => (&**key, *round, *base),
-                };
+                let (key, sealed, base) = sealing.key(&round);
                 let binding = Binding {
                     task: &task.id,
                     round: sealed,
                     client: &client_id,
                     base_model: &base,
                 };
-                let (plaintext, view) =
-                    open_update_at(&mut body, key, &binding, &spec, compression.as_ref())?;
+                let (plaintext, view) = match &mut body {
+                    UpdateBody::Sealed(body) => {
+                        open_update_at(body, key, &binding, &spec, compression.as_ref())?
+                    }
+                    UpdateBody::Opened(plaintext) => {
+                        let bytes = (**plaintext).as_ref();
+                        let view = Update::open(bytes, &spec, compression.as_ref())
+                            .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
+                        (0..bytes.len(), view)
+                    }
+                };
                 // The task's bound: the configured one, else the adaptive one (a multiple of
                 // the median norm of recent accepted updates, once there are enough of them).
                 let adaptive = bounds.max_norm.is_none() && bounds.adaptive_norm_factor.is_some();
@@ -187,7 +231,7 @@ impl Coordinator {
         let (me, t) = (self.clone(), task.clone());
         let folded = tokio::task::spawn_blocking(move || -> Result<_, ServerError> {
             let (task, _waiting) = (t, waiting);
-            let view = reparse(&body[plaintext], &reading.0, reading.1.as_ref())?;
+            let view = reparse(&body.bytes()[plaintext], &reading.0, reading.1.as_ref())?;
             let round = folding.round;
             let opened = Opened {
                 update: Contribution {
@@ -270,7 +314,7 @@ impl Coordinator {
     /// [`Coordinator::check_upload`] on a blocking thread: it waits for the round's lock, which a
     /// round's publication holds while it writes (and an asynchronous task's uploads keep
     /// arriving meanwhile).
-    async fn check_upload_blocking(
+    pub async fn check_upload_blocking(
         self: &Arc<Self>,
         task: &Arc<Task>,
         client: &str,
