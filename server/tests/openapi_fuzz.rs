@@ -33,14 +33,19 @@ const SEED: &str = "1";
 
 /// Operations whose bodies the schema cannot call valid or not: a safetensors file, a TorchScript
 /// archive, a sealed envelope, masked words, signed keys and shares, a digest that must name an
-/// uploaded model, min_clients ≤ target_clients, a world size that must match the job's. Valid by
-/// the document, such a request may still be refused with 400, and the document says so. Not a
-/// blanket exemption: every other operation must take every request its schema calls valid.
+/// uploaded model, min_clients ≤ target_clients, a world size that must match the job's, an
+/// upload session that must exist (410) and a length within the task's limit (413). Valid by the
+/// document, such a request may still be refused with 400, 410 or 413, and the document says so.
+/// Not a blanket exemption: every other operation must take every request its schema calls
+/// valid.
 const CONTENT_CHECKED: &[&str] = &[
     "POST /admin/v1/models",
     "POST /admin/v1/modules",
     "POST /admin/v1/tasks",
     "POST /v1/tasks/{task}/rounds/{round}/update",
+    "POST /v1/tasks/{task}/rounds/{round}/uploads",
+    "PUT /v1/tasks/{task}/rounds/{round}/uploads/{digest}/chunks/{index}",
+    "POST /v1/tasks/{task}/rounds/{round}/uploads/{digest}/complete",
     "POST /v1/tasks/{task}/secagg/{round}/{attempt}/advertise",
     "POST /v1/tasks/{task}/secagg/{round}/{attempt}/shares",
     "POST /v1/tasks/{task}/secagg/{round}/{attempt}/masked",
@@ -159,7 +164,7 @@ struct Run<'a> {
 }
 
 /// The run's schemathesis configuration file: the pinned values, and the operations allowed a
-/// 400 for data their schema calls valid ([`CONTENT_CHECKED`]).
+/// refusal for data their schema calls valid ([`CONTENT_CHECKED`]).
 fn config(dir: &Path, run: &Run) -> PathBuf {
     let mut toml = String::from("[parameters]\n");
     for (key, value) in &run.pinned {
@@ -169,7 +174,7 @@ fn config(dir: &Path, run: &Run) -> PathBuf {
         toml += &format!(
             "\n[[operations]]\ninclude-name = {operation:?}\n\
              checks.positive_data_acceptance.expected-statuses = \
-             [\"2xx\", \"3xx\", \"400\", \"401\", \"403\", \"404\", \"409\"]\n"
+             [\"2xx\", \"3xx\", \"400\", \"401\", \"403\", \"404\", \"409\", \"410\", \"413\"]\n"
         );
     }
     let path = dir.join(format!("{}.toml", run.name.replace(' ', "-")));

@@ -363,7 +363,9 @@ pub async fn start(
         (status = 200, body = UploadSession, description = "the chunk is held; the session as it now stands"),
         (status = 400, body = ApiError, description = "`invalid_update`: the chunk does not open as this chunk of this upload; `bad_request`: its length is not the chunk's"),
         (status = 409, body = ApiError, description = "`chunk_out_of_order`: not the chunk the session expects next (see `POST …/uploads`); or the round no longer takes the update"),
+        (status = 408, body = ApiError, description = "`upload_too_slow`: the body arrived too slowly"),
         (status = 410, body = ApiError, description = "`upload_unknown`: no such session (start the upload again)"),
+        (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
         (status = 503, body = ApiError, description = "`busy`: no room to read the body (retry)")))]
 pub async fn chunk(
     State(state): State<Shared>,
@@ -402,7 +404,8 @@ pub async fn chunk(
         }
     };
     let sealed_length = range.end - range.start + envelope::OVERHEAD as u64;
-    if declared_length(&headers, sealed_length)? != sealed_length {
+    // (A chunk of another length is malformed, whichever way it is off: 400 before reading.)
+    if declared_length(&headers, u64::MAX)? != sealed_length {
         return Err(ServerError::BadRequest(format!(
             "chunk {index} of upload {digest} is {sealed_length} bytes sealed; send exactly that"
         )));

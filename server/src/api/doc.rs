@@ -13,9 +13,10 @@
 //! | path parameters | 404 (no such task, round, client or job) |
 //! | a JSON body | 408 (below the minimum rate), 413 (over the JSON size limit) |
 //!
-//! Every string path parameter is an id, and gets [`ID_PATTERN`] ([`IdPatterns`]); every
-//! unsigned integer gets the range of its Rust type ([`UnsignedBounds`]), since `uint32` and
-//! `uint64` are formats a JSON Schema validator does not know. Every refusal has an
+//! Every string path parameter is an id, and gets [`ID_PATTERN`] ([`IdPatterns`]; an upload's
+//! `digest`, 64 hex digits); every unsigned integer gets the range of its Rust type
+//! ([`UnsignedBounds`]), since `uint32` and `uint64` are formats a JSON Schema validator does
+//! not know. Every refusal has an
 //! [`ApiError`] JSON body; a known path asked with a method it does not serve answers 405 with
 //! one, and an `Allow` header.
 
@@ -231,7 +232,11 @@ impl utoipa::Modify for IdPatterns {
                 }
                 if let Some(RefOr::T(Schema::Object(o))) = &mut p.schema {
                     if o.schema_type == SchemaType::Type(Type::String) {
-                        o.pattern = Some(ID_PATTERN.into());
+                        // (An upload's digest is its plaintext's SHA-256.)
+                        o.pattern = Some(match p.name.as_str() {
+                            "digest" => "^[0-9a-f]{64}$".into(),
+                            _ => ID_PATTERN.into(),
+                        });
                     }
                 }
             }
@@ -476,6 +481,9 @@ mod tests {
             for p in op["parameters"].as_array().into_iter().flatten() {
                 let schema = &p["schema"];
                 match (p["in"].as_str(), schema["type"].as_str()) {
+                    (Some("path"), Some("string")) if p["name"] == "digest" => {
+                        assert_eq!(schema["pattern"], "^[0-9a-f]{64}$", "{method} {path}");
+                    }
                     (Some("path"), Some("string")) => {
                         assert_eq!(schema["pattern"], ID_PATTERN, "{method} {path}");
                         ids += 1;
