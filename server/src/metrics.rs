@@ -330,7 +330,7 @@ impl ServerMetrics {
     }
 }
 
-/// The process's CPU time, resident memory, threads, open files and start time, read from
+/// The process's CPU time, resident memory (and its peak), threads, open files and start time, read from
 /// `/proc/self` at each scrape under the conventional `process_*` names; nothing where there is
 /// no `/proc`.
 #[derive(Debug)]
@@ -341,6 +341,9 @@ struct ProcessCollector;
 struct ProcessSample {
     cpu_seconds: f64,
     resident_bytes: f64,
+    /// The most resident memory the process has had (`VmHWM`; the current figure where the
+    /// kernel does not say).
+    peak_resident_bytes: f64,
     virtual_bytes: f64,
     threads: f64,
     start_time_seconds: f64,
@@ -351,6 +354,7 @@ struct ProcessSample {
 impl ProcessSample {
     fn read() -> Option<ProcessSample> {
         let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
         let boot = std::fs::read_to_string("/proc/stat").ok()?;
         let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
         let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count();
@@ -361,11 +365,20 @@ impl ProcessSample {
                 libc::sysconf(libc::_SC_PAGESIZE),
             )
         };
-        Self::parse(&stat, &boot, &limits, open_fds, ticks as f64, page as f64)
+        Self::parse(
+            &stat,
+            &status,
+            &boot,
+            &limits,
+            open_fds,
+            ticks as f64,
+            page as f64,
+        )
     }
 
     fn parse(
         stat: &str,
+        status: &str,
         boot: &str,
         limits: &str,
         open_fds: usize,
@@ -394,12 +407,19 @@ impl ProcessSample {
             .and_then(|l| l.split_whitespace().nth(3))
             .and_then(|v| v.parse().ok())
             .unwrap_or(f64::INFINITY);
+        let resident_bytes = field(24)? * page;
+        let peak_kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .and_then(|v| v.trim().parse::<f64>().ok());
         Some(ProcessSample {
             cpu_seconds: (field(14)? + field(15)?) / ticks,
+            peak_resident_bytes: peak_kib.map_or(resident_bytes, |k| k * 1024.0),
             threads: field(20)?,
             start_time_seconds: boot_time + field(22)? / ticks,
             virtual_bytes: field(23)?,
-            resident_bytes: field(24)? * page,
+            resident_bytes,
             open_fds: open_fds as f64,
             max_fds,
         })
@@ -429,6 +449,11 @@ impl prometheus_client::collector::Collector for ProcessCollector {
                 "process_resident_memory_bytes",
                 "Resident memory, in bytes",
                 s.resident_bytes,
+            ),
+            (
+                "process_resident_memory_peak_bytes",
+                "The most resident memory the process has had, in bytes",
+                s.peak_resident_bytes,
             ),
             (
                 "process_virtual_memory_bytes",
@@ -467,8 +492,11 @@ mod tests {
     fn proc_readings_are_parsed_whatever_the_command_is_called() {
         let stat = "4242 (hora (serve) x) S 1 4242 4242 0 -1 4194560 1000 0 0 0 250 50 0 0 20 0 7 0 12345 104857600 2560 18446744073709551615";
         let limits = "Limit                     Soft Limit           Hard Limit           Units\nMax open files            1024                 524288               files\n";
+        let status =
+            "Name:\thora-server\nVmPeak:\t  204800 kB\nVmHWM:\t   20480 kB\nVmRSS:\t   10240 kB\n";
         let s = ProcessSample::parse(
             stat,
+            status,
             "cpu 1 2 3\nbtime 1700000000\n",
             limits,
             12,
@@ -481,6 +509,7 @@ mod tests {
             ProcessSample {
                 cpu_seconds: 3.0,
                 resident_bytes: 2560.0 * 4096.0,
+                peak_resident_bytes: 20480.0 * 1024.0,
                 virtual_bytes: 104857600.0,
                 threads: 7.0,
                 start_time_seconds: 1700000000.0 + 123.45,
@@ -488,8 +517,11 @@ mod tests {
                 max_fds: 1024.0,
             }
         );
+        // No VmHWM: the current figure.
+        let s = ProcessSample::parse(stat, "", "btime 1\n", limits, 12, 100.0, 4096.0).unwrap();
+        assert_eq!(s.peak_resident_bytes, s.resident_bytes);
         assert_eq!(
-            ProcessSample::parse("garbage", "", "", 0, 100.0, 4096.0),
+            ProcessSample::parse("garbage", "", "", "", 0, 100.0, 4096.0),
             None
         );
     }
@@ -513,6 +545,7 @@ mod tests {
             for name in [
                 "process_cpu_seconds_total",
                 "process_resident_memory_bytes",
+                "process_resident_memory_peak_bytes",
                 "process_open_fds",
             ] {
                 assert!(text.contains(&format!("\n{name} ")), "{name}: {text}");

@@ -126,19 +126,17 @@ impl Server {
         .map_err(|e| anyhow::anyhow!("loading state: {e}"))?;
         let rendezvous = rendezvous::Rendezvous::open(store.clone(), metrics.clone())
             .context("loading the sync jobs")?;
-        let chunking = (config.upload_chunk_bytes > 0).then(|| api::chunked::Chunking {
+        let spool_dir = config.data_dir.join("spool");
+        api::chunked::prepare_spool(&spool_dir).with_context(|| {
+            format!(
+                "preparing the spool for large uploads in {}",
+                spool_dir.display()
+            )
+        })?;
+        let chunking = (config.upload_chunk_bytes > 0).then_some(api::chunked::Chunking {
             chunk_bytes: config.upload_chunk_bytes,
-            spool_dir: config.data_dir.join("spool"),
             spool_bytes: config.spool_bytes,
         });
-        if let Some(chunking) = &chunking {
-            chunking.prepare().with_context(|| {
-                format!(
-                    "preparing the spool for chunked uploads in {}",
-                    chunking.spool_dir.display()
-                )
-            })?;
-        }
         let state = api::AppState::new(
             coordinator.clone(),
             admin_token_hash,
@@ -155,6 +153,7 @@ impl Server {
                 metrics_require_token: config.metrics_require_token,
                 max_concurrent_uploads: config.max_concurrent_uploads,
                 admin_allow: config.admin_allow.clone(),
+                spool_dir,
                 chunking,
                 ..Default::default()
             },

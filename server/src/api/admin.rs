@@ -15,7 +15,7 @@ use hora_common::wire::{
 };
 
 use super::client::model_response;
-use super::{read_body, AdminAuth, ApiJson, ApiPath, ApiQuery, Shared};
+use super::{spool_body, AdminAuth, ApiJson, ApiPath, ApiQuery, Shared};
 use crate::auth;
 use crate::error::ServerError;
 use crate::round::now_ms;
@@ -58,15 +58,17 @@ pub async fn upload_model(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<ModelUploaded>), ServerError> {
-    let bytes = read_body(
+    let file = spool_body(
         &headers,
         body,
         state.limits.max_model_bytes,
         &state.limits.body_rate,
+        &state.limits.spool_dir,
     )
     .await?;
     let store = state.coordinator.clone();
-    tokio::task::spawn_blocking(move || {
+    crate::blocking(move || {
+        let bytes = map(&file)?;
         let limits = Limits {
             max_bytes: state.limits.max_model_bytes,
             ..Limits::default()
@@ -91,7 +93,15 @@ pub async fn upload_model(
         Ok((StatusCode::CREATED, Json(ModelUploaded { digest, spec })))
     })
     .await
-    .map_err(ServerError::internal)?
+}
+
+/// A read-only mapping of a spooled body: read as the checks and the blob store's writer need
+/// it, never copied into memory whole. Blocking.
+fn map(file: &std::fs::File) -> Result<memmap2::Mmap, ServerError> {
+    // SAFETY: the file is an unnamed one this request made ([`spool_body`]): nothing else can
+    // open it, let alone change it while it is mapped.
+    unsafe { memmap2::Mmap::map(file) }
+        .map_err(|e| ServerError::internal(format!("mapping a spooled body: {e}")))
 }
 
 #[utoipa::path(post, path = "/admin/v1/modules", tag = "admin", security(("admin_token" = [])),
@@ -106,22 +116,27 @@ pub async fn upload_module(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<ModuleUploaded>), ServerError> {
-    let bytes = read_body(
+    let file = spool_body(
         &headers,
         body,
         state.limits.max_model_bytes,
         &state.limits.body_rate,
+        &state.limits.spool_dir,
     )
     .await?;
-    // TorchScript archives are zip files.
-    if !bytes.starts_with(b"PK\x03\x04") {
-        return Err(ServerError::BadRequest(
-            "not a TorchScript module (expected the zip archive torch.jit.save writes)".into(),
-        ));
-    }
     // Hashing and writing up to the model size limit: on a blocking thread.
     let me = state.clone();
-    let digest = crate::blocking(move || Ok(me.coordinator.store().put_module(&bytes)?)).await?;
+    let digest = crate::blocking(move || {
+        let bytes = map(&file)?;
+        // TorchScript archives are zip files.
+        if !bytes.starts_with(b"PK\x03\x04") {
+            return Err(ServerError::BadRequest(
+                "not a TorchScript module (expected the zip archive torch.jit.save writes)".into(),
+            ));
+        }
+        Ok(me.coordinator.store().put_module(&bytes)?)
+    })
+    .await?;
     Ok((StatusCode::CREATED, Json(ModuleUploaded { digest })))
 }
 

@@ -18,7 +18,12 @@
 //!   the share: bodies in memory stay within the budget plus one larger body, smaller bodies
 //!   keep the rest of the budget to themselves, and a large body waiting for its turn waits in
 //!   its own queue, not at the head of everyone's. (Refusing them would refuse every model over
-//!   16 MiB at the default budget.)
+//!   16 MiB at the default budget.) An update larger than a chunk comes as chunks instead
+//!   (`super::chunked`), each a body of its own, spooled to disk as it is opened.
+//! - Disk, not memory, for the admin's models and modules ([`spool_body`]): they are written to
+//!   an unnamed file in the spool directory as they arrive and checked through a read-only
+//!   mapping, so a model of any size up to `--max-model-bytes` costs a write buffer while it
+//!   travels.
 //! - One upload per client and task in flight: a second one is refused (409
 //!   `upload_in_progress`) rather than queued.
 
@@ -80,24 +85,98 @@ pub async fn read_body(
     rate: &BodyRate,
 ) -> Result<Vec<u8>, ServerError> {
     let declared = declared_length(headers, limit)?;
-    read_frames(body, Some(declared), limit, rate).await
+    let buf = Vec::with_capacity(declared as usize);
+    read_frames(body, Some(declared), limit, rate, buf).await
 }
 
-/// Reads `body` at no less than `rate`: exactly `declared` bytes when its length was declared,
-/// else at most `limit` (413 past it).
-async fn read_frames(
+/// Where a body's bytes go as they arrive: memory, or a file ([`spool_body`]).
+trait Sink {
+    /// Bytes taken so far.
+    fn taken(&self) -> u64;
+    async fn take(&mut self, data: &[u8]) -> Result<(), ServerError>;
+}
+
+impl Sink for Vec<u8> {
+    fn taken(&self) -> u64 {
+        self.len() as u64
+    }
+
+    async fn take(&mut self, data: &[u8]) -> Result<(), ServerError> {
+        self.extend_from_slice(data);
+        Ok(())
+    }
+}
+
+/// A body written to an unnamed file as it arrives (through the runtime's blocking pool).
+struct Spooling {
+    file: tokio::io::BufWriter<tokio::fs::File>,
+    taken: u64,
+}
+
+impl Sink for Spooling {
+    fn taken(&self) -> u64 {
+        self.taken
+    }
+
+    async fn take(&mut self, data: &[u8]) -> Result<(), ServerError> {
+        use tokio::io::AsyncWriteExt;
+        self.file
+            .write_all(data)
+            .await
+            .map_err(|e| ServerError::internal(format!("spooling the body to disk: {e}")))?;
+        self.taken += data.len() as u64;
+        Ok(())
+    }
+}
+
+/// Reads a body of at most `limit` bytes, at no less than `rate`, into an unnamed file in `dir`
+/// (gone when the file is closed) rather than memory: what a model or module upload of any size
+/// holds is a write buffer. Refuses (413) from the `Content-Length` header alone, before
+/// reading. The file comes back whole and flushed, for a mapping.
+pub async fn spool_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+    rate: &BodyRate,
+    dir: &std::path::Path,
+) -> Result<std::fs::File, ServerError> {
+    let declared = declared_length(headers, limit)?;
+    let at = dir.to_path_buf();
+    let file = crate::blocking(move || {
+        tempfile::tempfile_in(&at).map_err(|e| {
+            ServerError::internal(format!("creating a spool file in {}: {e}", at.display()))
+        })
+    })
+    .await?;
+    let sink = Spooling {
+        file: tokio::io::BufWriter::with_capacity(1 << 20, tokio::fs::File::from_std(file)),
+        taken: 0,
+    };
+    let mut spooled = read_frames(body, Some(declared), limit, rate, sink).await?;
+    use tokio::io::AsyncWriteExt;
+    spooled
+        .file
+        .flush()
+        .await
+        .map_err(|e| ServerError::internal(format!("spooling the body to disk: {e}")))?;
+    Ok(spooled.file.into_inner().into_std().await)
+}
+
+/// Reads `body` into `sink` at no less than `rate`: exactly `declared` bytes when its length
+/// was declared, else at most `limit` (413 past it).
+async fn read_frames<S: Sink>(
     body: Body,
     declared: Option<u64>,
     limit: u64,
     rate: &BodyRate,
-) -> Result<Vec<u8>, ServerError> {
+    mut sink: S,
+) -> Result<S, ServerError> {
     let start = tokio::time::Instant::now();
-    let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
     let mut body = body;
     let shown =
         |d: Option<u64>| d.map_or_else(|| "an undeclared number of".into(), |d| d.to_string());
     loop {
-        let received = buf.len() as u64;
+        let received = sink.taken();
         let frame = match tokio::time::timeout_at(rate.cutoff(start, received), body.frame()).await
         {
             Ok(Some(frame)) => frame,
@@ -117,7 +196,7 @@ async fn read_frames(
         let frame =
             frame.map_err(|e| ServerError::BadRequest(format!("reading the body failed: {e}")))?;
         if let Ok(data) = frame.into_data() {
-            let len = (buf.len() + data.len()) as u64;
+            let len = sink.taken() + data.len() as u64;
             match declared {
                 Some(d) if len > d => {
                     return Err(ServerError::BadRequest(
@@ -129,16 +208,16 @@ async fn read_frames(
                 }
                 _ => {}
             }
-            buf.extend_from_slice(&data);
+            sink.take(&data).await?;
         }
     }
-    if let Some(declared) = declared.filter(|d| buf.len() as u64 != *d) {
+    if let Some(declared) = declared.filter(|d| sink.taken() != *d) {
         return Err(ServerError::BadRequest(format!(
             "body ended after {} of {declared} bytes",
-            buf.len()
+            sink.taken()
         )));
     }
-    Ok(buf)
+    Ok(sink)
 }
 
 /// Reads a small body (JSON) of at most `limit` bytes through its own byte budget (waited for at
@@ -158,7 +237,8 @@ pub async fn read_small(
         .json_budget
         .reserve_within(declared.unwrap_or(limit), state.limits.body_wait)
         .await?;
-    read_frames(body, declared, limit, &state.limits.body_rate).await
+    let buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    read_frames(body, declared, limit, &state.limits.body_rate, buf).await
 }
 
 /// The declared `Content-Length`, checked against `limit`.

@@ -50,22 +50,18 @@ pub const IDLE: Duration = Duration::from_secs(15 * 60);
 pub struct Chunking {
     /// Plaintext bytes per chunk, offered to the clients.
     pub chunk_bytes: u64,
-    /// Where sessions spool what they received (emptied when the server starts).
-    pub spool_dir: PathBuf,
     /// The most bytes all sessions' spool files may hold together.
     pub spool_bytes: u64,
 }
 
-impl Chunking {
-    /// Empties (or makes) the spool directory: what a previous process spooled belongs to
-    /// sessions nobody knows any more. Blocking; run before serving.
-    pub fn prepare(&self) -> std::io::Result<()> {
-        match std::fs::remove_dir_all(&self.spool_dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-            _ => {}
-        }
-        std::fs::create_dir_all(&self.spool_dir)
+/// Empties (or makes) the spool directory: what a previous process spooled belongs to sessions
+/// and requests nobody knows any more. Blocking; run before serving.
+pub fn prepare_spool(dir: &Path) -> std::io::Result<()> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
     }
+    std::fs::create_dir_all(dir)
 }
 
 pub fn routes() -> Router<Shared> {
@@ -87,6 +83,7 @@ type Held = Arc<AsyncMutex<Session>>;
 /// The chunked uploads in progress, one per client and task at most.
 pub struct Sessions {
     chunking: Chunking,
+    spool_dir: PathBuf,
     /// By (task, client).
     open: Mutex<HashMap<(String, String), Held>>,
     /// Spool bytes promised to open sessions.
@@ -161,9 +158,10 @@ fn unknown(digest: &str) -> ServerError {
 }
 
 impl Sessions {
-    pub fn new(chunking: Chunking) -> Self {
+    pub fn new(chunking: Chunking, spool_dir: PathBuf) -> Self {
         Sessions {
             chunking,
+            spool_dir,
             open: Mutex::default(),
             reserved: Arc::default(),
         }
@@ -223,7 +221,7 @@ impl Sessions {
             *reserved += length;
             self.reserved.clone()
         };
-        let dir = self.chunking.spool_dir.clone();
+        let dir = self.spool_dir.clone();
         let spool = crate::blocking(move || {
             let created = create_spool(&dir);
             let (path, file) = match created {

@@ -43,7 +43,7 @@ use crate::round::Coordinator;
 use crate::store::ClientRecord;
 use crate::{auth, conn};
 
-pub use body::{declared_length, read_body, read_upload, BodyRate};
+pub use body::{declared_length, read_body, read_upload, spool_body, BodyRate};
 
 /// Limits on what the HTTP layer accepts.
 #[derive(Debug, Clone)]
@@ -70,6 +70,9 @@ pub struct HttpLimits {
     pub body_wait: Duration,
     /// Networks the admin API answers (empty: all).
     pub admin_allow: Vec<ipnet::IpNet>,
+    /// Where bodies too large for memory are spooled: a chunked upload's chunks, a model or
+    /// module upload (emptied when the server starts: [`chunked::prepare_spool`]).
+    pub spool_dir: std::path::PathBuf,
     /// Chunked uploads (None: updates come in one body only).
     pub chunking: Option<chunked::Chunking>,
 }
@@ -87,6 +90,7 @@ impl Default for HttpLimits {
             max_concurrent_uploads: 1,
             body_wait: Duration::from_secs(10),
             admin_allow: Vec::new(),
+            spool_dir: std::env::temp_dir(),
             chunking: None,
         }
     }
@@ -127,7 +131,10 @@ impl AppState {
             // (Every JSON body is at most 1/JSON_BODIES of its budget already.)
             json_budget: body::IngestBudget::new(limits.max_json_bytes as u64 * JSON_BODIES, 1.0),
             uploads: Arc::default(),
-            sessions: limits.chunking.clone().map(chunked::Sessions::new),
+            sessions: limits
+                .chunking
+                .clone()
+                .map(|c| chunked::Sessions::new(c, limits.spool_dir.clone())),
             limits,
             rendezvous,
             readiness: Readiness::default(),
