@@ -590,7 +590,7 @@ impl Client {
         }
     }
 
-    /// [`Client::upload_encoded`] as an upload session (in the chunks its server cuts).
+    /// [`Client::upload_encoded`] as an upload session, in the offer's chunks.
     async fn upload_chunked(
         &self,
         task: &str,
@@ -598,6 +598,7 @@ impl Client {
         plaintext: std::sync::Arc<Vec<u8>>,
         meta: &UpdateMeta,
     ) -> Result<Option<UpdateReceipt>> {
+        let offered = offer.upload_chunk_bytes.unwrap_or(0);
         let hashed = plaintext.clone();
         let digest: [u8; 32] = tokio::task::spawn_blocking(move || {
             let digest = ring::digest::digest(&ring::digest::SHA256, &hashed);
@@ -612,47 +613,45 @@ impl Client {
             digest: hex_digest.clone(),
             length,
         };
+        let meta = serde_json::to_string(meta).expect("metadata serialises");
         // Whether some request was sent again (an `already_contributed` answer then means an
         // earlier one got through).
         let mut again = false;
-        let mut session = None;
-        // Starts without progress in a row: the server keeps forgetting the session.
-        let mut stalls = 0;
-        loop {
-            let mut at: UploadSession = match session.take() {
-                Some(at) => at,
-                None => {
-                    stalls += 1;
-                    if stalls > 8 {
-                        return Err(ClientError::Protocol(format!(
-                            "the server lost upload {hex_digest} {} times without taking a chunk of it; retry later",
-                            stalls - 1
-                        )));
+        // Answers in a row that moved the upload no further, and fresh starts after the server
+        // lost the session: both bounded.
+        let (mut stalls, mut restarts) = (0u32, 0u32);
+        'session: loop {
+            // Where the session stands (a new one, or the rest of this plaintext's).
+            let mut at: UploadSession = loop {
+                let (resp, attempts) = self
+                    .conn
+                    .send("starting the upload", || {
+                        self.conn
+                            .request(Method::POST, &uploads, Duration::ZERO)
+                            .json(&start)
+                    })
+                    .await?;
+                again |= attempts > 1;
+                match receipt(resp, u32::from(again) + 1).await {
+                    Ok(Some(at)) => break at,
+                    Ok(None) => return Ok(None),
+                    // The request an earlier connection carried is still ending there.
+                    Err(e) if e.code() == Some(&ErrorCode::UploadInProgress) => {
+                        tokio::time::sleep(stall(
+                            &mut stalls,
+                            self.conn.retry_policy(),
+                            &hex_digest,
+                            &e,
+                        )?)
+                        .await;
+                        again = true;
                     }
-                    let (resp, attempts) = self
-                        .conn
-                        .send("starting the upload", || {
-                            self.conn
-                                .request(Method::POST, &uploads, Duration::ZERO)
-                                .json(&start)
-                        })
-                        .await?;
-                    again |= attempts > 1;
-                    match receipt(resp, u32::from(again) + 1).await {
-                        Ok(Some(at)) => at,
-                        Ok(None) => return Ok(None),
-                        // The request an earlier connection carried is still ending there.
-                        Err(e) if again && e.code() == Some(&ErrorCode::UploadInProgress) => {
-                            tokio::time::sleep(self.conn.retry_policy().backoff(stalls)).await;
-                            continue;
-                        }
-                        Err(e) => return Err(e),
-                    }
+                    Err(e) => return Err(e),
                 }
             };
-            if at.digest != hex_digest || at.length != length || at.chunk_bytes == 0 {
+            if at.digest != hex_digest || at.length != length || at.chunk_bytes != offered {
                 return Err(ClientError::Protocol(format!(
-                    "the server answered the start of upload {hex_digest} ({length} bytes) with another upload ({} of {} bytes, chunks of {})",
+                    "the server answered the start of upload {hex_digest} ({length} bytes in chunks of {offered}) with another upload ({} of {} bytes, chunks of {})",
                     at.digest, at.length, at.chunk_bytes
                 )));
             }
@@ -665,13 +664,12 @@ impl Client {
                 );
             }
             // The chunks the server does not hold yet, one after another.
-            let mut lost = None;
             while at.received < length {
                 let index = at.next_chunk;
                 let chunk = Chunk {
                     upload: &digest,
                     length,
-                    chunk_bytes: at.chunk_bytes,
+                    chunk_bytes: offered,
                     index,
                 };
                 let Some(range) = chunk.range().filter(|r| r.start == at.received) else {
@@ -686,16 +684,15 @@ impl Client {
                     offer.clone(),
                     plaintext.clone(),
                 );
-                let chunk_bytes = at.chunk_bytes;
+                let piece = range.start as usize..range.end as usize;
                 let sealed = tokio::task::spawn_blocking(move || {
                     let chunk = Chunk {
                         upload: &digest,
                         length: p.len() as u64,
-                        chunk_bytes,
+                        chunk_bytes: offered,
                         index,
                     };
-                    let piece = &p[range.start as usize..range.end as usize];
-                    envelope::seal_chunk(piece, &o.round_key, &binding(&id, &t, &o), &chunk)
+                    envelope::seal_chunk(&p[piece], &o.round_key, &binding(&id, &t, &o), &chunk)
                 })
                 .await
                 .map_err(|e| ClientError::Training(format!("sealing a chunk failed: {e}")))??;
@@ -711,53 +708,94 @@ impl Client {
                 again |= attempts > 1;
                 match receipt::<UploadSession>(resp, u32::from(again) + 1).await {
                     Ok(Some(next)) => {
+                        if next.next_chunk != index + 1 || next.received != range.end {
+                            return Err(ClientError::Protocol(format!(
+                                "the server took chunk {index} of upload {hex_digest} but says it holds {} bytes, next chunk {}",
+                                next.received, next.next_chunk
+                            )));
+                        }
                         stalls = 0;
                         at = next;
                     }
                     Ok(None) => return Ok(None),
-                    // An acknowledgement lost on a cut connection (the chunk is in), the
-                    // request that connection carried still ending on the server, or the
-                    // session gone: ask where the upload stands.
+                    // An acknowledgement lost on a cut connection (the chunk is in), or the
+                    // request that connection carried still ending on the server: ask where
+                    // the upload stands.
                     Err(e)
                         if matches!(
                             e.code(),
-                            Some(
-                                ErrorCode::ChunkOutOfOrder
-                                    | ErrorCode::UploadUnknown
-                                    | ErrorCode::UploadInProgress
-                            )
+                            Some(ErrorCode::ChunkOutOfOrder | ErrorCode::UploadInProgress)
                         ) =>
                     {
+                        tracing::info!(error = %e, "asking the server where the upload stands");
+                        tokio::time::sleep(stall(
+                            &mut stalls,
+                            self.conn.retry_policy(),
+                            &hex_digest,
+                            &e,
+                        )?)
+                        .await;
                         again = true;
-                        lost = Some(e);
-                        break;
+                        continue 'session;
+                    }
+                    Err(e) if e.code() == Some(&ErrorCode::UploadUnknown) => {
+                        restarts += 1;
+                        if restarts > 3 {
+                            return Err(e);
+                        }
+                        tracing::info!(error = %e, "the server lost the upload; starting it again");
+                        again = true;
+                        continue 'session;
                     }
                     Err(e) => return Err(e),
                 }
             }
-            if let Some(e) = lost {
-                tracing::info!(error = %e, "asking the server where the upload stands");
-                continue;
-            }
             let path = format!("{uploads}/{hex_digest}/complete");
-            let meta = serde_json::to_string(meta).expect("metadata serialises");
-            let (resp, attempts) = self
-                .conn
-                .send("completing the upload", || {
-                    self.conn
-                        .request(Method::POST, &path, Duration::ZERO)
-                        .header(UPDATE_META_HEADER, &meta)
-                })
-                .await?;
-            again |= attempts > 1;
-            match receipt(resp, u32::from(again) + 1).await {
-                Ok(done) => return Ok(done),
-                // The session went before the completion took it: start again.
-                Err(e) if e.code() == Some(&ErrorCode::UploadUnknown) => {
-                    tracing::info!(error = %e, "the server lost the upload; starting it again");
-                    again = true;
+            loop {
+                let (resp, attempts) = self
+                    .conn
+                    .send("completing the upload", || {
+                        self.conn
+                            .request(Method::POST, &path, Duration::ZERO)
+                            .header(UPDATE_META_HEADER, &meta)
+                    })
+                    .await?;
+                again |= attempts > 1;
+                match receipt(resp, u32::from(again) + 1).await {
+                    Ok(done) => return Ok(done),
+                    // A completion of this upload is still under way there: its outcome.
+                    Err(e) if e.code() == Some(&ErrorCode::UploadInProgress) => {
+                        tokio::time::sleep(stall(
+                            &mut stalls,
+                            self.conn.retry_policy(),
+                            &hex_digest,
+                            &e,
+                        )?)
+                        .await;
+                        again = true;
+                    }
+                    Err(e) if e.code() == Some(&ErrorCode::ChunkOutOfOrder) => {
+                        tokio::time::sleep(stall(
+                            &mut stalls,
+                            self.conn.retry_policy(),
+                            &hex_digest,
+                            &e,
+                        )?)
+                        .await;
+                        again = true;
+                        continue 'session;
+                    }
+                    Err(e) if e.code() == Some(&ErrorCode::UploadUnknown) => {
+                        restarts += 1;
+                        if restarts > 3 {
+                            return Err(e);
+                        }
+                        tracing::info!(error = %e, "the server lost the upload; starting it again");
+                        again = true;
+                        continue 'session;
+                    }
+                    Err(e) => return Err(e),
                 }
-                Err(e) => return Err(e),
             }
         }
     }
@@ -1187,6 +1225,24 @@ fn carry(state: &StateDir, task: &str, limits: &Limits, mut delta: Model) -> Res
         .for_each(|(d, r)| *d += r);
     delta.check_finite()?;
     Ok(delta)
+}
+
+/// One more answer in a row that moved upload `upload` no further (`why`): the wait before
+/// asking again, or the end of the upload after eight.
+fn stall(
+    stalls: &mut u32,
+    policy: &RetryPolicy,
+    upload: &str,
+    why: &ClientError,
+) -> Result<Duration> {
+    *stalls += 1;
+    if *stalls > 8 {
+        return Err(ClientError::Protocol(format!(
+            "upload {upload} made no progress in {} answers in a row (the last: {why}); retry later",
+            *stalls - 1
+        )));
+    }
+    Ok(policy.backoff(*stalls))
 }
 
 /// What an update of `client` to `offer`'s round is bound to.

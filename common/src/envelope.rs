@@ -98,8 +98,12 @@ impl Chunk<'_> {
         length.div_ceil(chunk_bytes.max(1)).max(1)
     }
 
-    /// Where this chunk's plaintext lies in the whole, or None when its index is past the end.
+    /// Where this chunk's plaintext lies in the whole, or None when its index is past the end
+    /// (or the chunk size is 0).
     pub fn range(&self) -> Option<std::ops::Range<u64>> {
+        if self.chunk_bytes == 0 {
+            return None;
+        }
         let start = self.index.checked_mul(self.chunk_bytes)?;
         let count = Chunk::count(self.length, self.chunk_bytes);
         (self.index < count).then(|| start..(start + self.chunk_bytes).min(self.length))

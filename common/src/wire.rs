@@ -1002,7 +1002,8 @@ pub struct UploadSession {
     pub length: u64,
     /// Bytes of plaintext per chunk (the last chunk holds the rest).
     pub chunk_bytes: u64,
-    /// Plaintext bytes the server holds (durable on its disk, not yet folded).
+    /// Plaintext bytes the server holds (on its disk, not yet folded; a restarted server holds
+    /// none).
     pub received: u64,
     pub next_chunk: u64,
     pub chunks: u64,

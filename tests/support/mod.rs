@@ -5,6 +5,8 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use hora_common::envelope::{self, Binding};
@@ -821,6 +823,73 @@ pub fn check_layering(
                 let got = run(None, &env, &flags(|s| s.1));
                 assert_eq!(got[*other]["source"], "env", "{program}: {other}");
             }
+        }
+    }
+}
+
+/// Which way a [`cutting_relay`] cuts its first connection.
+#[derive(Clone, Copy)]
+pub enum Cut {
+    /// Once this many bytes came back from the server (a download that drops).
+    Back(u64),
+    /// Once this many bytes went to the server (an upload that drops).
+    Forth(u64),
+}
+
+/// A TCP relay on loopback to `upstream` that cuts its first connection as `cut` says (later
+/// connections pass whole). Its port, and the count of bytes all its connections passed in the
+/// cut direction.
+pub async fn cutting_relay(upstream: std::net::SocketAddr, cut: Cut) -> (u16, Arc<AtomicU64>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let passed = Arc::new(AtomicU64::new(0));
+    let counted = passed.clone();
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((down, _)) = listener.accept().await {
+            let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
+                continue;
+            };
+            let (counted, cutting) = (counted.clone(), std::mem::replace(&mut first, false));
+            tokio::spawn(async move {
+                let (down_r, down_w) = down.into_split();
+                let (up_r, up_w) = up.into_split();
+                let limit = |n: u64| if cutting { n } else { u64::MAX };
+                let (back_limit, forth_limit, back_count, forth_count) = match cut {
+                    Cut::Back(n) => (limit(n), u64::MAX, Some(counted), None),
+                    Cut::Forth(n) => (u64::MAX, limit(n), None, Some(counted)),
+                };
+                // Either way ends the connection: both halves are dropped.
+                tokio::select! {
+                    _ = pipe(up_r, down_w, back_limit, back_count) => {}
+                    _ = pipe(down_r, up_w, forth_limit, forth_count) => {}
+                }
+            });
+        }
+    });
+    (port, passed)
+}
+
+/// Copies `from` to `to` until either ends or `limit` bytes passed, counting them in `count`.
+pub async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    limit: u64,
+    count: Option<Arc<AtomicU64>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut passed, mut buf) = (0u64, vec![0u8; 1 << 14]);
+    while passed < limit {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n.min((limit - passed) as usize),
+        };
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+        passed += n as u64;
+        if let Some(count) = &count {
+            count.fetch_add(n as u64, Ordering::SeqCst);
         }
     }
 }

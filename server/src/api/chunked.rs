@@ -17,13 +17,18 @@
 //!    plaintext ([`UpdateBody::Opened`]), through a read-only mapping of the file.
 //!
 //! Sessions live in this process: a restarted server (or another replica) knows none, answers
-//! `upload_unknown`, and the client starts its upload again. The spool files together stay
-//! within `--spool-bytes` (a session reserves its whole length when it starts); a session left
-//! idle for [`IDLE`] is dropped with its file when the next one starts.
+//! `upload_unknown`, and the client starts its upload again. A session belongs to its round's
+//! attempt (the round key its chunks are sealed to): a retried attempt starts afresh. It ends,
+//! and its spool file goes, when its update is folded or refused, when the round no longer
+//! admits it, when its client starts another upload to the task, or when no chunk reached it for
+//! [`IDLE`] (swept as other sessions start and take chunks). So an update's plaintext stays on
+//! the server's disk (mode 0600, in `<data-dir>/spool`, emptied at start) while its upload is in
+//! progress and at most [`IDLE`] after it stalls. The spool files together stay within
+//! `--spool-bytes` (a session reserves its whole length when it starts; only a client admitted
+//! to the round may start one, one per task).
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,8 +38,10 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::routing::{post, put};
 use axum::{Json, Router};
-use hora_common::envelope::{self, Binding, Chunk};
-use hora_common::wire::{ApiError, ErrorCode, UpdateReceipt, UploadSession, UploadStart};
+use hora_common::envelope::{self, Binding, Chunk, RoundPublicKey};
+use hora_common::wire::{
+    ApiError, ErrorCode, UpdateMeta, UpdateReceipt, UploadSession, UploadStart,
+};
 use tokio::sync::{Mutex as AsyncMutex, OwnedSemaphorePermit};
 
 use super::client::{settled, strikes, update_meta};
@@ -80,18 +87,23 @@ pub fn routes() -> Router<Shared> {
 /// A session, locked by the request that works on it (across its spool's I/O).
 type Held = Arc<AsyncMutex<Session>>;
 
+/// Whose session: (task, client).
+type Who = (String, String);
+
 /// The chunked uploads in progress, one per client and task at most.
 pub struct Sessions {
     chunking: Chunking,
     spool_dir: PathBuf,
-    /// By (task, client).
-    open: Mutex<HashMap<(String, String), Held>>,
+    /// By (task, client): the upload's digest, and its session.
+    open: Mutex<HashMap<Who, ([u8; 32], Held)>>,
     /// Spool bytes promised to open sessions.
     reserved: Arc<Mutex<u64>>,
 }
 
 struct Session {
     round: u64,
+    /// The round key its chunks are sealed to (a retried attempt of the round has another).
+    key: RoundPublicKey,
     digest: [u8; 32],
     length: u64,
     chunk_bytes: u64,
@@ -99,6 +111,7 @@ struct Session {
     next: u64,
     hasher: ring::digest::Context,
     spool: Spool,
+    /// When a chunk last arrived (or the session started).
     touched: Instant,
 }
 
@@ -114,11 +127,22 @@ impl Session {
         }
     }
 
-    fn is_for(&self, round: u64, start: &[u8; 32], length: u64, chunk_bytes: u64) -> bool {
-        self.round == round
-            && &self.digest == start
-            && self.length == length
-            && self.chunk_bytes == chunk_bytes
+    /// Appends chunk `index`'s plaintext at the end of what the session holds. Blocking.
+    fn append(&mut self, index: u64, plaintext: &[u8]) -> Result<(), ServerError> {
+        use std::os::unix::fs::FileExt;
+        let file = &self.spool.file;
+        if let Err(e) = file.write_all_at(plaintext, self.received) {
+            // (What a failed write left past the end goes: the chunk is sent again.)
+            let _ = file.set_len(self.received);
+            return Err(ServerError::internal(format!(
+                "spooling chunk {index} failed: {e}"
+            )));
+        }
+        self.hasher.update(plaintext);
+        self.received += plaintext.len() as u64;
+        self.next += 1;
+        self.touched = Instant::now();
+        Ok(())
     }
 }
 
@@ -151,7 +175,7 @@ fn unknown(digest: &str) -> ServerError {
     ServerError::Gone {
         code: ErrorCode::UploadUnknown,
         message: format!(
-            "the server holds no upload {digest} of this client to this task (it completed, was idle for over {} minutes, or the server restarted): start it again with POST …/uploads",
+            "the server holds no upload {digest} of this client to this task (it completed or was refused, the round moved on, it had no chunk for {} minutes, or the server restarted): start it again with POST …/uploads",
             IDLE.as_secs() / 60
         ),
     }
@@ -167,46 +191,75 @@ impl Sessions {
         }
     }
 
-    fn session(&self, key: &(String, String), digest: &str) -> Result<Held, ServerError> {
+    /// The session of upload `digest` of this (task, client).
+    fn session(&self, key: &Who, digest: &str) -> Result<Held, ServerError> {
+        let wanted = parse_digest(digest)?;
+        match self.open.lock().expect("sessions lock").get(key) {
+            Some((upload, held)) if *upload == wanted => Ok(held.clone()),
+            _ => Err(unknown(digest)),
+        }
+    }
+
+    /// Whether `held` is still the session of its (task, client): not ended while its
+    /// locker waited.
+    fn is_open(&self, key: &Who, held: &Held) -> bool {
         self.open
             .lock()
             .expect("sessions lock")
             .get(key)
-            .cloned()
-            .ok_or_else(|| unknown(digest))
+            .is_some_and(|(_, h)| Arc::ptr_eq(h, held))
     }
 
-    /// Resumes the session of this plaintext, or opens one in the place of any other of the
-    /// client's sessions for the task.
+    /// Ends `held` (its spool goes once the last request holding it lets go).
+    fn end(&self, key: &Who, held: &Held) {
+        let mut open = self.open.lock().expect("sessions lock");
+        if open.get(key).is_some_and(|(_, h)| Arc::ptr_eq(h, held)) {
+            open.remove(key);
+        }
+    }
+
+    /// Ends the sessions no chunk reached for [`IDLE`] (one a request holds is not idle).
+    fn sweep(&self) {
+        let idle: Vec<_> = {
+            let mut open = self.open.lock().expect("sessions lock");
+            let keys: Vec<_> = open
+                .iter()
+                .filter(|(_, (_, s))| s.try_lock().is_ok_and(|s| s.touched.elapsed() > IDLE))
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.iter().filter_map(|k| open.remove(k)).collect()
+        };
+        drop(idle);
+    }
+
+    /// Resumes the session of this plaintext sealed to `key`, or opens one in the place of any
+    /// other of the client's sessions for the task.
     async fn start(
         &self,
-        key: (String, String),
+        who: Who,
         round: u64,
+        key: RoundPublicKey,
         digest: [u8; 32],
         length: u64,
     ) -> Result<UploadSession, ServerError> {
+        self.sweep();
         let chunk_bytes = self.chunking.chunk_bytes;
-        let existing = self.open.lock().expect("sessions lock").get(&key).cloned();
-        if let Some(existing) = existing {
-            let mut session = existing.lock().await;
-            if session.is_for(round, &digest, length, chunk_bytes) {
-                session.touched = Instant::now();
+        let existing = self.open.lock().expect("sessions lock").get(&who).cloned();
+        if let Some((_, existing)) = existing {
+            let session = existing.lock().await;
+            if (
+                session.round,
+                session.key,
+                session.digest,
+                session.length,
+                session.chunk_bytes,
+            ) == (round, key, digest, length, chunk_bytes)
+            {
                 return Ok(session.state());
             }
         }
-        let (replaced, idle) = {
-            let mut open = self.open.lock().expect("sessions lock");
-            let replaced = open.remove(&key);
-            // Idle sessions go (one that a request holds is not idle).
-            let idle: Vec<_> = open
-                .iter()
-                .filter(|(_, s)| s.try_lock().is_ok_and(|s| s.touched.elapsed() > IDLE))
-                .map(|(k, _)| k.clone())
-                .collect();
-            let idle: Vec<_> = idle.iter().filter_map(|k| open.remove(k)).collect();
-            (replaced, idle)
-        };
-        drop((replaced, idle));
+        let replaced = self.open.lock().expect("sessions lock").remove(&who);
+        drop(replaced);
         let reserved = {
             let mut reserved = self.reserved.lock().expect("spool lock");
             if *reserved + length > self.chunking.spool_bytes {
@@ -222,28 +275,25 @@ impl Sessions {
             self.reserved.clone()
         };
         let dir = self.spool_dir.clone();
-        let spool = crate::blocking(move || {
-            let created = create_spool(&dir);
-            let (path, file) = match created {
-                Ok(made) => made,
-                Err(e) => {
-                    *reserved.lock().expect("spool lock") -= length;
-                    return Err(ServerError::internal(format!(
-                        "creating a spool file in {} failed: {e}",
-                        dir.display()
-                    )));
-                }
-            };
-            Ok(Spool {
+        let spool = crate::blocking(move || match create_spool(&dir) {
+            Ok((path, file)) => Ok(Spool {
                 path,
                 file,
                 bytes: length,
                 reserved,
-            })
+            }),
+            Err(e) => {
+                *reserved.lock().expect("spool lock") -= length;
+                Err(ServerError::internal(format!(
+                    "creating a spool file in {} failed: {e}",
+                    dir.display()
+                )))
+            }
         })
         .await?;
         let session = Session {
             round,
+            key,
             digest,
             length,
             chunk_bytes,
@@ -257,7 +307,7 @@ impl Sessions {
         self.open
             .lock()
             .expect("sessions lock")
-            .insert(key, Arc::new(AsyncMutex::new(session)));
+            .insert(who, (digest, Arc::new(AsyncMutex::new(session))));
         Ok(state)
     }
 }
@@ -295,7 +345,8 @@ fn parse_digest(hex_digest: &str) -> Result<[u8; 32], ServerError> {
 }
 
 /// The round an upload of `client` to round `round` is admitted to, and the key it is sealed
-/// to; a client whose update is in already is told so.
+/// to. A client whose update is in already is told so once it is durable (a client that hears
+/// it may count its update in).
 async fn admitted(
     state: &Shared,
     task: &Arc<Task>,
@@ -308,11 +359,29 @@ async fn admitted(
         .await?
     {
         Admission::Fresh(open, sealing) => Ok((open, sealing)),
-        Admission::Pending(..) => Err(ServerError::conflict(
-            ErrorCode::AlreadyContributed,
-            format!("this client's update to round {round} is in already"),
-        )),
+        Admission::Pending(..) => {
+            state
+                .coordinator
+                .pending_receipt(task, client, round)
+                .await?;
+            Err(ServerError::conflict(
+                ErrorCode::AlreadyContributed,
+                format!("this client's update to round {round} is in already"),
+            ))
+        }
     }
+}
+
+/// Whether a refusal leaves the upload able to go on (the server's own trouble, or a chunk the
+/// client sends again): else its session ends.
+fn goes_on(e: &ServerError) -> bool {
+    matches!(
+        e,
+        ServerError::Unavailable { .. } | ServerError::Timeout { .. } | ServerError::Internal(_)
+    ) || matches!(
+        e.code(),
+        ErrorCode::ChunkOutOfOrder | ErrorCode::UploadInProgress | ErrorCode::BadRequest
+    )
 }
 
 #[utoipa::path(post, path = "/v1/tasks/{task}/rounds/{round}/uploads", tag = "client",
@@ -346,10 +415,13 @@ pub async fn start(
         });
     }
     let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
-    admitted(&state, &task, &auth.id, round).await?;
-    let key = (task.id.clone(), auth.id.clone());
+    let (open, sealing) = admitted(&state, &task, &auth.id, round).await?;
+    let key = sealing.key(&open).0.public_key();
+    let who = (task.id.clone(), auth.id.clone());
     Ok(Json(
-        sessions.start(key, round, digest, start.length).await?,
+        sessions
+            .start(who, round, key, digest, start.length)
+            .await?,
     ))
 }
 
@@ -360,8 +432,8 @@ pub async fn start(
     responses(
         (status = 200, body = UploadSession, description = "the chunk is held; the session as it now stands"),
         (status = 400, body = ApiError, description = "`invalid_update`: the chunk does not open as this chunk of this upload; `bad_request`: its length is not the chunk's"),
-        (status = 409, body = ApiError, description = "`chunk_out_of_order`: not the chunk the session expects next (see `POST …/uploads`); or the round no longer takes the update"),
         (status = 408, body = ApiError, description = "`upload_too_slow`: the body arrived too slowly"),
+        (status = 409, body = ApiError, description = "`chunk_out_of_order`: not the chunk the session expects next (see `POST …/uploads`); or the round no longer takes the update"),
         (status = 410, body = ApiError, description = "`upload_unknown`: no such session (start the upload again)"),
         (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
         (status = 503, body = ApiError, description = "`busy`: no room to read the body (retry)")))]
@@ -375,9 +447,11 @@ pub async fn chunk(
     let sessions = sessions(&state)?;
     let task = state.coordinator.task(&task)?;
     let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
-    let key = (task.id.clone(), auth.id.clone());
-    let mut session = sessions.session(&key, &digest)?.lock_owned().await;
-    if parse_digest(&digest)? != session.digest || round != session.round {
+    sessions.sweep();
+    let who = (task.id.clone(), auth.id.clone());
+    let held = sessions.session(&who, &digest)?;
+    let mut session = held.clone().lock_owned().await;
+    if round != session.round || !sessions.is_open(&who, &held) {
         return Err(unknown(&digest));
     }
     let upload = session.digest;
@@ -408,11 +482,18 @@ pub async fn chunk(
             "chunk {index} of upload {digest} is {sealed_length} bytes sealed; send exactly that"
         )));
     }
-    let (open, sealing) = admitted(&state, &task, &auth.id, round).await?;
-    let within = Duration::from_secs(task.record().config.round_deadline_secs);
-    let (mut body, permit) = read_upload(&state, &headers, body, sealed_length, within).await?;
-    let (t, client) = (task.clone(), auth.id.clone());
-    let held =
+    let held_chunk = async {
+        let (open, sealing) = admitted(&state, &task, &auth.id, round).await?;
+        if sealing.key(&open).0.public_key() != session.key {
+            return Err(ServerError::conflict(
+                ErrorCode::RoundClosed,
+                format!("the attempt of round {round} that upload {digest} began in is over; join the round again"),
+            ));
+        }
+        let within = Duration::from_secs(task.record().config.round_deadline_secs);
+        let (mut body, permit) =
+            read_upload(&state, &headers, body, sealed_length, within).await?;
+        let (t, client) = (task.clone(), auth.id.clone());
         crate::blocking(move || {
             let (key, sealed, base) = sealing.key(&open);
             let binding = Binding {
@@ -429,29 +510,29 @@ pub async fn chunk(
             };
             let plaintext = envelope::open_chunk(&mut body, key, &binding, &chunk)
                 .map_err(|e| ServerError::InvalidUpdate(format!("chunk {index}: {e}")))?;
-            session.spool.file.write_all(plaintext).map_err(|e| {
-                ServerError::internal(format!("spooling chunk {index} failed: {e}"))
-            })?;
-            session.hasher.update(plaintext);
-            session.received += plaintext.len() as u64;
-            session.next += 1;
-            session.touched = Instant::now();
+            session.append(index, plaintext)?;
             drop(permit);
             Ok(session.state())
         })
-        .await;
-    match &held {
+        .await
+    }
+    .await;
+    match &held_chunk {
         Ok(_) => {
             state.coordinator.metrics.upload_bytes.inc_by(sealed_length);
         }
         Err(e) => {
-            state.coordinator.metrics.upload_rejected(e.code().as_str());
+            // (A round that moved on, a client no longer admitted: the upload cannot end well.)
+            if !goes_on(e) && e.code() != ErrorCode::InvalidUpdate {
+                sessions.end(&who, &held);
+            }
             if e.code() == ErrorCode::InvalidUpdate {
+                state.coordinator.metrics.upload_rejected(e.code().as_str());
                 strikes(&state, &auth.id, Some(e)).await;
             }
         }
     }
-    held.map(Json)
+    held_chunk.map(Json)
 }
 
 /// An ingest slot alone: a chunked upload's spool needs the CPU work of checking and folding,
@@ -480,88 +561,129 @@ pub async fn complete(
     headers: HeaderMap,
 ) -> Result<Json<UpdateReceipt>, ServerError> {
     let result = async {
-        let sessions = sessions(&state)?;
+        sessions(&state)?;
         let task = state.coordinator.task(&task)?;
         let meta = update_meta(&headers)?;
         let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
-        // A retry of a completion whose update is folded but not yet durable.
-        if let Some(receipt) = state
-            .coordinator
-            .pending_receipt(&task, &auth.id, round)
-            .await?
-        {
-            return Ok(receipt);
-        }
-        let key = (task.id.clone(), auth.id.clone());
-        let held = sessions.session(&key, &digest)?;
-        let session = held.clone().lock_owned().await;
-        if parse_digest(&digest)? != session.digest || round != session.round {
-            return Err(unknown(&digest));
-        }
-        if session.received != session.length {
-            return Err(ServerError::conflict(
-                ErrorCode::ChunkOutOfOrder,
-                format!(
-                    "upload {digest} is not whole: {} of its {} chunks are in, send chunk {}",
-                    session.next,
-                    Chunk::count(session.length, session.chunk_bytes),
-                    session.next
-                ),
-            ));
-        }
-        // The session is done with whatever comes next, unless the server cannot take the
-        // update now (then the completion may be retried with what is spooled).
-        sessions
-            .open
-            .lock()
-            .expect("sessions lock")
-            .retain(|_, s| !Arc::ptr_eq(s, &held));
-        if session.hasher.clone().finish().as_ref() != session.digest {
-            return Err(ServerError::InvalidUpdate(format!(
-                "the chunks of upload {digest} are not the plaintext it announced (another SHA-256)"
-            )));
-        }
-        let (session, plaintext) = crate::blocking(move || {
-            // SAFETY: the file is this process's own (created new, mode 0600, in the spool
-            // directory), and nothing writes to it while it is mapped: its session is locked
-            // here and no longer in the table, and its spool goes only with the session.
-            let mapped = unsafe { memmap2::Mmap::map(&session.spool.file) }
-                .map_err(|e| ServerError::internal(format!("mapping a spooled upload: {e}")))?;
-            Ok((session, mapped))
-        })
-        .await?;
-        let slot = state
-            .ingest
-            .clone()
-            .acquire_owned()
+        // Detached: a client that hangs up does not stop a completion halfway, and its retry
+        // finds what became of it.
+        let (state, client) = (state.clone(), auth.id.clone());
+        tokio::spawn(async move { completion(&state, task, client, round, &digest, meta).await })
             .await
-            .map_err(ServerError::internal)?;
-        let outcome = state
-            .coordinator
-            .upload(
-                task,
-                auth.id.clone(),
-                round,
-                meta,
-                UpdateBody::Opened(Box::new(plaintext)),
-                Slot(Some(slot)),
-            )
-            .await;
-        if let Err(
-            ServerError::Unavailable { .. }
-            | ServerError::Timeout { .. }
-            | ServerError::Internal(_),
-        ) = &outcome
-        {
-            drop(session);
-            sessions
-                .open
-                .lock()
-                .expect("sessions lock")
-                .insert(key, held);
-        }
-        outcome
+            .map_err(ServerError::internal)?
     }
     .await;
     settled(&state, &auth.id, round, result).await.map(Json)
+}
+
+/// Folds a whole upload's spool, and ends its session unless the upload can go on.
+async fn completion(
+    state: &Shared,
+    task: Arc<Task>,
+    client: String,
+    round: u64,
+    digest: &str,
+    meta: UpdateMeta,
+) -> Result<UpdateReceipt, ServerError> {
+    let sessions = sessions(state)?;
+    let who = (task.id.clone(), client.clone());
+    let held = sessions.session(&who, digest).ok();
+    // Waits for a completion of this upload still under way.
+    let session = match &held {
+        Some(held) => Some(held.clone().lock_owned().await),
+        None => None,
+    };
+    // A retry of a completion whose update is in: its receipt, once durable.
+    if let Some(receipt) = state
+        .coordinator
+        .pending_receipt(&task, &client, round)
+        .await?
+    {
+        if let Some(held) = &held {
+            sessions.end(&who, held);
+        }
+        return Ok(receipt);
+    }
+    let (Some(held), Some(session)) = (held, session) else {
+        return Err(unknown(digest));
+    };
+    if round != session.round || !sessions.is_open(&who, &held) {
+        return Err(unknown(digest));
+    }
+    let outcome = fold_spool(state, &task, &client, round, digest, meta, session).await;
+    if !matches!(&outcome, Err(e) if goes_on(e)) {
+        sessions.end(&who, &held);
+    }
+    outcome
+}
+
+/// The completion proper: the whole plaintext, the digest announced, then the upload path.
+async fn fold_spool(
+    state: &Shared,
+    task: &Arc<Task>,
+    client: &str,
+    round: u64,
+    digest: &str,
+    meta: UpdateMeta,
+    session: tokio::sync::OwnedMutexGuard<Session>,
+) -> Result<UpdateReceipt, ServerError> {
+    if session.received != session.length {
+        return Err(ServerError::conflict(
+            ErrorCode::ChunkOutOfOrder,
+            format!(
+                "upload {digest} is not whole: {} of its {} chunks are in, send chunk {}",
+                session.next,
+                Chunk::count(session.length, session.chunk_bytes),
+                session.next
+            ),
+        ));
+    }
+    if session.hasher.clone().finish().as_ref() != session.digest {
+        return Err(ServerError::InvalidUpdate(format!(
+            "the chunks of upload {digest} are not the plaintext it announced (another SHA-256)"
+        )));
+    }
+    let (admitted_round, sealing) = admitted(state, task, client, round).await?;
+    if sealing.key(&admitted_round).0.public_key() != session.key {
+        return Err(ServerError::conflict(
+            ErrorCode::RoundClosed,
+            format!("the attempt of round {round} that upload {digest} began in is over; join the round again"),
+        ));
+    }
+    drop(admitted_round);
+    let (session, plaintext) = crate::blocking(move || {
+        let length = session.spool.file.metadata().map(|m| m.len());
+        if !matches!(length, Ok(l) if l == session.length) {
+            return Err(ServerError::internal(format!(
+                "a spooled upload is {length:?} bytes on disk, not the {} it received",
+                session.length
+            )));
+        }
+        // SAFETY: the file is this process's own (created new, mode 0600, in the spool
+        // directory), and nothing writes to it while it is mapped: its session is locked here
+        // (chunks are written only under that lock), and its spool goes only with the session.
+        let mapped = unsafe { memmap2::Mmap::map(&session.spool.file) }
+            .map_err(|e| ServerError::internal(format!("mapping a spooled upload: {e}")))?;
+        Ok((session, mapped))
+    })
+    .await?;
+    let slot = state
+        .ingest
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(ServerError::internal)?;
+    let outcome = state
+        .coordinator
+        .upload(
+            task.clone(),
+            client.to_string(),
+            round,
+            meta,
+            UpdateBody::Opened(Box::new(plaintext)),
+            Slot(Some(slot)),
+        )
+        .await;
+    drop(session);
+    outcome
 }

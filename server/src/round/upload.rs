@@ -46,15 +46,6 @@ impl UpdateBody {
             UpdateBody::Opened(plaintext) => (**plaintext).as_ref(),
         }
     }
-
-    /// Bytes that came over the wire for it (the envelope's, or the plaintext's).
-    pub fn len(&self) -> usize {
-        self.bytes().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// Which version's key an update is sealed to.
