@@ -345,7 +345,7 @@ impl Client {
         // the server still hands out the one the offer names.
         let path = format!("/v1/tasks/{task}/model?digest={}", digest.to_hex());
         let mut resume = true;
-        let model = loop {
+        let (model, bytes) = loop {
             let what = "downloading the model";
             let (bytes, resumed) = match self.download(what, &path, resume).await {
                 Ok(got) => got,
@@ -355,7 +355,7 @@ impl Client {
                 Err(e) => return Err(e),
             };
             match Model::from_safetensors(&bytes, &self.config.limits) {
-                Ok(model) if model.digest() == *digest || !resumed => break model,
+                Ok(model) if model.digest() == *digest || !resumed => break (model, bytes),
                 Err(e) if !resumed => return Err(e.into()),
                 // A resumed download that does not make the model: once more, whole.
                 _ => {
@@ -375,10 +375,10 @@ impl Client {
             )));
         }
         // The cache saves a download after a restart or for a retried round; the round itself
-        // need not wait for the write.
-        let (state, cached, digest) = (self.state.clone(), model.clone(), *digest);
+        // need not wait for the write. (The bytes as downloaded: no copy of the model.)
+        let (state, digest) = (self.state.clone(), *digest);
         in_background(move || {
-            if let Err(e) = state.cache_model(&digest, &cached) {
+            if let Err(e) = state.cache_model_bytes(&digest, &bytes) {
                 tracing::warn!(error = %e, "caching the global model failed");
             }
         });

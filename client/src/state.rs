@@ -232,9 +232,14 @@ impl StateDir {
 
     /// Caches `model` (whose digest is `digest`) and drops all but the newest few others.
     pub fn cache_model(&self, digest: &ModelDigest, model: &Model) -> Result<()> {
+        self.cache_model_bytes(digest, &model.to_safetensors())
+    }
+
+    /// [`StateDir::cache_model`] for a model's safetensors bytes (as downloaded and verified).
+    pub fn cache_model_bytes(&self, digest: &ModelDigest, safetensors: &[u8]) -> Result<()> {
         write_file(
             &self.model_path(digest),
-            &model.to_safetensors(),
+            safetensors,
             false,
             Sync::ProcessCrash,
         )?;
