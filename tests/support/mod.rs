@@ -850,6 +850,8 @@ pub async fn cutting_relay(upstream: std::net::SocketAddr, cut: Cut) -> (u16, Ar
             let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
                 continue;
             };
+            // (Small writes go at once, as on the direct connection: no Nagle delays.)
+            let _ = (down.set_nodelay(true), up.set_nodelay(true));
             let (counted, cutting) = (counted.clone(), std::mem::replace(&mut first, false));
             tokio::spawn(async move {
                 let (down_r, down_w) = down.into_split();
