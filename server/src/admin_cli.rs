@@ -1,7 +1,7 @@
 //! `hora-server admin …`: everything the admin API does, from the command line. Prints JSON
 //! answers; errors carry the server's `ApiError` message.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
@@ -141,32 +141,16 @@ impl AdminClient {
         &self,
         method: Method,
         path: &str,
-        body: Option<reqwest::Body>,
         json: Option<serde_json::Value>,
     ) -> Result<reqwest::Response> {
         let mut req = self
             .http
             .request(method, format!("{}{path}", self.base))
             .bearer_auth(&self.token);
-        if let Some(b) = body {
-            req = req.body(b);
-        }
         if let Some(j) = json {
             req = req.json(&j);
         }
-        let resp = req
-            .send()
-            .await
-            .with_context(|| format!("connecting to {}", self.base))?;
-        if !resp.status().is_success() {
-            let status = resp.status();
-            let text = resp.text().await.unwrap_or_default();
-            match serde_json::from_str::<ApiError>(&text) {
-                Ok(e) => bail!("{status}: {}", e.message),
-                Err(_) => bail!("{status}: {text}"),
-            }
-        }
-        Ok(resp)
+        answer(req, &self.base).await
     }
 
     pub async fn json(
@@ -175,31 +159,66 @@ impl AdminClient {
         path: &str,
         json: Option<serde_json::Value>,
     ) -> Result<serde_json::Value> {
-        Ok(self.send(method, path, None, json).await?.json().await?)
+        Ok(self.send(method, path, json).await?.json().await?)
     }
 
-    pub async fn upload(&self, path: &str, bytes: Vec<u8>) -> Result<serde_json::Value> {
-        Ok(self
-            .send(Method::POST, path, Some(bytes.into()), None)
-            .await?
-            .json()
-            .await?)
+    /// Uploads `file` to `path`, streamed from disk in 1 MiB pieces with its length declared:
+    /// a model of any size costs a buffer (one body of gigabytes at once is past what an HTTP/2
+    /// stream's flow control can take in one piece).
+    pub async fn upload(&self, path: &str, file: &Path) -> Result<serde_json::Value> {
+        let opened = tokio::fs::File::open(file)
+            .await
+            .with_context(|| format!("opening {}", file.display()))?;
+        let length = opened
+            .metadata()
+            .await
+            .with_context(|| format!("reading the size of {}", file.display()))?
+            .len();
+        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(
+            opened,
+            1 << 20,
+        ));
+        let mut req = self
+            .http
+            .request(Method::POST, format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
+            .header(reqwest::header::CONTENT_LENGTH, length)
+            .body(body);
+        req = req.header(reqwest::header::CONTENT_TYPE, "application/octet-stream");
+        Ok(answer(req, &self.base).await?.json().await?)
     }
 
     /// Sends a request whose successful answer has no body.
     pub async fn empty(&self, method: Method, path: &str) -> Result<()> {
-        self.send(method, path, None, None).await?;
+        self.send(method, path, None).await?;
         Ok(())
     }
 
     pub async fn bytes(&self, path: &str) -> Result<Vec<u8>> {
         Ok(self
-            .send(Method::GET, path, None, None)
+            .send(Method::GET, path, None)
             .await?
             .bytes()
             .await?
             .to_vec())
     }
+}
+
+/// Sends `req` to the server at `base`; a refusal becomes an error with its message.
+async fn answer(req: reqwest::RequestBuilder, base: &str) -> Result<reqwest::Response> {
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("connecting to {base}"))?;
+    if !resp.status().is_success() {
+        let status = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        match serde_json::from_str::<ApiError>(&text) {
+            Ok(e) => bail!("{status}: {}", e.message),
+            Err(_) => bail!("{status}: {text}"),
+        }
+    }
+    Ok(resp)
 }
 
 /// `matches` are those of `admin`, which `args` came from.
@@ -232,8 +251,8 @@ pub async fn run(args: AdminArgs, matches: &clap::ArgMatches) -> Result<()> {
     let c = AdminClient::new(&args.server, &args.ca, identity.as_ref(), &token)?;
     let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
     let out = match args.command {
-        AdminCommand::UploadModel { file } => c.upload("/admin/v1/models", read(&file)?).await?,
-        AdminCommand::UploadModule { file } => c.upload("/admin/v1/modules", read(&file)?).await?,
+        AdminCommand::UploadModel { file } => c.upload("/admin/v1/models", &file).await?,
+        AdminCommand::UploadModule { file } => c.upload("/admin/v1/modules", &file).await?,
         AdminCommand::CreateTask { file } => {
             let task: CreateTask = serde_json::from_slice(&read(&file)?)
                 .with_context(|| format!("{} is not a valid task definition", file.display()))?;
