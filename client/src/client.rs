@@ -226,6 +226,9 @@ pub(crate) fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// The largest model whose cache write a download does not wait for.
+const CACHED_IN_BACKGROUND: usize = 64 << 20;
+
 /// Runs blocking work on one of the runtime's blocking threads without waiting for it (at once
 /// when there is no runtime): writes to the client's cache that the round need not wait for.
 fn in_background(f: impl FnOnce() + Send + 'static) {
@@ -374,14 +377,21 @@ impl Client {
                 digest.to_hex()
             )));
         }
-        // The cache saves a download after a restart or for a retried round; the round itself
-        // need not wait for the write. (The bytes as downloaded: no copy of the model.)
+        // The cache saves a download after a restart or for a retried round; a small model's
+        // round need not wait for the write. A large one's does: its bytes (as downloaded, no
+        // copy) go before the model is trained and its update encoded, so that a client holds
+        // two copies of the model at most.
         let (state, digest) = (self.state.clone(), *digest);
-        in_background(move || {
+        let large = bytes.len() > CACHED_IN_BACKGROUND;
+        let write = move || {
             if let Err(e) = state.cache_model_bytes(&digest, &bytes) {
                 tracing::warn!(error = %e, "caching the global model failed");
             }
-        });
+        };
+        match large {
+            true => drop(tokio::task::spawn_blocking(write).await),
+            false => in_background(write),
+        }
         Ok(model)
     }
 
