@@ -624,12 +624,13 @@ impl Client {
             length,
         };
         let meta = serde_json::to_string(meta).expect("metadata serialises");
-        // Whether some request was sent again (an `already_contributed` answer then means an
-        // earlier one got through).
-        let mut again = false;
-        // Answers in a row that moved the upload no further, and fresh starts after the server
-        // lost the session: both bounded.
-        let (mut stalls, mut restarts) = (0u32, 0u32);
+        let mut setbacks = Setbacks {
+            policy: self.conn.retry_policy(),
+            upload: &hex_digest,
+            stalls: 0,
+            restarts: 0,
+            again: false,
+        };
         'session: loop {
             // Where the session stands (a new one, or the rest of this plaintext's).
             let mut at: UploadSession = loop {
@@ -641,20 +642,12 @@ impl Client {
                             .json(&start)
                     })
                     .await?;
-                again |= attempts > 1;
-                match receipt(resp, u32::from(again) + 1).await {
+                match receipt(resp, setbacks.attempts(attempts)).await {
                     Ok(Some(at)) => break at,
                     Ok(None) => return Ok(None),
                     // The request an earlier connection carried is still ending there.
                     Err(e) if e.code() == Some(&ErrorCode::UploadInProgress) => {
-                        tokio::time::sleep(stall(
-                            &mut stalls,
-                            self.conn.retry_policy(),
-                            &hex_digest,
-                            &e,
-                        )?)
-                        .await;
-                        again = true;
+                        setbacks.stalled(&e).await?
                     }
                     Err(e) => return Err(e),
                 }
@@ -715,8 +708,7 @@ impl Client {
                             .body(sealed.clone())
                     })
                     .await?;
-                again |= attempts > 1;
-                match receipt::<UploadSession>(resp, u32::from(again) + 1).await {
+                match receipt::<UploadSession>(resp, setbacks.attempts(attempts)).await {
                     Ok(Some(next)) => {
                         if next.next_chunk != index + 1 || next.received != range.end {
                             return Err(ClientError::Protocol(format!(
@@ -724,7 +716,7 @@ impl Client {
                                 next.received, next.next_chunk
                             )));
                         }
-                        stalls = 0;
+                        setbacks.stalls = 0;
                         at = next;
                     }
                     Ok(None) => return Ok(None),
@@ -738,23 +730,11 @@ impl Client {
                         ) =>
                     {
                         tracing::info!(error = %e, "asking the server where the upload stands");
-                        tokio::time::sleep(stall(
-                            &mut stalls,
-                            self.conn.retry_policy(),
-                            &hex_digest,
-                            &e,
-                        )?)
-                        .await;
-                        again = true;
+                        setbacks.stalled(&e).await?;
                         continue 'session;
                     }
                     Err(e) if e.code() == Some(&ErrorCode::UploadUnknown) => {
-                        restarts += 1;
-                        if restarts > 3 {
-                            return Err(e);
-                        }
-                        tracing::info!(error = %e, "the server lost the upload; starting it again");
-                        again = true;
+                        setbacks.lost(e)?;
                         continue 'session;
                     }
                     Err(e) => return Err(e),
@@ -770,38 +750,18 @@ impl Client {
                             .header(UPDATE_META_HEADER, &meta)
                     })
                     .await?;
-                again |= attempts > 1;
-                match receipt(resp, u32::from(again) + 1).await {
+                match receipt(resp, setbacks.attempts(attempts)).await {
                     Ok(done) => return Ok(done),
                     // A completion of this upload is still under way there: its outcome.
                     Err(e) if e.code() == Some(&ErrorCode::UploadInProgress) => {
-                        tokio::time::sleep(stall(
-                            &mut stalls,
-                            self.conn.retry_policy(),
-                            &hex_digest,
-                            &e,
-                        )?)
-                        .await;
-                        again = true;
+                        setbacks.stalled(&e).await?
                     }
                     Err(e) if e.code() == Some(&ErrorCode::ChunkOutOfOrder) => {
-                        tokio::time::sleep(stall(
-                            &mut stalls,
-                            self.conn.retry_policy(),
-                            &hex_digest,
-                            &e,
-                        )?)
-                        .await;
-                        again = true;
+                        setbacks.stalled(&e).await?;
                         continue 'session;
                     }
                     Err(e) if e.code() == Some(&ErrorCode::UploadUnknown) => {
-                        restarts += 1;
-                        if restarts > 3 {
-                            return Err(e);
-                        }
-                        tracing::info!(error = %e, "the server lost the upload; starting it again");
-                        again = true;
+                        setbacks.lost(e)?;
                         continue 'session;
                     }
                     Err(e) => return Err(e),
@@ -1237,22 +1197,51 @@ fn carry(state: &StateDir, task: &str, limits: &Limits, mut delta: Model) -> Res
     Ok(delta)
 }
 
-/// One more answer in a row that moved upload `upload` no further (`why`): the wait before
-/// asking again, or the end of the upload after eight.
-fn stall(
-    stalls: &mut u32,
-    policy: &RetryPolicy,
-    upload: &str,
-    why: &ClientError,
-) -> Result<Duration> {
-    *stalls += 1;
-    if *stalls > 8 {
-        return Err(ClientError::Protocol(format!(
-            "upload {upload} made no progress in {} answers in a row (the last: {why}); retry later",
-            *stalls - 1
-        )));
+/// How a chunked upload fares: answers in a row that moved it no further and fresh starts after
+/// the server lost its session (both bounded), and whether some request was sent again (an
+/// `already_contributed` answer then means an earlier one got through).
+struct Setbacks<'a> {
+    policy: &'a RetryPolicy,
+    upload: &'a str,
+    stalls: u32,
+    restarts: u32,
+    again: bool,
+}
+
+impl Setbacks<'_> {
+    /// The attempts to count for a request that took `attempts`: more than one once any was
+    /// sent again.
+    fn attempts(&mut self, attempts: u32) -> u32 {
+        self.again |= attempts > 1;
+        u32::from(self.again) + 1
     }
-    Ok(policy.backoff(*stalls))
+
+    /// An answer that moved the upload no further (`why`): waits before asking again, or ends
+    /// the upload after eight in a row.
+    async fn stalled(&mut self, why: &ClientError) -> Result<()> {
+        self.stalls += 1;
+        if self.stalls > 8 {
+            return Err(ClientError::Protocol(format!(
+                "upload {} made no progress in {} answers in a row (the last: {why}); retry later",
+                self.upload,
+                self.stalls - 1
+            )));
+        }
+        self.again = true;
+        tokio::time::sleep(self.policy.backoff(self.stalls)).await;
+        Ok(())
+    }
+
+    /// The server lost the session (`why`): start again, at most three times.
+    fn lost(&mut self, why: ClientError) -> Result<()> {
+        self.restarts += 1;
+        if self.restarts > 3 {
+            return Err(why);
+        }
+        tracing::info!(error = %why, "the server lost the upload; starting it again");
+        self.again = true;
+        Ok(())
+    }
 }
 
 /// What an update of `client` to `offer`'s round is bound to.
