@@ -25,7 +25,7 @@ S3_ENV := eval "$$(scripts/setup-s3.sh --print-env)"
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
-.PHONY: demo replicas test bench lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
+.PHONY: demo replicas test bench bench-large lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
 
 ## Release artefacts of this machine's architecture in dist/: the server's tarball, the client's
 ## tarball with its CPU libtorch beside it ($$ORIGIN), and an abi3 wheel (scripts/dist.sh).
@@ -120,6 +120,13 @@ bench:
 	cargo bench -p hora --bench allreduce; \
 	$(PY_ENV); $(call PY_INSTALL,--release); \
 	"$$HORA_PACKAGE_PYTHON" python/bench/bench.py
+
+## One round of a model past 2 GiB (HORA_LARGE_MODEL_MB, 2200) with 4 clients: transfer
+## rates against the loopback TLS limit, peak RSS, cut and resumed transfers. Needs about
+## 16 GB of memory and 5 x the model of disk, so it is not part of `make bench`.
+bench-large:
+	@$(TORCH_ENV); cargo build --release -p hora-server --bins && \
+	cargo bench -p hora --bench large_model
 
 ## Formatting and clippy, warnings as errors.
 lint:
