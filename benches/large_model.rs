@@ -158,6 +158,7 @@ async fn run(mib: u64, clients: u64) {
         metrics: Metrics::default(),
     };
     let mut client_peak = 0u64;
+    let mut chunk = 0;
     let (mut downloads, mut uploads) = (Vec::new(), Vec::new());
     let mut resent = Vec::new();
     let round_started = Instant::now();
@@ -188,6 +189,7 @@ async fn run(mib: u64, clients: u64) {
             .expect("join")
             .offer
             .expect("selected");
+        chunk = offer.upload_chunk_bytes.unwrap_or(0);
         let started = Instant::now();
         let global = sdk.model("large", &offer.model).await.expect("the model");
         let downloaded = started.elapsed();
@@ -251,7 +253,7 @@ async fn run(mib: u64, clients: u64) {
                 "  {what} cut at half and resumed: {cut} bytes through the relay, {whole} unbroken: {} more ({:.3}% of the model; one chunk is {} bytes)",
                 cut.saturating_sub(whole),
                 cut.saturating_sub(whole) as f64 * 100.0 / model_bytes as f64,
-                8u64 << 20
+                chunk
             ));
         }
     }
@@ -277,7 +279,7 @@ async fn run(mib: u64, clients: u64) {
         mean(&downloads) / tls
     );
     println!(
-        "  client upload (8 MiB chunks; through a relay): {:8.0} MB/s ({:.2} of the TLS limit; sealing and the fold included)",
+        "  client upload (chunked; through a relay): {:8.0} MB/s ({:.2} of the TLS limit; sealing and the fold included)",
         mean(&uploads),
         mean(&uploads) / tls
     );

@@ -608,7 +608,6 @@ impl Client {
         plaintext: std::sync::Arc<Vec<u8>>,
         meta: &UpdateMeta,
     ) -> Result<Option<UpdateReceipt>> {
-        let offered = offer.upload_chunk_bytes.unwrap_or(0);
         let hashed = plaintext.clone();
         let digest: [u8; 32] = tokio::task::spawn_blocking(move || {
             let digest = ring::digest::digest(&ring::digest::SHA256, &hashed);
@@ -652,12 +651,14 @@ impl Client {
                     Err(e) => return Err(e),
                 }
             };
-            if at.digest != hex_digest || at.length != length || at.chunk_bytes != offered {
+            // (In the chunks the session cuts: a restarted server may cut others than offered.)
+            if at.digest != hex_digest || at.length != length || at.chunk_bytes < MIN_CHUNK {
                 return Err(ClientError::Protocol(format!(
-                    "the server answered the start of upload {hex_digest} ({length} bytes in chunks of {offered}) with another upload ({} of {} bytes, chunks of {})",
+                    "the server answered the start of upload {hex_digest} ({length} bytes) with another upload ({} of {} bytes, chunks of {})",
                     at.digest, at.length, at.chunk_bytes
                 )));
             }
+            let chunk_bytes = at.chunk_bytes;
             if at.received > 0 && at.received < length {
                 tracing::info!(
                     chunk = at.next_chunk,
@@ -672,7 +673,7 @@ impl Client {
                 let chunk = Chunk {
                     upload: &digest,
                     length,
-                    chunk_bytes: offered,
+                    chunk_bytes,
                     index,
                 };
                 let Some(range) = chunk.range().filter(|r| r.start == at.received) else {
@@ -692,7 +693,7 @@ impl Client {
                     let chunk = Chunk {
                         upload: &digest,
                         length: p.len() as u64,
-                        chunk_bytes: offered,
+                        chunk_bytes,
                         index,
                     };
                     envelope::seal_chunk(&p[piece], &o.round_key, &binding(&id, &t, &o), &chunk)
@@ -720,13 +721,17 @@ impl Client {
                         at = next;
                     }
                     Ok(None) => return Ok(None),
-                    // An acknowledgement lost on a cut connection (the chunk is in), or the
-                    // request that connection carried still ending on the server: ask where
-                    // the upload stands.
+                    // An acknowledgement lost on a cut connection (the chunk is in), the request
+                    // that connection carried still ending on the server, or a chunk that came
+                    // too slowly: ask where the upload stands.
                     Err(e)
                         if matches!(
                             e.code(),
-                            Some(ErrorCode::ChunkOutOfOrder | ErrorCode::UploadInProgress)
+                            Some(
+                                ErrorCode::ChunkOutOfOrder
+                                    | ErrorCode::UploadInProgress
+                                    | ErrorCode::UploadTooSlow
+                            )
                         ) =>
                     {
                         tracing::info!(error = %e, "asking the server where the upload stands");
@@ -1197,6 +1202,9 @@ fn carry(state: &StateDir, task: &str, limits: &Limits, mut delta: Model) -> Res
     Ok(delta)
 }
 
+/// The smallest chunk a server may cut an upload into (its `--upload-chunk-bytes` floor).
+const MIN_CHUNK: u64 = 64 << 10;
+
 /// How a chunked upload fares: answers in a row that moved it no further and fresh starts after
 /// the server lost its session (both bounded), and whether some request was sent again (an
 /// `already_contributed` answer then means an earlier one got through).
@@ -1227,7 +1235,6 @@ impl Setbacks<'_> {
                 self.stalls - 1
             )));
         }
-        self.again = true;
         tokio::time::sleep(self.policy.backoff(self.stalls)).await;
         Ok(())
     }

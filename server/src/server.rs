@@ -25,6 +25,8 @@ pub struct Server {
     store: Arc<Store>,
     coordinator: Arc<Coordinator>,
     app: axum::Router,
+    /// The HTTP layer's state (for its background sweeps).
+    state: api::Shared,
     tls: rustls::ServerConfig,
     connections: Arc<conn::Connections>,
     metrics: Arc<metrics::ServerMetrics>,
@@ -171,7 +173,8 @@ impl Server {
         let connections = conn::Connections::new(limits, metrics.clone());
         Ok(Server {
             metrics,
-            app: api::router(state),
+            app: api::router(state.clone()),
+            state,
             config,
             store,
             coordinator,
@@ -208,6 +211,7 @@ impl Server {
     ) -> Result<Stopped> {
         listener.set_nonblocking(true)?;
         self.coordinator.start();
+        api::chunked::sweep_idle(&self.state);
         let handle = axum_server::Handle::new();
         let (stopped_tx, mut stopped_rx) = tokio::sync::oneshot::channel();
         {

@@ -21,9 +21,9 @@
 //! attempt (the round key its chunks are sealed to): a retried attempt starts afresh. It ends,
 //! and its spool file goes, when its update is folded or refused, when the round no longer
 //! admits it, when its client starts another upload to the task, or when no chunk reached it for
-//! [`IDLE`] (swept as other sessions start and take chunks). So an update's plaintext stays on
-//! the server's disk (mode 0600, in `<data-dir>/spool`, emptied at start) while its upload is in
-//! progress and at most [`IDLE`] after it stalls. The spool files together stay within
+//! [`IDLE`] (swept as sessions start and take chunks, and every minute). So an update's
+//! plaintext stays on the server's disk (mode 0600, in `<data-dir>/spool`, emptied at start)
+//! while its upload is in progress and about [`IDLE`] after it stalls. The spool files together stay within
 //! `--spool-bytes` (a session reserves its whole length when it starts; only a client admitted
 //! to the round may start one, one per task).
 
@@ -42,14 +42,14 @@ use hora_common::envelope::{self, Binding, Chunk, RoundPublicKey};
 use hora_common::wire::{
     ApiError, ErrorCode, UpdateMeta, UpdateReceipt, UploadSession, UploadStart,
 };
-use tokio::sync::{Mutex as AsyncMutex, OwnedSemaphorePermit};
+use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard, OwnedSemaphorePermit};
 
 use super::client::{settled, strikes, update_meta};
 use super::{declared_length, json_body, read_upload, ApiPath, ClientAuth, Shared};
 use crate::error::ServerError;
 use crate::round::{upload_limit, Admission, Ingest, Round, Sealing, Task, UpdateBody};
 
-/// A session untouched for this long is dropped (with its spool file) when the next one starts.
+/// A session no chunk reached for this long ends (with its spool file) at the next sweep.
 pub const IDLE: Duration = Duration::from_secs(15 * 60);
 
 /// How the server takes chunked uploads.
@@ -59,6 +59,29 @@ pub struct Chunking {
     pub chunk_bytes: u64,
     /// The most bytes all sessions' spool files may hold together.
     pub spool_bytes: u64,
+}
+
+/// Sweeps `state`'s idle upload sessions every minute, for as long as the state lives (requests
+/// sweep too; this ends the sessions of a server that gets none).
+pub fn sweep_idle(state: &Shared) {
+    if state.sessions.is_none() {
+        return;
+    }
+    let state = Arc::downgrade(state);
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(60));
+        loop {
+            every.tick().await;
+            match state.upgrade() {
+                Some(state) => {
+                    if let Some(sessions) = &state.sessions {
+                        sessions.sweep();
+                    }
+                }
+                None => break,
+            }
+        }
+    });
 }
 
 /// Empties (or makes) the spool directory: what a previous process spooled belongs to sessions
@@ -111,7 +134,7 @@ struct Session {
     next: u64,
     hasher: ring::digest::Context,
     spool: Spool,
-    /// When a chunk last arrived (or the session started).
+    /// When a chunk last arrived (or the session started or resumed).
     touched: Instant,
 }
 
@@ -219,7 +242,7 @@ impl Sessions {
     }
 
     /// Ends the sessions no chunk reached for [`IDLE`] (one a request holds is not idle).
-    fn sweep(&self) {
+    pub fn sweep(&self) {
         let idle: Vec<_> = {
             let mut open = self.open.lock().expect("sessions lock");
             let keys: Vec<_> = open
@@ -246,7 +269,7 @@ impl Sessions {
         let chunk_bytes = self.chunking.chunk_bytes;
         let existing = self.open.lock().expect("sessions lock").get(&who).cloned();
         if let Some((_, existing)) = existing {
-            let session = existing.lock().await;
+            let mut session = existing.lock().await;
             if (
                 session.round,
                 session.key,
@@ -254,7 +277,9 @@ impl Sessions {
                 session.length,
                 session.chunk_bytes,
             ) == (round, key, digest, length, chunk_bytes)
+                && self.is_open(&who, &existing)
             {
+                session.touched = Instant::now();
                 return Ok(session.state());
             }
         }
@@ -372,16 +397,13 @@ async fn admitted(
     }
 }
 
-/// Whether a refusal leaves the upload able to go on (the server's own trouble, or a chunk the
-/// client sends again): else its session ends.
+/// Whether a refusal leaves the upload able to go on (the server busy or slow, or a chunk the
+/// client sends again: a cut body, one out of order): else its session ends.
 fn goes_on(e: &ServerError) -> bool {
     matches!(
         e,
-        ServerError::Unavailable { .. } | ServerError::Timeout { .. } | ServerError::Internal(_)
-    ) || matches!(
-        e.code(),
-        ErrorCode::ChunkOutOfOrder | ErrorCode::UploadInProgress | ErrorCode::BadRequest
-    )
+        ServerError::Unavailable { .. } | ServerError::Timeout { .. }
+    ) || matches!(e.code(), ErrorCode::ChunkOutOfOrder | ErrorCode::BadRequest)
 }
 
 #[utoipa::path(post, path = "/v1/tasks/{task}/rounds/{round}/uploads", tag = "client",
@@ -433,10 +455,10 @@ pub async fn start(
         (status = 200, body = UploadSession, description = "the chunk is held; the session as it now stands"),
         (status = 400, body = ApiError, description = "`invalid_update`: the chunk does not open as this chunk of this upload; `bad_request`: its length is not the chunk's"),
         (status = 408, body = ApiError, description = "`upload_too_slow`: the body arrived too slowly"),
-        (status = 409, body = ApiError, description = "`chunk_out_of_order`: not the chunk the session expects next (see `POST …/uploads`); or the round no longer takes the update"),
+        (status = 409, body = ApiError, description = "`chunk_out_of_order`: not the chunk the session expects next (see `POST …/uploads`); `upload_in_progress`: another request of this client to the task is under way; `already_contributed`; or the round no longer takes the update (closed, abandoned, the attempt the upload began in is over)"),
         (status = 410, body = ApiError, description = "`upload_unknown`: no such session (start the upload again)"),
         (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
-        (status = 503, body = ApiError, description = "`busy`: no room to read the body (retry)")))]
+        (status = 503, body = ApiError, description = "`busy`: no room to read the body; `not_durable_yet`, `store_unavailable`, `shutting_down`: retry")))]
 pub async fn chunk(
     State(state): State<Shared>,
     auth: ClientAuth,
@@ -560,20 +582,28 @@ pub async fn complete(
     ApiPath((task, round, digest)): ApiPath<(String, u64, String)>,
     headers: HeaderMap,
 ) -> Result<Json<UpdateReceipt>, ServerError> {
-    let result = async {
+    let early = async {
         sessions(&state)?;
         let task = state.coordinator.task(&task)?;
         let meta = update_meta(&headers)?;
-        let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
-        // Detached: a client that hangs up does not stop a completion halfway, and its retry
-        // finds what became of it.
-        let (state, client) = (state.clone(), auth.id.clone());
-        tokio::spawn(async move { completion(&state, task, client, round, &digest, meta).await })
-            .await
-            .map_err(ServerError::internal)?
+        let in_flight = state.uploads.begin(&task.id, &auth.id)?;
+        Ok((task, meta, in_flight))
     }
     .await;
-    settled(&state, &auth.id, round, result).await.map(Json)
+    let (task, meta, _in_flight) = match early {
+        Ok(early) => early,
+        Err(e) => return settled(&state, &auth.id, round, Err(e)).await.map(Json),
+    };
+    // Detached, and counted there: a client that hangs up stops a completion neither halfway
+    // nor before its outcome counts (strikes, metrics); its retry finds what became of it.
+    let (state, client) = (state.clone(), auth.id.clone());
+    tokio::spawn(async move {
+        let outcome = completion(&state, task, client.clone(), round, &digest, meta).await;
+        settled(&state, &client, round, outcome).await
+    })
+    .await
+    .map_err(ServerError::internal)?
+    .map(Json)
 }
 
 /// Folds a whole upload's spool, and ends its session unless the upload can go on.
@@ -594,15 +624,24 @@ async fn completion(
         None => None,
     };
     // A retry of a completion whose update is in: its receipt, once durable.
-    if let Some(receipt) = state
+    match state
         .coordinator
         .pending_receipt(&task, &client, round)
-        .await?
+        .await
     {
-        if let Some(held) = &held {
-            sessions.end(&who, held);
+        Ok(None) => {}
+        Ok(Some(receipt)) => {
+            if let Some(held) = &held {
+                sessions.end(&who, held);
+            }
+            return Ok(receipt);
         }
-        return Ok(receipt);
+        Err(e) => {
+            if let Some(held) = held.as_ref().filter(|_| !goes_on(&e)) {
+                sessions.end(&who, held);
+            }
+            return Err(e);
+        }
     }
     let (Some(held), Some(session)) = (held, session) else {
         return Err(unknown(digest));
@@ -610,14 +649,17 @@ async fn completion(
     if round != session.round || !sessions.is_open(&who, &held) {
         return Err(unknown(digest));
     }
-    let outcome = fold_spool(state, &task, &client, round, digest, meta, session).await;
+    let (session, outcome) = fold_spool(state, &task, &client, round, digest, meta, session).await;
+    // (Ended while its lock is held: a retry waiting for it finds it gone.)
     if !matches!(&outcome, Err(e) if goes_on(e)) {
         sessions.end(&who, &held);
     }
+    drop(session);
     outcome
 }
 
-/// The completion proper: the whole plaintext, the digest announced, then the upload path.
+/// The completion proper: the whole plaintext, the digest announced, then the upload path. The
+/// session's lock comes back with the outcome (None only if the mapping's thread panicked).
 async fn fold_spool(
     state: &Shared,
     task: &Arc<Task>,
@@ -625,10 +667,13 @@ async fn fold_spool(
     round: u64,
     digest: &str,
     meta: UpdateMeta,
-    session: tokio::sync::OwnedMutexGuard<Session>,
-) -> Result<UpdateReceipt, ServerError> {
+    session: OwnedMutexGuard<Session>,
+) -> (
+    Option<OwnedMutexGuard<Session>>,
+    Result<UpdateReceipt, ServerError>,
+) {
     if session.received != session.length {
-        return Err(ServerError::conflict(
+        let e = ServerError::conflict(
             ErrorCode::ChunkOutOfOrder,
             format!(
                 "upload {digest} is not whole: {} of its {} chunks are in, send chunk {}",
@@ -636,43 +681,40 @@ async fn fold_spool(
                 Chunk::count(session.length, session.chunk_bytes),
                 session.next
             ),
-        ));
+        );
+        return (Some(session), Err(e));
     }
     if session.hasher.clone().finish().as_ref() != session.digest {
-        return Err(ServerError::InvalidUpdate(format!(
+        let e = ServerError::InvalidUpdate(format!(
             "the chunks of upload {digest} are not the plaintext it announced (another SHA-256)"
-        )));
-    }
-    let (admitted_round, sealing) = admitted(state, task, client, round).await?;
-    if sealing.key(&admitted_round).0.public_key() != session.key {
-        return Err(ServerError::conflict(
-            ErrorCode::RoundClosed,
-            format!("the attempt of round {round} that upload {digest} began in is over; join the round again"),
         ));
+        return (Some(session), Err(e));
     }
-    drop(admitted_round);
-    let (session, plaintext) = crate::blocking(move || {
-        let length = session.spool.file.metadata().map(|m| m.len());
-        if !matches!(length, Ok(l) if l == session.length) {
-            return Err(ServerError::internal(format!(
-                "a spooled upload is {length:?} bytes on disk, not the {} it received",
-                session.length
-            )));
+    match admitted(state, task, client, round).await {
+        Ok((open, sealing)) if sealing.key(&open).0.public_key() == session.key => {}
+        Ok(_) => {
+            let e = ServerError::conflict(
+                ErrorCode::RoundClosed,
+                format!("the attempt of round {round} that upload {digest} began in is over; join the round again"),
+            );
+            return (Some(session), Err(e));
         }
-        // SAFETY: the file is this process's own (created new, mode 0600, in the spool
-        // directory), and nothing writes to it while it is mapped: its session is locked here
-        // (chunks are written only under that lock), and its spool goes only with the session.
-        let mapped = unsafe { memmap2::Mmap::map(&session.spool.file) }
-            .map_err(|e| ServerError::internal(format!("mapping a spooled upload: {e}")))?;
+        Err(e) => return (Some(session), Err(e)),
+    }
+    let mapped = crate::blocking(move || {
+        let mapped = map_spool(&session);
         Ok((session, mapped))
     })
-    .await?;
-    let slot = state
-        .ingest
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(ServerError::internal)?;
+    .await;
+    let (session, plaintext) = match mapped {
+        Ok((session, Ok(plaintext))) => (session, plaintext),
+        Ok((session, Err(e))) => return (Some(session), Err(e)),
+        Err(e) => return (None, Err(e)),
+    };
+    let slot = match state.ingest.clone().acquire_owned().await {
+        Ok(slot) => slot,
+        Err(e) => return (Some(session), Err(ServerError::internal(e))),
+    };
     let outcome = state
         .coordinator
         .upload(
@@ -684,6 +726,22 @@ async fn fold_spool(
             Slot(Some(slot)),
         )
         .await;
-    drop(session);
-    outcome
+    (Some(session), outcome)
+}
+
+/// A read-only mapping of a whole session's spool, once its length on disk is what it
+/// received. Blocking.
+fn map_spool(session: &Session) -> Result<memmap2::Mmap, ServerError> {
+    let length = session.spool.file.metadata().map(|m| m.len());
+    if !matches!(length, Ok(l) if l == session.length) {
+        return Err(ServerError::internal(format!(
+            "a spooled upload is {length:?} bytes on disk, not the {} it received",
+            session.length
+        )));
+    }
+    // SAFETY: the file is this process's own (created new, mode 0600, in the spool directory),
+    // and nothing writes to it while it is mapped: its session is locked while it is folded
+    // (chunks are written only under that lock), and its spool goes only with the session.
+    unsafe { memmap2::Mmap::map(&session.spool.file) }
+        .map_err(|e| ServerError::internal(format!("mapping a spooled upload: {e}")))
 }
