@@ -1188,6 +1188,17 @@ async fn chunks_replayed_reordered_or_from_another_upload_are_refused() {
             )
             .header("x-hora-update", r#"{"num_examples": 10}"#)
     };
+    // Chunks `indices` of `from`, each sealed as itself, taken.
+    let send = async |client: &support::Client,
+                      offer: &wire::RoundOffer,
+                      from: &[u8],
+                      upload: &[u8; 32],
+                      indices: std::ops::Range<u64>| {
+        for index in indices {
+            let body = seal(client, offer, from, upload, index, index);
+            let _: UploadSession = client.api.ok(put(client, upload, index, body)).await;
+        }
+    };
     let refused = |client: &support::Client,
                    req: reqwest::RequestBuilder,
                    status: u16,
@@ -1253,17 +1264,7 @@ async fn chunks_replayed_reordered_or_from_another_upload_are_refused() {
     )
     .await;
     refused(&a, complete(&a, &id), 409, "chunk_out_of_order").await;
-    for index in 1..3 {
-        let _: UploadSession = a
-            .api
-            .ok(put(
-                &a,
-                &id,
-                index,
-                seal(&a, &offer_a, &plain, &id, index, index),
-            ))
-            .await;
-    }
+    send(&a, &offer_a, &plain, &id, 1..3).await;
     // Started again, the same upload resumes where it stood.
     let session: UploadSession = a.api.ok(start(&a, &id)).await;
     assert_eq!(session.next_chunk, 3);
@@ -1276,17 +1277,7 @@ async fn chunks_replayed_reordered_or_from_another_upload_are_refused() {
     assert_eq!(receipt.accepted, 1);
     // Chunks of one plaintext sent as another's upload: each opens, the whole is refused.
     let _: UploadSession = b.api.ok(start(&b, &other_id)).await;
-    for index in 0..4 {
-        let _: UploadSession = b
-            .api
-            .ok(put(
-                &b,
-                &other_id,
-                index,
-                seal(&b, &offer_b, &plain, &other_id, index, index),
-            ))
-            .await;
-    }
+    send(&b, &offer_b, &plain, &other_id, 0..4).await;
     refused(&b, complete(&b, &other_id), 400, "invalid_update").await;
     refused(
         &b,
@@ -1297,17 +1288,7 @@ async fn chunks_replayed_reordered_or_from_another_upload_are_refused() {
     .await;
     // And nothing taken was lost: b's own update completes the round.
     let _: UploadSession = b.api.ok(start(&b, &other_id)).await;
-    for index in 0..4 {
-        let _: UploadSession = b
-            .api
-            .ok(put(
-                &b,
-                &other_id,
-                index,
-                seal(&b, &offer_b, &other_plain, &other_id, index, index),
-            ))
-            .await;
-    }
+    send(&b, &offer_b, &other_plain, &other_id, 0..4).await;
     let receipt: UpdateReceipt = b.api.ok(complete(&b, &other_id)).await;
     assert_eq!(receipt.accepted, 2);
     let published = admin.round_model("t", 1).await;
