@@ -143,14 +143,7 @@ fn ratios(phase: &str, latencies: &[Duration], calm: &[Duration], note: &str) {
 }
 
 fn peak_rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kib| kib / 1024.0)
+    peak_rss(pid).map_or(f64::NAN, |bytes| bytes as f64 / (1 << 20) as f64)
 }
 
 fn main() {

@@ -54,20 +54,7 @@ fn main() {
     runtime.block_on(run(mib, clients));
 }
 
-/// Peak resident set size of this process since the last [`reset_peak`], in bytes.
-fn own_peak() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
-}
-
-/// Starts this process's peak RSS again from its current RSS (Linux: `clear_refs` 5).
+/// Starts this process's peak RSS ([`peak_rss`]) again from its current RSS (Linux: `clear_refs` 5).
 fn reset_peak() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
@@ -178,7 +165,7 @@ async fn run(mib: u64, clients: u64) {
         let state = dir.path().join(format!("client{i}"));
         let sdk = Client::connect(
             ClientConfig::new(format!("https://127.0.0.1:{port}"), &server.ca, &state),
-            Some(&enrolment_token(&admin).await),
+            Some(&admin.enrolment_token().await),
         )
         .await
         .expect("enrol");
@@ -211,7 +198,7 @@ async fn run(mib: u64, clients: u64) {
         // What the server took: the update and its chunks' envelopes.
         let size = (admin.metric("hora_upload_bytes_total").await - before) as u64;
         drop(update);
-        client_peak = client_peak.max(own_peak());
+        client_peak = client_peak.max(peak_rss(std::process::id()).unwrap_or(0));
         let is_cut = i < 2;
         let down = matches!(cut, Cut::Back(_));
         passed.push((is_cut, down, through.load(Ordering::SeqCst)));
@@ -304,18 +291,6 @@ async fn run(mib: u64, clients: u64) {
         println!("{line}");
     }
     server.kill();
-}
-
-async fn enrolment_token(admin: &Api) -> String {
-    let token: serde_json::Value = admin
-        .ok(admin
-            .request(Method::POST, "/admin/v1/enrolments")
-            .json(&serde_json::json!({})))
-        .await;
-    token["token"]
-        .as_str()
-        .expect("the enrolment token")
-        .to_string()
 }
 
 /// MB/s of one TLS stream of `bytes` from this process to a rustls listener in it, with the

@@ -17,18 +17,6 @@ use hora_common::wire::{TaskInfo, TaskState, UpdateMeta};
 use reqwest::Method;
 use support::*;
 
-/// Peak resident set size of a process, in bytes (VmHWM).
-fn peak_rss(pid: u32) -> u64 {
-    let status =
-        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/<pid>/status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .expect("VmHWM")
-        * 1024
-}
-
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         return;
@@ -118,7 +106,7 @@ async fn run(clients: usize, params: usize) {
         uploads.push((c, offer.round, path, sealed.len() as u64));
     }
     drop(plaintext);
-    let before = peak_rss(server.pid());
+    let before = peak_rss(server.pid()).expect("VmHWM");
 
     let started = Instant::now();
     let mut handles = Vec::new();
@@ -160,7 +148,7 @@ async fn run(clients: usize, params: usize) {
         .ok(admin.request(Method::GET, "/admin/v1/tasks/mem"))
         .await;
     assert_eq!(info.state, TaskState::Finished, "the round must publish");
-    let peak = peak_rss(server.pid());
+    let peak = peak_rss(server.pid()).expect("VmHWM");
     let bound = 3 * model_bytes + 100_000_000;
     println!(
         "  {clients:>4} clients: peak RSS {:6.0} MB (before uploads {:5.0} MB); bound 3 x {:.0} MB + 100 MB = {:.0} MB -> {:.2} of the bound ({}); {:.1} s, {:.2} GB/s ingested",

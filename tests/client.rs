@@ -63,15 +63,6 @@ fn logreg_task(
     t
 }
 
-async fn token(admin: &Api) -> String {
-    let v: serde_json::Value = admin
-        .ok(admin
-            .request(Method::POST, "/admin/v1/enrolments")
-            .json(&serde_json::json!({})))
-        .await;
-    v["token"].as_str().unwrap().to_string()
-}
-
 /// `hora-client train` against `url`, on shard `k` of the Synthetic-IID data.
 fn client_command(url: &str, ca: &Path, state: &Path, task: &str, k: usize) -> Command {
     data_client_command(url, ca, state, task, IID, k)
@@ -144,7 +135,7 @@ async fn a_client_survives_a_server_restart_mid_round() {
     let (url, ca) = (server.url.clone(), server.ca.clone());
     let admin = server.api(ADMIN_TOKEN);
     create_task(&admin, "t", 3, 2, 2).await;
-    let (token_a, token_b) = (token(&admin).await, token(&admin).await);
+    let (token_a, token_b) = (admin.enrolment_token().await, admin.enrolment_token().await);
 
     let mut a = client_command(&url, &ca, &dir.path().join("a"), "t", 0);
     a.args(["--token", &token_a]);
@@ -236,8 +227,13 @@ async fn federation(initial: &Model, rounds: u64, kills: usize) -> (Vec<RoundRec
         // Local training of 0.5 to 1.4 s: rounds last long enough for the kills to fall while
         // they are open, and the uploads of a round arrive spread out.
         let train_secs = format!("{:.1}", 0.5 + 0.1 * k as f64);
-        cmd.args(["--token", &token(&admin).await, "--seed", &k.to_string()])
-            .args(["--min-train-secs", &train_secs]);
+        cmd.args([
+            "--token",
+            &admin.enrolment_token().await,
+            "--seed",
+            &k.to_string(),
+        ])
+        .args(["--min-train-secs", &train_secs]);
         clients.push(spawn(cmd));
     }
     for kill in 0..kills {
@@ -358,7 +354,10 @@ async fn an_abandoned_attempts_contributors_all_rejoin_its_retry() {
         spawn(cmd)
     };
     // Two of the three upload to attempt 0, which is abandoned at its deadline.
-    let early = [start(0, token(&admin).await), start(1, token(&admin).await)];
+    let early = [
+        start(0, admin.enrolment_token().await),
+        start(1, admin.enrolment_token().await),
+    ];
     wait_for(
         "attempt 0 to be abandoned",
         Duration::from_secs(120),
@@ -370,7 +369,7 @@ async fn an_abandoned_attempts_contributors_all_rejoin_its_retry() {
         },
     )
     .await;
-    let late = start(2, token(&admin).await);
+    let late = start(2, admin.enrolment_token().await);
     wait_for("the task to finish", Duration::from_secs(300), async || {
         task_info(&admin, "t").await.state == TaskState::Finished
     })
@@ -420,7 +419,7 @@ async fn a_client_retries_while_the_server_is_down() {
     let (url, ca) = (server.url.clone(), server.ca.clone());
     let admin = server.api(ADMIN_TOKEN);
     create_task(&admin, "t", 1, 1, 1).await;
-    let token = token(&admin).await;
+    let token = admin.enrolment_token().await;
     server.kill();
 
     // The client starts while nothing listens: its enrolment is refused at the TCP level and
@@ -450,7 +449,7 @@ async fn a_client_given_several_servers_fails_over_to_one_that_answers() {
     let _standby = replicas.spawn_on(&standby_listen);
     let admin = server.api(ADMIN_TOKEN);
     create_task(&admin, "t", 1, 1, 1).await;
-    let token = token(&admin).await;
+    let token = admin.enrolment_token().await;
     // The first URL is a port nothing listens on (a server that died), the second the standby
     // (it answers 503 `standby` once its port is up): the client moves on to the leader.
     let http = hora_server::tls::https_client(&server.ca, None).expect("an HTTPS client");
@@ -530,7 +529,7 @@ async fn refusals_stop_the_client_with_a_clear_message() {
     let out = run(
         "revoked",
         "t",
-        &["--token", &token(&admin).await, "--rounds", "1"],
+        &["--token", &admin.enrolment_token().await, "--rounds", "1"],
     );
     assert!(
         out.status.success(),
@@ -547,7 +546,11 @@ async fn refusals_stop_the_client_with_a_clear_message() {
     let out = run("revoked", "t", &[]);
     expect(&out, &["refused our credentials", "enrol again"]);
     // 404: a task that does not exist.
-    let out = run("unknown-task", "nope", &["--token", &token(&admin).await]);
+    let out = run(
+        "unknown-task",
+        "nope",
+        &["--token", &admin.enrolment_token().await],
+    );
     expect(&out, &["not found", "check the task id"]);
     // No credentials and no token: told what to pass.
     let out = run("empty", "t", &[]);
@@ -557,7 +560,7 @@ async fn refusals_stop_the_client_with_a_clear_message() {
 
 async fn sdk_client(server: &Server, admin: &Api, state: &Path) -> Client {
     let config = ClientConfig::new(&server.url, &server.ca, state);
-    Client::connect(config, Some(&token(admin).await))
+    Client::connect(config, Some(&admin.enrolment_token().await))
         .await
         .expect("enrol")
 }
@@ -945,7 +948,7 @@ async fn a_top_k_clients_residual_survives_a_sigkill_between_rounds() {
     admin.create_task(&task).await;
     let state_dir = dir.path().join("a");
     let mut a = client_command(&server.url, &server.ca, &state_dir, "t", 0);
-    a.args(["--token", &token(&admin).await]);
+    a.args(["--token", &admin.enrolment_token().await]);
     let mut a = spawn(a);
     let mut a_stdout = BufReader::new(a.stdout.take().unwrap()).lines();
     let first = a_stdout.next().expect("A's round line").unwrap();
@@ -1072,7 +1075,7 @@ async fn a_chunked_upload_cut_at_half_resumes_and_publishes_what_an_unbroken_one
             &server.ca,
             dir.path().join(id),
         );
-        let client = Client::connect(config, Some(&token(&admin).await))
+        let client = Client::connect(config, Some(&admin.enrolment_token().await))
             .await
             .expect("enrol");
         let offer = client.join(id).await.unwrap().offer.expect("selected");
@@ -1371,7 +1374,7 @@ async fn a_model_download_cut_at_half_resumes_where_it_broke_off() {
         &server.ca,
         dir.path().join("client"),
     );
-    let sdk = Client::connect(config, Some(&token(&admin).await))
+    let sdk = Client::connect(config, Some(&admin.enrolment_token().await))
         .await
         .expect("enrol");
     let model = sdk.model("t", &digest).await.expect("the model, resumed");

@@ -456,14 +456,22 @@ impl Api {
             .expect("model")
     }
 
-    /// A fresh one-time enrolment token, as an API that presents it.
-    pub async fn enrolling(&self) -> Api {
+    /// A fresh one-time enrolment token.
+    pub async fn enrolment_token(&self) -> String {
         let token: serde_json::Value = self
             .ok(self
                 .request(Method::POST, "/admin/v1/enrolments")
                 .json(&serde_json::json!({})))
             .await;
-        self.with_token(token["token"].as_str().expect("the enrolment token"))
+        token["token"]
+            .as_str()
+            .expect("the enrolment token")
+            .to_string()
+    }
+
+    /// A fresh one-time enrolment token, as an API that presents it.
+    pub async fn enrolling(&self) -> Api {
+        self.with_token(&self.enrolment_token().await)
     }
 
     /// Enrols a new client through a fresh one-time token.
@@ -894,4 +902,15 @@ pub async fn pipe(
             count.fetch_add(n as u64, Ordering::SeqCst);
         }
     }
+}
+
+/// The peak resident set size of process `pid` (VmHWM), in bytes; None where `/proc` does not
+/// say.
+pub fn peak_rss(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib * 1024)
 }

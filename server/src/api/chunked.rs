@@ -21,7 +21,7 @@
 //! attempt (the round key its chunks are sealed to): a retried attempt starts afresh. It ends,
 //! and its spool file goes, when its update is folded or refused, when the round no longer
 //! admits it, when its client starts another upload to the task, or when no chunk reached it for
-//! [`IDLE`] (swept as sessions start and take chunks, and every minute). So an update's
+//! [`IDLE`] (swept as sessions start, and every minute). So an update's
 //! plaintext stays on the server's disk (mode 0600, in `<data-dir>/spool`, emptied at start)
 //! while its upload is in progress and about [`IDLE`] after it stalls. The spool files together stay within
 //! `--spool-bytes` (a session reserves its whole length when it starts; only a client admitted
@@ -61,8 +61,8 @@ pub struct Chunking {
     pub spool_bytes: u64,
 }
 
-/// Sweeps `state`'s idle upload sessions every minute, for as long as the state lives (requests
-/// sweep too; this ends the sessions of a server that gets none).
+/// Sweeps `state`'s idle upload sessions every minute, for as long as the state lives (a session
+/// starting sweeps too, so the spool makes room before it refuses one).
 pub fn sweep_idle(state: &Shared) {
     if state.sessions.is_none() {
         return;
@@ -469,7 +469,6 @@ pub async fn chunk(
     let sessions = sessions(&state)?;
     let task = state.coordinator.task(&task)?;
     let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
-    sessions.sweep();
     let who = (task.id.clone(), auth.id.clone());
     let held = sessions.session(&who, &digest)?;
     let mut session = held.clone().lock_owned().await;
