@@ -85,6 +85,7 @@ async fn main() -> Result<()> {
     let digest = fed.upload_model(&initial).await?;
     let rounds = 10;
     fed.create_task(&CreateTask {
+        trainable: None,
         compression: None,
         id: "line".into(),
         initial_model: digest,

@@ -116,6 +116,7 @@ async fn federate(
 ) -> Result<(Vec<f64>, Option<f64>)> {
     let digest = fed.upload_model(&setup.initial).await?;
     fed.create_task(&CreateTask {
+        trainable: None,
         compression: None,
         id: run.task.clone(),
         initial_model: digest,

@@ -93,6 +93,7 @@ async fn main() -> Result<()> {
     let digest = fed.upload_model(&initial).await?;
     let task = "replicated";
     fed.create_task(&CreateTask {
+        trainable: None,
         compression: None,
         id: task.into(),
         initial_model: digest,

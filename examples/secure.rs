@@ -80,6 +80,7 @@ async fn federation(
     let task = "secure";
     let n = indices.len() as u32;
     fed.create_task(&CreateTask {
+        trainable: None,
         compression: None,
         id: task.into(),
         initial_model: digest,

@@ -50,6 +50,7 @@ pub fn fedavg_task(
     round_deadline_secs: u64,
 ) -> CreateTask {
     CreateTask {
+        trainable: None,
         compression: None,
         id: id.into(),
         initial_model,

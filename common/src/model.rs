@@ -462,6 +462,98 @@ impl Model {
     }
 }
 
+/// Whether tensor `name` is one a pattern of a task's `trainable` list names: the name itself,
+/// or a pattern whose `*`s stand for any run of characters, dots included (`*lora_*` names
+/// every LoRA tensor, `encoder.layer.*.attention.*` every attention tensor of the encoder).
+pub fn name_matches(pattern: &str, name: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = name.strip_prefix(first) else {
+        return false;
+    };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else {
+        return rest.is_empty(); // no `*`: the name itself
+    };
+    for part in middle {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+/// The first tensor of safetensors `bytes` that `frozen` has, if the header reads within
+/// `limits`: what explains the refusal of an update that carries a tensor of a task's frozen
+/// base (its values are not read).
+pub fn frozen_tensor_in(bytes: &[u8], frozen: &ModelSpec, limits: &Limits) -> Option<String> {
+    check_header(bytes, limits).ok()?;
+    let (_, metadata) = SafeTensors::read_metadata(bytes).ok()?;
+    let mut names: Vec<String> = metadata.tensors().into_keys().collect();
+    names.sort();
+    names.into_iter().find(|name| {
+        frozen
+            .tensors
+            .binary_search_by(|t| t.name.as_str().cmp(name))
+            .is_ok()
+    })
+}
+
+impl Model {
+    /// The model's tensors in two models: those `trainable` admits and the others (the frozen
+    /// base), each keeping its tensors' names, shapes and dtypes. Either may have no tensors.
+    pub fn split(&self, trainable: impl Fn(&str) -> bool) -> (Model, Model) {
+        let (part, base): (Vec<&TensorInfo>, Vec<&TensorInfo>) =
+            self.tensors.iter().partition(|t| trainable(&t.name));
+        (self.select(&part), self.select(&base))
+    }
+
+    fn select(&self, tensors: &[&TensorInfo]) -> Model {
+        let infos = layout(
+            tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone(), t.dtype)),
+        );
+        let mut data = Vec::with_capacity(infos.iter().map(|t| t.len).sum());
+        for t in tensors {
+            data.extend_from_slice(&self.data[t.offset..t.offset + t.len]);
+        }
+        Model {
+            tensors: infos,
+            data,
+        }
+    }
+
+    /// One model of `base`'s and `part`'s tensors (a frozen base and the trainable part of a
+    /// task's model). Fails when a name is in both.
+    pub fn merge(base: &Model, part: &Model) -> Result<Model, ModelError> {
+        let mut tensors: Vec<(&Model, &TensorInfo)> = base
+            .tensors
+            .iter()
+            .map(|t| (base, t))
+            .chain(part.tensors.iter().map(|t| (part, t)))
+            .collect();
+        tensors.sort_by(|a, b| a.1.name.cmp(&b.1.name));
+        if let Some(pair) = tensors.windows(2).find(|p| p[0].1.name == p[1].1.name) {
+            return Err(ModelError::DuplicateTensor(pair[0].1.name.clone()));
+        }
+        let infos = layout(
+            tensors
+                .iter()
+                .map(|(_, t)| (t.name.clone(), t.shape.clone(), t.dtype)),
+        );
+        let mut data = Vec::with_capacity(base.data.len() + part.data.len());
+        for (model, t) in &tensors {
+            data.extend_from_slice(&model.data[t.offset..t.offset + t.len]);
+        }
+        Ok(Model {
+            tensors: infos,
+            data,
+        })
+    }
+}
+
 /// One tensor of a [`ModelView`]: its metadata and its raw little-endian bytes.
 #[derive(Debug, Clone)]
 pub struct TensorBytes<'a> {
@@ -904,6 +996,51 @@ mod tests {
             ("scale", vec![], vec![3.0]),
         ])
         .unwrap()
+    }
+
+    #[test]
+    fn a_trainable_pattern_names_tensors_by_name_or_by_wildcards() {
+        for (pattern, name, expected) in [
+            ("layer.bias", "layer.bias", true),
+            ("layer.bias", "layer.bias2", false),
+            ("layer", "layer.bias", false),
+            ("*", "anything.at.all", true),
+            ("*lora_*", "base_model.model.q.lora_A.default.weight", true),
+            ("*lora_*", "base_model.model.q.weight", false),
+            ("encoder.*.bias", "encoder.layer.0.bias", true),
+            ("encoder.*.bias", "decoder.layer.0.bias", false),
+            ("*.bias", "bias", false),
+            ("a*a", "a", false),
+            ("a*a", "aa", true),
+            ("a*b*c", "a_c_b_c", true),
+            ("a*b*c", "a_c_c", false),
+        ] {
+            assert_eq!(name_matches(pattern, name), expected, "{pattern} vs {name}");
+        }
+    }
+
+    #[test]
+    fn a_model_split_into_a_base_and_a_part_merges_back_into_itself() {
+        let model = sample();
+        let (part, base) = model.split(|name| name_matches("layer.*", name));
+        assert_eq!(
+            part.tensors()
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>(),
+            ["layer.bias", "layer.weight"]
+        );
+        assert_eq!(part.tensor("layer.weight"), model.tensor("layer.weight"));
+        assert_eq!(base.tensor("scale"), Some(&[3.0f32][..]));
+        assert_eq!(base.numel() + part.numel(), model.numel());
+        let merged = Model::merge(&base, &part).unwrap();
+        assert_eq!(merged, model);
+        assert_eq!(merged.digest(), model.digest());
+        // A tensor in both is refused, not silently doubled.
+        assert!(matches!(
+            Model::merge(&model, &part),
+            Err(ModelError::DuplicateTensor(n)) if n == "layer.bias"
+        ));
     }
 
     fn raw_safetensors(tensors: &[(&str, StDtype, Vec<usize>, Vec<u8>)]) -> Vec<u8> {

@@ -319,6 +319,12 @@ pub struct CreateTask {
     /// the top-k fraction of each tensor with error feedback. Absent: plain float32.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<Compression>,
+    /// The tensors clients train, by name or by pattern (`*` stands for any run of characters,
+    /// dots included: `["*lora_*"]`). The others are a frozen base that clients download once
+    /// and keep by its digest; the task's model, its rounds' models and every update are the
+    /// trainable tensors only. Absent: every tensor is trained.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainable: Option<Vec<String>>,
 }
 
 /// What one client's update may weigh in a round (the plain path; secure aggregation has its
@@ -513,6 +519,19 @@ pub struct TaskInfo {
     /// Why the task ended before its rounds were done (e.g. its privacy budget was reached).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_reason: Option<String>,
+    /// For a task that trains part of its model (`trainable`): the frozen base, whose tensors
+    /// the task never changes. `spec` and `global_model` are then the trainable part's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen_base: Option<FrozenBase>,
+}
+
+/// The tensors of a task's model that its clients do not train.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct FrozenBase {
+    /// Its digest: `GET /v1/tasks/{task}/model?digest=…` (clients),
+    /// `GET /admin/v1/tasks/{task}/base` (operators).
+    pub model: ModelDigest,
+    pub spec: ModelSpec,
 }
 
 /// The round a task has open.
@@ -848,6 +867,12 @@ pub struct RoundOffer {
     /// connection; absent: one sealed body only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upload_chunk_bytes: Option<u64>,
+    /// Present when the task trains part of its model: the frozen base's digest. The client
+    /// trains from the base's tensors and `model`'s together (download the base once, with
+    /// `GET /v1/tasks/{task}/model?digest=…`, and keep it), and its update carries `model`'s
+    /// tensors only: one of the base's in an update is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen_base: Option<ModelDigest>,
 }
 
 /// How a client takes part in a secure-aggregation round attempt.
@@ -1415,6 +1440,7 @@ mod tests {
                     top_k: Some(0.01),
                 }),
                 upload_chunk_bytes: Some(8 << 20),
+                frozen_base: Some(ModelDigest([3; 32])),
             }),
             retry_after_ms: 250,
         };

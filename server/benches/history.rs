@@ -36,6 +36,7 @@ fn record(round: u64, model: ModelDigest) -> RoundRecord {
 fn task(global: ModelDigest, spec: ModelSpec, published: u64) -> TaskRecord {
     TaskRecord {
         config: CreateTask {
+            trainable: None,
             compression: None,
             id: "t".into(),
             initial_model: global,
@@ -63,6 +64,7 @@ fn task(global: ModelDigest, spec: ModelSpec, published: u64) -> TaskRecord {
         strategy_state: None,
         dp: None,
         ended_reason: None,
+        part: None,
     }
 }
 

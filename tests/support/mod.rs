@@ -498,6 +498,7 @@ pub fn task(
     deadline_secs: u64,
 ) -> CreateTask {
     CreateTask {
+        trainable: None,
         compression: None,
         id: id.into(),
         initial_model: initial,

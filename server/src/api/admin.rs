@@ -35,6 +35,7 @@ pub fn routes() -> axum::Router<Shared> {
             "/admin/v1/tasks/{task}/rounds/{round}/model",
             get(round_model),
         )
+        .route("/admin/v1/tasks/{task}/base", get(frozen_base))
         .route("/admin/v1/enrolments", post(create_enrolment))
         .route("/admin/v1/clients", get(list_clients))
         .route("/admin/v1/clients/{client}/revoke", post(revoke_client))
@@ -266,6 +267,27 @@ pub async fn round_model(
     let me = state.clone();
     let digest = crate::blocking(move || me.coordinator.round_model(&task, round)).await?;
     model_response(&state, digest, &headers).await
+}
+
+#[utoipa::path(get, path = "/admin/v1/tasks/{task}/base", tag = "admin", security(("admin_token" = [])),
+    params(("task" = String, Path)),
+    responses((status = 200, body = inline(super::doc::Binary), content_type = "application/octet-stream", description = "safetensors: the tensors of the task's model its clients do not train (its rounds' models hold the others); ETag is its digest"),
+        (status = 304, description = "unchanged: `If-None-Match` names the digest"),
+        (status = 404, body = ApiError, description = "`not_found`: no such task, or it trains every tensor of its model (no `trainable`)")))]
+pub async fn frozen_base(
+    State(state): State<Shared>,
+    _a: AdminAuth,
+    ApiPath(task): ApiPath<String>,
+    headers: HeaderMap,
+) -> Result<Response, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    let Some(part) = task.record().part else {
+        return Err(ServerError::NotFound(format!(
+            "task `{}` trains every tensor of its model: it has no frozen base",
+            task.id
+        )));
+    };
+    model_response(&state, part.base, &headers).await
 }
 
 #[utoipa::path(post, path = "/admin/v1/enrolments", tag = "admin", security(("admin_token" = [])), request_body = CreateEnrolment,

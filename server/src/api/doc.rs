@@ -43,7 +43,7 @@ use super::{admin, chunked, client, secagg, sync};
         client::enrol, client::poll, client::join, client::model, client::module, client::update,
         chunked::start, chunked::chunk, chunked::complete,
         admin::upload_model, admin::upload_module, admin::create_task, admin::list_tasks, admin::get_task,
-        admin::pause, admin::resume, admin::stop, admin::rounds, admin::round_model,
+        admin::pause, admin::resume, admin::stop, admin::rounds, admin::round_model, admin::frozen_base,
         admin::create_enrolment, admin::list_clients, admin::revoke_client, admin::release_client,
         admin::create_sync_job, admin::list_sync_jobs, admin::delete_sync_job,
         sync::join,

@@ -263,6 +263,7 @@ impl Round {
             compression: record.config.compression.clone(),
             // (The HTTP layer, which takes chunks, says so.)
             upload_chunk_bytes: None,
+            frozen_base: record.part.as_ref().map(|p| p.base),
         }
     }
 

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use hora_common::model::{ModelDigest, ModelSpec};
+use hora_common::model::{name_matches, Model, ModelDigest, ModelSpec};
 use hora_common::wire::{self, ErrorCode, OpenRoundStatus, RoundRecord, TaskInfo, TaskState};
 use tokio::sync::watch;
 
@@ -11,7 +11,7 @@ use super::{capacity, lock, now_ms, Coordinator, Ending, Round};
 use crate::dp;
 use crate::error::ServerError;
 use crate::secagg;
-use crate::store::TaskRecord;
+use crate::store::{PartRecord, TaskRecord};
 use crate::strategy;
 
 /// A task the coordinator serves.
@@ -195,6 +195,11 @@ impl Coordinator {
                 config.initial_model
             ))
         })?;
+        // A task that trains part of its model: from here on its model is that part.
+        let (initial, part) = match &config.trainable {
+            None => (initial, None),
+            Some(patterns) => self.split_model(initial, patterns)?,
+        };
         if let Some(dp) = &config.differential_privacy {
             dp::validate_for_model(dp, &config, initial.numel())
                 .map_err(ServerError::BadRequest)?;
@@ -214,11 +219,12 @@ impl Coordinator {
             spec: initial.spec(),
             state: TaskState::Running,
             published: 0,
-            global_model: config.initial_model,
+            global_model: part.as_ref().map_or(config.initial_model, |p| p.initial),
             created_unix_ms: now_ms(),
             strategy_state: None,
             dp: config.differential_privacy.as_ref().map(dp::DpState::new),
             ended_reason: None,
+            part,
             config,
         };
         // The registry is read by every request: its lock is never held across the store. The
@@ -244,6 +250,48 @@ impl Coordinator {
         self.watch(task.clone(), round);
         tracing::info!(task = %id, "task created");
         Ok(self.info(&task))
+    }
+
+    /// `model` split by a task's `trainable` patterns: its trainable part (the task's model
+    /// from now on) and, stored, its frozen base. No base when the patterns name every tensor.
+    fn split_model(
+        &self,
+        model: Model,
+        patterns: &[String],
+    ) -> Result<(Model, Option<PartRecord>), ServerError> {
+        let bad = |m: String| Err(ServerError::BadRequest(m));
+        if patterns.is_empty() || patterns.len() > MAX_TRAINABLE_PATTERNS {
+            return bad(format!("trainable must name 1 to {MAX_TRAINABLE_PATTERNS} tensors or patterns (leave it out to train every tensor)"));
+        }
+        let names = || model.tensors().iter().map(|t| t.name.as_str());
+        for pattern in patterns {
+            if pattern.is_empty() || pattern.len() > 1024 {
+                return bad("each trainable pattern must be 1 to 1024 characters".into());
+            }
+            if !names().any(|name| name_matches(pattern, name)) {
+                let some: Vec<&str> = names().take(8).collect();
+                return bad(format!(
+                    "trainable pattern `{pattern}` names no tensor of the model (its tensors include {some:?}; `*` stands for any run of characters)"
+                ));
+            }
+        }
+        let (part, base) = model.split(|name| patterns.iter().any(|p| name_matches(p, name)));
+        drop(model);
+        if base.tensors().is_empty() {
+            return Ok((part, None));
+        }
+        let record = PartRecord {
+            base: self.store.put_model(&base)?,
+            base_spec: base.spec(),
+            initial: self.store.put_model(&part)?,
+        };
+        tracing::info!(
+            trainable = part.numel(),
+            frozen = base.numel(),
+            base = %record.base,
+            "the task trains part of its model"
+        );
+        Ok((part, Some(record)))
     }
 
     /// Every task, as they are now (the registry's lock is not held afterwards).
@@ -282,6 +330,10 @@ impl Coordinator {
             global_model: record.global_model,
             open_round,
             ended_reason: record.ended_reason,
+            frozen_base: record.part.map(|p| wire::FrozenBase {
+                model: p.base,
+                spec: p.base_spec,
+            }),
         }
     }
 
@@ -347,13 +399,15 @@ impl Coordinator {
     }
 
     /// The model with digest `hex` if clients of `task` may download it: the current global
-    /// model, or (asynchronous tasks) the base of a version updates may still be trained from.
+    /// model, its frozen base, or (asynchronous tasks) the base of a version updates may still
+    /// be trained from.
     pub fn served_model(&self, task: &Task, hex: &str) -> Result<ModelDigest, ServerError> {
         let digest = ModelDigest::from_hex(hex)
             .map_err(|e| ServerError::BadRequest(format!("digest: {e}")))?;
-        let current = task.global_model();
+        let record = task.record();
+        let base = record.part.as_ref().is_some_and(|p| p.base == digest);
         let earlier = task.current().is_some_and(|r| r.collection.serves(&digest));
-        if digest != current && !earlier {
+        if digest != record.global_model && !base && !earlier {
             return Err(ServerError::conflict(
                 ErrorCode::RoundClosed,
                 format!(
@@ -376,7 +430,7 @@ impl Coordinator {
     pub fn round_model(&self, task: &Task, round: u64) -> Result<ModelDigest, ServerError> {
         let record = task.record();
         if round == 0 {
-            return Ok(record.config.initial_model);
+            return Ok(record.initial_model());
         }
         let published = self
             .store
@@ -404,6 +458,9 @@ fn pruned(what: &str) -> ServerError {
         message: format!("{what} was removed by the server's retention policy (--retain-rounds-last, --retain-rounds-every)"),
     }
 }
+
+/// The most names or patterns a task's `trainable` may list.
+const MAX_TRAINABLE_PATTERNS: usize = 1024;
 
 fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     let bad = |m: String| Err(ServerError::BadRequest(m));

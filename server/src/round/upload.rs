@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use hora_common::codec::{Compression, Update};
 use hora_common::envelope::{self, Binding, RoundSecretKey};
-use hora_common::model::{ModelDigest, ModelSpec};
+use hora_common::model::{frozen_tensor_in, ModelDigest, ModelSpec};
 use hora_common::wire::{self, ErrorCode, TaskState, UpdateMeta};
 
 use super::collection::Opened;
@@ -128,6 +128,7 @@ impl Coordinator {
         }
         let record = task.record();
         let spec = record.spec;
+        let frozen = record.part.map(|p| p.base_spec);
         let bounds = record.config.update_bounds;
         let dp = record.dp;
         // Example counts above the task's bound count as the bound, and so do those above the
@@ -155,15 +156,16 @@ impl Coordinator {
                     client: &client_id,
                     base_model: &base,
                 };
+                let reading = Reading {
+                    spec: &spec,
+                    compression: compression.as_ref(),
+                    frozen: frozen.as_ref(),
+                };
                 let (plaintext, view) = match &mut body {
-                    UpdateBody::Sealed(body) => {
-                        open_update_at(body, key, &binding, &spec, compression.as_ref())?
-                    }
+                    UpdateBody::Sealed(body) => open_update_at(body, key, &binding, &reading)?,
                     UpdateBody::Opened(plaintext) => {
                         let bytes = (**plaintext).as_ref();
-                        let view = Update::open(bytes, &spec, compression.as_ref())
-                            .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
-                        (0..bytes.len(), view)
+                        (0..bytes.len(), reading.open(bytes)?)
                     }
                 };
                 // The task's bound: the configured one, else the adaptive one (a multiple of
@@ -332,7 +334,40 @@ pub fn open_update<'a>(
     spec: &ModelSpec,
     compression: Option<&Compression>,
 ) -> Result<Update<'a>, ServerError> {
-    open_update_at(body, key, binding, spec, compression).map(|(_, view)| view)
+    let reading = Reading {
+        spec,
+        compression,
+        frozen: None,
+    };
+    open_update_at(body, key, binding, &reading).map(|(_, view)| view)
+}
+
+/// What an opened update is checked against: the task's spec (the trainable part's, for a task
+/// that trains part of its model), the format it takes and the tensors it keeps frozen.
+struct Reading<'s> {
+    spec: &'s ModelSpec,
+    compression: Option<&'s Compression>,
+    frozen: Option<&'s ModelSpec>,
+}
+
+impl Reading<'_> {
+    /// [`Update::open`]; a refusal of an update that carries a tensor of the frozen base says
+    /// so, by name.
+    fn open<'a>(&self, plaintext: &'a [u8]) -> Result<Update<'a>, ServerError> {
+        Update::open(plaintext, self.spec, self.compression).map_err(|e| {
+            let limits = self.spec.limits();
+            match self
+                .frozen
+                .and_then(|frozen| frozen_tensor_in(plaintext, frozen, &limits))
+            {
+                Some(name) => ServerError::InvalidUpdate(format!(
+                    "tensor `{name}` is frozen in this task (no `trainable` pattern names it): an update carries only the {} trainable tensors of the round's model",
+                    self.spec.tensors().len()
+                )),
+                None => ServerError::InvalidUpdate(e.to_string()),
+            }
+        })
+    }
 }
 
 /// [`open_update`], saying too where in `body` the checked update lies (for [`reparse`] once
@@ -341,16 +376,14 @@ fn open_update_at<'a>(
     body: &'a mut [u8],
     key: &RoundSecretKey,
     binding: &Binding<'_>,
-    spec: &ModelSpec,
-    compression: Option<&Compression>,
+    reading: &Reading<'_>,
 ) -> Result<(std::ops::Range<usize>, Update<'a>), ServerError> {
-    let invalid = |e: &dyn std::fmt::Display| ServerError::InvalidUpdate(e.to_string());
     let base = body.as_ptr() as usize;
-    let plaintext = envelope::open(body, key, binding).map_err(|e| invalid(&e))?;
+    let plaintext = envelope::open(body, key, binding)
+        .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
     let at = plaintext.as_ptr() as usize - base;
     let at = at..at + plaintext.len();
-    let view = Update::open(plaintext, spec, compression).map_err(|e| invalid(&e))?;
-    Ok((at, view))
+    Ok((at, reading.open(plaintext)?))
 }
 
 /// The view of an update [`open_update_at`] checked: its header parsed again (the values are

@@ -419,12 +419,10 @@ fn referenced(
     }
     let mut refs = Referenced::default();
     for (id, (task, history, open)) in readable {
-        refs.models
-            .insert(format!("{}.safetensors", task.global_model.to_hex()));
-        refs.models.insert(format!(
-            "{}.safetensors",
-            task.config.initial_model.to_hex()
-        ));
+        for model in task.own_models() {
+            refs.models
+                .insert(format!("{}.safetensors", model.to_hex()));
+        }
         // Only the current state: the previous one is deleted once its successor is
         // published, so any other state file is a leftover of a crash.
         refs.states.extend(task.strategy_state.clone());
@@ -464,8 +462,7 @@ fn remove_unused_models(
         let Ok(t) = t else {
             return Ok(0); // an unreadable task may use any model: delete nothing
         };
-        in_use.insert(t.global_model);
-        in_use.insert(t.config.initial_model);
+        in_use.extend(t.own_models());
     }
     for digest in &dropped {
         if store.model_in_history(digest)? {

@@ -94,6 +94,38 @@ pub struct TaskRecord {
     /// Why the task ended before its rounds were done (its privacy budget).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_reason: Option<String>,
+    /// For a task that trains part of its model (`config.trainable`): where the rest is. `spec`
+    /// and `global_model` are then the trainable part's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part: Option<PartRecord>,
+}
+
+impl TaskRecord {
+    /// The model round 0 published: the initial model, or its trainable part.
+    pub fn initial_model(&self) -> ModelDigest {
+        self.part
+            .as_ref()
+            .map_or(self.config.initial_model, |p| p.initial)
+    }
+
+    /// The models the task needs whatever its history: the initial one as uploaded, its
+    /// trainable part and frozen base, and the current one.
+    pub fn own_models(&self) -> impl Iterator<Item = ModelDigest> {
+        let part = self.part.as_ref().map(|p| [p.base, p.initial]);
+        [self.global_model, self.config.initial_model]
+            .into_iter()
+            .chain(part.into_iter().flatten())
+    }
+}
+
+/// A task that trains part of its model: its initial model, split by the task's `trainable`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PartRecord {
+    /// The frozen base: the tensors no round changes.
+    pub base: ModelDigest,
+    pub base_spec: ModelSpec,
+    /// The initial model's trainable tensors (round 0's model).
+    pub initial: ModelDigest,
 }
 
 /// A task id and its record, or why the record could not be read.

@@ -203,6 +203,7 @@ pub(super) fn task(initial: ModelDigest, published: u64) -> TaskRecord {
         strategy_state: None,
         dp: None,
         ended_reason: None,
+        part: None,
     }
 }
 
