@@ -1390,3 +1390,83 @@ async fn a_model_download_cut_at_half_resumes_where_it_broke_off() {
         passed - size
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_that_trains_part_of_its_model_keeps_the_rest_frozen_and_downloaded_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+    let admin = server.api(ADMIN_TOKEN);
+    let (initial, digest) = upload_initial(&admin).await;
+    let mut t = logreg_task("part", digest, 2, 1, 1);
+    // A pattern that names nothing is refused, and says what the tensors are called.
+    t.trainable = Some(vec!["*.bias".into(), "head.*".into()]);
+    let req = admin.request(Method::POST, "/admin/v1/tasks").json(&t);
+    let message = admin
+        .refused(req, reqwest::StatusCode::BAD_REQUEST, "bad_request")
+        .await;
+    assert!(message.contains("`head.*` names no tensor") && message.contains("linear.weight"));
+    t.trainable = Some(vec!["*.bias".into()]);
+    let info = admin.create_task(&t).await;
+    let (part, base) = initial.split(|name| name == "linear.bias");
+    let frozen = info.frozen_base.expect("a frozen base");
+    assert_eq!((frozen.model, &frozen.spec), (base.digest(), &base.spec()));
+    assert_eq!(
+        (info.global_model, &info.spec),
+        (part.digest(), &part.spec())
+    );
+
+    // A round trained by the SDK changes the trainable tensors only.
+    let client = sdk_client(&server, &admin, &dir.path().join("c")).await;
+    let shard = synthetic::shard(&IID.parse::<SyntheticConfig>().unwrap(), 0).unwrap();
+    let mut trainer = SupervisedTrainer::new(shard.train, None, tch::Device::Cpu).unwrap();
+    let report = client
+        .participate("part", &mut trainer, &mut |_| {})
+        .await
+        .unwrap()
+        .expect("a round");
+    assert!(
+        matches!(report.outcome, RoundOutcome::Uploaded { .. }),
+        "{report:?}"
+    );
+    let trained = admin.round_model("part", 1).await;
+    assert_eq!(trained.spec(), part.spec());
+    assert_ne!(trained, part, "the bias trained");
+    let resp = admin
+        .request(Method::GET, "/admin/v1/tasks/part/base")
+        .send()
+        .await
+        .unwrap();
+    let bytes = resp.bytes().await.unwrap();
+    let limits = hora_common::model::Limits::default();
+    assert_eq!(Model::from_safetensors(&bytes, &limits).unwrap(), base);
+
+    // An update that carries a frozen tensor is refused, by name; one without goes in.
+    let offer = client.join("part").await.unwrap().offer.expect("selected");
+    assert_eq!(offer.frozen_base, Some(base.digest()));
+    let meta = UpdateMeta {
+        num_examples: 10,
+        metrics: Metrics::default(),
+    };
+    let err = client
+        .upload("part", &offer, &delta(&initial, 1), &meta)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Rejected { status: 400, error } if error.code == ErrorCode::InvalidUpdate
+            && error.message.contains("tensor `linear.weight` is frozen in this task")),
+        "{err}"
+    );
+    let report = client
+        .contribute("part", &offer, &mut trainer, &mut |_| {})
+        .await
+        .unwrap();
+    assert!(
+        matches!(report.outcome, RoundOutcome::Uploaded { .. }),
+        "{report:?}"
+    );
+    assert_eq!(admin.round_model("part", 2).await.spec(), part.spec());
+    // The base was downloaded once and kept: three downloads for two rounds, not four.
+    let downloads =
+        r#"hora_http_requests_total{route="/v1/tasks/{task}/model",method="GET",status="200"}"#;
+    assert_eq!(admin.metric(downloads).await, 3.0);
+}

@@ -341,7 +341,9 @@ impl Client {
 
     /// The global model with `digest`: from the cache, else downloaded and verified.
     pub async fn model(&self, task: &str, digest: &ModelDigest) -> Result<Model> {
-        if let Some(m) = self.state.cached_model(digest, &self.config.limits) {
+        let (state, d, limits) = (self.state.clone(), *digest, self.config.limits);
+        let cached = tokio::task::spawn_blocking(move || state.cached_model(&d, &limits)).await;
+        if let Ok(Some(m)) = cached {
             return Ok(m);
         }
         // Pinned to the digest: in an asynchronous task the version may move on meanwhile, and
@@ -538,20 +540,34 @@ impl Client {
         Ok(Ok(()))
     }
 
-    /// What round `offer` trains from: the global model and, for a TorchScript task, its module.
+    /// What round `offer` trains from: the global model (with the frozen base, once downloaded
+    /// and then kept by its digest, for a task that trains part of its model) and, for a
+    /// TorchScript task, its module.
     pub(crate) async fn round_inputs(
         &self,
         task: &str,
         offer: &RoundOffer,
-    ) -> Result<(Model, Option<PathBuf>)> {
+    ) -> Result<(Start, Option<PathBuf>)> {
+        let whole = match &offer.frozen_base {
+            Some(base) => Some(self.model(task, base).await?),
+            None => None,
+        };
         let global = self.model(task, &offer.model).await?;
+        let whole = match whole {
+            Some(base) => Some(Model::merge(&base, &global).map_err(|e| {
+                ClientError::Protocol(format!(
+                    "the task's frozen base and its model do not make one model: {e}"
+                ))
+            })?),
+            None => None,
+        };
         let module = match &offer.model_kind {
             ModelKind::TorchScript { module_digest } => {
                 Some(self.module(task, module_digest).await?)
             }
             ModelKind::Builtin { .. } => None,
         };
-        Ok((global, module))
+        Ok((Start { global, whole }, module))
     }
 
     /// Encodes `delta` as the round asks, seals it to the round key and uploads it: in one
@@ -965,7 +981,7 @@ impl Client {
                 (delta, record, true)
             }
             None => {
-                let (global, module) = match self.round_inputs(task, offer).await {
+                let (start, module) = match self.round_inputs(task, offer).await {
                     Ok(inputs) => inputs,
                     Err(ClientError::RoundMovedOn(reason)) => {
                         return Ok(RoundReport {
@@ -989,7 +1005,7 @@ impl Client {
                     trainer,
                     task,
                     offer,
-                    &global,
+                    &start,
                     module,
                     offer.deadline_unix_ms,
                     progress,
@@ -1016,7 +1032,8 @@ impl Client {
                     return Ok(report(RoundOutcome::Skipped));
                 }
                 let recording = Instant::now();
-                let mut delta = difference(&outcome.weights, &global)?;
+                let mut delta = start.delta(&outcome.weights)?;
+                drop(start);
                 // Error feedback: what earlier rounds left out goes with this update (and is in
                 // the delta recorded for a restart, which does not add it again).
                 if offer
@@ -1308,29 +1325,31 @@ fn content_range(value: &str) -> Option<(u64, u64, u64)> {
     (first <= last).then_some((first, last, total.parse().ok()?))
 }
 
-/// Trains round `offer` from `global` until `deadline_unix_ms`, less a tenth of the time left
+/// Trains round `offer` from `start` until `deadline_unix_ms`, less a tenth of the time left
 /// (at most 5 s) for what must follow (sealing or masking, and the upload).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn train_until<T: Trainer + ?Sized>(
     trainer: &mut T,
     task: &str,
     offer: &RoundOffer,
-    global: &Model,
+    start: &Start,
     module: Option<PathBuf>,
     deadline_unix_ms: u64,
     progress: &mut (dyn FnMut(Progress) + Send),
 ) -> Result<crate::trainer::TrainOutcome> {
     let remaining = Duration::from_millis(deadline_unix_ms.saturating_sub(now_ms()));
+    let trainable = start.trainable();
     let request = TrainRequest {
         task,
         round: offer.round,
         config: &offer.training,
         model_kind: &offer.model_kind,
         module,
+        trainable: trainable.as_deref(),
         deadline: Instant::now() + remaining - (remaining / 10).min(Duration::from_secs(5)),
         progress,
     };
-    blocking(|| trainer.train(global, request))
+    blocking(|| trainer.train(start.model(), request))
 }
 
 /// A JSON receipt, or `None` when the refusal says an earlier attempt of this request (one of
@@ -1351,6 +1370,41 @@ pub(crate) async fn receipt<T: serde::de::DeserializeOwned>(
         }
         Err(e) if attempts > 1 && e.code() == Some(&ErrorCode::AlreadyContributed) => Ok(None),
         Err(e) => Err(e),
+    }
+}
+
+/// What a round trains from.
+pub(crate) struct Start {
+    /// The round's model: what the update is the difference to.
+    pub(crate) global: Model,
+    /// For a task that trains part of its model: the round's model with the frozen base.
+    pub(crate) whole: Option<Model>,
+}
+
+impl Start {
+    /// What the trainer starts from.
+    pub(crate) fn model(&self) -> &Model {
+        self.whole.as_ref().unwrap_or(&self.global)
+    }
+
+    /// The trainable tensors' names, for a task that trains part of its model.
+    pub(crate) fn trainable(&self) -> Option<Vec<String>> {
+        self.whole.as_ref().map(|_| {
+            let names = self.global.tensors().iter();
+            names.map(|t| t.name.clone()).collect()
+        })
+    }
+
+    /// `local − global` over the round's model's tensors: a trainer of a task that trains part
+    /// of its model returns the whole model or only the trainable part.
+    pub(crate) fn delta(&self, local: &Model) -> Result<Model> {
+        match &self.whole {
+            Some(whole) if local.spec() == whole.spec() => {
+                let (trained, _) = local.split(|name| self.global.tensor(name).is_some());
+                difference(&trained, &self.global)
+            }
+            _ => difference(local, &self.global),
+        }
     }
 }
 

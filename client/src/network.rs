@@ -185,6 +185,8 @@ pub struct Network {
     vs: nn::VarStore,
     /// (model tensor name, variable), sorted by name like [`Model`]'s tensors.
     params: Vec<(String, Tensor)>,
+    /// Whether each parameter may learn at all (a TorchScript module's frozen ones may not).
+    learns: Vec<bool>,
     body: Body,
 }
 
@@ -195,7 +197,13 @@ impl Network {
         let body = Body::Builtin(arch.build(&vs.root()));
         let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(Network { vs, params, body })
+        let learns = vec![true; params.len()];
+        Ok(Network {
+            vs,
+            params,
+            learns,
+            body,
+        })
     }
 
     /// A TorchScript module; its parameters (as `named_parameters()` names them) are trained.
@@ -223,9 +231,11 @@ impl Network {
             )));
         }
         params.sort_by(|a, b| a.0.cmp(&b.0));
+        let learns = params.iter().map(|(_, t)| t.requires_grad()).collect();
         Ok(Network {
             vs,
             params,
+            learns,
             body: Body::Script(module),
         })
     }
@@ -267,6 +277,17 @@ impl Network {
                     module.f_set_eval()?;
                 }
                 Ok(module.forward_ts(&[xs])?)
+            }
+        }
+    }
+
+    /// Trains only the parameters `trainable` names (sorted; every one when None): a task's
+    /// frozen base gets no gradients. A module's own frozen parameters stay frozen.
+    pub fn train_only(&mut self, trainable: Option<&[String]>) {
+        for ((name, var), learns) in self.params.iter_mut().zip(&self.learns) {
+            let on = *learns && trainable.is_none_or(|t| t.binary_search(name).is_ok());
+            if var.requires_grad() != on {
+                let _ = var.set_requires_grad(on);
             }
         }
     }

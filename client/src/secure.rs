@@ -20,8 +20,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::client::{
-    difference, now_ms, now_unix_us, receipt, train_until, Client, RoundOutcome, RoundReport,
-    RoundTimings,
+    now_ms, now_unix_us, receipt, train_until, Client, RoundOutcome, RoundReport, RoundTimings,
 };
 use crate::error::{ClientError, Result};
 use crate::trainer::{Progress, Trainer};
@@ -177,7 +176,7 @@ impl Client {
         };
         quantiser.check(1)?;
         let downloading = Instant::now();
-        let (global, module) = self.round_inputs(task, offer).await?;
+        let (start, module) = self.round_inputs(task, offer).await?;
         report.timings.download = downloading.elapsed();
         let base = format!("/v1/tasks/{task}/secagg/{}/{}", offer.round, secure.attempt);
         let mut deadline = offer.deadline_unix_ms;
@@ -214,7 +213,7 @@ impl Client {
 
         // Training, until the masked inputs are due (less a margin for masking and upload).
         let training = Instant::now();
-        let outcome = train_until(trainer, task, offer, &global, module, deadline, progress)?;
+        let outcome = train_until(trainer, task, offer, &start, module, deadline, progress)?;
         report.timings.train = training.elapsed();
         if outcome.num_examples == 0
             || (outcome.stopped_early && offer.training.on_deadline == DeadlinePolicy::Skip)
@@ -223,7 +222,7 @@ impl Client {
             return Ok(RoundOutcome::Skipped);
         }
         let recording = Instant::now();
-        let delta = difference(&outcome.weights, &global)?;
+        let delta = start.delta(&outcome.weights)?;
         report.timings.record = recording.elapsed();
         report.num_examples = outcome.num_examples;
         report.metrics = outcome.metrics;

@@ -28,8 +28,8 @@ const IDENTITY: &str = "identity.pk8";
 /// The secret a client enrols with, chosen before it asks, so that a repeat of an enrolment
 /// whose answer was lost gets the same credentials.
 const ENROLMENT_SECRET: &str = "enrolment-secret";
-/// Downloaded models kept besides the newest (older ones are removed).
-const MODELS_KEPT: usize = 2;
+/// Downloaded models kept, the one just cached included (those used longest ago are removed).
+const MODELS_KEPT: usize = 3;
 
 /// A client's state directory.
 #[derive(Debug, Clone)]
@@ -223,6 +223,12 @@ impl StateDir {
         let path = self.model_path(digest);
         let model = Model::read_file(&path, limits).ok()?;
         if model.digest() == *digest {
+            // Used now: the newest to keep (a task's frozen base outlives its rounds' models).
+            let now = std::time::SystemTime::now();
+            let _ = fs::File::options()
+                .write(true)
+                .open(&path)
+                .and_then(|f| f.set_modified(now));
             Some(model)
         } else {
             let _ = fs::remove_file(&path);
@@ -230,7 +236,7 @@ impl StateDir {
         }
     }
 
-    /// Caches `model` (whose digest is `digest`) and drops all but the newest few others.
+    /// Caches `model` (whose digest is `digest`) and drops all but the few others used last.
     pub fn cache_model(&self, digest: &ModelDigest, model: &Model) -> Result<()> {
         self.cache_model_bytes(digest, &model.to_safetensors())
     }
@@ -454,6 +460,20 @@ mod tests {
         }
         let kept = fs::read_dir(dir.path().join("models")).unwrap().count();
         assert_eq!(kept, MODELS_KEPT);
+        // A model used again (a task's frozen base, each round) outlives newer ones.
+        let (used, unused) = (&models[1], &models[2]);
+        assert_eq!(
+            state.cached_model(&used.digest(), &limits).as_ref(),
+            Some(used)
+        );
+        for m in [model(10.0), model(11.0)] {
+            state.cache_model(&m.digest(), &m).unwrap();
+        }
+        assert_eq!(
+            state.cached_model(&used.digest(), &limits).as_ref(),
+            Some(used)
+        );
+        assert_eq!(state.cached_model(&unused.digest(), &limits), None);
         let newest = &models[3];
         fs::write(state.model_path(&newest.digest()), b"garbage").unwrap();
         assert_eq!(state.cached_model(&newest.digest(), &limits), None);

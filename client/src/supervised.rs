@@ -332,6 +332,7 @@ impl Trainer for SupervisedTrainer {
         let seed = self.seed;
         let prepared = self.prepare(request.model_kind, request.module.as_deref())?;
         prepared.net.set_weights(global)?;
+        prepared.net.train_only(request.trainable);
         if let Some(seed) = seed {
             tch::manual_seed(seed.wrapping_add((request.round as i64).wrapping_mul(1_000_003)));
         }
@@ -472,6 +473,7 @@ mod tests {
                 config: &TrainingConfig::default(),
                 model_kind: &kind,
                 module: None,
+                trainable: None,
                 deadline: Instant::now() + std::time::Duration::from_secs(60),
                 progress: &mut |_| {},
             };

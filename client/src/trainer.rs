@@ -22,6 +22,10 @@ pub struct TrainRequest<'a> {
     pub model_kind: &'a ModelKind,
     /// The task's TorchScript module, downloaded, when `model_kind` is TorchScript.
     pub module: Option<PathBuf>,
+    /// For a task that trains part of its model: the tensors to train (sorted). The others
+    /// are its frozen base: a trainer should not train them (what it does to them is left out
+    /// of the update anyway).
+    pub trainable: Option<&'a [String]>,
     /// Stop training (between batches) once this instant passes; the SDK leaves a margin before
     /// the round's deadline for sealing and uploading.
     pub deadline: Instant,
