@@ -12,7 +12,7 @@ TORCH_ENV := eval "$$(scripts/setup-libtorch.sh --print-env)"
 FUZZ_ENV := eval "$$(scripts/setup-schemathesis.sh --print-env)"
 # Exports HORA_FLOWER_PYTHON, the Flower the round-latency benchmark compares with.
 FLOWER_ENV := eval "$$(scripts/setup-flower.sh --print-env)"
-# Exports HORA_PACKAGE_ENV and HORA_PACKAGE_PYTHON: the environment (maturin, pytest, pyspark; torch from
+# Exports HORA_PACKAGE_ENV and HORA_PACKAGE_PYTHON: the environment (maturin, pytest, pyspark, peft; torch from
 # the libtorch environment) the Python package is built into and tested from; installs Java.
 PY_ENV := eval "$$(scripts/setup-python.sh --print-env)"
 # Exports HORA_PG_BINDIR, where the PostgreSQL store's tests find initdb and postgres (installs

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up what the Python package's build and tests need, cached outside the checkout:
-# a virtual environment with maturin, pytest and pyspark (torch and numpy come from the
+# a virtual environment with maturin, pytest, pyspark and peft (for the LoRA test; with the
+# transformers and accelerate it needs) (torch and numpy come from the
 # libtorch environment of scripts/setup-libtorch.sh through a .pth file, not a second
 # download), and a Java runtime for Spark (Debian's openjdk-17-jre-headless, installed with
 # apt-get when `java` is missing).
@@ -14,6 +15,9 @@ set -euo pipefail
 MATURIN_VERSION=1.16.0
 PYTEST_VERSION=9.2.0
 PYSPARK_VERSION=4.3.0
+PEFT_VERSION=0.21.2
+TRANSFORMERS_VERSION=5.24.0
+ACCELERATE_VERSION=1.15.0
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=scripts/venv-lib.sh
 . "$here/venv-lib.sh"
@@ -21,6 +25,8 @@ venv="$cache_root/python-env"
 python="$venv/bin/python"
 stamp="$venv/.hora-python-ok"
 want="maturin==$MATURIN_VERSION pytest==$PYTEST_VERSION pyspark==$PYSPARK_VERSION"
+# Installed after, without --ignore-installed: what they need of torch is the libtorch one.
+want_over="peft==$PEFT_VERSION transformers==$TRANSFORMERS_VERSION accelerate==$ACCELERATE_VERSION"
 
 log() { echo "setup-python: $*" >&2; }
 
@@ -35,19 +41,21 @@ if ! command -v java >/dev/null 2>&1; then
 fi
 
 usable() {
-    [ -x "$python" ] && [ -x "$venv/bin/maturin" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$python" -c '
-import numpy, torch, pytest, pyspark, maturin' 2>/dev/null
+    [ -x "$python" ] && [ -x "$venv/bin/maturin" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want $want_over" ] && "$python" -c '
+import numpy, torch, pytest, pyspark, maturin, peft' 2>/dev/null
 }
 
 if ! usable; then
-    log "installing $want into $venv (about 450 MB, a minute, once; torch comes from the libtorch environment)"
+    log "installing $want $want_over into $venv (about 550 MB, a minute, once; torch comes from the libtorch environment)"
     rm -f "$stamp"
     venv_seeing "$venv" "$torch_python"
     # Into this environment even where the libtorch one has them too (maturin's binary must be here).
     # shellcheck disable=SC2086
     "$python" -m pip install --quiet --disable-pip-version-check --ignore-installed $want
-    "$python" -c 'import numpy, torch, pytest, pyspark, maturin' || { log "the environment is not usable after the install"; exit 1; }
-    echo "$want" >"$stamp"
+    # shellcheck disable=SC2086
+    "$python" -m pip install --quiet --disable-pip-version-check $want_over
+    "$python" -c 'import numpy, torch, pytest, pyspark, maturin, peft' || { log "the environment is not usable after the install"; exit 1; }
+    echo "$want $want_over" >"$stamp"
     log "done"
 fi
 

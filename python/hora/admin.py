@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from urllib.parse import quote
 
 import numpy as np
@@ -51,6 +51,10 @@ class Admin:
     def _id(value: str) -> str:
         return quote(value, safe="")
 
+    def metrics(self) -> str:
+        """The server's Prometheus metrics, as text (what ``/metrics`` serves)."""
+        return self._conn.request("GET", "/metrics").decode()
+
     # Models -----------------------------------------------------------------------------------
 
     def upload_model(self, state_dict: Weights) -> str:
@@ -74,10 +78,20 @@ class Admin:
         data = self._conn.request("GET", f"/admin/v1/tasks/{self._id(task)}/rounds/{int(round)}/model")
         return _hora.decode_model(data)
 
+    def base(self, task: str) -> Dict[str, np.ndarray]:
+        """The frozen base of a task that trains part of its model (``trainable``): the tensors
+        its rounds never change, as float32 arrays by name. Its rounds' models
+        (:meth:`round_model`) hold the others."""
+        return _hora.decode_model(self._conn.request("GET", f"/admin/v1/tasks/{self._id(task)}/base"))
+
     def load_round_model(self, module: Any, task: str, round: int) -> None:
         """Loads round ``round``'s model of ``task`` into a ``torch.nn.Module`` (every entry
-        of its ``state_dict`` must be in the model, with its shape; dtypes are kept)."""
-        load_state(module, self.round_model(task, round), f"round {round} of task {task!r}")
+        of its ``state_dict`` must be in the model, with its shape; dtypes are kept), with the
+        task's frozen base when it trains part of its model."""
+        weights = self.round_model(task, round)
+        if self.task(task).get("frozen_base"):
+            weights = {**self.base(task), **weights}
+        load_state(module, weights, f"round {round} of task {task!r}")
 
     # Tasks ------------------------------------------------------------------------------------
 
@@ -96,6 +110,7 @@ class Admin:
         secure_aggregation: Optional[Mapping[str, Any]] = None,
         asynchronous: Optional[Mapping[str, Any]] = None,
         differential_privacy: Optional[Mapping[str, Any]] = None,
+        trainable: Optional[Sequence[str]] = None,
         **settings: Any,
     ) -> Dict[str, Any]:
         """Creates a federated task and returns its status.
@@ -109,6 +124,10 @@ class Admin:
         ``asynchronous`` (FedBuff: ``{"buffer_size": 10}``), ``differential_privacy`` and any
         other field of the server's ``CreateTask`` (``over_selection``, ``update_bounds``) are
         passed as they are; the server checks them and says what is wrong.
+
+        ``trainable`` lists the tensors clients train, by name or pattern (``*`` stands for any
+        run of characters: ``["*lora_*"]`` for a LoRA adapter); the rest of ``initial`` is a
+        frozen base that clients download once, and updates carry the trainable tensors only.
         """
         digest = initial if isinstance(initial, str) else self.upload_model(initial)
         body: Dict[str, Any] = {
@@ -128,6 +147,10 @@ class Admin:
             "differential_privacy": differential_privacy,
         }
         body.update({k: dict(v) for k, v in optional.items() if v is not None})
+        if trainable is not None:
+            if isinstance(trainable, str):
+                raise TypeError("trainable must be a list of tensor names or patterns, not a str")
+            body["trainable"] = list(trainable)
         body.update(settings)
         return self._json("POST", "/admin/v1/tasks", body)
 

@@ -128,8 +128,11 @@ class Client:
         Each round, ``train_fn(global_weights, config)`` is called with the round's global model
         (``dict[str, np.ndarray]``, float32) and the task's training settings (``epochs``,
         ``batch_size``, ``learning_rate``, ``optimizer``, ``proximal_mu``, plus ``task``,
-        ``round``, ``model`` and ``seconds_left`` before the round's deadline). It returns
-        ``(weights, num_examples, metrics)``; weights may be tensors or arrays. Everything else
+        ``round``, ``model`` and ``seconds_left`` before the round's deadline; and, for a task
+        that trains part of its model, ``trainable``: the names of the tensors to train, the
+        rest being the frozen base, which the client downloads once and keeps). It returns
+        ``(weights, num_examples, metrics)``; weights may be tensors or arrays (for a task that
+        trains part of its model: every tensor, or the trainable ones only). Everything else
         (``local − global``, sealing to the round key, secure aggregation's masking, the upload
         with retries, asynchronous tasks' versions) is the Rust client's, the same as
         ``hora-client train``.

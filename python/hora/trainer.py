@@ -34,7 +34,8 @@ class TorchTrainer:
     Each epoch logs a line (loss, accuracy, samples, seconds) to the ``hora`` logger at INFO.
 
     With ``proximal_mu > 0`` in the task's settings it adds FedProx's proximal term
-    ``μ/2·‖w − w_global‖²``.
+    ``μ/2·‖w − w_global‖²``. For a task that trains part of its model (``config["trainable"]``)
+    it freezes the other parameters and returns the trainable tensors only.
     """
 
     def __init__(
@@ -71,6 +72,14 @@ class TorchTrainer:
     def __call__(self, weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> TrainResult:
         torch = self.torch
         self.load(weights)
+        # A task that trains part of its model: the rest (its frozen base) gets no gradients,
+        # and only the trainable tensors go back.
+        trainable = config.get("trainable")
+        keep = None if trainable is None else set(trainable)
+        if keep is not None:
+            for name, p in self.model.named_parameters():
+                if name not in keep:
+                    p.requires_grad_(False)
         optimizer = self._optimizer(config)
         mu = float(config.get("proximal_mu", 0.0))
         anchor = [p.detach().clone() for p in self.model.parameters()] if mu > 0 else []
@@ -114,7 +123,10 @@ class TorchTrainer:
         }
         if not math.isfinite(metrics["loss"]):
             metrics["loss"] = None
-        return to_numpy(self.model.state_dict()), int(seen), metrics
+        state = self.model.state_dict()
+        if keep is not None:
+            state = {k: v for k, v in state.items() if k in keep}
+        return to_numpy(state), int(seen), metrics
 
     def evaluate(self, loader: Iterable[Tuple[Any, Any]]) -> Dict[str, float]:
         """Mean loss and accuracy of the model on ``loader``."""

@@ -167,6 +167,9 @@ impl PyTrainer {
         config.set_item("model", json_value(py, request.model_kind)?)?;
         let left = request.deadline.saturating_duration_since(Instant::now());
         config.set_item("seconds_left", left.as_secs_f64())?;
+        if let Some(trainable) = request.trainable {
+            config.set_item("trainable", trainable.to_vec())?;
+        }
         let result = self.train_fn.call1(py, (weights, config))?;
         let result = result.bind(py);
         let tuple = result.cast::<PyTuple>().map_err(|_| {
