@@ -1456,6 +1456,19 @@ async fn a_task_that_trains_part_of_its_model_keeps_the_rest_frozen_and_download
             && error.message.contains("tensor `linear.weight` is frozen in this task")),
         "{err}"
     );
+    // One that frozen tensors make larger than any update of the task is refused unread, and
+    // told why it may be.
+    let frozen = Model::from_tensors([("embedding", vec![20_000], vec![0.0; 20_000])]).unwrap();
+    let large = Model::merge(&frozen, &delta(&part, 2)).unwrap();
+    let err = client
+        .upload("part", &offer, &large, &meta)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Rejected { status: 413, error }
+            if error.message.contains("none of its frozen base")),
+        "{err}"
+    );
     let report = client
         .contribute("part", &offer, &mut trainer, &mut |_| {})
         .await

@@ -484,11 +484,17 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
     rest.len() >= last.len() && rest.ends_with(last)
 }
 
-/// The first tensor of safetensors `bytes` that `frozen` has, if the header reads within
-/// `limits`: what explains the refusal of an update that carries a tensor of a task's frozen
-/// base (its values are not read).
-pub fn frozen_tensor_in(bytes: &[u8], frozen: &ModelSpec, limits: &Limits) -> Option<String> {
-    check_header(bytes, limits).ok()?;
+/// The first tensor of safetensors `bytes` that `frozen` has, if the header is one a model of
+/// `part`'s and `frozen`'s tensors could have: what explains the refusal of an update that
+/// carries a tensor of a task's frozen base (its values are not read).
+pub fn frozen_tensor_in(bytes: &[u8], part: &ModelSpec, frozen: &ModelSpec) -> Option<String> {
+    let tensors = part.tensors.len() + frozen.tensors.len();
+    let limits = Limits {
+        max_bytes: bytes.len() as u64,
+        max_header_bytes: 4096 + 256 * tensors as u64,
+        ..Limits::default()
+    };
+    check_header(bytes, &limits).ok()?;
     let (_, metadata) = SafeTensors::read_metadata(bytes).ok()?;
     let mut names: Vec<String> = metadata.tensors().into_keys().collect();
     names.sort();
@@ -507,6 +513,12 @@ impl Model {
         let (part, base): (Vec<&TensorInfo>, Vec<&TensorInfo>) =
             self.tensors.iter().partition(|t| trainable(&t.name));
         (self.select(&part), self.select(&base))
+    }
+
+    /// The model's tensors that `keep` admits, as a model.
+    pub fn only(&self, keep: impl Fn(&str) -> bool) -> Model {
+        let kept: Vec<&TensorInfo> = self.tensors.iter().filter(|t| keep(&t.name)).collect();
+        self.select(&kept)
     }
 
     fn select(&self, tensors: &[&TensorInfo]) -> Model {

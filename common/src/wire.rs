@@ -868,9 +868,10 @@ pub struct RoundOffer {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upload_chunk_bytes: Option<u64>,
     /// Present when the task trains part of its model: the frozen base's digest. The client
-    /// trains from the base's tensors and `model`'s together (download the base once, with
-    /// `GET /v1/tasks/{task}/model?digest=…`, and keep it), and its update carries `model`'s
-    /// tensors only: one of the base's in an update is refused.
+    /// trains from the base's tensors and `model`'s together (it downloads the base with
+    /// `GET /v1/tasks/{task}/model?digest=…` and keeps it: it never changes), and its update
+    /// carries `model`'s tensors only: one with a tensor of the base is refused (400
+    /// `invalid_update` naming it, or 413 when the base's tensors make it too large).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frozen_base: Option<ModelDigest>,
 }

@@ -38,8 +38,13 @@ pub enum ServerError {
     /// Wrong, closed or abandoned round; duplicate upload; task not running.
     #[error("{message}")]
     Conflict { code: ErrorCode, message: String },
-    #[error("body of {got} bytes exceeds the limit of {limit} bytes for this route")]
-    PayloadTooLarge { got: u64, limit: u64 },
+    /// `hint`: what the refusal adds (empty, or `: ` and why a body may be this large).
+    #[error("body of {got} bytes exceeds the limit of {limit} bytes for this route{hint}")]
+    PayloadTooLarge {
+        got: u64,
+        limit: u64,
+        hint: &'static str,
+    },
     #[error("a Content-Length header is required for uploads")]
     LengthRequired,
     /// Too many requests of the caller's address are in flight before their credentials passed.

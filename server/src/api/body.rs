@@ -204,7 +204,11 @@ async fn read_frames<S: Sink>(
                     ))
                 }
                 None if len > limit => {
-                    return Err(ServerError::PayloadTooLarge { got: len, limit })
+                    return Err(ServerError::PayloadTooLarge {
+                        got: len,
+                        limit,
+                        hint: "",
+                    })
                 }
                 _ => {}
             }
@@ -252,6 +256,7 @@ pub fn declared_length(headers: &HeaderMap, limit: u64) -> Result<u64, ServerErr
         return Err(ServerError::PayloadTooLarge {
             got: declared,
             limit,
+            hint: "",
         });
     }
     Ok(declared)

@@ -47,7 +47,9 @@ use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard, OwnedSemaphorePermit};
 use super::client::{settled, strikes, update_meta};
 use super::{declared_length, json_body, read_upload, ApiPath, ClientAuth, Shared};
 use crate::error::ServerError;
-use crate::round::{upload_limit, Admission, Ingest, Round, Sealing, Task, UpdateBody};
+use crate::round::{
+    too_large_hint, upload_limit, Admission, Ingest, Round, Sealing, Task, UpdateBody,
+};
 
 /// A session no chunk reached for this long ends (with its spool file) at the next sweep.
 pub const IDLE: Duration = Duration::from_secs(15 * 60);
@@ -434,6 +436,7 @@ pub async fn start(
         return Err(ServerError::PayloadTooLarge {
             got: start.length,
             limit,
+            hint: too_large_hint(&record),
         });
     }
     let _in_flight = state.uploads.begin(&task.id, &auth.id)?;

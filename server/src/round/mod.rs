@@ -59,7 +59,9 @@ pub use collection::Collection;
 pub use coordinator::{Coordinator, CoordinatorConfig};
 pub use phase::{Ending, Phase};
 pub use task::Task;
-pub use upload::{open_update, upload_limit, Admission, Ingest, Sealing, UpdateBody};
+pub use upload::{
+    open_update, too_large_hint, upload_limit, Admission, Ingest, Sealing, UpdateBody,
+};
 
 use crate::store::{CheckpointRecord, Contribution, OpenRoundRecord, TaskRecord};
 

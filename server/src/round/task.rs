@@ -196,9 +196,9 @@ impl Coordinator {
             ))
         })?;
         // A task that trains part of its model: from here on its model is that part.
-        let (initial, part) = match &config.trainable {
+        let (initial, base) = match &config.trainable {
             None => (initial, None),
-            Some(patterns) => self.split_model(initial, patterns)?,
+            Some(patterns) => split_model(initial, patterns)?,
         };
         if let Some(dp) = &config.differential_privacy {
             dp::validate_for_model(dp, &config, initial.numel())
@@ -215,6 +215,11 @@ impl Coordinator {
             }
         }
         let id = config.id.clone();
+        let part = base.as_ref().map(|base| PartRecord {
+            base: base.digest(),
+            base_spec: base.spec(),
+            initial: initial.digest(),
+        });
         let record = TaskRecord {
             spec: initial.spec(),
             state: TaskState::Running,
@@ -231,11 +236,34 @@ impl Coordinator {
         // store's create is the arbiter between two creates of one id.
         let exists =
             || ServerError::conflict(ErrorCode::TaskExists, format!("task `{id}` exists already"));
-        if self.tasks.read().expect("tasks lock").contains_key(&id)
-            || !self.store.create_task(&id, &record)?
-        {
+        // The base and the part are stored once the request is known good, and again (a head
+        // request each) once the record names them: the part may be a model another task's
+        // retention prunes meanwhile (its round's model, made the initial one of this task).
+        let store_part = || -> Result<(), ServerError> {
+            if let Some(base) = &base {
+                self.store.put_model(base)?;
+                self.store.put_model(&initial)?;
+            }
+            Ok(())
+        };
+        if self.tasks.read().expect("tasks lock").contains_key(&id) {
             return Err(exists());
         }
+        store_part()?;
+        if !self.store.create_task(&id, &record)? {
+            return Err(exists());
+        }
+        store_part()?;
+        if let Some(part) = &record.part {
+            tracing::info!(
+                task = %id,
+                trainable = initial.numel(),
+                frozen = base.as_ref().map_or(0, Model::numel),
+                base = %part.base,
+                "the task trains part of its model"
+            );
+        }
+        drop((initial, base));
         let round = self.new_round(&id, &record, 1, 0)?;
         if record.dp.is_some() {
             self.metrics.dp_epsilon(&id, 0.0);
@@ -250,48 +278,6 @@ impl Coordinator {
         self.watch(task.clone(), round);
         tracing::info!(task = %id, "task created");
         Ok(self.info(&task))
-    }
-
-    /// `model` split by a task's `trainable` patterns: its trainable part (the task's model
-    /// from now on) and, stored, its frozen base. No base when the patterns name every tensor.
-    fn split_model(
-        &self,
-        model: Model,
-        patterns: &[String],
-    ) -> Result<(Model, Option<PartRecord>), ServerError> {
-        let bad = |m: String| Err(ServerError::BadRequest(m));
-        if patterns.is_empty() || patterns.len() > MAX_TRAINABLE_PATTERNS {
-            return bad(format!("trainable must name 1 to {MAX_TRAINABLE_PATTERNS} tensors or patterns (leave it out to train every tensor)"));
-        }
-        let names = || model.tensors().iter().map(|t| t.name.as_str());
-        for pattern in patterns {
-            if pattern.is_empty() || pattern.len() > 1024 {
-                return bad("each trainable pattern must be 1 to 1024 characters".into());
-            }
-            if !names().any(|name| name_matches(pattern, name)) {
-                let some: Vec<&str> = names().take(8).collect();
-                return bad(format!(
-                    "trainable pattern `{pattern}` names no tensor of the model (its tensors include {some:?}; `*` stands for any run of characters)"
-                ));
-            }
-        }
-        let (part, base) = model.split(|name| patterns.iter().any(|p| name_matches(p, name)));
-        drop(model);
-        if base.tensors().is_empty() {
-            return Ok((part, None));
-        }
-        let record = PartRecord {
-            base: self.store.put_model(&base)?,
-            base_spec: base.spec(),
-            initial: self.store.put_model(&part)?,
-        };
-        tracing::info!(
-            trainable = part.numel(),
-            frozen = base.numel(),
-            base = %record.base,
-            "the task trains part of its model"
-        );
-        Ok((part, Some(record)))
     }
 
     /// Every task, as they are now (the registry's lock is not held afterwards).
@@ -457,6 +443,31 @@ fn pruned(what: &str) -> ServerError {
         code: ErrorCode::ModelPruned,
         message: format!("{what} was removed by the server's retention policy (--retain-rounds-last, --retain-rounds-every)"),
     }
+}
+
+/// `model` split by a task's `trainable` patterns: its trainable part (the task's model from
+/// now on) and its frozen base (none when the patterns name every tensor).
+fn split_model(model: Model, patterns: &[String]) -> Result<(Model, Option<Model>), ServerError> {
+    let bad = |m: String| Err(ServerError::BadRequest(m));
+    let total: usize = patterns.iter().map(String::len).sum();
+    if patterns.is_empty() || patterns.len() > MAX_TRAINABLE_PATTERNS || total > 64 << 10 {
+        return bad(format!("trainable must name 1 to {MAX_TRAINABLE_PATTERNS} tensors or patterns, of at most 64 KiB together (leave it out to train every tensor)"));
+    }
+    let names = || model.tensors().iter().map(|t| t.name.as_str());
+    for pattern in patterns {
+        if pattern.is_empty() {
+            return bad("a trainable pattern is empty".into());
+        }
+        if !names().any(|name| name_matches(pattern, name)) {
+            let some: Vec<&str> = names().take(8).collect();
+            return bad(format!(
+                "trainable pattern `{pattern}` names no tensor of the model (its tensors include {some:?}; `*` stands for any run of characters)"
+            ));
+        }
+    }
+    let (part, base) = model.split(|name| patterns.iter().any(|p| name_matches(p, name)));
+    drop(model);
+    Ok((part, Some(base).filter(|b| !b.tensors().is_empty())))
 }
 
 /// The most names or patterns a task's `trainable` may list.

@@ -355,10 +355,9 @@ impl Reading<'_> {
     /// so, by name.
     fn open<'a>(&self, plaintext: &'a [u8]) -> Result<Update<'a>, ServerError> {
         Update::open(plaintext, self.spec, self.compression).map_err(|e| {
-            let limits = self.spec.limits();
             match self
                 .frozen
-                .and_then(|frozen| frozen_tensor_in(plaintext, frozen, &limits))
+                .and_then(|frozen| frozen_tensor_in(plaintext, self.spec, frozen))
             {
                 Some(name) => ServerError::InvalidUpdate(format!(
                     "tensor `{name}` is frozen in this task (no `trainable` pattern names it): an update carries only the {} trainable tensors of the round's model",
@@ -408,6 +407,14 @@ struct Folding {
     /// Its norm after scaling, for the adaptive bound's record (None: no adaptive bound).
     accepted_norm: Option<f64>,
     started: Instant,
+}
+
+/// What the refusal of an update as too large adds for a task that trains part of its model.
+pub fn too_large_hint(record: &crate::store::TaskRecord) -> &'static str {
+    match record.part {
+        Some(_) => ": this task trains part of its model, and an update carries the round's model's tensors only (its trainable ones), none of its frozen base",
+        None => "",
+    }
 }
 
 /// The largest sealed upload a task of this spec and compression takes, for the upload route's

@@ -108,13 +108,15 @@ impl TaskRecord {
             .map_or(self.config.initial_model, |p| p.initial)
     }
 
-    /// The models the task needs whatever its history: the initial one as uploaded, its
-    /// trainable part and frozen base, and the current one.
+    /// The models the task needs whatever its history: the current one, and the initial one
+    /// or, for a task that trains part of its model, the initial one's trainable part and its
+    /// frozen base (the whole model as uploaded is no longer needed).
     pub fn own_models(&self) -> impl Iterator<Item = ModelDigest> {
-        let part = self.part.as_ref().map(|p| [p.base, p.initial]);
-        [self.global_model, self.config.initial_model]
-            .into_iter()
-            .chain(part.into_iter().flatten())
+        let initial = match &self.part {
+            Some(p) => [Some(p.base), Some(p.initial)],
+            None => [Some(self.config.initial_model), None],
+        };
+        std::iter::once(self.global_model).chain(initial.into_iter().flatten())
     }
 }
 
