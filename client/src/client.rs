@@ -379,10 +379,11 @@ impl Client {
                 digest.to_hex()
             )));
         }
-        // The cache saves a download after a restart or for a retried round; a small model's
-        // round need not wait for the write. A large one's does: its bytes (as downloaded, no
-        // copy) go before the model is trained and its update encoded, so that a client holds
-        // two copies of the model at most.
+        // The cache saves a download after a restart or for a retried round (and keeps a
+        // task's frozen base); a small model's round need not wait for the write. A large one's
+        // does: its bytes (as downloaded, no copy) go before the model is trained and its update
+        // encoded, so that a client holds two copies of the model at most (three of a frozen
+        // base for a moment, while it is merged with the round's model).
         let (state, digest) = (self.state.clone(), *digest);
         let large = bytes.len() > CACHED_IN_BACKGROUND;
         let write = move || {
@@ -961,14 +962,25 @@ impl Client {
                 && s.base == offer.model
                 && (!s.uploaded || s.attempt < offer.attempt)
         });
-        let resumed = saved
-            .and_then(|s| Some((self.state.trained_delta(task, &self.config.limits)?, s)))
-            .filter(|(delta, _)| {
-                // A delta the model's layout no longer fits would be refused after every restart.
-                self.state
-                    .cached_model(&offer.model, &self.config.limits)
-                    .is_none_or(|global| global.spec() == delta.spec())
-            });
+        let resumed = match saved {
+            None => None,
+            Some(saved) => {
+                let (state, limits) = (self.state.clone(), self.config.limits);
+                let (t, model) = (task.to_string(), offer.model);
+                tokio::task::spawn_blocking(move || {
+                    let delta = state.trained_delta(&t, &limits)?;
+                    // A delta the model's layout no longer fits would be refused after every
+                    // restart.
+                    let fits = state
+                        .cached_model(&model, &limits)
+                        .is_none_or(|global| global.spec() == delta.spec());
+                    fits.then_some((delta, saved))
+                })
+                .await
+                .ok()
+                .flatten()
+            }
+        };
         let started = Instant::now();
         let mut timings = RoundTimings::default();
         let (delta, record, resumed) = match resumed {
@@ -1033,7 +1045,6 @@ impl Client {
                 }
                 let recording = Instant::now();
                 let mut delta = start.delta(&outcome.weights)?;
-                drop(start);
                 // Error feedback: what earlier rounds left out goes with this update (and is in
                 // the delta recorded for a restart, which does not add it again).
                 if offer
@@ -1396,15 +1407,16 @@ impl Start {
     }
 
     /// `local − global` over the round's model's tensors: a trainer of a task that trains part
-    /// of its model returns the whole model or only the trainable part.
-    pub(crate) fn delta(&self, local: &Model) -> Result<Model> {
-        match &self.whole {
-            Some(whole) if local.spec() == whole.spec() => {
-                let (trained, _) = local.split(|name| self.global.tensor(name).is_some());
-                difference(&trained, &self.global)
-            }
-            _ => difference(local, &self.global),
+    /// of its model returns the whole model or only the trainable part. The whole model goes
+    /// first.
+    pub(crate) fn delta(self, local: &Model) -> Result<Model> {
+        let Start { global, whole } = self;
+        let whole = whole.map(|whole| whole.spec());
+        if whole.is_some_and(|whole| local.spec() == whole) {
+            let trained = local.only(|name| global.tensor(name).is_some());
+            return difference(&trained, &global);
         }
+        difference(local, &global)
     }
 }
 

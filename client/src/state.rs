@@ -254,6 +254,8 @@ impl StateDir {
             .map_err(|e| ClientError::io(&dir, e))?
             .filter_map(|e| e.ok())
             .filter(|e| e.path() != self.model_path(digest))
+            // (Only models: a write in progress is not one to drop.)
+            .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
             .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
             .collect();
         others.sort();
