@@ -52,8 +52,11 @@ if ! usable; then
     # Into this environment even where the libtorch one has them too (maturin's binary must be here).
     # shellcheck disable=SC2086
     "$python" -m pip install --quiet --disable-pip-version-check --ignore-installed $want
+    # The torch and numpy the environment sees are the libtorch environment's: pinned, so that
+    # a package wanting others fails here instead of installing a second torch over them.
+    "$python" -c 'from importlib.metadata import version as v; print("torch==" + v("torch")); print("numpy==" + v("numpy"))' >"$venv/constraints.txt"
     # shellcheck disable=SC2086
-    "$python" -m pip install --quiet --disable-pip-version-check $want_over
+    "$python" -m pip install --quiet --disable-pip-version-check --constraint "$venv/constraints.txt" $want_over
     "$python" -c 'import numpy, torch, pytest, pyspark, maturin, peft' || { log "the environment is not usable after the install"; exit 1; }
     echo "$want $want_over" >"$stamp"
     log "done"

@@ -54,6 +54,9 @@ class TorchTrainer:
         self.loader = loader
         self.optimizer = optimizer
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
+        # Which parameters may learn at all (a peft model's base may not): a task that trains
+        # part of its model freezes more of them for its rounds, and only for those.
+        self._learns = {name: p.requires_grad for name, p in self.model.named_parameters()}
 
     def load(self, weights: Mapping[str, np.ndarray]) -> None:
         """Loads global weights (float32 arrays by name) into the model, keeping its dtypes."""
@@ -76,10 +79,8 @@ class TorchTrainer:
         # and only the trainable tensors go back.
         trainable = config.get("trainable")
         keep = None if trainable is None else set(trainable)
-        if keep is not None:
-            for name, p in self.model.named_parameters():
-                if name not in keep:
-                    p.requires_grad_(False)
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(self._learns.get(name, True) and (keep is None or name in keep))
         optimizer = self._optimizer(config)
         mu = float(config.get("proximal_mu", 0.0))
         anchor = [p.detach().clone() for p in self.model.parameters()] if mu > 0 else []

@@ -60,3 +60,29 @@ def test_four_clients_fine_tune_a_lora_adapter_of_a_small_transformer(server, pr
     after = held_out_loss(final)
     print(f"held-out loss {before:.3f} -> {after:.3f} (entropy {entropy():.3f})")
     assert after < before - 0.25, (before, after)
+
+
+def test_torch_trainer_trains_what_each_round_says_and_returns_only_that():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import hora
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].bias.requires_grad_(False)  # frozen by the user: stays so
+    data = TensorDataset(torch.randn(32, 4), torch.randint(2, (32,)))
+    trainer = hora.TorchTrainer(model, DataLoader(data, batch_size=8))
+    weights = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    config = {"epochs": 1, "learning_rate": 0.5}
+
+    part, _, _ = trainer(weights, {**config, "trainable": ["1.weight", "1.bias"]})
+    assert set(part) == {"1.weight", "1.bias"}
+    assert not np.array_equal(part["1.weight"], weights["1.weight"])
+    assert np.array_equal(model.state_dict()["0.weight"].numpy(), weights["0.weight"])
+
+    # A round of a task that trains everything trains everything the user did not freeze.
+    whole, _, _ = trainer(weights, config)
+    assert set(whole) == set(weights)
+    assert not np.array_equal(whole["0.weight"], weights["0.weight"])
+    assert np.array_equal(whole["0.bias"], weights["0.bias"])
