@@ -25,7 +25,7 @@ S3_ENV := eval "$$(scripts/setup-s3.sh --print-env)"
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
-.PHONY: demo replicas test bench bench-large lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
+.PHONY: demo replicas test bench bench-large bench-updates lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
 
 ## Release artefacts of this machine's architecture in dist/: the server's tarball, the client's
 ## tarball with its CPU libtorch beside it ($$ORIGIN), and an abi3 wheel (scripts/dist.sh).
@@ -126,6 +126,14 @@ bench:
 ## 16 GB of memory and 5 x the model of disk, so it is not part of `make bench`.
 bench-large:
 	@$(TORCH_ENV); cargo build --release -p hora-server --bins && \
+	cargo bench -p hora --bench large_model
+
+## Compressed updates and models of any size in one run: the compression bench (bytes on the
+## wire and accuracy after 20 rounds per codec, on the demo and the MNIST-format MLP), then
+## bench-large's round of a model past 2 GiB. Needs what bench-large needs.
+bench-updates:
+	@$(TORCH_ENV); cargo build --release -p hora-server -p hora-client --bins && \
+	cargo bench -p hora --bench compression && \
 	cargo bench -p hora --bench large_model
 
 ## Formatting and clippy, warnings as errors.
