@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use bytes::Bytes;
 use hora_client::transport::{check, Connection, RetryPolicy};
 use hora_client::ClientError;
 use pyo3::exceptions::PyValueError;
@@ -27,12 +28,25 @@ fn method(name: &str) -> PyResult<Method> {
     }
 }
 
+/// How much of an upload's body goes at once: one buffer of gigabytes stalls an HTTP/2 stream.
+const SLICE: usize = 8 << 20;
+
+/// `bytes` as a body sent a slice at a time, with its length (what every retry sends anew;
+/// the slices share `bytes`).
+fn sliced(bytes: &Bytes) -> reqwest::Body {
+    let slices: Vec<Result<Bytes, std::io::Error>> = (0..bytes.len())
+        .step_by(SLICE)
+        .map(|at| Ok(bytes.slice(at..(at + SLICE).min(bytes.len()))))
+        .collect();
+    reqwest::Body::wrap_stream(futures_util::stream::iter(slices))
+}
+
 /// The body of a 2xx answer, or the refusal as an error.
 async fn answer(
     conn: Connection,
     method: Method,
     path: String,
-    body: Option<(Vec<u8>, &'static str)>,
+    body: Option<(Bytes, &'static str)>,
 ) -> Result<Vec<u8>, ClientError> {
     let what = format!("{method} {path}");
     let (resp, _) = conn
@@ -41,7 +55,8 @@ async fn answer(
             match &body {
                 Some((bytes, kind)) => req
                     .header(reqwest::header::CONTENT_TYPE, *kind)
-                    .body(bytes.clone()),
+                    .header(reqwest::header::CONTENT_LENGTH, bytes.len())
+                    .body(sliced(bytes)),
                 None => req,
             }
         })
@@ -84,7 +99,7 @@ impl AdminConnection {
         json: Option<String>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let method = self::method(method)?;
-        let body = json.map(|j| (j.into_bytes(), "application/json"));
+        let body = json.map(|j| (Bytes::from(j), "application/json"));
         let answer = block_on(py, answer(self.conn.clone(), method, path, body))?
             .map_err(|e| client_error(py, e))?;
         Ok(PyBytes::new(py, &answer))
@@ -93,14 +108,15 @@ impl AdminConnection {
     /// upload(path, data) -> bytes
     /// --
     ///
-    /// POSTs `data` as `application/octet-stream` (a model or a TorchScript module).
+    /// POSTs `data` as `application/octet-stream` (a model or a TorchScript module), a slice
+    /// at a time (a model past 2 GB goes as well as a small one).
     fn upload<'py>(
         &self,
         py: Python<'py>,
         path: String,
         data: Vec<u8>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let body = Some((data, "application/octet-stream"));
+        let body = Some((Bytes::from(data), "application/octet-stream"));
         let answer = block_on(py, answer(self.conn.clone(), Method::POST, path, body))?
             .map_err(|e| client_error(py, e))?;
         Ok(PyBytes::new(py, &answer))
