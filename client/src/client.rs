@@ -549,19 +549,19 @@ impl Client {
         task: &str,
         offer: &RoundOffer,
     ) -> Result<(Start, Option<PathBuf>)> {
-        let whole = match &offer.frozen_base {
-            Some(base) => Some(self.model(task, base).await?),
+        let base = match &offer.frozen_base {
+            Some(digest) => Some(self.model(task, digest).await?),
             None => None,
         };
         let global = self.model(task, &offer.model).await?;
-        let whole = match whole {
-            Some(base) => Some(Model::merge(&base, &global).map_err(|e| {
+        let whole = base
+            .map(|base| Model::merge(&base, &global))
+            .transpose()
+            .map_err(|e| {
                 ClientError::Protocol(format!(
                     "the task's frozen base and its model do not make one model: {e}"
                 ))
-            })?),
-            None => None,
-        };
+            })?;
         let module = match &offer.model_kind {
             ModelKind::TorchScript { module_digest } => {
                 Some(self.module(task, module_digest).await?)
