@@ -87,10 +87,11 @@ struct PrunedBelow {
 const MODEL_INDEX: &str = "model_rounds_v1";
 
 /// The meta key of the store's format, and the format this build writes: 1 has the model
-/// index. A store of a newer format is refused rather than written without what that format
-/// keeps (an older build would add history its index does not cover).
+/// index; 2 may hold tasks that train part of their model (`part`, `trainable`). A store of a
+/// newer format is refused rather than written without what that format keeps (an older build
+/// would add history its index does not cover, or write a task back without its frozen base).
 const FORMAT_KEY: &str = "store_format";
-const FORMAT: u32 = 1;
+const FORMAT: u32 = 2;
 
 /// How long an open waits for a lock on the database that this process itself may still hold:
 /// sled releases its file lock when its last internal reference goes, which a write finishing

@@ -32,6 +32,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         name: "0002_leases",
         sql: include_str!("../../../migrations/0002_leases.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_part_of_a_model",
+        sql: include_str!("../../../migrations/0003_part_of_a_model.sql"),
+    },
 ];
 
 /// The advisory lock key the migrations are applied under (any constant; "hora" in ASCII).
