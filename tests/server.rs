@@ -920,6 +920,21 @@ async fn the_admin_cli_drives_a_task_from_model_upload_to_published_model() {
         &Model::read_file(&out, &Default::default()).unwrap(),
         &fedavg(&initial, &[(12, d)]),
     );
+    // A task that trains part of its model: its frozen base comes down on its own.
+    let mut part = task("cli-part", initial.digest(), 1, 1, 1, 600);
+    part.trainable = Some(vec!["*.bias".into()]);
+    std::fs::write(&task_file, serde_json::to_vec(&part).unwrap()).unwrap();
+    admin_cli(&server, &["create-task", task_file.to_str().unwrap()]);
+    let base = dir.path().join("base.safetensors");
+    admin_cli(
+        &server,
+        &["download-base", "cli-part", "-o", base.to_str().unwrap()],
+    );
+    let (_, frozen) = initial.split(|name| name.ends_with(".bias"));
+    assert_eq!(
+        Model::read_file(&base, &Default::default()).unwrap(),
+        frozen
+    );
     assert_eq!(
         admin_cli(&server, &["clients"]).as_array().unwrap().len(),
         1

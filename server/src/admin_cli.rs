@@ -76,10 +76,18 @@ pub enum AdminCommand {
     Rounds {
         task: String,
     },
-    /// Download the model a round published (0: the initial model).
+    /// Download the model a round published (0: the initial model; for a task that trains
+    /// part of its model, the trainable tensors).
     DownloadModel {
         task: String,
         round: u64,
+        #[arg(short, long)]
+        output: PathBuf,
+    },
+    /// Download the frozen base of a task that trains part of its model (the tensors no round
+    /// changes).
+    DownloadBase {
+        task: String,
         #[arg(short, long)]
         output: PathBuf,
     },
@@ -194,13 +202,36 @@ impl AdminClient {
         Ok(())
     }
 
-    pub async fn bytes(&self, path: &str) -> Result<Vec<u8>> {
-        Ok(self
-            .send(Method::GET, path, None)
-            .await?
-            .bytes()
-            .await?
-            .to_vec())
+    /// Writes what `path` answers to `output` a piece at a time (a model of any size costs a
+    /// buffer), and returns its length; a download that fails leaves no file.
+    pub async fn download(&self, path: &str, output: &Path) -> Result<u64> {
+        use futures_util::StreamExt;
+        use tokio::io::AsyncWriteExt;
+        let resp = self.send(Method::GET, path, None).await?;
+        let shown = output.display();
+        let mut file = tokio::fs::File::create(output)
+            .await
+            .with_context(|| format!("creating {shown}"))?;
+        let written = async {
+            let mut body = resp.bytes_stream();
+            let mut written = 0u64;
+            while let Some(piece) = body.next().await {
+                let piece = piece.with_context(|| format!("downloading {path}"))?;
+                file.write_all(&piece)
+                    .await
+                    .with_context(|| format!("writing {shown}"))?;
+                written += piece.len() as u64;
+            }
+            file.flush()
+                .await
+                .with_context(|| format!("writing {shown}"))?;
+            Ok::<_, anyhow::Error>(written)
+        }
+        .await;
+        if written.is_err() {
+            let _ = tokio::fs::remove_file(output).await;
+        }
+        written
     }
 }
 
@@ -293,12 +324,15 @@ pub async fn run(args: AdminArgs, matches: &clap::ArgMatches) -> Result<()> {
             round,
             output,
         } => {
+            let path = format!("/admin/v1/tasks/{task}/rounds/{round}/model");
+            let bytes = c.download(&path, &output).await?;
+            serde_json::json!({ "written": output.display().to_string(), "bytes": bytes })
+        }
+        AdminCommand::DownloadBase { task, output } => {
             let bytes = c
-                .bytes(&format!("/admin/v1/tasks/{task}/rounds/{round}/model"))
+                .download(&format!("/admin/v1/tasks/{task}/base"), &output)
                 .await?;
-            std::fs::write(&output, &bytes)
-                .with_context(|| format!("writing {}", output.display()))?;
-            serde_json::json!({ "written": output.display().to_string(), "bytes": bytes.len() })
+            serde_json::json!({ "written": output.display().to_string(), "bytes": bytes })
         }
         AdminCommand::Enrol { ttl_secs, tasks } => {
             let tasks = (!tasks.is_empty()).then_some(tasks);
