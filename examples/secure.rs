@@ -49,6 +49,10 @@ struct Args {
     round_deadline_secs: u64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Train only these tensors (names or `*` patterns; repeat for several): the task's
+    /// `trainable`, in both rounds.
+    #[arg(long)]
+    trainable: Vec<String>,
 }
 
 fn drops(spec: &str) -> Result<Vec<(String, usize)>> {
@@ -80,7 +84,7 @@ async fn federation(
     let task = "secure";
     let n = indices.len() as u32;
     fed.create_task(&CreateTask {
-        trainable: None,
+        trainable: (!args.trainable.is_empty()).then(|| args.trainable.clone()),
         compression: None,
         id: task.into(),
         initial_model: digest,
@@ -218,6 +222,8 @@ async fn main() -> Result<()> {
             "plain_examples": plain.examples,
             "max_diff": max_diff,
             "bound": bound,
+            "tensors": secure_model.tensors().len(),
+            "model_tensors": initial.tensors().len(),
         })
     );
     Ok(())

@@ -24,8 +24,9 @@ use support::{
     delta, free_port, run_example, small_model, task, Api, Client, Replicas, Server, ADMIN_TOKEN,
 };
 
-/// Runs the secure example and checks the secure round against plain FedAvg of its survivors.
-fn secure_round(args: &[&str], summed: u64, abandoned: u64) {
+/// Runs the secure example and checks the secure round against plain FedAvg of its survivors;
+/// returns what it printed as its result.
+fn secure_round(args: &[&str], summed: u64, abandoned: u64) -> serde_json::Value {
     let (stdout, r) = run_example("secure", args);
     println!("{stdout}");
     assert_eq!(r["summed"], summed, "{stdout}");
@@ -40,11 +41,24 @@ fn secure_round(args: &[&str], summed: u64, abandoned: u64) {
         diff <= bound + 2.5e-7,
         "difference {diff} exceeds the bound {bound}:\n{stdout}"
     );
+    r
 }
 
 #[test]
 fn twenty_clients_without_dropouts_publish_the_fedavg_of_all() {
     secure_round(&["--clients", "20"], 20, 0);
+}
+
+/// A task that trains part of its model: the masked sums are of its trainable tensors only,
+/// and the round publishes their FedAvg.
+#[test]
+fn clients_training_part_of_the_model_publish_the_fedavg_of_its_trainable_tensors() {
+    let r = secure_round(&["--clients", "4", "--trainable", "*.bias"], 4, 0);
+    let (tensors, all) = (
+        r["tensors"].as_u64().unwrap(),
+        r["model_tensors"].as_u64().unwrap(),
+    );
+    assert!(0 < tensors && tensors < all, "{r}");
 }
 
 #[test]
