@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hora_client::{Client, ClientConfig};
-use hora_common::model::{DType, Model, ModelDigest, ModelSpec, TensorSpec};
+use hora_common::model::{DType, ModelDigest, ModelSpec, TensorSpec};
 use hora_common::wire::{Metrics, TaskInfo, TaskState, UpdateMeta};
 use reqwest::Method;
 use support::*;
@@ -94,15 +94,8 @@ async fn run(mib: u64, clients: u64) {
     // gigabytes in a single buffer is more than an HTTP/2 stream's flow control takes at once).
     let digest = {
         let file = dir.path().join("initial.safetensors");
-        {
-            let mut initial = Model::zeros(&spec);
-            initial
-                .data_mut()
-                .iter_mut()
-                .enumerate()
-                .for_each(|(i, v)| *v = (i % 101) as f32 * 1e-3);
-            std::fs::write(&file, initial.to_safetensors()).expect("write the model");
-        }
+        std::fs::write(&file, support::ramp_model(&spec).to_safetensors())
+            .expect("write the model");
         let length = std::fs::metadata(&file).expect("the model's file").len();
         let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(
             tokio::fs::File::open(&file).await.expect("open the model"),

@@ -12,7 +12,7 @@ mod support;
 
 use std::time::Instant;
 
-use hora_common::model::{DType, Model, ModelSpec, TensorSpec};
+use hora_common::model::{DType, ModelSpec, TensorSpec};
 use hora_common::wire::{TaskInfo, TaskState, UpdateMeta};
 use reqwest::Method;
 use support::*;
@@ -66,12 +66,7 @@ async fn run(clients: usize, params: usize) {
             .collect(),
     )
     .expect("spec");
-    let mut initial = Model::zeros(&spec);
-    initial
-        .data_mut()
-        .iter_mut()
-        .enumerate()
-        .for_each(|(i, v)| *v = (i % 101) as f32 * 1e-3);
+    let initial = support::ramp_model(&spec);
     let model_bytes = initial.numel() as u64 * 4;
     let digest = admin.upload_model(&initial).await;
     admin

@@ -62,6 +62,16 @@ pub enum ServerError {
 }
 
 impl ServerError {
+    /// A refusal as too large with `hint` added to its message; any other error as it is.
+    pub fn hinted(self, hint: &'static str) -> Self {
+        match self {
+            ServerError::PayloadTooLarge { got, limit, .. } => {
+                ServerError::PayloadTooLarge { got, limit, hint }
+            }
+            e => e,
+        }
+    }
+
     pub fn conflict(code: ErrorCode, message: impl Into<String>) -> Self {
         ServerError::Conflict {
             code,

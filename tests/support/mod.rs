@@ -646,6 +646,18 @@ pub fn fedavg(global: &Model, updates: &[(u64, Model)]) -> Model {
     out
 }
 
+/// A model of `spec` whose values repeat a small ramp (0 to 0.1): cheap to make at any size,
+/// and not all zeros, for the benches' large models.
+pub fn ramp_model(spec: &hora_common::model::ModelSpec) -> Model {
+    let mut model = Model::zeros(spec);
+    model
+        .data_mut()
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = (i % 101) as f32 * 1e-3);
+    model
+}
+
 pub fn small_model() -> Model {
     Model::from_tensors([
         (

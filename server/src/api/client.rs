@@ -439,14 +439,7 @@ pub async fn update(
         // once, and the client, told so, may send its next upload before this handler ends.
         let record = task.record();
         let limit = upload_limit(&record.spec, record.config.compression.as_ref());
-        declared_length(&headers, limit).map_err(|e| match e {
-            ServerError::PayloadTooLarge { got, limit, .. } => ServerError::PayloadTooLarge {
-                got,
-                limit,
-                hint: too_large_hint(&record),
-            },
-            e => e,
-        })?;
+        declared_length(&headers, limit).map_err(|e| e.hinted(too_large_hint(&record)))?;
         // A retry of an update that is folded but not yet durable gets its receipt once it is,
         // without sending the body again.
         let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
