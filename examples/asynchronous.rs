@@ -183,6 +183,7 @@ async fn run_mode(
     let rounds = args.versions.unwrap_or(100_000);
     let config = CreateTask {
         trainable: None,
+        evaluation: None,
         compression: None,
         id: task.clone(),
         initial_model: digest,

@@ -86,6 +86,7 @@ async fn main() -> Result<()> {
     let rounds = 10;
     fed.create_task(&CreateTask {
         trainable: None,
+        evaluation: None,
         compression: None,
         id: "line".into(),
         initial_model: digest,

@@ -117,6 +117,7 @@ async fn federate(
     let digest = fed.upload_model(&setup.initial).await?;
     fed.create_task(&CreateTask {
         trainable: None,
+        evaluation: None,
         compression: None,
         id: run.task.clone(),
         initial_model: digest,

@@ -94,6 +94,7 @@ async fn main() -> Result<()> {
     let task = "replicated";
     fed.create_task(&CreateTask {
         trainable: None,
+        evaluation: None,
         compression: None,
         id: task.into(),
         initial_model: digest,

@@ -85,6 +85,7 @@ async fn federation(
     let n = indices.len() as u32;
     fed.create_task(&CreateTask {
         trainable: (!args.trainable.is_empty()).then(|| args.trainable.clone()),
+        evaluation: None,
         compression: None,
         id: task.into(),
         initial_model: digest,

@@ -73,6 +73,7 @@ async fn main() -> Result<()> {
     let kind = ModelKind::TorchScript { module_digest };
     fed.create_task(&CreateTask {
         trainable: None,
+        evaluation: None,
         compression: None,
         id: task.into(),
         initial_model: digest,

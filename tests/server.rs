@@ -488,6 +488,7 @@ async fn operations_routes_and_long_poll() {
         "/v1/tasks/{task}/model",
         "/v1/tasks/{task}/module",
         "/v1/tasks/{task}/rounds/{round}/update",
+        "/v1/tasks/{task}/evaluations/{round}",
         "/admin/v1/models",
         "/admin/v1/modules",
         "/admin/v1/tasks",

@@ -51,6 +51,7 @@ pub fn fedavg_task(
 ) -> CreateTask {
     CreateTask {
         trainable: None,
+        evaluation: None,
         compression: None,
         id: id.into(),
         initial_model,

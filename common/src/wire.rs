@@ -17,9 +17,14 @@ use crate::model::{ModelDigest, ModelSpec};
 
 mod asynchronous;
 mod error_code;
+mod evaluation;
 
 pub use asynchronous::{AsynchronousConfig, Staleness};
 pub use error_code::ErrorCode;
+pub use evaluation::{
+    EvaluationConfig, EvaluationOffer, EvaluationReceipt, EvaluationReport, EvaluationSummary,
+    EvaluationSums, MAX_EVALUATION_CLIENTS,
+};
 
 /// Stands in for a secret in `{:?}`: says that one is there, never what it is. Types that carry
 /// tokens or secrets write their `Debug` with it, so that a log line or a panic message that
@@ -325,6 +330,10 @@ pub struct CreateTask {
     /// trainable tensors only. Absent: every tensor is trained.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trainable: Option<Vec<String>>,
+    /// Federated evaluation: clients evaluate published models on their held-out data and the
+    /// example-weighted result goes into each evaluated round's history entry. Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<EvaluationConfig>,
 }
 
 /// What one client's update may weigh in a round (the plain path; secure aggregation has its
@@ -638,6 +647,10 @@ pub struct RoundRecord {
     /// lengths; everything else is kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compacted: Option<Compacted>,
+    /// The federated evaluation of the round's model, once it ended (see
+    /// [`CreateTask::evaluation`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<EvaluationSummary>,
 }
 
 /// What an entry compacted out of its per-client lists keeps of them: how long they were.
@@ -810,6 +823,11 @@ pub struct PollResponse {
     /// answered before any timeout of the server's can end it). A longer `wait_ms` is cut to it.
     #[serde(default)]
     pub max_wait_ms: u64,
+    /// A published model this client is asked to evaluate (`POST
+    /// /v1/tasks/{task}/evaluations/{round}`), in a task with `evaluation`. A poll with
+    /// `evaluated=R` is not answered early for an evaluation of round R or before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<EvaluationOffer>,
 }
 
 impl PollResponse {

@@ -29,6 +29,7 @@ fn record(round: u64, model: ModelDigest) -> RoundRecord {
         privacy: None,
         staleness: None,
         compacted: None,
+        evaluation: None,
     }
 }
 
@@ -37,6 +38,7 @@ fn task(global: ModelDigest, spec: ModelSpec, published: u64) -> TaskRecord {
     TaskRecord {
         config: CreateTask {
             trainable: None,
+            evaluation: None,
             compression: None,
             id: "t".into(),
             initial_model: global,
@@ -65,6 +67,7 @@ fn task(global: ModelDigest, spec: ModelSpec, published: u64) -> TaskRecord {
         dp: None,
         ended_reason: None,
         part: None,
+        evaluating: None,
     }
 }
 

@@ -76,6 +76,11 @@ pub struct ServerMetrics {
     async_buffered: Family<TaskLabel, Gauge>,
     async_training: Family<TaskLabel, Gauge>,
     update_staleness: Family<TaskLabel, Histogram, fn() -> Histogram>,
+    evaluation_reports: Family<TaskLabel, Counter>,
+    evaluation_round: Family<TaskLabel, Gauge>,
+    evaluation_clients: Family<TaskLabel, Gauge>,
+    evaluation_loss: Family<TaskLabel, Gauge<f64, AtomicU64>>,
+    evaluation_accuracy: Family<TaskLabel, Gauge<f64, AtomicU64>>,
     http_requests: Family<RequestLabel, Counter>,
     http_seconds: Family<RouteLabel, Histogram, fn() -> Histogram>,
 }
@@ -113,6 +118,11 @@ impl Default for ServerMetrics {
             async_buffered: Family::default(),
             async_training: Family::default(),
             update_staleness: Family::new_with_constructor(staleness_histogram),
+            evaluation_reports: Family::default(),
+            evaluation_round: Family::default(),
+            evaluation_clients: Family::default(),
+            evaluation_loss: Family::default(),
+            evaluation_accuracy: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -221,6 +231,31 @@ impl Default for ServerMetrics {
             m.update_staleness.clone(),
         );
         registry.register(
+            "evaluation_reports",
+            "Federated-evaluation reports counted, per task",
+            m.evaluation_reports.clone(),
+        );
+        registry.register(
+            "evaluation_round",
+            "The round (version) of each task's last ended federated evaluation",
+            m.evaluation_round.clone(),
+        );
+        registry.register(
+            "evaluation_clients",
+            "Clients whose reports the last ended federated evaluation counted",
+            m.evaluation_clients.clone(),
+        );
+        registry.register(
+            "evaluation_loss",
+            "Example-weighted mean loss of the last ended federated evaluation (absent until one had a loss)",
+            m.evaluation_loss.clone(),
+        );
+        registry.register(
+            "evaluation_accuracy",
+            "Example-weighted accuracy of the last ended federated evaluation (absent until one had an accuracy)",
+            m.evaluation_accuracy.clone(),
+        );
+        registry.register(
             "http_requests",
             "Requests answered, by route (its template), method and status",
             m.http_requests.clone(),
@@ -255,6 +290,33 @@ impl ServerMetrics {
         self.dp_epsilon
             .get_or_create(&TaskLabel { task: task.into() })
             .set(epsilon);
+    }
+
+    pub fn evaluation_reported(&self, task: &str) {
+        self.evaluation_reports
+            .get_or_create(&TaskLabel { task: task.into() })
+            .inc();
+    }
+
+    pub fn evaluation_ended(
+        &self,
+        task: &str,
+        round: u64,
+        summary: &hora_common::wire::EvaluationSummary,
+    ) {
+        let label = TaskLabel { task: task.into() };
+        self.evaluation_round
+            .get_or_create(&label)
+            .set(i64::try_from(round).unwrap_or(i64::MAX));
+        self.evaluation_clients
+            .get_or_create(&label)
+            .set(i64::from(summary.clients));
+        if let Some(loss) = summary.loss {
+            self.evaluation_loss.get_or_create(&label).set(loss);
+        }
+        if let Some(accuracy) = summary.accuracy {
+            self.evaluation_accuracy.get_or_create(&label).set(accuracy);
+        }
     }
 
     pub fn async_buffered(&self, task: &str, updates: usize) {

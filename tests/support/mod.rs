@@ -499,6 +499,7 @@ pub fn task(
 ) -> CreateTask {
     CreateTask {
         trainable: None,
+        evaluation: None,
         compression: None,
         id: id.into(),
         initial_model: initial,

@@ -145,6 +145,9 @@ error_codes! {
     UpdateNormExceeded => "update_norm_exceeded",
     /// The round's model was removed by the server's retention policy. Ask for a later round.
     ModelPruned => "model_pruned",
+    /// The evaluation reported on has ended (it had its reports, its deadline passed, or the
+    /// next one began), or was never asked for. Nothing to resend; poll.
+    EvaluationClosed => "evaluation_closed",
 
     // Secure aggregation.
 

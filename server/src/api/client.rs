@@ -14,8 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use hora_common::wire::{
-    ApiError, Credentials, EnrolRequest, ErrorCode, JoinResponse, PollResponse, UpdateMeta,
-    UpdateReceipt,
+    ApiError, Credentials, EnrolRequest, ErrorCode, EvaluationReceipt, EvaluationReport,
+    JoinResponse, PollResponse, UpdateMeta, UpdateReceipt,
 };
 use serde::Deserialize;
 
@@ -39,6 +39,7 @@ pub fn routes() -> axum::Router<Shared> {
         .route("/v1/tasks/{task}/model", get(model))
         .route("/v1/tasks/{task}/module", get(module))
         .route("/v1/tasks/{task}/rounds/{round}/update", post(update))
+        .route("/v1/tasks/{task}/evaluations/{round}", post(evaluation))
 }
 
 #[utoipa::path(post, path = "/v1/enrol", tag = "client", request_body = EnrolRequest,
@@ -219,6 +220,9 @@ pub struct PollQuery {
     /// With `after`: answer as soon as an attempt of round `after` later than this one is open
     /// too (the client dealt with this attempt; a retry of the round wants its update again).
     attempt: Option<u32>,
+    /// The last round whose evaluation the client dealt with: an evaluation of a later round
+    /// answers the poll at once too (absent: evaluations never do).
+    evaluated: Option<u64>,
     /// How long to hold the request open (capped by the server: the answer's `max_wait_ms`).
     #[serde(default)]
     wait_ms: u64,
@@ -226,7 +230,7 @@ pub struct PollQuery {
 
 #[utoipa::path(get, path = "/v1/tasks/{task}/poll", tag = "client", params(("task" = String, Path), PollQuery),
     security(("client_credentials" = [])),
-    responses((status = 200, body = PollResponse, description = "the task's state, once a round later than `after` is open, the task stops, or `wait_ms` passes")))]
+    responses((status = 200, body = PollResponse, description = "the task's state, once a round later than `after` is open, an evaluation of a round later than `evaluated` asks this client, the task stops, or `wait_ms` passes")))]
 pub async fn poll(
     State(state): State<Shared>,
     auth: ClientAuth,
@@ -240,8 +244,8 @@ pub async fn poll(
             .poll(
                 task,
                 &auth.id,
-                q.after,
-                q.attempt,
+                (q.after, q.attempt),
+                q.evaluated,
                 Duration::from_millis(q.wait_ms),
             )
             .await,
@@ -268,6 +272,29 @@ pub async fn join(
         }
     }
     Ok(Json(joined))
+}
+
+#[utoipa::path(post, path = "/v1/tasks/{task}/evaluations/{round}", tag = "client",
+    params(("task" = String, Path), ("round" = u64, Path, description = "the round (version) whose published model was evaluated")),
+    request_body = EvaluationReport, security(("client_credentials" = [])),
+    responses((status = 200, body = EvaluationReceipt, description = "the report is durable and counted (a repeat of one counted already is answered the same)"),
+        (status = 400, body = ApiError, description = "`bad_request`: no examples, a loss that is negative or not finite, an accuracy outside 0 to 1, or neither"),
+        (status = 403, body = ApiError, description = "`forbidden`: this client is not asked (it trained the round and the task evaluates on held-out clients, or it was not drawn)"),
+        (status = 409, body = ApiError, description = "`evaluation_closed`: that round's evaluation is not taking reports (complete, past its deadline, the next one began, or never asked for)")))]
+pub async fn evaluation(
+    State(state): State<Shared>,
+    auth: ClientAuth,
+    ApiPath((task, round)): ApiPath<(String, u64)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<EvaluationReceipt>, ServerError> {
+    let task = state.coordinator.task(&task)?;
+    let report: EvaluationReport = json_body(&state, &headers, body).await?;
+    let coordinator = state.coordinator.clone();
+    let receipt =
+        crate::blocking(move || coordinator.report_evaluation(&task, &auth.id, round, &report))
+            .await?;
+    Ok(Json(receipt))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

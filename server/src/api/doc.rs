@@ -41,6 +41,7 @@ use super::{admin, chunked, client, secagg, sync};
     paths(
         super::healthz, super::readyz, super::metrics, super::openapi,
         client::enrol, client::poll, client::join, client::model, client::module, client::update,
+        client::evaluation,
         chunked::start, chunked::chunk, chunked::complete,
         admin::upload_model, admin::upload_module, admin::create_task, admin::list_tasks, admin::get_task,
         admin::pause, admin::resume, admin::stop, admin::rounds, admin::round_model, admin::frozen_base,

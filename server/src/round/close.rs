@@ -43,6 +43,8 @@ struct Tally {
     /// The clients the attempt's failure is traced to: it ended short, and they were selected
     /// (and told so, durably) but no upload of theirs ever reached it. They earn strikes.
     struck: Vec<String>,
+    /// What the close did to the task's federated evaluations.
+    evaluations: super::evaluation::Moved,
 }
 
 /// The next global model: its digest and bytes, and the strategy state recorded with it.
@@ -106,7 +108,7 @@ impl Coordinator {
         let closed = self
             .tally(task, round, &mut acc, &ending)
             .and_then(|tally| self.publish(task, round, &acc, tally));
-        let (tally, history, next) = match closed {
+        let (mut tally, history, next) = match closed {
             Ok(v) => v,
             Err(e) => {
                 let retry = round.collection.retry_after_failed_close(ending);
@@ -160,6 +162,9 @@ impl Coordinator {
             }
         }
         drop(acc);
+        if tally.abandon.is_none() {
+            self.evaluations_moved(task, std::mem::take(&mut tally.evaluations));
+        }
         task.bump();
         if let Some(next) = next {
             // Runs on one of the runtime's blocking threads, which can spawn.
@@ -265,6 +270,7 @@ impl Coordinator {
             abandon,
             privacy,
             struck,
+            evaluations: Default::default(),
         })
     }
 
@@ -330,6 +336,8 @@ impl Coordinator {
         {
             record.state = current.state;
         }
+        // Evaluation reports may have been counted since the tally copied the record.
+        record.evaluating = current.evaluating;
         let written = (|| -> Result<(RoundRecord, Option<Arc<Round>>), ServerError> {
             let model = match aggregated {
                 Some((digest, bytes, state)) => {
@@ -353,6 +361,11 @@ impl Coordinator {
                 }
                 None => None,
             };
+            if let Some(digest) = model {
+                let published = (round.number, round.attempt, digest);
+                tally.evaluations =
+                    self.open_evaluation(task, record, published, &tally.participants)?;
+            }
             let history = RoundRecord {
                 round: round.number,
                 attempt: round.attempt,
@@ -374,6 +387,7 @@ impl Coordinator {
                 pruned: false,
                 staleness: round.collection.staleness(round.number, &acc.contributions),
                 compacted: None,
+                evaluation: None,
             };
             // The retry of an abandoned attempt, or the next round (the mode may keep what the
             // closing attempt's clients still need, such as its key).

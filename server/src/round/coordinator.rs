@@ -160,10 +160,14 @@ impl Coordinator {
         Ok(coordinator)
     }
 
-    /// Starts the background work: each task's group committer and its round's deadlines.
+    /// Starts the background work: each task's group committer, its round's deadlines and its
+    /// evaluation's.
     pub fn start(self: &Arc<Self>) {
         for task in self.all_tasks() {
             self.commit_for(task.clone());
+            if let Some(e) = task.record().evaluating {
+                self.watch_evaluation(task.clone(), e.round, e.deadline_unix_ms);
+            }
             if let Some(round) = task.current() {
                 self.watch(task, round);
             }
@@ -337,8 +341,8 @@ impl Coordinator {
         &self,
         task: Arc<Task>,
         client: &str,
-        after: Option<u64>,
-        attempt: Option<u32>,
+        (after, attempt): (Option<u64>, Option<u32>),
+        evaluated: Option<u64>,
         wait: Duration,
     ) -> wire::PollResponse {
         let mut changed = task.changed.subscribe();
@@ -350,13 +354,18 @@ impl Coordinator {
         loop {
             let state = task.state();
             let round = task.current();
-            let ready = match state {
-                TaskState::Running => round.as_deref().is_some_and(later),
-                // A paused task holds the poll until it is resumed (or the wait is over), so a
-                // resumed task has its clients back at once.
-                TaskState::Paused => false,
-                TaskState::Stopped | TaskState::Finished => true,
-            };
+            let evaluation = self.evaluation_offer(&task, client);
+            let evaluate = evaluation
+                .as_ref()
+                .is_some_and(|e| evaluated.is_some_and(|done| e.round > done));
+            let ready = evaluate
+                || match state {
+                    TaskState::Running => round.as_deref().is_some_and(later),
+                    // A paused task holds the poll until it is resumed (or the wait is over), so a
+                    // resumed task has its clients back at once.
+                    TaskState::Paused => false,
+                    TaskState::Stopped | TaskState::Finished => true,
+                };
             if ready || tokio::time::Instant::now() >= deadline {
                 let (selected, contributed) = round
                     .as_ref()
@@ -370,6 +379,7 @@ impl Coordinator {
                     selected,
                     contributed,
                     max_wait_ms: self.config.max_poll_wait.as_millis() as u64,
+                    evaluation,
                     retry_after_ms: match state {
                         // The poll has waited already: come straight back.
                         TaskState::Paused => rand::rng().random_range(100..=1_000),

@@ -38,6 +38,7 @@ pub mod collection;
 mod commit;
 pub mod coordinator;
 mod deadline;
+pub mod evaluation;
 pub mod phase;
 pub mod plain;
 pub mod secure;

@@ -230,6 +230,7 @@ impl Coordinator {
             dp: config.differential_privacy.as_ref().map(dp::DpState::new),
             ended_reason: None,
             part,
+            evaluating: None,
             config,
         };
         // The registry is read by every request: its lock is never held across the store. The
@@ -393,7 +394,11 @@ impl Coordinator {
         let record = task.record();
         let base = record.part.as_ref().is_some_and(|p| p.base == digest);
         let earlier = task.current().is_some_and(|r| r.collection.serves(&digest));
-        if digest != record.global_model && !base && !earlier {
+        let evaluated = record
+            .evaluating
+            .as_ref()
+            .is_some_and(|e| e.model == digest);
+        if digest != record.global_model && !base && !earlier && !evaluated {
             return Err(ServerError::conflict(
                 ErrorCode::RoundClosed,
                 format!(
@@ -514,6 +519,9 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     }
     if c.compression.is_some() && c.secure_aggregation.is_some() {
         return bad("secure aggregation quantises updates itself (its clip and scale) and cannot take compressed ones: remove compression, or secure_aggregation".into());
+    }
+    if let Some(config) = &c.evaluation {
+        super::evaluation::validate(config, c).map_err(ServerError::BadRequest)?;
     }
     if let Some(sa) = &c.secure_aggregation {
         secagg::validate(sa, c.min_clients, capacity(c))?;

@@ -209,8 +209,13 @@ async fn a_round_short_at_its_deadline_is_abandoned_and_retried_with_a_fresh_key
     // update again.
     let poll = tokio::time::timeout(
         Duration::from_secs(5),
-        e.coordinator
-            .poll(task.clone(), "a", Some(1), Some(0), Duration::from_secs(20)),
+        e.coordinator.poll(
+            task.clone(),
+            "a",
+            (Some(1), Some(0)),
+            None,
+            Duration::from_secs(20),
+        ),
     )
     .await
     .expect("answered at once, not after the 20 s wait");
@@ -376,8 +381,10 @@ async fn a_poll_of_a_paused_task_is_held_until_it_is_resumed() {
     let task = e.create("t", 1, 1, 600);
     e.set_state(&task, TaskState::Paused).await;
     let (c, t) = (e.coordinator.clone(), task.clone());
-    let poll =
-        tokio::spawn(async move { c.poll(t, "a", None, None, Duration::from_secs(20)).await });
+    let poll = tokio::spawn(async move {
+        c.poll(t, "a", (None, None), None, Duration::from_secs(20))
+            .await
+    });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!poll.is_finished(), "answered while the task is paused");
     let resumed = std::time::Instant::now();
@@ -576,4 +583,172 @@ async fn a_checkpoint_whose_record_may_have_landed_is_kept_until_a_later_one_lan
         !unsettled.contains(&settled[0]),
         "a new checkpoint, and neither of the others: {unsettled:?} → {settled:?}"
     );
+}
+
+impl Engine {
+    /// A task of one client per round (or, with `asynchronous`, per version) whose published
+    /// models `evaluation` asks clients to evaluate.
+    fn create_evaluated(
+        &self,
+        id: &str,
+        evaluation: serde_json::Value,
+        asynchronous: bool,
+    ) -> Arc<Task> {
+        let mut config = serde_json::json!({
+            "id": id, "initial_model": self.digest,
+            "model": {"kind": "builtin", "name": "mlp"},
+            "rounds": 5, "min_clients": 1, "target_clients": 1, "round_deadline_secs": 600,
+            "update_bounds": {"max_weight": 100},
+            "evaluation": evaluation,
+        });
+        if asynchronous {
+            config["asynchronous"] = serde_json::json!({"buffer_size": 1, "concurrency": 2});
+        }
+        self.coordinator
+            .create_task(serde_json::from_value(config).unwrap())
+            .unwrap();
+        self.coordinator.task(id).unwrap()
+    }
+
+    /// `client` trains the open round (version) alone, which publishes it.
+    async fn publish_by(&self, task: &Arc<Task>, client: &str) {
+        let round = task.current().unwrap();
+        let offer = self.join(task, client).await;
+        self.upload(task, client, &offer, 1, [1.0, 0.0, 0.0])
+            .await
+            .unwrap();
+        next_round(task, &round).await;
+    }
+
+    fn report(
+        &self,
+        task: &Task,
+        client: &str,
+        round: u64,
+        (examples, loss, accuracy): (u64, Option<f64>, Option<f64>),
+    ) -> Result<wire::EvaluationReceipt, ServerError> {
+        let report = wire::EvaluationReport {
+            num_examples: examples,
+            loss,
+            accuracy,
+        };
+        self.coordinator
+            .report_evaluation(task, client, round, &report)
+    }
+}
+
+fn evaluation_of(e: &Engine, task: &Task, round: u64) -> Option<wire::EvaluationSummary> {
+    let attempts = e
+        .coordinator
+        .store()
+        .round_attempts(&task.id, round)
+        .unwrap();
+    attempts.last().and_then(|r| r.evaluation)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_evaluation_counts_the_clients_it_asks_and_ends_in_its_rounds_history() {
+    let e = engine();
+    let task = e.create_evaluated(
+        "t",
+        serde_json::json!({"clients": 2, "held_out": true}),
+        false,
+    );
+    e.publish_by(&task, "a").await;
+    // Held out: the client that trained round 1 is not asked; another is.
+    assert_eq!(e.coordinator.evaluation_offer(&task, "a"), None);
+    let offer = e
+        .coordinator
+        .evaluation_offer(&task, "b")
+        .expect("b is asked");
+    assert_eq!((offer.round, offer.model), (1, task.global_model()));
+    let refused = e.report(&task, "a", 1, (10, Some(1.0), None)).unwrap_err();
+    assert!(
+        matches!(refused, ServerError::Forbidden(ref m) if m.contains("trained")),
+        "{refused}"
+    );
+    for bad in [
+        (0, Some(1.0), None),
+        (5, None, Some(2.0)),
+        (5, Some(-1.0), None),
+        (5, None, None),
+    ] {
+        let refused = e.report(&task, "b", 1, bad).unwrap_err();
+        assert!(
+            matches!(refused, ServerError::BadRequest(_)),
+            "{bad:?}: {refused}"
+        );
+    }
+    let wrong = e.report(&task, "b", 2, (10, Some(1.0), None)).unwrap_err();
+    assert_eq!(wrong.code(), ErrorCode::EvaluationClosed);
+    assert_eq!(
+        e.report(&task, "b", 1, (10, Some(1.0), Some(0.5)))
+            .unwrap()
+            .reports,
+        1
+    );
+    // A repeat (its answer lost) is acknowledged, not counted again; b is asked no more.
+    assert_eq!(
+        e.report(&task, "b", 1, (10, Some(1.0), Some(0.5)))
+            .unwrap()
+            .reports,
+        1
+    );
+    assert_eq!(e.coordinator.evaluation_offer(&task, "b"), None);
+    assert!(
+        evaluation_of(&e, &task, 1).is_none(),
+        "open: not in the history yet"
+    );
+    // The second report completes it: examples past the task's max_weight count as it.
+    assert_eq!(
+        e.report(&task, "c", 1, (300, Some(2.0), None))
+            .unwrap()
+            .reports,
+        2
+    );
+    let summary = evaluation_of(&e, &task, 1).expect("ended into round 1's entry");
+    assert_eq!((summary.clients, summary.examples), (2, 110));
+    assert!((summary.loss.unwrap() - (10.0 + 200.0) / 110.0).abs() < 1e-12);
+    assert_eq!(summary.accuracy, Some(0.5), "only b's had one");
+    assert!(task.record().evaluating.is_none());
+    let late = e.report(&task, "d", 1, (10, Some(1.0), None)).unwrap_err();
+    assert_eq!(late.code(), ErrorCode::EvaluationClosed);
+    assert_eq!(e.coordinator.evaluation_offer(&task, "d"), None);
+
+    // Round 2's evaluation takes one report, then round 3's publication ends it.
+    e.publish_by(&task, "a").await;
+    e.report(&task, "b", 2, (4, None, Some(1.0))).unwrap();
+    e.publish_by(&task, "a").await;
+    let summary = evaluation_of(&e, &task, 2).expect("ended by the next");
+    assert_eq!(
+        (summary.clients, summary.accuracy, summary.loss),
+        (1, Some(1.0), None)
+    );
+    assert_eq!(task.record().evaluating.map(|e| e.round), Some(3));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_asynchronous_version_is_evaluated_and_an_evaluation_ends_at_its_deadline() {
+    let e = engine();
+    let evaluation = serde_json::json!({"clients": 5, "deadline_secs": 1, "fraction": 1.0});
+    let task = e.create_evaluated("v", evaluation, true);
+    e.publish_by(&task, "a").await;
+    // Not held out: the client whose update made the version may evaluate it too.
+    assert_eq!(
+        e.report(&task, "a", 1, (8, Some(0.25), Some(0.75)))
+            .unwrap()
+            .reports,
+        1
+    );
+    for _ in 0..500 {
+        if task.record().evaluating.is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let summary = evaluation_of(&e, &task, 1).expect("ended at its deadline");
+    assert_eq!((summary.clients, summary.examples), (1, 8));
+    assert_eq!((summary.loss, summary.accuracy), (Some(0.25), Some(0.75)));
+    let late = e.report(&task, "b", 1, (10, Some(1.0), None)).unwrap_err();
+    assert_eq!(late.code(), ErrorCode::EvaluationClosed);
 }

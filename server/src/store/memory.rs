@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hora_common::model::ModelDigest;
-use hora_common::wire::RoundRecord;
+use hora_common::wire::{EvaluationSummary, RoundRecord};
 
 use super::files::io;
 use super::*;
@@ -142,6 +142,26 @@ impl RoundLog for MemoryStore {
             Some(n) => records.open_rounds.insert(task_id.to_string(), n.clone()),
             None => records.open_rounds.remove(task_id),
         };
+        Ok(())
+    }
+
+    fn end_evaluation(
+        &self,
+        task_id: &str,
+        task: &TaskRecord,
+        round: u64,
+        attempt: u32,
+        evaluation: &EvaluationSummary,
+    ) -> Result<(), StoreError> {
+        let mut records = self.records();
+        records.tasks.insert(task_id.to_string(), task.clone());
+        if let Some(entry) = records
+            .history
+            .get_mut(task_id)
+            .and_then(|h| h.get_mut(&(round, attempt)))
+        {
+            entry.evaluation = Some(*evaluation);
+        }
         Ok(())
     }
 

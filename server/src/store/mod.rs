@@ -48,7 +48,7 @@
 use std::collections::HashSet;
 
 use hora_common::model::ModelDigest;
-use hora_common::wire::RoundRecord;
+use hora_common::wire::{EvaluationSummary, RoundRecord};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 pub mod blobs;
@@ -216,6 +216,17 @@ pub trait RoundLog: Durable {
         record: &RoundRecord,
         attempt: u32,
         next: Option<&OpenRoundRecord>,
+    ) -> Result<(), StoreError>;
+
+    /// Ends a federated evaluation, in one transaction: writes `task` (which no longer has it
+    /// open) and sets `evaluation` on the history entry of `round`'s `attempt`.
+    fn end_evaluation(
+        &self,
+        task_id: &str,
+        task: &TaskRecord,
+        round: u64,
+        attempt: u32,
+        evaluation: &EvaluationSummary,
     ) -> Result<(), StoreError>;
 
     /// A task's finished rounds, by round then attempt (rounds are numbered from 1).
@@ -448,7 +459,7 @@ fn referenced(
 
 /// The second half of [`RoundLog::prune_models`]: deletes the files of `dropped` models (just
 /// marked pruned) that no task and no unpruned round still uses.
-fn remove_unused_models(
+pub(crate) fn remove_unused_models(
     store: &(impl RoundLog + Blobs + ?Sized),
     dropped: Vec<ModelDigest>,
 ) -> Result<usize, StoreError> {

@@ -7,7 +7,7 @@
 use std::fmt;
 
 use hora_common::model::{ModelDigest, ModelSpec};
-use hora_common::wire::{CreateTask, Metrics, Redacted, TaskState};
+use hora_common::wire::{CreateTask, EvaluationSums, Metrics, Redacted, TaskState};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +98,10 @@ pub struct TaskRecord {
     /// and `global_model` are then the trainable part's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub part: Option<PartRecord>,
+    /// The federated evaluation taking reports now (`config.evaluation`): its running sums,
+    /// never the reports. Written with every report it counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluating: Option<EvaluationRecord>,
 }
 
 impl TaskRecord {
@@ -108,15 +112,19 @@ impl TaskRecord {
             .map_or(self.config.initial_model, |p| p.initial)
     }
 
-    /// The models the task needs whatever its history: the current one, and the initial one
-    /// or, for a task that trains part of its model, the initial one's trainable part and its
-    /// frozen base (the whole model as uploaded is no longer needed).
+    /// The models the task needs whatever its history: the current one, the one its open
+    /// evaluation hands out, and the initial one or, for a task that trains part of its model,
+    /// the initial one's trainable part and its frozen base (the whole model as uploaded is no
+    /// longer needed).
     pub fn own_models(&self) -> impl Iterator<Item = ModelDigest> {
         let initial = match &self.part {
             Some(p) => [Some(p.base), Some(p.initial)],
             None => [Some(self.config.initial_model), None],
         };
-        std::iter::once(self.global_model).chain(initial.into_iter().flatten())
+        let evaluated = self.evaluating.as_ref().map(|e| e.model);
+        std::iter::once(self.global_model)
+            .chain(evaluated)
+            .chain(initial.into_iter().flatten())
     }
 }
 
@@ -128,6 +136,23 @@ pub struct PartRecord {
     pub base_spec: ModelSpec,
     /// The initial model's trainable tensors (round 0's model).
     pub initial: ModelDigest,
+}
+
+/// An evaluation taking reports: a published round's model, whose example-weighted result goes
+/// into that round's history entry when it ends.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EvaluationRecord {
+    pub round: u64,
+    /// The attempt that published the round (its history entry's key).
+    pub attempt: u32,
+    pub model: ModelDigest,
+    pub deadline_unix_ms: u64,
+    pub sums: EvaluationSums,
+    /// The clients whose reports are in the sums (each counts once).
+    pub reporters: std::collections::BTreeSet<String>,
+    /// With `held_out`: the clients that trained the round, sorted (they are not asked).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trainers: Vec<String>,
 }
 
 /// A task id and its record, or why the record could not be read.

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use hora_common::model::ModelDigest;
-use hora_common::wire::RoundRecord;
+use hora_common::wire::{EvaluationSummary, RoundRecord};
 use serde::{de::DeserializeOwned, Serialize};
 
 use super::blobs::{self, BlobStore, Blobs, DirBlobs};
@@ -87,11 +87,13 @@ struct PrunedBelow {
 const MODEL_INDEX: &str = "model_rounds_v1";
 
 /// The meta key of the store's format, and the format this build writes: 1 has the model
-/// index; 2 may hold tasks that train part of their model (`part`, `trainable`). A store of a
-/// newer format is refused rather than written without what that format keeps (an older build
-/// would add history its index does not cover, or write a task back without its frozen base).
+/// index; 2 may hold tasks that train part of their model (`part`, `trainable`); 3 may hold
+/// federated evaluations (`evaluation` in tasks and history entries, `evaluating`). A store of
+/// a newer format is refused rather than written without what that format keeps (an older
+/// build would add history its index does not cover, write a task back without its frozen
+/// base, or drop an evaluation's counted reports).
 const FORMAT_KEY: &str = "store_format";
-const FORMAT: u32 = 2;
+const FORMAT: u32 = 3;
 
 /// How long an open waits for a lock on the database that this process itself may still hold:
 /// sled releases its file lock when its last internal reference goes, which a write finishing
@@ -279,6 +281,33 @@ impl RoundLog for SledStore {
                 Ok(())
             })
             .map_err(|e| transaction_failed(e, task_id))?;
+        Ok(())
+    }
+
+    fn end_evaluation(
+        &self,
+        task_id: &str,
+        task: &TaskRecord,
+        round: u64,
+        attempt: u32,
+        evaluation: &EvaluationSummary,
+    ) -> Result<(), StoreError> {
+        use sled::transaction::ConflictableTransactionError::Abort;
+        use sled::Transactional;
+        let key = history_key(task_id, round, attempt);
+        (&self.tasks, &self.history)
+            .transaction(|(tasks, history)| {
+                tasks.insert(task_id, json(task))?;
+                // (No entry: the task is written all the same, the evaluation is over.)
+                if let Some(bytes) = history.get(key.as_bytes())? {
+                    let mut entry: RoundRecord =
+                        serde_json::from_slice(&bytes).map_err(|_| Abort(()))?;
+                    entry.evaluation = Some(*evaluation);
+                    history.insert(key.as_bytes(), json(&entry))?;
+                }
+                Ok(())
+            })
+            .map_err(|e| transaction_failed(e, &key))?;
         Ok(())
     }
 
@@ -614,6 +643,7 @@ mod tests {
                 privacy: None,
                 staleness: None,
                 compacted: None,
+                evaluation: None,
             };
             // As an older server wrote it: the history entry, no index and no flag.
             store

@@ -204,6 +204,7 @@ pub(super) fn task(initial: ModelDigest, published: u64) -> TaskRecord {
         dp: None,
         ended_reason: None,
         part: None,
+        evaluating: None,
     }
 }
 
@@ -255,6 +256,7 @@ pub(super) fn published(round: u64, attempt: u32, model: Option<ModelDigest>) ->
         privacy: None,
         staleness: None,
         compacted: None,
+        evaluation: None,
     }
 }
 
@@ -342,6 +344,7 @@ suite!(
     tasks_are_created_once_and_listed_in_id_order,
     open_rounds_are_kept_per_task,
     finish_round_records_the_round_and_moves_the_task_on,
+    ending_an_evaluation_writes_the_task_and_its_round_entry_together,
     pruning_drops_models_out_of_retention_unless_still_used,
     history_entries_out_of_the_detail_window_are_compacted,
     clients_are_read_back_in_id_order,

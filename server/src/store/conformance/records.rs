@@ -108,6 +108,60 @@ pub(super) fn finish_round_records_the_round_and_moves_the_task_on(f: &mut dyn F
     assert!(s.history("").unwrap().is_empty());
 }
 
+pub(super) fn ending_an_evaluation_writes_the_task_and_its_round_entry_together(
+    f: &mut dyn Fixture,
+) {
+    let s = f.store();
+    let m = model([1.0; 3]).digest();
+    let mut t = task(m, 1);
+    t.evaluating = Some(EvaluationRecord {
+        round: 1,
+        attempt: 1,
+        model: m,
+        deadline_unix_ms: 5,
+        sums: Default::default(),
+        reporters: ["c1".to_string()].into(),
+        trainers: vec!["c2".into()],
+    });
+    let abandoned = RoundRecord {
+        outcome: RoundOutcome::Abandoned {
+            reason: "too few".into(),
+        },
+        model: None,
+        ..published(1, 0, None)
+    };
+    s.finish_round("t", &t, &abandoned, 0, None).unwrap();
+    s.finish_round("t", &t, &published(1, 1, Some(m)), 1, None)
+        .unwrap();
+    assert_eq!(s.task("t").unwrap().unwrap().evaluating, t.evaluating);
+    let summary = hora_common::wire::EvaluationSummary {
+        clients: 3,
+        examples: 90,
+        loss: Some(0.5),
+        accuracy: None,
+    };
+    t.evaluating = None;
+    s.end_evaluation("t", &t, 1, 1, &summary).unwrap();
+    assert_eq!(s.task("t").unwrap().unwrap().evaluating, None);
+    let attempts = s.round_attempts("t", 1).unwrap();
+    assert_eq!(
+        attempts[0].evaluation, None,
+        "the abandoned attempt is left as it was"
+    );
+    assert_eq!(
+        attempts[1],
+        RoundRecord {
+            evaluation: Some(summary),
+            ..published(1, 1, Some(m))
+        }
+    );
+    // A round without an entry: the task is written all the same.
+    t.published = 2;
+    s.end_evaluation("t", &t, 9, 0, &summary).unwrap();
+    assert_eq!(s.task("t").unwrap().unwrap().published, 2);
+    assert!(s.round_attempts("t", 9).unwrap().is_empty());
+}
+
 pub(super) fn pruning_drops_models_out_of_retention_unless_still_used(f: &mut dyn Fixture) {
     let s = f.store();
     let initial = s.put_model(&model([0.0; 3])).unwrap();

@@ -37,6 +37,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         name: "0003_part_of_a_model",
         sql: include_str!("../../../migrations/0003_part_of_a_model.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_federated_evaluation",
+        sql: include_str!("../../../migrations/0004_federated_evaluation.sql"),
+    },
 ];
 
 /// The advisory lock key the migrations are applied under (any constant; "hora" in ASCII).

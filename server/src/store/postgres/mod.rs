@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use deadpool_postgres::GenericClient;
 use hora_common::model::ModelDigest;
-use hora_common::wire::RoundRecord;
+use hora_common::wire::{EvaluationSummary, RoundRecord};
 use serde::de::DeserializeOwned;
 use tokio::sync::broadcast;
 use tokio_postgres::types::{FromSql, ToSql};
@@ -497,6 +497,51 @@ impl RoundLog for PostgresStore {
                         .await?
                 }
             };
+            tx.commit().await?;
+            Ok(())
+        })
+    }
+
+    fn end_evaluation(
+        &self,
+        task_id: &str,
+        task: &TaskRecord,
+        round: u64,
+        attempt: u32,
+        evaluation: &EvaluationSummary,
+    ) -> Result<(), StoreError> {
+        let id = task_id.to_string();
+        let task = json(task);
+        let round = int(round)?;
+        let attempt = i64::from(attempt);
+        let evaluation = *evaluation;
+        let held = self.held();
+        self.driver.with(move |mut client| async move {
+            let tx = fenced(&mut client, held.as_deref()).await?;
+            tx.execute(
+                "INSERT INTO tasks (task, record) VALUES ($1, $2)
+                 ON CONFLICT (task) DO UPDATE SET record = excluded.record",
+                &[&id, &task],
+            )
+            .await?;
+            // (No entry: the task is written all the same, the evaluation is over.)
+            let row = tx
+                .query_opt(
+                    "SELECT record FROM history
+                     WHERE task = $1 AND round = $2 AND attempt = $3 FOR UPDATE",
+                    &[&id, &round, &attempt],
+                )
+                .await?;
+            if let Some(row) = row {
+                let mut entry: RoundRecord = decode(&id, col(&row, 0)?)?;
+                entry.evaluation = Some(evaluation);
+                tx.execute(
+                    "UPDATE history SET record = $4
+                     WHERE task = $1 AND round = $2 AND attempt = $3",
+                    &[&id, &round, &attempt, &json(&entry)],
+                )
+                .await?;
+            }
             tx.commit().await?;
             Ok(())
         })

@@ -62,7 +62,12 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
     });
     assert_eq!(
         sql(&target, "SELECT name FROM hora_migrations ORDER BY version"),
-        ["0001_initial", "0002_leases", "0003_part_of_a_model"]
+        [
+            "0001_initial",
+            "0002_leases",
+            "0003_part_of_a_model",
+            "0004_federated_evaluation"
+        ]
     );
     assert!(migrate(&target).unwrap().is_empty(), "up to date");
 
@@ -87,7 +92,7 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
     );
     sql(
         &target,
-        "INSERT INTO hora_migrations (version, name, checksum) VALUES (4, '0004_later', 'x')",
+        "INSERT INTO hora_migrations (version, name, checksum) VALUES (5, '0005_later', 'x')",
     );
     let refused = migrate(&target).expect_err("refused");
     assert!(
@@ -100,7 +105,8 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
             "0001_initial",
             "0002_leases",
             "0003_part_of_a_model",
-            "0004_later"
+            "0004_federated_evaluation",
+            "0005_later"
         ]
     );
 }
