@@ -1483,3 +1483,110 @@ async fn a_task_that_trains_part_of_its_model_keeps_the_rest_frozen_and_download
         r#"hora_http_requests_total{route="/v1/tasks/{task}/model",method="GET",status="200"}"#;
     assert_eq!(admin.metric(downloads).await, 3.0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn federated_evaluation_is_the_example_weighted_mean_of_the_clients_own_evaluations() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+    let admin = server.api(ADMIN_TOKEN);
+    let (_, digest) = upload_initial(&admin).await;
+    let mut t = logreg_task("eval", digest, 2, 3, 3);
+    t.evaluation = Some(wire::EvaluationConfig {
+        every: 1,
+        clients: 3,
+        fraction: None,
+        held_out: false,
+        deadline_secs: None,
+    });
+    admin.create_task(&t).await;
+    // Three clients train every round and evaluate each published model on their held-out
+    // split, the built-in trainer's way, through the SDK's loop.
+    let data: SyntheticConfig = "synthetic-iid:clients=3,seed=9".parse().unwrap();
+    let mut clients = Vec::new();
+    let mut tests = Vec::new();
+    for k in 0..3 {
+        let shard = synthetic::shard(&data, k).unwrap();
+        tests.push(shard.test.clone());
+        let client = sdk_client(&server, &admin, &dir.path().join(format!("c{k}"))).await;
+        clients.push(tokio::spawn(async move {
+            let mut trainer =
+                SupervisedTrainer::new(shard.train, Some(shard.test), tch::Device::Cpu).unwrap();
+            client
+                .run("eval", &mut trainer, None, &mut |_| {}, &mut |_| {})
+                .await
+                .unwrap()
+        }));
+    }
+    for c in clients {
+        assert_eq!(c.await.unwrap().final_state, TaskState::Finished);
+    }
+
+    // The server's figure for each round equals one computed here from each client's own
+    // evaluation of the published model, weighted by its held-out examples.
+    let history: Vec<RoundRecord> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/eval/rounds"))
+        .await;
+    assert_eq!(history.len(), 2);
+    for entry in &history {
+        let model = admin.round_model("eval", entry.round).await;
+        let (mut n, mut loss, mut correct) = (0u64, 0.0, 0.0);
+        for test in &tests {
+            let mut net = Network::builtin(&arch(), tch::Device::Cpu).unwrap();
+            net.set_weights(&model).unwrap();
+            let data = hora_client::supervised::DeviceData::new(test, tch::Device::Cpu).unwrap();
+            let own = hora_client::supervised::evaluate(&mut net, &data, 1024).unwrap();
+            n += own.examples;
+            loss += own.examples as f64 * own.loss;
+            correct += own.examples as f64 * own.accuracy;
+        }
+        let summary = entry.evaluation.expect("every round evaluated");
+        assert_eq!(
+            (summary.clients, summary.examples),
+            (3, n),
+            "round {}",
+            entry.round
+        );
+        let (l, a) = (summary.loss.unwrap(), summary.accuracy.unwrap());
+        assert!(
+            (l - loss / n as f64).abs() < 1e-6 * l.max(1.0),
+            "round {}: {l} vs {}",
+            entry.round,
+            loss / n as f64
+        );
+        assert!(
+            (a - correct / n as f64).abs() < 1e-9,
+            "round {}: {a}",
+            entry.round
+        );
+        eprintln!(
+            "round {}: federated evaluation loss {l:.4}, accuracy {a:.4} over {n} examples",
+            entry.round
+        );
+    }
+    assert_eq!(
+        admin.metric(r#"hora_evaluation_round{task="eval"}"#).await,
+        2.0
+    );
+    assert_eq!(
+        admin
+            .metric(r#"hora_evaluation_reports_total{task="eval"}"#)
+            .await,
+        6.0
+    );
+    // Over: a further report is refused as such.
+    let late = admin.enrol().await;
+    let report = wire::EvaluationReport {
+        num_examples: 5,
+        loss: Some(1.0),
+        accuracy: None,
+    };
+    let req = late
+        .api
+        .request(Method::POST, "/v1/tasks/eval/evaluations/2")
+        .json(&report);
+    let message = late
+        .api
+        .refused(req, reqwest::StatusCode::CONFLICT, "evaluation_closed")
+        .await;
+    assert!(message.contains("round 2"), "{message}");
+}

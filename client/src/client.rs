@@ -15,6 +15,11 @@
 //!    `already_contributed` answer to a retry means an earlier attempt got through.
 //!
 //! Each [`RoundReport`] says where the round's time went, phase by phase ([`RoundTimings`]).
+//!
+//! In a task with federated evaluation, a poll may also ask the client to evaluate a published
+//! model on its held-out data ([`Trainer::evaluate`]): the client does so before anything else
+//! the poll says, and reports the result ([`Client::evaluate`]). A trainer without held-out
+//! data declines, and a failed evaluation is logged, never fatal to the training.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -23,14 +28,15 @@ use hora_common::envelope::{self, Binding, Chunk};
 use hora_common::model::{Limits, Model, ModelDigest};
 use hora_common::tls::Identity;
 use hora_common::wire::{
-    Credentials, DeadlinePolicy, EnrolRequest, ErrorCode, JoinResponse, Metrics, ModelKind,
-    PollResponse, RoundOffer, TaskState, UpdateMeta, UpdateReceipt, UploadSession, UploadStart,
+    Credentials, DeadlinePolicy, EnrolRequest, ErrorCode, EvaluationOffer, EvaluationReceipt,
+    EvaluationReport, JoinResponse, Metrics, ModelKind, PollResponse, RoundOffer, TaskState,
+    UpdateMeta, UpdateReceipt, UploadSession, UploadStart,
 };
 use reqwest::Method;
 
 use crate::error::{ClientError, Result};
 use crate::state::{RoundState, StateDir};
-use crate::trainer::{Progress, TrainRequest, Trainer};
+use crate::trainer::{EvaluateRequest, Progress, TrainRequest, Trainer};
 use crate::transport::{check, Connection, RetryPolicy};
 
 /// Header carrying an update's [`UpdateMeta`] (the body is the sealed envelope).
@@ -217,6 +223,9 @@ pub struct Client {
     pub(crate) state: StateDir,
     pub(crate) id: String,
     pub(crate) config: ClientConfig,
+    /// Per task, the last round whose evaluation this client dealt with (evaluated, declined
+    /// or refused): polls wait for a later one.
+    evaluated: std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -300,6 +309,7 @@ impl Client {
             state,
             id: creds.client_id,
             config,
+            evaluated: Default::default(),
         })
     }
 
@@ -320,7 +330,11 @@ impl Client {
         after: Option<Attempt>,
         wait: Duration,
     ) -> Result<PollResponse> {
-        let mut path = format!("/v1/tasks/{task}/poll?wait_ms={}", wait.as_millis());
+        let mut path = format!(
+            "/v1/tasks/{task}/poll?wait_ms={}&evaluated={}",
+            wait.as_millis(),
+            self.evaluated_upto(task)
+        );
         if let Some(a) = after {
             path.push_str(&format!("&after={}&attempt={}", a.round, a.attempt));
         }
@@ -549,11 +563,24 @@ impl Client {
         task: &str,
         offer: &RoundOffer,
     ) -> Result<(Start, Option<PathBuf>)> {
-        let base = match &offer.frozen_base {
+        self.model_inputs(task, &offer.model, offer.frozen_base, &offer.model_kind)
+            .await
+    }
+
+    /// The model `model` names (with the frozen base `frozen_base` names, for a task that
+    /// trains part of its model) and, for a TorchScript task, its module.
+    async fn model_inputs(
+        &self,
+        task: &str,
+        model: &ModelDigest,
+        frozen_base: Option<ModelDigest>,
+        model_kind: &ModelKind,
+    ) -> Result<(Start, Option<PathBuf>)> {
+        let base = match &frozen_base {
             Some(digest) => Some(self.model(task, digest).await?),
             None => None,
         };
-        let global = self.model(task, &offer.model).await?;
+        let global = self.model(task, model).await?;
         let whole = base
             .map(|base| Model::merge(&base, &global))
             .transpose()
@@ -562,7 +589,7 @@ impl Client {
                     "the task's frozen base and its model do not make one model: {e}"
                 ))
             })?;
-        let module = match &offer.model_kind {
+        let module = match model_kind {
             ModelKind::TorchScript { module_digest } => {
                 Some(self.module(task, module_digest).await?)
             }
@@ -867,6 +894,9 @@ impl Client {
         let mut rejoins = 0;
         loop {
             let poll = self.poll(task, after, self.config.poll_wait).await?;
+            if let Some(offer) = &poll.evaluation {
+                self.evaluate_once(task, offer, trainer).await;
+            }
             let seen = Instant::now();
             let seen_unix_us = now_unix_us();
             match poll.state {
@@ -939,6 +969,87 @@ impl Client {
                 }
             }
         }
+    }
+
+    /// The last round of `task` whose evaluation this client dealt with (0: none).
+    fn evaluated_upto(&self, task: &str) -> u64 {
+        let evaluated = self.evaluated.lock().unwrap_or_else(|e| e.into_inner());
+        evaluated.get(task).copied().unwrap_or(0)
+    }
+
+    /// [`Client::evaluate`], once per round's evaluation (dealt with if it fails: an
+    /// evaluation is never worth failing the training over, and it is not retried).
+    async fn evaluate_once<T: Trainer + ?Sized>(
+        &self,
+        task: &str,
+        offer: &EvaluationOffer,
+        trainer: &mut T,
+    ) {
+        if offer.round <= self.evaluated_upto(task) {
+            return;
+        }
+        match self.evaluate(task, offer, trainer).await {
+            Ok(Some(receipt)) => {
+                tracing::info!(
+                    round = offer.round,
+                    reports = receipt.reports,
+                    "evaluated the round's model and reported"
+                )
+            }
+            Ok(None) => {
+                tracing::debug!(
+                    round = offer.round,
+                    "asked to evaluate, but the trainer has no held-out data; declined"
+                )
+            }
+            Err(e) => {
+                tracing::warn!(round = offer.round, error = %e, "federated evaluation of the round's model failed; going on without it")
+            }
+        }
+        let mut evaluated = self.evaluated.lock().unwrap_or_else(|e| e.into_inner());
+        let upto = evaluated.entry(task.to_string()).or_default();
+        *upto = (*upto).max(offer.round);
+    }
+
+    /// Evaluates the model `offer` names through `trainer` and reports the result; `Ok(None)`
+    /// when the trainer declines (no held-out data). A report the server took already (a retry
+    /// whose answer was lost) is acknowledged again.
+    pub async fn evaluate<T: Trainer + ?Sized>(
+        &self,
+        task: &str,
+        offer: &EvaluationOffer,
+        trainer: &mut T,
+    ) -> Result<Option<EvaluationReceipt>> {
+        let (start, module) = self
+            .model_inputs(task, &offer.model, offer.frozen_base, &offer.model_kind)
+            .await?;
+        let request = EvaluateRequest {
+            task,
+            round: offer.round,
+            model_kind: &offer.model_kind,
+            module,
+        };
+        let Some(evaluation) = blocking(|| trainer.evaluate(start.model(), request))? else {
+            return Ok(None);
+        };
+        let report = EvaluationReport {
+            num_examples: evaluation.examples,
+            loss: Some(evaluation.loss).filter(|l| l.is_finite() && *l >= 0.0),
+            accuracy: Some(evaluation.accuracy).filter(|a| (0.0..=1.0).contains(a)),
+        };
+        report.check().map_err(|e| {
+            ClientError::Training(format!("the trainer's evaluation cannot be reported: {e}"))
+        })?;
+        let path = format!("/v1/tasks/{task}/evaluations/{}", offer.round);
+        let receipt = self
+            .conn
+            .json("reporting an evaluation", || {
+                self.conn
+                    .request(Method::POST, &path, Duration::ZERO)
+                    .json(&report)
+            })
+            .await?;
+        Ok(Some(receipt))
     }
 
     /// Trains on, seals and uploads for the round `offer` describes.

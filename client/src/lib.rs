@@ -44,4 +44,6 @@ pub use client::{Attempt, Client, ClientConfig, RoundOutcome, RoundReport, Round
 pub use error::{ClientError, Result};
 #[cfg(feature = "torch")]
 pub use supervised::SupervisedTrainer;
-pub use trainer::{Evaluation, Paced, Progress, TrainOutcome, TrainRequest, Trainer};
+pub use trainer::{
+    EvaluateRequest, Evaluation, Paced, Progress, TrainOutcome, TrainRequest, Trainer,
+};

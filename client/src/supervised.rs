@@ -17,7 +17,7 @@ use tch::{Device, Kind, Reduction, Tensor};
 use crate::data::Dataset;
 use crate::error::{ClientError, Result};
 use crate::network::{Architecture, Network};
-use crate::trainer::{Evaluation, Progress, TrainOutcome, TrainRequest, Trainer};
+use crate::trainer::{EvaluateRequest, Evaluation, Progress, TrainOutcome, TrainRequest, Trainer};
 
 /// A dataset as tensors on a device: features `[N, sample_len]` (f32) and labels `[N]` (i64).
 pub struct DeviceData {
@@ -366,6 +366,23 @@ impl Trainer for SupervisedTrainer {
             },
             stopped_early: report.stopped_early,
         })
+    }
+
+    /// On the held-out split; a trainer without one declines.
+    fn evaluate(
+        &mut self,
+        model: &Model,
+        request: EvaluateRequest<'_>,
+    ) -> Result<Option<Evaluation>> {
+        if self.test.as_ref().is_none_or(Dataset::is_empty) {
+            return Ok(None);
+        }
+        let prepared = self.prepare(request.model_kind, request.module.as_deref())?;
+        let Some(test) = &prepared.test else {
+            return Ok(None);
+        };
+        prepared.net.set_weights(model)?;
+        Ok(Some(evaluate(&mut prepared.net, test, 1024)?))
     }
 }
 

@@ -70,6 +70,29 @@ pub struct Evaluation {
 pub trait Trainer: Send + 'static {
     /// Trains from `global` on local data.
     fn train(&mut self, global: &Model, request: TrainRequest<'_>) -> Result<TrainOutcome>;
+
+    /// Evaluates `model`, a published global model, on local held-out data, for the task's
+    /// federated evaluation (data not trained on: the server aggregates the clients' reports
+    /// weighted by `examples`). `Ok(None)`, the default: this trainer has no such data, and
+    /// the client declines.
+    fn evaluate(
+        &mut self,
+        model: &Model,
+        request: EvaluateRequest<'_>,
+    ) -> Result<Option<Evaluation>> {
+        let _ = (model, request);
+        Ok(None)
+    }
+}
+
+/// What an evaluation asks of the trainer.
+pub struct EvaluateRequest<'a> {
+    pub task: &'a str,
+    /// The round (version) that published the model.
+    pub round: u64,
+    pub model_kind: &'a ModelKind,
+    /// The task's TorchScript module, downloaded, when `model_kind` is TorchScript.
+    pub module: Option<PathBuf>,
 }
 
 /// A trainer whose every training takes at least `min` (but never past the request's deadline):
@@ -88,5 +111,13 @@ impl<T: Trainer> Trainer for Paced<T> {
             std::thread::sleep(rest);
         }
         Ok(outcome)
+    }
+
+    fn evaluate(
+        &mut self,
+        model: &Model,
+        request: EvaluateRequest<'_>,
+    ) -> Result<Option<Evaluation>> {
+        self.inner.evaluate(model, request)
     }
 }
