@@ -34,6 +34,7 @@ class Client:
         train_fn: Callable[[Dict[str, np.ndarray], Dict[str, Any]], Tuple[Dict[str, np.ndarray], int, Any]],
         rounds: Optional[int] = ...,
         on_round: Optional[Callable[[Dict[str, Any]], None]] = ...,
+        evaluate_fn: Optional[Callable[[Dict[str, np.ndarray], Dict[str, Any]], Tuple[int, Dict[str, Any]]]] = ...,
     ) -> Dict[str, Any]: ...
 
 class AdminConnection:

@@ -17,6 +17,13 @@ TrainResult = Tuple[Mapping[str, Any], int, Optional[Mapping[str, float]]]
 #: ``train_fn(global_weights, config) -> (weights, num_examples, metrics)``.
 TrainFn = Callable[[Dict[str, np.ndarray], Dict[str, Any]], TrainResult]
 
+#: What an evaluation function returns: the number of held-out examples evaluated and
+#: ``{"loss": …, "accuracy": …}`` (either may be missing).
+EvaluateResult = Tuple[int, Mapping[str, Optional[float]]]
+
+#: ``evaluate_fn(global_weights, config) -> (num_examples, metrics)``.
+EvaluateFn = Callable[[Dict[str, np.ndarray], Dict[str, Any]], EvaluateResult]
+
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -122,6 +129,7 @@ class Client:
         *,
         rounds: Optional[int] = None,
         on_round: Optional[Callable[[Dict[str, Any]], None]] = None,
+        evaluate_fn: Optional[EvaluateFn] = None,
     ) -> Dict[str, Any]:
         """Takes part in ``task`` until it ends (or ``rounds`` rounds have been contributed to).
 
@@ -145,7 +153,18 @@ class Client:
         per phase). ``on_round(report)`` is called as each round ends. An exception raised by ``train_fn`` stops the run and propagates (one
         raised by ``on_round`` does so before the next round is trained);
         Ctrl-C stops it too, and the next run resumes where it left off.
+
+        In a task with federated evaluation (``evaluation`` in its settings), the server asks
+        some clients to evaluate published models: ``evaluate_fn(global_weights, config)``
+        (``config``: ``task``, ``round``, ``model``) evaluates them on the client's held-out
+        data and returns ``(num_examples, {"loss": …, "accuracy": …})``; the server averages
+        the reports weighted by ``num_examples`` into the round's history. Without one (and
+        without a :class:`TorchTrainer` made with ``eval_loader``, whose ``evaluate_fn`` is
+        taken by default) the client declines. An exception in it is logged, and the run goes
+        on.
         """
+        if evaluate_fn is None:
+            evaluate_fn = getattr(train_fn, "evaluate_fn", None)
 
         def call(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> TrainResult:
             result = train_fn(weights, config)
@@ -157,7 +176,23 @@ class Client:
             trained, num_examples, metrics = result
             return to_numpy(trained), int(num_examples), metrics
 
-        return self._inner.run(task, call, rounds=rounds, on_round=on_round)
+        evaluate = None
+        if evaluate_fn is not None:
+            chosen = evaluate_fn
+
+            def evaluate(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> EvaluateResult:
+                result = chosen(weights, config)
+                if not isinstance(result, tuple) or len(result) != 2:
+                    raise TypeError(
+                        "evaluate_fn must return (num_examples, metrics), "
+                        f"not {type(result).__name__}"
+                    )
+                num_examples, metrics = result
+                return int(num_examples), dict(metrics or {})
+
+        return self._inner.run(
+            task, call, rounds=rounds, on_round=on_round, evaluate_fn=evaluate
+        )
 
     def __repr__(self) -> str:
         return f"hora.Client(id={self.id!r})"

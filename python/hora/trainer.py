@@ -30,6 +30,9 @@ class TorchTrainer:
             says each round (SGD with the task's momentum, or Adam, at its learning rate).
         loss_fn: defaults to cross-entropy.
         device: where to train (``"cpu"``, ``"cuda"``, …).
+        eval_loader: held-out ``(inputs, targets)`` batches: with them the trainer answers the
+            task's federated evaluation (:attr:`evaluate_fn`, which :meth:`hora.Client.run`
+            takes by default); without, the client declines to evaluate.
 
     Each epoch logs a line (loss, accuracy, samples, seconds) to the ``hora`` logger at INFO.
 
@@ -45,6 +48,7 @@ class TorchTrainer:
         optimizer: Optional[Callable[[Any], Any]] = None,
         loss_fn: Optional[Callable[[Any, Any], Any]] = None,
         device: Any = "cpu",
+        eval_loader: Optional[Iterable[Tuple[Any, Any]]] = None,
     ) -> None:
         import torch
 
@@ -57,6 +61,24 @@ class TorchTrainer:
         # Which parameters may learn at all (a peft model's base may not): a task that trains
         # part of its model freezes more of them for its rounds, and only for those.
         self._learns = {name: p.requires_grad for name, p in self.model.named_parameters()}
+        self.eval_loader = eval_loader
+
+    @property
+    def evaluate_fn(self) -> Optional[Callable[[Dict[str, np.ndarray], Dict[str, Any]], Tuple[int, Dict[str, float]]]]:
+        """The federated-evaluation function of this trainer (None without ``eval_loader``):
+        loads a published model and evaluates it on ``eval_loader``."""
+        if self.eval_loader is None:
+            return None
+        loader = self.eval_loader
+
+        def evaluate(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> Tuple[int, Dict[str, float]]:
+            self.load(weights)
+            result = self.evaluate(loader)
+            log.info("evaluated round %s's model · loss %.4f · accuracy %.4f · %d samples",
+                     config.get("round"), result["loss"], result["accuracy"], result["examples"])
+            return int(result["examples"]), {"loss": result["loss"], "accuracy": result["accuracy"]}
+
+        return evaluate
 
     def load(self, weights: Mapping[str, np.ndarray]) -> None:
         """Loads global weights (float32 arrays by name) into the model, keeping its dtypes."""
@@ -130,7 +152,7 @@ class TorchTrainer:
         return to_numpy(state), int(seen), metrics
 
     def evaluate(self, loader: Iterable[Tuple[Any, Any]]) -> Dict[str, float]:
-        """Mean loss and accuracy of the model on ``loader``."""
+        """Mean loss and accuracy of the model on ``loader``, and its number of ``examples``."""
         torch = self.torch
         self.model.eval()
         seen = loss_sum = correct = 0.0
@@ -141,4 +163,5 @@ class TorchTrainer:
                 loss_sum += float(self.loss_fn(outputs, targets)) * len(targets)
                 correct += float((outputs.argmax(1) == targets).sum())
                 seen += len(targets)
-        return {"loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1)}
+        return {"loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1),
+                "examples": seen}

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use hora_client::trainer::{TrainOutcome, TrainRequest, Trainer};
+use hora_client::trainer::{EvaluateRequest, Evaluation, TrainOutcome, TrainRequest, Trainer};
 use hora_client::{ClientConfig, ClientError, RoundOutcome, RoundReport};
 use hora_common::model::Model;
 use hora_common::wire::Metrics;
@@ -59,11 +59,11 @@ impl Client {
         self.inner.id()
     }
 
-    /// run(task, train_fn, rounds=None, on_round=None) -> dict
+    /// run(task, train_fn, rounds=None, on_round=None, evaluate_fn=None) -> dict
     /// --
     ///
     /// Takes part in `task` until it ends (or `rounds` rounds). See `hora.Client.run`.
-    #[pyo3(signature = (task, train_fn, rounds=None, on_round=None))]
+    #[pyo3(signature = (task, train_fn, rounds=None, on_round=None, evaluate_fn=None))]
     fn run(
         &self,
         py: Python<'_>,
@@ -71,11 +71,13 @@ impl Client {
         train_fn: Py<PyAny>,
         rounds: Option<u64>,
         on_round: Option<Py<PyAny>>,
+        evaluate_fn: Option<Py<PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let client = self.inner.clone();
         let failure: Arc<Mutex<Option<PyErr>>> = Arc::default();
         let mut trainer = PyTrainer {
             train_fn,
+            evaluate_fn,
             failure: failure.clone(),
         };
         let callback_failure = failure.clone();
@@ -114,6 +116,8 @@ impl Client {
 /// The Python training function as a [`Trainer`].
 struct PyTrainer {
     train_fn: Py<PyAny>,
+    /// `evaluate_fn(weights, config) -> (num_examples, metrics)`, for federated evaluation.
+    evaluate_fn: Option<Py<PyAny>>,
     /// The exception the function raised, to re-raise once the run has unwound.
     failure: Arc<Mutex<Option<PyErr>>>,
 }
@@ -148,6 +152,52 @@ impl Trainer for PyTrainer {
             // The function decides when to stop; past the deadline, it stopped late, not early.
             outcome.stopped_early = Instant::now() >= request.deadline;
             outcome
+        })
+    }
+
+    fn evaluate(
+        &mut self,
+        model: &Model,
+        request: EvaluateRequest<'_>,
+    ) -> hora_client::Result<Option<Evaluation>> {
+        let Some(evaluate_fn) = &self.evaluate_fn else {
+            return Ok(None);
+        };
+        // (An exception is the evaluation's failure, which the client logs and goes on from:
+        // it is not kept to stop the run.)
+        Python::attach(|py| {
+            let weights = model_to_dict(py, model)?;
+            let config = PyDict::new(py);
+            config.set_item("task", request.task)?;
+            config.set_item("round", request.round)?;
+            config.set_item("model", json_value(py, request.model_kind)?)?;
+            let result = evaluate_fn.call1(py, (weights, config))?;
+            let (num_examples, metrics): (u64, Option<Bound<'_, PyAny>>) =
+                result.extract(py).map_err(|_| {
+                    pyo3::exceptions::PyTypeError::new_err(
+                        "evaluate_fn must return (num_examples: int, metrics: dict with loss and/or accuracy)",
+                    )
+                })?;
+            let metric = |key: &str| -> PyResult<f64> {
+                match metrics.as_ref().map(|m| m.get_item(key)) {
+                    Some(Ok(v)) if !v.is_none() => v.extract(),
+                    _ => Ok(f64::NAN),
+                }
+            };
+            Ok(Some(Evaluation {
+                loss: metric("loss")?,
+                accuracy: metric("accuracy")?,
+                examples: num_examples,
+            }))
+        })
+        .map_err(|e: PyErr| {
+            let message = Python::attach(|py| {
+                e.value(py)
+                    .repr()
+                    .map(|r| r.to_string())
+                    .unwrap_or_else(|_| "an exception".into())
+            });
+            ClientError::Training(format!("the evaluation function raised {message}"))
         })
     }
 }

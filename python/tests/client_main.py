@@ -1,5 +1,6 @@
 """A Python federated client process for the tests: the MLP the Rust client builds, in
-PyTorch, trained with hora.TorchTrainer on the same shard of the same data.
+PyTorch, trained with hora.TorchTrainer on the same shard of the same data (and evaluating
+published models on its held-out split when the task asks).
 
 --must-not-train: fail if asked to train (a restarted client must resume its upload).
 --hold FILE: after training, write FILE.trained and wait until FILE.go exists.
@@ -41,11 +42,12 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    (x, y), _, _ = hora.load_dataset(args.data, args.index)
+    (x, y), (tx, ty), _ = hora.load_dataset(args.data, args.index)
     data = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
     loader = DataLoader(data, batch_size=16, shuffle=True,
                         generator=torch.Generator().manual_seed(args.seed))
-    trainer = hora.TorchTrainer(MLP(), loader)
+    held_out = DataLoader(TensorDataset(torch.from_numpy(tx), torch.from_numpy(ty)), batch_size=256)
+    trainer = hora.TorchTrainer(MLP(), loader, eval_loader=held_out)
 
     def train(weights, config):
         if args.must_not_train:
@@ -58,7 +60,7 @@ def main() -> None:
         return result
 
     client = hora.Client(args.server, args.ca, args.state_dir, token=args.token, label=args.label)
-    summary = client.run(args.task, train, rounds=args.rounds)
+    summary = client.run(args.task, train, rounds=args.rounds, evaluate_fn=trainer.evaluate_fn)
     print("SUMMARY " + json.dumps(summary), flush=True)
 
 

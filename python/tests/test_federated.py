@@ -48,8 +48,10 @@ def summary(proc) -> dict:
 def test_python_clients_reach_the_accuracy_of_rust_clients(server, procs):
     initial = initial_model().state_dict()
     digest = server.admin.upload_model(initial)
-    server.create_mlp_task("rust", digest, rounds=ROUNDS)
-    server.create_mlp_task("python", digest, rounds=ROUNDS)
+    # Every published model is evaluated by the four clients on their held-out splits.
+    evaluation = {"clients": 4}
+    server.create_mlp_task("rust", digest, rounds=ROUNDS, evaluation=evaluation)
+    server.create_mlp_task("python", digest, rounds=ROUNDS, evaluation=evaluation)
     for k in range(4):
         procs.rust_client(f"rust-{k}", server, "rust", k)
         procs.python_client(f"python-{k}", server, "python", k, "--seed", str(k))
@@ -70,6 +72,16 @@ def test_python_clients_reach_the_accuracy_of_rust_clients(server, procs):
         assert all(r["num_examples"] > 0 and r["metrics"]["loss"] > 0 for r in rounds)
     history = server.admin.rounds("python")
     assert [len(r["participants"]) for r in history] == [4] * ROUNDS
+    # Federated evaluation: the example-weighted accuracy of the four clients' reports is the
+    # accuracy of the same model on the union of their held-out splits, computed here.
+    for task in ("rust", "python"):
+        evaluations = [r["evaluation"] for r in server.admin.rounds(task)]
+        assert [e["clients"] for e in evaluations] == [4] * ROUNDS, evaluations
+        for r, e in enumerate(evaluations, start=1):
+            centralised = accuracy(server, task, r)
+            print(f"{task} round {r}: federated evaluation accuracy {e['accuracy']:.4f}, "
+                  f"loss {e['loss']:.4f}; centralised accuracy {centralised:.4f}")
+            assert abs(e["accuracy"] - centralised) < 0.005, (task, r, e, centralised)
 
 
 def test_a_mixed_federation_of_python_and_rust_clients(server, procs):
