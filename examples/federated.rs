@@ -2,7 +2,9 @@
 //! sled, development TLS), a task training multinomial logistic regression, and one
 //! `hora-client train` process per client, each generating only its own shard of the FedProx
 //! paper's Synthetic(α, β) (or Synthetic-IID) data. After every round the published global model
-//! is scored on the pooled held-out data, and at the end a centralised model trained on the
+//! is scored on the pooled held-out data, and each client evaluates it on its own held-out split
+//! (federated evaluation: the task's history holds the example-weighted result, shown next to
+//! the pooled score), and at the end a centralised model trained on the
 //! pooled training data with the same budget (rounds × local epochs, same batch size and learning
 //! rate) gives the reference accuracy.
 //!
@@ -27,7 +29,8 @@ use hora_client::data::Dataset;
 use hora_client::network::{Architecture, Network};
 use hora_client::supervised::{evaluate, fit, DeviceData};
 use hora_common::wire::{
-    CreateTask, DpConfig, OptimizerConfig, StrategyConfig, TaskState, TrainingConfig,
+    CreateTask, DpConfig, EvaluationConfig, OptimizerConfig, StrategyConfig, TaskState,
+    TrainingConfig,
 };
 use tch::Device;
 
@@ -117,7 +120,14 @@ async fn federate(
     let digest = fed.upload_model(&setup.initial).await?;
     fed.create_task(&CreateTask {
         trainable: None,
-        evaluation: None,
+        // Every client evaluates every published model on its own held-out split.
+        evaluation: Some(EvaluationConfig {
+            every: 1,
+            clients: setup.clients as u32,
+            fraction: None,
+            held_out: false,
+            deadline_secs: None,
+        }),
         compression: None,
         id: run.task.clone(),
         initial_model: digest,
@@ -200,6 +210,25 @@ async fn federate(
         }
     }
     fed.wait_clients(Duration::from_secs(60))?;
+    // The clients' federated evaluation of each round's model (their held-out splits stay
+    // with them), next to the same model scored here on those splits pooled.
+    println!(
+        "{:>5}  {:>19}  {:>14}  {:>21}",
+        "round", "federated accuracy", "federated loss", "centralised accuracy"
+    );
+    for record in fed.rounds(&run.task).await? {
+        let Some(e) = record.evaluation else {
+            continue;
+        };
+        let show = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.4}"));
+        println!(
+            "{:>5}  {:>19}  {:>14}  {:>21}",
+            record.round,
+            format!("{} ({} clients)", show(e.accuracy), e.clients),
+            show(e.loss),
+            show(accuracy.get(record.round as usize).copied()),
+        );
+    }
     Ok((accuracy, epsilon))
 }
 
