@@ -7,6 +7,11 @@
 //! and initial model), and the two published models are compared: they must agree within the
 //! quantisation bound the protocol states, `clients / (scale × total examples)` per weight.
 //!
+//! With `--evaluate` the secure task also evaluates its models (federated evaluation inside the
+//! masked inputs) and runs a second round, whose clients evaluate round 1's model on their
+//! held-out shards: what the server recorded, having learnt only the sum, is compared with the
+//! same evaluation computed here from every shard.
+//!
 //! `cargo run --release --example secure -- --clients 20 --drop share-keys=2` prints the round
 //! history and a `RESULT {json}` line.
 
@@ -17,13 +22,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use hora_client::data::synthetic::SyntheticConfig;
+use hora_client::data::synthetic::{self, SyntheticConfig};
 use hora_client::network::{Architecture, Network};
+use hora_client::supervised::{evaluate, DeviceData};
 use hora_common::model::Model;
 use hora_common::secagg::Quantiser;
 use hora_common::wire::{
-    CreateTask, OptimizerConfig, RoundOutcome, RoundRecord, SecureAggregationConfig,
-    StrategyConfig, TrainingConfig, UpdateBounds,
+    CreateTask, EvaluationConfig, OptimizerConfig, RoundOutcome, RoundRecord,
+    SecureAggregationConfig, StrategyConfig, TrainingConfig, UpdateBounds,
 };
 use tch::Device;
 
@@ -53,6 +59,9 @@ struct Args {
     /// `trainable`, in both rounds.
     #[arg(long)]
     trainable: Vec<String>,
+    /// Federated evaluation in the secure task, over a second round (no dropouts).
+    #[arg(long, conflicts_with = "drop")]
+    evaluate: bool,
 }
 
 fn drops(spec: &str) -> Result<Vec<(String, usize)>> {
@@ -83,15 +92,23 @@ async fn federation(
     let digest = fed.upload_model(initial).await?;
     let task = "secure";
     let n = indices.len() as u32;
+    let evaluate = secure && args.evaluate;
+    let rounds = if evaluate { 2 } else { 1 };
     fed.create_task(&CreateTask {
         trainable: (!args.trainable.is_empty()).then(|| args.trainable.clone()),
-        evaluation: None,
+        evaluation: evaluate.then_some(EvaluationConfig {
+            every: 1,
+            clients: n,
+            fraction: None,
+            held_out: false,
+            deadline_secs: None,
+        }),
         compression: None,
         id: task.into(),
         initial_model: digest,
         model: arch.to_kind(),
         strategy: StrategyConfig::FedAvg,
-        rounds: 1,
+        rounds,
         min_clients: args.min_clients.unwrap_or(3).min(n),
         target_clients: n,
         over_selection: 0.0,
@@ -128,7 +145,8 @@ async fn federation(
             fed.allow_failure(&name);
         }
     }
-    fed.wait_round(task, 1, Duration::from_secs(300)).await?;
+    fed.wait_round(task, rounds, Duration::from_secs(300))
+        .await?;
     fed.wait_clients(Duration::from_secs(60))?;
     let history: Vec<RoundRecord> = fed.rounds(task).await?;
     let model = fed.round_model(task, 1).await?;
@@ -175,6 +193,16 @@ async fn main() -> Result<()> {
         .iter()
         .find(|r| r.outcome == RoundOutcome::Published)
         .context("no published round")?;
+    let evaluation = match args.evaluate {
+        true => Some(compare_evaluation(
+            &args,
+            &arch,
+            &config,
+            published,
+            &secure_model,
+        )?),
+        false => None,
+    };
 
     // The plain round of exactly the clients the secure round summed.
     let ids = published.participants.len();
@@ -225,7 +253,62 @@ async fn main() -> Result<()> {
             "bound": bound,
             "tensors": secure_model.tensors().len(),
             "model_tensors": initial.tensors().len(),
+            "evaluation": evaluation,
         })
     );
     Ok(())
+}
+
+/// Round 1's federated evaluation (made by round 2's clients inside their masked inputs) next
+/// to the same evaluation of round 1's model computed here on every client's held-out shard,
+/// and the bound the quantisation of the slots keeps the two within.
+fn compare_evaluation(
+    args: &Args,
+    arch: &Architecture,
+    config: &SyntheticConfig,
+    round: &RoundRecord,
+    model: &Model,
+) -> Result<serde_json::Value> {
+    let summary = round
+        .evaluation
+        .context("round 1 has no federated evaluation")?;
+    let mut net = Network::builtin(arch, Device::Cpu)?;
+    let (mut n, mut loss, mut correct) = (0u64, 0.0, 0.0);
+    for k in 0..args.clients {
+        let shard = synthetic::shard(config, k)?;
+        net.set_weights(model)?;
+        let test = DeviceData::new(&shard.test, Device::Cpu)?;
+        let own = evaluate(&mut net, &test, 1024)?;
+        n += own.examples;
+        loss += own.examples as f64 * own.loss;
+        correct += own.examples as f64 * own.accuracy;
+    }
+    let quantiser = Quantiser::for_round(
+        SecureAggregationConfig::default().clip,
+        SecureAggregationConfig::default().max_weight,
+        args.clients,
+    )?;
+    // Each client's rounding moves each slot's sum by less than one unit of `clip · scale`.
+    let unit = args.clients as f64 / (quantiser.clip * quantiser.scale * n as f64);
+    println!(
+        "round 1's federated evaluation, inside the masked inputs: accuracy {:?}, loss {:?} over {} examples of {} clients; \
+         computed here: accuracy {:.6}, loss {:.6} over {n} examples",
+        summary.accuracy,
+        summary.loss,
+        summary.examples,
+        summary.clients,
+        correct / n as f64,
+        loss / n as f64
+    );
+    Ok(serde_json::json!({
+        "clients": summary.clients,
+        "examples": summary.examples,
+        "accuracy": summary.accuracy,
+        "loss": summary.loss,
+        "expected_examples": n,
+        "expected_accuracy": correct / n as f64,
+        "expected_loss": loss / n as f64,
+        "accuracy_bound": unit,
+        "loss_bound": unit * hora_common::secagg::quantise::LOSS_CAP,
+    }))
 }

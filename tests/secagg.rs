@@ -61,6 +61,29 @@ fn clients_training_part_of_the_model_publish_the_fedavg_of_its_trainable_tensor
     assert!(0 < tensors && tensors < all, "{r}");
 }
 
+/// Federated evaluation inside the masked inputs: round 2's clients evaluate round 1's model
+/// and the server, learning only the sum, records what every client's own evaluation gives.
+#[test]
+fn round_twos_clients_evaluate_round_ones_model_inside_their_masked_inputs() {
+    let r = secure_round(&["--clients", "4", "--evaluate"], 4, 0);
+    let e = &r["evaluation"];
+    assert_eq!(e["clients"], 4, "{r}");
+    assert_eq!(e["examples"], e["expected_examples"], "{r}");
+    let close = |got: &str, want: &str, bound: &str| {
+        let (g, w, b) = (
+            e[got].as_f64().unwrap(),
+            e[want].as_f64().unwrap(),
+            e[bound].as_f64().unwrap(),
+        );
+        assert!(
+            (g - w).abs() <= b + 1e-6 * w.abs(),
+            "{got} {g} vs {w} (bound {b}): {r}"
+        );
+    };
+    close("accuracy", "expected_accuracy", "accuracy_bound");
+    close("loss", "expected_loss", "loss_bound");
+}
+
 #[test]
 fn ten_percent_dropping_at_two_stages_publish_the_fedavg_of_the_survivors() {
     secure_round(

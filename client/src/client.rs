@@ -1029,17 +1029,9 @@ impl Client {
             model_kind: &offer.model_kind,
             module,
         };
-        let Some(evaluation) = blocking(|| trainer.evaluate(start.model(), request))? else {
+        let Some(report) = evaluation_report(trainer, start.model(), request)? else {
             return Ok(None);
         };
-        let report = EvaluationReport {
-            num_examples: evaluation.examples,
-            loss: Some(evaluation.loss).filter(|l| l.is_finite() && *l >= 0.0),
-            accuracy: Some(evaluation.accuracy).filter(|a| (0.0..=1.0).contains(a)),
-        };
-        report.check().map_err(|e| {
-            ClientError::Training(format!("the trainer's evaluation cannot be reported: {e}"))
-        })?;
         let path = format!("/v1/tasks/{task}/evaluations/{}", offer.round);
         let receipt = self
             .conn
@@ -1472,6 +1464,26 @@ pub(crate) fn train_until<T: Trainer + ?Sized>(
         progress,
     };
     blocking(|| trainer.train(start.model(), request))
+}
+
+/// `trainer`'s evaluation of `model` as a report the server takes, or `None` when it declines.
+pub(crate) fn evaluation_report<T: Trainer + ?Sized>(
+    trainer: &mut T,
+    model: &Model,
+    request: EvaluateRequest<'_>,
+) -> Result<Option<EvaluationReport>> {
+    let Some(evaluation) = blocking(|| trainer.evaluate(model, request))? else {
+        return Ok(None);
+    };
+    let report = EvaluationReport {
+        num_examples: evaluation.examples,
+        loss: Some(evaluation.loss).filter(|l| l.is_finite() && *l >= 0.0),
+        accuracy: Some(evaluation.accuracy).filter(|a| (0.0..=1.0).contains(a)),
+    };
+    report.check().map_err(|e| {
+        ClientError::Training(format!("the trainer's evaluation cannot be reported: {e}"))
+    })?;
+    Ok(Some(report))
 }
 
 /// A JSON receipt, or `None` when the refusal says an earlier attempt of this request (one of

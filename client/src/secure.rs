@@ -20,10 +20,11 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::client::{
-    now_ms, now_unix_us, receipt, train_until, Client, RoundOutcome, RoundReport, RoundTimings,
+    evaluation_report, now_ms, now_unix_us, receipt, train_until, Client, RoundOutcome,
+    RoundReport, RoundTimings,
 };
 use crate::error::{ClientError, Result};
-use crate::trainer::{Progress, Trainer};
+use crate::trainer::{EvaluateRequest, Progress, Trainer};
 use crate::transport::check;
 
 /// Server refusals that mean this attempt is over for us, not that something is broken.
@@ -211,6 +212,28 @@ impl Client {
         );
         self.drill(Stage::SharedKeys)?;
 
+        // Federated evaluation of the model this round trains from, when the task asks: it
+        // travels in the masked input, so the server learns only the sum of the evaluations.
+        // One that fails is left out (zeros), never the round.
+        let evaluation = match secure.evaluation.and_then(|e| e.round) {
+            Some(evaluated) => {
+                let request = EvaluateRequest {
+                    task,
+                    round: evaluated,
+                    model_kind: &offer.model_kind,
+                    module: module.clone(),
+                };
+                match evaluation_report(trainer, start.model(), request) {
+                    Ok(report) => report,
+                    Err(e) => {
+                        tracing::warn!(round = evaluated, error = %e, "federated evaluation of the round's model failed; contributing without it");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+
         // Training, until the masked inputs are due (less a margin for masking and upload).
         let training = Instant::now();
         let outcome = train_until(trainer, task, offer, &start, module, deadline, progress)?;
@@ -227,7 +250,15 @@ impl Client {
         report.num_examples = outcome.num_examples;
         report.metrics = outcome.metrics;
         let mut rng = rand_chacha::ChaCha20Rng::from_rng(&mut rand::rng());
-        let input = quantiser.encode(delta.data(), outcome.num_examples, &mut rng);
+        let input = match secure.evaluation {
+            Some(_) => quantiser.encode_with_evaluation(
+                delta.data(),
+                outcome.num_examples,
+                evaluation.as_ref(),
+                &mut rng,
+            ),
+            None => quantiser.encode(delta.data(), outcome.num_examples, &mut rng),
+        };
         let clipped = delta
             .data()
             .iter()

@@ -904,6 +904,21 @@ pub struct SecAggOffer {
     /// Quantisation: a weighted coordinate `w·x` travels as `round(w·x·scale)` in Z_2^32.
     pub scale: f64,
     pub max_weight: u32,
+    /// Present when the task has federated evaluation: masked inputs carry the evaluation
+    /// slots (`secagg::quantise::EVALUATION_SLOTS`) before the weight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<SecAggEvaluation>,
+}
+
+/// How a secure round carries federated evaluation: inside the masked inputs, so the server
+/// learns only the sum of its clients' evaluations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SecAggEvaluation {
+    /// The round that published the model this round trains from, when that model is
+    /// evaluated: the client evaluates it on its held-out data and fills the slots. Absent:
+    /// the slots are zero.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round: Option<u64>,
 }
 
 /// Stage 0 (`POST …/advertise`): the client's two X25519 public keys for this attempt, signed

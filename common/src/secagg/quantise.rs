@@ -16,6 +16,19 @@
 use rand_chacha::rand_core::RngCore;
 
 use super::SecAggError;
+use crate::wire::{EvaluationReport, EvaluationSums};
+
+/// In a task with federated evaluation, each client's input carries its evaluation of the
+/// model the round trains from in six slots before the weight, so the server learns only the
+/// sum of the evaluations, as of the updates: `[1, n, n_loss, Σ n·loss, n_acc, Σ n·accuracy]`
+/// (`n` counted at most `max_weight`; `n_loss`, `n_acc`: `n` when the evaluation has a loss,
+/// an accuracy), all zero for a client that did not evaluate. The two sums are coordinates
+/// weighted by `n`: accuracy as `accuracy · clip`, loss as `min(loss, LOSS_CAP) / LOSS_CAP ·
+/// clip`, so they keep the bound that keeps the sum from wrapping.
+pub const EVALUATION_SLOTS: usize = 6;
+
+/// A loss above this is counted as it in a secure evaluation.
+pub const LOSS_CAP: f64 = 100.0;
 
 /// The largest sum magnitude the signed interpretation of Z_2^32 holds.
 const HALF: f64 = 2_147_483_647.0;
@@ -91,6 +104,70 @@ impl Quantiser {
         }));
         out.push(w);
         out
+    }
+
+    /// [`Quantiser::encode`] with the evaluation slots before the weight: a client's input in
+    /// a task with federated evaluation (`evaluation`: what it evaluated this round, if it did).
+    pub fn encode_with_evaluation(
+        &self,
+        delta: &[f32],
+        examples: u64,
+        evaluation: Option<&EvaluationReport>,
+        rng: &mut impl RngCore,
+    ) -> Vec<u32> {
+        let mut input = self.encode(delta, examples, rng);
+        let weight = input.pop();
+        input.extend(self.encode_evaluation(evaluation, rng));
+        input.extend(weight);
+        input
+    }
+
+    /// The evaluation slots of a client's input (see [`EVALUATION_SLOTS`]): its `evaluation`
+    /// (checked), or zeros.
+    fn encode_evaluation(
+        &self,
+        evaluation: Option<&EvaluationReport>,
+        rng: &mut impl RngCore,
+    ) -> [u32; EVALUATION_SLOTS] {
+        let Some(e) = evaluation.filter(|e| e.check().is_ok()) else {
+            return [0; EVALUATION_SLOTS];
+        };
+        let n = self.weight(e.num_examples);
+        let mut weighted = |x: f64| {
+            let v = f64::from(n) * x.clamp(0.0, 1.0) * self.clip * self.scale;
+            let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+            (v + u).floor() as u32
+        };
+        let (n_loss, loss) = match e.loss {
+            Some(l) => (n, weighted(l.min(LOSS_CAP) / LOSS_CAP)),
+            None => (0, 0),
+        };
+        let (n_acc, accuracy) = match e.accuracy {
+            Some(a) => (n, weighted(a)),
+            None => (0, 0),
+        };
+        [1, n, n_loss, loss, n_acc, accuracy]
+    }
+
+    /// Takes the evaluation slots out of an unmasked sum whose inputs carried them (its last
+    /// elements, before the weight), as the sums of the evaluations.
+    pub fn take_evaluation(&self, sum: &mut Vec<u32>) -> Result<EvaluationSums, SecAggError> {
+        if sum.len() < EVALUATION_SLOTS + 1 {
+            return Err(SecAggError::Malformed(
+                "a sum too short for its evaluation slots".into(),
+            ));
+        }
+        let at = sum.len() - 1 - EVALUATION_SLOTS;
+        let slots: Vec<u32> = sum.drain(at..at + EVALUATION_SLOTS).collect();
+        let unit = self.clip * self.scale;
+        Ok(EvaluationSums {
+            clients: slots[0],
+            examples: u64::from(slots[1]),
+            loss_examples: u64::from(slots[2]),
+            loss: f64::from(slots[3]) * LOSS_CAP / unit,
+            accuracy_examples: u64::from(slots[4]),
+            accuracy: f64::from(slots[5]) / unit,
+        })
     }
 
     /// Checks an unmasked sum of `clients` inputs is one such inputs can have: a wrong share
@@ -194,6 +271,48 @@ mod tests {
         assert_eq!(total, 1000);
         assert!((values[0] / 1000.0 - 0.5).abs() < 1e-6, "{values:?}");
         assert!((values[1] / 1000.0 + 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn evaluations_summed_in_their_slots_come_back_as_their_weighted_sums() {
+        let q = Quantiser::for_round(0.5, 100, 4).unwrap();
+        let mut rng = rand_chacha::ChaCha20Rng::seed_from_u64(3);
+        let report = |n, loss, accuracy| EvaluationReport {
+            num_examples: n,
+            loss,
+            accuracy,
+        };
+        let inputs = [
+            Some(report(30, Some(0.5), Some(0.75))),
+            Some(report(500, Some(250.0), Some(1.0))), // counted as 100 examples, loss capped
+            None,
+            Some(report(10, None, Some(0.2))),
+        ];
+        let mut sum = vec![0u32; 2 + EVALUATION_SLOTS + 1];
+        for (k, e) in inputs.iter().enumerate() {
+            let input = q.encode_with_evaluation(&[0.1, -0.1], 1 + k as u64, e.as_ref(), &mut rng);
+            assert_eq!(input.len(), Quantiser::len(2) + EVALUATION_SLOTS);
+            for (s, v) in sum.iter_mut().zip(input) {
+                *s = s.wrapping_add(v);
+            }
+        }
+        q.check_sum(&sum, 4).unwrap();
+        let sums = q.take_evaluation(&mut sum).unwrap();
+        let (values, total) = q.decode(&sum).unwrap();
+        assert_eq!(
+            (values.len(), total),
+            (2, 10),
+            "the update is as without slots"
+        );
+        assert_eq!((sums.clients, sums.examples), (3, 140));
+        assert_eq!((sums.loss_examples, sums.accuracy_examples), (130, 140));
+        let unit = 4.0 / (q.scale * q.clip); // each client's rounding
+        assert!((sums.loss - (30.0 * 0.5 + 100.0 * LOSS_CAP)).abs() <= unit * LOSS_CAP);
+        assert!((sums.accuracy - (30.0 * 0.75 + 100.0 + 10.0 * 0.2)).abs() <= unit);
+        assert_eq!(
+            q.encode_evaluation(Some(&report(0, Some(1.0), None)), &mut rng),
+            [0; 6]
+        );
     }
 
     #[test]

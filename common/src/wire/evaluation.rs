@@ -22,7 +22,7 @@ pub struct EvaluationConfig {
     pub every: u64,
     /// The reports that complete an evaluation: the first clients to report are counted, later
     /// ones are told the evaluation is complete.
-    #[schema(minimum = 1, maximum = 100000)]
+    #[schema(minimum = 1, maximum = 1000)]
     pub clients: u32,
     /// Each client is offered each evaluation with this probability (a fixed draw per client
     /// and version), so about this fraction of the federation evaluates; absent: every client
@@ -48,8 +48,11 @@ mod defaults {
     }
 }
 
-/// The most reports one evaluation may ask for.
-pub const MAX_EVALUATION_CLIENTS: u32 = 100_000;
+/// The most reports one evaluation may ask for (who reported is written with every report).
+pub const MAX_EVALUATION_CLIENTS: u32 = 1_000;
+
+/// The largest mean loss a report may carry.
+pub const MAX_LOSS: f64 = 1e9;
 
 impl EvaluationConfig {
     /// Why this configuration is refused, if it is.
@@ -104,9 +107,11 @@ pub struct EvaluationReport {
     /// `update_bounds.max_weight`, as an update's are.
     #[schema(minimum = 1)]
     pub num_examples: u64,
-    /// Mean loss over them (finite, at least 0).
+    /// Mean loss over them (0 to 1e9).
+    #[schema(minimum = 0, maximum = 1e9)]
     pub loss: Option<f64>,
-    /// Fraction of them classified right (0 to 1).
+    /// Fraction of them classified right (0 to 1). A report has a loss, an accuracy or both.
+    #[schema(minimum = 0, maximum = 1)]
     pub accuracy: Option<f64>,
 }
 
@@ -116,8 +121,11 @@ impl EvaluationReport {
         if self.num_examples == 0 {
             return Err("an evaluation needs num_examples of at least 1".into());
         }
-        if self.loss.is_some_and(|l| !(l.is_finite() && l >= 0.0)) {
-            return Err("loss must be a finite number of at least 0".into());
+        if self
+            .loss
+            .is_some_and(|l| !(l.is_finite() && (0.0..=MAX_LOSS).contains(&l)))
+        {
+            return Err(format!("loss must be a number between 0 and {MAX_LOSS:e}"));
         }
         if self
             .accuracy
@@ -234,6 +242,7 @@ mod tests {
             report(0, Some(1.0), None),
             report(5, Some(f64::NAN), None),
             report(5, Some(-1.0), None),
+            report(5, Some(2e9), None),
             report(5, None, Some(1.5)),
             report(5, None, Some(f64::INFINITY)),
             report(5, None, None),

@@ -291,9 +291,13 @@ pub async fn evaluation(
     let task = state.coordinator.task(&task)?;
     let report: EvaluationReport = json_body(&state, &headers, body).await?;
     let coordinator = state.coordinator.clone();
-    let receipt =
-        crate::blocking(move || coordinator.report_evaluation(&task, &auth.id, round, &report))
-            .await?;
+    // (One of the task's few places on blocking threads: a report may wait for a close.)
+    let waiting = task.lock_waiter().await;
+    let receipt = crate::blocking(move || {
+        let _waiting = waiting;
+        coordinator.report_evaluation(&task, &auth.id, round, &report)
+    })
+    .await?;
     Ok(Json(receipt))
 }
 

@@ -68,7 +68,11 @@ impl Coordinator {
                 values,
                 total_weight,
                 contributors,
+                evaluation,
             } => {
+                if let Some((evaluated, sums)) = &evaluation {
+                    self.record_carried_evaluation(task, *evaluated, sums);
+                }
                 {
                     let mut acc = lock(&round.acc);
                     let n = contributors.len() as u64;
@@ -162,13 +166,13 @@ impl Coordinator {
             }
         }
         drop(acc);
-        if tally.abandon.is_none() {
-            self.evaluations_moved(task, std::mem::take(&mut tally.evaluations));
-        }
         task.bump();
         if let Some(next) = next {
             // Runs on one of the runtime's blocking threads, which can spawn.
             self.watch(task.clone(), next);
+        }
+        if tally.abandon.is_none() {
+            self.evaluations_moved(task, std::mem::take(&mut tally.evaluations));
         }
         // The attempt failed because clients it selected sent nothing: a strike each (so one
         // that keeps taking a place and starving rounds is quarantined). The close is durable
@@ -364,7 +368,7 @@ impl Coordinator {
             if let Some(digest) = model {
                 let published = (round.number, round.attempt, digest);
                 tally.evaluations =
-                    self.open_evaluation(task, record, published, &tally.participants)?;
+                    self.open_evaluation(task, record, published, &tally.participants);
             }
             let history = RoundRecord {
                 round: round.number,

@@ -44,6 +44,9 @@ pub enum Step {
         values: Vec<f64>,
         total_weight: u64,
         contributors: Vec<String>,
+        /// The sums of the contributors' evaluations of round `.0`'s model, which their inputs
+        /// carried (secure aggregation's federated evaluation).
+        evaluation: Option<(u64, wire::EvaluationSums)>,
     },
 }
 

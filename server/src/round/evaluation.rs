@@ -23,6 +23,7 @@ use std::time::Duration;
 use hora_common::model::ModelDigest;
 use hora_common::wire::{
     self, ErrorCode, EvaluationConfig, EvaluationOffer, EvaluationReceipt, EvaluationReport,
+    EvaluationSums, RoundOutcome,
 };
 
 use super::{lock, now_ms, Coordinator, Task};
@@ -41,8 +42,10 @@ pub(crate) struct Moved {
 /// Why a task's `evaluation` is refused, if it is.
 pub(crate) fn validate(config: &EvaluationConfig, task: &wire::CreateTask) -> Result<(), String> {
     config.check()?;
-    if task.secure_aggregation.is_some() {
-        return Err("evaluation is not available with secure aggregation yet: its server learns only the sum of the clients' updates, and plain evaluation reports would tell it each client's results; remove evaluation, or secure_aggregation".into());
+    if task.secure_aggregation.is_some()
+        && (config.fraction.is_some() || config.held_out || config.deadline_secs.is_some())
+    {
+        return Err("with secure aggregation, the clients of the next round evaluate a round's model inside their masked inputs (the server learns only the sum): fraction, held_out and deadline_secs do not apply; leave them out".into());
     }
     Ok(())
 }
@@ -109,6 +112,36 @@ fn refusal(
     None
 }
 
+/// Whether `client` may report on round `round` now, from `record`: `Some` receipt when its
+/// report is counted already (a repeat), `None` when it may, or why not.
+fn admission(
+    task: &str,
+    record: &TaskRecord,
+    client: &str,
+    round: u64,
+) -> Result<Option<EvaluationReceipt>, ServerError> {
+    let closed = |message: String| Err(ServerError::conflict(ErrorCode::EvaluationClosed, message));
+    let (Some(config), false) = (
+        &record.config.evaluation,
+        record.config.secure_aggregation.is_some(),
+    ) else {
+        return closed(format!("task `{task}` takes no evaluation reports (none asked for, or its evaluations travel inside secure aggregation's masked inputs)"));
+    };
+    let Some(e) = record.evaluating.as_ref().filter(|e| e.round == round) else {
+        return closed(format!("no evaluation of round {round} is taking reports (it ended, or that round is not evaluated): nothing to send"));
+    };
+    if e.reporters.contains(client) {
+        return Ok(Some(EvaluationReceipt {
+            round,
+            reports: e.reporters.len() as u32,
+        }));
+    }
+    match refusal(config, task, e, client) {
+        Some(refused) => Err(refused),
+        None => Ok(None),
+    }
+}
+
 impl Coordinator {
     /// The evaluation `client` is asked for now, if any.
     pub(crate) fn evaluation_offer(&self, task: &Task, client: &str) -> Option<EvaluationOffer> {
@@ -128,7 +161,7 @@ impl Coordinator {
     }
 
     /// Counts `client`'s report on round `round`'s model, durably. A report already counted
-    /// is acknowledged again (a retry whose answer was lost). Blocking.
+    /// is acknowledged again, once durable (a retry whose answer was lost). Blocking.
     pub(crate) fn report_evaluation(
         &self,
         task: &Task,
@@ -136,63 +169,68 @@ impl Coordinator {
         round: u64,
         report: &EvaluationReport,
     ) -> Result<EvaluationReceipt, ServerError> {
+        // Refusals and repeats from the record in memory, before the writing turn: a flood of
+        // them never queues behind a close.
+        let admitted = admission(&task.id, &lock(&task.record), client, round)?;
+        if let Some(receipt) = admitted {
+            self.store.flush()?;
+            return Ok(receipt);
+        }
         report.check().map_err(ServerError::BadRequest)?;
         let writing = lock(&task.writing);
         let mut record = task.record();
-        let Some(config) = record.config.evaluation.clone() else {
-            return Err(ServerError::conflict(
-                ErrorCode::EvaluationClosed,
-                format!("task `{}` does not evaluate its models", task.id),
-            ));
-        };
-        let Some(e) = record.evaluating.as_mut().filter(|e| e.round == round) else {
-            return Err(ServerError::conflict(
-                ErrorCode::EvaluationClosed,
-                format!("no evaluation of round {round} is taking reports (it ended, or that round is not evaluated): nothing to send"),
-            ));
-        };
-        let receipt = |e: &EvaluationRecord| EvaluationReceipt {
-            round,
-            reports: e.reporters.len() as u32,
-        };
-        if e.reporters.contains(client) {
-            return Ok(receipt(e));
+        if let Some(receipt) = admission(&task.id, &record, client, round)? {
+            self.store.flush()?;
+            return Ok(receipt);
         }
-        if let Some(refused) = refusal(&config, &task.id, e, client) {
-            return Err(refused);
-        }
-        // Counted as an update's weight is, so no report outweighs the task's bound.
+        let clients = record.config.evaluation.as_ref().map_or(0, |c| c.clients) as usize;
+        // Counted as an update's weight is: at most the task's max_weight.
         let examples = report
             .num_examples
             .min(record.config.update_bounds.max_weight);
-        e.sums.add(report, examples);
+        let e = record.evaluating.as_mut().ok_or_else(|| {
+            ServerError::internal("an admitted evaluation report has no evaluation")
+        })?;
+        let mut sums = e.sums;
+        sums.add(report, examples);
+        if !(sums.loss.is_finite() && sums.accuracy.is_finite()) {
+            return Err(ServerError::BadRequest(
+                "the report would take the evaluation's sums past what a number holds".into(),
+            ));
+        }
+        e.sums = sums;
         e.reporters.insert(client.to_string());
-        let answer = receipt(e);
-        let complete = e.reporters.len() >= config.clients as usize;
-        let ended = match complete {
-            true => self.end_into(&task.id, &mut record)?,
+        let receipt = EvaluationReceipt {
+            round,
+            reports: e.reporters.len() as u32,
+        };
+        let ended = match e.reporters.len() >= clients {
+            true => self.end_evaluation(task, &mut record)?,
             false => {
                 self.store.put_task(&task.id, &record)?;
+                // (The record in memory is what was written, before the flush: a retry after
+                // a failed flush finds its report counted, and is answered once one goes
+                // through.)
+                *lock(&task.record) = record;
+                self.store.flush()?;
                 None
             }
         };
-        self.store.flush()?;
-        *lock(&task.record) = record;
         drop(writing);
         self.metrics.evaluation_reported(&task.id);
         if let Some(ended) = ended {
             self.evaluation_ended(task, &ended, "complete");
         }
-        task.bump();
-        Ok(answer)
+        Ok(receipt)
     }
 
-    /// Ends the evaluation `record` has open (if any) in the store: its means into its round's
-    /// history entry and `record` without it, written together; returns it. The caller holds
-    /// the task's writing turn, flushes, and puts `record` in memory.
-    fn end_into(
+    /// Ends the evaluation that `record`, the task's record as it stands, has open (if any):
+    /// its result into its round's history entry and the record without it, written together
+    /// and flushed; the record in memory follows what was written. Returns it. The caller holds
+    /// the task's writing turn.
+    fn end_evaluation(
         &self,
-        task: &str,
+        task: &Task,
         record: &mut TaskRecord,
     ) -> Result<Option<EvaluationRecord>, ServerError> {
         let Some(e) = record.evaluating.take() else {
@@ -200,51 +238,111 @@ impl Coordinator {
         };
         let written =
             self.store
-                .end_evaluation(task, record, e.round, e.attempt, &e.sums.summary());
+                .end_evaluation(&task.id, record, e.round, e.attempt, &e.sums.summary());
         if let Err(err) = written {
             record.evaluating = Some(e);
             return Err(err.into());
         }
+        *lock(&task.record) = record.clone();
+        if let Some(watch) = lock(&task.evaluation_watch).take() {
+            watch.cancel();
+        }
+        self.store.flush()?;
+        self.evaluation_told(task, e.round, &e.sums, "ended");
         Ok(Some(e))
     }
 
-    /// What follows an evaluation's end, once it is durable: the operator is told (the log,
-    /// /metrics), and the model it kept is removed if retention dropped its round meanwhile
-    /// and nothing else uses it. Blocking.
+    /// What follows an evaluation's end, off the task's writing turn: the model it kept is
+    /// removed if retention dropped its round meanwhile and nothing else uses it. Blocking.
     fn evaluation_ended(&self, task: &Task, e: &EvaluationRecord, why: &str) {
-        let s = e.sums.summary();
-        self.metrics.evaluation_ended(&task.id, e.round, &s);
-        tracing::info!(task = %task.id, round = e.round, clients = s.clients, examples = s.examples, loss = ?s.loss, accuracy = ?s.accuracy, why, "federated evaluation ended");
+        tracing::debug!(task = %task.id, round = e.round, why, "federated evaluation over");
+        let kept =
+            e.model == task.global_model() || self.store.model_in_history(&e.model).unwrap_or(true);
+        if kept {
+            return;
+        }
         if let Err(err) = crate::store::remove_unused_models(&*self.store, vec![e.model]) {
             tracing::warn!(task = %task.id, round = e.round, error = %err, "removing the evaluated model failed; if retention dropped its round, the sweep at the next start removes it");
         }
     }
 
+    /// The log line and /metrics of an evaluation of round `round` that ended with `sums`.
+    fn evaluation_told(&self, task: &Task, round: u64, sums: &EvaluationSums, why: &str) {
+        let s = sums.summary();
+        self.metrics.evaluation_ended(&task.id, round, &s);
+        tracing::info!(task = %task.id, round, clients = s.clients, examples = s.examples, loss = ?s.loss, accuracy = ?s.accuracy, why, "federated evaluation ended");
+    }
+
+    /// Records the evaluation of round `round`'s model that a secure round's masked inputs
+    /// carried (the server learned only its sums) in that round's history entry. Blocking. A
+    /// failure is logged, not returned: the round that carried it publishes all the same.
+    pub(crate) fn record_carried_evaluation(&self, task: &Task, round: u64, sums: &EvaluationSums) {
+        let written = (|| -> Result<(), ServerError> {
+            let attempts = self.store.round_attempts(&task.id, round)?;
+            let Some(published) = attempts
+                .iter()
+                .rev()
+                .find(|r| r.outcome == RoundOutcome::Published)
+            else {
+                return Ok(());
+            };
+            let _writing = lock(&task.writing);
+            let record = task.record();
+            self.store.end_evaluation(
+                &task.id,
+                &record,
+                round,
+                published.attempt,
+                &sums.summary(),
+            )?;
+            Ok(self.store.flush()?)
+        })();
+        match written {
+            Ok(()) => {
+                self.metrics.evaluation_reported(&task.id);
+                self.evaluation_told(
+                    task,
+                    round,
+                    sums,
+                    "carried by the next round's masked inputs",
+                );
+            }
+            Err(e) => {
+                tracing::warn!(task = %task.id, round, error = %e, "recording the federated evaluation the round's masked inputs carried failed; the round goes on without it")
+            }
+        }
+    }
+
     /// In the close that publishes round `round` (its `attempt`) as `model`, with the task's
     /// writing turn held: opens the round's evaluation in `record` (the record the close will
-    /// write) if the task evaluates that round, ending the one still open first (durably, now).
+    /// write) if the task evaluates that round with plain reports, ending the one still open
+    /// first. Ending it is the previous evaluation's business, not the close's: if it cannot
+    /// be written, its reports are lost (and logged), and the close goes on.
     pub(crate) fn open_evaluation(
         &self,
         task: &Task,
         record: &mut TaskRecord,
         (round, attempt, model): (u64, u32, ModelDigest),
         trainers: &[String],
-    ) -> Result<Moved, ServerError> {
+    ) -> Moved {
         let Some(config) = record.config.evaluation.clone() else {
-            return Ok(Moved::default());
+            return Moved::default();
         };
-        if !config.evaluates(round, record.config.rounds) {
-            return Ok(Moved::default());
+        if record.config.secure_aggregation.is_some()
+            || !config.evaluates(round, record.config.rounds)
+        {
+            return Moved::default(); // (secure rounds carry their evaluations themselves)
         }
-        // The one still open ends first, in the record as it stands before this close (which
-        // may yet fail): stored and in memory alike.
         let ended = match record.evaluating.take() {
             Some(_) => {
                 let mut current = task.record();
-                let ended = self.end_into(&task.id, &mut current)?;
-                self.store.flush()?;
-                *lock(&task.record) = current;
-                ended
+                match self.end_evaluation(task, &mut current) {
+                    Ok(ended) => ended,
+                    Err(e) => {
+                        tracing::warn!(task = %task.id, round, error = %e, "ending the previous federated evaluation failed; its reports are lost, and the next evaluation begins");
+                        None
+                    }
+                }
             }
             None => None,
         };
@@ -266,33 +364,36 @@ impl Coordinator {
             reporters: Default::default(),
             trainers,
         });
-        Ok(Moved {
+        Moved {
             ended,
             opened: Some((round, deadline_unix_ms)),
-        })
+        }
     }
 
-    /// Once the close that published is durable: the ended evaluation is told, the opened one
-    /// gets its deadline's watcher.
+    /// Once the close that published is durable and its pollers are woken: the ended
+    /// evaluation's model is cleaned up, the opened one gets its deadline's watcher.
     pub(crate) fn evaluations_moved(self: &Arc<Self>, task: &Arc<Task>, moved: Moved) {
-        if let Some(e) = moved.ended {
-            self.evaluation_ended(task, &e, "the next evaluation began");
-        }
         if let Some((round, deadline)) = moved.opened {
             self.watch_evaluation(task.clone(), round, deadline);
+        }
+        if let Some(e) = moved.ended {
+            self.evaluation_ended(task, &e, "the next evaluation began");
         }
     }
 
     /// Ends round `round`'s evaluation at its deadline (if it is still open then), retrying
-    /// every second while the store refuses.
+    /// every second while the store refuses; a watcher ends early when its evaluation does.
     pub(crate) fn watch_evaluation(self: &Arc<Self>, task: Arc<Task>, round: u64, at_ms: u64) {
         let me = self.clone();
-        let stopping = self.stopping.clone();
+        let cancelled = self.stopping.child_token();
+        if let Some(previous) = lock(&task.evaluation_watch).replace(cancelled.clone()) {
+            previous.cancel();
+        }
         self.background.spawn(async move {
             let wait = Duration::from_millis(at_ms.saturating_sub(now_ms()));
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = stopping.cancelled() => return,
+                _ = cancelled.cancelled() => return,
             }
             loop {
                 let (m, t) = (me.clone(), task.clone());
@@ -305,7 +406,7 @@ impl Coordinator {
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    _ = stopping.cancelled() => return,
+                    _ = cancelled.cancelled() => return,
                 }
             }
         });
@@ -318,14 +419,11 @@ impl Coordinator {
         if record.evaluating.as_ref().is_none_or(|e| e.round != round) {
             return Ok(()); // ended otherwise
         }
-        let ended = self.end_into(&task.id, &mut record)?;
-        self.store.flush()?;
-        *lock(&task.record) = record;
+        let ended = self.end_evaluation(task, &mut record)?;
         drop(writing);
         if let Some(e) = ended {
             self.evaluation_ended(task, &e, "deadline");
         }
-        task.bump();
         Ok(())
     }
 }
@@ -354,5 +452,28 @@ mod tests {
             "another round draws others"
         );
         assert!(drawn("t", 1, "c", 1.0));
+    }
+
+    #[test]
+    fn secure_tasks_take_evaluation_without_the_plain_reports_settings() {
+        let task = |evaluation: serde_json::Value| -> wire::CreateTask {
+            serde_json::from_value(serde_json::json!({
+                "id": "s", "initial_model": "00".repeat(32), "model": {"kind": "builtin", "name": "mlp"},
+                "rounds": 3, "min_clients": 3, "target_clients": 5, "round_deadline_secs": 60,
+                "secure_aggregation": {}, "evaluation": evaluation,
+            }))
+            .unwrap()
+        };
+        let ok = task(serde_json::json!({"clients": 5}));
+        validate(ok.evaluation.as_ref().unwrap(), &ok).unwrap();
+        for settings in [
+            serde_json::json!({"clients": 5, "fraction": 0.5}),
+            serde_json::json!({"clients": 5, "held_out": true}),
+            serde_json::json!({"clients": 5, "deadline_secs": 9}),
+        ] {
+            let t = task(settings.clone());
+            let refused = validate(t.evaluation.as_ref().unwrap(), &t).unwrap_err();
+            assert!(refused.contains("masked inputs"), "{settings}: {refused}");
+        }
     }
 }

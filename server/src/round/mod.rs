@@ -27,10 +27,15 @@
 //!   without the crash. Writes are O(model) per commit, not per upload.
 //! - [`deadline`]: one watcher per open round, for every mode: it closes a full round, a round
 //!   whose deadline passed, and retries a close that failed (storage trouble).
-//! - [`close`]: tally → publish or abandon → open the next round, in one store transaction.
+//! - [`close`]: tally → publish or abandon → open the next round, in one store transaction
+//!   (before it, the task's previous federated evaluation may end in a transaction of its own).
+//! - [`evaluation`]: federated evaluation — opened as a round publishes, offered in polls,
+//!   reports folded into running sums, ended into the round's history entry; secure rounds
+//!   carry their clients' evaluations in the masked inputs instead.
 //!
-//! Locks: a round's accumulator lock may be taken while holding nothing, and the task's record
-//! and round slots may be taken while holding it — never the other way round.
+//! Locks: a round's accumulator lock may be taken while holding nothing; the task's writing
+//! turn (held across store writes of its record) while holding it or nothing; and the task's
+//! record and round slots while holding either — never the other way round.
 
 pub mod asynchronous;
 mod close;

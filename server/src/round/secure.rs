@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use hora_common::kernel::WeightedSum;
-use hora_common::wire::{ErrorCode, SecAggOffer, SecureAggregationConfig};
+use hora_common::wire::{ErrorCode, SecAggEvaluation, SecAggOffer, SecureAggregationConfig};
 use tokio::sync::watch;
 
 use super::collection::{Collection, Step};
@@ -15,6 +15,16 @@ use super::{capacity, Coordinator, Ending, Round, Task};
 use crate::error::ServerError;
 use crate::secagg::{self, Outcome, SecAggRound};
 use crate::store::{Contribution, OpenRoundRecord, Store, TaskRecord};
+
+/// How round `number` of a task with federated evaluation carries it: its clients evaluate
+/// the model it trains from (round `number − 1`'s) when the task evaluates that round.
+fn evaluation(record: &TaskRecord, number: u64) -> Option<SecAggEvaluation> {
+    let config = record.config.evaluation.as_ref()?;
+    let from = number.saturating_sub(1);
+    Some(SecAggEvaluation {
+        round: config.evaluates(from, record.config.rounds).then_some(from),
+    })
+}
 
 /// Secure aggregation's stages, for one attempt.
 pub struct SecureCollection(Arc<SecAggRound>);
@@ -35,6 +45,7 @@ impl SecureCollection {
             now,
             record.config.round_deadline_secs,
             record.spec.numel(),
+            evaluation(record, number),
         )?)))
     }
 
@@ -53,6 +64,7 @@ impl SecureCollection {
             open.opened_unix_ms,
             record.config.round_deadline_secs,
             record.spec.numel(),
+            evaluation(record, open.round),
         )?)))
     }
 
@@ -159,10 +171,12 @@ fn step(outcome: Outcome) -> Step {
             values,
             total_weight,
             survivors,
+            evaluation,
         } => Step::Sum {
             values,
             total_weight,
             contributors: survivors,
+            evaluation,
         },
     }
 }

@@ -36,8 +36,8 @@ use std::sync::Mutex;
 use hora_common::secagg::unmask::Participant;
 use hora_common::secagg::{graph, hex_array, Context, Quantiser, SecAggError};
 use hora_common::wire::{
-    ErrorCode, SecAggAdvertise, SecAggOffer, SecAggReceipt, SecAggShareBundles, SecAggUnmask,
-    SecureAggregationConfig,
+    ErrorCode, EvaluationSums, SecAggAdvertise, SecAggEvaluation, SecAggOffer, SecAggReceipt,
+    SecAggShareBundles, SecAggUnmask, SecureAggregationConfig,
 };
 use ring::rand::SecureRandom;
 use serde::{Deserialize, Serialize};
@@ -93,6 +93,9 @@ pub enum Outcome {
         values: Vec<f64>,
         total_weight: u64,
         survivors: Vec<String>,
+        /// With federated evaluation: the round whose model the survivors evaluated, and the
+        /// sums of their evaluations (their inputs' evaluation slots).
+        evaluation: Option<(u64, EvaluationSums)>,
     },
 }
 
@@ -124,6 +127,8 @@ pub struct SecAggRound {
     pub latest_input_deadline_unix_ms: u64,
     round_deadline_ms: u64,
     vector_len: usize,
+    /// The task's federated evaluation, carried in the inputs' evaluation slots.
+    evaluation: Option<SecAggEvaluation>,
     inner: Mutex<Inner>,
     /// Bumped at every stage change, for the long polls.
     pub changed: watch::Sender<u64>,
@@ -223,6 +228,7 @@ impl SecAggRound {
         opened_unix_ms: u64,
         round_deadline_secs: u64,
         numel: usize,
+        evaluation: Option<SecAggEvaluation>,
     ) -> Result<SecAggRound, ServerError> {
         let mut seed = [0u8; 32];
         ring::rand::SystemRandom::new()
@@ -255,7 +261,9 @@ impl SecAggRound {
             config,
             capacity,
             min_clients: min_clients.max(3),
-            vector_len: Quantiser::len(numel),
+            vector_len: Quantiser::len(numel)
+                + evaluation.map_or(0, |_| hora_common::secagg::quantise::EVALUATION_SLOTS),
+            evaluation,
             changed: watch::channel(0).0,
         })
     }
@@ -271,6 +279,7 @@ impl SecAggRound {
         opened_unix_ms: u64,
         round_deadline_secs: u64,
         numel: usize,
+        evaluation: Option<SecAggEvaluation>,
     ) -> Result<SecAggRound, ServerError> {
         let round = SecAggRound::new(
             ctx,
@@ -280,6 +289,7 @@ impl SecAggRound {
             opened_unix_ms,
             round_deadline_secs,
             numel,
+            evaluation,
         )?;
         let task = round.ctx.task.clone();
         let Some(state) = store.secagg_get::<StateRecord>(&key(&task, "state", ""))? else {
@@ -347,6 +357,7 @@ impl SecAggRound {
             clip: self.quantiser.clip,
             scale: self.quantiser.scale,
             max_weight: self.quantiser.max_weight,
+            evaluation: self.evaluation,
         }
     }
 

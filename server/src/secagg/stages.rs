@@ -5,7 +5,26 @@ use hora_common::secagg::graph;
 
 use super::*;
 
+/// An unmasked sum, decoded: `Σ w·x` per coordinate, `Σ w`, and the evaluation its slots carry.
+type Decoded = (Vec<f64>, u64, Option<(u64, EvaluationSums)>);
+
 impl SecAggRound {
+    /// Checks and decodes the unmasked sum of `survivors` inputs, taking out the evaluation
+    /// slots of a task with federated evaluation (their sums count when this round's clients
+    /// evaluated the model it trains from).
+    fn decode(&self, sum: &mut Vec<u32>, survivors: usize) -> Result<Decoded, SecAggError> {
+        self.quantiser.check_sum(sum, survivors)?;
+        let evaluation = match self.evaluation {
+            Some(e) => {
+                let sums = self.quantiser.take_evaluation(sum)?;
+                e.round.map(|round| (round, sums))
+            }
+            None => None,
+        };
+        let (values, total_weight) = self.quantiser.decode(sum)?;
+        Ok((values, total_weight, evaluation))
+    }
+
     /// The deadline check: closes the stage if its deadline has passed.
     pub fn tick(&self, store: &Store) -> Result<Outcome, ServerError> {
         let mut inner = lock(&self.inner);
@@ -130,13 +149,9 @@ impl SecAggRound {
                 } else {
                     match u.finish(&mut sum) {
                         Err(e) => Outcome::Abandon(format!("unmasking failed: {e}")),
-                        Ok(()) => match self
-                            .quantiser
-                            .check_sum(&sum, inner.survivors.len())
-                            .and_then(|()| self.quantiser.decode(&sum))
-                        {
+                        Ok(()) => match self.decode(&mut sum, inner.survivors.len()) {
                             Err(e) => Outcome::Abandon(format!("unmasking failed: {e}")),
-                            Ok((values, total_weight)) => Outcome::Publish {
+                            Ok((values, total_weight, evaluation)) => Outcome::Publish {
                                 values,
                                 total_weight,
                                 survivors: inner
@@ -144,6 +159,7 @@ impl SecAggRound {
                                     .iter()
                                     .map(|&i| inner.participants[i].id.clone())
                                     .collect(),
+                                evaluation,
                             },
                         },
                     }

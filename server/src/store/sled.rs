@@ -55,6 +55,27 @@ fn json<T: Serialize>(value: &T) -> Vec<u8> {
     super::json(value)
 }
 
+/// Changes the history entry under `key` as it is at the moment of the write (atomically:
+/// nothing written to it in between is lost); one that is gone or does not parse is left as
+/// it is.
+fn amend(
+    history: &sled::Tree,
+    key: &str,
+    change: impl Fn(&mut RoundRecord),
+) -> Result<(), StoreError> {
+    history.fetch_and_update(key.as_bytes(), |now| {
+        let bytes = now?;
+        match serde_json::from_slice::<RoundRecord>(bytes) {
+            Ok(mut entry) => {
+                change(&mut entry);
+                Some(json(&entry))
+            }
+            Err(_) => Some(bytes.to_vec()),
+        }
+    })?;
+    Ok(())
+}
+
 /// History keys sort by round then attempt.
 fn history_key(task: &str, round: u64, attempt: u32) -> String {
     format!("{task}\0{round:020}\0{attempt:010}")
@@ -365,15 +386,16 @@ impl RoundLog for SledStore {
         let mut dropped = Vec::new();
         if !keeps_all && from <= upto {
             let rows = self.history_rows(task, from, Some(upto + 1));
-            for (key, mut r) in all::<RoundRecord>(rows)? {
+            for (key, r) in all::<RoundRecord>(rows)? {
                 let Some(model) = r.model.filter(|_| !r.pruned) else {
                     continue;
                 };
                 if retention.keeps(r.round, published) {
                     continue;
                 }
-                r.pruned = true;
-                self.history.insert(key.as_bytes(), json(&r))?;
+                // In place of the entry as it is now (an evaluation may have ended into it
+                // since it was read).
+                amend(&self.history, &key, |entry| entry.pruned = true)?;
                 self.model_rounds
                     .remove(model_round_key(&model, task, r.round, r.attempt))?;
                 dropped.push(model);
@@ -385,7 +407,9 @@ impl RoundLog for SledStore {
             let rows = self.history_rows(task, compacted_from, Some(compact_upto + 1));
             for (key, mut r) in all::<RoundRecord>(rows)? {
                 if r.compact() {
-                    self.history.insert(key.as_bytes(), json(&r))?;
+                    amend(&self.history, &key, |entry| {
+                        entry.compact();
+                    })?;
                 }
             }
         }
