@@ -29,7 +29,7 @@ use hora_common::model::{Limits, Model, ModelDigest};
 use hora_common::tls::Identity;
 use hora_common::wire::{
     Credentials, DeadlinePolicy, EnrolRequest, ErrorCode, EvaluationOffer, EvaluationReceipt,
-    EvaluationReport, JoinResponse, Metrics, ModelKind, PollResponse, RoundOffer, TaskState,
+    EvaluationReport, JoinResponse, MAX_LOSS, Metrics, ModelKind, PollResponse, RoundOffer, TaskState,
     UpdateMeta, UpdateReceipt, UploadSession, UploadStart,
 };
 use reqwest::Method;
@@ -1477,7 +1477,7 @@ pub(crate) fn evaluation_report<T: Trainer + ?Sized>(
     };
     let report = EvaluationReport {
         num_examples: evaluation.examples,
-        loss: Some(evaluation.loss).filter(|l| l.is_finite() && *l >= 0.0),
+        loss: Some(evaluation.loss).filter(|l| (0.0..=MAX_LOSS).contains(l)),
         accuracy: Some(evaluation.accuracy).filter(|a| (0.0..=1.0).contains(a)),
     };
     report.check().map_err(|e| {

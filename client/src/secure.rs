@@ -179,6 +179,28 @@ impl Client {
         let downloading = Instant::now();
         let (start, module) = self.round_inputs(task, offer).await?;
         report.timings.download = downloading.elapsed();
+        // Federated evaluation of the model this round trains from, when the task asks, before
+        // the stages' deadlines run: it travels in the masked input, so the server learns only
+        // the sum of the evaluations. One that fails is left out (zeros), never the round.
+        let evaluation = match secure.evaluation.and_then(|e| e.round) {
+            Some(evaluated) => {
+                let request = EvaluateRequest {
+                    task,
+                    round: evaluated,
+                    model_kind: &offer.model_kind,
+                    module: module.clone(),
+                };
+                match evaluation_report(trainer, start.model(), request) {
+                    Ok(report) => report,
+                    Err(e) => {
+                        tracing::warn!(round = evaluated, error = %e, "federated evaluation of the round's model failed; contributing without it");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+
         let base = format!("/v1/tasks/{task}/secagg/{}/{}", offer.round, secure.attempt);
         let mut deadline = offer.deadline_unix_ms;
         let mut session =
@@ -211,28 +233,6 @@ impl Client {
             "secure aggregation: keys shared"
         );
         self.drill(Stage::SharedKeys)?;
-
-        // Federated evaluation of the model this round trains from, when the task asks: it
-        // travels in the masked input, so the server learns only the sum of the evaluations.
-        // One that fails is left out (zeros), never the round.
-        let evaluation = match secure.evaluation.and_then(|e| e.round) {
-            Some(evaluated) => {
-                let request = EvaluateRequest {
-                    task,
-                    round: evaluated,
-                    model_kind: &offer.model_kind,
-                    module: module.clone(),
-                };
-                match evaluation_report(trainer, start.model(), request) {
-                    Ok(report) => report,
-                    Err(e) => {
-                        tracing::warn!(round = evaluated, error = %e, "federated evaluation of the round's model failed; contributing without it");
-                        None
-                    }
-                }
-            }
-            None => None,
-        };
 
         // Training, until the masked inputs are due (less a margin for masking and upload).
         let training = Instant::now();

@@ -23,7 +23,7 @@ pub use asynchronous::{AsynchronousConfig, Staleness};
 pub use error_code::ErrorCode;
 pub use evaluation::{
     EvaluationConfig, EvaluationOffer, EvaluationReceipt, EvaluationReport, EvaluationSummary,
-    EvaluationSums, MAX_EVALUATION_CLIENTS,
+    EvaluationSums, MAX_EVALUATION_CLIENTS, MAX_LOSS,
 };
 
 /// Stands in for a secret in `{:?}`: says that one is there, never what it is. Types that carry

@@ -292,10 +292,10 @@ impl ServerMetrics {
             .set(epsilon);
     }
 
-    pub fn evaluation_reported(&self, task: &str) {
+    pub fn evaluation_reported(&self, task: &str, reports: u32) {
         self.evaluation_reports
             .get_or_create(&TaskLabel { task: task.into() })
-            .inc();
+            .inc_by(u64::from(reports));
     }
 
     pub fn evaluation_ended(

@@ -149,25 +149,50 @@ impl Quantiser {
         [1, n, n_loss, loss, n_acc, accuracy]
     }
 
-    /// Takes the evaluation slots out of an unmasked sum whose inputs carried them (its last
-    /// elements, before the weight), as the sums of the evaluations.
-    pub fn take_evaluation(&self, sum: &mut Vec<u32>) -> Result<EvaluationSums, SecAggError> {
+    /// Takes the evaluation slots out of an unmasked sum of `clients` inputs that carried them
+    /// (its last elements, before the weight): the sums of the evaluations, or why they are
+    /// not sums honest inputs can make (a client filled its slots out of range: the evaluation
+    /// is dropped; the update sum is not affected).
+    pub fn take_evaluation(
+        &self,
+        sum: &mut Vec<u32>,
+        clients: usize,
+    ) -> Result<Result<EvaluationSums, String>, SecAggError> {
         if sum.len() < EVALUATION_SLOTS + 1 {
             return Err(SecAggError::Malformed(
                 "a sum too short for its evaluation slots".into(),
             ));
         }
         let at = sum.len() - 1 - EVALUATION_SLOTS;
-        let slots: Vec<u32> = sum.drain(at..at + EVALUATION_SLOTS).collect();
+        let slots: Vec<u64> = sum.drain(at..at + EVALUATION_SLOTS).map(u64::from).collect();
+        let [evaluators, n, n_loss, loss, n_acc, accuracy] = slots[..] else {
+            return Err(SecAggError::Malformed("evaluation slots".into()));
+        };
+        // Each input adds at most 1 evaluator, `max_weight` examples, and to each weighted sum
+        // at most its examples' worth of units plus one of rounding; nothing is negative (a
+        // negative sum reads as 2^31 or more).
         let unit = self.clip * self.scale;
-        Ok(EvaluationSums {
-            clients: slots[0],
-            examples: u64::from(slots[1]),
-            loss_examples: u64::from(slots[2]),
-            loss: f64::from(slots[3]) * LOSS_CAP / unit,
-            accuracy_examples: u64::from(slots[4]),
-            accuracy: f64::from(slots[5]) / unit,
-        })
+        let fits = |sum: u64, examples: u64| sum as f64 <= examples as f64 * unit + clients as f64;
+        let honest = slots.iter().all(|&v| v <= i32::MAX as u64)
+            && evaluators <= clients as u64
+            && n <= evaluators * u64::from(self.max_weight)
+            && n_loss <= n
+            && n_acc <= n
+            && fits(loss, n_loss)
+            && fits(accuracy, n_acc);
+        if !honest {
+            return Ok(Err(format!(
+                "the evaluation slots of the sum of {clients} inputs are out of range ({slots:?}): some client filled them wrongly"
+            )));
+        }
+        Ok(Ok(EvaluationSums {
+            clients: evaluators as u32,
+            examples: n,
+            loss_examples: n_loss,
+            loss: loss as f64 * LOSS_CAP / unit,
+            accuracy_examples: n_acc,
+            accuracy: accuracy as f64 / unit,
+        }))
     }
 
     /// Checks an unmasked sum of `clients` inputs is one such inputs can have: a wrong share
@@ -297,7 +322,7 @@ mod tests {
             }
         }
         q.check_sum(&sum, 4).unwrap();
-        let sums = q.take_evaluation(&mut sum).unwrap();
+        let sums = q.take_evaluation(&mut sum, 4).unwrap().unwrap();
         let (values, total) = q.decode(&sum).unwrap();
         assert_eq!(
             (values.len(), total),
@@ -313,6 +338,15 @@ mod tests {
             q.encode_evaluation(Some(&report(0, Some(1.0), None)), &mut rng),
             [0; 6]
         );
+        // Slots no honest inputs make (here: more evaluators than inputs, a negative sum) are
+        // refused, and taken out all the same.
+        for bad in [[5, 10, 10, 0, 10, 0], [1, 10, 10, (-3i32) as u32, 0, 0]] {
+            let mut sum = vec![0, 0];
+            sum.extend(bad);
+            sum.push(4);
+            assert!(q.take_evaluation(&mut sum, 4).unwrap().is_err(), "{bad:?}");
+            assert_eq!(sum, [0, 0, 4]);
+        }
     }
 
     #[test]

@@ -278,7 +278,7 @@ pub async fn join(
     params(("task" = String, Path), ("round" = u64, Path, description = "the round (version) whose published model was evaluated")),
     request_body = EvaluationReport, security(("client_credentials" = [])),
     responses((status = 200, body = EvaluationReceipt, description = "the report is durable and counted (a repeat of one counted already is answered the same)"),
-        (status = 400, body = ApiError, description = "`bad_request`: no examples, a loss that is negative or not finite, an accuracy outside 0 to 1, or neither"),
+        (status = 400, body = ApiError, description = "`bad_request`: no examples, a loss outside 0 to 1e9, an accuracy outside 0 to 1, or neither"),
         (status = 403, body = ApiError, description = "`forbidden`: this client is not asked (it trained the round and the task evaluates on held-out clients, or it was not drawn)"),
         (status = 409, body = ApiError, description = "`evaluation_closed`: that round's evaluation is not taking reports (complete, past its deadline, the next one began, or never asked for)")))]
 pub async fn evaluation(
@@ -290,8 +290,10 @@ pub async fn evaluation(
 ) -> Result<Json<EvaluationReceipt>, ServerError> {
     let task = state.coordinator.task(&task)?;
     let report: EvaluationReport = json_body(&state, &headers, body).await?;
+    // Refusals from the record in memory (never held across I/O), before a report takes one
+    // of the task's few places on blocking threads, where it may wait for a close.
+    crate::round::evaluation::admission(&task.id, &task.record(), &auth.id, round)?;
     let coordinator = state.coordinator.clone();
-    // (One of the task's few places on blocking threads: a report may wait for a close.)
     let waiting = task.lock_waiter().await;
     let receipt = crate::blocking(move || {
         let _waiting = waiting;

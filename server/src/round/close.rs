@@ -70,9 +70,6 @@ impl Coordinator {
                 contributors,
                 evaluation,
             } => {
-                if let Some((evaluated, sums)) = &evaluation {
-                    self.record_carried_evaluation(task, *evaluated, sums);
-                }
                 {
                     let mut acc = lock(&round.acc);
                     let n = contributors.len() as u64;
@@ -91,7 +88,15 @@ impl Coordinator {
                     acc.durable = acc.contributions.len();
                     *lock(&round.roster) = super::Roster::of(&acc);
                 }
-                self.close(task, round, Ending::Publish)
+                let closed = self.close(task, round, Ending::Publish);
+                // The evaluation the inputs carried counts with the attempt that published
+                // (an abandoned one's survivors are not the round's).
+                if let (Ok(()), Some((evaluated, sums))) = (&closed, &evaluation) {
+                    if round.phase() == super::Phase::Published {
+                        self.record_carried_evaluation(task, *evaluated, sums);
+                    }
+                }
+                closed
             }
         }
     }

@@ -14,8 +14,11 @@
 //!   the next evaluation opens, the example-weighted means go into the round's history entry
 //!   and the record drops the evaluation, in one store transaction.
 //!
-//! Secure aggregation's tasks are refused `evaluation`: their server learns nothing of any one
-//! client, and a plain report would tell it more than their training does.
+//! A secure-aggregation task's server learns nothing of any one client, and plain reports would
+//! tell it more than its training does: there the clients of the next round evaluate the model
+//! they train from inside their masked inputs (`secagg::quantise::EVALUATION_SLOTS`), and once
+//! that round publishes, the sums unmasking gave are recorded in the evaluated round's entry
+//! ([`Coordinator::record_carried_evaluation`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,6 +49,13 @@ pub(crate) fn validate(config: &EvaluationConfig, task: &wire::CreateTask) -> Re
         && (config.fraction.is_some() || config.held_out || config.deadline_secs.is_some())
     {
         return Err("with secure aggregation, the clients of the next round evaluate a round's model inside their masked inputs (the server learns only the sum): fraction, held_out and deadline_secs do not apply; leave them out".into());
+    }
+    // (The last round's model is not evaluated in a secure task: no round trains from it.)
+    if task.secure_aggregation.is_some() && config.every >= task.rounds {
+        return Err(format!(
+            "with secure aggregation a round's model is evaluated by the next round's clients, so evaluation.every ({}) must be below rounds ({}) for any model to be evaluated",
+            config.every, task.rounds
+        ));
     }
     Ok(())
 }
@@ -114,7 +124,7 @@ fn refusal(
 
 /// Whether `client` may report on round `round` now, from `record`: `Some` receipt when its
 /// report is counted already (a repeat), `None` when it may, or why not.
-fn admission(
+pub(crate) fn admission(
     task: &str,
     record: &TaskRecord,
     client: &str,
@@ -191,14 +201,8 @@ impl Coordinator {
         let e = record.evaluating.as_mut().ok_or_else(|| {
             ServerError::internal("an admitted evaluation report has no evaluation")
         })?;
-        let mut sums = e.sums;
-        sums.add(report, examples);
-        if !(sums.loss.is_finite() && sums.accuracy.is_finite()) {
-            return Err(ServerError::BadRequest(
-                "the report would take the evaluation's sums past what a number holds".into(),
-            ));
-        }
-        e.sums = sums;
+        // (Finite: at most 1,000 reports of at most u64::MAX examples of a loss of at most 1e9.)
+        e.sums.add(report, examples);
         e.reporters.insert(client.to_string());
         let receipt = EvaluationReceipt {
             round,
@@ -217,7 +221,7 @@ impl Coordinator {
             }
         };
         drop(writing);
-        self.metrics.evaluation_reported(&task.id);
+        self.metrics.evaluation_reported(&task.id, 1);
         if let Some(ended) = ended {
             self.evaluation_ended(task, &ended, "complete");
         }
@@ -236,18 +240,23 @@ impl Coordinator {
         let Some(e) = record.evaluating.take() else {
             return Ok(None);
         };
-        let written =
-            self.store
-                .end_evaluation(&task.id, record, e.round, e.attempt, &e.sums.summary());
+        let written = self
+            .store
+            .end_evaluation(&task.id, record, e.round, e.attempt, &e.sums.summary())
+            .map_err(ServerError::from)
+            .and_then(|()| Ok(self.store.flush()?));
         if let Err(err) = written {
+            // The record in memory keeps it open, as it was before: a report retried after
+            // this failure is counted again from there, and the end written again.
             record.evaluating = Some(e);
-            return Err(err.into());
+            return Err(err);
         }
         *lock(&task.record) = record.clone();
-        if let Some(watch) = lock(&task.evaluation_watch).take() {
-            watch.cancel();
+        let mut watch = lock(&task.evaluation_watch);
+        if let Some((_, token)) = watch.take_if(|(round, _)| *round == e.round) {
+            token.cancel();
         }
-        self.store.flush()?;
+        drop(watch);
         self.evaluation_told(task, e.round, &e.sums, "ended");
         Ok(Some(e))
     }
@@ -299,7 +308,7 @@ impl Coordinator {
         })();
         match written {
             Ok(()) => {
-                self.metrics.evaluation_reported(&task.id);
+                self.metrics.evaluation_reported(&task.id, sums.clients);
                 self.evaluation_told(
                     task,
                     round,
@@ -386,8 +395,17 @@ impl Coordinator {
     pub(crate) fn watch_evaluation(self: &Arc<Self>, task: Arc<Task>, round: u64, at_ms: u64) {
         let me = self.clone();
         let cancelled = self.stopping.child_token();
-        if let Some(previous) = lock(&task.evaluation_watch).replace(cancelled.clone()) {
-            previous.cancel();
+        {
+            // Only for the evaluation open now (a late start for one that ended, or that the
+            // next replaced, would cancel the watcher of the one open).
+            let record = lock(&task.record);
+            if record.evaluating.as_ref().is_none_or(|e| e.round != round) {
+                return;
+            }
+            let previous = lock(&task.evaluation_watch).replace((round, cancelled.clone()));
+            if let Some((_, token)) = previous {
+                token.cancel();
+            }
         }
         self.background.spawn(async move {
             let wait = Duration::from_millis(at_ms.saturating_sub(now_ms()));
@@ -475,5 +493,9 @@ mod tests {
             let refused = validate(t.evaluation.as_ref().unwrap(), &t).unwrap_err();
             assert!(refused.contains("masked inputs"), "{settings}: {refused}");
         }
+        // Every third round of three: only the last, which no round trains from.
+        let never = task(serde_json::json!({"clients": 5, "every": 3}));
+        let refused = validate(never.evaluation.as_ref().unwrap(), &never).unwrap_err();
+        assert!(refused.contains("below rounds (3)"), "{refused}");
     }
 }

@@ -39,8 +39,9 @@ pub struct Task {
     /// database went away mid-commit): kept, since the record naming them may have landed,
     /// and removed once a later write of the same record landed and names another.
     pub(crate) unsettled: Mutex<Vec<Unsettled>>,
-    /// Cancels the deadline watcher of the task's open evaluation (once it ends otherwise).
-    pub(crate) evaluation_watch: Mutex<Option<tokio_util::sync::CancellationToken>>,
+    /// Cancels the deadline watcher of the task's open evaluation, by its round (once it ends
+    /// otherwise).
+    pub(crate) evaluation_watch: Mutex<Option<(u64, tokio_util::sync::CancellationToken)>>,
 }
 
 /// A blob kept after a write of unknown outcome (see [`Task::unsettled`]).

@@ -15,10 +15,13 @@ impl SecAggRound {
     fn decode(&self, sum: &mut Vec<u32>, survivors: usize) -> Result<Decoded, SecAggError> {
         self.quantiser.check_sum(sum, survivors)?;
         let evaluation = match self.evaluation {
-            Some(e) => {
-                let sums = self.quantiser.take_evaluation(sum)?;
-                e.round.map(|round| (round, sums))
-            }
+            Some(e) => match self.quantiser.take_evaluation(sum, survivors)? {
+                Ok(sums) => e.round.map(|round| (round, sums)),
+                Err(why) => {
+                    tracing::warn!(task = %self.ctx.task, round = self.ctx.round, reason = %why, "the round's federated evaluation is dropped; its update sum is not affected");
+                    None
+                }
+            },
             None => None,
         };
         let (values, total_weight) = self.quantiser.decode(sum)?;

@@ -109,6 +109,10 @@ pub fn migrate(target: &Target) -> Result<Vec<&'static str>, StoreError> {
         .with(|mut client| async move { migrate::migrate(&mut client, migrate::MIGRATIONS).await })
 }
 
+/// Writes a task's record, whether or not it exists.
+const PUT_TASK: &str = "INSERT INTO tasks (task, record) VALUES ($1, $2)
+    ON CONFLICT (task) DO UPDATE SET record = excluded.record";
+
 /// A transaction on `client`, fenced by `held` (see `lease`) when this replica leads under a
 /// lease.
 async fn fenced<'a>(
@@ -430,11 +434,7 @@ impl RoundLog for PostgresStore {
     }
 
     fn put_task(&self, id: &str, task: &TaskRecord) -> Result<(), StoreError> {
-        self.execute(
-            "INSERT INTO tasks (task, record) VALUES ($1, $2)
-             ON CONFLICT (task) DO UPDATE SET record = excluded.record",
-            params![id.to_string(), json(task)],
-        )?;
+        self.execute(PUT_TASK, params![id.to_string(), json(task)])?;
         Ok(())
     }
 
@@ -469,12 +469,7 @@ impl RoundLog for PostgresStore {
         let held = self.held();
         self.driver.with(move |mut client| async move {
             let tx = fenced(&mut client, held.as_deref()).await?;
-            tx.execute(
-                "INSERT INTO tasks (task, record) VALUES ($1, $2)
-                 ON CONFLICT (task) DO UPDATE SET record = excluded.record",
-                &[&id, &task],
-            )
-            .await?;
+            tx.execute(PUT_TASK, &[&id, &task]).await?;
             tx.execute(
                 "INSERT INTO history (task, round, attempt, model, pruned, record)
                  VALUES ($1, $2, $3, $4, $5, $6)
@@ -518,12 +513,7 @@ impl RoundLog for PostgresStore {
         let held = self.held();
         self.driver.with(move |mut client| async move {
             let tx = fenced(&mut client, held.as_deref()).await?;
-            tx.execute(
-                "INSERT INTO tasks (task, record) VALUES ($1, $2)
-                 ON CONFLICT (task) DO UPDATE SET record = excluded.record",
-                &[&id, &task],
-            )
-            .await?;
+            tx.execute(PUT_TASK, &[&id, &task]).await?;
             // (No entry: the task is written all the same, the evaluation is over.)
             let row = tx
                 .query_opt(
