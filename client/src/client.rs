@@ -29,8 +29,8 @@ use hora_common::model::{Limits, Model, ModelDigest};
 use hora_common::tls::Identity;
 use hora_common::wire::{
     Credentials, DeadlinePolicy, EnrolRequest, ErrorCode, EvaluationOffer, EvaluationReceipt,
-    EvaluationReport, JoinResponse, MAX_LOSS, Metrics, ModelKind, PollResponse, RoundOffer, TaskState,
-    UpdateMeta, UpdateReceipt, UploadSession, UploadStart,
+    EvaluationReport, JoinResponse, Metrics, ModelKind, PollResponse, RoundOffer, TaskState,
+    UpdateMeta, UpdateReceipt, UploadSession, UploadStart, MAX_LOSS,
 };
 use reqwest::Method;
 

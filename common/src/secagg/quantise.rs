@@ -164,7 +164,10 @@ impl Quantiser {
             ));
         }
         let at = sum.len() - 1 - EVALUATION_SLOTS;
-        let slots: Vec<u64> = sum.drain(at..at + EVALUATION_SLOTS).map(u64::from).collect();
+        let slots: Vec<u64> = sum
+            .drain(at..at + EVALUATION_SLOTS)
+            .map(u64::from)
+            .collect();
         let [evaluators, n, n_loss, loss, n_acc, accuracy] = slots[..] else {
             return Err(SecAggError::Malformed("evaluation slots".into()));
         };
