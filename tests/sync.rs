@@ -1,8 +1,9 @@
 //! The synchronous allreduce mode with real processes on loopback: collectives across 1–4
 //! worker processes for buffers from one element to 64 MiB, mismatched calls, training that
 //! matches one worker on the combined batch, a killed worker, ranks from mpirun's and Slurm's
-//! environment, rendezvous at the real server, a job resumed from rank 0's checkpoint, and
-//! strangers at a worker's ring port that learn nothing and hold nothing up.
+//! environment, rendezvous at the real server, a job resumed from rank 0's checkpoint,
+//! strangers at a worker's ring port that learn nothing and hold nothing up, and workers that
+//! `hora-run` starts.
 
 mod support;
 
@@ -790,4 +791,112 @@ fn strangers_at_a_ring_port_learn_nothing_and_the_job_trains_as_without_them() {
             trained.display()
         );
     }
+}
+
+/// `hora-run` itself, with the launchers' variables of this test's environment removed.
+fn launcher(args: &[String]) -> Command {
+    let mut cmd = Command::new(binary("hora-run"));
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env("HORA_LOG", "warn")
+        .env_remove("HORA_SYNC_SECRET");
+    for var in [
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "RANK",
+        "WORLD_SIZE",
+        "TORCHELASTIC_RUN_ID",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// A port base whose first ring port (base + 1) was free a moment ago.
+fn port_base() -> String {
+    (free_port() - 1).to_string()
+}
+
+#[test]
+fn the_launcher_starts_four_workers_that_form_a_world_and_passes_on_a_failing_ranks_code() {
+    // Four `hora-client sync` workers form their ring from what hora-run tells them alone (no
+    // server, no list, no secret of their own) and train an epoch.
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().join("trained.safetensors");
+    let mut args = strings(&["-np", "4", "--port", &port_base(), "--", "hora-client"]);
+    args[5] = binary("hora-client").display().to_string();
+    args.extend(training(32, 1, &save));
+    let out = launcher(&args).output().expect("run hora-run");
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "hora-run failed ({}):\n{stdout}\n{stderr}", out.status);
+    for rank in 0..4 {
+        assert!(
+            stdout.contains(&format!("[{rank}] rank {rank} of 4")),
+            "rank {rank} did not report its place in the world:\n{stdout}"
+        );
+    }
+    assert!(save.exists(), "rank 0 saved the model");
+
+    // A rank that fails ends the job with its exit code; the others are stopped (not waited
+    // for: they would sleep a minute), and each worker was told its place and a secret.
+    let script = r#"echo "rank=$RANK of $WORLD_SIZE local=$LOCAL_RANK/$LOCAL_WORLD_SIZE secret=${#HORA_SYNC_SECRET} peers=$HORA_PEERS"; [ "$RANK" != 2 ] || exit 7; sleep 60"#;
+    let started = Instant::now();
+    let mut args = strings(&["-np", "4", "--grace", "1", "--port", &port_base()]);
+    args.extend(strings(&["--", "sh", "-c", script]));
+    let out = launcher(&args).output().expect("run hora-run");
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(7), "{stdout}\n{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the others were not stopped"
+    );
+    assert!(stderr.contains("rank 2 exited"), "{stderr}");
+    for rank in 0..4 {
+        assert!(
+            stdout.contains(&format!("[{rank}] rank={rank} of 4 local={rank}/4 secret=32 peers=127.0.0.1:")),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() {
+    // A stand-in for ssh that runs the remote command here, as sshd's shell would: what
+    // hora-run sends a remote host is exercised whole, on loopback.
+    let dir = tempfile::tempdir().unwrap();
+    let ssh = dir.path().join("fake-ssh");
+    std::fs::write(
+        &ssh,
+        "#!/bin/sh\n# -o BatchMode=yes HOST COMMAND\necho \"$3\" >> \"$0.hosts\"\nexec sh -c \"$4\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let script = r#"echo "rank=$RANK local=$LOCAL_RANK secret=${#HORA_SYNC_SECRET} peers=$HORA_PEERS dir=$(pwd)""#;
+    let mut args = strings(&["-np", "3", "-H", "node-a:2,node-b:2", "--port", "40000"]);
+    args.extend(strings(&["--ssh", &ssh.display().to_string(), "--", "sh", "-c", script]));
+    let out = launcher(&args)
+        .current_dir(dir.path())
+        .output()
+        .expect("run hora-run");
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let here = dir.path().canonicalize().unwrap();
+    let peers = "peers=node-a:40001,node-a:40002,node-b:40003";
+    for (rank, local) in [(0, 0), (1, 1), (2, 0)] {
+        let line = format!("[{rank}] rank={rank} local={local} secret=32 {peers} dir={}", here.display());
+        assert!(stdout.contains(&line), "no `{line}` in:\n{stdout}");
+    }
+    let mut hosts: Vec<String> = std::fs::read_to_string(dir.path().join("fake-ssh.hosts"))
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    hosts.sort();
+    assert_eq!(hosts, ["node-a", "node-a", "node-b"]);
 }
