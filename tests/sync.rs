@@ -834,7 +834,11 @@ fn the_launcher_starts_four_workers_that_form_a_world_and_passes_on_a_failing_ra
     args.extend(training(32, 1, &save));
     let out = launcher(&args).output().expect("run hora-run");
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "hora-run failed ({}):\n{stdout}\n{stderr}", out.status);
+    assert!(
+        out.status.success(),
+        "hora-run failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
     for rank in 0..4 {
         assert!(
             stdout.contains(&format!("[{rank}] rank {rank} of 4")),
@@ -859,7 +863,9 @@ fn the_launcher_starts_four_workers_that_form_a_world_and_passes_on_a_failing_ra
     assert!(stderr.contains("rank 2 exited"), "{stderr}");
     for rank in 0..4 {
         assert!(
-            stdout.contains(&format!("[{rank}] rank={rank} of 4 local={rank}/4 secret=32 peers=127.0.0.1:")),
+            stdout.contains(&format!(
+                "[{rank}] rank={rank} of 4 local={rank}/4 secret=32 peers=127.0.0.1:"
+            )),
             "{stdout}"
         );
     }
@@ -879,7 +885,14 @@ fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() 
     std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let script = r#"echo "rank=$RANK local=$LOCAL_RANK secret=${#HORA_SYNC_SECRET} peers=$HORA_PEERS dir=$(pwd)""#;
     let mut args = strings(&["-np", "3", "-H", "node-a:2,node-b:2", "--port", "40000"]);
-    args.extend(strings(&["--ssh", &ssh.display().to_string(), "--", "sh", "-c", script]));
+    args.extend(strings(&[
+        "--ssh",
+        &ssh.display().to_string(),
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]));
     let out = launcher(&args)
         .current_dir(dir.path())
         .output()
@@ -889,7 +902,10 @@ fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() 
     let here = dir.path().canonicalize().unwrap();
     let peers = "peers=node-a:40001,node-a:40002,node-b:40003";
     for (rank, local) in [(0, 0), (1, 1), (2, 0)] {
-        let line = format!("[{rank}] rank={rank} local={local} secret=32 {peers} dir={}", here.display());
+        let line = format!(
+            "[{rank}] rank={rank} local={local} secret=32 {peers} dir={}",
+            here.display()
+        );
         assert!(stdout.contains(&line), "no `{line}` in:\n{stdout}");
     }
     let mut hosts: Vec<String> = std::fs::read_to_string(dir.path().join("fake-ssh.hosts"))

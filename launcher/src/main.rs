@@ -1,4 +1,5 @@
-//! `hora-run`: starts the workers of a synchronous job, horovodrun's way.
+//! `hora-run`: starts the workers of a synchronous job, horovodrun's way. Its own small crate:
+//! it links neither libtorch nor the client.
 //!
 //! `hora-run -np 4 -- python train.py` starts four local processes; `-H host1:2,host2:2` places
 //! them on several hosts, the remote ones over `ssh` (keys set up beforehand, as for mpirun).
@@ -77,7 +78,12 @@ fn place(np: u32, hosts: Option<&str>) -> Result<Vec<Placement>> {
             .filter(|h| !h.trim().is_empty())
             .map(|h| {
                 let (host, slots) = match h.trim().rsplit_once(':') {
-                    Some((host, n)) => (host, n.parse::<u32>().with_context(|| format!("`{h}`: the slots after `:` must be a number"))?),
+                    Some((host, n)) => (
+                        host,
+                        n.parse::<u32>().with_context(|| {
+                            format!("`{h}`: the slots after `:` must be a number")
+                        })?,
+                    ),
                     None => (h.trim(), 1),
                 };
                 if host.is_empty() || slots == 0 {
@@ -224,8 +230,24 @@ fn terminate(workers: &mut [(u32, Child)], signal: libc::c_int) {
     }
 }
 
+/// The command line with horovodrun's `-np` (which a parser of one-letter options reads as
+/// `-n p`) spelt `--np`, up to the worker's command.
+fn horovod_spelling(args: impl Iterator<Item = String>) -> Vec<String> {
+    let mut ours = true;
+    args.map(|a| {
+        if a == "--" {
+            ours = false;
+        }
+        match (ours, a.as_str()) {
+            (true, "-np") => "--np".to_string(),
+            _ => a,
+        }
+    })
+    .collect()
+}
+
 fn main() -> ExitCode {
-    match run(Args::parse()) {
+    match run(Args::parse_from(horovod_spelling(std::env::args()))) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("hora-run: {e:#}");
@@ -240,8 +262,8 @@ fn run(args: Args) -> Result<u8> {
     let dir = std::env::current_dir().context("the current directory")?;
     // SAFETY: installing a handler that only stores to an atomic.
     unsafe {
-        libc::signal(libc::SIGINT, stop as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, stop as libc::sighandler_t);
+        libc::signal(libc::SIGINT, stop as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, stop as *const () as libc::sighandler_t);
     }
     let mut workers: Vec<(u32, Child)> = Vec::new();
     for p in &placed {
@@ -258,7 +280,11 @@ fn run(args: Args) -> Result<u8> {
             false => {
                 let mut cmd = Command::new(&args.ssh);
                 cmd.args(["-o", "BatchMode=yes", &p.host])
-                    .arg(remote_command(&env, &args.command, &dir.display().to_string()))
+                    .arg(remote_command(
+                        &env,
+                        &args.command,
+                        &dir.display().to_string(),
+                    ))
                     .stdin(Stdio::piped());
                 cmd
             }
@@ -267,7 +293,12 @@ fn run(args: Args) -> Result<u8> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .with_context(|| format!("starting rank {} ({}) on {}", p.rank, args.command[0], p.host));
+            .with_context(|| {
+                format!(
+                    "starting rank {} ({}) on {}",
+                    p.rank, args.command[0], p.host
+                )
+            });
         let mut child = match spawned {
             Ok(child) => child,
             Err(e) => {
@@ -342,6 +373,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn horovods_np_is_read_as_ours_and_the_workers_command_is_left_alone() {
+        let line = "hora-run -np 4 -- prog -np 2".split(' ').map(String::from);
+        let args = Args::parse_from(horovod_spelling(line));
+        assert_eq!(
+            (args.np, args.command),
+            (4, vec!["prog".into(), "-np".into(), "2".into()])
+        );
+    }
+
+    #[test]
     fn workers_fill_the_hosts_slots_in_order() {
         let placed = place(5, Some("a:2,b:2,c:4")).unwrap();
         let at: Vec<(u32, &str, u32, u32)> = placed
@@ -350,10 +391,19 @@ mod tests {
             .collect();
         assert_eq!(
             at,
-            [(0, "a", 0, 2), (1, "a", 1, 2), (2, "b", 0, 2), (3, "b", 1, 2), (4, "c", 0, 1)]
+            [
+                (0, "a", 0, 2),
+                (1, "a", 1, 2),
+                (2, "b", 0, 2),
+                (3, "b", 1, 2),
+                (4, "c", 0, 1)
+            ]
         );
         assert_eq!(place(3, None).unwrap().len(), 3);
-        assert!(place(5, Some("a:2,b:2")).unwrap_err().to_string().contains("needs 5 slots"));
+        assert!(place(5, Some("a:2,b:2"))
+            .unwrap_err()
+            .to_string()
+            .contains("needs 5 slots"));
         assert!(place(1, Some("a:x")).is_err());
         assert!(place(0, None).is_err());
     }
@@ -362,15 +412,30 @@ mod tests {
     fn every_worker_is_told_the_ring_in_hora_and_torchrun_names() {
         let placed = place(3, Some("n1:2,n2:1")).unwrap();
         let env: std::collections::HashMap<String, String> =
-            environment(&placed, &placed[2], 40000).unwrap().into_iter().collect();
+            environment(&placed, &placed[2], 40000)
+                .unwrap()
+                .into_iter()
+                .collect();
         assert_eq!(env["HORA_PEERS"], "n1:40001,n1:40002,n2:40003");
-        assert_eq!((env["RANK"].as_str(), env["WORLD_SIZE"].as_str()), ("2", "3"));
-        assert_eq!((env["LOCAL_RANK"].as_str(), env["LOCAL_WORLD_SIZE"].as_str()), ("0", "1"));
-        assert_eq!((env["MASTER_ADDR"].as_str(), env["MASTER_PORT"].as_str()), ("n1", "40000"));
+        assert_eq!(
+            (env["RANK"].as_str(), env["WORLD_SIZE"].as_str()),
+            ("2", "3")
+        );
+        assert_eq!(
+            (env["LOCAL_RANK"].as_str(), env["LOCAL_WORLD_SIZE"].as_str()),
+            ("0", "1")
+        );
+        assert_eq!(
+            (env["MASTER_ADDR"].as_str(), env["MASTER_PORT"].as_str()),
+            ("n1", "40000")
+        );
         assert!(environment(&placed, &placed[0], 65534).is_err());
         let local = place(2, None).unwrap();
         let env = environment(&local, &local[1], 29500).unwrap();
-        assert!(env.contains(&("HORA_PEERS".into(), "127.0.0.1:29501,127.0.0.1:29502".into())));
+        assert!(env.contains(&(
+            "HORA_PEERS".into(),
+            "127.0.0.1:29501,127.0.0.1:29502".into()
+        )));
     }
 
     #[test]
