@@ -62,7 +62,15 @@ fn spawn(program: &Path, args: &[String], env: &[(&str, String)]) -> Child {
         .stderr(Stdio::piped())
         .env("HORA_LOG", "warn")
         .env("HORA_SYNC_SECRET", SECRET);
-    // A worker must not pick its rank up from the environment this test runs in.
+    without_launchers(&mut cmd);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("start a worker")
+}
+
+/// A worker (or launcher) must not pick its rank up from the environment this test runs in.
+fn without_launchers(cmd: &mut Command) {
     for var in [
         "OMPI_COMM_WORLD_RANK",
         "OMPI_COMM_WORLD_SIZE",
@@ -70,13 +78,12 @@ fn spawn(program: &Path, args: &[String], env: &[(&str, String)]) -> Child {
         "SLURM_NTASKS",
         "PMI_RANK",
         "PMI_SIZE",
+        "RANK",
+        "WORLD_SIZE",
+        "TORCHELASTIC_RUN_ID",
     ] {
         cmd.env_remove(var);
     }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.spawn().expect("start a worker")
 }
 
 fn peers(n: usize) -> String {
@@ -802,19 +809,7 @@ fn launcher(args: &[String]) -> Command {
         .stderr(Stdio::piped())
         .env("HORA_LOG", "warn")
         .env_remove("HORA_SYNC_SECRET");
-    for var in [
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "PMI_RANK",
-        "PMI_SIZE",
-        "RANK",
-        "WORLD_SIZE",
-        "TORCHELASTIC_RUN_ID",
-    ] {
-        cmd.env_remove(var);
-    }
+    without_launchers(&mut cmd);
     cmd
 }
 
