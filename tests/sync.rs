@@ -813,9 +813,21 @@ fn launcher(args: &[String]) -> Command {
     cmd
 }
 
-/// A port base whose first ring port (base + 1) was free a moment ago.
-fn port_base() -> String {
-    (free_port() - 1).to_string()
+/// A port base whose `n` ring ports (base + 1 …) were all free a moment ago, below the
+/// ephemeral ports (from 32768) that the other tests' `free_port()` and outgoing connections
+/// take, so none of them can take one meanwhile.
+fn port_base(n: u16) -> String {
+    use rand::Rng;
+    for _ in 0..100 {
+        let base = rand::rng().random_range(20_000..32_000 - n);
+        let free: Vec<_> = (1..=n)
+            .map_while(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).ok())
+            .collect();
+        if free.len() == usize::from(n) {
+            return base.to_string();
+        }
+    }
+    panic!("no {n} free consecutive ports below 32000");
 }
 
 #[test]
@@ -824,7 +836,7 @@ fn the_launcher_starts_four_workers_that_form_a_world_and_passes_on_a_failing_ra
     // server, no list, no secret of their own) and train an epoch.
     let dir = tempfile::tempdir().unwrap();
     let save = dir.path().join("trained.safetensors");
-    let mut args = strings(&["-np", "4", "--port", &port_base(), "--", "hora-client"]);
+    let mut args = strings(&["-np", "4", "--port", &port_base(4), "--", "hora-client"]);
     args[5] = binary("hora-client").display().to_string();
     args.extend(training(32, 1, &save));
     let out = launcher(&args).output().expect("run hora-run");
@@ -846,7 +858,7 @@ fn the_launcher_starts_four_workers_that_form_a_world_and_passes_on_a_failing_ra
     // for: they would sleep a minute), and each worker was told its place and a secret.
     let script = r#"echo "rank=$RANK of $WORLD_SIZE local=$LOCAL_RANK/$LOCAL_WORLD_SIZE secret=${#HORA_SYNC_SECRET} peers=$HORA_PEERS"; [ "$RANK" != 2 ] || exit 7; sleep 60"#;
     let started = Instant::now();
-    let mut args = strings(&["-np", "4", "--grace", "1", "--port", &port_base()]);
+    let mut args = strings(&["-np", "4", "--grace", "1", "--port", &port_base(4)]);
     args.extend(strings(&["--", "sh", "-c", script]));
     let out = launcher(&args).output().expect("run hora-run");
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
