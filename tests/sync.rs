@@ -814,12 +814,17 @@ fn launcher(args: &[String]) -> Command {
 }
 
 /// A port base whose `n` ring ports (base + 1 …) were all free a moment ago, below the
-/// ephemeral ports (from 32768) that the other tests' `free_port()` and outgoing connections
-/// take, so none of them can take one meanwhile.
+/// ephemeral ports that the other tests' `free_port()` and outgoing connections take, so none
+/// of them can take one meanwhile.
 fn port_base(n: u16) -> String {
     use rand::Rng;
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let below = ephemeral.max(12_000);
     for _ in 0..100 {
-        let base = rand::rng().random_range(20_000..32_000 - n);
+        let base = rand::rng().random_range(10_000..below - n - 1);
         let free: Vec<_> = (1..=n)
             .map_while(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).ok())
             .collect();
@@ -827,7 +832,7 @@ fn port_base(n: u16) -> String {
             return base.to_string();
         }
     }
-    panic!("no {n} free consecutive ports below 32000");
+    panic!("no {n} free consecutive ports below {below}");
 }
 
 #[test]
@@ -886,11 +891,11 @@ fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() 
     let ssh = dir.path().join("fake-ssh");
     std::fs::write(
         &ssh,
-        "#!/bin/sh\n# -o BatchMode=yes HOST COMMAND\necho \"$3\" >> \"$0.hosts\"\nexec sh -c \"$4\"\n",
+        "#!/bin/sh\n# -T -o BatchMode=yes HOST COMMAND\necho \"$4\" >> \"$0.hosts\"\necho \"$@\" >> \"$0.args\"\nexec sh -c \"$5\"\n",
     )
     .unwrap();
     std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let script = r#"echo "rank=$RANK local=$LOCAL_RANK secret=${#HORA_SYNC_SECRET} peers=$HORA_PEERS dir=$(pwd)""#;
+    let script = r#"echo "rank=$RANK local=$LOCAL_RANK peers=$HORA_PEERS dir=$(pwd)"; echo "secret=$HORA_SYNC_SECRET""#;
     let mut args = strings(&["-np", "3", "-H", "node-a:2,node-b:2", "--port", "40000"]);
     args.extend(strings(&[
         "--ssh",
@@ -909,12 +914,20 @@ fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() 
     let here = dir.path().canonicalize().unwrap();
     let peers = "peers=node-a:40001,node-a:40002,node-b:40003";
     for (rank, local) in [(0, 0), (1, 1), (2, 0)] {
-        let line = format!(
-            "[{rank}] rank={rank} local={local} secret=32 {peers} dir={}",
-            here.display()
-        );
+        let line = format!("[{rank}] rank={rank} local={local} {peers} dir={}", here.display());
         assert!(stdout.contains(&line), "no `{line}` in:\n{stdout}");
     }
+    // One secret for the job, the same at every rank, on no command line.
+    let secrets: std::collections::BTreeSet<&str> = stdout
+        .lines()
+        .filter_map(|l| l.split_once("secret=").map(|(_, s)| s))
+        .collect();
+    let secret = match Vec::from_iter(secrets).as_slice() {
+        [one] if one.len() == 32 => one.to_string(),
+        other => panic!("not one secret of 32 digits: {other:?}"),
+    };
+    let args = std::fs::read_to_string(dir.path().join("fake-ssh.args")).unwrap();
+    assert!(!args.contains(&secret), "the secret was on ssh's command line");
     let mut hosts: Vec<String> = std::fs::read_to_string(dir.path().join("fake-ssh.hosts"))
         .unwrap()
         .lines()
@@ -922,4 +935,25 @@ fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() 
         .collect();
     hosts.sort();
     assert_eq!(hosts, ["node-a", "node-a", "node-b"]);
+}
+
+#[test]
+fn an_interrupted_launcher_stops_every_worker_and_what_they_started() {
+    let script = r#"echo up; sleep 60; echo "still here""#;
+    let mut args = strings(&["-np", "2", "--port", &port_base(2)]);
+    args.extend(strings(&["--", "sh", "-c", script]));
+    let started = Instant::now();
+    let mut run = launcher(&args).spawn().expect("start hora-run");
+    let mut lines = BufReader::new(run.stdout.take().unwrap()).lines();
+    for _ in 0..2 {
+        let line = lines.next().expect("a worker's line").unwrap();
+        assert!(line.ends_with("] up"), "{line}");
+    }
+    // SAFETY: SIGINT to the launcher this test started, by its id.
+    unsafe { libc::kill(run.id() as libc::pid_t, libc::SIGINT) };
+    let status = run.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    assert!(started.elapsed() < Duration::from_secs(30), "the workers were not stopped");
+    let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
+    assert!(!rest.iter().any(|l| l.contains("still here")), "{rest:?}");
 }

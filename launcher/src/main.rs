@@ -12,9 +12,11 @@
 //!
 //! Each line a worker prints comes out prefixed with its rank (`[2] …`). When a worker fails,
 //! the others are given `--grace` seconds to stop by themselves (the ring names the lost rank
-//! and stops them within its timeout), then terminated; `hora-run` exits with the first failing
-//! rank's exit code (128 + the signal for one killed by a signal). Ctrl-C (or SIGTERM) stops
-//! every worker.
+//! and stops them within its timeout), then terminated (SIGTERM, SIGKILL 5 s later): a local
+//! worker with every process it started (it runs in a process group of its own), a remote one
+//! by closing its ssh input, which its remote script watches; `hora-run` exits with the first
+//! failing rank's exit code (128 + the signal for one killed by a signal). Ctrl-C, SIGTERM or
+//! SIGHUP stops every worker the same way (exit 130).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -89,10 +91,17 @@ fn place(np: u32, hosts: Option<&str>) -> Result<Vec<Placement>> {
                 if host.is_empty() || slots == 0 {
                     bail!("`{h}` is not host:slots with at least one slot");
                 }
+                if host.starts_with('-') {
+                    bail!("`{host}` is not a host name (it would reach ssh as an option)");
+                }
                 Ok((host.to_string(), slots))
             })
             .collect::<Result<_>>()?,
     };
+    // Workers on other hosts must reach this one's: by a name they can resolve, not loopback.
+    if slots.iter().any(|(h, _)| is_local(h)) && slots.iter().any(|(h, _)| !is_local(h)) {
+        bail!("-H mixes this host as `localhost` with other hosts, which could not reach it there: name this host as the others know it");
+    }
     let total: u64 = slots.iter().map(|(_, n)| u64::from(*n)).sum();
     if total < u64::from(np) {
         bail!("-np {np} needs {np} slots, and the hosts have {total}: give more hosts or slots (-H host:slots,…)");
@@ -147,6 +156,7 @@ fn environment(placed: &[Placement], p: &Placement, port: u16) -> Result<Vec<(St
         ("HORA_PEERS".into(), peers.join(",")),
         ("HORA_RANK".into(), rank.clone()),
         ("HORA_WORLD_SIZE".into(), size.clone()),
+        ("HORA_LOCAL_RANK".into(), p.local_rank.to_string()),
         ("RANK".into(), rank),
         ("WORLD_SIZE".into(), size),
         ("LOCAL_RANK".into(), p.local_rank.to_string()),
@@ -161,20 +171,27 @@ fn quoted(word: &str) -> String {
     format!("'{}'", word.replace('\'', r"'\''"))
 }
 
-/// What the remote shell runs: the job's secret read from standard input (never on a command
-/// line), then the worker in the launcher's directory with its environment.
+/// What the remote host runs (through `sh -c`, whatever the login shell): the job's secret
+/// read from standard input (never on a command line), then the worker in the launcher's
+/// directory with its environment (assignments in front of the quoted command, whose words
+/// are never taken for assignments), stopped when standard input ends (the launcher closes
+/// it to stop the job, or went away), its exit code the script's.
 fn remote_command(env: &[(String, String)], command: &[String], dir: &str) -> String {
     let assignments: Vec<String> = env
         .iter()
         .map(|(k, v)| format!("{k}={}", quoted(v)))
         .collect();
     let words: Vec<String> = command.iter().map(|w| quoted(w)).collect();
-    format!(
-        "cd {} && IFS= read -r HORA_SYNC_SECRET && export HORA_SYNC_SECRET && exec env {} {}",
+    let script = format!(
+        "cd {} || exit 127; IFS= read -r HORA_SYNC_SECRET || exit 127; export HORA_SYNC_SECRET; \
+         {} {} </dev/null & w=$!; \
+         (while IFS= read -r _; do :; done; kill -TERM $w 2>/dev/null) & r=$!; \
+         wait $w; c=$?; kill $r 2>/dev/null; exit $c",
         quoted(dir),
         assignments.join(" "),
         words.join(" ")
-    )
+    );
+    format!("sh -c {}", quoted(&script))
 }
 
 /// A fresh secret for the job's ring (32 hex digits).
@@ -192,7 +209,12 @@ extern "C" fn stop(_: libc::c_int) {
 }
 
 /// Prints each line `from` yields, tagged with `rank` unless `tag` is off.
-fn relay(from: impl std::io::Read + Send + 'static, rank: u32, tag: bool, to_stderr: bool) {
+fn relay(
+    from: impl std::io::Read + Send + 'static,
+    rank: u32,
+    tag: bool,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
     static OUT: Mutex<()> = Mutex::new(());
     std::thread::spawn(move || {
         for line in BufReader::new(from).split(b'\n').map_while(|l| l.ok()) {
@@ -208,7 +230,7 @@ fn relay(from: impl std::io::Read + Send + 'static, rank: u32, tag: bool, to_std
                 false => std::io::stdout().write_all(&text),
             };
         }
-    });
+    })
 }
 
 /// The exit code a worker's status stands for (128 + the signal that ended it).
@@ -221,29 +243,88 @@ fn code_of(status: std::process::ExitStatus) -> u8 {
     }
 }
 
-fn terminate(workers: &mut [(u32, Child)], signal: libc::c_int) {
-    for (_, child) in workers.iter_mut() {
-        if child.try_wait().ok().flatten().is_none() {
-            // SAFETY: kill(2) on the id of a child this process started and has not reaped.
-            unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+/// A worker the launcher started: a local process group of its own, or an ssh client whose
+/// remote side stops the worker when `stdin` closes.
+struct Worker {
+    rank: u32,
+    child: Child,
+    local: bool,
+    stdin: Option<std::process::ChildStdin>,
+    relays: Vec<std::thread::JoinHandle<()>>,
+    status: Option<std::process::ExitStatus>,
+}
+
+impl Worker {
+    /// Signals the worker and what it started: a local worker's whole process group; a remote
+    /// one's ssh client, its input closed first (the remote script then stops the worker).
+    fn signal(&mut self, signal: libc::c_int) {
+        if self.status.is_some() {
+            return;
+        }
+        self.stdin = None;
+        let pid = self.child.id() as libc::pid_t;
+        // SAFETY: kill(2) on the process (group) of a child this process started and has not
+        // reaped: its id cannot have been reused.
+        unsafe {
+            match self.local {
+                true => libc::kill(-pid, signal),
+                false => libc::kill(pid, signal),
+            };
         }
     }
 }
 
+/// Stops every worker still running: SIGTERM, then SIGKILL after `patience`; waits for them.
+fn stop_all(workers: &mut [Worker], patience: Duration) {
+    for w in workers.iter_mut() {
+        w.signal(libc::SIGTERM);
+    }
+    let started = Instant::now();
+    loop {
+        let mut running = false;
+        for w in workers.iter_mut() {
+            if w.status.is_none() {
+                w.status = w.child.try_wait().ok().flatten();
+                running |= w.status.is_none();
+            }
+        }
+        if !running {
+            return;
+        }
+        if started.elapsed() >= patience {
+            for w in workers.iter_mut() {
+                w.signal(libc::SIGKILL);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The options of `hora-run` that take a value (the `-np` rewrite skips their values).
+const WITH_VALUES: [&str; 9] = ["-n", "--np", "-H", "--hosts", "-p", "--port", "--grace", "--ssh", "-np"];
+
 /// The command line with horovodrun's `-np` (which a parser of one-letter options reads as
-/// `-n p`) spelt `--np`, up to the worker's command.
+/// `-n p`) spelt `--np`, among hora-run's own options only: up to `--` or the worker's
+/// command, whose own `-np` is left alone.
 fn horovod_spelling(args: impl Iterator<Item = String>) -> Vec<String> {
-    let mut ours = true;
-    args.map(|a| {
-        if a == "--" {
-            ours = false;
+    let mut out = Vec::new();
+    let (mut ours, mut value_next) = (true, false);
+    for (i, a) in args.enumerate() {
+        if i > 0 && ours {
+            if value_next {
+                value_next = false;
+            } else if a == "--" || !a.starts_with('-') {
+                ours = false;
+            } else {
+                value_next = WITH_VALUES.contains(&a.as_str());
+            }
         }
         match (ours, a.as_str()) {
-            (true, "-np") => "--np".to_string(),
-            _ => a,
+            (true, "-np") => out.push("--np".to_string()),
+            _ => out.push(a),
         }
-    })
-    .collect()
+    }
+    out
 }
 
 fn main() -> ExitCode {
@@ -256,7 +337,11 @@ fn main() -> ExitCode {
     }
 }
 
+/// How long workers are given between SIGTERM and SIGKILL.
+const PATIENCE: Duration = Duration::from_secs(5);
+
 fn run(args: Args) -> Result<u8> {
+    use std::os::unix::process::CommandExt;
     let placed = place(args.np, args.hosts.as_deref())?;
     let secret = job_secret()?;
     let dir = std::env::current_dir().context("the current directory")?;
@@ -264,27 +349,28 @@ fn run(args: Args) -> Result<u8> {
     unsafe {
         libc::signal(libc::SIGINT, stop as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, stop as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGHUP, stop as *const () as libc::sighandler_t);
     }
-    let mut workers: Vec<(u32, Child)> = Vec::new();
+    let mut workers: Vec<Worker> = Vec::new();
     for p in &placed {
         let env = environment(&placed, p, args.port)?;
-        let mut cmd = match is_local(&p.host) {
+        let local = is_local(&p.host);
+        let mut cmd = match local {
             true => {
                 let mut cmd = Command::new(&args.command[0]);
                 cmd.args(&args.command[1..])
                     .envs(env.iter().map(|(k, v)| (k, v)))
                     .env("HORA_SYNC_SECRET", &secret)
-                    .stdin(Stdio::null());
+                    .stdin(Stdio::null())
+                    // Its own group: stopping it stops what it started too.
+                    .process_group(0);
                 cmd
             }
             false => {
                 let mut cmd = Command::new(&args.ssh);
-                cmd.args(["-o", "BatchMode=yes", &p.host])
-                    .arg(remote_command(
-                        &env,
-                        &args.command,
-                        &dir.display().to_string(),
-                    ))
+                // -T: no terminal, which would echo the secret back.
+                cmd.args(["-T", "-o", "BatchMode=yes", &p.host])
+                    .arg(remote_command(&env, &args.command, &dir.display().to_string()))
                     .stdin(Stdio::piped());
                 cmd
             }
@@ -293,75 +379,95 @@ fn run(args: Args) -> Result<u8> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .with_context(|| {
-                format!(
-                    "starting rank {} ({}) on {}",
-                    p.rank, args.command[0], p.host
-                )
-            });
+            .with_context(|| format!("starting rank {} ({}) on {}", p.rank, args.command[0], p.host));
         let mut child = match spawned {
             Ok(child) => child,
             Err(e) => {
-                terminate(&mut workers, libc::SIGTERM);
-                for (_, c) in &mut workers {
-                    let _ = c.wait();
-                }
+                stop_all(&mut workers, PATIENCE);
                 return Err(e);
             }
         };
-        if let Some(mut stdin) = child.stdin.take() {
-            // (The remote shell reads the secret; a failure shows as that worker's failure.)
-            let _ = writeln!(stdin, "{secret}");
+        let mut stdin = child.stdin.take();
+        if let Some(input) = stdin.as_mut() {
+            // (A remote shell that cannot read it fails, and so does its rank.)
+            let _ = writeln!(input, "{secret}").and_then(|()| input.flush());
         }
+        let mut relays = Vec::new();
         if let Some(out) = child.stdout.take() {
-            relay(out, p.rank, !args.no_tag, false);
+            relays.push(relay(out, p.rank, !args.no_tag, false));
         }
         if let Some(err) = child.stderr.take() {
-            relay(err, p.rank, !args.no_tag, true);
+            relays.push(relay(err, p.rank, !args.no_tag, true));
         }
-        workers.push((p.rank, child));
+        workers.push(Worker {
+            rank: p.rank,
+            child,
+            local,
+            stdin,
+            relays,
+            status: None,
+        });
     }
 
     let mut failed: Option<(u32, u8, Instant)> = None;
-    let mut stopping = false;
-    let mut killed_at: Option<Instant> = None;
-    let mut running = workers.len();
-    while running > 0 {
-        running = 0;
-        for (rank, child) in &mut workers {
-            match child.try_wait() {
-                Ok(Some(status)) if !status.success() && failed.is_none() && !stopping => {
-                    let code = code_of(status);
-                    eprintln!("hora-run: rank {rank} exited with {status}; stopping the others");
-                    failed = Some((*rank, code, Instant::now()));
+    let mut interrupted = false;
+    let mut terminating: Option<Instant> = None;
+    loop {
+        if STOP.load(Ordering::SeqCst) && !interrupted {
+            eprintln!("hora-run: interrupted; stopping every worker");
+            interrupted = true;
+            for w in workers.iter_mut() {
+                w.signal(libc::SIGTERM);
+            }
+            terminating = Some(Instant::now());
+        }
+        let mut running = 0;
+        for w in workers.iter_mut() {
+            if w.status.is_some() {
+                continue;
+            }
+            match w.child.try_wait() {
+                Ok(Some(status)) => {
+                    w.status = Some(status);
+                    w.stdin = None;
+                    if !status.success() && failed.is_none() && !interrupted {
+                        eprintln!("hora-run: rank {} exited with {status}; stopping the others", w.rank);
+                        failed = Some((w.rank, code_of(status), Instant::now()));
+                    }
                 }
-                Ok(Some(_)) => {}
                 _ => running += 1,
             }
         }
         if running == 0 {
             break;
         }
-        if STOP.load(Ordering::SeqCst) && !stopping {
-            eprintln!("hora-run: interrupted; stopping every worker");
-            stopping = true;
-            terminate(&mut workers, libc::SIGTERM);
-            killed_at = Some(Instant::now());
-        }
         if let Some((_, _, at)) = failed {
-            if killed_at.is_none() && at.elapsed() >= Duration::from_secs(args.grace) {
-                terminate(&mut workers, libc::SIGTERM);
-                killed_at = Some(Instant::now());
+            if terminating.is_none() && at.elapsed() >= Duration::from_secs(args.grace) {
+                for w in workers.iter_mut() {
+                    w.signal(libc::SIGTERM);
+                }
+                terminating = Some(Instant::now());
             }
         }
-        if killed_at.is_some_and(|k| k.elapsed() >= Duration::from_secs(5)) {
-            terminate(&mut workers, libc::SIGKILL);
+        if terminating.is_some_and(|t| t.elapsed() >= PATIENCE) {
+            for w in workers.iter_mut() {
+                w.signal(libc::SIGKILL);
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Give the relays a moment to print what the workers wrote last.
-    std::thread::sleep(Duration::from_millis(50));
-    Ok(match (failed, stopping) {
+    // What the workers wrote last, printed before the verdict (a grandchild still holding a
+    // pipe is not waited for long).
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for relay in workers.iter_mut().flat_map(|w| w.relays.drain(..)) {
+        while !relay.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if relay.is_finished() {
+            let _ = relay.join();
+        }
+    }
+    Ok(match (failed, interrupted) {
         (Some((_, code, _)), _) => code.max(1),
         (None, true) => 130,
         (None, false) => 0,
@@ -374,12 +480,11 @@ mod tests {
 
     #[test]
     fn horovods_np_is_read_as_ours_and_the_workers_command_is_left_alone() {
-        let line = "hora-run -np 4 -- prog -np 2".split(' ').map(String::from);
-        let args = Args::parse_from(horovod_spelling(line));
-        assert_eq!(
-            (args.np, args.command),
-            (4, vec!["prog".into(), "-np".into(), "2".into()])
-        );
+        for line in ["hora-run -np 4 -- prog -np 2", "hora-run -H a:4 -np 4 prog -np 2"] {
+            let args = Args::parse_from(horovod_spelling(line.split(' ').map(String::from)));
+            let want: Vec<String> = vec!["prog".into(), "-np".into(), "2".into()];
+            assert_eq!((args.np, args.command), (4, want), "{line}");
+        }
     }
 
     #[test]
@@ -443,10 +548,24 @@ mod tests {
         let env = vec![("RANK".to_string(), "1".to_string())];
         let command = vec!["python".to_string(), "it's here.py".to_string()];
         let remote = remote_command(&env, &command, "/job dir");
-        assert_eq!(
-            remote,
-            r#"cd '/job dir' && IFS= read -r HORA_SYNC_SECRET && export HORA_SYNC_SECRET && exec env RANK='1' 'python' 'it'\''s here.py'"#
+        // What the remote shell gets: `sh -c` and the script, quoted once more.
+        let script = remote
+            .strip_prefix("sh -c '")
+            .and_then(|r| r.strip_suffix('\''))
+            .expect("sh -c 'script'")
+            .replace(r"'\''", "'");
+        assert!(script.starts_with("cd '/job dir' || exit 127; IFS= read -r HORA_SYNC_SECRET"));
+        assert!(
+            script.contains(r"RANK='1' 'python' 'it'\''s here.py' </dev/null & w=$!"),
+            "{script}"
         );
+        assert!(script.ends_with("wait $w; c=$?; kill $r 2>/dev/null; exit $c"));
         assert!(!remote.contains("SECRET="), "never on the command line");
+    }
+
+    #[test]
+    fn hosts_that_would_be_options_or_unreachable_loopback_are_refused() {
+        assert!(place(1, Some("-oProxyCommand=x:1")).unwrap_err().to_string().contains("option"));
+        assert!(place(2, Some("localhost:1,b:1")).unwrap_err().to_string().contains("mixes"));
     }
 }

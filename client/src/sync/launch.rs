@@ -106,7 +106,8 @@ impl LaunchRank {
             LaunchRank {
                 rank: flag_rank,
                 world_size: flag_world_size,
-                local_rank: None,
+                // (hora-run sets it beside HORA_RANK.)
+                local_rank: number("HORA_LOCAL_RANK")?,
                 source: "flags",
             }
         } else {
