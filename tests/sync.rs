@@ -914,7 +914,10 @@ fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() 
     let here = dir.path().canonicalize().unwrap();
     let peers = "peers=node-a:40001,node-a:40002,node-b:40003";
     for (rank, local) in [(0, 0), (1, 1), (2, 0)] {
-        let line = format!("[{rank}] rank={rank} local={local} {peers} dir={}", here.display());
+        let line = format!(
+            "[{rank}] rank={rank} local={local} {peers} dir={}",
+            here.display()
+        );
         assert!(stdout.contains(&line), "no `{line}` in:\n{stdout}");
     }
     // One secret for the job, the same at every rank, on no command line.
@@ -927,7 +930,10 @@ fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() 
         other => panic!("not one secret of 32 digits: {other:?}"),
     };
     let args = std::fs::read_to_string(dir.path().join("fake-ssh.args")).unwrap();
-    assert!(!args.contains(&secret), "the secret was on ssh's command line");
+    assert!(
+        !args.contains(&secret),
+        "the secret was on ssh's command line"
+    );
     let mut hosts: Vec<String> = std::fs::read_to_string(dir.path().join("fake-ssh.hosts"))
         .unwrap()
         .lines()
@@ -953,7 +959,10 @@ fn an_interrupted_launcher_stops_every_worker_and_what_they_started() {
     unsafe { libc::kill(run.id() as libc::pid_t, libc::SIGINT) };
     let status = run.wait().unwrap();
     assert_eq!(status.code(), Some(130));
-    assert!(started.elapsed() < Duration::from_secs(30), "the workers were not stopped");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the workers were not stopped"
+    );
     let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
     assert!(!rest.iter().any(|l| l.contains("still here")), "{rest:?}");
 }

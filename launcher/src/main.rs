@@ -175,7 +175,9 @@ fn quoted(word: &str) -> String {
 /// read from standard input (never on a command line), then the worker in the launcher's
 /// directory with its environment (assignments in front of the quoted command, whose words
 /// are never taken for assignments), stopped when standard input ends (the launcher closes
-/// it to stop the job, or went away), its exit code the script's.
+/// it to stop the job, or went away) with everything it started (under `setsid`, where the
+/// host has it, the worker leads a process group of its own), its exit code the script's. (A background job's input is
+/// /dev/null unless redirected: the watcher reads the script's input through fd 3.)
 fn remote_command(env: &[(String, String)], command: &[String], dir: &str) -> String {
     let assignments: Vec<String> = env
         .iter()
@@ -184,9 +186,10 @@ fn remote_command(env: &[(String, String)], command: &[String], dir: &str) -> St
     let words: Vec<String> = command.iter().map(|w| quoted(w)).collect();
     let script = format!(
         "cd {} || exit 127; IFS= read -r HORA_SYNC_SECRET || exit 127; export HORA_SYNC_SECRET; \
-         {} {} </dev/null & w=$!; \
-         (while IFS= read -r _; do :; done; kill -TERM $w 2>/dev/null) & r=$!; \
-         wait $w; c=$?; kill $r 2>/dev/null; exit $c",
+         exec 3<&0; s=; command -v setsid >/dev/null 2>&1 && s=setsid; \
+         {} $s {} </dev/null 3<&- & w=$!; \
+         (while IFS= read -r _; do :; done <&3; kill -TERM -$w 2>/dev/null || kill -TERM $w) & r=$!; \
+         exec 3<&-; wait $w; c=$?; kill $r 2>/dev/null; exit $c",
         quoted(dir),
         assignments.join(" "),
         words.join(" ")
@@ -301,7 +304,9 @@ fn stop_all(workers: &mut [Worker], patience: Duration) {
 }
 
 /// The options of `hora-run` that take a value (the `-np` rewrite skips their values).
-const WITH_VALUES: [&str; 9] = ["-n", "--np", "-H", "--hosts", "-p", "--port", "--grace", "--ssh", "-np"];
+const WITH_VALUES: [&str; 9] = [
+    "-n", "--np", "-H", "--hosts", "-p", "--port", "--grace", "--ssh", "-np",
+];
 
 /// The command line with horovodrun's `-np` (which a parser of one-letter options reads as
 /// `-n p`) spelt `--np`, among hora-run's own options only: up to `--` or the worker's
@@ -370,7 +375,11 @@ fn run(args: Args) -> Result<u8> {
                 let mut cmd = Command::new(&args.ssh);
                 // -T: no terminal, which would echo the secret back.
                 cmd.args(["-T", "-o", "BatchMode=yes", &p.host])
-                    .arg(remote_command(&env, &args.command, &dir.display().to_string()))
+                    .arg(remote_command(
+                        &env,
+                        &args.command,
+                        &dir.display().to_string(),
+                    ))
                     .stdin(Stdio::piped());
                 cmd
             }
@@ -379,7 +388,12 @@ fn run(args: Args) -> Result<u8> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .with_context(|| format!("starting rank {} ({}) on {}", p.rank, args.command[0], p.host));
+            .with_context(|| {
+                format!(
+                    "starting rank {} ({}) on {}",
+                    p.rank, args.command[0], p.host
+                )
+            });
         let mut child = match spawned {
             Ok(child) => child,
             Err(e) => {
@@ -431,7 +445,10 @@ fn run(args: Args) -> Result<u8> {
                     w.status = Some(status);
                     w.stdin = None;
                     if !status.success() && failed.is_none() && !interrupted {
-                        eprintln!("hora-run: rank {} exited with {status}; stopping the others", w.rank);
+                        eprintln!(
+                            "hora-run: rank {} exited with {status}; stopping the others",
+                            w.rank
+                        );
                         failed = Some((w.rank, code_of(status), Instant::now()));
                     }
                 }
@@ -480,7 +497,10 @@ mod tests {
 
     #[test]
     fn horovods_np_is_read_as_ours_and_the_workers_command_is_left_alone() {
-        for line in ["hora-run -np 4 -- prog -np 2", "hora-run -H a:4 -np 4 prog -np 2"] {
+        for line in [
+            "hora-run -np 4 -- prog -np 2",
+            "hora-run -H a:4 -np 4 prog -np 2",
+        ] {
             let args = Args::parse_from(horovod_spelling(line.split(' ').map(String::from)));
             let want: Vec<String> = vec!["prog".into(), "-np".into(), "2".into()];
             assert_eq!((args.np, args.command), (4, want), "{line}");
@@ -556,7 +576,7 @@ mod tests {
             .replace(r"'\''", "'");
         assert!(script.starts_with("cd '/job dir' || exit 127; IFS= read -r HORA_SYNC_SECRET"));
         assert!(
-            script.contains(r"RANK='1' 'python' 'it'\''s here.py' </dev/null & w=$!"),
+            script.contains(r"RANK='1' $s 'python' 'it'\''s here.py' </dev/null 3<&- & w=$!"),
             "{script}"
         );
         assert!(script.ends_with("wait $w; c=$?; kill $r 2>/dev/null; exit $c"));
@@ -565,7 +585,13 @@ mod tests {
 
     #[test]
     fn hosts_that_would_be_options_or_unreachable_loopback_are_refused() {
-        assert!(place(1, Some("-oProxyCommand=x:1")).unwrap_err().to_string().contains("option"));
-        assert!(place(2, Some("localhost:1,b:1")).unwrap_err().to_string().contains("mixes"));
+        assert!(place(1, Some("-oProxyCommand=x:1"))
+            .unwrap_err()
+            .to_string()
+            .contains("option"));
+        assert!(place(2, Some("localhost:1,b:1"))
+            .unwrap_err()
+            .to_string()
+            .contains("mixes"));
     }
 }
