@@ -883,18 +883,54 @@ fn the_launcher_starts_four_workers_that_form_a_world_and_passes_on_a_failing_ra
     }
 }
 
-#[test]
-fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() {
-    // A stand-in for ssh that runs the remote command here, as sshd's shell would: what
-    // hora-run sends a remote host is exercised whole, on loopback.
-    let dir = tempfile::tempdir().unwrap();
-    let ssh = dir.path().join("fake-ssh");
+/// A stand-in for ssh in `dir` that runs the remote command here, as sshd's shell would (and
+/// notes the host and its arguments): what hora-run sends a remote host is exercised whole,
+/// on loopback.
+fn fake_ssh(dir: &Path) -> PathBuf {
+    let ssh = dir.join("fake-ssh");
     std::fs::write(
         &ssh,
         "#!/bin/sh\n# -T -o BatchMode=yes HOST COMMAND\necho \"$4\" >> \"$0.hosts\"\necho \"$@\" >> \"$0.args\"\nexec sh -c \"$5\"\n",
     )
     .unwrap();
     std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    ssh
+}
+
+#[test]
+fn a_failing_remote_rank_ends_the_job_with_its_code_and_leaves_no_worker_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let ssh = fake_ssh(dir.path());
+    // Rank 0 records its id and sleeps; rank 1 fails.
+    let script = r#"[ "$RANK" = 1 ] && exit 5; echo $$ > "pid.$RANK"; exec sleep 60"#;
+    let mut args = strings(&["-np", "2", "-H", "node-a:1,node-b:1", "--grace", "1"]);
+    args.extend(strings(&["--ssh", &ssh.display().to_string(), "--", "sh", "-c", script]));
+    let started = Instant::now();
+    let out = launcher(&args)
+        .current_dir(dir.path())
+        .output()
+        .expect("run hora-run");
+    assert_eq!(out.status.code(), Some(5), "{}", text(&out.stderr));
+    assert!(started.elapsed() < Duration::from_secs(30), "rank 0 was not stopped");
+    let pid: i32 = std::fs::read_to_string(dir.path().join("pid.0"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: signal 0 only asks whether the process (rank 0, which this test started through
+    // hora-run) still exists.
+    let alive = unsafe { libc::kill(pid, 0) } == 0;
+    if alive {
+        // SAFETY: the worker this test started, by its id.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    assert!(!alive, "rank 0 ({pid}) outlived the job");
+}
+
+#[test]
+fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let ssh = fake_ssh(dir.path());
     let script = r#"echo "rank=$RANK local=$LOCAL_RANK peers=$HORA_PEERS dir=$(pwd)"; echo "secret=$HORA_SYNC_SECRET""#;
     let mut args = strings(&["-np", "3", "-H", "node-a:2,node-b:2", "--port", "40000"]);
     args.extend(strings(&[
