@@ -904,14 +904,24 @@ fn a_failing_remote_rank_ends_the_job_with_its_code_and_leaves_no_worker_behind(
     // Rank 0 records its id and sleeps; rank 1 fails.
     let script = r#"[ "$RANK" = 1 ] && exit 5; echo $$ > "pid.$RANK"; exec sleep 60"#;
     let mut args = strings(&["-np", "2", "-H", "node-a:1,node-b:1", "--grace", "1"]);
-    args.extend(strings(&["--ssh", &ssh.display().to_string(), "--", "sh", "-c", script]));
+    args.extend(strings(&[
+        "--ssh",
+        &ssh.display().to_string(),
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]));
     let started = Instant::now();
     let out = launcher(&args)
         .current_dir(dir.path())
         .output()
         .expect("run hora-run");
     assert_eq!(out.status.code(), Some(5), "{}", text(&out.stderr));
-    assert!(started.elapsed() < Duration::from_secs(30), "rank 0 was not stopped");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "rank 0 was not stopped"
+    );
     let pid: i32 = std::fs::read_to_string(dir.path().join("pid.0"))
         .unwrap()
         .trim()
