@@ -897,13 +897,10 @@ fn fake_ssh(dir: &Path) -> PathBuf {
     ssh
 }
 
-#[test]
-fn a_failing_remote_rank_ends_the_job_with_its_code_and_leaves_no_worker_behind() {
-    let dir = tempfile::tempdir().unwrap();
-    let ssh = fake_ssh(dir.path());
-    // Rank 0 records its id and sleeps; rank 1 fails.
-    let script = r#"[ "$RANK" = 1 ] && exit 5; echo $$ > "pid.$RANK"; exec sleep 60"#;
-    let mut args = strings(&["-np", "2", "-H", "node-a:1,node-b:1", "--grace", "1"]);
+/// `hora-run` with `args`, through the stand-in ssh, running `sh -c script` in `dir`.
+fn remote_job(dir: &Path, args: &[&str], script: &str) -> Output {
+    let ssh = fake_ssh(dir);
+    let mut args = strings(args);
     args.extend(strings(&[
         "--ssh",
         &ssh.display().to_string(),
@@ -912,11 +909,23 @@ fn a_failing_remote_rank_ends_the_job_with_its_code_and_leaves_no_worker_behind(
         "-c",
         script,
     ]));
-    let started = Instant::now();
-    let out = launcher(&args)
-        .current_dir(dir.path())
+    launcher(&args)
+        .current_dir(dir)
         .output()
-        .expect("run hora-run");
+        .expect("run hora-run")
+}
+
+#[test]
+fn a_failing_remote_rank_ends_the_job_with_its_code_and_leaves_no_worker_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 0 records its id and sleeps; rank 1 fails.
+    let script = r#"[ "$RANK" = 1 ] && exit 5; echo $$ > "pid.$RANK"; exec sleep 60"#;
+    let started = Instant::now();
+    let out = remote_job(
+        dir.path(),
+        &["-np", "2", "-H", "node-a:1,node-b:1", "--grace", "1"],
+        script,
+    );
     assert_eq!(out.status.code(), Some(5), "{}", text(&out.stderr));
     assert!(
         started.elapsed() < Duration::from_secs(30),
@@ -940,21 +949,9 @@ fn a_failing_remote_rank_ends_the_job_with_its_code_and_leaves_no_worker_behind(
 #[test]
 fn the_launcher_reaches_remote_hosts_through_ssh_with_the_secret_on_its_input() {
     let dir = tempfile::tempdir().unwrap();
-    let ssh = fake_ssh(dir.path());
     let script = r#"echo "rank=$RANK local=$LOCAL_RANK peers=$HORA_PEERS dir=$(pwd)"; echo "secret=$HORA_SYNC_SECRET""#;
-    let mut args = strings(&["-np", "3", "-H", "node-a:2,node-b:2", "--port", "40000"]);
-    args.extend(strings(&[
-        "--ssh",
-        &ssh.display().to_string(),
-        "--",
-        "sh",
-        "-c",
-        script,
-    ]));
-    let out = launcher(&args)
-        .current_dir(dir.path())
-        .output()
-        .expect("run hora-run");
+    let hosts = ["-np", "3", "-H", "node-a:2,node-b:2", "--port", "40000"];
+    let out = remote_job(dir.path(), &hosts, script);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
     let here = dir.path().canonicalize().unwrap();

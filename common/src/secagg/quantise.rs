@@ -27,6 +27,12 @@ use crate::wire::{EvaluationReport, EvaluationSums};
 /// clip`, so they keep the bound that keeps the sum from wrapping.
 pub const EVALUATION_SLOTS: usize = 6;
 
+/// `⌊v + u⌋` with `u` uniform in [0, 1) from 53 random bits: `v` rounded without bias.
+fn stochastic_round(v: f64, rng: &mut impl RngCore) -> i64 {
+    let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+    (v + u).floor() as i64
+}
+
 /// A loss above this is counted as it in a secure evaluation.
 pub const LOSS_CAP: f64 = 100.0;
 
@@ -98,9 +104,7 @@ impl Quantiser {
         let mut out = Vec::with_capacity(delta.len() + 1);
         out.extend(delta.iter().map(|&x| {
             let v = f64::from(x).clamp(-self.clip, self.clip) * factor;
-            // 53 random bits: u uniform in [0, 1).
-            let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
-            ((v + u).floor() as i64) as i32 as u32
+            stochastic_round(v, rng) as i32 as u32
         }));
         out.push(w);
         out
@@ -135,8 +139,7 @@ impl Quantiser {
         let n = self.weight(e.num_examples);
         let mut weighted = |x: f64| {
             let v = f64::from(n) * x.clamp(0.0, 1.0) * self.clip * self.scale;
-            let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
-            (v + u).floor() as u32
+            stochastic_round(v, rng) as u32
         };
         let (n_loss, loss) = match e.loss {
             Some(l) => (n, weighted(l.min(LOSS_CAP) / LOSS_CAP)),
