@@ -554,6 +554,9 @@ pub struct OpenRoundStatus {
     /// Updates in the round so far; in an asynchronous task, in the open buffer.
     pub accepted: u32,
     pub deadline_unix_ms: u64,
+    /// A secure-aggregation round's stage: `advertise`, `share_keys`, `masked_input`, `unmask`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
 }
 
 /// `POST /admin/v1/models` → the stored model's digest and spec.
@@ -617,6 +620,45 @@ pub struct ClientInfo {
     /// Why the server quarantined it (refused everything until the operator releases it).
     #[serde(default)]
     pub quarantined: Option<String>,
+    /// The tasks its enrolment allows (absent: every task).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tasks: Option<Vec<String>>,
+    /// When the server that answers last saw a request with its credentials (absent: not since
+    /// that server started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_seen_unix_ms: Option<u64>,
+    /// Updates of it that server accepted since it started.
+    #[serde(default)]
+    pub contributions: u64,
+}
+
+/// `POST /dashboard/api/session`: sign in to the dashboard with the admin token.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignIn {
+    pub token: String,
+}
+
+impl fmt::Debug for SignIn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SignIn").field("token", &Redacted).finish()
+    }
+}
+
+/// A signed-in dashboard session (its cookie is HttpOnly: the page never sees it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct DashboardSession {
+    /// Sent in `X-CSRF-Token` with every state-changing request of the session.
+    pub csrf: String,
+    pub expires_unix_ms: u64,
+}
+
+/// `POST /admin/v1/dashboard/sign-in-links` → a one-time sign-in link.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SignInLink {
+    /// Path and query, to append to the server's URL (`https://host:port`).
+    pub path: String,
+    pub expires_unix_ms: u64,
 }
 
 /// One finished (or abandoned) round, for the admin's history.

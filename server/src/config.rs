@@ -80,6 +80,14 @@ pub struct ServeArgs {
     /// the file.)
     #[arg(long, env = "HORA_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
+    /// The key the dashboard's session cookies are signed with, at least 32 characters
+    /// (replicas behind one load balancer are given the same, so a session works on each).
+    /// Default: a random key per process, so sessions end when the server does.
+    #[arg(long, env = "HORA_DASHBOARD_SECRET", hide_env_values = true)]
+    pub dashboard_secret: Option<String>,
+    /// Read the dashboard's session key from this file (first line) instead.
+    #[arg(long, env = "HORA_DASHBOARD_SECRET_FILE")]
+    pub dashboard_secret_file: Option<PathBuf>,
     /// Networks the admin API answers, comma-separated (e.g. `10.0.0.0/8,2001:db8::/32`, or
     /// addresses); default: every address. A request from elsewhere is refused 403 before its
     /// token is looked at, so guesses from the internet cannot spend the token check's budget
@@ -228,6 +236,8 @@ pub struct ServeConfig {
     pub certs_dir: Option<PathBuf>,
     pub hosts: Vec<String>,
     pub admin_token: Option<String>,
+    /// The dashboard's session key (None: a random one per process).
+    pub dashboard_secret: Option<String>,
     /// Empty: the admin API answers every address.
     pub admin_allow: Vec<ipnet::IpNet>,
     pub commit_window_ms: u64,
@@ -270,6 +280,10 @@ impl std::fmt::Debug for ServeConfig {
             .field(
                 "admin_token",
                 &self.admin_token.as_ref().map(|_| "(secret)"),
+            )
+            .field(
+                "dashboard_secret",
+                &self.dashboard_secret.as_ref().map(|_| "(secret)"),
             )
             .field("admin_allow", &self.admin_allow)
             .field("commit_window_ms", &self.commit_window_ms)
@@ -350,6 +364,22 @@ impl ServeConfig {
                 layered.value.admin_token_file.as_deref(),
             )
             .map_err(anyhow::Error::msg)?;
+        let dashboard_secret = layered
+            .secret(
+                "dashboard_secret",
+                layered.value.dashboard_secret.clone(),
+                layered.value.dashboard_secret_file.as_deref(),
+            )
+            .map_err(anyhow::Error::msg)?;
+        if let Some(secret) = &dashboard_secret {
+            let min = crate::dashboard::session::MIN_SECRET_BYTES;
+            if secret.len() < min {
+                anyhow::bail!(
+                    "dashboard_secret is {} characters; give at least {min} (e.g. the output of `openssl rand -hex 32`)",
+                    secret.len()
+                );
+            }
+        }
         let args = layered.value;
         let max_upload_share = args.max_upload_share;
         if !(max_upload_share > 0.0 && max_upload_share <= 1.0) {
@@ -391,6 +421,7 @@ impl ServeConfig {
             certs_dir: args.certs_dir,
             hosts: args.hosts,
             admin_token,
+            dashboard_secret,
             admin_allow: args.admin_allow.into_iter().map(|n| n.0).collect(),
             commit_window_ms: args.commit_window_ms,
             max_concurrent_uploads: args.max_concurrent_uploads,

@@ -33,6 +33,7 @@ pub mod api;
 pub mod auth;
 pub mod config;
 pub mod conn;
+pub mod dashboard;
 pub mod dp;
 pub mod error;
 pub mod metrics;

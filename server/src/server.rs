@@ -160,6 +160,8 @@ impl Server {
                 ..Default::default()
             },
             rendezvous,
+            crate::dashboard::Dashboard::new(config.dashboard_secret.as_deref().map(str::as_bytes))
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
         );
         let limits = connection_limits(&config, fd_limit);
         tracing::info!(

@@ -332,8 +332,12 @@ pub async fn create_enrolment(
     ))
 }
 
-fn client_info(id: String, c: crate::store::ClientRecord) -> ClientInfo {
+fn client_info(state: &Shared, id: String, c: crate::store::ClientRecord) -> ClientInfo {
+    let (last_seen_unix_ms, contributions) = state.coordinator.clients_seen.of(&id);
     ClientInfo {
+        tasks: c.tasks,
+        last_seen_unix_ms,
+        contributions,
         client_id: id,
         label: c.label,
         enrolled_unix_ms: c.enrolled_unix_ms,
@@ -349,11 +353,12 @@ pub async fn list_clients(
     State(state): State<Shared>,
     _a: AdminAuth,
 ) -> Result<Json<Vec<ClientInfo>>, ServerError> {
-    let clients = crate::blocking(move || Ok(state.coordinator.store().clients()?)).await?;
+    let me = state.clone();
+    let clients = crate::blocking(move || Ok(me.coordinator.store().clients()?)).await?;
     Ok(Json(
         clients
             .into_iter()
-            .map(|(id, c)| client_info(id, c))
+            .map(|(id, c)| client_info(&state, id, c))
             .collect(),
     ))
 }
@@ -377,9 +382,9 @@ async fn change_client(
     client: String,
     change: fn(&mut crate::store::ClientRecord),
 ) -> Result<Json<ClientInfo>, ServerError> {
-    let id = client.clone();
+    let (id, me) = (client.clone(), state.clone());
     let record = crate::blocking(move || {
-        let store = state.coordinator.store();
+        let store = me.coordinator.store();
         let record = store
             .update_client(&id, &mut |c| change(c))?
             .ok_or_else(|| ServerError::NotFound(format!("no client `{id}`")))?;
@@ -387,7 +392,7 @@ async fn change_client(
         Ok(record)
     })
     .await?;
-    Ok(Json(client_info(client, record)))
+    Ok(Json(client_info(&state, client, record)))
 }
 
 #[utoipa::path(post, path = "/admin/v1/clients/{client}/release", tag = "admin", security(("admin_token" = [])), params(("client" = String, Path)),

@@ -47,6 +47,7 @@ use super::{admin, chunked, client, secagg, sync};
         admin::pause, admin::resume, admin::stop, admin::rounds, admin::round_model, admin::frozen_base,
         admin::create_enrolment, admin::list_clients, admin::revoke_client, admin::release_client,
         admin::create_sync_job, admin::list_sync_jobs, admin::delete_sync_job,
+        crate::dashboard::create_link,
         sync::join,
         secagg::advertise, secagg::neighbours, secagg::share, secagg::inbox, secagg::masked,
         secagg::unmask_request, secagg::unmask,

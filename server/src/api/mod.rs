@@ -114,6 +114,8 @@ pub struct AppState {
     /// Sync jobs and the worlds their workers are forming.
     pub rendezvous: Rendezvous,
     pub readiness: Readiness,
+    /// The dashboard's sessions and sign-in links.
+    pub dashboard: crate::dashboard::Dashboard,
 }
 
 impl AppState {
@@ -122,6 +124,7 @@ impl AppState {
         admin_token_hash: String,
         limits: HttpLimits,
         rendezvous: Rendezvous,
+        dashboard: crate::dashboard::Dashboard,
     ) -> Shared {
         Arc::new(AppState {
             coordinator,
@@ -138,6 +141,7 @@ impl AppState {
             limits,
             rendezvous,
             readiness: Readiness::default(),
+            dashboard,
         })
     }
 }
@@ -147,48 +151,77 @@ pub type Shared = Arc<AppState>;
 /// How many JSON bodies of the largest size fit in their budget at once.
 const JSON_BODIES: u64 = 16;
 
-/// Proof that the request carries the admin token.
+/// Proof that the request carries the admin token, or the cookie of a dashboard session (and,
+/// if it changes anything, the session's CSRF token).
 pub struct AdminAuth;
 
 impl FromRequestParts<Shared> for AdminAuth {
     type Rejection = ServerError;
 
     async fn from_request_parts(parts: &mut Parts, state: &Shared) -> Result<Self, ServerError> {
-        let source = parts
-            .extensions
-            .get::<conn::Peer>()
-            .and_then(conn::Peer::source);
-        // Before the token is looked at: an address the admin API does not answer learns
-        // nothing of it and spends none of its checks.
-        // A connection whose source could not be read is refused too: nothing says it is
-        // allowed. (Without the connection guard, in-process, there is no source to check.)
-        let allow = &state.limits.admin_allow;
-        if !allow.is_empty() && parts.extensions.get::<conn::Peer>().is_some() {
-            let source = source.map(|source| source.to_canonical());
-            if !source.is_some_and(|source| allow.iter().any(|net| net.contains(&source))) {
-                return Err(ServerError::Forbidden(
-                    "the admin API does not answer this address (see the server's --admin-allow)"
-                        .into(),
-                ));
+        admin_source_allowed(state, parts)?;
+        if parts.headers.get(AUTHORIZATION).is_none() {
+            let sessions = &state.dashboard.sessions;
+            if let Some(session) = sessions.of(&parts.headers)? {
+                sessions.check_csrf(&session, &parts.method, &parts.headers)?;
+                credentials_passed(&parts.extensions);
+                return Ok(AdminAuth);
             }
         }
         let token = auth::bearer(parts.headers.get(AUTHORIZATION))?;
-        if state.admin.passed(token) {
-            credentials_passed(&parts.extensions);
-            return Ok(AdminAuth);
-        }
-        // (Before the slow check, which a client's own credentials need not pay for.)
-        if authenticate_client(state, token).await.is_ok() {
+        check_admin_token(state, token, parts).await?;
+        Ok(AdminAuth)
+    }
+}
+
+/// Refuses (403) a request from an address the admin API does not answer (`--admin-allow`).
+/// Asked before any credential is looked at: such an address learns nothing of the token and
+/// spends none of its checks. A connection whose source could not be read is refused too:
+/// nothing says it is allowed. (Without the connection guard, in-process, there is no source to
+/// check.)
+pub(crate) fn admin_source_allowed(state: &Shared, parts: &Parts) -> Result<(), ServerError> {
+    let allow = &state.limits.admin_allow;
+    if !allow.is_empty() && parts.extensions.get::<conn::Peer>().is_some() {
+        let source = source_of(parts).map(|source| source.to_canonical());
+        if !source.is_some_and(|source| allow.iter().any(|net| net.contains(&source))) {
             return Err(ServerError::Forbidden(
-                "client credentials cannot use the admin API".into(),
+                "the admin API does not answer this address (see the server's --admin-allow)"
+                    .into(),
             ));
         }
-        if state.admin.verify(token, source).await? {
-            credentials_passed(&parts.extensions);
-            return Ok(AdminAuth);
-        }
-        Err(ServerError::Unauthorized("invalid admin token".into()))
     }
+    Ok(())
+}
+
+fn source_of(parts: &Parts) -> Option<std::net::IpAddr> {
+    parts
+        .extensions
+        .get::<conn::Peer>()
+        .and_then(conn::Peer::source)
+}
+
+/// Whether `token` is the admin token: 401 if not, 403 for a client's credentials, 503 `busy`
+/// when the budget of slow checks is spent.
+pub(crate) async fn check_admin_token(
+    state: &Shared,
+    token: &str,
+    parts: &Parts,
+) -> Result<(), ServerError> {
+    if state.admin.passed(token) {
+        credentials_passed(&parts.extensions);
+        return Ok(());
+    }
+    // (Before the slow check, which a client's own credentials need not pay for.)
+    if authenticate_client(state, token).await.is_ok() {
+        return Err(ServerError::Forbidden(
+            "client credentials cannot use the admin API".into(),
+        ));
+    }
+    if state.admin.verify(token, source_of(parts)).await? {
+        credentials_passed(&parts.extensions);
+        return Ok(());
+    }
+    Err(ServerError::Unauthorized("invalid admin token".into()))
 }
 
 /// An authenticated, enrolled, unrevoked client that is not quarantined.
@@ -244,6 +277,7 @@ impl FromRequestParts<Shared> for ClientAuth {
         let record = authenticate_client(state, token).await?;
         credentials_passed(&parts.extensions);
         let (id, _) = auth::client_token(token)?;
+        state.coordinator.clients_seen.seen(id);
         if let (Some(task), Some(allowed)) = (task_of_path(parts.uri.path()), &record.tasks) {
             if !allowed.iter().any(|t| t == task) {
                 return Err(ServerError::NotFound(format!("no task `{task}`")));
@@ -749,6 +783,7 @@ pub fn router(state: Shared) -> Router {
         .merge(secagg::routes())
         .merge(sync::routes())
         .merge(admin::routes())
+        .merge(crate::dashboard::routes())
         .fallback(fallback)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),

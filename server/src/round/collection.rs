@@ -131,6 +131,11 @@ pub trait Collection: Send + Sync {
         round.counts().0
     }
 
+    /// The round's stage, for the task's status, where the mode has stages.
+    fn stage(&self) -> Option<String> {
+        None
+    }
+
     /// How long a client that is not selected now waits before asking again (jittered, so that
     /// waiting clients do not come back as one herd).
     fn retry_after_ms(&self, round: &Round) -> u64 {

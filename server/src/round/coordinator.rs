@@ -78,6 +78,11 @@ pub struct Coordinator {
     pub(crate) background: TaskTracker,
     pub(crate) stopping: CancellationToken,
     pub metrics: Arc<ServerMetrics>,
+    /// Bumped whenever any task changes (every task's [`Task::bump`], a task created): what the
+    /// dashboard's live feed waits on.
+    pub(crate) changes: Arc<watch::Sender<u64>>,
+    /// When each client was last seen and its accepted updates, since the start.
+    pub clients_seen: super::seen::ClientsSeen,
 }
 
 impl Coordinator {
@@ -95,6 +100,8 @@ impl Coordinator {
             background: TaskTracker::new(),
             stopping: CancellationToken::new(),
             metrics,
+            changes: Arc::new(watch::channel(0).0),
+            clients_seen: Default::default(),
         });
         for (id, record) in coordinator.store.tasks_each()? {
             // One task's corrupt state must not keep the others from serving.
@@ -150,7 +157,13 @@ impl Coordinator {
             if let (Some(config), Some(state)) = (&record.config.differential_privacy, &record.dp) {
                 coordinator.metrics.dp_epsilon(&id, state.epsilon(config));
             }
-            let task = Arc::new(Task::new(id.clone(), record, round, strategy));
+            let task = Arc::new(Task::new(
+                id.clone(),
+                record,
+                round,
+                strategy,
+                coordinator.changes.clone(),
+            ));
             coordinator
                 .tasks
                 .write()
@@ -293,6 +306,11 @@ impl Coordinator {
             collection,
             wake: Notify::new(),
         }))
+    }
+
+    /// Changes whenever any task changes.
+    pub fn watch_changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
     }
 
     pub fn task(&self, id: &str) -> Result<Arc<Task>, ServerError> {

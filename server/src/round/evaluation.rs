@@ -257,6 +257,7 @@ impl Coordinator {
             token.cancel();
         }
         drop(watch);
+        task.shown();
         self.evaluation_told(task, e.round, &e.sums, "ended");
         Ok(Some(e))
     }

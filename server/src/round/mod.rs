@@ -47,6 +47,7 @@ pub mod evaluation;
 pub mod phase;
 pub mod plain;
 pub mod secure;
+pub mod seen;
 pub mod strikes;
 pub mod task;
 pub mod upload;

@@ -78,6 +78,17 @@ impl Collection for SecureCollection {
         "secure aggregation"
     }
 
+    fn stage(&self) -> Option<String> {
+        let stage = match self.0.stage() {
+            secagg::Stage::Advertise => "advertise",
+            secagg::Stage::ShareKeys => "share_keys",
+            secagg::Stage::MaskedInput => "masked_input",
+            secagg::Stage::Unmask => "unmask",
+            secagg::Stage::Ended => "ended",
+        };
+        Some(stage.into())
+    }
+
     fn admit_join(&self, store: &Store, task: &str, client: &str) -> Result<bool, ServerError> {
         // Keys are advertised right after joining: once advertising has closed, the attempt's
         // participants are fixed.

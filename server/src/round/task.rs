@@ -42,6 +42,8 @@ pub struct Task {
     /// Cancels the deadline watcher of the task's open evaluation, by its round (once it ends
     /// otherwise).
     pub(crate) evaluation_watch: Mutex<Option<(u64, tokio_util::sync::CancellationToken)>>,
+    /// The coordinator's [`Coordinator::watch_changes`], bumped with the task's own.
+    changes: Arc<watch::Sender<u64>>,
 }
 
 /// A blob kept after a write of unknown outcome (see [`Task::unsettled`]).
@@ -70,6 +72,7 @@ impl Task {
         record: TaskRecord,
         round: Option<Arc<Round>>,
         strategy: Box<dyn strategy::Strategy>,
+        changes: Arc<watch::Sender<u64>>,
     ) -> Task {
         Task {
             id,
@@ -83,6 +86,7 @@ impl Task {
             strategy,
             unsettled: Mutex::default(),
             evaluation_watch: Mutex::default(),
+            changes,
         }
     }
 
@@ -164,6 +168,13 @@ impl Task {
 
     pub(crate) fn bump(&self) {
         self.changed.send_modify(|v| *v += 1);
+        self.shown();
+    }
+
+    /// Tells the dashboard's feed only (not the task's long polls) of a change clients need
+    /// not hear of: an evaluation that ended, say.
+    pub(crate) fn shown(&self) {
+        self.changes.send_modify(|v| *v = v.wrapping_add(1));
     }
 
     /// Notified whenever the task's state or round changes.
@@ -274,11 +285,18 @@ impl Coordinator {
             self.metrics.dp_epsilon(&id, 0.0);
         }
         let strategy = strategy::from_config(&record.config.strategy);
-        let task = Arc::new(Task::new(id.clone(), record, Some(round.clone()), strategy));
+        let task = Arc::new(Task::new(
+            id.clone(),
+            record,
+            Some(round.clone()),
+            strategy,
+            self.changes.clone(),
+        ));
         self.tasks
             .write()
             .expect("tasks lock")
             .insert(id.clone(), task.clone());
+        task.bump();
         self.commit_for(task.clone());
         self.watch(task.clone(), round);
         tracing::info!(task = %id, "task created");
@@ -311,6 +329,7 @@ impl Coordinator {
                 selected: r.collection.selected(&r) as u32,
                 accepted: accepted as u32,
                 deadline_unix_ms: r.deadline(),
+                stage: r.collection.stage(),
             }
         });
         TaskInfo {

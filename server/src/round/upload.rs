@@ -226,6 +226,7 @@ impl Coordinator {
             let (task, _waiting) = (t, waiting);
             let view = reparse(&body.bytes()[plaintext], &reading.0, reading.1.as_ref())?;
             let round = folding.round;
+            let contributor = client.clone();
             let opened = Opened {
                 update: Contribution {
                     client,
@@ -245,6 +246,7 @@ impl Coordinator {
             drop(permit);
             if folded.now {
                 task.accepted(folding.accepted_norm, weight);
+                me.clients_seen.contributed(&contributor);
                 me.metrics
                     .ingest_seconds
                     .observe(folding.started.elapsed().as_secs_f64());
