@@ -2,7 +2,8 @@
 # (PyTorch 2.11.0 for libtorch, cached outside the checkout; see scripts/setup-libtorch.sh; and,
 # for `make test`, the schemathesis API fuzzer, see scripts/setup-schemathesis.sh, and
 # PostgreSQL for the PostgreSQL store's tests, scripts/setup-postgres.sh; and s3s-fs, the
-# S3-compatible server the tests of blobs on S3 start, scripts/setup-s3.sh).
+# S3-compatible server the tests of blobs on S3 start, scripts/setup-s3.sh; and Debian's Chromium
+# with the dashboard's npm packages for its browser tests, scripts/setup-dashboard.sh).
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 
@@ -21,11 +22,14 @@ PG_ENV := eval "$$(scripts/setup-postgres.sh --print-env)"
 # Exports HORA_S3_SERVER, the S3-compatible server (s3s-fs, from crates.io) the tests of blobs on
 # S3 start.
 S3_ENV := eval "$$(scripts/setup-s3.sh --print-env)"
+# Exports HORA_NODE and HORA_CHROMIUM: what the dashboard's build check and browser tests run
+# (installs Debian's chromium when missing, and dashboard/'s npm packages with `npm ci`).
+DASH_ENV := eval "$$(scripts/setup-dashboard.sh --print-env)"
 # Builds the Python package `hora` (python/) into that environment; $(1): extra maturin flags.
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
-.PHONY: demo replicas test bench bench-large bench-updates lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
+.PHONY: demo dashboard bench-dashboard replicas test bench bench-large bench-updates lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
 
 ## Release artefacts of this machine's architecture in dist/: the server's tarball, the client's
 ## tarball with its CPU libtorch beside it ($$ORIGIN), and an abi3 wheel (scripts/dist.sh).
@@ -55,6 +59,7 @@ setup:
 	@scripts/setup-python.sh
 	@scripts/setup-postgres.sh
 	@scripts/setup-s3.sh
+	@scripts/setup-dashboard.sh
 	@scripts/setup-cargo-deny.sh
 
 ## The federated Synthetic(1,1) benchmark with real processes: a server, 10 clients, 20 rounds
@@ -64,7 +69,19 @@ demo:
 	@$(TORCH_ENV); \
 	cargo build --release -p hora-server -p hora-client --bins; \
 	cargo build --release --example federated; \
-	target/release/examples/federated
+	target/release/examples/federated $(if $(KEEP),--keep)
+
+## The dashboard's costs (benches/dashboard.rs): a task page's first render in Chromium with
+## 10,000 rounds of history against 10, and round latency and server CPU with 20 dashboards open
+## against none.
+bench-dashboard:
+	@$(TORCH_ENV); $(DASH_ENV); cargo build --release -p hora-server --bins && \
+	cargo bench -p hora --bench dashboard
+
+## The dashboard's assets (dashboard/dist, committed and embedded in hora-server) rebuilt from
+## dashboard/src with the npm packages of its lockfile.
+dashboard:
+	@$(DASH_ENV); cd dashboard && "$$HORA_NODE" build.mjs
 
 ## Three replicas on one PostgreSQL database (started for the run) and a shared blob directory,
 ## a federation across them, and the leader SIGKILLed after round 2: the failover, and the
@@ -80,7 +97,7 @@ replicas:
 ## hora-python's tests are the pytest suite (a Rust test binary of a Python extension has no
 ## interpreter to run in).
 test:
-	@$(TORCH_ENV); $(FUZZ_ENV); $(PY_ENV); $(PG_ENV); $(S3_ENV); \
+	@$(TORCH_ENV); $(FUZZ_ENV); $(PY_ENV); $(PG_ENV); $(S3_ENV); $(DASH_ENV); \
 	cargo build --workspace --bins --examples; \
 	if cargo nextest --version >/dev/null 2>&1; then \
 		cargo nextest run --workspace --exclude hora-python --all-targets --profile $(NEXTEST_PROFILE); \
@@ -110,6 +127,7 @@ bench:
 	$(PG_ENV); cargo bench -p hora-server --bench fence; \
 	cargo bench -p hora --bench server_memory; \
 	cargo bench -p hora --bench hostile; \
+	$(DASH_ENV); cargo bench -p hora --bench dashboard; \
 	cargo build --release -p hora-client --bins; \
 	cargo bench -p hora --bench round_latency; \
 	cargo bench -p hora --bench compression; \

@@ -590,12 +590,25 @@ impl Client {
         examples: u64,
         body: Vec<u8>,
     ) -> reqwest::RequestBuilder {
+        let metrics = hora_common::wire::Metrics {
+            loss: Some(0.5),
+            accuracy: Some(0.75),
+        };
+        self.upload_request_reporting(task, round, examples, body, metrics)
+    }
+
+    /// [`Client::upload_request`] with the training metrics given.
+    pub fn upload_request_reporting(
+        &self,
+        task: &str,
+        round: u64,
+        examples: u64,
+        body: Vec<u8>,
+        metrics: hora_common::wire::Metrics,
+    ) -> reqwest::RequestBuilder {
         let meta = UpdateMeta {
             num_examples: examples,
-            metrics: hora_common::wire::Metrics {
-                loss: Some(0.5),
-                accuracy: Some(0.75),
-            },
+            metrics,
         };
         self.api
             .request(

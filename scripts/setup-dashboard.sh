@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# What the dashboard's build and browser tests need (tests/dashboard.rs): Node.js with npm (the
+# machine's), the npm packages of dashboard/package-lock.json (esbuild, uPlot, playwright-core)
+# installed into dashboard/node_modules with `npm ci`, and Debian's Chromium, which
+# playwright-core drives (`npx playwright install` is not used: it downloads a browser from
+# elsewhere). Installs Chromium with apt-get when it is missing (sudo when not root).
+#
+# Idempotent: seconds once installed (npm ci runs again only when the lockfile changed).
+# Usage: scripts/setup-dashboard.sh [--print-env]
+#   --print-env  print `export HORA_NODE=… HORA_CHROMIUM=…`
+set -euo pipefail
+
+log() { echo "setup-dashboard: $*" >&2; }
+root="$(cd "$(dirname "$0")/.." && pwd)"
+dashboard="$root/dashboard"
+
+node="$(command -v node || true)"
+if [ -z "$node" ] || ! command -v npm >/dev/null 2>&1; then
+    log "Node.js and npm are missing: install them (Debian: apt-get install nodejs npm) and run again"
+    exit 1
+fi
+
+find_chromium() {
+    local c
+    for c in "${HORA_CHROMIUM:-}" /usr/bin/chromium /usr/bin/chromium-browser; do
+        if [ -n "$c" ] && [ -x "$c" ]; then echo "$c"; return 0; fi
+    done
+    return 1
+}
+if ! chromium="$(find_chromium)"; then
+    log "installing Chromium for the dashboard's browser tests (chromium, from Debian's packages)"
+    if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
+    $sudo apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium >&2
+    chromium="$(find_chromium)" || { log "chromium is still missing after the install"; exit 1; }
+fi
+
+# npm ci again only when the lockfile is not the one installed.
+stamp="$dashboard/node_modules/.hora-lock"
+want="$(sha256sum "$dashboard/package-lock.json" | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+    log "installing the dashboard's npm packages (npm ci)"
+    (cd "$dashboard" && npm ci --no-audit --no-fund --loglevel=error >&2)
+    echo "$want" > "$stamp"
+fi
+
+if [ "${1:-}" = "--print-env" ]; then
+    echo "export HORA_NODE=$(printf %q "$node") HORA_CHROMIUM=$(printf %q "$chromium")"
+fi
