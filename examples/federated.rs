@@ -89,6 +89,10 @@ struct Args {
     /// Print a final `RESULT {json}` line.
     #[arg(long)]
     json: bool,
+    /// Leave the server up at the end (until Ctrl-C), to look at the federations in its
+    /// dashboard (`make demo KEEP=1`).
+    #[arg(long)]
+    keep: bool,
 }
 
 /// One federation of the demo: its label and what the server and the clients are told.
@@ -405,6 +409,19 @@ async fn main() -> Result<()> {
             "RESULT {}",
             serde_json::json!({"runs": runs, "centralized": centralized, "iid": args.iid})
         );
+    }
+    fed.kill_clients();
+    println!(
+        "\ndashboard: {}/dashboard/ (the browser warns of the development certificate; its CA is {})",
+        fed.url,
+        fed.ca.display()
+    );
+    println!("sign in once with: {}", fed.sign_in_link().await?);
+    if args.keep {
+        println!("the server stays up until Ctrl-C");
+        tokio::signal::ctrl_c().await?;
+    } else {
+        println!("(the server stops now: `make demo KEEP=1` keeps it up to look)");
     }
     Ok(())
 }

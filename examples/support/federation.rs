@@ -233,6 +233,15 @@ impl Federation {
             .await
     }
 
+    /// A link that signs a browser in to the dashboard once (within ten minutes).
+    pub async fn sign_in_link(&self) -> Result<String> {
+        let v: serde_json::Value = self
+            .json(self.admin(Method::POST, "/dashboard/sign-in-links"))
+            .await?;
+        let path = v["path"].as_str().context("the link's path")?;
+        Ok(format!("{}{path}", self.url))
+    }
+
     /// A one-time enrolment token.
     pub async fn enrolment_token(&self) -> Result<String> {
         let v: serde_json::Value = self
