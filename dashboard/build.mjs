@@ -40,6 +40,6 @@ if (check) {
   }
   console.log('dashboard/dist is up to date');
 } else {
-  writeFileSync(join(out, '.gitattributes'), '* -diff linguist-generated\n');
+  writeFileSync(join(out, '.gitattributes'), '* linguist-generated\n');
   console.log(`built ${out}`);
 }

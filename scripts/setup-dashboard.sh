@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# What the dashboard's build and browser tests need (tests/dashboard.rs): Node.js with npm (the
-# machine's), the npm packages of dashboard/package-lock.json (esbuild, uPlot, playwright-core)
+# What the dashboard's build and browser tests need (tests/dashboard.rs): Node.js 18 or later
+# with npm (Debian's `nodejs` and `npm` when missing), the npm packages of dashboard/package-lock.json (esbuild, uPlot, playwright-core)
 # installed into dashboard/node_modules with `npm ci`, and Debian's Chromium, which
 # playwright-core drives (`npx playwright install` is not used: it downloads a browser from
-# elsewhere). Installs Chromium with apt-get when it is missing (sudo when not root).
+# elsewhere). Installs what is missing with apt-get (sudo when not root).
 #
 # Idempotent: seconds once installed (npm ci runs again only when the lockfile changed).
 # Usage: scripts/setup-dashboard.sh [--print-env]
@@ -14,9 +14,20 @@ log() { echo "setup-dashboard: $*" >&2; }
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dashboard="$root/dashboard"
 
-node="$(command -v node || true)"
-if [ -z "$node" ] || ! command -v npm >/dev/null 2>&1; then
-    log "Node.js and npm are missing: install them (Debian: apt-get install nodejs npm) and run again"
+if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
+apt_install() {
+    $sudo apt-get update -qq >&2
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >&2
+}
+
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    log "installing Node.js and npm for the dashboard's build check and browser tests (nodejs, npm, from Debian's packages)"
+    apt_install nodejs npm
+fi
+node="$(command -v node)"
+major="$("$node" -p 'process.versions.node.split(".")[0]')"
+if [ "$major" -lt 18 ]; then
+    log "Node.js $("$node" --version) is too old for playwright-core and esbuild: install Node.js 18 or later and run again"
     exit 1
 fi
 
@@ -29,10 +40,8 @@ find_chromium() {
 }
 if ! chromium="$(find_chromium)"; then
     log "installing Chromium for the dashboard's browser tests (chromium, from Debian's packages)"
-    if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
-    $sudo apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium >&2
-    chromium="$(find_chromium)" || { log "chromium is still missing after the install"; exit 1; }
+    apt_install chromium
+    chromium="$(find_chromium)" || { log "chromium is still missing after the install (on Ubuntu, whose chromium is a snap, set HORA_CHROMIUM to a Chromium or Chrome binary)"; exit 1; }
 fi
 
 # npm ci again only when the lockfile is not the one installed.

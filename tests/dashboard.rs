@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use hora_common::wire::{
-    CreateSyncJob, EvaluationConfig, EvaluationReport, Metrics, SyncJobInfo, TaskInfo,
+    CreateSyncJob, EvaluationConfig, EvaluationReport, Metrics, SignInLink, SyncJobInfo, TaskInfo,
 };
 use reqwest::{Method, StatusCode};
 use support::{delta, free_port, small_model, task, Client, Server, ADMIN_TOKEN};
@@ -71,15 +71,18 @@ async fn round(admin: &support::Api, clients: &[Client; 2], id: &str, r: u64) ->
         let req = c.upload_request_reporting(id, r, 50, body, metrics);
         let _: serde_json::Value = c.api.ok(req).await;
     }
+    let mut published = 0;
     for _ in 0..200 {
         let info: TaskInfo = admin
             .ok(admin.request(Method::GET, &format!("/admin/v1/tasks/{id}")))
             .await;
-        if info.published_rounds >= r {
+        published = info.published_rounds;
+        if published >= r {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+    assert_eq!(published, r, "round {r} did not publish within 10 s");
     let (mut weighted, mut examples) = (0.0, 0.0);
     for (c, (n, loss, accuracy)) in clients.iter().zip(reports(r)) {
         let report = EvaluationReport {
@@ -136,6 +139,9 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
             }))
         .await;
     let clients = [admin.enrol().await, admin.enrol().await];
+    let link: SignInLink = admin
+        .ok(admin.request(Method::POST, "/admin/v1/dashboard/sign-in-links"))
+        .await;
 
     let mut browser = Command::new(node)
         .arg(repository().join("dashboard/tests/browser.mjs"))
@@ -143,6 +149,7 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
         .env("HORA_TOKEN", ADMIN_TOKEN)
         .env("HORA_TASK", &t.id)
         .env("HORA_ROUNDS", rounds.to_string())
+        .env("HORA_LINK", format!("{}{}", server.url, link.path))
         .env("HORA_SHOTS", &shots)
         .env("HORA_CHROMIUM", chromium)
         .env("NODE_EXTRA_CA_CERTS", &server.ca)

@@ -554,7 +554,8 @@ pub struct OpenRoundStatus {
     /// Updates in the round so far; in an asynchronous task, in the open buffer.
     pub accepted: u32,
     pub deadline_unix_ms: u64,
-    /// A secure-aggregation round's stage: `advertise`, `share_keys`, `masked_input`, `unmask`.
+    /// A secure-aggregation round's stage: `advertise`, `share_keys`, `masked_input`, `unmask`,
+    /// `ended` (closing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage: Option<String>,
 }
@@ -632,21 +633,28 @@ pub struct ClientInfo {
     pub contributions: u64,
 }
 
-/// `POST /dashboard/api/session`: sign in to the dashboard with the admin token.
+/// `POST /dashboard/api/session`: sign in to the dashboard with the admin token, or with a
+/// sign-in link's code.
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SignIn {
-    pub token: String,
+    #[serde(default)]
+    pub token: Option<String>,
+    #[serde(default)]
+    pub link: Option<String>,
 }
 
 impl fmt::Debug for SignIn {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SignIn").field("token", &Redacted).finish()
+        f.debug_struct("SignIn")
+            .field("token", &redacted(&self.token))
+            .field("link", &redacted(&self.link))
+            .finish()
     }
 }
 
 /// A signed-in dashboard session (its cookie is HttpOnly: the page never sees it).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DashboardSession {
     /// Sent in `X-CSRF-Token` with every state-changing request of the session.
     pub csrf: String,
@@ -656,7 +664,8 @@ pub struct DashboardSession {
 /// `POST /admin/v1/dashboard/sign-in-links` → a one-time sign-in link.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct SignInLink {
-    /// Path and query, to append to the server's URL (`https://host:port`).
+    /// Path and fragment (`/dashboard/#sign-in=…`), to append to the server's URL
+    /// (`https://host:port`).
     pub path: String,
     pub expires_unix_ms: u64,
 }

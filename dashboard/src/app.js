@@ -180,11 +180,18 @@ function openFeed() {
   });
   feed.onerror = async () => {
     live.textContent = 'Reconnecting…';
-    // The browser retries by itself; a session that ended is found out here.
+    // The browser retries by itself after a dropped connection, but not after an error status
+    // (a load balancer's 502 while the server restarts): then the feed is opened again here.
+    // A session that ended is found out by the check.
     try {
       await api('GET', '/dashboard/api/session');
-    } catch (_) { /* handled by api() */ }
+    } catch (_) { return; /* signed out: handled by api() */ }
+    if (feed.readyState === EventSource.CLOSED && app.feed === feed) {
+      app.retry = Math.min(30000, (app.retry || 1000) * 2);
+      setTimeout(() => { if (app.feed === feed) openFeed(); }, app.retry);
+    }
   };
+  feed.onopen = () => { app.retry = 0; };
   app.feed = feed;
 }
 
@@ -295,7 +302,7 @@ function overviewPage() {
     quarantined = clients.filter((c) => c.quarantined);
     const recently = Date.now() - 5 * 60 * 1000;
     const seen = clients.filter((c) => c.last_seen_unix_ms);
-    const last = Math.max(0, ...seen.map((c) => c.last_seen_unix_ms));
+    const last = seen.reduce((m, c) => Math.max(m, c.last_seen_unix_ms), 0);
     const figures = [
       ['Clients enrolled', clients.filter((c) => !c.revoked).length],
       ['Active in the last 5 min', seen.filter((c) => c.last_seen_unix_ms >= recently).length],
@@ -516,6 +523,7 @@ function taskPage(id) {
   }
 
   let fetching = null;
+  let again = false; // an event came while a refresh ran: refresh once more after it
   async function refresh() {
     // The latest rounds again (an evaluation ends after its round published), and any new.
     const newest = sorted().pop();
@@ -534,9 +542,17 @@ function taskPage(id) {
     }
     task = now;
     renderHeader();
-    if (!fetching) {
-      fetching = refresh().catch((e) => { status.textContent = e.message; }).finally(() => { fetching = null; });
-    }
+    const run = () => {
+      fetching = refresh().catch((e) => { status.textContent = e.message; }).finally(() => {
+        fetching = null;
+        if (again) {
+          again = false;
+          run();
+        }
+      });
+    };
+    if (fetching) again = true;
+    else run();
   }
 
   app.view = { render, close: () => Object.values(charts).forEach((c) => c.close()) };
@@ -676,15 +692,26 @@ function syncPage() {
 
 // ---- Start --------------------------------------------------------------------------------
 
+// A sign-in link (`#sign-in=CODE`), opened now or followed from this page: the code is posted,
+// and leaves the address bar and the history. False if the address is no such link.
+function signInByLink() {
+  const link = location.hash.match(/^#sign-in=([0-9a-f]{1,128})$/);
+  if (!link) return false;
+  history.replaceState(null, '', '#/');
+  api('POST', '/dashboard/api/session', { link: link[1] }).then(startSession, (e) => {
+    signInPage(e.status === 401 ? 'That sign-in link was used already or has expired: sign in with the admin token.' : e.message);
+  });
+  return true;
+}
+
 async function start() {
   document.getElementById('sign-out').addEventListener('click', signOut);
-  window.addEventListener('hashchange', route);
-  const expired = location.hash === '#expired-link';
-  if (expired) history.replaceState(null, '', '#/');
+  window.addEventListener('hashchange', () => { if (!signInByLink()) route(); });
+  if (signInByLink()) return;
   try {
     startSession(await api('GET', '/dashboard/api/session'));
   } catch (_) {
-    signInPage(expired ? 'That sign-in link was used or has expired: sign in with the admin token.' : '');
+    signInPage('');
   }
 }
 

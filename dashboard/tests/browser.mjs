@@ -18,7 +18,7 @@ const env = (name) => {
   if (!v) throw new Error(`${name} is not set (tests/dashboard.rs sets it)`);
   return v;
 };
-const [url, token, task, rounds, shots] = ['HORA_URL', 'HORA_TOKEN', 'HORA_TASK', 'HORA_ROUNDS', 'HORA_SHOTS'].map(env);
+const [url, token, task, rounds, shots, link] = ['HORA_URL', 'HORA_TOKEN', 'HORA_TASK', 'HORA_ROUNDS', 'HORA_SHOTS', 'HORA_LINK'].map(env);
 const chromiumPath = env('HORA_CHROMIUM');
 
 const answers = readline.createInterface({ input: process.stdin })[Symbol.asyncIterator]();
@@ -49,9 +49,17 @@ const context = await chromium.launchPersistentContext(profile, {
 const page = context.pages()[0] || await context.newPage();
 const problems = [];
 page.on('pageerror', (e) => problems.push(`page error: ${e.message}`));
-page.on('console', (m) => { if (m.type() === 'error' && !/401|403/.test(m.text())) problems.push(`console: ${m.text()} (${m.location().url})`); });
+// The refusals this script provokes (a wrong token, a used link, calls without the CSRF token)
+// show as failed loads; any other error on the console is a problem.
+const provoked = [/\/dashboard\/api\/session$/, /\/admin\/v1\/tasks\/[^/]+\/pause$/];
+page.on('console', (m) => {
+  if (m.type() !== 'error') return;
+  const from = m.location().url || '';
+  if (/status of 40[13]/.test(m.text()) && provoked.some((p) => p.test(from))) return;
+  problems.push(`console: ${m.text()} (${from})`);
+});
 const shot = (name) => page.screenshot({ path: join(shots, `${name}.png`), fullPage: true });
-const session = async () => (await context.cookies()).find((c) => c.name === 'hora_session');
+const session = async () => (await context.cookies()).find((c) => c.name === '__Host-hora_session');
 
 try {
   step('the wrong token is refused');
@@ -106,6 +114,8 @@ try {
   const dialog = page.getByRole('dialog');
   await dialog.getByText(`Stop task ${task}?`).waitFor();
   await dialog.getByRole('button', { name: 'Cancel' }).click();
+  await dialog.waitFor({ state: 'hidden' });
+  await page.waitForTimeout(300); // a stop sent by mistake would have landed by now
   assert.equal((await admin(`/admin/v1/tasks/${task}`)).state, 'running');
 
   step('a state-changing call without the CSRF token gets 403');
@@ -152,8 +162,19 @@ try {
   await page.getByRole('button', { name: 'Sign out' }).click();
   await page.getByLabel('Admin token').waitFor();
   assert.equal(await session(), undefined, 'the cookie is gone');
-  const after = await fetch(`${url}/admin/v1/tasks`, { headers: { cookie: `hora_session=${before}` } });
+  const after = await fetch(`${url}/admin/v1/tasks`, { headers: { cookie: `__Host-hora_session=${before}` } });
   assert.equal(after.status, 401, 'a signed-out session is refused');
+
+  step('a one-time sign-in link works once');
+  await page.goto(link);
+  await page.locator('#tasks tbody tr', { hasText: task }).waitFor();
+  assert.ok(await session(), 'signed in by the link');
+  assert.ok(!page.url().includes('sign-in='), 'the code left the address bar');
+  await page.getByRole('button', { name: 'Sign out' }).click();
+  await page.getByLabel('Admin token').waitFor();
+  await page.goto(link);
+  await page.locator('#sign-in-error', { hasText: 'used already or has expired' }).waitFor();
+  assert.equal(await session(), undefined, 'no session from a used link');
 
   assert.deepEqual(problems, []);
   console.log('HORA done');

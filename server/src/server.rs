@@ -139,6 +139,11 @@ impl Server {
             chunk_bytes: config.upload_chunk_bytes,
             spool_bytes: config.spool_bytes,
         });
+        let dashboard = crate::dashboard::Dashboard::new(
+            config.dashboard_secret.as_deref().map(str::as_bytes),
+            &admin_token_hash,
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
         let state = api::AppState::new(
             coordinator.clone(),
             admin_token_hash,
@@ -160,8 +165,7 @@ impl Server {
                 ..Default::default()
             },
             rendezvous,
-            crate::dashboard::Dashboard::new(config.dashboard_secret.as_deref().map(str::as_bytes))
-                .map_err(|e| anyhow::anyhow!("{e}"))?,
+            dashboard,
         );
         let limits = connection_limits(&config, fd_limit);
         tracing::info!(
@@ -220,6 +224,7 @@ impl Server {
             let handle = handle.clone();
             let lease = self.store.lease();
             let metrics = self.metrics.clone();
+            let dashboard_closing = self.state.dashboard.closing.clone();
             tokio::spawn(async move {
                 let deposed = async move {
                     let Some(mut lease) = lease else {
@@ -246,6 +251,8 @@ impl Server {
                         Stopped::Deposed(why)
                     }
                 };
+                // Dashboards' feeds end now, so they do not hold the shutdown's grace.
+                dashboard_closing.cancel();
                 handle.graceful_shutdown(Some(Duration::from_secs(10)));
                 let _ = stopped_tx.send(stopped);
             });

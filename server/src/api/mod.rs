@@ -342,6 +342,16 @@ pub async fn json_body<T: DeserializeOwned>(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<T, ServerError> {
+    json_body_within(state, headers, body, state.limits.max_json_bytes as u64).await
+}
+
+/// [`json_body`] of at most `max` bytes.
+pub async fn json_body_within<T: DeserializeOwned>(
+    state: &Shared,
+    headers: &HeaderMap,
+    body: Body,
+    max: u64,
+) -> Result<T, ServerError> {
     let json = headers
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -355,7 +365,7 @@ pub async fn json_body<T: DeserializeOwned>(
             "send the body as JSON with `Content-Type: application/json`".into(),
         ));
     }
-    let bytes = body::read_small(state, headers, body, state.limits.max_json_bytes as u64).await?;
+    let bytes = body::read_small(state, headers, body, max).await?;
     let value: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|e| ServerError::BadRequest(format!("malformed JSON body: {e}")))?;
     strict_json::from_value(value)

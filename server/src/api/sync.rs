@@ -96,7 +96,7 @@ mod tests {
             auth::hash_secret(ADMIN_TOKEN),
             HttpLimits::default(),
             Rendezvous::open(store, metrics).unwrap(),
-            crate::dashboard::Dashboard::new(None).unwrap(),
+            crate::dashboard::Dashboard::new(None, "").unwrap(),
         );
         let certs_dir = dir.path().join("certs");
         let certs = tls::make_dev_certs(&certs_dir, &[]).unwrap();

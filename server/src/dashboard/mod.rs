@@ -9,11 +9,11 @@ pub mod session;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, LOCATION, SET_COOKIE};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, SET_COOKIE};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -23,6 +23,7 @@ use futures_util::Stream;
 use hora_common::wire::{ApiError, DashboardSession, SignIn, SignInLink};
 use ring::rand::{SecureRandom, SystemRandom};
 use subtle::ConstantTimeEq;
+use tokio_util::sync::CancellationToken;
 
 use crate::api::{AdminAuth, Shared};
 use crate::error::ServerError;
@@ -49,6 +50,10 @@ const RECONNECT: Duration = Duration::from_secs(2);
 /// How long a sign-in link is good for, and how many may be outstanding at once.
 const LINK_TTL: Duration = Duration::from_secs(600);
 const MAX_LINKS: usize = 64;
+/// Most event feeds open at once (each is a dashboard's page).
+const MAX_FEEDS: usize = 256;
+/// The largest sign-in body read: it is read before any credential is known good.
+const MAX_SIGN_IN_BYTES: u64 = 1024;
 
 pub fn routes() -> Router<Shared> {
     Router::new()
@@ -61,22 +66,30 @@ pub fn routes() -> Router<Shared> {
             post(sign_in).get(current).delete(sign_out),
         )
         .route("/dashboard/api/events", get(events))
-        .route("/dashboard/sign-in", get(sign_in_by_link))
         .route("/admin/v1/dashboard/sign-in-links", post(create_link))
 }
 
-/// The dashboard's state on the server: its sessions and its one-time sign-in links.
+/// The dashboard's state on the server: its sessions, its one-time sign-in links, its feeds.
 pub struct Dashboard {
     pub sessions: Sessions,
     /// SHA-256 of each outstanding link's code, with its expiry.
     links: Mutex<HashMap<String, u64>>,
+    /// Places for open event feeds.
+    feeds: Arc<tokio::sync::Semaphore>,
+    /// Cancelled when the server starts to shut down: the feeds end, so that the requests in
+    /// flight can finish within the shutdown's grace.
+    pub closing: CancellationToken,
 }
 
 impl Dashboard {
-    pub fn new(secret: Option<&[u8]>) -> Result<Dashboard, ServerError> {
+    /// `secret`: `--dashboard-secret` (None: a random one); `admin_token_hash`: the admin
+    /// token's, which the sessions' key is derived from too.
+    pub fn new(secret: Option<&[u8]>, admin_token_hash: &str) -> Result<Dashboard, ServerError> {
         Ok(Dashboard {
-            sessions: Sessions::new(secret)?,
+            sessions: Sessions::new(secret, admin_token_hash)?,
             links: Mutex::default(),
+            feeds: Arc::new(tokio::sync::Semaphore::new(MAX_FEEDS)),
+            closing: CancellationToken::new(),
         })
     }
 
@@ -168,12 +181,30 @@ fn signed_in(
     response
 }
 
-/// `POST /dashboard/api/session` `{"token": …}`: the admin token exchanged for a session.
+/// `POST /dashboard/api/session` `{"token": …}` (the admin token) or `{"link": …}` (a
+/// sign-in link's code), exchanged for a session.
 async fn sign_in(State(state): State<Shared>, request: Request) -> Result<Response, ServerError> {
     let (parts, body) = request.into_parts();
     crate::api::admin_source_allowed(&state, &parts)?;
-    let SignIn { token } = crate::api::json_body(&state, &parts.headers, body).await?;
-    crate::api::check_admin_token(&state, token.trim(), &parts).await?;
+    let sign_in: SignIn =
+        crate::api::json_body_within(&state, &parts.headers, body, MAX_SIGN_IN_BYTES).await?;
+    match (sign_in.token, sign_in.link) {
+        (Some(token), None) => {
+            crate::api::check_admin_token(&state, token.trim(), &parts).await?;
+        }
+        (None, Some(code)) => {
+            if !state.dashboard.use_link(code.trim()) {
+                return Err(ServerError::Unauthorized(
+                    "this sign-in link was used already or has expired (they work once, within 10 minutes, on the server that made them): sign in with the admin token".into(),
+                ));
+            }
+        }
+        _ => {
+            return Err(ServerError::BadRequest(
+                "give either `token` (the admin token) or `link` (a sign-in link's code)".into(),
+            ))
+        }
+    }
     let (session, cookie) = state.dashboard.sessions.start()?;
     tracing::info!(session = %&session.id[..8], "dashboard sign-in");
     Ok(signed_in(&state.dashboard, &session, Some(cookie)))
@@ -181,11 +212,13 @@ async fn sign_in(State(state): State<Shared>, request: Request) -> Result<Respon
 
 /// `GET /dashboard/api/session`: the signed-in session's CSRF token and expiry (a page that
 /// was reloaded asks for them again: they are never kept in the browser's storage).
-async fn current(State(state): State<Shared>, headers: HeaderMap) -> Result<Response, ServerError> {
+async fn current(State(state): State<Shared>, request: Request) -> Result<Response, ServerError> {
+    let (parts, _) = request.into_parts();
+    crate::api::admin_source_allowed(&state, &parts)?;
     let session = state
         .dashboard
         .sessions
-        .of(&headers)?
+        .of(&parts.headers)?
         .ok_or_else(|| ServerError::Unauthorized("not signed in".into()))?;
     Ok(signed_in(&state.dashboard, &session, None))
 }
@@ -193,6 +226,7 @@ async fn current(State(state): State<Shared>, headers: HeaderMap) -> Result<Resp
 /// `DELETE /dashboard/api/session` (with the CSRF token): signs out.
 async fn sign_out(State(state): State<Shared>, request: Request) -> Result<Response, ServerError> {
     let (parts, _) = request.into_parts();
+    crate::api::admin_source_allowed(&state, &parts)?;
     let sessions = &state.dashboard.sessions;
     let session = sessions
         .of(&parts.headers)?
@@ -205,6 +239,8 @@ async fn sign_out(State(state): State<Shared>, request: Request) -> Result<Respo
 
 /// `POST /admin/v1/dashboard/sign-in-links` (admin): a link that signs a browser in once,
 /// within ten minutes, without the admin token being typed or kept (`make demo` prints one).
+/// The code is in the link's fragment, which browsers never send: the page posts it, so a link
+/// scanner that fetches the link does not use it up, and no server log or proxy sees it.
 #[utoipa::path(post, path = "/admin/v1/dashboard/sign-in-links", tag = "admin", security(("admin_token" = [])),
     responses((status = 201, body = SignInLink, description = "the link's path and query (append it to the server's URL); shown once"),
         (status = 503, body = ApiError, description = "`busy`: 64 links are outstanding")))]
@@ -216,48 +252,10 @@ pub async fn create_link(
     Ok((
         StatusCode::CREATED,
         Json(SignInLink {
-            path: format!("/dashboard/sign-in?code={code}"),
+            path: format!("/dashboard/#sign-in={code}"),
             expires_unix_ms,
         }),
     ))
-}
-
-#[derive(serde::Deserialize)]
-struct LinkQuery {
-    code: String,
-}
-
-/// `GET /dashboard/sign-in?code=…`: a sign-in link, used up; on to the dashboard.
-async fn sign_in_by_link(
-    State(state): State<Shared>,
-    request: Request,
-) -> Result<Response, ServerError> {
-    let (parts, _) = request.into_parts();
-    crate::api::admin_source_allowed(&state, &parts)?;
-    let axum::extract::Query(LinkQuery { code }) =
-        axum::extract::Query::try_from_uri(&parts.uri)
-            .map_err(|e| ServerError::BadRequest(format!("malformed query: {}", e.body_text())))?;
-    if !state.dashboard.use_link(&code) {
-        return Ok(redirect("/dashboard/#expired-link", None));
-    }
-    let (session, cookie) = state.dashboard.sessions.start()?;
-    tracing::info!(session = %&session.id[..8], "dashboard sign-in by link");
-    Ok(redirect("/dashboard/", Some(cookie)))
-}
-
-fn redirect(to: &'static str, cookie: Option<HeaderValue>) -> Response {
-    let mut response = (
-        StatusCode::SEE_OTHER,
-        [(LOCATION, HeaderValue::from_static(to))],
-    )
-        .into_response();
-    if let Some(cookie) = cookie {
-        response.headers_mut().insert(SET_COOKIE, cookie);
-    }
-    response
-        .headers_mut()
-        .insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    response
 }
 
 /// What a `tasks` event carries.
@@ -275,23 +273,49 @@ struct Feed {
 async fn events(
     State(state): State<Shared>,
     _a: AdminAuth,
-) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    headers: HeaderMap,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ServerError> {
+    let place = state
+        .dashboard
+        .feeds
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| {
+            ServerError::unavailable(
+                hora_common::wire::ErrorCode::Busy,
+                format!("{MAX_FEEDS} dashboards are open on this server; retry in a moment"),
+            )
+        })?;
+    // A session's feed ends with it (expiry, or a sign-out seen at the next event); one of the
+    // admin token's lasts its whole time.
+    let session = state.dashboard.sessions.of(&headers)?;
+    let mut ends = tokio::time::Instant::now() + FEED_FOR;
+    if let Some(s) = &session {
+        let left = Duration::from_millis(s.expires_unix_ms.saturating_sub(now_ms()));
+        ends = ends.min(tokio::time::Instant::now() + left);
+    }
     let changes = state.coordinator.watch_changes();
-    let ends = tokio::time::Instant::now() + FEED_FOR;
-    let stopping = state.coordinator.stopping.clone();
+    let closing = state.dashboard.closing.clone();
     let feed = futures_util::stream::unfold(
-        (state, changes, true),
-        move |(state, mut changes, first)| {
-            let stopping = stopping.clone();
+        (state, changes, true, place),
+        move |(state, mut changes, first, place)| {
+            let (closing, signed_in) = (closing.clone(), session.is_some());
+            let headers = headers.clone();
             async move {
                 if !first {
                     tokio::select! {
                         changed = changes.changed() => changed.ok()?,
                         () = tokio::time::sleep_until(ends) => return None,
-                        () = stopping.cancelled() => return None,
+                        () = closing.cancelled() => return None,
                     }
-                    tokio::time::sleep(EVENT_EVERY).await;
+                    tokio::select! {
+                        () = tokio::time::sleep(EVENT_EVERY) => {}
+                        () = closing.cancelled() => return None,
+                    }
                     changes.borrow_and_update();
+                    if signed_in && !matches!(state.dashboard.sessions.of(&headers), Ok(Some(_))) {
+                        return None;
+                    }
                 }
                 let feed = Feed {
                     tasks: state.coordinator.list(),
@@ -310,9 +334,42 @@ async fn events(
                     Ok(json) => event.data(json),
                     Err(e) => Event::default().comment(format!("listing the tasks failed: {e}")),
                 };
-                Some((Ok(event), (state, changes, false)))
+                Some((Ok(event), (state, changes, false, place)))
             }
         },
     );
-    Sse::new(feed).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    Ok(Sse::new(feed).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sign_in_link_works_once_and_only_64_wait_at_once() {
+        let dashboard = Dashboard::new(None, "hash").unwrap();
+        let (code, expires) = dashboard.new_link().unwrap();
+        assert!(expires > now_ms());
+        assert!(!dashboard.use_link("not-a-code"));
+        assert!(dashboard.use_link(&code));
+        assert!(!dashboard.use_link(&code), "a link works once");
+        for _ in 0..MAX_LINKS {
+            dashboard.new_link().unwrap();
+        }
+        assert!(matches!(
+            dashboard.new_link(),
+            Err(ServerError::Unavailable { .. })
+        ));
+        // An expired link is refused (and makes room).
+        let (late, _) = {
+            let mut links = dashboard.links.lock().unwrap();
+            links.clear();
+            drop(links);
+            dashboard.new_link().unwrap()
+        };
+        for expiry in dashboard.links.lock().unwrap().values_mut() {
+            *expiry = now_ms() - 1;
+        }
+        assert!(!dashboard.use_link(&late));
+    }
 }

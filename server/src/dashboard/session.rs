@@ -1,15 +1,16 @@
 //! The dashboard's sessions: the admin token, checked once at sign-in, exchanged for a cookie
-//! the server signs (HMAC-SHA-256 with the session secret), so that the token itself never
-//! reaches the browser's storage. A cookie names a random session id and its expiry; the CSRF
-//! token of a session is derived from its id with the same key, so nothing per session is
-//! stored: every replica given the same `--dashboard-secret` accepts the sessions of the others,
-//! and a server started with another secret (or none: a random one per process) refuses them.
-//! Signing out revokes the id on the replica that answered it until the session would have
-//! expired anyway, and clears the browser's cookie.
+//! the server signs (HMAC-SHA-256), so that the token itself never reaches the browser's
+//! storage. The signing key is derived from the session secret and the admin token's hash, so a
+//! new admin token ends every session. A cookie names a random session id and its expiry; the
+//! CSRF token of a session is derived from its id with the same key, so nothing per session is
+//! stored: every replica given the same `--dashboard-secret` (and admin token) accepts the
+//! sessions of the others, and a server started with another secret (or none: a random one per
+//! process) refuses them. Signing out revokes the id, in the memory of the replica that
+//! answered, until the session would have expired anyway, and clears the browser's cookie.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderValue, Method};
 use ring::hmac;
@@ -18,14 +19,22 @@ use ring::rand::{SecureRandom, SystemRandom};
 use crate::error::ServerError;
 use crate::round::now_ms;
 
-/// The cookie's name.
-pub const COOKIE: &str = "hora_session";
+/// The cookie's name: `__Host-` makes the browser refuse it unless it is `Secure`, for the
+/// whole site (`Path=/`) and set by this host itself (no `Domain`), so a sibling domain cannot
+/// plant one.
+pub const COOKIE: &str = "__Host-hora_session";
 /// The header a state-changing request of a session carries its CSRF token in.
 pub const CSRF_HEADER: &str = "x-csrf-token";
 /// How long a session lasts from sign-in.
 pub const SESSION_TTL: Duration = Duration::from_secs(8 * 3600);
 /// Fewest bytes of a configured session secret.
 pub const MIN_SECRET_BYTES: usize = 32;
+/// Most sessions signed out before their expiry that one server remembers; past it, the one
+/// closest to its expiry is forgotten first (a script holding the admin token could otherwise
+/// grow the set for 8 hours).
+const MAX_REVOKED: usize = 10_000;
+/// How often expired revocations are dropped.
+const PRUNE_EVERY: Duration = Duration::from_secs(60);
 
 /// A signed-in session, as its cookie proves it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,32 +46,45 @@ pub struct Session {
 /// Signs and checks the cookies of the dashboard's sessions.
 pub struct Sessions {
     key: hmac::Key,
-    /// Ids signed out before their expiry, with that expiry (pruned as they pass it).
-    revoked: Mutex<HashMap<String, u64>>,
-    ttl: Duration,
+    revoked: Mutex<Revoked>,
+}
+
+/// Ids signed out before their expiry, with that expiry (pruned as they pass it).
+struct Revoked {
+    ids: HashMap<String, u64>,
+    pruned: Instant,
 }
 
 impl Sessions {
-    /// Sessions signed with `secret`, or with a random key of this process (sessions then end
-    /// when it does).
-    pub fn new(secret: Option<&[u8]>) -> Result<Sessions, ServerError> {
-        let key = match secret {
-            Some(secret) => {
-                if secret.len() < MIN_SECRET_BYTES {
-                    return Err(ServerError::internal(format!(
-                        "the dashboard's session secret is {} bytes; give at least {MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)",
-                        secret.len()
-                    )));
-                }
-                hmac::Key::new(hmac::HMAC_SHA256, secret)
+    /// Sessions signed with a key derived from `secret` (or a random one of this process:
+    /// sessions then end when it does) and `admin_token_hash`.
+    pub fn new(secret: Option<&[u8]>, admin_token_hash: &str) -> Result<Sessions, ServerError> {
+        let secret = match secret {
+            Some(secret) if secret.len() < MIN_SECRET_BYTES => {
+                return Err(ServerError::internal(format!(
+                    "the dashboard's session secret is {} bytes; give at least {MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)",
+                    secret.len()
+                )));
             }
-            None => hmac::Key::generate(hmac::HMAC_SHA256, &SystemRandom::new())
-                .map_err(|_| ServerError::internal("the system RNG failed"))?,
+            Some(secret) => secret.to_vec(),
+            None => {
+                let mut random = [0u8; 32];
+                SystemRandom::new()
+                    .fill(&mut random)
+                    .map_err(|_| ServerError::internal("the system RNG failed"))?;
+                random.to_vec()
+            }
         };
+        let derived = hmac::sign(
+            &hmac::Key::new(hmac::HMAC_SHA256, &secret),
+            format!("hora-dashboard-key v1|{admin_token_hash}").as_bytes(),
+        );
         Ok(Sessions {
-            key,
-            revoked: Mutex::default(),
-            ttl: SESSION_TTL,
+            key: hmac::Key::new(hmac::HMAC_SHA256, derived.as_ref()),
+            revoked: Mutex::new(Revoked {
+                ids: HashMap::new(),
+                pruned: Instant::now(),
+            }),
         })
     }
 
@@ -74,7 +96,7 @@ impl Sessions {
             .map_err(|_| ServerError::internal("the system RNG failed"))?;
         let session = Session {
             id: hex::encode(id),
-            expires_unix_ms: now_ms() + self.ttl.as_millis() as u64,
+            expires_unix_ms: now_ms() + SESSION_TTL.as_millis() as u64,
         };
         let tag = hmac::sign(&self.key, &signed(&session));
         let value = format!(
@@ -82,7 +104,7 @@ impl Sessions {
             session.id,
             session.expires_unix_ms,
             hex::encode(tag.as_ref()),
-            self.ttl.as_secs()
+            SESSION_TTL.as_secs()
         );
         let cookie = HeaderValue::from_str(&value).map_err(ServerError::internal)?;
         Ok((session, cookie))
@@ -91,7 +113,7 @@ impl Sessions {
     /// The `Set-Cookie` value that removes the session's cookie from the browser.
     pub fn cleared() -> HeaderValue {
         HeaderValue::from_static(
-            "hora_session=; Path=/; Max-Age=0; HttpOnly; Secure; SameSite=Strict",
+            "__Host-hora_session=; Path=/; Max-Age=0; HttpOnly; Secure; SameSite=Strict",
         )
     }
 
@@ -133,9 +155,8 @@ impl Sessions {
         if expires_unix_ms <= now {
             return Err(refused("has expired"));
         }
-        let mut revoked = self.revoked.lock().unwrap_or_else(|p| p.into_inner());
-        revoked.retain(|_, expiry| *expiry > now);
-        if revoked.contains_key(&session.id) {
+        let revoked = self.revoked.lock().unwrap_or_else(|p| p.into_inner());
+        if revoked.ids.contains_key(&session.id) {
             return Err(refused("was signed out"));
         }
         Ok(Some(session))
@@ -153,7 +174,7 @@ impl Sessions {
         method: &Method,
         headers: &HeaderMap,
     ) -> Result<(), ServerError> {
-        if matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS) {
+        if matches!(*method, Method::GET | Method::HEAD) {
             return Ok(());
         }
         let given = headers
@@ -174,8 +195,24 @@ impl Sessions {
     /// Signs `session` out on this server.
     pub fn revoke(&self, session: &Session) {
         let mut revoked = self.revoked.lock().unwrap_or_else(|p| p.into_inner());
-        // Bounded by the sessions signed in within one TTL; expired ones go at every check.
-        revoked.insert(session.id.clone(), session.expires_unix_ms);
+        if revoked.pruned.elapsed() >= PRUNE_EVERY {
+            let now = now_ms();
+            revoked.ids.retain(|_, expiry| *expiry > now);
+            revoked.pruned = Instant::now();
+        }
+        if revoked.ids.len() >= MAX_REVOKED {
+            let soonest = revoked
+                .ids
+                .iter()
+                .min_by_key(|(_, expiry)| **expiry)
+                .map(|(id, _)| id.clone());
+            if let Some(id) = soonest {
+                revoked.ids.remove(&id);
+            }
+        }
+        revoked
+            .ids
+            .insert(session.id.clone(), session.expires_unix_ms);
     }
 }
 
@@ -215,14 +252,14 @@ mod tests {
 
     #[test]
     fn a_cookie_is_good_on_the_server_that_signed_it_until_signed_out() {
-        let sessions = Sessions::new(Some(&[7u8; 32])).unwrap();
+        let sessions = Sessions::new(Some(&[7u8; 32]), "hash").unwrap();
         let (session, set) = sessions.start().unwrap();
         let headers = with_cookie(&set);
         assert_eq!(sessions.of(&headers).unwrap(), Some(session.clone()));
         // Another replica with the same secret takes it; a server with another does not.
-        let replica = Sessions::new(Some(&[7u8; 32])).unwrap();
+        let replica = Sessions::new(Some(&[7u8; 32]), "hash").unwrap();
         assert_eq!(replica.of(&headers).unwrap(), Some(session.clone()));
-        let other = Sessions::new(None).unwrap();
+        let other = Sessions::new(None, "hash").unwrap();
         assert!(
             matches!(other.of(&headers), Err(ServerError::Unauthorized(m)) if m.contains("secret"))
         );
@@ -235,7 +272,7 @@ mod tests {
 
     #[test]
     fn a_changed_expiry_or_id_breaks_the_signature() {
-        let sessions = Sessions::new(None).unwrap();
+        let sessions = Sessions::new(None, "hash").unwrap();
         let (session, _) = sessions.start().unwrap();
         let tag = hex::encode(hmac::sign(&sessions.key, &signed(&session)).as_ref());
         for forged in [
@@ -255,7 +292,7 @@ mod tests {
 
     #[test]
     fn state_changing_requests_need_the_sessions_csrf_token() {
-        let sessions = Sessions::new(None).unwrap();
+        let sessions = Sessions::new(None, "hash").unwrap();
         let (session, _) = sessions.start().unwrap();
         let (other, _) = sessions.start().unwrap();
         let mut headers = HeaderMap::new();
@@ -278,6 +315,6 @@ mod tests {
 
     #[test]
     fn a_short_secret_is_refused() {
-        assert!(Sessions::new(Some(b"short")).is_err());
+        assert!(Sessions::new(Some(b"short"), "hash").is_err());
     }
 }

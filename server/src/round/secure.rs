@@ -79,7 +79,7 @@ impl Collection for SecureCollection {
     }
 
     fn stage(&self) -> Option<String> {
-        let stage = match self.0.stage() {
+        let stage = match self.0.stage_now() {
             secagg::Stage::Advertise => "advertise",
             secagg::Stage::ShareKeys => "share_keys",
             secagg::Stage::MaskedInput => "masked_input",

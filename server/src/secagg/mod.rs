@@ -31,6 +31,7 @@ mod messages;
 mod stages;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
 
 use hora_common::secagg::unmask::Participant;
@@ -130,6 +131,9 @@ pub struct SecAggRound {
     /// The task's federated evaluation, carried in the inputs' evaluation slots.
     evaluation: Option<SecAggEvaluation>,
     inner: Mutex<Inner>,
+    /// `inner.stage`, readable without the lock (which is held across store writes): for the
+    /// task's status.
+    stage_now: AtomicU8,
     /// Bumped at every stage change, for the long polls.
     pub changed: watch::Sender<u64>,
 }
@@ -240,6 +244,7 @@ impl SecAggRound {
             latest_input_deadline_unix_ms: opened_unix_ms
                 + 2 * (round_deadline_secs * 1000 + stage_ms),
             round_deadline_ms: round_deadline_secs * 1000,
+            stage_now: AtomicU8::new(Stage::Advertise as u8),
             inner: Mutex::new(Inner {
                 stage: Stage::Advertise,
                 deadline_unix_ms: opened_unix_ms + round_deadline_secs * 1000,
@@ -302,7 +307,7 @@ impl SecAggRound {
         }
         {
             let mut inner = lock(&round.inner);
-            inner.stage = state.stage;
+            round.set_stage(&mut inner, state.stage);
             inner.deadline_unix_ms = state.deadline_unix_ms;
             inner.input_deadline_unix_ms = state.input_deadline_unix_ms;
             inner.seed = hex_array("seed", &state.seed).map_err(ServerError::internal)?;
@@ -363,6 +368,22 @@ impl SecAggRound {
 
     pub fn stage(&self) -> Stage {
         lock(&self.inner).stage
+    }
+
+    /// The stage as of its last change, without waiting for the round's lock.
+    pub fn stage_now(&self) -> Stage {
+        match self.stage_now.load(Ordering::Relaxed) {
+            0 => Stage::Advertise,
+            1 => Stage::ShareKeys,
+            2 => Stage::MaskedInput,
+            3 => Stage::Unmask,
+            _ => Stage::Ended,
+        }
+    }
+
+    fn set_stage(&self, inner: &mut Inner, stage: Stage) {
+        inner.stage = stage;
+        self.stage_now.store(stage as u8, Ordering::Relaxed);
     }
 
     pub fn deadline(&self) -> u64 {

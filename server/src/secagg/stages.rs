@@ -70,7 +70,7 @@ impl SecAggRound {
                     } else {
                         let ids: Vec<String> = inner.adverts.keys().cloned().collect();
                         self.fix_participants(inner, &ids, k, t)?;
-                        inner.stage = Stage::ShareKeys;
+                        self.set_stage(inner, Stage::ShareKeys);
                         let now = now_ms();
                         inner.deadline_unix_ms = now + stage_ms;
                         inner.input_deadline_unix_ms = now + stage_ms + self.round_deadline_ms;
@@ -114,7 +114,7 @@ impl SecAggRound {
                         inner.threshold
                     ))
                 } else {
-                    inner.stage = Stage::MaskedInput;
+                    self.set_stage(inner, Stage::MaskedInput);
                     inner.deadline_unix_ms = inner.input_deadline_unix_ms;
                     inner.sum = vec![0; self.vector_len];
                     Outcome::Continue
@@ -135,7 +135,7 @@ impl SecAggRound {
                         inner.threshold
                     ))
                 } else {
-                    inner.stage = Stage::Unmask;
+                    self.set_stage(inner, Stage::Unmask);
                     inner.deadline_unix_ms = now_ms() + stage_ms;
                     Outcome::Continue
                 }
@@ -180,7 +180,7 @@ impl SecAggRound {
             // Waiters are woken by the coordinator once it has published or installed the retry,
             // so that nobody rejoins in between.
             _ => {
-                inner.stage = Stage::Ended;
+                self.set_stage(inner, Stage::Ended);
                 return Ok(outcome);
             }
         }
