@@ -206,20 +206,9 @@ async fn rounds(admin: &Api, clients: &[Client], id: &str, rounds: u64) -> Vec<f
 
 /// One open dashboard on task `id`: its feed, and the latest rounds again at every event (as
 /// the task page does). Counts the events it saw.
-async fn dashboard(server_url: String, http: reqwest::Client, id: String, events: Arc<AtomicU64>) {
-    let signed_in = http
-        .post(format!("{server_url}/dashboard/api/session"))
-        .json(&serde_json::json!({ "token": ADMIN_TOKEN }))
-        .send()
-        .await
-        .expect("sign in");
-    let cookie = signed_in
-        .headers()
-        .get("set-cookie")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .expect("a session cookie")
-        .to_string();
+async fn dashboard(admin: Api, id: String, events: Arc<AtomicU64>) {
+    let cookie = admin.dashboard_cookie().await;
+    let (server_url, http) = (admin.url.clone(), admin.http.clone());
     let get = |path: String| {
         http.get(format!("{server_url}{path}"))
             .header("cookie", cookie.clone())
@@ -297,8 +286,7 @@ async fn fan_out() {
     let open: Vec<_> = (0..DASHBOARDS)
         .map(|_| {
             tokio::spawn(dashboard(
-                server.url.clone(),
-                admin.http.clone(),
+                admin.with_token(""),
                 id.to_string(),
                 events.clone(),
             ))

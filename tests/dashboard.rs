@@ -197,21 +197,7 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
 
     // A session signed in on this server works on one started with the same secret (another
     // replica, or this one restarted) and not on one with another secret.
-    let signed_in = admin
-        .with_token("")
-        .request(Method::POST, "/dashboard/api/session")
-        .json(&serde_json::json!({ "token": ADMIN_TOKEN }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(signed_in.status(), StatusCode::OK);
-    let cookie = signed_in
-        .headers()
-        .get("set-cookie")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .expect("a session cookie")
-        .to_string();
+    let cookie = admin.dashboard_cookie().await;
     let with_cookie = |server: &Server| {
         let api = server.api("");
         let req = api

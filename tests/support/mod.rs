@@ -368,6 +368,25 @@ impl Api {
         }
     }
 
+    /// Signs in to the dashboard with the admin token: the session's `Cookie` header value.
+    pub async fn dashboard_cookie(&self) -> String {
+        let signed_in = self
+            .http
+            .post(format!("{}/dashboard/api/session", self.url))
+            .json(&serde_json::json!({ "token": ADMIN_TOKEN }))
+            .send()
+            .await
+            .expect("sign in to the dashboard");
+        assert_eq!(signed_in.status(), StatusCode::OK);
+        signed_in
+            .headers()
+            .get("set-cookie")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .expect("a session cookie")
+            .to_string()
+    }
+
     /// The `/metrics` text.
     pub async fn metrics(&self) -> String {
         self.request(Method::GET, "/metrics")
