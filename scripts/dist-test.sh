@@ -139,6 +139,16 @@ train() {
     log "$4 round(s) of $3 trained by the $1 client in $(ms_since "$start") ms"
 }
 
+# launch ARCH CLIENT: the tarball's hora-run starts two local workers, each told its rank.
+launch() {
+    local out
+    out="$(bare $(runner "$1" client) "$(dirname "$2")/hora-run" -np 2 --no-tag -- \
+        sh -c 'echo "rank $HORA_RANK of $HORA_WORLD_SIZE"' | sort)" \
+        || fail "the $1 hora-run failed: $out"
+    [ "$out" = "$(printf 'rank 0 of 2\nrank 1 of 2')" ] || fail "the $1 hora-run's workers said: $out"
+    log "the $1 hora-run started two workers with their ranks"
+}
+
 # published ID ROUNDS: the task finished with every round published.
 published() {
     local rounds finished=""
@@ -157,6 +167,7 @@ if [ -n "$cross" ]; then
     server_cross="$(unpack server "$cross")"
     client_cross="$(unpack client "$cross")"
     check_libs "$cross" "$client_cross"
+    launch "$cross" "$client_cross"
     log "$(bare $(runner "$cross" server) "$server_cross" --version); $(bare $(runner "$cross" client) "$client_cross" --version)"
 
     server_arch="$native" server="$server_native"
@@ -180,6 +191,7 @@ wheel="$(ls "$dist"/hora-"$version"-*abi3*.whl 2>/dev/null | head -1 || true)"
 server_arch="$native" server="$(unpack server "$native")"
 client="$(unpack client "$native")"
 check_libs "$native" "$client"
+launch "$native" "$client"
 log "$(bare "$server" --version); $(bare "$client" --version)"
 
 serve "$native" "$server" data

@@ -7,7 +7,8 @@
 #                                           completions, systemd unit and Grafana dashboard
 #   hora-client-VERSION-ARCH-linux.tar.gz   the client with the libtorch libraries it needs in
 #                                           lib/ beside bin/ (RUNPATH $ORIGIN/../lib), CPU only:
-#                                           libtorch_cuda and the CUDA libraries stay behind
+#                                           libtorch_cuda and the CUDA libraries stay behind;
+#                                           and hora-run, the synchronous jobs' launcher
 #   hora-VERSION-cp310-abi3-manylinux_2_28*.whl   the Python package, one wheel for Python 3.10+
 #                                           and glibc 2.28+ (as PyPI's torch): linked by zig
 #                                           against glibc 2.28's symbols (maturin --zig)
@@ -41,7 +42,7 @@ export HORA_BUILD_COMMIT="${HORA_BUILD_COMMIT:-$(git rev-parse --short=12 HEAD 2
 if [ -z "$cross" ]; then
     arch="$(uname -m)"
     log "building $version ($HORA_BUILD_COMMIT) for $arch"
-    cargo build --release -p hora-server -p hora-client --bins
+    cargo build --release -p hora-server -p hora-client -p hora-run --bins
     built=target/release
     strip=strip
     run=()  # how a built binary runs here
@@ -54,7 +55,7 @@ else
     # RUSTFLAGS of the caller's would replace the target's (and its -rpath-link).
     env -u LIBTORCH_USE_PYTORCH -u RUSTFLAGS -u CARGO_ENCODED_RUSTFLAGS \
         LIBTORCH="$HORA_AARCH64_LIBTORCH" \
-        cargo build --release --target "$HORA_AARCH64_TARGET" -p hora-server -p hora-client --bins
+        cargo build --release --target "$HORA_AARCH64_TARGET" -p hora-server -p hora-client -p hora-run --bins
     built="target/$HORA_AARCH64_TARGET/release"
     strip=aarch64-linux-gnu-strip
     run=(qemu-aarch64)
@@ -120,6 +121,9 @@ for lib in "$stage/$client/lib"/*.so*; do
     "$patchelf" --set-rpath '$ORIGIN' "$lib"
 done
 extras "$bin" "$stage/$client"
+# The launcher of synchronous jobs (no libtorch, nothing to bundle).
+cp "$built/hora-run" "$stage/$client/bin/"
+"$strip" --strip-debug "$stage/$client/bin/hora-run"
 
 for name in "$server" "$client"; do
     tar -C "$stage" -czf "$out/$name.tar.gz" "$name"

@@ -1074,6 +1074,16 @@ fn every_serve_option_is_layered_flags_over_environment_over_file() {
             ("certs_dir", "/srv/a/certs", "/srv/b/certs"),
             ("client_ca", "/srv/a/ca.pem", "/srv/b/ca.pem"),
             ("commit_window_ms", "3", "4"),
+            (
+                "dashboard_secret",
+                "a-dashboard-secret-0123456789abcdef",
+                "b-dashboard-secret-0123456789abcdefgh",
+            ),
+            (
+                "dashboard_secret_file",
+                "secret-file:dashboard-a",
+                "secret-file:dashboard-b",
+            ),
             ("data_dir", "/srv/a", "/srv/b"),
             ("durability_timeout_secs", "61", "62"),
             ("header_timeout_secs", "11", "12"),
@@ -1106,7 +1116,10 @@ fn every_serve_option_is_layered_flags_over_environment_over_file() {
             ("upload_chunk_bytes", "1048576", "2097152"),
             ("upload_grace_secs", "11", "12"),
         ],
-        &[("admin_token", "admin_token_file")],
+        &[
+            ("admin_token", "admin_token_file"),
+            ("dashboard_secret", "dashboard_secret_file"),
+        ],
     );
 }
 

@@ -793,7 +793,9 @@ pub fn check_layering(
     for (_, a, b) in samples {
         for v in [a, b] {
             if let Some(file) = v.strip_prefix("secret-file:") {
-                std::fs::write(dir.path().join(file), format!("token-in-{file}\n")).unwrap();
+                // (Long enough for any secret's minimum: the dashboard's is 32.)
+                let secret = format!("token-in-{file}-long-enough-for-every-secret");
+                std::fs::write(dir.path().join(file), format!("{secret}\n")).unwrap();
             }
         }
     }
