@@ -11,7 +11,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use hora_common::wire::{
-    CreateSyncJob, EvaluationConfig, EvaluationReport, Metrics, SignInLink, SyncJobInfo, TaskInfo,
+    CreateSyncJob, EvaluationConfig, EvaluationReport, Metrics, SignInLink, SyncJobInfo,
+    SyncJoinRequest, TaskInfo,
 };
 use reqwest::{Method, StatusCode};
 use support::{delta, free_port, small_model, task, Client, Server, ADMIN_TOKEN};
@@ -130,7 +131,7 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
         deadline_secs: None,
     });
     admin.create_task(&t).await;
-    let _: SyncJobInfo = admin
+    let job: SyncJobInfo = admin
         .ok(admin
             .request(Method::POST, "/admin/v1/sync-jobs")
             .json(&CreateSyncJob {
@@ -138,6 +139,19 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
                 world_size: 4,
             }))
         .await;
+    // A worker of rank 2 waits in the job's forming world while the browser looks.
+    let worker = admin.with_token(job.token.as_deref().expect("the job's token"));
+    let waiting = tokio::spawn(
+        worker
+            .request(Method::POST, "/v1/sync/allreduce/join")
+            .json(&SyncJoinRequest {
+                address: "10.0.0.7:29503".into(),
+                rank: Some(2),
+                world_size: 4,
+                timeout_s: Some(60),
+            })
+            .send(),
+    );
     let clients = [admin.enrol().await, admin.enrol().await];
     let link: SignInLink = admin
         .ok(admin.request(Method::POST, "/admin/v1/dashboard/sign-in-links"))
@@ -193,6 +207,7 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
         "the browser test failed ({status}): see its output above"
     );
     assert_eq!(published, rounds);
+    waiting.abort();
     eprintln!("screenshots: {}", shots.display());
 
     // A session signed in on this server works on one started with the same secret (another

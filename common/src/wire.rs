@@ -1220,6 +1220,28 @@ pub struct SyncJobInfo {
     pub generations: u64,
     /// Workers waiting in the world being formed now.
     pub waiting: u32,
+    /// Who waits in the world being formed, by rank.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<SyncMember>,
+    /// The last world formed since the answering server started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub formed: Option<SyncWorldInfo>,
+}
+
+/// A worker of a sync job's world: its rank and the address its ring neighbour connects to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SyncMember {
+    pub rank: u32,
+    pub address: String,
+}
+
+/// A world a sync job formed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SyncWorldInfo {
+    pub generation: u64,
+    pub formed_unix_ms: u64,
+    /// Every rank, in order.
+    pub members: Vec<SyncMember>,
 }
 
 impl fmt::Debug for SyncJobInfo {
@@ -1230,6 +1252,8 @@ impl fmt::Debug for SyncJobInfo {
             .field("token", &redacted(&self.token))
             .field("generations", &self.generations)
             .field("waiting", &self.waiting)
+            .field("members", &self.members)
+            .field("formed", &self.formed)
             .finish()
     }
 }
@@ -1316,6 +1340,8 @@ mod tests {
                     token: Some("job-SECRET".into()),
                     generations: 0,
                     waiting: 0,
+                    members: Vec::new(),
+                    formed: None,
                 }
             ),
         ];
@@ -1335,6 +1361,8 @@ mod tests {
                 token: None,
                 generations: 0,
                 waiting: 0,
+                members: Vec::new(),
+                formed: None,
             }
         );
         assert!(unset.contains("token: None"), "{unset}");

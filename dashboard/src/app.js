@@ -672,11 +672,18 @@ function clientsPage() {
 function syncPage() {
   const body = h('tbody');
   const status = h('p', { 'aria-live': 'polite', class: 'muted' });
+  const worlds = h('div', { id: 'sync-worlds' });
   show(h('h1', {}, 'Sync jobs'), status,
     h('div', { class: 'table-wrap' }, h('table', { id: 'sync-jobs' },
       h('caption', {}, 'Synchronous allreduce jobs'),
       h('thead', {}, h('tr', {}, ['Job', 'World size', 'Worlds formed', 'Waiting', 'State'].map((c) => h('th', { scope: 'col' }, c)))),
-      body)));
+      body)),
+    worlds);
+  // A table of ranks and their ring addresses.
+  const members = (caption, list) => h('div', { class: 'table-wrap' }, h('table', {},
+    h('caption', {}, caption),
+    h('thead', {}, h('tr', {}, h('th', { scope: 'col' }, 'Rank'), h('th', { scope: 'col' }, 'Ring address'))),
+    h('tbody', {}, list.map((m) => h('tr', {}, h('th', { scope: 'row', class: 'num' }, m.rank), h('td', {}, m.address))))));
   async function load() {
     const jobs = await api('GET', '/admin/v1/sync-jobs');
     body.replaceChildren(...(jobs.length ? jobs.map((j) => h('tr', {},
@@ -685,6 +692,10 @@ function syncPage() {
       h('td', { class: 'num' }, j.generations),
       h('td', { class: 'num' }, `${j.waiting} of ${j.world_size}`),
       h('td', {}, j.waiting ? 'forming a world' : j.generations ? 'formed' : 'no worker yet'))) : [h('tr', {}, h('td', { colspan: 5, class: 'muted' }, 'No sync jobs.'))]));
+    worlds.replaceChildren(...jobs.flatMap((j) => [
+      j.members?.length ? members(`${j.id}: waiting in the world being formed`, j.members) : null,
+      j.formed ? members(`${j.id}: world ${j.formed.generation}, formed ${fmtTime(j.formed.formed_unix_ms)}`, j.formed.members) : null,
+    ]).filter(Boolean));
   }
   app.view = { render: () => load().catch(() => {}) };
   load().catch((e) => { status.textContent = e.message; });

@@ -139,9 +139,13 @@ try {
   assert.match(issued, /^[0-9a-f]{64}$/);
   await shot('clients');
 
-  step('sync jobs');
+  step('sync jobs: the job, and the worker waiting in its forming world with its rank');
   await page.getByRole('link', { name: 'Sync jobs' }).click();
   await page.locator('#sync-jobs tbody tr', { hasText: 'allreduce' }).waitFor();
+  assert.match(await page.locator('#sync-jobs tbody tr', { hasText: 'allreduce' }).innerText(), /1 of 4\s+forming a world/);
+  const member = page.locator('#sync-worlds table', { hasText: 'waiting in the world being formed' }).locator('tbody tr');
+  assert.equal(await member.count(), 1);
+  assert.match(await member.innerText(), /^2\s+10\.0\.0\.7:29503$/);
   await shot('sync-jobs');
 
   step('overview');

@@ -96,12 +96,18 @@ struct Job {
     record: SyncJobRecord,
     /// The world being formed: who holds each rank.
     slots: Vec<Option<Waiter>>,
+    /// The last world formed since this server started (for the admin's view).
+    formed: Option<wire::SyncWorldInfo>,
 }
 
 impl Job {
     fn new(record: SyncJobRecord) -> Self {
         let slots = (0..record.world_size).map(|_| None).collect();
-        Job { record, slots }
+        Job {
+            record,
+            slots,
+            formed: None,
+        }
     }
 
     fn waiting(&self) -> u32 {
@@ -134,6 +140,18 @@ impl Job {
             token: None,
             generations: self.record.generations,
             waiting: self.waiting(),
+            members: self
+                .slots
+                .iter()
+                .enumerate()
+                .filter_map(|(rank, w)| {
+                    w.as_ref().map(|w| wire::SyncMember {
+                        rank: rank as u32,
+                        address: w.address.clone(),
+                    })
+                })
+                .collect(),
+            formed: self.formed.clone(),
         }
     }
 }
@@ -237,6 +255,8 @@ impl Rendezvous {
             token: Some(token),
             generations: 0,
             waiting: 0,
+            members: Vec::new(),
+            formed: None,
         })
     }
 
@@ -434,6 +454,19 @@ impl Rendezvous {
             world_size: job.record.world_size,
             peers: waiters.iter().map(|w| w.address.clone()).collect(),
         };
+        job.formed = Some(wire::SyncWorldInfo {
+            generation: world.generation,
+            formed_unix_ms: crate::round::now_ms(),
+            members: world
+                .peers
+                .iter()
+                .enumerate()
+                .map(|(rank, address)| wire::SyncMember {
+                    rank: rank as u32,
+                    address: address.clone(),
+                })
+                .collect(),
+        });
         Completed {
             job: job.record.id.clone(),
             world,
