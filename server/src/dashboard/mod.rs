@@ -1,5 +1,5 @@
 //! The operators' dashboard at `/dashboard`, on the server's own TLS port: a page and its
-//! assets, built from `dashboard/` (see its README) and embedded in the binary, so nothing is
+//! assets, built from `dashboard/` (see `dashboard/README.md`) and embedded in the binary, so nothing is
 //! fetched from elsewhere at run time; sign-in and sign-out ([`session`]); and the live feed of
 //! the tasks (server-sent events). Everything else the pages show or change they ask of the
 //! admin API (`/admin/v1`), which takes a session's cookie where it takes the admin token, and
