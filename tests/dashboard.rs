@@ -105,7 +105,7 @@ async fn round(admin: &support::Api, clients: &[Client; 2], id: &str, r: u64) ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_in_a_browser_while_a_federation_runs() {
     let (node, chromium) = (tool("HORA_NODE"), tool("HORA_CHROMIUM"));
-    // Five rounds here; the screenshots in docs/ were taken with HORA_DASHBOARD_ROUNDS=20.
+    // Five rounds here (HORA_DASHBOARD_ROUNDS sets another number).
     let rounds: u64 = std::env::var("HORA_DASHBOARD_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
