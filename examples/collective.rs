@@ -18,9 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use hora_client::sync::ring::Reduce;
-use hora_client::sync::worker::{form_world, Meeting};
-use hora_client::sync::{CommOptions, Communicator, LaunchRank, Wire};
+use hora_collective::{form_world, CommOptions, Communicator, LaunchRank, Meeting, Reduce, Wire};
 
 #[derive(Parser)]
 struct Args {

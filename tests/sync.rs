@@ -757,7 +757,7 @@ fn strangers_at_a_ring_port_learn_nothing_and_the_job_trains_as_without_them() {
     let peers = peers(2);
     let list: Vec<String> = peers.split(',').map(String::from).collect();
     let port: u16 = list[0].rsplit(':').next().unwrap().parse().unwrap();
-    let session = hora_client::sync::World::from_peers(list.clone(), 0, Some(SECRET))
+    let session = hora_collective::World::from_peers(list.clone(), 0, Some(SECRET))
         .unwrap()
         .session;
     let old_session = &hora_common::sha256_hex(peers.as_bytes())[..32];

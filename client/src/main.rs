@@ -27,11 +27,11 @@ use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand}
 use hora_client::data::DataSource;
 use hora_client::device::DeviceChoice;
 use hora_client::network::{Architecture, Network};
-use hora_client::sync::LrScaling;
 use hora_client::transport::RetryPolicy;
 use hora_client::{
     Client, ClientConfig, ClientError, Paced, RoundOutcome, RoundReport, SupervisedTrainer, Trainer,
 };
+use hora_collective::LrScaling;
 use hora_common::config::{self as layers, Layered};
 use hora_common::logging;
 use hora_common::tls::Identity;
@@ -646,9 +646,9 @@ fn init(args: InitArgs) -> anyhow::Result<()> {
 }
 
 fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
-    use hora_client::sync::rendezvous::ServerRendezvous;
-    use hora_client::sync::worker::{self, Meeting, SyncTraining};
-    use hora_client::sync::{Algorithm, CommOptions, LaunchRank, Wire};
+    use hora_client::sync::worker::{self, SyncTraining};
+    use hora_client::sync::ServerRendezvous;
+    use hora_collective::{Algorithm, CommOptions, LaunchRank, Meeting, Wire};
 
     let (job_token, meet) = check_sync(&layered)?;
     let args = layered.value;
@@ -657,7 +657,7 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
         Meet::Peers => args.peers,
         Meet::Server => None,
         // A job torchrun started on one host finds its ring by itself.
-        Meet::Launcher => hora_client::sync::torchrun_peers(|k| std::env::var(k).ok())?,
+        Meet::Launcher => hora_collective::torchrun_peers(|k| std::env::var(k).ok())?,
     };
     let launch = LaunchRank {
         world_size: launch.world_size.or(peers.as_ref().map(|p| p.len() as u32)),
@@ -719,7 +719,7 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
         (Some(cert), Some(key)) => Some(Identity { cert, key }),
         _ => None,
     };
-    let (server, ca, job, token);
+    let (server, ca, job, token, rendezvous);
     let meeting = match peers {
         Some(peers) => Meeting::Peers {
             peers,
@@ -730,7 +730,7 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
             ca = required(args.ca, "ca")?;
             job = required(args.job, "job")?;
             token = required(job_token, "token")?;
-            Meeting::Server(ServerRendezvous {
+            rendezvous = ServerRendezvous {
                 server: &server,
                 ca: &ca,
                 identity: identity.as_ref(),
@@ -738,7 +738,8 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
                 token: &token,
                 timeout: options.timeout,
                 retry_for: Duration::from_secs(args.retry_for),
-            })
+            };
+            Meeting::Server(&rendezvous)
         }
     };
     let comm = worker::form_world(

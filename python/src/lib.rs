@@ -22,8 +22,8 @@ use std::future::Future;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use hora_client::sync::SyncError;
 use hora_client::ClientError;
+use hora_collective::CollectiveError;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -147,9 +147,9 @@ fn identity(
 }
 
 /// A sync error as `SyncFailed`, with the failed rank when one is known.
-fn sync_error(py: Python<'_>, e: SyncError) -> PyErr {
+fn sync_error(py: Python<'_>, e: CollectiveError) -> PyErr {
     let rank = match &e {
-        SyncError::PeerFailed { rank, .. } => Some(*rank),
+        CollectiveError::PeerFailed { rank, .. } => Some(*rank),
         _ => None,
     };
     let err = SyncFailed::new_err(e.to_string());

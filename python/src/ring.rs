@@ -18,11 +18,12 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use hora_client::sync::launch::LaunchRank;
-use hora_client::sync::rendezvous::{ServerRendezvous, World};
-use hora_client::sync::ring::{fingerprint, Reduce};
-use hora_client::sync::world::{bind, connect, form_world, Meeting};
-use hora_client::sync::{CommOptions, Communicator, SyncError, Wire};
+use hora_client::sync::ServerRendezvous;
+use hora_collective::ring::fingerprint;
+use hora_collective::{
+    bind, connect, form_world, CollectiveError, CommOptions, Communicator, LaunchRank, Meeting,
+    Reduce, Wire, World,
+};
 use numpy::{PyArrayDyn, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -63,7 +64,7 @@ impl Ring {
         py: Python<'_>,
         array: &Bound<'_, PyArrayDyn<f32>>,
         copy: bool,
-        op: impl FnOnce(&mut Communicator, &mut [f32]) -> Result<(), SyncError> + Send,
+        op: impl FnOnce(&mut Communicator, &mut [f32]) -> Result<(), CollectiveError> + Send,
     ) -> PyResult<()> {
         let borrowed = |e| PyValueError::new_err(format!("the buffer is borrowed elsewhere: {e}"));
         let layout = || PyValueError::new_err("the buffer must be a C-contiguous float32 array");
@@ -198,7 +199,7 @@ impl Ring {
                 retry_for: Duration::from_secs(600),
             };
             form_world(
-                Meeting::Server(rendezvous),
+                Meeting::Server(&rendezvous),
                 &launch,
                 &listen,
                 advertise.as_deref(),
@@ -325,7 +326,7 @@ pub(crate) fn launch_rank(
 /// process. Raises when it started the job on several hosts.
 #[pyfunction]
 pub(crate) fn torchrun_peers(py: Python<'_>) -> PyResult<Option<Vec<String>>> {
-    hora_client::sync::torchrun_peers(|k| std::env::var(k).ok()).map_err(|e| sync_error(py, e))
+    hora_collective::torchrun_peers(|k| std::env::var(k).ok()).map_err(|e| sync_error(py, e))
 }
 
 /// A worker that has bound its ring port but does not know its peers yet.

@@ -1,110 +1,36 @@
-//! Synchronous allreduce mode for datacenter workers, on Horovod's model.
+//! `hora-client sync`: synchronous data-parallel training on Horovod's model, built on the
+//! collective stack of `hora-collective` (its ring, links, fusion and distributed optimizer).
 //!
-//! Federated rounds suit edge devices; inside a datacenter, workers that each hold a shard of the
-//! data train one model in lock-step and average gradients every step. The pieces, in the order a
-//! worker meets them:
-//!
-//! - [`launch`] reads a rank and world size from the launcher (mpirun, Slurm, or flags);
-//! - [`rendezvous`] gathers the world: at the server (`/v1/sync/{job}/join`), or from a static list
-//!   of peer addresses; every worker learns its rank, the world size and its ring neighbours;
-//! - [`link`] connects each worker to its ring neighbours over TCP: a small frame protocol with a
-//!   handshake in which neighbours prove to each other that they know the world's session (a
-//!   challenge-response, `handshake`; strangers learn nothing), every frame after it sealed with
-//!   AES-256-GCM under keys of the connection (`sealed`), timeouts, and abort frames that
-//!   carry the name of a failed rank around the ring so that every survivor can say who is
-//!   missing;
-//! - [`ring`] runs the collectives over those links — allreduce (ring reduce-scatter, then
-//!   allgather), broadcast and allgather — pipelined in sub-chunks so that sending, receiving and
-//!   reducing overlap, with optional half-precision on the wire;
-//! - [`region`] is the narrow interface between the ring and the memory it reduces: host `f32`
-//!   slices (hora-common's kernel) or tensor views on any device (hora-common-tch's kernel, CUDA
-//!   included);
-//! - [`fusion`] packs lists of tensors into fusion buffers (Horovod's fusion threshold);
-//! - [`optimizer`] is the training API with Horovod's rules built in: broadcast of rank 0's
-//!   parameters and optimizer state, a distributed optimizer that allreduces gradients after
-//!   `backward_passes_per_step` local passes, learning-rate scaling by world size;
-//! - [`checkpoint`] writes rank 0's checkpoints and finds the one to resume from;
-//! - [`world`] binds, meets and connects: a [`Communicator`] from a launcher's rank;
-//! - [`worker`] is `hora-client sync`: the MLP trained on a sharded dataset.
-//!
-//! Without the `torch` feature, the ring, its links, the rendezvous and [`world`] remain: the
-//! collectives over host `f32` memory that the Python package's `hora.sync` drives.
+//! What is the edge client's here: [`rendezvous`] joins a job at the Hora server over this
+//! client's HTTPS transport; [`checkpoint`] writes rank 0's checkpoints and finds the one to
+//! resume from; [`worker`] trains the built-in MLP on a sharded dataset.
 
 #[cfg(feature = "torch")]
 pub mod checkpoint;
-#[cfg(feature = "torch")]
-pub mod fusion;
-mod handshake;
-pub mod launch;
-pub mod link;
-#[cfg(feature = "torch")]
-pub mod optimizer;
-pub mod region;
 pub mod rendezvous;
-pub mod ring;
-mod sealed;
 #[cfg(feature = "torch")]
 pub mod worker;
-pub mod world;
 
-use std::io;
-
-use hora_common::kernel::KernelError;
+pub use hora_collective::CollectiveError;
+pub use rendezvous::ServerRendezvous;
 use thiserror::Error;
 
-#[cfg(feature = "torch")]
-pub use fusion::Fusion;
-pub use launch::{torchrun_peers, LaunchRank};
-#[cfg(feature = "torch")]
-pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, SyncOptimizer};
-pub use rendezvous::World;
-pub use ring::{CommOptions, Communicator, Wire};
-
-/// Why a collective or a sync job failed. Every variant that involves another worker names its
-/// rank, so that an operator knows which process to look at.
+/// Why a sync job failed: its collectives (which name the rank at fault), its data or model, or
+/// its checkpoints.
 #[derive(Debug, Error)]
 pub enum SyncError {
-    /// Another worker died, stalled, or reported a failure.
-    #[error("rank {rank} {what}")]
-    PeerFailed { rank: u32, what: String },
-    /// The ranks made different collective calls (different sizes, order, or tensors).
-    #[error("{0}")]
-    Mismatch(String),
-    /// A worker of another job, generation or version spoke to us, or sent a malformed frame.
-    #[error("protocol error: {0}")]
-    Protocol(String),
-    #[error("rendezvous: {0}")]
-    Rendezvous(String),
-    #[error("{context}: {source}")]
-    Io {
-        context: String,
-        #[source]
-        source: io::Error,
-    },
-    #[error("averaging kernel: {0}")]
-    Kernel(#[from] KernelError),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
     #[cfg(feature = "torch")]
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     #[error("{0}")]
     Config(String),
-    /// Data, model or state-directory errors shared with the edge client.
+    /// Data, model or state-directory errors shared with the federated client.
     #[error("{0}")]
     Client(#[from] crate::error::ClientError),
     #[error("checkpoint: {0}")]
     Checkpoint(String),
-    /// A collective failed earlier; the ring is no longer in a known state.
-    #[error("this worker's ring failed earlier ({0}); restart the job to form a new world")]
-    Poisoned(String),
-}
-
-impl SyncError {
-    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
-        SyncError::Io {
-            context: context.into(),
-            source,
-        }
-    }
 }
 
 pub type Result<T, E = SyncError> = std::result::Result<T, E>;

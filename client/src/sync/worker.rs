@@ -21,16 +21,18 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use tch::{Device, Tensor};
 
+use hora_collective::{
+    Algorithm, CollectiveError, Communicator, DistributedOptimizer, Fusion, LrScaling,
+    SyncOptimizer,
+};
+
 use super::checkpoint;
-use super::fusion::Fusion;
-use super::optimizer::{Algorithm, DistributedOptimizer, LrScaling, SyncOptimizer};
-use super::ring::Communicator;
 use super::{Result, SyncError};
 use crate::data::DataSource;
 use crate::network::{Architecture, Network};
 use crate::supervised::{batch_loss, evaluate, Batch, DeviceData};
 
-pub use super::world::{form_world, Meeting};
+pub use hora_collective::{form_world, Meeting};
 
 /// What `hora-client sync` trains, and how.
 #[derive(Debug, Clone)]
@@ -218,7 +220,7 @@ pub fn train(
             let (mut total_loss, mut total_seen) = (0.0, 0u64);
             for blob in &all {
                 let pair = <[u8; 16]>::try_from(blob.as_slice()).map_err(|_| {
-                    SyncError::Protocol("a rank sent a malformed epoch summary".into())
+                    CollectiveError::Protocol("a rank sent a malformed epoch summary".into())
                 })?;
                 total_loss += f64::from_le_bytes(pair[..8].try_into().unwrap_or_default());
                 total_seen += u64::from_le_bytes(pair[8..].try_into().unwrap_or_default());

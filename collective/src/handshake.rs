@@ -3,7 +3,7 @@
 //! Every member of a world knows its session and nobody else does: at a server it is 128 random
 //! bits handed (over TLS) only to workers holding the job's token, fresh for every world; with
 //! `--peers` it is derived from the operator's shared secret and the peer list
-//! ([`super::World::from_peers`]). The session itself never crosses the ring. Instead, when a
+//! ([`crate::World::from_peers`]). The session itself never crosses the ring. Instead, when a
 //! worker accepts a connection it sends a fresh random nonce; the connecting side answers with
 //! its own nonce and an HMAC-SHA256 over the transcript — both nonces, the protocol version, the
 //! world's generation and size, and the two ranks — under a key derived from the session with
@@ -28,8 +28,8 @@
 use ring::rand::{SecureRandom, SystemRandom};
 use ring::{aead, hkdf, hmac};
 
-use super::sealed::DirectionKey;
-use super::{Result, SyncError};
+use crate::sealed::DirectionKey;
+use crate::{CollectiveError, Result};
 
 /// Bytes of each side's nonce.
 pub(crate) const NONCE_LEN: usize = 32;
@@ -179,9 +179,9 @@ fn fields(terms: &LinkTerms, nonces: &Nonces) -> Vec<u8> {
 /// A fresh random nonce.
 pub(crate) fn nonce() -> Result<[u8; NONCE_LEN]> {
     let mut n = [0u8; NONCE_LEN];
-    SystemRandom::new()
-        .fill(&mut n)
-        .map_err(|_| SyncError::Config("the system's random number generator failed".into()))?;
+    SystemRandom::new().fill(&mut n).map_err(|_| {
+        CollectiveError::Config("the system's random number generator failed".into())
+    })?;
     Ok(n)
 }
 
@@ -241,7 +241,7 @@ mod tests {
 
     #[test]
     fn frame_keys_are_the_connections_and_the_directions_own() {
-        use crate::sync::sealed::{Opener, Sealer};
+        use crate::sealed::{Opener, Sealer};
         let nonces = Nonces {
             acceptor: nonce().unwrap(),
             connector: nonce().unwrap(),

@@ -13,9 +13,9 @@
 
 use tch::Tensor;
 
-use super::fusion::Fusion;
-use super::ring::{Communicator, Reduce};
-use super::{Result, SyncError};
+use crate::fusion::Fusion;
+use crate::ring::{Communicator, Reduce};
+use crate::{CollectiveError, Result};
 
 /// The update rule.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -91,7 +91,7 @@ impl SyncOptimizer {
     /// An optimizer over `params` (shallow clones of the variables) with zeroed state.
     pub fn new(params: &[(String, Tensor)], algorithm: Algorithm, lr: f64) -> Result<Self> {
         if !(lr.is_finite() && lr > 0.0) {
-            return Err(SyncError::Config(format!(
+            return Err(CollectiveError::Config(format!(
                 "the learning rate must be a positive number, not {lr}"
             )));
         }
@@ -161,7 +161,7 @@ impl SyncOptimizer {
                 if g.defined() {
                     Ok(g)
                 } else {
-                    Err(SyncError::Config(format!(
+                    Err(CollectiveError::Config(format!(
                         "parameter {name} has no gradient: call backward on a loss that uses every parameter"
                     )))
                 }
@@ -247,7 +247,7 @@ impl DistributedOptimizer {
         backward_passes_per_step: u32,
     ) -> Result<Self> {
         if backward_passes_per_step == 0 {
-            return Err(SyncError::Config(
+            return Err(CollectiveError::Config(
                 "backward_passes_per_step must be at least 1".into(),
             ));
         }
@@ -289,7 +289,7 @@ impl DistributedOptimizer {
             .and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
             .map(u64::from_le_bytes)
             .ok_or_else(|| {
-                SyncError::Protocol(format!("rank {root} sent a malformed step count"))
+                CollectiveError::Protocol(format!("rank {root} sent a malformed step count"))
             })?;
         self.optimizer.set_steps(steps);
         Ok(())

@@ -19,7 +19,7 @@
 //! how, instead of exchanging mismatched bytes or waiting forever.
 //!
 //! **Failure.** The first error poisons the communicator: it closes its links and tells its
-//! right neighbour which rank failed (see [`super::link`]); later calls fail at once.
+//! right neighbour which rank failed (see [`crate::link`]); later calls fail at once.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -27,11 +27,11 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use super::link::{Kind, LinkOptions, Links};
-pub use super::region::Wire;
-use super::region::{Apply, Received, Region};
-use super::rendezvous::World;
-use super::{Result, SyncError};
+use crate::link::{Kind, LinkOptions, Links};
+pub use crate::region::Wire;
+use crate::region::{Apply, Received, Region};
+use crate::rendezvous::World;
+use crate::{CollectiveError, Result};
 
 /// Tuning of the collectives.
 #[derive(Debug, Clone)]
@@ -42,9 +42,9 @@ pub struct CommOptions {
     pub wire: Wire,
     /// A neighbour silent for this long is declared failed.
     pub timeout: Duration,
-    /// Pass pieces through shared memory to a neighbour on the same host (see [`super::link`]).
+    /// Pass pieces through shared memory to a neighbour on the same host (see [`crate::link`]).
     pub shared_memory: bool,
-    /// Seal every frame on the ring's TCP connections (AES-256-GCM; see [`super::link`]). On by
+    /// Seal every frame on the ring's TCP connections (AES-256-GCM; see [`crate::link`]). On by
     /// default; every worker of a world must agree. Off only on a network nobody else can reach.
     pub seal_frames: bool,
 }
@@ -198,7 +198,7 @@ impl Communicator {
     /// A communicator over established links (`None` only for a world of one).
     pub fn new(world: World, links: Option<Links>, options: CommOptions) -> Result<Self> {
         if world.size > 1 && links.is_none() {
-            return Err(SyncError::Config(format!(
+            return Err(CollectiveError::Config(format!(
                 "a world of {} needs ring links",
                 world.size
             )));
@@ -261,7 +261,7 @@ impl Communicator {
     pub fn broadcast<R: Region>(&mut self, buf: R, root: u32, fingerprint: u64) -> Result<()> {
         let n = self.world.size;
         if root >= n {
-            return Err(SyncError::Config(format!(
+            return Err(CollectiveError::Config(format!(
                 "broadcast root {root} is not a rank of a world of {n}"
             )));
         }
@@ -298,10 +298,10 @@ impl Communicator {
         if n == 1 {
             return Ok(vec![mine.to_vec()]);
         }
-        if mine.len() > super::link::MAX_CONTROL as usize {
-            return Err(SyncError::Config(format!(
+        if mine.len() > crate::link::MAX_CONTROL as usize {
+            return Err(CollectiveError::Config(format!(
                 "allgather carries small values (at most {} bytes), not {}",
-                super::link::MAX_CONTROL,
+                crate::link::MAX_CONTROL,
                 mine.len()
             )));
         }
@@ -311,7 +311,7 @@ impl Communicator {
             let links = comm
                 .links
                 .as_mut()
-                .ok_or(SyncError::Config("no links".into()))?;
+                .ok_or(CollectiveError::Config("no links".into()))?;
             let mut all = vec![Vec::new(); n];
             all[rank] = mine.to_vec();
             let (inbound, outbound) = (&mut links.inbound, &mut links.outbound);
@@ -328,7 +328,7 @@ impl Communicator {
                     for step in 0..n - 1 {
                         let h = inbound.header()?;
                         if h.kind != Kind::Blob {
-                            return Err(SyncError::Protocol(format!(
+                            return Err(CollectiveError::Protocol(format!(
                                 "rank {} sent {:?} during an allgather",
                                 inbound.peer, h.kind
                             )));
@@ -344,7 +344,7 @@ impl Communicator {
                 drop(tx);
                 let sent = sender
                     .join()
-                    .unwrap_or_else(|_| Err(SyncError::Config("sender panicked".into())));
+                    .unwrap_or_else(|_| Err(CollectiveError::Config("sender panicked".into())));
                 received.and(sent)
             })?;
             Ok(all)
@@ -370,7 +370,7 @@ impl Communicator {
     /// Agrees on the call with the neighbours, runs it, and poisons the ring on failure.
     fn run<T>(&mut self, header: OpHeader, body: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if let Some(why) = &self.poisoned {
-            return Err(SyncError::Poisoned(why.clone()));
+            return Err(CollectiveError::Poisoned(why.clone()));
         }
         let result = self.agree(&header).and_then(|()| body(self));
         if let Err(e) = &result {
@@ -384,18 +384,18 @@ impl Communicator {
         let links = self
             .links
             .as_mut()
-            .ok_or(SyncError::Config("no links".into()))?;
+            .ok_or(CollectiveError::Config("no links".into()))?;
         links.outbound.send(Kind::Op, 0, &mine.encode())?;
         let h = links.inbound.header()?;
         if h.kind != Kind::Op {
-            return Err(SyncError::Protocol(format!(
+            return Err(CollectiveError::Protocol(format!(
                 "rank {} sent {:?} where a collective call was due",
                 links.inbound.peer, h.kind
             )));
         }
         let payload = links.inbound.control_payload(h.len)?;
         let theirs = OpHeader::decode(&payload).ok_or_else(|| {
-            SyncError::Protocol(format!(
+            CollectiveError::Protocol(format!(
                 "rank {} sent a malformed collective header",
                 links.inbound.peer
             ))
@@ -405,7 +405,7 @@ impl Communicator {
             comparable.elements = mine.elements;
         }
         if comparable != *mine {
-            return Err(SyncError::Mismatch(format!(
+            return Err(CollectiveError::Mismatch(format!(
                 "collective #{} differs between ranks: rank {} called {}, rank {rank} called {}. \
                  Every rank must make the same collective calls, with the same tensors, in the same order",
                 mine.seq.min(theirs.seq),
@@ -417,14 +417,14 @@ impl Communicator {
         Ok(())
     }
 
-    fn poison(&mut self, error: &SyncError) {
+    fn poison(&mut self, error: &CollectiveError) {
         let message = error.to_string();
         tracing::error!("collective failed: {message}");
         self.poisoned = Some(message);
         if let Some(mut links) = self.links.take() {
             let (failed, what) = match error {
-                SyncError::PeerFailed { rank, what } => (Some(*rank), what.clone()),
-                SyncError::Mismatch(m) => (None, m.clone()),
+                CollectiveError::PeerFailed { rank, what } => (Some(*rank), what.clone()),
+                CollectiveError::Mismatch(m) => (None, m.clone()),
                 other => (None, format!("rank {} failed: {other}", self.world.rank)),
             };
             // Close the inbound side first: a left neighbour still writing to us gets a reset
@@ -446,7 +446,7 @@ impl Communicator {
         let links = self
             .links
             .as_mut()
-            .ok_or(SyncError::Config("no links".into()))?;
+            .ok_or(CollectiveError::Config("no links".into()))?;
         let mut pool = split_into_pieces(buf, plan, piece);
         let (inbound, outbound) = (&mut links.inbound, &mut links.outbound);
         thread::scope(|s| {
@@ -514,13 +514,15 @@ impl Communicator {
                 Ok(())
             })();
             drop(to_send);
-            let sent = sender
-                .join()
-                .unwrap_or_else(|_| Err(SyncError::Config("the sending thread panicked".into())));
+            let sent = sender.join().unwrap_or_else(|_| {
+                Err(CollectiveError::Config(
+                    "the sending thread panicked".into(),
+                ))
+            });
             // A failed send explains a failed receive better than the other way round only when
             // the receive failed because the sender was gone.
             match (received, sent) {
-                (Err(SyncError::Config(m)), Err(e)) if m == SENDER_GONE => {
+                (Err(CollectiveError::Config(m)), Err(e)) if m == SENDER_GONE => {
                     // The right neighbour may have closed because of a failure further round
                     // the ring: the abort naming it is then on its way from the left.
                     Err(inbound.pending_abort(Duration::from_secs(2)).unwrap_or(e))
@@ -534,8 +536,8 @@ impl Communicator {
 
 const SENDER_GONE: &str = "the sending thread stopped";
 
-fn sender_gone() -> SyncError {
-    SyncError::Config(SENDER_GONE.into())
+fn sender_gone() -> CollectiveError {
+    CollectiveError::Config(SENDER_GONE.into())
 }
 
 /// The pieces of `range`: consecutive sub-ranges of at most `piece` elements.
@@ -622,9 +624,9 @@ fn allreduce_plan(rank: usize, n: usize, len: usize) -> Plan {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::sync::link::Links;
+    use crate::link::Links;
     #[cfg(feature = "torch")]
-    use crate::sync::region::TensorRegion;
+    use crate::region::TensorRegion;
     use std::net::TcpListener;
 
     /// `n` communicators on loopback, one per thread, running `f`.

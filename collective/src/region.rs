@@ -12,9 +12,9 @@ use hora_common_tch::collective;
 #[cfg(feature = "torch")]
 use tch::{Kind, Tensor};
 
-use super::Result;
 #[cfg(feature = "torch")]
-use super::SyncError;
+use crate::CollectiveError;
+use crate::Result;
 
 /// How elements travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -173,7 +173,7 @@ impl TensorRegion {
     /// A flat f32 view of `t`, which must be contiguous f32.
     pub fn new(t: &Tensor) -> Result<Self> {
         if t.kind() != Kind::Float || !t.is_contiguous() {
-            return Err(SyncError::Config(format!(
+            return Err(CollectiveError::Config(format!(
                 "a collective buffer must be a contiguous f32 tensor, not {:?}",
                 t.kind()
             )));

@@ -12,9 +12,9 @@ use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 
-use super::region::TensorRegion;
-use super::ring::{fingerprint, Communicator, Reduce};
-use super::{Result, SyncError};
+use crate::region::TensorRegion;
+use crate::ring::{fingerprint, Communicator, Reduce};
+use crate::{CollectiveError, Result};
 
 /// Horovod's default fusion threshold.
 pub const DEFAULT_THRESHOLD: usize = 64 << 20;
@@ -141,7 +141,7 @@ fn buckets(tensors: &[Tensor], threshold: usize) -> Result<Vec<Range<usize>>> {
     let (mut start, mut bytes) = (0, 0usize);
     for (i, t) in tensors.iter().enumerate() {
         if !t.is_floating_point() {
-            return Err(SyncError::Config(format!(
+            return Err(CollectiveError::Config(format!(
                 "tensor {i} is {:?}: collectives average floating-point tensors",
                 t.kind()
             )));
@@ -163,8 +163,8 @@ fn buckets(tensors: &[Tensor], threshold: usize) -> Result<Vec<Range<usize>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sync::ring::tests::with_world;
-    use crate::sync::CommOptions;
+    use crate::ring::tests::with_world;
+    use crate::CommOptions;
 
     #[test]
     fn buckets_respect_the_threshold() {

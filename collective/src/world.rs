@@ -4,16 +4,17 @@
 
 use std::net::TcpListener;
 
-use super::launch::LaunchRank;
-use super::link::Links;
-use super::rendezvous::{ServerRendezvous, World};
-use super::ring::{CommOptions, Communicator};
-use super::{Result, SyncError};
+use crate::launch::LaunchRank;
+use crate::link::Links;
+use crate::rendezvous::{self, Rendezvous, World};
+use crate::ring::{CommOptions, Communicator};
+use crate::{CollectiveError, Result};
 
 /// How the workers find each other.
 pub enum Meeting<'a> {
-    /// At the Hora server.
-    Server(ServerRendezvous<'a>),
+    /// At a rendezvous service: the Hora server, through `hora-client`'s
+    /// `sync::ServerRendezvous`.
+    Server(&'a dyn Rendezvous),
     /// Ring addresses known in advance, by rank, and the operator's shared secret that every
     /// worker derives the world's session from (needed unless the world is of one).
     Peers {
@@ -36,13 +37,13 @@ pub fn form_world(
     let (world, listener) = match meeting {
         Meeting::Peers { peers, secret } => {
             let rank = launch.rank.ok_or_else(|| {
-                SyncError::Config(
+                CollectiveError::Config(
                     "--peers needs this worker's rank: --rank, or a launcher's environment (mpirun, Slurm)".into(),
                 )
             })?;
             if let Some(size) = launch.world_size {
                 if size as usize != peers.len() {
-                    return Err(SyncError::Config(format!(
+                    return Err(CollectiveError::Config(format!(
                         "the world size is {size} but --peers lists {} addresses",
                         peers.len()
                     )));
@@ -59,15 +60,15 @@ pub fn form_world(
             };
             (world, listener)
         }
-        Meeting::Server(rendezvous) => {
+        Meeting::Server(service) => {
             let size = launch.world_size.ok_or_else(|| {
-                SyncError::Config(
+                CollectiveError::Config(
                     "the world size is unknown: give --world-size, or start the workers with mpirun or srun".into(),
                 )
             })?;
             let (listener, address) = bind(listen, advertise)?;
             tracing::info!(%address, rank = ?launch.rank, size, "joining the job");
-            let world = rendezvous.join(&address, launch.rank, size)?;
+            let world = rendezvous::join(service, &address, launch.rank, size)?;
             (world, Some(listener))
         }
     };
@@ -81,11 +82,11 @@ pub fn bind(listen: &str, advertise: Option<&str>) -> Result<(TcpListener, Strin
     let listener = Links::listen(listen)?;
     let local = listener
         .local_addr()
-        .map_err(|e| SyncError::io("reading the ring address", e))?;
+        .map_err(|e| CollectiveError::io("reading the ring address", e))?;
     let host = match advertise {
         Some(h) => h.to_string(),
         None if local.ip().is_unspecified() => {
-            return Err(SyncError::Config(format!(
+            return Err(CollectiveError::Config(format!(
                 "listening on {local}: give --advertise HOST, the name or address the other workers can reach this one at"
             )))
         }

@@ -56,10 +56,10 @@ use std::time::{Duration, Instant};
 
 use hora_common::kernel;
 
-use super::handshake::{self, LinkTerms, Nonces, RingKey, Role, NONCE_LEN, PROOF_LEN};
-use super::rendezvous::World;
-use super::sealed::{Opener, SealError, Sealer, TAG_LEN};
-use super::{Result, SyncError};
+use crate::handshake::{self, LinkTerms, Nonces, RingKey, Role, NONCE_LEN, PROOF_LEN};
+use crate::rendezvous::World;
+use crate::sealed::{Opener, SealError, Sealer, TAG_LEN};
+use crate::{CollectiveError, Result};
 
 /// Bumped whenever frames or the handshake change: workers of different versions refuse each
 /// other. Version 2: the challenge-response handshake (version 1 sent the session in the clear);
@@ -205,9 +205,9 @@ fn seal_frame(
 
 /// What a record that does not open says about the rank it came from (or, sealing, what
 /// 2^64 records on one connection mean).
-fn unsealed(peer: u32, e: SealError) -> SyncError {
+fn unsealed(peer: u32, e: SealError) -> CollectiveError {
     match e {
-        SealError::Forged => SyncError::PeerFailed {
+        SealError::Forged => CollectiveError::PeerFailed {
             rank: peer,
             what: "sent a frame that failed authentication: the connection from it was tampered \
                    with on the way (bytes altered, dropped, replayed or injected), so this worker \
@@ -215,7 +215,7 @@ fn unsealed(peer: u32, e: SealError) -> SyncError {
                    job"
             .into(),
         },
-        SealError::Exhausted => SyncError::Protocol(format!(
+        SealError::Exhausted => CollectiveError::Protocol(format!(
             "the connection with rank {peer} carried 2^64 frames, the most one key may seal; \
              restart the job to form a new ring"
         )),
@@ -226,7 +226,7 @@ fn unsealed(peer: u32, e: SealError) -> SyncError {
 const RELAYED: &str = "reported around the ring by rank";
 
 /// What a failed read or write on a neighbour's connection says about the neighbour.
-fn peer_failed(peer: u32, timeout: Duration, silent: &str, e: io::Error) -> SyncError {
+fn peer_failed(peer: u32, timeout: Duration, silent: &str, e: io::Error) -> CollectiveError {
     let what = match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
             "{silent} for {} s: it stalled or died (raise --timeout if a step can legitimately take longer)",
@@ -234,7 +234,7 @@ fn peer_failed(peer: u32, timeout: Duration, silent: &str, e: io::Error) -> Sync
         ),
         _ => format!("closed its connection ({e}): the process exited or crashed"),
     };
-    SyncError::PeerFailed { rank: peer, what }
+    CollectiveError::PeerFailed { rank: peer, what }
 }
 
 /// The sending end (to the right neighbour).
@@ -316,7 +316,7 @@ impl Outbound {
             let slots = self
                 .slots
                 .as_mut()
-                .ok_or_else(|| SyncError::Config("no slots".into()))?;
+                .ok_or_else(|| CollectiveError::Config("no slots".into()))?;
             let at = slot as usize * slots.slot_bytes;
             // SAFETY: `at + len` lies within the mapping (len <= slot_bytes, slot < SLOTS); the
             // slice covers only this slot, which this side holds until it announces it, so
@@ -401,14 +401,14 @@ impl Outbound {
                 ..
             }) => aux,
             _ => {
-                return Err(SyncError::Protocol(format!(
+                return Err(CollectiveError::Protocol(format!(
                     "rank {} sent something other than a slot credit back",
                     self.peer
                 )))
             }
         };
         if slot >= SLOTS {
-            return Err(SyncError::Protocol(format!(
+            return Err(CollectiveError::Protocol(format!(
                 "rank {} returned slot {slot} of {SLOTS}",
                 self.peer
             )));
@@ -426,7 +426,7 @@ impl Outbound {
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 
-    fn failed(&self, e: io::Error) -> SyncError {
+    fn failed(&self, e: io::Error) -> CollectiveError {
         peer_failed(self.peer, self.timeout, "stopped receiving", e)
     }
 }
@@ -448,7 +448,7 @@ impl Inbound {
         let (h, tag) = record.split_at_mut(HEADER_LEN);
         self.open.open(h, tag).map_err(|e| unsealed(self.peer, e))?;
         decode_header(h).ok_or_else(|| {
-            SyncError::Protocol(format!(
+            CollectiveError::Protocol(format!(
                 "rank {} sent a malformed frame header (is it running the same Hora version?)",
                 self.peer
             ))
@@ -456,14 +456,14 @@ impl Inbound {
     }
 
     /// The failure an `Abort` frame with `len` payload bytes reports.
-    fn abort_error(&mut self, len: u64) -> Result<SyncError> {
+    fn abort_error(&mut self, len: u64) -> Result<CollectiveError> {
         let payload = self.control_payload(len)?;
         let (rank, message) = payload.split_at(4.min(payload.len()));
         let rank = <[u8; 4]>::try_from(rank).map(u32::from_le_bytes).ok();
         let message = String::from_utf8_lossy(message).into_owned();
         Ok(match rank {
             // The first rank to forward it says so; the others pass it on as it is.
-            Some(rank) if rank != u32::MAX => SyncError::PeerFailed {
+            Some(rank) if rank != u32::MAX => CollectiveError::PeerFailed {
                 rank,
                 what: if message.contains(RELAYED) {
                     message
@@ -471,13 +471,13 @@ impl Inbound {
                     format!("{message} ({RELAYED} {})", self.peer)
                 },
             },
-            _ => SyncError::Mismatch(message),
+            _ => CollectiveError::Mismatch(message),
         })
     }
 
     /// An abort frame that arrives within `wait`, as the error it reports (used after our right
     /// neighbour hung up, to learn whether it did so because of a failure elsewhere).
-    pub fn pending_abort(&mut self, wait: Duration) -> Option<SyncError> {
+    pub fn pending_abort(&mut self, wait: Duration) -> Option<CollectiveError> {
         let _ = self.stream.set_read_timeout(Some(wait));
         let found = match self.raw_header() {
             Ok(h) if h.kind == Kind::Abort => self.abort_error(h.len).ok(),
@@ -506,7 +506,7 @@ impl Inbound {
             || h.len != len
             || (h.kind == Kind::SlotData && incoming == Incoming::Stream)
         {
-            return Err(SyncError::Protocol(format!(
+            return Err(CollectiveError::Protocol(format!(
                 "rank {} sent a {:?} frame of {} bytes where a data piece of {len} bytes was due \
                  (the ranks are out of step: do all of them make the same collective calls?)",
                 self.peer, h.kind, h.len
@@ -558,14 +558,13 @@ impl Inbound {
     }
 
     fn slot(&self, slot: u32, len: usize) -> Result<&[u8]> {
-        let slots = self
-            .slots
-            .as_ref()
-            .ok_or_else(|| SyncError::Protocol("a slot piece without shared memory".into()))?;
+        let slots = self.slots.as_ref().ok_or_else(|| {
+            CollectiveError::Protocol("a slot piece without shared memory".into())
+        })?;
         // The header that announced the slot was read after the sender wrote it.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         if slot >= SLOTS || len > slots.slot_bytes {
-            return Err(SyncError::Protocol(format!(
+            return Err(CollectiveError::Protocol(format!(
                 "rank {} announced a piece outside its slots",
                 self.peer
             )));
@@ -599,7 +598,7 @@ impl Inbound {
     /// Reads a small payload, refusing anything over the control limit before allocating.
     pub fn control_payload(&mut self, len: u64) -> Result<Vec<u8>> {
         if len > MAX_CONTROL {
-            return Err(SyncError::Protocol(format!(
+            return Err(CollectiveError::Protocol(format!(
                 "rank {} sent a control frame of {len} bytes (limit {MAX_CONTROL})",
                 self.peer
             )));
@@ -609,7 +608,7 @@ impl Inbound {
         Ok(buf)
     }
 
-    fn failed(&self, e: io::Error) -> SyncError {
+    fn failed(&self, e: io::Error) -> CollectiveError {
         peer_failed(self.peer, self.timeout, "sent nothing", e)
     }
 }
@@ -774,7 +773,7 @@ impl Links {
     /// so the address it announces is already listening).
     pub fn listen(address: &str) -> Result<TcpListener> {
         TcpListener::bind(address).map_err(|e| {
-            SyncError::io(
+            CollectiveError::io(
                 format!("listening for the ring on {address} (choose another with --ring-listen)"),
                 e,
             )
@@ -790,7 +789,7 @@ impl Links {
             seal_frames,
         } = *options;
         if world.size < 2 {
-            return Err(SyncError::Config(
+            return Err(CollectiveError::Config(
                 "a world of one has no ring to connect".into(),
             ));
         }
@@ -829,12 +828,12 @@ impl Links {
             let inbound = accept_left(gate, &listener, deadline, own_address);
             let outbound = out
                 .join()
-                .map_err(|_| SyncError::Config("the connecting thread panicked".into()))?;
+                .map_err(|_| CollectiveError::Config("the connecting thread panicked".into()))?;
             match (inbound, outbound) {
                 // A refusal by the right neighbour (another session: other --peers, another
                 // job) explains a left neighbour that never came better than the wait does.
-                (Err(_), Err(refused @ SyncError::Protocol(_))) => Err(refused),
-                (inbound, outbound) => Ok::<_, SyncError>((inbound?, outbound?)),
+                (Err(_), Err(refused @ CollectiveError::Protocol(_))) => Err(refused),
+                (inbound, outbound) => Ok::<_, CollectiveError>((inbound?, outbound?)),
             }
         })?;
         Ok(Links { inbound, outbound })
@@ -845,7 +844,7 @@ fn resolve(address: &str) -> Result<Vec<SocketAddr>> {
     address
         .to_socket_addrs()
         .map(|a| a.collect())
-        .map_err(|e| SyncError::io(format!("resolving the ring address {address}"), e))
+        .map_err(|e| CollectiveError::io(format!("resolving the ring address {address}"), e))
 }
 
 /// Reads exactly `buf.len()` bytes by `deadline`, however slowly the other side sends them.
@@ -1041,7 +1040,7 @@ enum Attempt {
     /// The connection closed before the handshake was done (the neighbour was busy with
     /// strangers, or gave up on a slow handshake): worth another try.
     Closed(String),
-    Failed(SyncError),
+    Failed(CollectiveError),
 }
 
 impl Connector<'_> {
@@ -1077,7 +1076,7 @@ impl Connector<'_> {
                         self.timeout.as_secs()
                     ),
                 };
-                return Err(SyncError::PeerFailed { rank, what });
+                return Err(CollectiveError::PeerFailed { rank, what });
             }
             thread::sleep(delay);
             delay = (delay * 2).min(Duration::from_millis(500));
@@ -1088,10 +1087,10 @@ impl Connector<'_> {
     fn handshake(&self, mut stream: TcpStream) -> Result<Outbound, Attempt> {
         let (rank, address, deadline) = (self.rank, self.address, self.deadline);
         tune(&stream, self.timeout)
-            .map_err(|e| Attempt::Failed(SyncError::io("tuning the ring socket", e)))?;
+            .map_err(|e| Attempt::Failed(CollectiveError::io("tuning the ring socket", e)))?;
         let io_failed = |e: io::Error| match e.kind() {
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
-                Attempt::Failed(SyncError::PeerFailed {
+                Attempt::Failed(CollectiveError::PeerFailed {
                     rank,
                     what: format!(
                         "did not answer the handshake at {address} within {} s: it stalled, or \
@@ -1100,7 +1099,7 @@ impl Connector<'_> {
                     ),
                 })
             }
-            io::ErrorKind::InvalidData => Attempt::Failed(SyncError::Protocol(format!(
+            io::ErrorKind::InvalidData => Attempt::Failed(CollectiveError::Protocol(format!(
                 "the process at {address}, where rank {rank} should be, sent {e}: is it a Hora \
                  worker of this version?"
             ))),
@@ -1109,7 +1108,7 @@ impl Connector<'_> {
             )),
         };
         let refused = |payload: &[u8]| {
-            Attempt::Failed(SyncError::Protocol(format!(
+            Attempt::Failed(CollectiveError::Protocol(format!(
                 "rank {rank} at {address} refused this worker: {} (every worker needs the same \
                  world: the same server job and generation, or the same --peers list and \
                  session secret)",
@@ -1117,7 +1116,7 @@ impl Connector<'_> {
             )))
         };
         let unexpected = |kind: Kind, what: &str| {
-            Attempt::Failed(SyncError::Protocol(format!(
+            Attempt::Failed(CollectiveError::Protocol(format!(
                 "the process at {address}, where rank {rank} should be, sent a {kind:?} frame \
                  where {what} was due: is it a Hora worker of this version?"
             )))
@@ -1134,7 +1133,7 @@ impl Connector<'_> {
         let (version, rest) = challenge.split_at(4);
         let version = u32::from_le_bytes(version.try_into().unwrap_or_default());
         if version != PROTOCOL_VERSION {
-            return Err(Attempt::Failed(SyncError::Protocol(format!(
+            return Err(Attempt::Failed(CollectiveError::Protocol(format!(
                 "rank {rank} at {address} speaks ring protocol {version}, this worker \
                  {PROTOCOL_VERSION}: run the same Hora version on every worker"
             ))));
@@ -1144,7 +1143,7 @@ impl Connector<'_> {
         }
         let (their_nonce, their_sealed) = rest.split_at(NONCE_LEN);
         if their_sealed != [u8::from(self.terms.sealed)] {
-            return Err(Attempt::Failed(SyncError::Protocol(format!(
+            return Err(Attempt::Failed(CollectiveError::Protocol(format!(
                 "rank {rank} at {address} {} its ring frames and this worker {}: give every \
                  worker the same setting (sealing is on unless a worker is started with \
                  {UNSEALED_KNOB})",
@@ -1185,7 +1184,7 @@ impl Connector<'_> {
             .key
             .verify(Role::Acceptor, &self.terms, &nonces, &welcome)
         {
-            return Err(Attempt::Failed(SyncError::Protocol(format!(
+            return Err(Attempt::Failed(CollectiveError::Protocol(format!(
                 "the process at {address}, where rank {rank} should be, could not prove that it \
                  belongs to this ring: a stranger, or a worker of another job or generation"
             ))));
@@ -1239,7 +1238,7 @@ impl Connector<'_> {
                 .map_err(io_failed)?;
         }
         tune(&stream, self.timeout)
-            .map_err(|e| Attempt::Failed(SyncError::io("tuning the ring socket", e)))?;
+            .map_err(|e| Attempt::Failed(CollectiveError::io("tuning the ring socket", e)))?;
         Ok(Outbound {
             stream,
             peer: rank,
@@ -1446,7 +1445,7 @@ fn accept_left(
     let mut came = 0u64;
     listener
         .set_nonblocking(true)
-        .map_err(|e| SyncError::io("configuring the ring listener", e))?;
+        .map_err(|e| CollectiveError::io("configuring the ring listener", e))?;
     loop {
         #[cfg(test)]
         ACCEPT_ROUNDS.with(|n| n.set(n.get() + 1));
@@ -1462,7 +1461,7 @@ fn accept_left(
                 0 => String::new(),
                 n => format!(" ({n} connections came and none proved to be rank {left})"),
             };
-            return Err(SyncError::PeerFailed {
+            return Err(CollectiveError::PeerFailed {
                 rank: left,
                 what: format!(
                     "did not connect within {} s: it did not start, or it cannot reach this worker's address {own_address}{others}",
@@ -1524,7 +1523,7 @@ fn accept_left(
                     tracing::debug!("accepting on the ring port: {e}");
                     break;
                 }
-                Err(e) => return Err(SyncError::io("accepting the left neighbour", e)),
+                Err(e) => return Err(CollectiveError::io("accepting the left neighbour", e)),
             }
         }
 
@@ -2232,17 +2231,16 @@ mod tests {
                     let world =
                         World::from_peers(peers.clone(), rank as u32, Some(SECRET)).unwrap();
                     s.spawn(move || {
-                        let options = crate::sync::ring::CommOptions {
+                        let options = crate::ring::CommOptions {
                             timeout: Duration::from_secs(5),
                             shared_memory: false,
                             seal_frames,
                             ..Default::default()
                         };
                         let links = Links::connect(&world, listener, &options.links())?;
-                        let mut comm =
-                            crate::sync::ring::Communicator::new(world, Some(links), options)?;
+                        let mut comm = crate::ring::Communicator::new(world, Some(links), options)?;
                         let mut buf = vec![rank as f32 + 1234.5; 100_000];
-                        comm.allreduce(&mut buf[..], crate::sync::ring::Reduce::Sum, 0)
+                        comm.allreduce(&mut buf[..], crate::ring::Reduce::Sum, 0)
                     })
                 })
                 .collect();
@@ -2407,10 +2405,7 @@ mod tests {
     }
 
     /// One connection's frame keys (to the acceptor, to the connector), as both ends derive them.
-    fn frame_keys() -> (
-        super::super::sealed::DirectionKey,
-        super::super::sealed::DirectionKey,
-    ) {
+    fn frame_keys() -> (crate::sealed::DirectionKey, crate::sealed::DirectionKey) {
         let nonces = Nonces {
             acceptor: [1; NONCE_LEN],
             connector: [2; NONCE_LEN],

@@ -3,7 +3,7 @@
 //! existing cluster managers can start Hora workers unchanged. Without any of them the server
 //! assigns ranks in the order workers join.
 
-use super::{Result, SyncError};
+use crate::{CollectiveError, Result};
 
 /// Rank and world size as the launcher gave them (either may be unknown).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,7 +46,7 @@ pub fn torchrun_peers(env: impl Fn(&str) -> Option<String>) -> Result<Option<Vec
         return Ok(None);
     };
     let bad = |name: &str, v: &str| {
-        SyncError::Config(format!(
+        CollectiveError::Config(format!(
             "{name}={v:?} is not what torchrun sets (a port, a number of workers)"
         ))
     };
@@ -57,7 +57,7 @@ pub fn torchrun_peers(env: impl Fn(&str) -> Option<String>) -> Result<Option<Vec
     }
     let local = env("LOCAL_WORLD_SIZE").and_then(|v| v.trim().parse::<u32>().ok());
     if local != Some(size) {
-        return Err(SyncError::Config(format!(
+        return Err(CollectiveError::Config(format!(
             "torchrun started this job's {size} workers on more than one host, and does not tell \
              them each other's addresses: meet at a Hora server (--server / HORA_SERVER, with a \
              sync job) or list the ring's addresses (--peers / HORA_PEERS)"
@@ -65,7 +65,7 @@ pub fn torchrun_peers(env: impl Fn(&str) -> Option<String>) -> Result<Option<Vec
     }
     let last = u32::from(port) + size;
     if last > u32::from(u16::MAX) {
-        return Err(SyncError::Config(format!(
+        return Err(CollectiveError::Config(format!(
             "MASTER_PORT {port} leaves no room for {size} ring ports above it: give torchrun a \
              lower --master-port, or HORA_PEERS"
         )));
@@ -94,7 +94,7 @@ impl LaunchRank {
             match env(name) {
                 None => Ok(None),
                 Some(v) => v.trim().parse().map(Some).map_err(|_| {
-                    SyncError::Config(format!(
+                    CollectiveError::Config(format!(
                         "{name}={v:?} is not a non-negative integer (set by your launcher?)"
                     ))
                 }),
@@ -135,14 +135,14 @@ impl LaunchRank {
             found
         };
         if let Some(0) = found.world_size {
-            return Err(SyncError::Config(format!(
+            return Err(CollectiveError::Config(format!(
                 "world size 0 (from {}): a job needs at least one worker",
                 found.source
             )));
         }
         if let (Some(rank), Some(size)) = (found.rank, found.world_size) {
             if rank >= size {
-                return Err(SyncError::Config(format!(
+                return Err(CollectiveError::Config(format!(
                     "rank {rank} is not below the world size {size} (from {})",
                     found.source
                 )));

@@ -6,7 +6,7 @@
 //! rewrite a reduction or a broadcast object. Each direction of each connection therefore gets
 //! its own AES-256-GCM key, derived with HKDF from the session over the handshake's transcript
 //! (both fresh nonces, the protocol version, the generation, the world size and both ranks; see
-//! [`super::handshake::RingKey::frame_keys`]), so no key is ever used on two connections or in
+//! [`crate::handshake::RingKey::frame_keys`]), so no key is ever used on two connections or in
 //! two directions. The nonce is a counter that starts at zero and goes up by one per record and
 //! is never sent: a record that is altered, replayed, dropped, reordered or injected fails its
 //! tag, and from then on the connection opens nothing more (it fails closed, and the ring stops

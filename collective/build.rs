@@ -1,0 +1,6 @@
+#[path = "../build-support/libtorch_rpath.rs"]
+mod libtorch_rpath;
+
+fn main() {
+    libtorch_rpath::emit();
+}
