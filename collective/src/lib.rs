@@ -24,8 +24,8 @@
 //!   slices (hora-common's kernel) or, with the `torch` feature, tensor views on any device
 //!   (hora-common-tch's kernel, CUDA included);
 //! - [`world`] binds, meets and connects: a [`Communicator`] from a launcher's rank;
-//! - with the `torch` feature, [`fusion`] packs lists of tensors into fusion buffers (Horovod's
-//!   fusion threshold) and [`optimizer`] is the training API with Horovod's rules built in:
+//! - with the `torch` feature, `fusion` packs lists of tensors into fusion buffers (Horovod's
+//!   fusion threshold) and `optimizer` is the training API with Horovod's rules built in:
 //!   broadcast of rank 0's parameters and optimizer state, a distributed optimizer that
 //!   allreduces gradients after `backward_passes_per_step` local passes, learning-rate scaling by
 //!   world size.
