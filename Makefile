@@ -137,7 +137,8 @@ bench:
 	cargo build --release --example collective; \
 	cargo bench -p hora --bench allreduce; \
 	$(PY_ENV); $(call PY_INSTALL,--release); \
-	"$$HORA_PACKAGE_PYTHON" python/bench/bench.py
+	"$$HORA_PACKAGE_PYTHON" python/bench/bench.py; \
+	"$$HORA_PACKAGE_PYTHON" python/bench/fusion.py
 
 ## One round of a model past 2 GiB (HORA_LARGE_MODEL_MB, 2200) with 4 clients: transfer
 ## rates against the loopback TLS limit, peak RSS, cut and resumed transfers. Needs about

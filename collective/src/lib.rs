@@ -24,8 +24,10 @@
 //!   slices (hora-common's kernel) or, with the `torch` feature, tensor views on any device
 //!   (hora-common-tch's kernel, CUDA included);
 //! - [`world`] binds, meets and connects: a [`Communicator`] from a launcher's rank;
-//! - with the `torch` feature, `fusion` packs lists of tensors into fusion buffers (Horovod's
-//!   fusion threshold) and `optimizer` is the training API with Horovod's rules built in:
+//! - [`fusion`] packs lists of buffers into fusion buffers (Horovod's fusion threshold): host
+//!   memory ([`HostFusion`], what the Python package uses), or tensors of any device with the
+//!   `torch` feature;
+//! - with the `torch` feature, `optimizer` is the training API with Horovod's rules built in:
 //!   broadcast of rank 0's parameters and optimizer state, a distributed optimizer that
 //!   allreduces gradients after `backward_passes_per_step` local passes, learning-rate scaling by
 //!   world size.
@@ -33,7 +35,6 @@
 //! `hora-client sync` (the MLP trained on a sharded dataset, with checkpoints) and the Python
 //! package's `hora.sync` are built on this crate.
 
-#[cfg(feature = "torch")]
 pub mod fusion;
 mod handshake;
 pub mod launch;
@@ -53,6 +54,7 @@ use thiserror::Error;
 
 #[cfg(feature = "torch")]
 pub use fusion::Fusion;
+pub use fusion::HostFusion;
 pub use launch::{torchrun_peers, LaunchRank};
 #[cfg(feature = "torch")]
 pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, SyncOptimizer};

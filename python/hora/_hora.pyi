@@ -1,6 +1,6 @@
 """Type stubs of the native module (see the Python wrappers for documentation)."""
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -80,6 +80,8 @@ class Ring:
     # no other thread can reach (one resized meanwhile would be freed under the ring).
     def allreduce(self, array: np.ndarray, average: bool = ..., name: str = ..., copy: bool = ...) -> None: ...
     def broadcast(self, array: np.ndarray, root: int = ..., name: str = ..., copy: bool = ...) -> None: ...
+    def allreduce_fused(self, arrays: Sequence[np.ndarray], average: bool = ..., fusion_bytes: int = ..., name: str = ...) -> None: ...
+    def broadcast_fused(self, arrays: Sequence[np.ndarray], root: int = ..., fusion_bytes: int = ..., name: str = ...) -> None: ...
     def allgather(self, data: bytes) -> List[bytes]: ...
 
 class PendingRing:

@@ -492,43 +492,43 @@ def barrier() -> None:
 def _fused(
     tensors: Sequence[Any], op: str, fusion_bytes: int, **kwargs: Any
 ) -> None:
-    """Runs ``op`` (allreduce or broadcast) on ``tensors`` in fused host buffers of up to
-    ``fusion_bytes``: one collective per bucket instead of one per tensor (Horovod's fusion)."""
+    """Runs ``op`` (allreduce or broadcast) on ``tensors``, fused in buckets of up to
+    ``fusion_bytes`` by the Rust core (one collective per bucket instead of one per tensor:
+    Horovod's fusion). A contiguous float32 CPU tensor is handed over as a view of its own
+    storage, which Rust packs from and unpacks into with the GIL held; any other (another
+    dtype, a GPU's, strided, or sharing storage with one already listed) goes through a float32
+    copy that is written back afterwards."""
     import torch
 
-    ring = _the_ring()
-    bucket: List[Any] = []
-    nbytes = 0
-
-    def flush(index: int) -> None:
-        if not bucket:
-            return
-        flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in bucket])
-        array = flat.numpy()
-        shapes = ";".join("x".join(map(str, t.shape)) for t in bucket)
-        name = f"{op}:{index}:{shapes}"
-        # `flat` is this function's own, reachable by no other thread: no copy.
-        if op == "allreduce":
-            ring.allreduce(array, name=name, copy=False, **kwargs)
-        else:
-            ring.broadcast(array, name=name, copy=False, **kwargs)
-        at = 0
-        with torch.no_grad():
-            for t in bucket:
-                n = t.numel()
-                t.copy_(flat[at : at + n].view_as(t))
-                at += n
-
-    index = 0
+    arrays: List[np.ndarray] = []
+    staged: List[Tuple[Any, Any]] = []
+    storages = set()
     for t in tensors:
-        size = t.numel() * 4
-        if bucket and nbytes + size > fusion_bytes:
-            flush(index)
-            index += 1
-            bucket, nbytes = [], 0
-        bucket.append(t)
-        nbytes += size
-    flush(index)
+        view = t.detach()
+        storage = view.untyped_storage().data_ptr() if view.device.type == "cpu" else None
+        if (
+            view.dtype == torch.float32
+            and storage is not None
+            and storage not in storages
+            and view.is_contiguous()
+        ):
+            storages.add(storage)
+            arrays.append(view.numpy())
+        else:
+            if storage is not None:
+                storages.add(storage)
+            host = view.to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+            arrays.append(host.numpy())
+            staged.append((t, host))
+    ring = _the_ring()
+    if op == "allreduce":
+        ring.allreduce_fused(arrays, fusion_bytes=fusion_bytes, name=op, **kwargs)
+    else:
+        ring.broadcast_fused(arrays, fusion_bytes=fusion_bytes, name=op, **kwargs)
+    if staged:
+        with torch.no_grad():
+            for t, host in staged:
+                t.copy_(host.view_as(t))
 
 
 Params = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]

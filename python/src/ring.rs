@@ -11,7 +11,15 @@
 //! array as it is then: one resized meanwhile is refused with ValueError; a *view* whose base
 //! was resized points at freed memory in NumPy itself, which is why `hora.sync` hands the ring
 //! only arrays of its own). `copy=False` runs in place, for an array that no other thread can
-//! reach (`hora.sync`'s own copies and fusion buffers).
+//! reach (`hora.sync`'s own copies).
+//!
+//! `allreduce_fused` and `broadcast_fused` take a list of arrays and fuse them in Rust
+//! (`hora_collective::HostFusion`, Horovod's fusion threshold): each bucket is packed from the
+//! arrays into a fusion buffer that Rust owns and unpacked back into them with the GIL held, and
+//! only the collective on that buffer runs with the GIL released, so the arrays' memory is never
+//! touched while another Python thread may run. `hora.sync` hands it NumPy views of
+//! tensors' storage (of a detached tensor, which holds the storage however the original is
+//! `set_()` meanwhile).
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -19,12 +27,13 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use hora_client::sync::ServerRendezvous;
+use hora_collective::fusion::{Part, DEFAULT_THRESHOLD};
 use hora_collective::ring::fingerprint;
 use hora_collective::{
-    bind, connect, form_world, CollectiveError, CommOptions, Communicator, LaunchRank, Meeting,
-    Reduce, Wire, World,
+    bind, connect, form_world, CollectiveError, CommOptions, Communicator, HostFusion, LaunchRank,
+    Meeting, Reduce, Wire, World,
 };
-use numpy::{PyArrayDyn, PyArrayMethods};
+use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -44,6 +53,9 @@ fn options(timeout_secs: f64, half_precision: bool, seal_frames: bool) -> PyResu
 #[pyclass(module = "hora._hora", frozen)]
 pub(crate) struct Ring {
     comm: Mutex<Communicator>,
+    /// The fused collectives' buffer, kept between calls (taken without waiting: a thread that
+    /// finds it in use makes its own rather than block with the GIL held).
+    fusion: Mutex<HostFusion>,
     rank: u32,
     size: u32,
 }
@@ -54,7 +66,65 @@ impl Ring {
             rank: comm.rank(),
             size: comm.size(),
             comm: Mutex::new(comm),
+            fusion: Mutex::new(HostFusion::default()),
         }
+    }
+
+    /// Runs a fused collective over `arrays` (see the module's doc): packing and unpacking with
+    /// the GIL held, `op` on the fusion buffer with it released.
+    fn fused(
+        &self,
+        py: Python<'_>,
+        arrays: &[Bound<'_, PyArrayDyn<f32>>],
+        fusion_bytes: usize,
+        salt: u64,
+        op: impl Fn(&mut Communicator, &mut [f32], u64) -> Result<(), CollectiveError> + Sync,
+    ) -> PyResult<()> {
+        let mut guards = arrays
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                a.try_readwrite().map_err(|e| {
+                    PyValueError::new_err(format!(
+                        "array {i} is borrowed elsewhere or overlaps another in the list: {e}"
+                    ))
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let shapes = arrays
+            .iter()
+            .map(|a| a.shape().iter().map(|&d| d as u64).collect());
+        let mut parts = guards
+            .iter_mut()
+            .zip(shapes)
+            .enumerate()
+            .map(|(i, (guard, shape))| {
+                let values = guard.as_slice_mut().map_err(|_| {
+                    PyValueError::new_err(format!("array {i} must be a C-contiguous float32 array"))
+                })?;
+                Ok(Part { shape, values })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut spare;
+        let mut held = self.fusion.try_lock().ok();
+        let fusion = match held.as_deref_mut() {
+            Some(fusion) => fusion,
+            None => {
+                spare = HostFusion::default();
+                &mut spare
+            }
+        };
+        fusion.set_threshold(fusion_bytes);
+        let comm = &self.comm;
+        let op = &op;
+        fusion
+            .run(&mut parts, salt, |buffer, fp| {
+                py.detach(move || {
+                    let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+                    op(&mut comm, buffer, fp)
+                })
+            })
+            .map_err(|e| sync_error(py, e))
     }
 
     /// Runs a collective on `array`'s values with the GIL released: on a copy that Rust owns,
@@ -265,6 +335,58 @@ impl Ring {
             let fp = tag(name, values.len());
             comm.broadcast(values, root, fp)
         })
+    }
+
+    /// allreduce_fused(arrays, average=True, fusion_bytes=64 MiB, name="") -> None
+    /// --
+    ///
+    /// Sums (or averages) each C-contiguous float32 array of `arrays` over all workers, in
+    /// place, packed into buckets of at most `fusion_bytes` (Horovod's fusion: one collective per
+    /// bucket, not per array). Every worker must pass arrays of the same shapes in the same order
+    /// (compared before any data moves); the arrays must not overlap.
+    #[pyo3(signature = (arrays, average=true, fusion_bytes=DEFAULT_THRESHOLD, name=""))]
+    fn allreduce_fused(
+        &self,
+        py: Python<'_>,
+        arrays: Vec<Bound<'_, PyArrayDyn<f32>>>,
+        average: bool,
+        fusion_bytes: usize,
+        name: &str,
+    ) -> PyResult<()> {
+        let reduce = if average {
+            Reduce::Average
+        } else {
+            Reduce::Sum
+        };
+        self.fused(
+            py,
+            &arrays,
+            fusion_bytes,
+            tag(name, 0),
+            |comm, buffer, fp| comm.allreduce(buffer, reduce, fp),
+        )
+    }
+
+    /// broadcast_fused(arrays, root=0, fusion_bytes=64 MiB, name="") -> None
+    /// --
+    ///
+    /// Copies `root`'s arrays into every worker's, in place, fused as `allreduce_fused`.
+    #[pyo3(signature = (arrays, root=0, fusion_bytes=DEFAULT_THRESHOLD, name=""))]
+    fn broadcast_fused(
+        &self,
+        py: Python<'_>,
+        arrays: Vec<Bound<'_, PyArrayDyn<f32>>>,
+        root: u32,
+        fusion_bytes: usize,
+        name: &str,
+    ) -> PyResult<()> {
+        self.fused(
+            py,
+            &arrays,
+            fusion_bytes,
+            tag(name, 1),
+            |comm, buffer, fp| comm.broadcast(buffer, root, fp),
+        )
     }
 
     /// allgather(data) -> list[bytes]

@@ -178,7 +178,18 @@ def main() -> None:
         w.grad = torch.full((3,), float(r + 1))
         opt.step()
         hs.broadcast_optimizer_state(opt, root_rank=0)
+        # Fused in Rust, in buckets of 64 bytes: a float32 tensor (a view of its storage), a
+        # float64 one, a strided one, and two views of one storage (the second through a copy).
+        base = torch.arange(6, dtype=torch.float32) * (r + 1)
+        fused = [torch.full((2, 3), float(r + 1)), torch.full((5,), float(r + 1), dtype=torch.float64),
+                 torch.full((3, 4), float(r + 1)).t(), base[:3], base[3:]]
+        hs._fused(fused, "allreduce", 64, average=True)
+        params = {"a": torch.full((4,), float(r)), "b": torch.full((2, 2), float(r), dtype=torch.float64),
+                  "steps": torch.tensor([r])}
+        hs.broadcast_parameters(params, root_rank=hs.size() - 1, fusion_mib=0)
         print("RESULT " + json.dumps({
+            "fused": [t.tolist() for t in fused], "fused_dtypes": [str(t.dtype) for t in fused],
+            "base": base.tolist(), "params": {k: t.tolist() for k, t in params.items()},
             "min": float(a.min()), "max": float(a.max()),
             "mean": mean.tolist(), "sum": total.tolist(), "ranks": [o["rank"] for o in objs],
             "wrote": wrote, "step": state["step"], "w": state["w"].tolist(),

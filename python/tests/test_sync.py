@@ -45,6 +45,13 @@ def test_allreduce_is_the_mean(server, procs, n):
         # Rank 0 alone wrote the checkpoint; every rank read rank 0's.
         assert r["wrote"] == (r is results[0]) and r["step"] == 7 and r["w"] == [1.5] * 3
         assert r["momentum"] == [1.0] * 3, "rank 0's optimizer state everywhere"
+        a, b, c, d, e = r["fused"]
+        assert a == [[mean] * 3] * 2 and b == [mean] * 5 and c == [[mean] * 3] * 4
+        assert d == pytest.approx([i * mean for i in range(3)]) and e == pytest.approx([i * mean for i in range(3, 6)])
+        assert r["base"] == d + e, "the views were written back into their storage"
+        assert r["fused_dtypes"][1] == "torch.float64", "a tensor keeps its dtype"
+        last = n - 1
+        assert r["params"] == {"a": [last] * 4, "b": [[last] * 2] * 2, "steps": [last]}
 
 
 def test_two_workers_match_one_worker_on_the_combined_batch(server, procs):

@@ -1,23 +1,14 @@
-//! Tensor fusion (Horovod's): many small tensors make one large buffer, so a model with hundreds
-//! of parameter tensors pays for a few ring passes, not hundreds of latency-bound ones.
-//!
-//! Tensors are packed in order into buckets of at most `threshold_bytes` (64 MiB by default; a
-//! larger tensor forms a bucket of its own); each bucket is copied into a fusion buffer — host
-//! memory for CPU tensors, one flat tensor on the device otherwise, so a GPU's gradients are
-//! reduced on the GPU — reduced or broadcast in one collective, and copied back. Every rank must
-//! pass tensors of the same shapes in the same order: each bucket's shapes are fingerprinted and
-//! the ranks compare fingerprints before exchanging a byte.
+//! Fusion of tch tensors: each bucket is copied into host memory for CPU tensors, or into one
+//! flat tensor on the device otherwise, so a GPU's gradients are reduced on the GPU.
 
 use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 
+use super::{plan, shapes_fingerprint, DEFAULT_THRESHOLD};
 use crate::region::TensorRegion;
-use crate::ring::{fingerprint, Communicator, Reduce};
+use crate::ring::{Communicator, Reduce};
 use crate::{CollectiveError, Result};
-
-/// Horovod's default fusion threshold.
-pub const DEFAULT_THRESHOLD: usize = 64 << 20;
 
 /// Packs tensors into fusion buffers for the collectives.
 #[derive(Debug)]
@@ -49,7 +40,7 @@ impl Fusion {
         reduce: Reduce,
     ) -> Result<()> {
         for bucket in buckets(tensors, self.threshold_bytes)? {
-            self.collective(comm, &tensors[bucket], |comm, fused, fp| match fused {
+            self.collective(comm, &tensors[bucket], 0, |comm, fused, fp| match fused {
                 Fused::Host(buf) => comm.allreduce(buf, reduce, fp),
                 Fused::Device(t) => comm.allreduce(TensorRegion::new(t)?, reduce, fp),
             })?;
@@ -65,7 +56,7 @@ impl Fusion {
         root: u32,
     ) -> Result<()> {
         for bucket in buckets(tensors, self.threshold_bytes)? {
-            self.collective(comm, &tensors[bucket], |comm, fused, fp| match fused {
+            self.collective(comm, &tensors[bucket], 1, |comm, fused, fp| match fused {
                 Fused::Host(buf) => comm.broadcast(buf, root, fp),
                 Fused::Device(t) => comm.broadcast(TensorRegion::new(t)?, root, fp),
             })?;
@@ -77,13 +68,16 @@ impl Fusion {
         &mut self,
         comm: &mut Communicator,
         tensors: &[Tensor],
+        salt: u64,
         op: impl FnOnce(&mut Communicator, Fused<'_>, u64) -> Result<()>,
     ) -> Result<()> {
         let _guard = tch::no_grad_guard();
-        let fp = fingerprint(tensors.iter().flat_map(|t| {
-            let size = t.size();
-            std::iter::once(size.len() as u64).chain(size.into_iter().map(|d| d as u64))
-        }));
+        // As `HostFusion` fingerprints the same shapes: the two kinds of worker agree.
+        let shapes: Vec<Vec<u64>> = tensors
+            .iter()
+            .map(|t| t.size().into_iter().map(|d| d as u64).collect())
+            .collect();
+        let fp = shapes_fingerprint(shapes.iter().map(Vec::as_slice), salt);
         let device = tensors.first().map_or(Device::Cpu, Tensor::device);
         let flats: Vec<Tensor> = tensors
             .iter()
@@ -137,27 +131,21 @@ enum Fused<'a> {
 /// Consecutive runs of tensors of at most `threshold` f32 bytes (a larger tensor alone), all on
 /// one device and floating point.
 fn buckets(tensors: &[Tensor], threshold: usize) -> Result<Vec<Range<usize>>> {
-    let mut out = Vec::new();
-    let (mut start, mut bytes) = (0, 0usize);
-    for (i, t) in tensors.iter().enumerate() {
-        if !t.is_floating_point() {
-            return Err(CollectiveError::Config(format!(
-                "tensor {i} is {:?}: collectives average floating-point tensors",
-                t.kind()
-            )));
-        }
-        let size = t.numel() * 4;
-        let new_device = i > start && t.device() != tensors[start].device();
-        if i > start && (bytes + size > threshold || new_device) {
-            out.push(start..i);
-            (start, bytes) = (i, 0);
-        }
-        bytes += size;
+    if let Some((i, t)) = tensors
+        .iter()
+        .enumerate()
+        .find(|(_, t)| !t.is_floating_point())
+    {
+        return Err(CollectiveError::Config(format!(
+            "tensor {i} is {:?}: collectives average floating-point tensors",
+            t.kind()
+        )));
     }
-    if start < tensors.len() {
-        out.push(start..tensors.len());
-    }
-    Ok(out)
+    let sizes = tensors.iter().enumerate().map(|(i, t)| {
+        let apart = i > 0 && t.device() != tensors[i - 1].device();
+        (t.numel() * 4, apart)
+    });
+    Ok(plan(sizes, threshold))
 }
 
 #[cfg(test)]
