@@ -14,12 +14,12 @@ use crate::handshake::{self, LinkTerms, Nonces, RingKey, Role, NONCE_LEN};
 use crate::sealed::{Opener, Sealer};
 use crate::{CollectiveError, Result};
 
-use super::data::Inbound;
 use super::frame::{
     encode_header, read_sealed_by, write_frame_by, write_sealed_by, Hello, Kind, CHALLENGE_LEN,
     HEADER_LEN, HELLO_LEN, MAX_HOST_FRAME,
 };
 use super::shm::{create_slots, ReceiverSlots};
+use super::tcp::Inbound;
 use super::{tune, HANDSHAKE_TIMEOUT, MAX_HANDSHAKES, PROTOCOL_VERSION, REFUSAL, UNSEALED_KNOB};
 
 /// What the accepting side checks each connection against; shared with the handshake threads.

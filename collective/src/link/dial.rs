@@ -11,12 +11,12 @@ use crate::handshake::{self, LinkTerms, Nonces, RingKey, Role, NONCE_LEN};
 use crate::sealed::{Opener, Sealer};
 use crate::{CollectiveError, Result};
 
-use super::data::Outbound;
 use super::frame::{
     abort_text, read_frame_by, read_sealed_by, write_frame_by, write_sealed_by, Hello, Kind,
     CHALLENGE_LEN, MAX_HOST_FRAME,
 };
 use super::shm::attach_slots;
+use super::tcp::Outbound;
 use super::{resolve, tune, PROTOCOL_VERSION, UNSEALED_KNOB};
 
 /// The connecting side of the handshake: this worker, to its right neighbour.

@@ -50,14 +50,15 @@
 //! **Where each concern lives.** `frame`: the frame format, the handshake's messages, deadlines
 //! and what a failed read says about the neighbour; `dial`: the connecting side of the
 //! handshake; `accept`: the accepting side, strangers kept out; `shm`: the shared-memory slots
-//! and their checks (every `unsafe` of the slot memory is there); `data`: the two ends of a link
-//! once connected ([`Outbound`], [`Inbound`]), which the ring drives.
+//! and their checks (every `unsafe` of the slot memory is there) and the links' shared-memory
+//! path; `tcp`: the two ends of a link once connected ([`Outbound`], [`Inbound`]), which the
+//! ring drives, and their TCP stream path.
 
 mod accept;
-mod data;
 mod dial;
 mod frame;
 mod shm;
+mod tcp;
 #[cfg(test)]
 mod tests;
 
@@ -71,11 +72,11 @@ use crate::rendezvous::World;
 use crate::{CollectiveError, Result};
 
 use accept::{accept_left, Gate};
-pub use data::{Inbound, Incoming, Outbound};
 use dial::Connector;
 pub(crate) use frame::MAX_CONTROL;
 pub use frame::{Header, Kind};
 use shm::{host_id, MAX_SLOT_BYTES};
+pub use tcp::{Inbound, Incoming, Outbound};
 
 /// Bumped whenever frames or the handshake change: workers of different versions refuse each
 /// other. Version 2: the challenge-response handshake (version 1 sent the session in the clear);

@@ -2,10 +2,17 @@
 //! `/dev/shm` that the receiving side creates and offers and the sending side maps. A slot is
 //! the sender's from the receiver's credit until the header that announces it, and the
 //! receiver's from that header until its credit; the headers and credits travel over the link's
-//! TCP connection (see `data`), so this file holds only the memory and its checks.
+//! TCP connection (see `tcp`). The slot memory, its checks, and the link's shared-memory path
+//! (`impl Outbound` and `impl Inbound` below) are all here; the TCP stream's path is in `tcp`.
 
-use std::io;
+use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+
+use hora_common::kernel;
+
+use super::frame::{decode_header, seal_header, unsealed, Header, Kind, HEADER_LEN, HEADER_RECORD};
+use super::tcp::{Inbound, Outbound};
+use crate::{CollectiveError, Result};
 
 /// The sender's side of a shared-memory slot ring.
 pub(super) struct SenderSlots {
@@ -79,6 +86,138 @@ impl ReceiverSlots {
         // SAFETY: in bounds (checked above); the slice covers only this slot, which the sender
         // filled before announcing it and will not touch again until this side's credit.
         Some(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at), len) })
+    }
+}
+
+/// A link's shared-memory path (the TCP stream's is in `tcp`): the sending end writes a piece
+/// into a slot it holds and announces it with a header on the socket; the receiving end reads it
+/// in place and hands the slot back with a credit.
+impl Outbound {
+    /// Sends one data piece of `len` bytes (at most a slot's) through a slot: `direct` as it is,
+    /// or what `fill` writes straight into the slot.
+    pub(super) fn send_to_slot(
+        &mut self,
+        len: usize,
+        direct: Option<&[u8]>,
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        let slot = self.free_slot()?;
+        let dst = self
+            .slots
+            .as_mut()
+            .ok_or_else(|| CollectiveError::Config("no slots".into()))?
+            .slot_mut(slot, len);
+        match direct {
+            Some(bytes) => kernel::copy(dst, bytes, plain_copy()),
+            None => fill(dst)?,
+        }
+        // The slot's bytes are written before the header that announces them.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.seal.tag_len()];
+        seal_header(&mut self.seal, Kind::SlotData, slot, len, record)
+            .map_err(|e| unsealed(self.peer, e))?;
+        self.stream.write_all(record).map_err(|e| self.failed(e))
+    }
+
+    /// Waits until the receiver has handed back every slot. Called at the end of each
+    /// collective, so that no credit is left unread in the socket: closing a socket with unread
+    /// data resets the connection, and the reset could destroy data the neighbour still has to
+    /// read.
+    pub fn settle(&mut self) -> Result<()> {
+        while self.slots.as_ref().is_some_and(|s| !s.all_back()) {
+            let slot = self.read_credit()?;
+            if let Some(s) = self.slots.as_mut() {
+                s.give_back(slot);
+            }
+        }
+        Ok(())
+    }
+
+    /// A slot the receiver is done with, waiting for its credit if none is free.
+    fn free_slot(&mut self) -> Result<u32> {
+        loop {
+            if let Some(slot) = self.slots.as_mut().and_then(|s| s.take()) {
+                return Ok(slot);
+            }
+            let slot = self.read_credit()?;
+            if let Some(s) = self.slots.as_mut() {
+                s.give_back(slot);
+            }
+        }
+    }
+
+    fn read_credit(&mut self) -> Result<u32> {
+        let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.open.tag_len()];
+        self.stream.read_exact(record).map_err(|e| self.failed(e))?;
+        let (h, tag) = record.split_at_mut(HEADER_LEN);
+        self.open.open(h, tag).map_err(|e| unsealed(self.peer, e))?;
+        let slot = match decode_header(h) {
+            Some(Header {
+                kind: Kind::Credit,
+                aux,
+                ..
+            }) => aux,
+            _ => {
+                return Err(CollectiveError::Protocol(format!(
+                    "rank {} sent something other than a slot credit back",
+                    self.peer
+                )))
+            }
+        };
+        if slot >= SLOTS {
+            return Err(CollectiveError::Protocol(format!(
+                "rank {} returned slot {slot} of {SLOTS}",
+                self.peer
+            )));
+        }
+        Ok(slot)
+    }
+}
+
+impl Inbound {
+    /// The slot a `SlotData` header announces, if it is one of this link's and in bounds.
+    pub(super) fn announced_slot(&self, h: &Header) -> Option<u32> {
+        self.slots
+            .as_ref()
+            .filter(|s| h.aux < SLOTS && h.len as usize <= s.slot_bytes())
+            .map(|_| h.aux)
+    }
+
+    /// Copies the piece in `slot` into `dst` and hands the slot back.
+    pub(super) fn slot_into(&mut self, slot: u32, dst: &mut [u8]) -> Result<()> {
+        kernel::copy(dst, self.slot(slot, dst.len())?, plain_copy());
+        self.credit(slot)
+    }
+
+    /// Runs `f` on the piece of `len` bytes in `slot`, in place, and hands the slot back.
+    pub(super) fn with_slot<T>(
+        &mut self,
+        slot: u32,
+        len: usize,
+        f: impl FnOnce(&[u8]) -> Result<T>,
+    ) -> Result<T> {
+        let result = f(self.slot(slot, len)?);
+        self.credit(slot)?;
+        result
+    }
+
+    fn slot(&self, slot: u32, len: usize) -> Result<&[u8]> {
+        let slots = self.slots.as_ref().ok_or_else(|| {
+            CollectiveError::Protocol("a slot piece without shared memory".into())
+        })?;
+        slots.slot(slot, len).ok_or_else(|| {
+            CollectiveError::Protocol(format!(
+                "rank {} announced a piece outside its slots",
+                self.peer
+            ))
+        })
+    }
+
+    fn credit(&mut self, slot: u32) -> Result<()> {
+        let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.seal.tag_len()];
+        seal_header(&mut self.seal, Kind::Credit, slot, 0, record)
+            .map_err(|e| unsealed(self.peer, e))?;
+        self.stream.write_all(record).map_err(|e| self.failed(e))
     }
 }
 

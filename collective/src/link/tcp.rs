@@ -1,21 +1,20 @@
 //! A link's two ends once the handshake is done: pieces and control frames out to the right
-//! neighbour, in from the left, through the TCP stream or shared-memory slots (see `shm`), with
-//! abort frames that carry a failure around the ring.
+//! neighbour, in from the left, with abort frames that carry a failure around the ring. This
+//! file is their TCP stream path; a piece that goes through shared-memory slots takes the
+//! path in `shm` instead.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::Duration;
 
-use hora_common::kernel;
-
 use crate::sealed::{Opener, Sealer, TAG_LEN};
 use crate::{CollectiveError, Result};
 
 use super::frame::{
-    decode_header, encode_header, framed_len, peer_failed, seal_frame, seal_header, unsealed,
-    Header, Kind, HEADER_LEN, HEADER_RECORD, MAX_CONTROL, RELAYED,
+    decode_header, encode_header, framed_len, peer_failed, seal_frame, unsealed, Header, Kind,
+    HEADER_LEN, HEADER_RECORD, MAX_CONTROL, RELAYED,
 };
-use super::shm::{plain_copy, ReceiverSlots, SenderSlots, SLOTS};
+use super::shm::{ReceiverSlots, SenderSlots};
 
 /// The sending end (to the right neighbour).
 pub struct Outbound {
@@ -73,22 +72,7 @@ impl Outbound {
         fill: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
         if self.slots.as_ref().is_some_and(|s| len <= s.slot_bytes()) {
-            let slot = self.free_slot()?;
-            let dst = self
-                .slots
-                .as_mut()
-                .ok_or_else(|| CollectiveError::Config("no slots".into()))?
-                .slot_mut(slot, len);
-            match direct {
-                Some(bytes) => kernel::copy(dst, bytes, plain_copy()),
-                None => fill(dst)?,
-            }
-            // The slot's bytes are written before the header that announces them.
-            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-            let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.seal.tag_len()];
-            seal_header(&mut self.seal, Kind::SlotData, slot, len, record)
-                .map_err(|e| unsealed(self.peer, e))?;
-            return self.stream.write_all(record).map_err(|e| self.failed(e));
+            return self.send_to_slot(len, direct, fill);
         }
         let tag = self.seal.tag_len();
         if let (0, Some(bytes)) = (tag, direct) {
@@ -114,60 +98,6 @@ impl Outbound {
         self.stream.write_all(frame).map_err(|e| self.failed(e))
     }
 
-    /// Waits until the receiver has handed back every slot. Called at the end of each
-    /// collective, so that no credit is left unread in the socket: closing a socket with unread
-    /// data resets the connection, and the reset could destroy data the neighbour still has to
-    /// read.
-    pub fn settle(&mut self) -> Result<()> {
-        while self.slots.as_ref().is_some_and(|s| !s.all_back()) {
-            let slot = self.read_credit()?;
-            if let Some(s) = self.slots.as_mut() {
-                s.give_back(slot);
-            }
-        }
-        Ok(())
-    }
-
-    /// A slot the receiver is done with, waiting for its credit if none is free.
-    fn free_slot(&mut self) -> Result<u32> {
-        loop {
-            if let Some(slot) = self.slots.as_mut().and_then(|s| s.take()) {
-                return Ok(slot);
-            }
-            let slot = self.read_credit()?;
-            if let Some(s) = self.slots.as_mut() {
-                s.give_back(slot);
-            }
-        }
-    }
-
-    fn read_credit(&mut self) -> Result<u32> {
-        let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.open.tag_len()];
-        self.stream.read_exact(record).map_err(|e| self.failed(e))?;
-        let (h, tag) = record.split_at_mut(HEADER_LEN);
-        self.open.open(h, tag).map_err(|e| unsealed(self.peer, e))?;
-        let slot = match decode_header(h) {
-            Some(Header {
-                kind: Kind::Credit,
-                aux,
-                ..
-            }) => aux,
-            _ => {
-                return Err(CollectiveError::Protocol(format!(
-                    "rank {} sent something other than a slot credit back",
-                    self.peer
-                )))
-            }
-        };
-        if slot >= SLOTS {
-            return Err(CollectiveError::Protocol(format!(
-                "rank {} returned slot {slot} of {SLOTS}",
-                self.peer
-            )));
-        }
-        Ok(slot)
-    }
-
     /// Tells the right neighbour that `rank` failed (best effort: it may be the one that died).
     pub fn abort(&mut self, rank: Option<u32>, message: &str) {
         let mut payload = rank.unwrap_or(u32::MAX).to_le_bytes().to_vec();
@@ -178,7 +108,7 @@ impl Outbound {
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 
-    fn failed(&self, e: io::Error) -> CollectiveError {
+    pub(super) fn failed(&self, e: io::Error) -> CollectiveError {
         peer_failed(self.peer, self.timeout, "stopped receiving", e)
     }
 }
@@ -243,27 +173,17 @@ impl Inbound {
     pub fn data_header(&mut self, len: u64) -> Result<Incoming> {
         let h = self.header()?;
         let incoming = match h.kind {
-            Kind::Data => Incoming::Stream,
-            Kind::SlotData
-                if self
-                    .slots
-                    .as_ref()
-                    .is_some_and(|s| h.aux < SLOTS && h.len as usize <= s.slot_bytes()) =>
-            {
-                Incoming::Slot(h.aux)
-            }
-            _ => Incoming::Stream,
+            Kind::Data => Some(Incoming::Stream),
+            Kind::SlotData => self.announced_slot(&h).map(Incoming::Slot),
+            _ => None,
         };
-        if !matches!(h.kind, Kind::Data | Kind::SlotData)
-            || h.len != len
-            || (h.kind == Kind::SlotData && incoming == Incoming::Stream)
-        {
+        let Some(incoming) = incoming.filter(|_| h.len == len) else {
             return Err(CollectiveError::Protocol(format!(
                 "rank {} sent a {:?} frame of {} bytes where a data piece of {len} bytes was due \
                  (the ranks are out of step: do all of them make the same collective calls?)",
                 self.peer, h.kind, h.len
             )));
-        }
+        };
         Ok(incoming)
     }
 
@@ -271,10 +191,7 @@ impl Inbound {
     pub fn data_into(&mut self, incoming: Incoming, dst: &mut [u8]) -> Result<()> {
         match incoming {
             Incoming::Stream => self.payload(dst),
-            Incoming::Slot(slot) => {
-                kernel::copy(dst, self.slot(slot, dst.len())?, plain_copy());
-                self.credit(slot)
-            }
+            Incoming::Slot(slot) => self.slot_into(slot, dst),
         }
     }
 
@@ -301,31 +218,8 @@ impl Inbound {
                 }
                 f(&buf[..len])
             }
-            Incoming::Slot(slot) => {
-                let result = f(self.slot(slot, len)?);
-                self.credit(slot)?;
-                result
-            }
+            Incoming::Slot(slot) => self.with_slot(slot, len, f),
         }
-    }
-
-    fn slot(&self, slot: u32, len: usize) -> Result<&[u8]> {
-        let slots = self.slots.as_ref().ok_or_else(|| {
-            CollectiveError::Protocol("a slot piece without shared memory".into())
-        })?;
-        slots.slot(slot, len).ok_or_else(|| {
-            CollectiveError::Protocol(format!(
-                "rank {} announced a piece outside its slots",
-                self.peer
-            ))
-        })
-    }
-
-    fn credit(&mut self, slot: u32) -> Result<()> {
-        let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.seal.tag_len()];
-        seal_header(&mut self.seal, Kind::Credit, slot, 0, record)
-            .map_err(|e| unsealed(self.peer, e))?;
-        self.stream.write_all(record).map_err(|e| self.failed(e))
     }
 
     /// Reads and opens a payload whose length the header gave (already checked by the caller).
@@ -354,7 +248,7 @@ impl Inbound {
         Ok(buf)
     }
 
-    fn failed(&self, e: io::Error) -> CollectiveError {
+    pub(super) fn failed(&self, e: io::Error) -> CollectiveError {
         peer_failed(self.peer, self.timeout, "sent nothing", e)
     }
 }
