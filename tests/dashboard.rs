@@ -137,6 +137,8 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
             .json(&CreateSyncJob {
                 id: "allreduce".into(),
                 world_size: 4,
+                min_world_size: None,
+                settle_ms: None,
             }))
         .await;
     // A worker of rank 2 waits in the job's forming world while the browser looks.
@@ -149,6 +151,7 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
                 rank: Some(2),
                 world_size: 4,
                 timeout_s: Some(60),
+                rejoin: None,
             })
             .send(),
     );

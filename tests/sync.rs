@@ -447,6 +447,8 @@ fn server_with_job(dir: &Path, n: u32) -> (Server, String) {
             .json(&hora_common::wire::CreateSyncJob {
                 id: "job".into(),
                 world_size: n,
+                min_world_size: None,
+                settle_ms: None,
             })),
     );
     (server, job.token.expect("the job's token"))

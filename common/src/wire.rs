@@ -1195,16 +1195,27 @@ mod defaults {
 // ---------------------------------------------------------------------------------------------
 // Synchronous allreduce jobs (rendezvous)
 
-/// Create a synchronous allreduce job (admin API): a fixed-size world of workers that meet at
+/// Create a synchronous allreduce job (admin API): a world of workers that meet at
 /// `/v1/sync/{id}/join` and then talk to each other directly.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSyncJob {
     #[schema(pattern = "^[A-Za-z0-9_.-]{1,64}$")]
     pub id: String,
-    /// Number of workers (ranks 0..world_size).
+    /// Number of workers (ranks 0..world_size); the most an elastic job's world may have.
     #[schema(minimum = 1, maximum = 4096)]
     pub world_size: u32,
+    /// Makes the job elastic: a world forms with whoever joined once at least this many have
+    /// and nobody joined for `settle_ms` (or `world_size` have), so the survivors of a lost
+    /// worker, and workers that join later, form the next world; the server assigns ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 4096)]
+    pub min_world_size: Option<u32>,
+    /// An elastic job's quiet time before a world of fewer than `world_size` forms (default
+    /// 1000 ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 10, maximum = 60000)]
+    pub settle_ms: Option<u32>,
 }
 
 /// A sync job as the admin API shows it. `token` is present only in the answer that created the
@@ -1213,6 +1224,12 @@ pub struct CreateSyncJob {
 pub struct SyncJobInfo {
     pub id: String,
     pub world_size: u32,
+    /// An elastic job's smallest world (absent: every world has `world_size` workers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_world_size: Option<u32>,
+    /// An elastic job's quiet time before a world of fewer than `world_size` forms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settle_ms: Option<u32>,
     /// The bearer token every worker of the job presents at `/v1/sync/{id}/join`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
@@ -1249,6 +1266,8 @@ impl fmt::Debug for SyncJobInfo {
         f.debug_struct("SyncJobInfo")
             .field("id", &self.id)
             .field("world_size", &self.world_size)
+            .field("min_world_size", &self.min_world_size)
+            .field("settle_ms", &self.settle_ms)
             .field("token", &redacted(&self.token))
             .field("generations", &self.generations)
             .field("waiting", &self.waiting)
@@ -1274,6 +1293,33 @@ pub struct SyncJoinRequest {
     /// How long to wait for the others, in seconds (the server caps it).
     #[serde(default)]
     pub timeout_s: Option<u32>,
+    /// An elastic job's worker that was in a world says which, and how far its committed state
+    /// is: the server gives rank 0 of the next world to a worker with the newest state (which
+    /// then broadcasts it), and names the ranks that never came back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejoin: Option<SyncRejoin>,
+}
+
+/// Where an elastic job's worker comes from when it joins again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SyncRejoin {
+    /// The generation of the world this worker was in.
+    pub generation: u64,
+    /// Its rank there.
+    pub rank: u32,
+    /// The training step of its last committed state.
+    pub committed: u64,
+}
+
+/// An elastic job's state as a running world asks for it at a commit
+/// (`GET /v1/sync/{job}/status`, bearer: the job token).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SyncStatus {
+    /// Worlds formed so far.
+    pub generation: u64,
+    /// Workers waiting to join: the running world re-forms at its next commit to take them in.
+    pub waiting: u32,
 }
 
 /// The complete world, the same for every worker of one generation.
@@ -1337,6 +1383,8 @@ mod tests {
                 SyncJobInfo {
                     id: "job".into(),
                     world_size: 2,
+                    min_world_size: None,
+                    settle_ms: None,
                     token: Some("job-SECRET".into()),
                     generations: 0,
                     waiting: 0,
@@ -1358,6 +1406,8 @@ mod tests {
             SyncJobInfo {
                 id: "job".into(),
                 world_size: 2,
+                min_world_size: None,
+                settle_ms: None,
                 token: None,
                 generations: 0,
                 waiting: 0,

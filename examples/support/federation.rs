@@ -302,6 +302,8 @@ impl Federation {
                 &hora_common::wire::CreateSyncJob {
                     id: id.into(),
                     world_size,
+                    min_world_size: None,
+                    settle_ms: None,
                 },
             ))
             .await?;

@@ -113,9 +113,16 @@ pub enum AdminCommand {
     /// once).
     SyncCreate {
         id: String,
-        /// Number of workers (ranks 0..N).
+        /// Number of workers (ranks 0..N); an elastic job's largest world.
         #[arg(long)]
         world_size: u32,
+        /// Make the job elastic: worlds of this many workers or more form from whoever joins
+        /// (survivors of a lost worker, workers that join later).
+        #[arg(long)]
+        min_world_size: Option<u32>,
+        /// An elastic job's quiet time before a world smaller than --world-size forms (ms).
+        #[arg(long)]
+        settle_ms: Option<u32>,
     },
     /// List sync jobs: world size, worlds formed, workers waiting now.
     SyncJobs,
@@ -360,11 +367,22 @@ pub async fn run(args: AdminArgs, matches: &clap::ArgMatches) -> Result<()> {
             )
             .await?
         }
-        AdminCommand::SyncCreate { id, world_size } => {
+        AdminCommand::SyncCreate {
+            id,
+            world_size,
+            min_world_size,
+            settle_ms,
+        } => {
+            let job = CreateSyncJob {
+                id,
+                world_size,
+                min_world_size,
+                settle_ms,
+            };
             c.json(
                 Method::POST,
                 "/admin/v1/sync-jobs",
-                Some(serde_json::to_value(CreateSyncJob { id, world_size })?),
+                Some(serde_json::to_value(job)?),
             )
             .await?
         }

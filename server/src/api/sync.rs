@@ -1,21 +1,41 @@
-//! The workers' side of sync jobs (`/v1/sync`): one route, the rendezvous. A worker presents its
-//! job's token (not client credentials: the workers of a job are one launcher's processes, not
-//! enrolled devices) and is held until its world is complete; see [`crate::rendezvous`].
+//! The workers' side of sync jobs (`/v1/sync`): the rendezvous, and an elastic job's status. A
+//! worker presents its job's token (not client credentials: the workers of a job are one
+//! launcher's processes, not enrolled devices) and is held until its world is complete; see
+//! [`crate::rendezvous`].
 
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::header::AUTHORIZATION;
 use axum::http::HeaderMap;
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router};
-use hora_common::wire::{ApiError, SyncJoinRequest, SyncWorld};
+use hora_common::wire::{ApiError, SyncJoinRequest, SyncStatus, SyncWorld};
 
 use super::{json_body, ApiPath, Shared, Unverified};
 use crate::auth;
 use crate::error::ServerError;
 
 pub fn routes() -> axum::Router<Shared> {
-    Router::new().route("/v1/sync/{job}/join", post(join))
+    Router::new()
+        .route("/v1/sync/{job}/join", post(join))
+        .route("/v1/sync/{job}/status", get(status))
+}
+
+#[utoipa::path(get, path = "/v1/sync/{job}/status", tag = "sync", params(("job" = String, Path)),
+    security(("sync_job_token" = [])),
+    responses(
+        (status = 200, body = SyncStatus, description = "the job's generation and the workers waiting to join; an elastic job's running world asks at its commits, re-forms to take waiting workers in, and is counted alive while it asks"),
+        (status = 401, body = ApiError, description = "missing or wrong job token, or no such job")))]
+pub async fn status(
+    State(state): State<Shared>,
+    ApiPath(job): ApiPath<String>,
+    unverified: Unverified,
+    headers: HeaderMap,
+) -> Result<Json<SyncStatus>, ServerError> {
+    let token = auth::bearer(headers.get(AUTHORIZATION))?;
+    state.rendezvous.authenticate(&job, token)?;
+    unverified.passed();
+    state.rendezvous.status(&job).map(Json)
 }
 
 #[utoipa::path(post, path = "/v1/sync/{job}/join", tag = "sync", params(("job" = String, Path)),

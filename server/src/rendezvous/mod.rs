@@ -18,6 +18,16 @@
 //! dead worker never holds a rank. Once the last rank joins, the forming world is emptied, so the
 //! next set of joins (the job restarted after a failure) forms the next generation.
 //!
+//! **Elastic jobs** (`min_world_size`) form worlds of any size from the minimum to
+//! `world_size`: a world forms with every worker waiting once `world_size` have joined, or once at
+//! least the minimum have and nobody joined for `settle_ms`. The server assigns ranks: first the
+//! workers that were in a world (`rejoin`), the one with the newest committed state as rank 0
+//! (it broadcasts that state to the others), then newcomers in the order they came. Newcomers
+//! alone never form a world while the last one is alive (its members rejoin, or it asks for
+//! [`Rendezvous::status`] at its commits, within [`stale_after`]): they wait for the running
+//! world to take them in at its next commit. A join that times out below the minimum is told
+//! which ranks of the last world never came back.
+//!
 //! One lock guards every job's forming world; everything done under it is a few memory
 //! operations (and, when a world forms, one in-memory sled insert). The flush that makes a new
 //! generation count durable happens after the lock is released and before anyone is answered.
@@ -28,13 +38,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use hora_common::wire::{self, CreateSyncJob, ErrorCode, SyncJobInfo, SyncJoinRequest, SyncWorld};
+use hora_common::wire::{
+    self, CreateSyncJob, ErrorCode, SyncJobInfo, SyncJoinRequest, SyncRejoin, SyncStatus, SyncWorld,
+};
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use crate::auth;
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
-use crate::store::{Store, StoreError, SyncJobRecord};
+use crate::store::{ElasticSyncJob, Store, StoreError, SyncJobRecord};
 
 /// The largest world a job may have.
 pub const MAX_WORLD_SIZE: u32 = 4096;
@@ -46,6 +59,16 @@ pub const MAX_JOIN_TIMEOUT_S: u32 = 600;
 pub const MAX_ADDRESS_LEN: usize = 255;
 /// Missing ranks named in a timeout message; the rest are counted.
 const MAX_RANKS_NAMED: usize = 32;
+/// An elastic job's quiet time before a world smaller than the largest forms, by default.
+pub const DEFAULT_SETTLE_MS: u32 = 1000;
+/// The range of quiet times accepted.
+pub const SETTLE_MS: std::ops::RangeInclusive<u32> = 10..=60_000;
+
+/// How long an elastic job's last world may go unheard of (no member rejoined, no status asked)
+/// before newcomers alone may form the next one: ten quiet times, at least 5 s.
+fn stale_after(elastic: ElasticSyncJob) -> Duration {
+    Duration::from_millis(u64::from(elastic.settle_ms) * 10).max(Duration::from_secs(5))
+}
 
 /// A formed world, shared by all its members until each answer is written out: the peer list is
 /// held once, not once per worker (a world of 4096 would otherwise copy 4096² addresses).
@@ -80,7 +103,8 @@ impl FormedWorld {
     }
 }
 
-type Answer = Result<FormedWorld, ServerError>;
+/// A formed world and the rank in it of the worker answered.
+type Answer = Result<(FormedWorld, u32), ServerError>;
 
 /// A worker whose join is being held.
 struct Waiter {
@@ -89,15 +113,23 @@ struct Waiter {
     address: String,
     /// The server chose the rank (the worker gave none).
     assigned: bool,
+    /// An elastic job's worker that was in a world.
+    rejoin: Option<SyncRejoin>,
     answer: oneshot::Sender<Answer>,
 }
 
 struct Job {
     record: SyncJobRecord,
-    /// The world being formed: who holds each rank.
+    /// The world being formed: who holds each rank (an elastic job's final ranks are given when
+    /// it forms; until then a slot is only a place).
     slots: Vec<Option<Waiter>>,
     /// The last world formed since this server started (for the admin's view).
     formed: Option<wire::SyncWorldInfo>,
+    /// When the latest join came (an elastic world forms after a quiet time).
+    last_join: Option<Instant>,
+    /// When the last world formed was last heard of: formed, a member rejoining, or a status
+    /// asked for.
+    last_heard: Option<Instant>,
 }
 
 impl Job {
@@ -107,7 +139,55 @@ impl Job {
             record,
             slots,
             formed: None,
+            last_join: None,
+            last_heard: None,
         }
+    }
+
+    /// When an elastic world of the waiting workers may form, if it may at all: after the quiet
+    /// time, with at least the minimum waiting, and with one of the last world's members among
+    /// them unless that world is gone quiet (or there was none).
+    fn settles_at(&self, now: Instant) -> Option<Instant> {
+        let elastic = self.record.elastic?;
+        if self.waiting() < elastic.min_world_size {
+            return None;
+        }
+        let settled = self.last_join? + Duration::from_millis(u64::from(elastic.settle_ms));
+        let current = self.record.generations;
+        let member_back = self.slots.iter().flatten().any(|w| {
+            w.rejoin
+                .is_some_and(|r| r.generation == current && current > 0)
+        });
+        let stale = match self.last_heard {
+            None => settled,
+            Some(heard) => heard + stale_after(elastic),
+        };
+        let at = if current == 0 || member_back {
+            settled
+        } else {
+            settled.max(stale)
+        };
+        Some(at.max(now))
+    }
+
+    /// The last world's ranks that have not joined again (an elastic job's lost workers).
+    fn not_back(&self) -> Vec<u32> {
+        let current = self.record.generations;
+        let Some(formed) = self.formed.as_ref().filter(|f| f.generation == current) else {
+            return Vec::new();
+        };
+        let back: Vec<u32> = self
+            .slots
+            .iter()
+            .flatten()
+            .filter_map(|w| w.rejoin.filter(|r| r.generation == current).map(|r| r.rank))
+            .collect();
+        formed
+            .members
+            .iter()
+            .map(|m| m.rank)
+            .filter(|r| !back.contains(r))
+            .collect()
     }
 
     fn waiting(&self) -> u32 {
@@ -137,6 +217,8 @@ impl Job {
         SyncJobInfo {
             id: self.record.id.clone(),
             world_size: self.record.world_size,
+            min_world_size: self.record.elastic.map(|e| e.min_world_size),
+            settle_ms: self.record.elastic.map(|e| e.settle_ms),
             token: None,
             generations: self.record.generations,
             waiting: self.waiting(),
@@ -222,12 +304,41 @@ impl Rendezvous {
                 req.world_size
             )));
         }
+        let elastic = match (req.min_world_size, req.settle_ms) {
+            (None, None) => None,
+            (None, Some(_)) => {
+                return Err(ServerError::BadRequest(
+                    "settle_ms is for elastic jobs: give min_world_size too".into(),
+                ))
+            }
+            (Some(min), settle) => {
+                if !(1..=req.world_size).contains(&min) {
+                    return Err(ServerError::BadRequest(format!(
+                        "min_world_size must be between 1 and the world size {}, not {min}",
+                        req.world_size
+                    )));
+                }
+                let settle_ms = settle.unwrap_or(DEFAULT_SETTLE_MS);
+                if !SETTLE_MS.contains(&settle_ms) {
+                    return Err(ServerError::BadRequest(format!(
+                        "settle_ms must be between {} and {}, not {settle_ms}",
+                        SETTLE_MS.start(),
+                        SETTLE_MS.end()
+                    )));
+                }
+                Some(ElasticSyncJob {
+                    min_world_size: min,
+                    settle_ms,
+                })
+            }
+        };
         let token = auth::new_secret()?;
         let record = SyncJobRecord {
             id: req.id,
             world_size: req.world_size,
             token_hash: auth::hash_secret(&token),
             generations: 0,
+            elastic,
         };
         {
             let mut jobs = self.jobs();
@@ -248,10 +359,12 @@ impl Rendezvous {
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&record.id);
         self.store.flush()?;
-        tracing::info!(job = %record.id, world_size = record.world_size, "sync job created");
+        tracing::info!(job = %record.id, world_size = record.world_size, elastic = ?record.elastic, "sync job created");
         Ok(SyncJobInfo {
             id: record.id,
             world_size: record.world_size,
+            min_world_size: record.elastic.map(|e| e.min_world_size),
+            settle_ms: record.elastic.map(|e| e.settle_ms),
             token: Some(token),
             generations: 0,
             waiting: 0,
@@ -324,26 +437,72 @@ impl Rendezvous {
             waiter,
         };
         if let Some(completed) = completed {
-            // The flush runs on a blocking thread, and to its end (answering every member) even
-            // if this worker's request is dropped meanwhile.
-            let (store, metrics) = (self.store.clone(), self.metrics.clone());
-            let recorded = self.recorded.clone();
-            tokio::task::spawn_blocking(move || announce(&*store, &metrics, &recorded, completed));
+            self.announce(completed);
         }
-        let timeout = Duration::from_secs(u64::from(timeout_s));
-        let answer = match tokio::time::timeout(timeout, &mut answer).await {
-            Ok(answer) => answer,
-            Err(_elapsed) => match self.time_out(job, rank, waiter, timeout_s) {
-                Some(refusal) => return Err(refusal),
-                // The world formed, or this worker was replaced, just as its time ran out: the
-                // answer was (or is being) sent.
-                None => answer.await,
-            },
+        let deadline = Instant::now() + Duration::from_secs(u64::from(timeout_s));
+        let answer = loop {
+            // An elastic world forms when its quiet time has passed: whichever waiter wakes
+            // then forms it (the others find it formed, or a later join moved the time on).
+            let wake = self.settles_at(job).map_or(deadline, |at| at.min(deadline));
+            tokio::select! {
+                answer = &mut answer => break answer,
+                () = tokio::time::sleep_until(wake) => {}
+            }
+            if Instant::now() >= deadline {
+                match self.time_out(job, rank, waiter, timeout_s) {
+                    Some(refusal) => return Err(refusal),
+                    // The world formed, or this worker was replaced, just as its time ran out:
+                    // the answer was (or is being) sent.
+                    None => break answer.await,
+                }
+            }
+            if let Some(completed) = self.settle(job) {
+                self.announce(completed);
+            }
         };
-        let world = answer.map_err(|_| {
+        let (world, rank) = answer.map_err(|_| {
             ServerError::internal("the rendezvous dropped a waiting worker without an answer")
         })??;
         Ok(world.for_rank(rank))
+    }
+
+    /// Makes a formed world durable and answers its members, on a blocking thread and to its
+    /// end (answering every member) even if the request that formed it is dropped meanwhile.
+    fn announce(&self, completed: Completed) {
+        let (store, metrics) = (self.store.clone(), self.metrics.clone());
+        let recorded = self.recorded.clone();
+        tokio::task::spawn_blocking(move || announce(&*store, &metrics, &recorded, completed));
+    }
+
+    /// When the world `job_id` is forming may form without another join (elastic jobs).
+    fn settles_at(&self, job_id: &str) -> Option<Instant> {
+        self.jobs()
+            .get(job_id)
+            .and_then(|job| job.settles_at(Instant::now()))
+    }
+
+    /// Forms an elastic job's world if its quiet time has passed.
+    fn settle(&self, job_id: &str) -> Option<Completed> {
+        let mut jobs = self.jobs();
+        let job = jobs.get_mut(job_id)?;
+        let now = Instant::now();
+        job.settles_at(now)
+            .filter(|&at| at <= now)
+            .map(|_| self.complete(job))
+    }
+
+    /// An elastic job's generation and waiting workers, for a running world at its commit;
+    /// asking keeps the world counted as alive (see [`stale_after`]).
+    pub fn status(&self, job_id: &str) -> Result<SyncStatus, ServerError> {
+        let mut jobs = self.jobs();
+        let job = jobs
+            .get_mut(job_id)
+            .ok_or_else(|| unknown_job_or_token(job_id))?;
+        job.last_heard = Some(Instant::now());
+        Ok(SyncStatus {
+            generation: job.record.generations,
+            waiting: job.waiting(),
+        })
     }
 
     /// Whether `token` is the token of sync job `job_id`. An unknown job is refused exactly as
@@ -383,6 +542,21 @@ impl Rendezvous {
             ));
         }
         check_address(&req.address)?;
+        match (job.record.elastic, req.rank, req.rejoin) {
+            (Some(_), Some(rank), _) => {
+                return Err(ServerError::BadRequest(format!(
+                    "sync job `{job_id}` is elastic: the server gives ranks, so join without \
+                     one (this worker asked for rank {rank})"
+                )))
+            }
+            (None, _, Some(_)) => {
+                return Err(ServerError::BadRequest(format!(
+                    "sync job `{job_id}` is not elastic: a worker joins its world again \
+                     without `rejoin`"
+                )))
+            }
+            _ => {}
+        }
         let rank = match req.rank {
             Some(rank) if rank >= world_size => {
                 return Err(ServerError::invalid(
@@ -420,8 +594,17 @@ impl Rendezvous {
             id: waiter,
             address: req.address,
             assigned: req.rank.is_none(),
+            rejoin: req.rejoin,
             answer: send,
         });
+        let now = Instant::now();
+        job.last_join = Some(now);
+        if req
+            .rejoin
+            .is_some_and(|r| r.generation == job.record.generations)
+        {
+            job.last_heard = Some(now);
+        }
         if let Some(old) = replaced {
             tracing::info!(job = %job_id, rank, "rank joined again: the earlier worker is replaced");
             let _ = old.answer.send(Err(ServerError::conflict(
@@ -446,12 +629,26 @@ impl Rendezvous {
     /// Forms the world of a job whose every rank has joined and empties its slots. The store
     /// write happens in [`announce`], on a blocking thread, not under this lock on a worker.
     fn complete(&self, job: &mut Job) -> Completed {
-        let waiters = job.take_waiters();
+        let mut waiters = job.take_waiters();
+        if job.record.elastic.is_some() {
+            // The workers with the newest committed state first (rank 0 broadcasts its state),
+            // then the rest of the last world by their old rank, then newcomers as they came.
+            waiters.sort_by_key(|w| match w.rejoin {
+                Some(r) => (
+                    0,
+                    std::cmp::Reverse(r.committed),
+                    std::cmp::Reverse(r.generation),
+                    u64::from(r.rank),
+                ),
+                None => (1, std::cmp::Reverse(0), std::cmp::Reverse(0), w.id),
+            });
+        }
         job.record.generations += 1;
+        job.last_heard = Some(Instant::now());
         let world = FormedWorld {
             generation: job.record.generations,
             session: format!("{:032x}", rand::random::<u128>()).into(),
-            world_size: job.record.world_size,
+            world_size: waiters.len() as u32,
             peers: waiters.iter().map(|w| w.address.clone()).collect(),
         };
         job.formed = Some(wire::SyncWorldInfo {
@@ -484,25 +681,41 @@ impl Rendezvous {
         waiter: u64,
         timeout_s: u32,
     ) -> Option<ServerError> {
-        let (joined, world_size, missing) = {
+        let (joined, world_size, missing, elastic) = {
             let mut jobs = self.jobs();
             let job = jobs.get_mut(job_id)?;
             if !job.holds(rank, waiter) {
                 return None;
             }
-            let summary = (job.waiting(), job.record.world_size, job.missing());
+            let elastic = job
+                .record
+                .elastic
+                .map(|e| (e.min_world_size, job.record.generations, job.not_back()));
+            let summary = (job.waiting(), job.record.world_size, job.missing(), elastic);
             job.slots[rank as usize] = None;
             summary
         };
         self.metrics.sync_join_timed_out(job_id);
         tracing::info!(job = %job_id, rank, joined, world_size, "rendezvous timed out");
-        Some(ServerError::Timeout {
-            code: ErrorCode::RendezvousTimeout,
-            message: format!(
+        let message = match elastic {
+            None => format!(
                 "the world of job {job_id} is incomplete after {timeout_s} s: {joined} of \
                  {world_size} workers joined; {} not joined",
                 name_ranks(&missing)
             ),
+            Some((min, generation, lost)) if !lost.is_empty() => format!(
+                "elastic job {job_id} is below its minimum world of {min} after {timeout_s} s: \
+                 {joined} workers joined; of world {generation}, {} not come back",
+                name_ranks(&lost)
+            ),
+            Some((min, _, _)) => format!(
+                "elastic job {job_id} is below its minimum world of {min} after {timeout_s} s: \
+                 {joined} workers joined"
+            ),
+        };
+        Some(ServerError::Timeout {
+            code: ErrorCode::RendezvousTimeout,
+            message,
         })
     }
 }
@@ -646,8 +859,8 @@ fn announce(
         }
         return;
     }
-    for waiter in waiters {
-        let _ = waiter.answer.send(Ok(world.clone()));
+    for (rank, waiter) in waiters.into_iter().enumerate() {
+        let _ = waiter.answer.send(Ok((world.clone(), rank as u32)));
     }
     metrics.sync_world_formed(&job);
     tracing::info!(job = %job, generation = world.generation, world_size = world.world_size, "world formed");

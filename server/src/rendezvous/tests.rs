@@ -32,6 +32,8 @@ impl Fixture {
             .create(CreateSyncJob {
                 id: id.into(),
                 world_size,
+                min_world_size: None,
+                settle_ms: None,
             })
             .unwrap()
             .token
@@ -87,6 +89,7 @@ fn req(address: &str, rank: Option<u32>, world_size: u32) -> SyncJoinRequest {
         rank,
         world_size,
         timeout_s: None,
+        rejoin: None,
     }
 }
 
@@ -215,6 +218,7 @@ async fn a_timeout_frees_the_rank_and_names_the_missing_ones() {
             &token,
             SyncJoinRequest {
                 timeout_s: Some(0), // raised to the 1 s minimum
+                rejoin: None,
                 ..req("b:1", Some(1), 4)
             },
         )
@@ -375,6 +379,8 @@ fn job_definitions_are_checked() {
         f.rendezvous.create(CreateSyncJob {
             id: id.into(),
             world_size,
+            min_world_size: None,
+            settle_ms: None,
         })
     };
     for (id, size) in [("ok", 0), ("ok", MAX_WORLD_SIZE + 1), ("a/b", 2), ("", 2)] {
@@ -403,4 +409,131 @@ fn long_lists_of_missing_ranks_are_cut_short() {
     let named = name_ranks(&many);
     assert!(named.starts_with("ranks [0, 1, 2,"), "{named}");
     assert!(named.ends_with("31, … and 8 more] have"), "{named}");
+}
+
+/// An elastic job's worlds: one forms at the minimum after the quiet time, the survivors of a
+/// lost worker form the next one with the newest state at rank 0, newcomers alone wait while
+/// that world is alive and are taken in when it re-forms, a full world forms at once, and a
+/// world that stays below the minimum is told which ranks never came back.
+#[tokio::test]
+async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_at_rank_0() {
+    let f = fixture();
+    let create = |min, settle| {
+        f.rendezvous.create(CreateSyncJob {
+            id: "elastic".into(),
+            world_size: 4,
+            min_world_size: min,
+            settle_ms: settle,
+        })
+    };
+    for (min, settle) in [
+        (Some(0), None),
+        (Some(5), None),
+        (None, Some(100)),
+        (Some(2), Some(5)),
+    ] {
+        let err = create(min, settle).unwrap_err();
+        assert!(matches!(err, ServerError::BadRequest(_)), "{err}");
+    }
+    let info = create(Some(2), Some(100)).unwrap();
+    assert_eq!((info.min_world_size, info.settle_ms), (Some(2), Some(100)));
+    let token = info.token.unwrap();
+    let rejoin = |address: &str, generation, rank, committed| SyncJoinRequest {
+        rejoin: Some(SyncRejoin {
+            generation,
+            rank,
+            committed,
+        }),
+        ..req(address, None, 4)
+    };
+    let err = answer(f.join("elastic", &token, req("a:1", Some(0), 4)))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("server gives ranks"), "{err}");
+
+    // Three workers start; a world of three forms after the quiet time.
+    let started = Instant::now();
+    let first: Vec<_> = ["a:1", "b:1", "c:1"]
+        .iter()
+        .map(|a| f.join("elastic", &token, req(a, None, 4)))
+        .collect();
+    let mut worlds = Vec::new();
+    for h in first {
+        worlds.push(answer(h).await.unwrap());
+    }
+    assert!(started.elapsed() >= Duration::from_millis(100));
+    assert!(worlds
+        .iter()
+        .all(|w| w.generation == 1 && w.world_size == 3));
+
+    // Newcomers alone (two: the minimum) wait while world 1 is alive (it asks for the status).
+    let newcomers = [
+        f.spawn_join("elastic", &token, req("d:1", None, 4)).await,
+        f.spawn_join("elastic", &token, req("e:1", None, 4)).await,
+    ];
+    let status = f.rendezvous.status("elastic").unwrap();
+    assert_eq!((status.generation, status.waiting), (1, 2));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        newcomers.iter().all(|h| !h.is_finished()),
+        "newcomers alone do not form a world"
+    );
+
+    // World 1's rank 1 died: ranks 0 and 2 come back (rank 2 with the newer state) and form
+    // world 2 with the newcomers, rank 2's state at rank 0: four, the largest, at once.
+    let back = [
+        f.join("elastic", &token, rejoin("a:2", 1, 0, 40)),
+        f.join("elastic", &token, rejoin("c:2", 1, 2, 50)),
+    ];
+    let mut worlds = Vec::new();
+    for h in newcomers.into_iter().chain(back) {
+        worlds.push(answer(h).await.unwrap());
+    }
+    check_world(&worlds, &["c:2", "a:2", "d:1", "e:1"], 2);
+    assert_eq!(
+        (worlds[0].rank, worlds[1].rank),
+        (2, 3),
+        "newcomers come last, in order"
+    );
+
+    // World 2's ranks 0 and 1 come back without the newcomers: a world of two after the
+    // quiet time.
+    let back = [
+        f.join("elastic", &token, rejoin("c:3", 2, 0, 60)),
+        f.join("elastic", &token, rejoin("a:3", 2, 1, 60)),
+    ];
+    let mut worlds = Vec::new();
+    for h in back {
+        worlds.push(answer(h).await.unwrap());
+    }
+    check_world(&worlds, &["c:3", "a:3"], 3);
+
+    // Four at once form at once, whatever the quiet time.
+    let job = f.rendezvous.create(CreateSyncJob {
+        id: "full".into(),
+        world_size: 2,
+        min_world_size: Some(1),
+        settle_ms: Some(60_000),
+    });
+    let full = job.unwrap().token.unwrap();
+    let pair = [
+        f.join("full", &full, req("a:1", None, 2)),
+        f.join("full", &full, req("b:1", None, 2)),
+    ];
+    for h in pair {
+        assert_eq!(answer(h).await.unwrap().world_size, 2);
+    }
+
+    // Below the minimum: the one survivor of world 3 times out naming the lost rank.
+    let alone = SyncJoinRequest {
+        timeout_s: Some(1),
+        ..rejoin("c:4", 3, 0, 70)
+    };
+    let err = answer(f.join("elastic", &token, alone)).await.unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("below its minimum world of 2")
+            && message.contains("of world 3, rank [1] has not come back"),
+        "{message}"
+    );
 }

@@ -345,6 +345,17 @@ pub struct SyncJobRecord {
     pub token_hash: String,
     /// Worlds formed so far.
     pub generations: u64,
+    /// An elastic job's smallest world and quiet time (see `CreateSyncJob`); `None`: a fixed
+    /// world of `world_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<ElasticSyncJob>,
+}
+
+/// An elastic job's terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ElasticSyncJob {
+    pub min_world_size: u32,
+    pub settle_ms: u32,
 }
 
 #[cfg(test)]

@@ -279,6 +279,11 @@ fn job(id: &str, generations: u64) -> SyncJobRecord {
         world_size: 4,
         token_hash: "h".into(),
         generations,
+        // Every other job elastic: both shapes of record go through every store.
+        elastic: (generations % 2 == 1).then_some(ElasticSyncJob {
+            min_world_size: 2,
+            settle_ms: 500,
+        }),
     }
 }
 
