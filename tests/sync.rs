@@ -2,8 +2,9 @@
 //! worker processes for buffers from one element to 64 MiB, mismatched calls, training that
 //! matches one worker on the combined batch, a killed worker, ranks from mpirun's and Slurm's
 //! environment, rendezvous at the real server, a job resumed from rank 0's checkpoint,
-//! strangers at a worker's ring port that learn nothing and hold nothing up, and workers that
-//! `hora-run` starts.
+//! strangers at a worker's ring port that learn nothing and hold nothing up, workers that
+//! `hora-run` starts, and an elastic job that survives a killed worker, takes in a new one with
+//! rank 0's exact state, and fails naming the lost ranks below its minimum.
 
 mod support;
 
@@ -436,6 +437,12 @@ fn ranks_come_from_slurm_and_mpirun_environments() {
 /// A sync job of `n` at a fresh server; returns the server and the job's token.
 fn server_with_job(dir: &Path, n: u32) -> (Server, String) {
     let server = Server::start(&dir.join("server"));
+    let token = create_job(&server, "job", n, None);
+    (server, token)
+}
+
+/// Creates sync job `id` (elastic down to `min`, with a 300 ms quiet time); its token.
+fn create_job(server: &Server, id: &str, n: u32, min: Option<u32>) -> String {
     let api = server.api(ADMIN_TOKEN);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -445,13 +452,13 @@ fn server_with_job(dir: &Path, n: u32) -> (Server, String) {
         api.ok(api
             .request(reqwest::Method::POST, "/admin/v1/sync-jobs")
             .json(&hora_common::wire::CreateSyncJob {
-                id: "job".into(),
+                id: id.into(),
                 world_size: n,
-                min_world_size: None,
-                settle_ms: None,
+                min_world_size: min,
+                settle_ms: min.map(|_| 300),
             })),
     );
-    (server, job.token.expect("the job's token"))
+    job.token.expect("the job's token")
 }
 
 fn at_server(server: &Server, token: &str, n: u32, timeout: u64) -> Vec<String> {
@@ -1010,4 +1017,257 @@ fn an_interrupted_launcher_stops_every_worker_and_what_they_started() {
     );
     let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
     assert!(!rest.iter().any(|l| l.contains("still here")), "{rest:?}");
+}
+
+/// Elastic workers whose stdout lines arrive on one channel, tagged with the worker's index.
+struct Elastic {
+    workers: Vec<Option<Child>>,
+    lines: std::sync::mpsc::Receiver<(usize, String)>,
+    send: Option<std::sync::mpsc::Sender<(usize, String)>>,
+    seen: Vec<Vec<String>>,
+    args: Vec<String>,
+    /// Every wait of the test ends by then.
+    deadline: Instant,
+}
+
+impl Elastic {
+    fn new(args: Vec<String>) -> Elastic {
+        let (send, lines) = std::sync::mpsc::channel();
+        Elastic {
+            workers: Vec::new(),
+            lines,
+            send: Some(send),
+            seen: Vec::new(),
+            args,
+            deadline: Instant::now() + Duration::from_secs(150),
+        }
+    }
+
+    fn start(&mut self) -> usize {
+        let index = self.workers.len();
+        let mut child = spawn(&binary("hora-client"), &self.args, &[]);
+        let stdout = child.stdout.take().expect("the worker's stdout");
+        let send = self.send.clone().expect("still reading");
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = send.send((index, line));
+            }
+        });
+        self.workers.push(Some(child));
+        self.seen.push(Vec::new());
+        index
+    }
+
+    /// Reads lines until one of worker `who` (any, if `None`) satisfies `until`; that line.
+    fn until(&mut self, who: Option<usize>, until: impl Fn(&str) -> bool) -> (usize, String) {
+        loop {
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            let (i, line) = self.lines.recv_timeout(left).unwrap_or_else(|_| {
+                panic!(
+                    "the workers never said what was awaited: {:?}",
+                    self.seen
+                        .iter()
+                        .map(|l| l.iter().rev().take(5).collect::<Vec<_>>())
+                        .collect::<Vec<_>>()
+                )
+            });
+            self.seen[i].push(line.clone());
+            if who.is_none_or(|w| w == i) && until(&line) {
+                return (i, line);
+            }
+        }
+    }
+
+    /// The worker of rank `rank` in world `generation` (from its "world G: rank R of N" line).
+    fn rank_in(&mut self, generation: u64, rank: u32, size: u32) -> usize {
+        let wanted = format!("world {generation}: rank {rank} of {size} ");
+        if let Some(i) = self
+            .seen
+            .iter()
+            .position(|l| l.iter().any(|l| l.starts_with(&wanted)))
+        {
+            return i;
+        }
+        self.until(None, |l| l.starts_with(&wanted)).0
+    }
+
+    /// Every world-`generation` line, by worker.
+    fn world_lines(&self, generation: u64) -> Vec<(usize, String)> {
+        let prefix = format!("world {generation}: ");
+        self.seen
+            .iter()
+            .enumerate()
+            .flat_map(|(i, lines)| {
+                lines
+                    .iter()
+                    .filter(|l| l.starts_with(&prefix))
+                    .map(move |l| (i, l.clone()))
+            })
+            .collect()
+    }
+
+    fn finish(mut self, indices: &[usize]) -> Vec<(Output, Vec<String>)> {
+        let children: Vec<Child> = indices
+            .iter()
+            .map(|&i| self.workers[i].take().expect("a running worker"))
+            .collect();
+        let outputs = Workers(children).finish(Duration::from_secs(180));
+        self.send = None;
+        for (i, line) in self.lines.iter() {
+            self.seen[i].push(line);
+        }
+        outputs
+            .into_iter()
+            .zip(indices)
+            .map(|(out, &i)| (out, self.seen[i].clone()))
+            .collect()
+    }
+}
+
+impl Elastic {
+    /// SIGKILL for worker `i`.
+    fn kill(&mut self, i: usize) {
+        let mut child = self.workers[i].take().expect("a running worker");
+        child.kill().expect("kill a worker");
+        let _ = child.wait();
+    }
+}
+
+impl Drop for Elastic {
+    fn drop(&mut self) {
+        for c in self.workers.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The state digest a "world G: …" line reports.
+fn digest_of(line: &str) -> &str {
+    line.split("state ")
+        .nth(1)
+        .and_then(|s| s.split(')').next())
+        .unwrap_or_else(|| panic!("no state in {line}"))
+}
+
+/// The last accuracy rank 0 reported.
+fn final_accuracy(lines: &[String]) -> f64 {
+    lines
+        .iter()
+        .rev()
+        .find_map(|l| l.split("accuracy ").nth(1))
+        .and_then(|a| a.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no accuracy in {lines:?}"))
+}
+
+#[test]
+fn an_elastic_job_survives_a_killed_worker_takes_in_a_new_one_and_fails_below_its_minimum() {
+    const EPOCHS: u64 = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server"));
+
+    // The uninterrupted three-worker run to compare with.
+    let base = train_world(
+        3,
+        training(10, EPOCHS, &dir.path().join("base.safetensors")),
+    );
+    let base_accuracy = final_accuracy(
+        &text(&base[0].stdout)
+            .lines()
+            .map(String::from)
+            .collect::<Vec<_>>(),
+    );
+
+    // Four workers of a job of at most four and at least three; rank 2 is killed in epoch 3.
+    let token = create_job(&server, "lose", 4, Some(3));
+    let mut args = training(10, EPOCHS, &dir.path().join("lose.safetensors"));
+    args.extend(at_server(&server, &token, 4, 10));
+    args.extend(strings(&["--elastic", "--commit-every", "10"]));
+    let at = args.iter().position(|a| a == "--job").expect("--job") + 1;
+    args[at] = "lose".into();
+    let mut job = Elastic::new(args);
+    for _ in 0..4 {
+        job.start();
+    }
+    let victim = job.rank_in(1, 2, 4);
+    job.until(None, |l| l.starts_with("epoch 2/"));
+    job.kill(victim);
+    let survivors: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
+    let outputs = job.finish(&survivors);
+    let mut world2 = Vec::new();
+    for (out, lines) in &outputs {
+        assert!(out.status.success(), "{lines:?}{}", text(&out.stderr));
+        let line = lines
+            .iter()
+            .find(|l| l.starts_with("world 2: "))
+            .unwrap_or_else(|| panic!("no second world: {lines:?}"));
+        assert!(
+            line.contains(" of 3 ") && line.contains("training again"),
+            "{line}"
+        );
+        world2.push(digest_of(line).to_string());
+    }
+    assert!(world2.iter().all(|d| *d == world2[0]), "{world2:?}");
+    let rank0 = outputs
+        .iter()
+        .find(|(_, lines)| lines.iter().any(|l| l.starts_with("world 2: rank 0 ")))
+        .map(|(_, lines)| lines.clone())
+        .expect("a rank 0 in world 2");
+    assert!(
+        rank0
+            .iter()
+            .any(|l| l.starts_with(&format!("epoch {EPOCHS}/{EPOCHS}"))),
+        "{rank0:?}"
+    );
+    let accuracy = final_accuracy(&rank0);
+    assert!(
+        (accuracy - base_accuracy).abs() <= 0.02,
+        "after losing a worker {accuracy}, uninterrupted with three {base_accuracy}"
+    );
+
+    // Two workers of a job of two to three; a third joins at a commit and starts from the
+    // others' exact state; then two are killed and the last fails naming them.
+    let token = create_job(&server, "grow", 3, Some(2));
+    let mut args = training(10, 10_000, &dir.path().join("grow.safetensors"));
+    args.extend(at_server(&server, &token, 3, 5));
+    args.extend(strings(&["--elastic", "--commit-every", "10"]));
+    let at = args.iter().position(|a| a == "--job").expect("--job") + 1;
+    args[at] = "grow".into();
+    let mut job = Elastic::new(args);
+    job.start();
+    job.start();
+    job.until(None, |l| l.starts_with("epoch 1/"));
+    let newcomer = job.start();
+    while job.world_lines(2).len() < 3 {
+        job.until(None, |l| l.starts_with("world 2: "));
+    }
+    let world2 = job.world_lines(2);
+    assert_eq!(world2.len(), 3, "{world2:?}");
+    assert!(world2.iter().any(|(i, _)| *i == newcomer), "{world2:?}");
+    for (_, line) in &world2 {
+        assert!(line.contains(" of 3 from step "), "{line}");
+        assert_eq!(digest_of(line), digest_of(&world2[0].1), "{world2:?}");
+    }
+    let step = |l: &str| {
+        l.split("from step ")
+            .nth(1)
+            .and_then(|s| s.split(' ').next())
+            .map(String::from)
+    };
+    assert!(step(&world2[0].1).is_some_and(|s| s != "0"), "{world2:?}");
+    assert!(world2.iter().all(|(_, l)| step(l) == step(&world2[0].1)));
+    let last = job.rank_in(2, 0, 3);
+    for i in (0..3).filter(|&i| i != last) {
+        job.kill(i);
+    }
+    let outputs = job.finish(&[last]);
+    let (out, _) = &outputs[0];
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("below its minimum world of 2")
+            && stderr.contains("of world 2, ranks [1, 2] have not come back"),
+        "{stderr}"
+    );
 }

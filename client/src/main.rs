@@ -36,7 +36,7 @@ use hora_common::config::{self as layers, Layered};
 use hora_common::logging;
 use hora_common::tls::Identity;
 use hora_common::wire::ModelKind;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 /// Environment variables renamed for one naming scheme across Hora's programs: (old, new).
@@ -234,6 +234,15 @@ struct SyncArgs {
     /// No progress bar.
     #[arg(long, env = "HORA_NO_PROGRESS")]
     no_progress: bool,
+    /// Work in an elastic job (`hora-server admin sync-create --min-world-size`): when a worker
+    /// is lost, the others roll back to their last commit and go on in a smaller world; workers
+    /// started later join at a commit. Needs --server; --world-size is the job's largest world.
+    #[arg(long, env = "HORA_ELASTIC")]
+    elastic: bool,
+    /// An elastic job commits its training state in memory every this many steps (and at each
+    /// epoch's end): what survivors roll back to, and when joining workers are taken in.
+    #[arg(long, env = "HORA_COMMIT_EVERY", default_value_t = 20)]
+    commit_every: u64,
 }
 
 impl SyncArgs {
@@ -271,7 +280,13 @@ fn check_sync(layered: &Layered<SyncArgs>) -> anyhow::Result<(Option<String>, Me
         )
         .map_err(anyhow::Error::msg)?
     {
+        Some(true) if args.elastic => {
+            anyhow::bail!("--elastic needs --server: an elastic job's worlds form at the server")
+        }
         Some(true) => Meet::Peers,
+        None if args.elastic => {
+            anyhow::bail!("--elastic needs --server: an elastic job's worlds form at the server")
+        }
         Some(false) => {
             required(args.ca.as_ref(), "ca")?;
             required(args.job.as_ref(), "job")?;
@@ -646,7 +661,7 @@ fn init(args: InitArgs) -> anyhow::Result<()> {
 }
 
 fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
-    use hora_client::sync::worker::{self, SyncTraining};
+    use hora_client::sync::worker::{self, Elastic, SyncTraining, Worlds};
     use hora_client::sync::ServerRendezvous;
     use hora_collective::{Algorithm, CommOptions, LaunchRank, Meeting, Wire};
 
@@ -742,27 +757,53 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
             Meeting::Server(&rendezvous)
         }
     };
-    let comm = worker::form_world(
-        meeting,
-        &launch,
-        &args.ring_listen,
-        args.advertise.as_deref(),
-        options,
-    )?;
-    let (rank, size) = (comm.rank(), comm.size());
-    // Tests and scripts read this line.
-    let origin = if launch.rank.is_some() {
-        launch.source
-    } else {
-        "the server"
+    let worlds = match meeting {
+        Meeting::Server(service) if args.elastic => Worlds::Elastic(Elastic {
+            service,
+            listen: &args.ring_listen,
+            advertise: args.advertise.as_deref(),
+            max_world_size: launch.world_size.ok_or_else(|| {
+                anyhow::anyhow!("--elastic needs --world-size: the job's largest world")
+            })?,
+            options,
+            commit_every: args.commit_every,
+        }),
+        meeting => {
+            let comm = worker::form_world(
+                meeting,
+                &launch,
+                &args.ring_listen,
+                args.advertise.as_deref(),
+                options,
+            )?;
+            let (rank, size) = (comm.rank(), comm.size());
+            // Tests and scripts read this line.
+            let origin = if launch.rank.is_some() {
+                launch.source
+            } else {
+                "the server"
+            };
+            println!("rank {rank} of {size} (rank from {origin}, device {device:?})");
+            Worlds::Fixed(Box::new(comm))
+        }
     };
-    println!("rank {rank} of {size} (rank from {origin}, device {device:?})");
 
-    let bar = if args.no_progress || rank != 0 {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(0)
+    // Rank 0 of the current world shows the progress and the epochs (an elastic job's rank
+    // changes from world to world).
+    let rank = std::cell::Cell::new(match &worlds {
+        Worlds::Fixed(comm) => comm.rank(),
+        Worlds::Elastic(_) => u32::MAX,
+    });
+    let size = std::cell::Cell::new(0);
+    let draw = |bar: &ProgressBar, rank: u32| {
+        bar.set_draw_target(if args.no_progress || rank != 0 {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr()
+        })
     };
+    let bar = ProgressBar::new(0);
+    draw(&bar, rank.get());
     bar.set_style(
         ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {eta}")
             .expect("progress template")
@@ -775,7 +816,7 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
     };
     let epoch_bar = bar.clone();
     let mut on_epoch = |e: &worker::EpochReport| {
-        if rank == 0 {
+        if rank.get() == 0 {
             let accuracy = e
                 .accuracy
                 .map(|a| format!(" · accuracy {a:.4}"))
@@ -792,15 +833,56 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
             });
         }
     };
-    let report = worker::train(&training, comm, &mut on_step, &mut on_epoch)?;
+    let world_bar = bar.clone();
+    let elastic = args.elastic;
+    let mut on_world = |w: &worker::WorldReport| {
+        rank.set(w.rank);
+        size.set(w.size);
+        draw(&world_bar, w.rank);
+        if elastic {
+            let recovered = w
+                .recovered_in
+                .map(|d| {
+                    format!(
+                        ", training again {} ms after losing a worker",
+                        d.as_millis()
+                    )
+                })
+                .unwrap_or_default();
+            // Tests and scripts read this line.
+            world_bar.suspend(|| {
+                println!(
+                    "world {}: rank {} of {} from step {} (learning rate {}, state {}){recovered}",
+                    w.generation, w.rank, w.size, w.step, w.learning_rate, w.digest
+                )
+            });
+        }
+    };
+    let report = worker::train(
+        &training,
+        worlds,
+        &mut on_step,
+        &mut on_epoch,
+        &mut on_world,
+    )?;
     bar.finish_and_clear();
     if let Some(step) = report.resumed_from {
         println!("resumed from step {step}");
     }
     println!(
-        "rank {rank} done: {} steps on {size} workers (learning rate {})",
-        report.steps, report.learning_rate
+        "rank {} done: {} steps on {} workers (learning rate {})",
+        rank.get(),
+        report.steps,
+        size.get(),
+        report.learning_rate
     );
+    if elastic {
+        println!(
+            "{} commits, {:.2} ms each",
+            report.commits,
+            report.commit_time.as_secs_f64() * 1e3 / report.commits.max(1) as f64
+        );
+    }
     Ok(())
 }
 

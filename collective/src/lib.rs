@@ -57,10 +57,10 @@ pub use fusion::Fusion;
 pub use fusion::HostFusion;
 pub use launch::{torchrun_peers, LaunchRank};
 #[cfg(feature = "torch")]
-pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, SyncOptimizer};
+pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, Snapshot, SyncOptimizer};
 pub use rendezvous::{Rendezvous, World};
 pub use ring::{CommOptions, Communicator, Reduce, Wire};
-pub use world::{bind, connect, form_world, Meeting};
+pub use world::{bind, connect, form_world, meet, Meeting};
 
 /// Why a collective failed. Every variant that involves another worker names its rank, so that
 /// an operator knows which process to look at.

@@ -120,6 +120,60 @@ impl SyncOptimizer {
         self.lr
     }
 
+    /// A new learning rate from the next step on (an elastic job's world changed size).
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        if !(lr.is_finite() && lr > 0.0) {
+            return Err(CollectiveError::Config(format!(
+                "the learning rate must be a positive number, not {lr}"
+            )));
+        }
+        self.lr = lr;
+        Ok(())
+    }
+
+    /// A copy of the parameters, the state and the step count, in memory (an elastic job's
+    /// commit, like `hvd.elastic.State.commit`).
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        let _guard = tch::no_grad_guard();
+        let tensors = self
+            .params
+            .iter()
+            .map(|(_, p)| p)
+            .chain(self.state.iter().flatten())
+            .map(|t| {
+                let mut copy = t.f_empty_like()?;
+                copy.f_copy_(t)?;
+                Ok(copy)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Snapshot {
+            tensors,
+            steps: self.steps,
+        })
+    }
+
+    /// Puts back what [`Self::snapshot`] copied (an elastic job's rollback after a lost
+    /// worker).
+    pub fn restore(&mut self, snapshot: &Snapshot) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        let live: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|(_, p)| p.shallow_clone())
+            .chain(self.state.iter().flatten().map(Tensor::shallow_clone))
+            .collect();
+        if live.len() != snapshot.tensors.len() {
+            return Err(CollectiveError::Config(
+                "the snapshot is of another optimizer".into(),
+            ));
+        }
+        for (mut t, saved) in live.into_iter().zip(&snapshot.tensors) {
+            t.f_copy_(saved)?;
+        }
+        self.steps = snapshot.steps;
+        Ok(())
+    }
+
     /// Optimizer steps taken (restored from checkpoints: Adam's bias correction depends on it).
     pub fn steps(&self) -> u64 {
         self.steps
@@ -230,6 +284,20 @@ impl SyncOptimizer {
     }
 }
 
+/// The parameters, optimizer state and step count of a [`SyncOptimizer`] at a commit.
+#[derive(Debug)]
+pub struct Snapshot {
+    tensors: Vec<Tensor>,
+    steps: u64,
+}
+
+impl Snapshot {
+    /// The step count at the commit.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+}
+
 /// An optimizer that averages gradients over the ranks before each step.
 pub struct DistributedOptimizer {
     optimizer: SyncOptimizer,
@@ -262,6 +330,11 @@ impl DistributedOptimizer {
 
     pub fn comm(&mut self) -> &mut Communicator {
         &mut self.comm
+    }
+
+    /// The optimizer back, the communicator dropped (an elastic job's world ended).
+    pub fn into_optimizer(self) -> SyncOptimizer {
+        self.optimizer
     }
 
     pub fn optimizer(&self) -> &SyncOptimizer {

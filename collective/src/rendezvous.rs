@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use hora_common::wire::{SyncJoinRequest, SyncWorld};
+use hora_common::wire::{SyncJoinRequest, SyncRejoin, SyncStatus, SyncWorld};
 
 use crate::{CollectiveError, Result};
 
@@ -149,21 +149,28 @@ pub trait Rendezvous {
 
     /// How long this worker waits for the others.
     fn timeout(&self) -> Duration;
+
+    /// An elastic job's generation and the workers waiting to join it (`GET
+    /// /v1/sync/{job}/status`), asked by a running world's rank 0 at its commits.
+    fn status(&self) -> std::result::Result<SyncStatus, String>;
 }
 
 /// Joins at `service` and waits until the world is complete. `address` is where this worker
-/// accepts its left neighbour; `rank` the launcher's rank, if any.
+/// accepts its left neighbour; `rank` the launcher's rank, if any; `rejoin`, for an elastic
+/// job's worker that was in a world, which world and how far its committed state is.
 pub fn join(
     service: &dyn Rendezvous,
     address: &str,
     rank: Option<u32>,
     world_size: u32,
+    rejoin: Option<SyncRejoin>,
 ) -> Result<World> {
     let request = SyncJoinRequest {
         address: address.to_string(),
         rank,
         world_size,
         timeout_s: Some(service.timeout().as_secs().clamp(1, 600) as u32),
+        rejoin,
     };
     let world = service
         .send(&request)

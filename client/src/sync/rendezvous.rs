@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use hora_collective::Rendezvous;
 use hora_common::tls::Identity;
-use hora_common::wire::{SyncJoinRequest, SyncWorld, CLIENT_API};
+use hora_common::wire::{SyncJoinRequest, SyncStatus, SyncWorld, CLIENT_API};
 use reqwest::Method;
 
 use crate::transport::{Connection, RetryPolicy};
@@ -40,8 +40,16 @@ impl std::fmt::Debug for ServerRendezvous<'_> {
     }
 }
 
-impl Rendezvous for ServerRendezvous<'_> {
-    fn send(&self, request: &SyncJoinRequest) -> Result<SyncWorld, String> {
+impl ServerRendezvous<'_> {
+    /// One call to the server: a fresh connection (with this rendezvous's TLS settings and
+    /// retries) on a runtime of its own, since the collective stack's callers are synchronous.
+    fn call<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &str,
+        method: Method,
+        path: &str,
+        body: Option<&SyncJoinRequest>,
+    ) -> Result<T, String> {
         let retry = RetryPolicy {
             budget: self.retry_for,
             ..Default::default()
@@ -49,20 +57,38 @@ impl Rendezvous for ServerRendezvous<'_> {
         let conn = Connection::new(self.server, self.ca, self.identity, retry)
             .map_err(|e| e.to_string())?
             .with_token(self.token.to_string());
-        let path = format!("{CLIENT_API}/sync/{}/join", self.job);
+        let path = format!("{CLIENT_API}/sync/{}/{path}", self.job);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| format!("starting the rendezvous runtime: {e}"))?;
         runtime
-            .block_on(conn.json("joining the sync job", || {
-                conn.request(Method::POST, &path, self.timeout)
-                    .json(request)
+            .block_on(conn.json(what, || {
+                let request = conn.request(method.clone(), &path, self.timeout);
+                match body {
+                    Some(body) => request.json(body),
+                    None => request,
+                }
             }))
             .map_err(|e| e.to_string())
+    }
+}
+
+impl Rendezvous for ServerRendezvous<'_> {
+    fn send(&self, request: &SyncJoinRequest) -> Result<SyncWorld, String> {
+        self.call("joining the sync job", Method::POST, "join", Some(request))
     }
 
     fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    fn status(&self) -> Result<SyncStatus, String> {
+        self.call(
+            "asking for the sync job's status",
+            Method::GET,
+            "status",
+            None,
+        )
     }
 }

@@ -22,9 +22,10 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Device, Tensor};
 
 use hora_collective::{
-    Algorithm, CollectiveError, Communicator, DistributedOptimizer, Fusion, LrScaling,
-    SyncOptimizer,
+    bind, connect, rendezvous, Algorithm, CollectiveError, CommOptions, Communicator,
+    DistributedOptimizer, Fusion, LrScaling, Rendezvous, Snapshot, SyncOptimizer,
 };
+use hora_common::wire::SyncRejoin;
 
 use super::checkpoint;
 use super::{Result, SyncError};
@@ -80,7 +81,12 @@ pub struct SyncReport {
     pub steps: u64,
     /// The step a checkpoint was resumed from.
     pub resumed_from: Option<u64>,
+    /// In the last world.
     pub learning_rate: f64,
+    /// An elastic run's commits in memory, and the time they took (the copy, the question to
+    /// the server, the ranks' agreement).
+    pub commits: u64,
+    pub commit_time: Duration,
 }
 
 /// The same permutation on every rank (and in every run) for `epoch`.
@@ -91,15 +97,92 @@ fn permutation(n: usize, seed: u64, epoch: u64) -> Vec<i64> {
     order
 }
 
-/// Trains `config` on this worker's shard in lock-step with the others of `comm`'s world.
-/// `on_step(step, total)` and `on_epoch` report progress.
+/// How an elastic job's worker meets each of its worlds (a job created with
+/// `--min-world-size`): at the server, which forms a world from whoever joined.
+pub struct Elastic<'a> {
+    pub service: &'a dyn Rendezvous,
+    pub listen: &'a str,
+    pub advertise: Option<&'a str>,
+    /// The job's largest world (its `world_size`).
+    pub max_world_size: u32,
+    pub options: CommOptions,
+    /// Commit the training state in memory every this many steps (and at every epoch's end).
+    pub commit_every: u64,
+}
+
+/// Where a run's worlds come from.
+pub enum Worlds<'a> {
+    /// One world, formed by the caller: a failed worker ends the job.
+    Fixed(Box<Communicator>),
+    /// As many as it takes: after a lost worker, the survivors roll back to their last commit
+    /// and form the next world; workers that join wait for a commit.
+    Elastic(Elastic<'a>),
+}
+
+/// A world this worker trained in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorldReport {
+    pub generation: u64,
+    pub rank: u32,
+    pub size: u32,
+    /// The step training starts from in this world (every rank's state is rank 0's).
+    pub step: u64,
+    /// SHA-256 over the parameters, the optimizer's state and step count and the position in
+    /// the data: the same on every rank of a world.
+    pub digest: String,
+    /// From the failure that ended the last world to this one's first step (an elastic job
+    /// that lost a worker).
+    pub recovered_in: Option<Duration>,
+    pub learning_rate: f64,
+}
+
+/// Where the training is: the epoch, and how many samples of its permutation the worlds have
+/// consumed (a world of any size takes the next `size × batch × passes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Position {
+    epoch: u64,
+    offset: u64,
+}
+
+/// What an elastic job rolls back to.
+struct Commit {
+    snapshot: Snapshot,
+    position: Position,
+    loss_sum: f64,
+    seen: u64,
+}
+
+/// How a world ended.
+enum Ended {
+    Finished,
+    /// Workers wait to join: every rank committed and re-forms.
+    Grow,
+    /// A worker was lost (the error says which); this one rolls back.
+    Lost(SyncError),
+}
+
+/// Whether `e` is a lost or stalled worker that an elastic job survives (not a bug, a
+/// mismatch or bad data, which would fail the next world too).
+fn survivable(e: &SyncError) -> bool {
+    matches!(
+        e,
+        SyncError::Collective(
+            CollectiveError::PeerFailed { .. }
+                | CollectiveError::Poisoned(_)
+                | CollectiveError::Io { .. }
+        )
+    )
+}
+
+/// Trains `config` on this worker's shard in lock-step with the others of each world.
+/// `on_step(step, total)`, `on_epoch` and `on_world` report progress.
 pub fn train(
     config: &SyncTraining,
-    comm: Communicator,
+    worlds: Worlds<'_>,
     on_step: &mut dyn FnMut(u64, u64),
     on_epoch: &mut dyn FnMut(&EpochReport),
+    on_world: &mut dyn FnMut(&WorldReport),
 ) -> Result<SyncReport> {
-    let (rank, size) = (comm.rank(), comm.size());
     let (train_set, test_set) = config
         .data
         .load(Some(0), config.holdout)
@@ -111,41 +194,26 @@ pub fn train(
             config.architecture.input_len()
         )));
     }
-    let batch = config.batch_size.max(1);
-    let passes = u64::from(config.backward_passes_per_step.max(1));
-    let global_batch = batch * size as usize;
-    let steps_per_epoch = (train_set.len() / global_batch) as u64 / passes;
-    if steps_per_epoch == 0 {
-        return Err(SyncError::Config(format!(
-            "{} training samples do not fill one step of {size} workers × batch {batch} × {passes} passes: lower --batch-size",
-            train_set.len()
-        )));
-    }
     let train_data = DeviceData::new(&train_set, config.device)?;
-    let test_data = match (&test_set, rank) {
-        (Some(t), 0) if !t.is_empty() => Some(DeviceData::new(t, config.device)?),
+    let test_data = match &test_set {
+        Some(t) if !t.is_empty() => Some(DeviceData::new(t, config.device)?),
         _ => None,
     };
-
     tch::manual_seed(config.seed as i64);
     let mut net = Network::builtin(&config.architecture, config.device)?;
-    let lr = config.lr_scaling.apply(config.learning_rate, size);
-    let optimizer = SyncOptimizer::new(net.parameters(), config.algorithm, lr)?;
-    let mut dist = DistributedOptimizer::new(
-        optimizer,
-        comm,
-        Fusion::new(config.fusion_bytes),
-        config.backward_passes_per_step,
-    )?;
-
-    // Rank 0 restores its newest checkpoint; the broadcast hands it (or rank 0's fresh
-    // initialisation) to everyone, step count included.
-    if rank == 0 {
+    let mut optimizer =
+        SyncOptimizer::new(net.parameters(), config.algorithm, config.learning_rate)?;
+    let (mut comm, elastic) = match worlds {
+        Worlds::Fixed(comm) => (*comm, None),
+        Worlds::Elastic(e) => (e.meet(None)?, Some(e)),
+    };
+    // Rank 0 of the first world restores its newest checkpoint; the broadcast hands it (or
+    // rank 0's fresh initialisation) to everyone, step count included.
+    if comm.rank() == 0 {
         if let Some(dir) = &config.checkpoint_dir {
             if let Some((meta, tensors)) = checkpoint::latest(dir)? {
-                let opt = dist.optimizer_mut();
-                checkpoint::restore(&tensors, opt.parameters(), &opt.state())?;
-                opt.set_steps(meta.step);
+                checkpoint::restore(&tensors, optimizer.parameters(), &optimizer.state())?;
+                optimizer.set_steps(meta.step);
                 tracing::info!(
                     step = meta.step,
                     written_by_world_size = meta.world_size,
@@ -155,94 +223,93 @@ pub fn train(
             }
         }
     }
-    dist.broadcast_state(0)?;
-    let start = dist.optimizer().steps();
-    let resumed_from = (start > 0).then_some(start);
-    let total = config.epochs.checked_mul(steps_per_epoch).ok_or_else(|| {
-        SyncError::Config(format!(
-            "{} epochs of {steps_per_epoch} steps is too many",
-            config.epochs
-        ))
-    })?;
-    if start > total {
-        return Err(SyncError::Checkpoint(format!(
-            "the checkpoint is at step {start}, past the {total} steps of {} epochs: raise --epochs or use another --checkpoint-dir",
-            config.epochs
-        )));
-    }
-
-    let mut report = SyncReport {
-        epochs: Vec::new(),
-        steps: start,
-        resumed_from,
-        learning_rate: lr,
+    let mut run = Run {
+        config,
+        net: &mut net,
+        train_data: &train_data,
+        test_data: test_data.as_ref(),
+        samples: train_set.len() as u64,
+        position: Position::default(),
+        loss_sum: 0.0,
+        seen: 0,
+        commit: None,
+        report: SyncReport {
+            epochs: Vec::new(),
+            steps: 0,
+            resumed_from: None,
+            learning_rate: 0.0,
+            commits: 0,
+            commit_time: Duration::ZERO,
+        },
     };
-    let mut order = Vec::new();
-    let (mut loss_sum, mut seen) = (0.0f64, 0u64);
-    let mut epoch_start = Instant::now();
-    for step in start..total {
-        let epoch = step / steps_per_epoch;
-        let position = step % steps_per_epoch;
-        if position == 0 || order.is_empty() {
-            order = permutation(train_set.len(), config.seed, epoch);
-        }
-        for pass in 0..passes {
-            let global = ((position * passes + pass) as usize) * global_batch;
-            let mine = &order[global + rank as usize * batch..global + (rank as usize + 1) * batch];
-            let idx = Tensor::from_slice(mine).to_device(config.device);
-            let Batch { loss, value, .. } = batch_loss(&mut net, &train_data, &idx)?;
-            if !value.is_finite() {
-                return Err(SyncError::Config(format!(
-                    "the training loss became {value} at step {step}: lower the learning rate"
-                )));
+    let mut first = true;
+    let mut failed_at: Option<Instant> = None;
+    let rank = loop {
+        let world = comm.world().clone();
+        let lr = config.lr_scaling.apply(config.learning_rate, world.size);
+        optimizer.set_lr(lr)?;
+        run.report.learning_rate = lr;
+        let mut dist = DistributedOptimizer::new(
+            optimizer,
+            comm,
+            Fusion::new(config.fusion_bytes),
+            config.backward_passes_per_step,
+        )?;
+        let ended = match run.world(&mut dist, first, elastic.as_ref()) {
+            Ok(start) => {
+                first = false;
+                on_world(&WorldReport {
+                    generation: world.generation,
+                    rank: world.rank,
+                    size: world.size,
+                    step: start.step,
+                    digest: start.digest,
+                    recovered_in: failed_at.take().map(|t| t.elapsed()),
+                    learning_rate: lr,
+                });
+                run.train(&mut dist, elastic.as_ref(), on_step, on_epoch)
             }
-            loss_sum += value * batch as f64;
-            seen += batch as u64;
-            dist.backward_step(&loss)?;
-        }
-        report.steps = step + 1;
-        on_step(step + 1, total);
-        let epoch_done = position + 1 == steps_per_epoch;
-        let periodic = config.checkpoint_every > 0 && (step + 1) % config.checkpoint_every == 0;
-        // Rank 0 writes while the others wait at the next collective: --timeout must cover a
-        // checkpoint's write.
-        if rank == 0 && (epoch_done || periodic) {
-            if let Some(dir) = &config.checkpoint_dir {
-                let opt = dist.optimizer();
-                checkpoint::save(dir, step + 1, size, opt.parameters(), &opt.state())?;
+            Err(e) => Err(e),
+        };
+        optimizer = dist.into_optimizer();
+        let ended = match ended {
+            Ok(ended) => ended,
+            Err(e) if elastic.is_some() && survivable(&e) => Ended::Lost(e),
+            Err(e) => return Err(e),
+        };
+        let Some(e) = &elastic else { break world.rank };
+        let committed = match ended {
+            Ended::Finished => break world.rank,
+            Ended::Grow => {
+                tracing::info!(
+                    generation = world.generation,
+                    "workers wait to join: forming a larger world"
+                );
+                optimizer.steps()
             }
-        }
-        if epoch_done {
-            // Every rank's loss sum and count: the epoch's loss over the whole global batch.
-            let mut mine = loss_sum.to_le_bytes().to_vec();
-            mine.extend_from_slice(&seen.to_le_bytes());
-            let all = dist.comm().allgather(&mine)?;
-            let (mut total_loss, mut total_seen) = (0.0, 0u64);
-            for blob in &all {
-                let pair = <[u8; 16]>::try_from(blob.as_slice()).map_err(|_| {
-                    CollectiveError::Protocol("a rank sent a malformed epoch summary".into())
-                })?;
-                total_loss += f64::from_le_bytes(pair[..8].try_into().unwrap_or_default());
-                total_seen += u64::from_le_bytes(pair[8..].try_into().unwrap_or_default());
+            Ended::Lost(err) => {
+                failed_at = Some(Instant::now());
+                // Back to the last commit: what every survivor holds alike. A worker that has
+                // none (its first world failed) joins as a newcomer and receives the state.
+                let Some(commit) = &run.commit else {
+                    tracing::warn!(error = %err, "lost a worker before this one had any state: joining as a newcomer");
+                    comm = e.meet(None)?;
+                    continue;
+                };
+                optimizer.restore(&commit.snapshot)?;
+                optimizer.zero_grad();
+                run.rollback();
+                tracing::warn!(generation = world.generation, step = optimizer.steps(), error = %err, "lost a worker: rolled back to the last commit, forming the next world");
+                optimizer.steps()
             }
-            let accuracy = match &test_data {
-                Some(test) => Some(evaluate(&mut net, test, 1024)?.accuracy),
-                None => None,
-            };
-            let epoch_report = EpochReport {
-                epoch: epoch + 1,
-                epochs: config.epochs,
-                loss: total_loss / total_seen.max(1) as f64,
-                samples: total_seen,
-                accuracy,
-                elapsed: epoch_start.elapsed(),
-            };
-            on_epoch(&epoch_report);
-            report.epochs.push(epoch_report);
-            (loss_sum, seen) = (0.0, 0);
-            epoch_start = Instant::now();
-        }
-    }
+        };
+        comm = e.meet(Some(SyncRejoin {
+            generation: world.generation,
+            rank: world.rank,
+            committed,
+        }))?;
+    };
+    let report = run.report;
     if rank == 0 {
         if let Some(path) = &config.save {
             let weights = net.weights()?;
@@ -250,6 +317,310 @@ pub fn train(
         }
     }
     Ok(report)
+}
+
+/// Attempts at forming a world in a row whose members fail while connecting, before giving up.
+const MEET_ATTEMPTS: u32 = 5;
+
+impl Elastic<'_> {
+    /// Joins the next world. A world whose member dies while the ring connects is given up and
+    /// the next one joined (a few times in a row at most); a rendezvous refusal, such as a world
+    /// below the minimum, ends the run.
+    fn meet(&self, mut rejoin: Option<SyncRejoin>) -> Result<Communicator> {
+        let mut attempt = 1;
+        loop {
+            let (listener, address) = bind(self.listen, self.advertise)?;
+            tracing::info!(%address, ?rejoin, "joining the elastic job");
+            let world =
+                rendezvous::join(self.service, &address, None, self.max_world_size, rejoin)?;
+            let (generation, rank) = (world.generation, world.rank);
+            match connect(world, Some(listener), self.options.clone()).map_err(SyncError::from) {
+                Err(e) if survivable(&e) && attempt < MEET_ATTEMPTS => {
+                    tracing::warn!(error = %e, attempt, "a worker was lost while the world formed: joining the next one");
+                    // Still a member of the world that formed, with the same state.
+                    rejoin = rejoin.map(|r| SyncRejoin {
+                        generation,
+                        rank,
+                        ..r
+                    });
+                    attempt += 1;
+                }
+                formed => return formed,
+            }
+        }
+    }
+}
+
+/// A world's starting point, the same on every rank.
+struct Start {
+    step: u64,
+    digest: String,
+}
+
+/// A run's training state besides the optimizer's, carried from world to world.
+struct Run<'a> {
+    config: &'a SyncTraining,
+    net: &'a mut Network,
+    train_data: &'a DeviceData,
+    test_data: Option<&'a DeviceData>,
+    samples: u64,
+    position: Position,
+    /// This rank's training loss sum and samples in the current epoch.
+    loss_sum: f64,
+    seen: u64,
+    /// An elastic run's last commit.
+    commit: Option<Commit>,
+    report: SyncReport,
+}
+
+impl Run<'_> {
+    /// Samples one step of a world of `size` consumes.
+    fn step_samples(&self, size: u32) -> u64 {
+        u64::from(size)
+            * self.config.batch_size.max(1) as u64
+            * u64::from(self.config.backward_passes_per_step.max(1))
+    }
+
+    /// Brings every rank of a new world to rank 0's state and position (a checkpoint's, in the
+    /// first world), and commits it for an elastic run.
+    fn world(
+        &mut self,
+        dist: &mut DistributedOptimizer,
+        first: bool,
+        elastic: Option<&Elastic<'_>>,
+    ) -> Result<Start> {
+        let size = dist.comm().size();
+        let step_samples = self.step_samples(size);
+        let steps_per_epoch = self.samples / step_samples;
+        if steps_per_epoch == 0 {
+            return Err(SyncError::Config(format!(
+                "{} training samples do not fill one step of {size} workers × batch {} × {} passes: lower --batch-size",
+                self.samples,
+                self.config.batch_size.max(1),
+                self.config.backward_passes_per_step.max(1)
+            )));
+        }
+        dist.broadcast_state(0)?;
+        let steps = dist.optimizer().steps();
+        if first {
+            // A checkpoint's step count puts the first world at its place in the data.
+            self.position = Position {
+                epoch: steps / steps_per_epoch,
+                offset: (steps % steps_per_epoch) * step_samples,
+            };
+            self.report.resumed_from = (steps > 0).then_some(steps);
+            if self.position.epoch > self.config.epochs
+                || (self.position.epoch == self.config.epochs && self.position.offset > 0)
+            {
+                return Err(SyncError::Checkpoint(format!(
+                    "the checkpoint is at step {steps}, past the {} steps of {} epochs: raise --epochs or use another --checkpoint-dir",
+                    self.config.epochs * steps_per_epoch,
+                    self.config.epochs
+                )));
+            }
+        }
+        self.position = broadcast_position(dist.comm(), self.position)?;
+        if elastic.is_some() {
+            self.commit(dist)?;
+        }
+        Ok(Start {
+            step: steps,
+            digest: state_digest(dist.optimizer(), self.position)?,
+        })
+    }
+
+    /// Commits the training state in memory.
+    fn commit(&mut self, dist: &DistributedOptimizer) -> Result<()> {
+        self.commit = Some(Commit {
+            snapshot: dist.optimizer().snapshot()?,
+            position: self.position,
+            loss_sum: self.loss_sum,
+            seen: self.seen,
+        });
+        Ok(())
+    }
+
+    /// Back to the last commit's position and loss sums (the optimizer's part is restored by
+    /// the caller).
+    fn rollback(&mut self) {
+        if let Some(c) = &self.commit {
+            self.position = c.position;
+            (self.loss_sum, self.seen) = (c.loss_sum, c.seen);
+        }
+    }
+
+    /// Trains in the current world until the last epoch ends, or (elastic) workers wait to
+    /// join at a commit.
+    fn train(
+        &mut self,
+        dist: &mut DistributedOptimizer,
+        elastic: Option<&Elastic<'_>>,
+        on_step: &mut dyn FnMut(u64, u64),
+        on_epoch: &mut dyn FnMut(&EpochReport),
+    ) -> Result<Ended> {
+        let (rank, size) = (dist.comm().rank(), dist.comm().size());
+        let batch = self.config.batch_size.max(1);
+        let passes = u64::from(self.config.backward_passes_per_step.max(1));
+        let step_samples = self.step_samples(size);
+        let steps_per_epoch = self.samples / step_samples;
+        let mut order = Vec::new();
+        let mut epoch_start = Instant::now();
+        while self.position.epoch < self.config.epochs {
+            let Position { epoch, offset } = self.position;
+            if offset + step_samples > self.samples {
+                self.end_epoch(dist, epoch, &mut epoch_start, on_epoch)?;
+                continue;
+            }
+            if order.is_empty() || offset == 0 {
+                order = permutation(self.samples as usize, self.config.seed, epoch);
+            }
+            let step = dist.optimizer().steps();
+            for pass in 0..passes {
+                let at = (offset + pass * step_samples / passes) as usize + rank as usize * batch;
+                let idx = Tensor::from_slice(&order[at..at + batch]).to_device(self.config.device);
+                let Batch { loss, value, .. } = batch_loss(self.net, self.train_data, &idx)?;
+                if !value.is_finite() {
+                    return Err(SyncError::Config(format!(
+                        "the training loss became {value} at step {step}: lower the learning rate"
+                    )));
+                }
+                self.loss_sum += value * batch as f64;
+                self.seen += batch as u64;
+                dist.backward_step(&loss)?;
+            }
+            self.position.offset += step_samples;
+            let done = dist.optimizer().steps();
+            self.report.steps = done;
+            let total = self.config.epochs.saturating_mul(steps_per_epoch);
+            on_step(done, total.max(done));
+            let periodic =
+                self.config.checkpoint_every > 0 && done % self.config.checkpoint_every == 0;
+            let epoch_done = self.position.offset + step_samples > self.samples;
+            // Rank 0 writes while the others wait at the next collective: --timeout must cover
+            // a checkpoint's write.
+            if rank == 0 && (epoch_done || periodic) {
+                if let Some(dir) = &self.config.checkpoint_dir {
+                    let opt = dist.optimizer();
+                    checkpoint::save(dir, done, size, opt.parameters(), &opt.state())?;
+                }
+            }
+            if epoch_done {
+                self.end_epoch(dist, epoch, &mut epoch_start, on_epoch)?;
+            }
+            if let Some(e) = elastic {
+                let due = epoch_done || (e.commit_every > 0 && done % e.commit_every == 0);
+                if due && self.commit_and_ask(dist, e)? {
+                    return Ok(Ended::Grow);
+                }
+            }
+        }
+        Ok(Ended::Finished)
+    }
+
+    /// The epoch's report (every rank's loss sums), and the next epoch.
+    fn end_epoch(
+        &mut self,
+        dist: &mut DistributedOptimizer,
+        epoch: u64,
+        epoch_start: &mut Instant,
+        on_epoch: &mut dyn FnMut(&EpochReport),
+    ) -> Result<()> {
+        let mut mine = self.loss_sum.to_le_bytes().to_vec();
+        mine.extend_from_slice(&self.seen.to_le_bytes());
+        let all = dist.comm().allgather(&mine)?;
+        let (mut total_loss, mut total_seen) = (0.0, 0u64);
+        for blob in &all {
+            let pair = <[u8; 16]>::try_from(blob.as_slice()).map_err(|_| {
+                CollectiveError::Protocol("a rank sent a malformed epoch summary".into())
+            })?;
+            total_loss += f64::from_le_bytes(pair[..8].try_into().unwrap_or_default());
+            total_seen += u64::from_le_bytes(pair[8..].try_into().unwrap_or_default());
+        }
+        let accuracy = match (self.test_data, dist.comm().rank()) {
+            (Some(test), 0) => Some(evaluate(self.net, test, 1024)?.accuracy),
+            _ => None,
+        };
+        let report = EpochReport {
+            epoch: epoch + 1,
+            epochs: self.config.epochs,
+            loss: total_loss / total_seen.max(1) as f64,
+            samples: total_seen,
+            accuracy,
+            elapsed: epoch_start.elapsed(),
+        };
+        on_epoch(&report);
+        self.report.epochs.push(report);
+        (self.loss_sum, self.seen) = (0.0, 0);
+        self.position = Position {
+            epoch: epoch + 1,
+            offset: 0,
+        };
+        *epoch_start = Instant::now();
+        Ok(())
+    }
+
+    /// Commits, and asks the server (rank 0, for everyone) whether workers wait to join a
+    /// world with room for them.
+    fn commit_and_ask(&mut self, dist: &mut DistributedOptimizer, e: &Elastic<'_>) -> Result<bool> {
+        let started = Instant::now();
+        self.commit(dist)?;
+        let comm = dist.comm();
+        let room = comm.size() < e.max_world_size;
+        let waiting = match (comm.rank(), room) {
+            (0, true) => match e.service.status() {
+                Ok(status) => status.waiting > 0,
+                Err(err) => {
+                    tracing::warn!(error = %err, "could not ask the server whether workers wait to join");
+                    false
+                }
+            },
+            _ => false,
+        };
+        let all = comm.allgather(&[u8::from(waiting)])?;
+        let grow = all.first().is_some_and(|b| b.first() == Some(&1));
+        self.report.commits += 1;
+        self.report.commit_time += started.elapsed();
+        Ok(grow)
+    }
+}
+
+/// Rank 0's position, on every rank.
+fn broadcast_position(comm: &mut Communicator, position: Position) -> Result<Position> {
+    let mut mine = position.epoch.to_le_bytes().to_vec();
+    mine.extend_from_slice(&position.offset.to_le_bytes());
+    let all = comm.allgather(&mine)?;
+    let root = all
+        .first()
+        .and_then(|b| <[u8; 16]>::try_from(b.as_slice()).ok())
+        .ok_or_else(|| CollectiveError::Protocol("rank 0 sent a malformed position".into()))?;
+    Ok(Position {
+        epoch: u64::from_le_bytes(root[..8].try_into().unwrap_or_default()),
+        offset: u64::from_le_bytes(root[8..].try_into().unwrap_or_default()),
+    })
+}
+
+/// SHA-256 over the parameters, the optimizer's state and step count, and the position.
+fn state_digest(optimizer: &SyncOptimizer, position: Position) -> Result<String> {
+    let mut hash = ring::digest::Context::new(&ring::digest::SHA256);
+    let tensors = optimizer
+        .parameters()
+        .iter()
+        .map(|(_, t)| t.shallow_clone())
+        .chain(optimizer.state().into_iter().map(|(_, t)| t));
+    for t in tensors {
+        let values = Vec::<f32>::try_from(
+            t.f_detach()?
+                .f_to_kind(tch::Kind::Float)?
+                .f_flatten(0, -1)?,
+        )?;
+        for v in values {
+            hash.update(&v.to_le_bytes());
+        }
+    }
+    for n in [optimizer.steps(), position.epoch, position.offset] {
+        hash.update(&n.to_le_bytes());
+    }
+    Ok(hex::encode(hash.finish().as_ref()))
 }
 
 #[cfg(test)]

@@ -134,7 +134,13 @@ struct Job {
 
 impl Job {
     fn new(record: SyncJobRecord) -> Self {
-        let slots = (0..record.world_size).map(|_| None).collect();
+        // An elastic job's running world may re-form while as many newcomers again wait: those
+        // the world has no room for keep their places for the next.
+        let places = match record.elastic {
+            Some(_) => record.world_size * 2,
+            None => record.world_size,
+        };
+        let slots = (0..places).map(|_| None).collect();
         Job {
             record,
             slots,
@@ -142,6 +148,28 @@ impl Job {
             last_join: None,
             last_heard: None,
         }
+    }
+
+    /// Whether the world being formed is complete without waiting any longer: every rank of a
+    /// fixed job; an elastic job's first world at its largest, or every member of its last
+    /// world back (it re-forms to take newcomers in).
+    fn complete_now(&self) -> bool {
+        let Some(_) = self.record.elastic else {
+            return self.slots.iter().all(Option::is_some);
+        };
+        let current = self.record.generations;
+        if current == 0 {
+            return self.waiting() >= self.record.world_size;
+        }
+        let back = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|w| w.rejoin.is_some_and(|r| r.generation == current))
+            .count();
+        self.formed
+            .as_ref()
+            .is_some_and(|f| f.generation == current && back >= f.members.len())
     }
 
     /// When an elastic world of the waiting workers may form, if it may at all: after the quiet
@@ -579,14 +607,22 @@ impl Rendezvous {
                 }
                 _ => rank,
             },
-            // A free slot always exists: a world whose last slot fills is formed and emptied
-            // before the lock is released.
-            None => job
-                .slots
-                .iter()
-                .position(Option::is_none)
-                .ok_or_else(|| ServerError::internal("a complete world was left unformed"))?
-                as u32,
+            // A fixed job always has a free slot: a world whose last slot fills is formed and
+            // emptied before the lock is released. An elastic job's places can all be taken.
+            None => match job.slots.iter().position(Option::is_none) {
+                Some(place) => place as u32,
+                None if job.record.elastic.is_some() => {
+                    return Err(ServerError::Unavailable {
+                        code: ErrorCode::Busy,
+                        message: format!(
+                            "{} workers wait to join elastic job `{job_id}` already, twice its \
+                             largest world: try again once a world has formed",
+                            job.waiting()
+                        ),
+                    })
+                }
+                None => return Err(ServerError::internal("a complete world was left unformed")),
+            },
         };
         let (send, answer) = oneshot::channel();
         let waiter = self.next_waiter.fetch_add(1, Ordering::Relaxed);
@@ -613,11 +649,7 @@ impl Rendezvous {
             )));
         }
         tracing::debug!(job = %job_id, rank, waiting = job.waiting(), world_size, "worker joined");
-        let completed = job
-            .slots
-            .iter()
-            .all(Option::is_some)
-            .then(|| self.complete(job));
+        let completed = job.complete_now().then(|| self.complete(job));
         Ok(Entered {
             rank,
             waiter,
@@ -631,6 +663,8 @@ impl Rendezvous {
     fn complete(&self, job: &mut Job) -> Completed {
         let mut waiters = job.take_waiters();
         if job.record.elastic.is_some() {
+            // Newcomers past the largest world keep their places for the next one.
+            let mut kept = Vec::new();
             // The workers with the newest committed state first (rank 0 broadcasts its state),
             // then the rest of the last world by their old rank, then newcomers as they came.
             waiters.sort_by_key(|w| match w.rejoin {
@@ -642,6 +676,12 @@ impl Rendezvous {
                 ),
                 None => (1, std::cmp::Reverse(0), std::cmp::Reverse(0), w.id),
             });
+            if waiters.len() > job.record.world_size as usize {
+                kept = waiters.split_off(job.record.world_size as usize);
+            }
+            for (slot, waiter) in job.slots.iter_mut().zip(kept) {
+                *slot = Some(waiter);
+            }
         }
         job.record.generations += 1;
         job.last_heard = Some(Instant::now());

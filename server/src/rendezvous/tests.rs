@@ -480,7 +480,7 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
     );
 
     // World 1's rank 1 died: ranks 0 and 2 come back (rank 2 with the newer state) and form
-    // world 2 with the newcomers, rank 2's state at rank 0: four, the largest, at once.
+    // world 2 with the newcomers after the quiet time, rank 2's state at rank 0.
     let back = [
         f.join("elastic", &token, rejoin("a:2", 1, 0, 40)),
         f.join("elastic", &token, rejoin("c:2", 1, 2, 50)),
@@ -508,7 +508,25 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
     }
     check_world(&worlds, &["c:3", "a:3"], 3);
 
-    // Four at once form at once, whatever the quiet time.
+    // World 3's members both come back while three newcomers wait: world 4 forms at once, of
+    // the largest size, and the newcomer it has no room for keeps waiting.
+    let mut newcomers = Vec::new();
+    for address in ["f:1", "g:1", "h:1"] {
+        newcomers.push(f.spawn_join("elastic", &token, req(address, None, 4)).await);
+    }
+    let back = [
+        f.join("elastic", &token, rejoin("a:4", 3, 1, 70)),
+        f.join("elastic", &token, rejoin("c:4", 3, 0, 70)),
+    ];
+    let mut worlds = Vec::new();
+    for h in back.into_iter().chain(newcomers.drain(..2)) {
+        worlds.push(answer(h).await.unwrap());
+    }
+    check_world(&worlds, &["c:4", "a:4", "f:1", "g:1"], 4);
+    assert_eq!(f.rendezvous.status("elastic").unwrap().waiting, 1);
+    assert!(!newcomers[0].is_finished());
+
+    // A full first world forms at once, whatever the quiet time.
     let job = f.rendezvous.create(CreateSyncJob {
         id: "full".into(),
         world_size: 2,
@@ -524,16 +542,30 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
         assert_eq!(answer(h).await.unwrap().world_size, 2);
     }
 
-    // Below the minimum: the one survivor of world 3 times out naming the lost rank.
+    // Below the minimum: the one survivor of a world of three times out naming the lost ranks.
+    let job = f.rendezvous.create(CreateSyncJob {
+        id: "small".into(),
+        world_size: 4,
+        min_world_size: Some(3),
+        settle_ms: Some(100),
+    });
+    let small = job.unwrap().token.unwrap();
+    let three: Vec<_> = ["a:1", "b:1", "c:1"]
+        .iter()
+        .map(|a| f.join("small", &small, req(a, None, 4)))
+        .collect();
+    for h in three {
+        answer(h).await.unwrap();
+    }
     let alone = SyncJoinRequest {
         timeout_s: Some(1),
-        ..rejoin("c:4", 3, 0, 70)
+        ..rejoin("a:2", 1, 0, 10)
     };
-    let err = answer(f.join("elastic", &token, alone)).await.unwrap_err();
+    let err = answer(f.join("small", &small, alone)).await.unwrap_err();
     let message = err.to_string();
     assert!(
-        message.contains("below its minimum world of 2")
-            && message.contains("of world 3, rank [1] has not come back"),
+        message.contains("below its minimum world of 3")
+            && message.contains("of world 1, ranks [1, 2] have not come back"),
         "{message}"
     );
 }
