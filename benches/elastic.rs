@@ -16,7 +16,7 @@ mod support;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use support::*;
 
@@ -43,12 +43,35 @@ fn main() {
     );
     let token = job.token.expect("the job's token");
     let args: Vec<String> = [
-        "sync", "--elastic", "--commit-every", &COMMIT_EVERY.to_string(),
-        "--server", &server.url, "--ca", &server.ca.display().to_string(), "--job", "bench",
-        "--token", &token, "--world-size", &WORKERS.to_string(), "--timeout", "10",
-        "--model", "mlp", "--params", r#"{"inputs":60,"hidden":[256,256],"classes":10}"#,
-        "--data", "synthetic-iid:clients=1,seed=3,min_samples=4000,max_samples=4000",
-        "--epochs", "8", "--batch-size", "32", "--threads", "1", "--no-progress",
+        "sync",
+        "--elastic",
+        "--commit-every",
+        &COMMIT_EVERY.to_string(),
+        "--server",
+        &server.url,
+        "--ca",
+        &server.ca.display().to_string(),
+        "--job",
+        "bench",
+        "--token",
+        &token,
+        "--world-size",
+        &WORKERS.to_string(),
+        "--timeout",
+        "10",
+        "--model",
+        "mlp",
+        "--params",
+        r#"{"inputs":60,"hidden":[256,256],"classes":10}"#,
+        "--data",
+        "synthetic-iid:clients=1,seed=3,min_samples=4000,max_samples=4000",
+        "--epochs",
+        "8",
+        "--batch-size",
+        "32",
+        "--threads",
+        "1",
+        "--no-progress",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -111,7 +134,13 @@ fn main() {
     let steps_per_epoch = 4000.0 * 0.8 / (WORKERS as f64 * 32.0);
     let step_ms: Vec<f64> = epochs
         .iter()
-        .filter_map(|l| l.rsplit(" · ").next()?.trim_end_matches(" s").parse::<f64>().ok())
+        .filter_map(|l| {
+            l.rsplit(" · ")
+                .next()?
+                .trim_end_matches(" s")
+                .parse::<f64>()
+                .ok()
+        })
         .map(|s| s * 1e3 / steps_per_epoch.floor())
         .collect();
     let commit_ms: Vec<f64> = commits
@@ -121,7 +150,10 @@ fn main() {
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     println!("elastic job: {WORKERS} workers, a commit every {COMMIT_EVERY} steps, quiet time 1 s");
     for (line, total) in &back {
-        println!("  {line}  [{:.0} ms after the SIGKILL]", total.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3));
+        println!(
+            "  {line}  [{:.0} ms after the SIGKILL]",
+            total.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
+        );
     }
     for line in &commits {
         println!("  {line}");
@@ -137,5 +169,7 @@ fn main() {
         mean(&step_ms),
         100.0 * mean(&commit_ms) / (mean(&step_ms) * COMMIT_EVERY as f64)
     );
-    println!("RESULT elastic recovery = {recovery:.2} s from SIGKILL to training again (target < 5 s)");
+    println!(
+        "RESULT elastic recovery = {recovery:.2} s from SIGKILL to training again (target < 5 s)"
+    );
 }

@@ -846,12 +846,14 @@ fn every_client_option_is_layered_flags_over_environment_over_file() {
         &samples,
         &[("token", "token_file")],
     );
-    let sync: [support::Sample; 26] = [
+    let sync: [support::Sample; 28] = [
         ("advertise", "10.0.0.1", "10.0.0.2"),
         ("backward_passes_per_step", "2", "3"),
         ("batch_size", "16", "64"),
         ("checkpoint_dir", "/srv/a/ckpt", "/srv/b/ckpt"),
         ("checkpoint_every", "5", "6"),
+        ("commit_every", "10", "30"),
+        ("elastic", "true", "false"),
         ("epochs", "2", "3"),
         ("fp16", "true", "false"),
         ("fusion_mib", "8", "16"),

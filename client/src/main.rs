@@ -280,13 +280,7 @@ fn check_sync(layered: &Layered<SyncArgs>) -> anyhow::Result<(Option<String>, Me
         )
         .map_err(anyhow::Error::msg)?
     {
-        Some(true) if args.elastic => {
-            anyhow::bail!("--elastic needs --server: an elastic job's worlds form at the server")
-        }
         Some(true) => Meet::Peers,
-        None if args.elastic => {
-            anyhow::bail!("--elastic needs --server: an elastic job's worlds form at the server")
-        }
         Some(false) => {
             required(args.ca.as_ref(), "ca")?;
             required(args.job.as_ref(), "job")?;
@@ -667,6 +661,9 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
 
     let (job_token, meet) = check_sync(&layered)?;
     let args = layered.value;
+    if args.elastic && meet != Meet::Server {
+        bail!("--elastic needs --server: an elastic job's worlds form at the server");
+    }
     let launch = LaunchRank::detect(args.rank, args.world_size, |k| std::env::var(k).ok())?;
     let peers = match meet {
         Meet::Peers => args.peers,
