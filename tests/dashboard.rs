@@ -152,6 +152,7 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
                 world_size: 4,
                 timeout_s: Some(60),
                 rejoin: None,
+                elastic: false,
             })
             .send(),
     );

@@ -850,7 +850,12 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
             world_bar.suspend(|| {
                 println!(
                     "world {}: rank {} of {} from step {} (learning rate {}, state {}){recovered}",
-                    w.generation, w.rank, w.size, w.step, w.learning_rate, w.digest
+                    w.generation,
+                    w.rank,
+                    w.size,
+                    w.step,
+                    w.learning_rate,
+                    w.digest.as_deref().unwrap_or_default()
                 )
             });
         }

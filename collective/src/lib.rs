@@ -60,7 +60,7 @@ pub use launch::{torchrun_peers, LaunchRank};
 pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, Snapshot, SyncOptimizer};
 pub use rendezvous::{Rendezvous, World};
 pub use ring::{CommOptions, Communicator, Reduce, Wire};
-pub use world::{bind, connect, form_world, meet, Meeting};
+pub use world::{bind, connect, form_world, Meeting};
 
 /// Why a collective failed. Every variant that involves another worker names its rank, so that
 /// an operator knows which process to look at.
@@ -91,7 +91,7 @@ pub enum CollectiveError {
     #[error("{0}")]
     Config(String),
     /// A collective failed earlier; the ring is no longer in a known state.
-    #[error("this worker's ring failed earlier ({0}); restart the job to form a new world")]
+    #[error("this worker's ring failed earlier ({0}); a new world must be formed (an elastic job does it itself; restart a fixed one)")]
     Poisoned(String),
 }
 

@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use hora_common::wire::{SyncJoinRequest, SyncRejoin, SyncStatus, SyncWorld};
+use hora_common::wire::{SyncJoinRequest, SyncStatus, SyncWorld};
 
 use crate::{CollectiveError, Result};
 
@@ -155,26 +155,9 @@ pub trait Rendezvous {
     fn status(&self) -> std::result::Result<SyncStatus, String>;
 }
 
-/// Joins at `service` and waits until the world is complete. `address` is where this worker
-/// accepts its left neighbour; `rank` the launcher's rank, if any; `rejoin`, for an elastic
-/// job's worker that was in a world, which world and how far its committed state is.
-pub fn join(
-    service: &dyn Rendezvous,
-    address: &str,
-    rank: Option<u32>,
-    world_size: u32,
-    rejoin: Option<SyncRejoin>,
-) -> Result<World> {
-    let request = SyncJoinRequest {
-        address: address.to_string(),
-        rank,
-        world_size,
-        timeout_s: Some(service.timeout().as_secs().clamp(1, 600) as u32),
-        rejoin,
-    };
-    let world = service
-        .send(&request)
-        .map_err(CollectiveError::Rendezvous)?;
+/// Joins at `service` with `request` and waits until the world is complete.
+pub fn join(service: &dyn Rendezvous, request: &SyncJoinRequest) -> Result<World> {
+    let world = service.send(request).map_err(CollectiveError::Rendezvous)?;
     World::from_wire(world)
 }
 

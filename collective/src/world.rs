@@ -6,7 +6,7 @@ use std::net::TcpListener;
 
 use crate::launch::LaunchRank;
 use crate::link::Links;
-use hora_common::wire::SyncRejoin;
+use hora_common::wire::SyncJoinRequest;
 
 use crate::rendezvous::{self, Rendezvous, World};
 use crate::ring::{CommOptions, Communicator};
@@ -68,28 +68,20 @@ pub fn form_world(
                     "the world size is unknown: give --world-size, or start the workers with mpirun or srun".into(),
                 )
             })?;
-            return meet(service, listen, advertise, launch.rank, size, None, options);
+            let (listener, address) = bind(listen, advertise)?;
+            tracing::info!(%address, rank = ?launch.rank, size, "joining the job");
+            let request = SyncJoinRequest {
+                address,
+                rank: launch.rank,
+                world_size: size,
+                timeout_s: Some(service.timeout().as_secs().clamp(1, 600) as u32),
+                rejoin: None,
+                elastic: false,
+            };
+            (rendezvous::join(service, &request)?, Some(listener))
         }
     };
     connect(world, listener, options)
-}
-
-/// Binds the ring port, joins at `service` and connects to the neighbours: [`form_world`]'s
-/// way at a rendezvous service, and an elastic job's way to every world after its first
-/// (`rejoin`: the world this worker was in and the step of its committed state).
-pub fn meet(
-    service: &dyn Rendezvous,
-    listen: &str,
-    advertise: Option<&str>,
-    rank: Option<u32>,
-    world_size: u32,
-    rejoin: Option<SyncRejoin>,
-    options: CommOptions,
-) -> Result<Communicator> {
-    let (listener, address) = bind(listen, advertise)?;
-    tracing::info!(%address, ?rank, world_size, ?rejoin, "joining the job");
-    let world = rendezvous::join(service, &address, rank, world_size, rejoin)?;
-    connect(world, Some(listener), options)
 }
 
 /// Binds the ring port on `listen` and returns it with the address the other workers should

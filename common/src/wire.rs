@@ -1298,6 +1298,11 @@ pub struct SyncJoinRequest {
     /// then broadcasts it), and names the ranks that never came back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rejoin: Option<SyncRejoin>,
+    /// The worker runs an elastic job's loop (commits, rejoins); a worker that does not is
+    /// refused by an elastic job, and one that does by a fixed job, before either can break
+    /// the other's world.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub elastic: bool,
 }
 
 /// Where an elastic job's worker comes from when it joins again.

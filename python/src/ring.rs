@@ -80,13 +80,37 @@ impl Ring {
         salt: u64,
         op: impl Fn(&mut Communicator, &mut [f32], u64) -> Result<(), CollectiveError> + Sync,
     ) -> PyResult<()> {
+        // NumPy's borrow flags see overlap only between views of one base object; two views of
+        // one tensor's storage have different bases. No two parts may share a byte (checked on
+        // the raw pointers, before any slice of them exists).
+        let mut spans = Vec::with_capacity(arrays.len());
+        for (i, a) in arrays.iter().enumerate() {
+            if !a.is_c_contiguous() {
+                return Err(PyValueError::new_err(format!(
+                    "array {i} must be a C-contiguous float32 array"
+                )));
+            }
+            let start = a.data() as usize;
+            let end = start + a.len() * std::mem::size_of::<f32>();
+            if end > start {
+                spans.push((start, end, i));
+            }
+        }
+        spans.sort_unstable();
+        if let Some(pair) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+            return Err(PyValueError::new_err(format!(
+                "arrays {} and {} share memory: fuse each buffer once",
+                pair[0].2.min(pair[1].2),
+                pair[0].2.max(pair[1].2)
+            )));
+        }
         let mut guards = arrays
             .iter()
             .enumerate()
             .map(|(i, a)| {
                 a.try_readwrite().map_err(|e| {
                     PyValueError::new_err(format!(
-                        "array {i} is borrowed elsewhere or overlaps another in the list: {e}"
+                        "array {i} is borrowed elsewhere, or listed twice: {e}"
                     ))
                 })
             })

@@ -49,9 +49,11 @@ impl ServerRendezvous<'_> {
         method: Method,
         path: &str,
         body: Option<&SyncJoinRequest>,
+        retry_for: Duration,
+        timeout: Duration,
     ) -> Result<T, String> {
         let retry = RetryPolicy {
-            budget: self.retry_for,
+            budget: retry_for,
             ..Default::default()
         };
         let conn = Connection::new(self.server, self.ca, self.identity, retry)
@@ -64,7 +66,7 @@ impl ServerRendezvous<'_> {
             .map_err(|e| format!("starting the rendezvous runtime: {e}"))?;
         runtime
             .block_on(conn.json(what, || {
-                let request = conn.request(method.clone(), &path, self.timeout);
+                let request = conn.request(method.clone(), &path, timeout);
                 match body {
                     Some(body) => request.json(body),
                     None => request,
@@ -76,7 +78,16 @@ impl ServerRendezvous<'_> {
 
 impl Rendezvous for ServerRendezvous<'_> {
     fn send(&self, request: &SyncJoinRequest) -> Result<SyncWorld, String> {
-        self.call("joining the sync job", Method::POST, "join", Some(request))
+        // The server holds a join up to its `timeout_s`; the request waits a little longer.
+        let held = Duration::from_secs(request.timeout_s.map_or(600, u64::from) + 5);
+        self.call(
+            "joining the sync job",
+            Method::POST,
+            "join",
+            Some(request),
+            self.retry_for,
+            held.max(self.timeout),
+        )
     }
 
     fn timeout(&self) -> Duration {
@@ -84,11 +95,16 @@ impl Rendezvous for ServerRendezvous<'_> {
     }
 
     fn status(&self) -> Result<SyncStatus, String> {
+        // A running world waits for this answer at its commit: one try, well within the ring's
+        // timeout; a failure is "nobody waits".
+        let limit = (self.timeout / 3).min(Duration::from_secs(5));
         self.call(
             "asking for the sync job's status",
             Method::GET,
             "status",
             None,
+            Duration::ZERO,
+            limit,
         )
     }
 }

@@ -25,11 +25,11 @@ use hora_collective::{
     bind, connect, rendezvous, Algorithm, CollectiveError, CommOptions, Communicator,
     DistributedOptimizer, Fusion, LrScaling, Rendezvous, Snapshot, SyncOptimizer,
 };
-use hora_common::wire::SyncRejoin;
+use hora_common::wire::{SyncJoinRequest, SyncRejoin};
 
 use super::checkpoint;
 use super::{Result, SyncError};
-use crate::data::DataSource;
+use crate::data::{DataSource, Dataset};
 use crate::network::{Architecture, Network};
 use crate::supervised::{batch_loss, evaluate, Batch, DeviceData};
 
@@ -127,9 +127,9 @@ pub struct WorldReport {
     pub size: u32,
     /// The step training starts from in this world (every rank's state is rank 0's).
     pub step: u64,
-    /// SHA-256 over the parameters, the optimizer's state and step count and the position in
-    /// the data: the same on every rank of a world.
-    pub digest: String,
+    /// An elastic run's SHA-256 over the parameters, the optimizer's state and step count and
+    /// the position in the data: the same on every rank of a world.
+    pub digest: Option<String>,
     /// From the failure that ended the last world to this one's first step (an elastic job
     /// that lost a worker).
     pub recovered_in: Option<Duration>,
@@ -148,8 +148,6 @@ struct Position {
 struct Commit {
     snapshot: Snapshot,
     position: Position,
-    loss_sum: f64,
-    seen: u64,
 }
 
 /// How a world ended.
@@ -195,10 +193,6 @@ pub fn train(
         )));
     }
     let train_data = DeviceData::new(&train_set, config.device)?;
-    let test_data = match &test_set {
-        Some(t) if !t.is_empty() => Some(DeviceData::new(t, config.device)?),
-        _ => None,
-    };
     tch::manual_seed(config.seed as i64);
     let mut net = Network::builtin(&config.architecture, config.device)?;
     let mut optimizer =
@@ -209,11 +203,13 @@ pub fn train(
     };
     // Rank 0 of the first world restores its newest checkpoint; the broadcast hands it (or
     // rank 0's fresh initialisation) to everyone, step count included.
+    let mut restored = false;
     if comm.rank() == 0 {
         if let Some(dir) = &config.checkpoint_dir {
             if let Some((meta, tensors)) = checkpoint::latest(dir)? {
                 checkpoint::restore(&tensors, optimizer.parameters(), &optimizer.state())?;
                 optimizer.set_steps(meta.step);
+                restored = true;
                 tracing::info!(
                     step = meta.step,
                     written_by_world_size = meta.world_size,
@@ -227,8 +223,10 @@ pub fn train(
         config,
         net: &mut net,
         train_data: &train_data,
-        test_data: test_data.as_ref(),
+        test_set: test_set.as_ref().filter(|t| !t.is_empty()),
+        test_data: None,
         samples: train_set.len() as u64,
+        restored,
         position: Position::default(),
         loss_sum: 0.0,
         seen: 0,
@@ -331,8 +329,21 @@ impl Elastic<'_> {
         loop {
             let (listener, address) = bind(self.listen, self.advertise)?;
             tracing::info!(%address, ?rejoin, "joining the elastic job");
-            let world =
-                rendezvous::join(self.service, &address, None, self.max_world_size, rejoin)?;
+            // A survivor waits `--timeout` for the others to come back; a new worker waits as
+            // long as the server holds a join (10 minutes) for the running world's next commit.
+            let wait = match rejoin {
+                Some(_) => self.options.timeout.as_secs().clamp(1, 600),
+                None => 600,
+            };
+            let request = SyncJoinRequest {
+                address,
+                rank: None,
+                world_size: self.max_world_size,
+                timeout_s: Some(wait as u32),
+                rejoin,
+                elastic: true,
+            };
+            let world = rendezvous::join(self.service, &request)?;
             let (generation, rank) = (world.generation, world.rank);
             match connect(world, Some(listener), self.options.clone()).map_err(SyncError::from) {
                 Err(e) if survivable(&e) && attempt < MEET_ATTEMPTS => {
@@ -354,7 +365,7 @@ impl Elastic<'_> {
 /// A world's starting point, the same on every rank.
 struct Start {
     step: u64,
-    digest: String,
+    digest: Option<String>,
 }
 
 /// A run's training state besides the optimizer's, carried from world to world.
@@ -362,8 +373,12 @@ struct Run<'a> {
     config: &'a SyncTraining,
     net: &'a mut Network,
     train_data: &'a DeviceData,
-    test_data: Option<&'a DeviceData>,
+    /// Held out for rank 0's accuracy, on the device once a rank 0 needs it.
+    test_set: Option<&'a Dataset>,
+    test_data: Option<DeviceData>,
     samples: u64,
+    /// Rank 0 of the first world restored a checkpoint.
+    restored: bool,
     position: Position,
     /// This rank's training loss sum and samples in the current epoch.
     loss_sum: f64,
@@ -402,13 +417,22 @@ impl Run<'_> {
         }
         dist.broadcast_state(0)?;
         let steps = dist.optimizer().steps();
-        if first {
+        if first && self.restored {
             // A checkpoint's step count puts the first world at its place in the data.
             self.position = Position {
                 epoch: steps / steps_per_epoch,
                 offset: (steps % steps_per_epoch) * step_samples,
             };
-            self.report.resumed_from = (steps > 0).then_some(steps);
+        }
+        let (position, restored) =
+            broadcast_position(dist.comm(), self.position, first && self.restored)?;
+        self.position = position;
+        self.restored = false;
+        self.report.steps = steps;
+        // A world's epoch loss counts from its start.
+        (self.loss_sum, self.seen) = (0.0, 0);
+        if restored {
+            self.report.resumed_from = Some(steps);
             if self.position.epoch > self.config.epochs
                 || (self.position.epoch == self.config.epochs && self.position.offset > 0)
             {
@@ -419,13 +443,16 @@ impl Run<'_> {
                 )));
             }
         }
-        self.position = broadcast_position(dist.comm(), self.position)?;
-        if elastic.is_some() {
-            self.commit(dist)?;
-        }
+        let digest = match elastic {
+            Some(_) => {
+                self.commit(dist)?;
+                Some(state_digest(dist.optimizer(), self.position)?)
+            }
+            None => None,
+        };
         Ok(Start {
             step: steps,
-            digest: state_digest(dist.optimizer(), self.position)?,
+            digest,
         })
     }
 
@@ -434,18 +461,14 @@ impl Run<'_> {
         self.commit = Some(Commit {
             snapshot: dist.optimizer().snapshot()?,
             position: self.position,
-            loss_sum: self.loss_sum,
-            seen: self.seen,
         });
         Ok(())
     }
 
-    /// Back to the last commit's position and loss sums (the optimizer's part is restored by
-    /// the caller).
+    /// Back to the last commit's position (the optimizer's part is restored by the caller).
     fn rollback(&mut self) {
         if let Some(c) = &self.commit {
             self.position = c.position;
-            (self.loss_sum, self.seen) = (c.loss_sum, c.seen);
         }
     }
 
@@ -536,8 +559,16 @@ impl Run<'_> {
             total_loss += f64::from_le_bytes(pair[..8].try_into().unwrap_or_default());
             total_seen += u64::from_le_bytes(pair[8..].try_into().unwrap_or_default());
         }
-        let accuracy = match (self.test_data, dist.comm().rank()) {
-            (Some(test), 0) => Some(evaluate(self.net, test, 1024)?.accuracy),
+        let accuracy = match (self.test_set, dist.comm().rank()) {
+            (Some(set), 0) => {
+                let test = match self.test_data.take() {
+                    Some(test) => test,
+                    None => DeviceData::new(set, self.config.device)?,
+                };
+                let accuracy = evaluate(self.net, &test, 1024)?.accuracy;
+                self.test_data = Some(test);
+                Some(accuracy)
+            }
             _ => None,
         };
         let report = EpochReport {
@@ -565,10 +596,10 @@ impl Run<'_> {
         let started = Instant::now();
         self.commit(dist)?;
         let comm = dist.comm();
-        let room = comm.size() < e.max_world_size;
-        let waiting = match (comm.rank(), room) {
-            (0, true) => match e.service.status() {
-                Ok(status) => status.waiting > 0,
+        // Rank 0 asks at every commit: the question also tells the server this world is alive.
+        let waiting = match comm.rank() {
+            0 => match e.service.status() {
+                Ok(status) => status.waiting > 0 && comm.size() < e.max_world_size,
                 Err(err) => {
                     tracing::warn!(error = %err, "could not ask the server whether workers wait to join");
                     false
@@ -584,19 +615,25 @@ impl Run<'_> {
     }
 }
 
-/// Rank 0's position, on every rank.
-fn broadcast_position(comm: &mut Communicator, position: Position) -> Result<Position> {
+/// Rank 0's position, and whether rank 0 restored it from a checkpoint, on every rank.
+fn broadcast_position(
+    comm: &mut Communicator,
+    position: Position,
+    restored: bool,
+) -> Result<(Position, bool)> {
     let mut mine = position.epoch.to_le_bytes().to_vec();
     mine.extend_from_slice(&position.offset.to_le_bytes());
+    mine.push(u8::from(restored));
     let all = comm.allgather(&mine)?;
     let root = all
         .first()
-        .and_then(|b| <[u8; 16]>::try_from(b.as_slice()).ok())
+        .and_then(|b| <[u8; 17]>::try_from(b.as_slice()).ok())
         .ok_or_else(|| CollectiveError::Protocol("rank 0 sent a malformed position".into()))?;
-    Ok(Position {
+    let position = Position {
         epoch: u64::from_le_bytes(root[..8].try_into().unwrap_or_default()),
-        offset: u64::from_le_bytes(root[8..].try_into().unwrap_or_default()),
-    })
+        offset: u64::from_le_bytes(root[8..16].try_into().unwrap_or_default()),
+    };
+    Ok((position, root[16] == 1))
 }
 
 /// SHA-256 over the parameters, the optimizer's state and step count, and the position.

@@ -44,9 +44,14 @@ impl SenderSlots {
         self.free.pop()
     }
 
-    /// A slot the receiver handed back (its credit checked by the caller: `slot < SLOTS`).
-    pub(super) fn give_back(&mut self, slot: u32) {
+    /// A slot the receiver handed back (`slot < SLOTS`, checked by the caller); false if this
+    /// side held it already (a credit sent twice).
+    pub(super) fn give_back(&mut self, slot: u32) -> bool {
+        if self.free.contains(&slot) {
+            return false;
+        }
         self.free.push(slot);
+        true
     }
 
     /// Whether this side holds every slot again: nothing is left for the receiver to read.
@@ -125,10 +130,7 @@ impl Outbound {
     /// read.
     pub fn settle(&mut self) -> Result<()> {
         while self.slots.as_ref().is_some_and(|s| !s.all_back()) {
-            let slot = self.read_credit()?;
-            if let Some(s) = self.slots.as_mut() {
-                s.give_back(slot);
-            }
+            self.read_credit()?;
         }
         Ok(())
     }
@@ -139,14 +141,12 @@ impl Outbound {
             if let Some(slot) = self.slots.as_mut().and_then(|s| s.take()) {
                 return Ok(slot);
             }
-            let slot = self.read_credit()?;
-            if let Some(s) = self.slots.as_mut() {
-                s.give_back(slot);
-            }
+            self.read_credit()?;
         }
     }
 
-    fn read_credit(&mut self) -> Result<u32> {
+    /// Reads the next slot credit and takes the slot back.
+    fn read_credit(&mut self) -> Result<()> {
         let record = &mut [0u8; HEADER_RECORD][..HEADER_LEN + self.open.tag_len()];
         self.stream.read_exact(record).map_err(|e| self.failed(e))?;
         let (h, tag) = record.split_at_mut(HEADER_LEN);
@@ -170,7 +170,13 @@ impl Outbound {
                 self.peer
             )));
         }
-        Ok(slot)
+        if !self.slots.as_mut().is_some_and(|s| s.give_back(slot)) {
+            return Err(CollectiveError::Protocol(format!(
+                "rank {} returned slot {slot}, which it did not hold",
+                self.peer
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -1,7 +1,8 @@
 //! The rendezvous of synchronous allreduce jobs.
 //!
-//! A sync job is a fixed-size world of workers (ranks `0..world_size`) that average among
-//! themselves, neighbour to neighbour around a ring, with the server nowhere in the data path.
+//! A sync job is a world of workers (ranks `0..world_size`; an elastic job's worlds are of any
+//! size from its minimum, below) that average among themselves, neighbour to neighbour around a
+//! ring, with the server nowhere in the data path.
 //! The server's only part is the introduction: each worker joins its job here with the address
 //! where it accepts its ring neighbour, its request is held until every rank has joined, and then
 //! every worker learns the same world — a generation number, a random session string, its own
@@ -64,10 +65,11 @@ pub const DEFAULT_SETTLE_MS: u32 = 1000;
 /// The range of quiet times accepted.
 pub const SETTLE_MS: std::ops::RangeInclusive<u32> = 10..=60_000;
 
-/// How long an elastic job's last world may go unheard of (no member rejoined, no status asked)
-/// before newcomers alone may form the next one: ten quiet times, at least 5 s.
+/// How long an elastic job's last world may go unheard of (no member rejoined, no status asked:
+/// its rank 0 asks at every commit) before newcomers alone may form the next one, as when every
+/// worker of the job was restarted: ten quiet times, at least a minute.
 fn stale_after(elastic: ElasticSyncJob) -> Duration {
-    Duration::from_millis(u64::from(elastic.settle_ms) * 10).max(Duration::from_secs(5))
+    Duration::from_millis(u64::from(elastic.settle_ms) * 10).max(Duration::from_secs(60))
 }
 
 /// A formed world, shared by all its members until each answer is written out: the peer list is
@@ -115,6 +117,8 @@ struct Waiter {
     assigned: bool,
     /// An elastic job's worker that was in a world.
     rejoin: Option<SyncRejoin>,
+    /// When it joined (an elastic world forms a quiet time after the latest join still held).
+    joined: Instant,
     answer: oneshot::Sender<Answer>,
 }
 
@@ -125,8 +129,6 @@ struct Job {
     slots: Vec<Option<Waiter>>,
     /// The last world formed since this server started (for the admin's view).
     formed: Option<wire::SyncWorldInfo>,
-    /// When the latest join came (an elastic world forms after a quiet time).
-    last_join: Option<Instant>,
     /// When the last world formed was last heard of: formed, a member rejoining, or a status
     /// asked for.
     last_heard: Option<Instant>,
@@ -145,7 +147,6 @@ impl Job {
             record,
             slots,
             formed: None,
-            last_join: None,
             last_heard: None,
         }
     }
@@ -161,15 +162,18 @@ impl Job {
         if current == 0 {
             return self.waiting() >= self.record.world_size;
         }
-        let back = self
+        let Some(formed) = self.formed.as_ref().filter(|f| f.generation == current) else {
+            return false;
+        };
+        // Every rank of the last world, each counted once.
+        let back: std::collections::BTreeSet<u32> = self
             .slots
             .iter()
             .flatten()
-            .filter(|w| w.rejoin.is_some_and(|r| r.generation == current))
-            .count();
-        self.formed
-            .as_ref()
-            .is_some_and(|f| f.generation == current && back >= f.members.len())
+            .filter_map(|w| w.rejoin.filter(|r| r.generation == current).map(|r| r.rank))
+            .filter(|&rank| (rank as usize) < formed.members.len())
+            .collect();
+        back.len() >= formed.members.len()
     }
 
     /// When an elastic world of the waiting workers may form, if it may at all: after the quiet
@@ -180,7 +184,8 @@ impl Job {
         if self.waiting() < elastic.min_world_size {
             return None;
         }
-        let settled = self.last_join? + Duration::from_millis(u64::from(elastic.settle_ms));
+        let last_join = self.slots.iter().flatten().map(|w| w.joined).max()?;
+        let settled = last_join + Duration::from_millis(u64::from(elastic.settle_ms));
         let current = self.record.generations;
         let member_back = self.slots.iter().flatten().any(|w| {
             w.rejoin
@@ -571,6 +576,18 @@ impl Rendezvous {
         }
         check_address(&req.address)?;
         match (job.record.elastic, req.rank, req.rejoin) {
+            (Some(_), _, _) if !req.elastic => {
+                return Err(ServerError::BadRequest(format!(
+                    "sync job `{job_id}` is elastic: its workers must run the elastic loop \
+                     (`hora-client sync --elastic`)"
+                )))
+            }
+            (None, _, _) if req.elastic => {
+                return Err(ServerError::BadRequest(format!(
+                    "sync job `{job_id}` is not elastic: run its workers without --elastic, or \
+                     create the job with --min-world-size"
+                )))
+            }
             (Some(_), Some(rank), _) => {
                 return Err(ServerError::BadRequest(format!(
                     "sync job `{job_id}` is elastic: the server gives ranks, so join without \
@@ -631,10 +648,10 @@ impl Rendezvous {
             address: req.address,
             assigned: req.rank.is_none(),
             rejoin: req.rejoin,
+            joined: Instant::now(),
             answer: send,
         });
         let now = Instant::now();
-        job.last_join = Some(now);
         if req
             .rejoin
             .is_some_and(|r| r.generation == job.record.generations)
@@ -658,31 +675,40 @@ impl Rendezvous {
         })
     }
 
-    /// Forms the world of a job whose every rank has joined and empties its slots. The store
+    /// Forms the world of the workers waiting (a fixed job's every rank; an elastic job's
+    /// whoever came, up to its largest world) and empties their slots. The store
     /// write happens in [`announce`], on a blocking thread, not under this lock on a worker.
     fn complete(&self, job: &mut Job) -> Completed {
-        let mut waiters = job.take_waiters();
-        if job.record.elastic.is_some() {
-            // Newcomers past the largest world keep their places for the next one.
-            let mut kept = Vec::new();
-            // The workers with the newest committed state first (rank 0 broadcasts its state),
-            // then the rest of the last world by their old rank, then newcomers as they came.
-            waiters.sort_by_key(|w| match w.rejoin {
-                Some(r) => (
-                    0,
-                    std::cmp::Reverse(r.committed),
-                    std::cmp::Reverse(r.generation),
-                    u64::from(r.rank),
-                ),
-                None => (1, std::cmp::Reverse(0), std::cmp::Reverse(0), w.id),
-            });
-            if waiters.len() > job.record.world_size as usize {
-                kept = waiters.split_off(job.record.world_size as usize);
+        let waiters = match job.record.elastic {
+            None => job.take_waiters(),
+            Some(_) => {
+                let mut placed: Vec<(usize, Waiter)> = job
+                    .slots
+                    .iter_mut()
+                    .enumerate()
+                    .filter_map(|(place, slot)| slot.take().map(|w| (place, w)))
+                    .collect();
+                // The workers with the newest committed state first (rank 0 broadcasts its
+                // state), then the rest of the last world by their old rank, then newcomers as
+                // they came.
+                placed.sort_by_key(|(_, w)| match w.rejoin {
+                    Some(r) => (
+                        0,
+                        std::cmp::Reverse(r.committed),
+                        std::cmp::Reverse(r.generation),
+                        u64::from(r.rank),
+                    ),
+                    None => (1, std::cmp::Reverse(0), std::cmp::Reverse(0), w.id),
+                });
+                // Newcomers past the largest world keep their places (the ones their joins
+                // hold) for the next world.
+                let kept = placed.split_off(placed.len().min(job.record.world_size as usize));
+                for (place, waiter) in kept {
+                    job.slots[place] = Some(waiter);
+                }
+                placed.into_iter().map(|(_, w)| w).collect()
             }
-            for (slot, waiter) in job.slots.iter_mut().zip(kept) {
-                *slot = Some(waiter);
-            }
-        }
+        };
         job.record.generations += 1;
         job.last_heard = Some(Instant::now());
         let world = FormedWorld {
@@ -731,7 +757,11 @@ impl Rendezvous {
                 .record
                 .elastic
                 .map(|e| (e.min_world_size, job.record.generations, job.not_back()));
-            let summary = (job.waiting(), job.record.world_size, job.missing(), elastic);
+            let missing = match elastic {
+                None => job.missing(),
+                Some(_) => Vec::new(),
+            };
+            let summary = (job.waiting(), job.record.world_size, missing, elastic);
             job.slots[rank as usize] = None;
             summary
         };

@@ -90,6 +90,7 @@ fn req(address: &str, rank: Option<u32>, world_size: u32) -> SyncJoinRequest {
         world_size,
         timeout_s: None,
         rejoin: None,
+        elastic: false,
     }
 }
 
@@ -438,24 +439,34 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
     let info = create(Some(2), Some(100)).unwrap();
     assert_eq!((info.min_world_size, info.settle_ms), (Some(2), Some(100)));
     let token = info.token.unwrap();
+    let elastic = |address: &str, world_size| SyncJoinRequest {
+        elastic: true,
+        ..req(address, None, world_size)
+    };
     let rejoin = |address: &str, generation, rank, committed| SyncJoinRequest {
         rejoin: Some(SyncRejoin {
             generation,
             rank,
             committed,
         }),
-        ..req(address, None, 4)
+        ..elastic(address, 4)
     };
-    let err = answer(f.join("elastic", &token, req("a:1", Some(0), 4)))
+    let ranked = SyncJoinRequest {
+        rank: Some(0),
+        ..elastic("a:1", 4)
+    };
+    let err = answer(f.join("elastic", &token, ranked)).await.unwrap_err();
+    assert!(err.to_string().contains("server gives ranks"), "{err}");
+    let err = answer(f.join("elastic", &token, req("a:1", None, 4)))
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("server gives ranks"), "{err}");
+    assert!(err.to_string().contains("--elastic"), "{err}");
 
     // Three workers start; a world of three forms after the quiet time.
     let started = Instant::now();
     let first: Vec<_> = ["a:1", "b:1", "c:1"]
         .iter()
-        .map(|a| f.join("elastic", &token, req(a, None, 4)))
+        .map(|a| f.join("elastic", &token, elastic(a, 4)))
         .collect();
     let mut worlds = Vec::new();
     for h in first {
@@ -468,8 +479,8 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
 
     // Newcomers alone (two: the minimum) wait while world 1 is alive (it asks for the status).
     let newcomers = [
-        f.spawn_join("elastic", &token, req("d:1", None, 4)).await,
-        f.spawn_join("elastic", &token, req("e:1", None, 4)).await,
+        f.spawn_join("elastic", &token, elastic("d:1", 4)).await,
+        f.spawn_join("elastic", &token, elastic("e:1", 4)).await,
     ];
     let status = f.rendezvous.status("elastic").unwrap();
     assert_eq!((status.generation, status.waiting), (1, 2));
@@ -512,7 +523,7 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
     // the largest size, and the newcomer it has no room for keeps waiting.
     let mut newcomers = Vec::new();
     for address in ["f:1", "g:1", "h:1"] {
-        newcomers.push(f.spawn_join("elastic", &token, req(address, None, 4)).await);
+        newcomers.push(f.spawn_join("elastic", &token, elastic(address, 4)).await);
     }
     let back = [
         f.join("elastic", &token, rejoin("a:4", 3, 1, 70)),
@@ -525,6 +536,9 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
     check_world(&worlds, &["c:4", "a:4", "f:1", "g:1"], 4);
     assert_eq!(f.rendezvous.status("elastic").unwrap().waiting, 1);
     assert!(!newcomers[0].is_finished());
+    // It holds its own place: leaving frees it.
+    newcomers[0].abort();
+    f.until(|| f.waiting("elastic") == 0).await;
 
     // A full first world forms at once, whatever the quiet time.
     let job = f.rendezvous.create(CreateSyncJob {
@@ -535,8 +549,8 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
     });
     let full = job.unwrap().token.unwrap();
     let pair = [
-        f.join("full", &full, req("a:1", None, 2)),
-        f.join("full", &full, req("b:1", None, 2)),
+        f.join("full", &full, elastic("a:1", 2)),
+        f.join("full", &full, elastic("b:1", 2)),
     ];
     for h in pair {
         assert_eq!(answer(h).await.unwrap().world_size, 2);
@@ -552,7 +566,7 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
     let small = job.unwrap().token.unwrap();
     let three: Vec<_> = ["a:1", "b:1", "c:1"]
         .iter()
-        .map(|a| f.join("small", &small, req(a, None, 4)))
+        .map(|a| f.join("small", &small, elastic(a, 4)))
         .collect();
     for h in three {
         answer(h).await.unwrap();
