@@ -6,7 +6,7 @@
 //!
 //! Four `hora-client sync --elastic` workers (an MLP of 60-256-256-10 on 4,000 synthetic samples,
 //! batch 32 each, a commit every 20 steps) in a job of three to four with the default quiet time
-//! (1 s); rank 2 of the first world is killed in its third epoch.
+//! (1 s); rank 2 of the first world is killed when rank 0 reports its third epoch.
 //!
 //! `cargo build --release -p hora-server -p hora-client --bins && cargo bench -p hora --bench elastic`
 
