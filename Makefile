@@ -136,6 +136,7 @@ bench:
 	target/release/examples/asynchronous; \
 	cargo build --release --example collective; \
 	cargo bench -p hora --bench allreduce; \
+	cargo bench -p hora --bench elastic; \
 	$(PY_ENV); $(call PY_INSTALL,--release); \
 	"$$HORA_PACKAGE_PYTHON" python/bench/bench.py; \
 	"$$HORA_PACKAGE_PYTHON" python/bench/fusion.py
