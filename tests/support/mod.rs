@@ -333,11 +333,23 @@ pub fn upload_head(client: &Client, task: &str, round: u64, body_len: usize) -> 
 }
 
 /// A loopback port that was free a moment ago.
+/// A free port below the kernel's ephemeral range, so that no process's outgoing connection or
+/// port-0 listener (a sync worker's ring, a client) can take it between the probe and a server
+/// started, or restarted, on it.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind an ephemeral port")
-        .port()
+    use rand::Rng;
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let below = ephemeral.max(12_000);
+    for _ in 0..1000 {
+        let port = rand::rng().random_range(10_000..below);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port below {below}");
 }
 
 /// An HTTP client with one bearer token.
