@@ -414,7 +414,7 @@ pub async fn release_client(
 
 #[utoipa::path(post, path = "/admin/v1/sync-jobs", tag = "admin", security(("admin_token" = [])), request_body = CreateSyncJob,
     responses((status = 201, body = SyncJobInfo, description = "the job, with its worker token (shown once)"),
-        (status = 400, body = ApiError, description = "bad id, or world_size not in 1..=4096"),
+        (status = 400, body = ApiError, description = "bad id, world_size not in 1..=4096, min_world_size above world_size, or settle_ms without min_world_size"),
         (status = 409, body = ApiError, description = "`sync_job_exists`")))]
 pub async fn create_sync_job(
     State(state): State<Shared>,
