@@ -35,16 +35,12 @@ fn main() {
         .enable_all()
         .build()
         .expect("a runtime");
-    let job: hora_common::wire::SyncJobInfo = runtime.block_on(
-        api.ok(api
-            .request(reqwest::Method::POST, "/admin/v1/sync-jobs")
-            .json(&hora_common::wire::CreateSyncJob {
-                id: "bench".into(),
-                world_size: WORKERS as u32,
-                min_world_size: Some(3),
-                settle_ms: None,
-            })),
-    );
+    let job = runtime.block_on(api.create_sync_job(&hora_common::wire::CreateSyncJob {
+        id: "bench".into(),
+        world_size: WORKERS as u32,
+        min_world_size: Some(3),
+        settle_ms: None,
+    }));
     let token = job.token.expect("the job's token");
     let args: Vec<String> = [
         "sync",

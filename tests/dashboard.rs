@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use hora_common::wire::{
-    CreateSyncJob, EvaluationConfig, EvaluationReport, Metrics, SignInLink, SyncJobInfo,
-    SyncJoinRequest, TaskInfo,
+    CreateSyncJob, EvaluationConfig, EvaluationReport, Metrics, SignInLink, SyncJoinRequest,
+    TaskInfo,
 };
 use reqwest::{Method, StatusCode};
 use support::{delta, free_port, small_model, task, Client, Server, ADMIN_TOKEN};
@@ -131,15 +131,13 @@ async fn the_dashboard_in_a_browser_while_a_federation_runs() {
         deadline_secs: None,
     });
     admin.create_task(&t).await;
-    let job: SyncJobInfo = admin
-        .ok(admin
-            .request(Method::POST, "/admin/v1/sync-jobs")
-            .json(&CreateSyncJob {
-                id: "allreduce".into(),
-                world_size: 4,
-                min_world_size: None,
-                settle_ms: None,
-            }))
+    let job = admin
+        .create_sync_job(&CreateSyncJob {
+            id: "allreduce".into(),
+            world_size: 4,
+            min_world_size: None,
+            settle_ms: None,
+        })
         .await;
     // A worker of rank 2 waits in the job's forming world while the browser looks.
     let worker = admin.with_token(job.token.as_deref().expect("the job's token"));

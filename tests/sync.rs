@@ -448,16 +448,12 @@ fn create_job(server: &Server, id: &str, n: u32, min: Option<u32>) -> String {
         .enable_all()
         .build()
         .unwrap();
-    let job: hora_common::wire::SyncJobInfo = runtime.block_on(
-        api.ok(api
-            .request(reqwest::Method::POST, "/admin/v1/sync-jobs")
-            .json(&hora_common::wire::CreateSyncJob {
-                id: id.into(),
-                world_size: n,
-                min_world_size: min,
-                settle_ms: min.map(|_| 300),
-            })),
-    );
+    let job = runtime.block_on(api.create_sync_job(&hora_common::wire::CreateSyncJob {
+        id: id.into(),
+        world_size: n,
+        min_world_size: min,
+        settle_ms: min.map(|_| 300),
+    }));
     job.token.expect("the job's token")
 }
 
@@ -827,11 +823,7 @@ fn launcher(args: &[String]) -> Command {
 /// of them can take one meanwhile.
 fn port_base(n: u16) -> String {
     use rand::Rng;
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32_768);
-    let below = ephemeral.max(12_000);
+    let below = below_ephemeral();
     for _ in 0..100 {
         let base = rand::rng().random_range(10_000..below - n - 1);
         let free: Vec<_> = (1..=n)

@@ -333,16 +333,22 @@ pub fn upload_head(client: &Client, task: &str, round: u64, body_len: usize) -> 
 }
 
 /// A loopback port that was free a moment ago.
+/// Where the kernel's ephemeral ports start (at least 12,000): tests take ports from 10,000 up to
+/// it.
+pub fn below_ephemeral() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768)
+        .max(12_000)
+}
+
 /// A free port below the kernel's ephemeral range, so that no process's outgoing connection or
 /// port-0 listener (a sync worker's ring, a client) can take it between the probe and a server
 /// started, or restarted, on it.
 pub fn free_port() -> u16 {
     use rand::Rng;
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32_768);
-    let below = ephemeral.max(12_000);
+    let below = below_ephemeral();
     for _ in 0..1000 {
         let port = rand::rng().random_range(10_000..below);
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
@@ -461,6 +467,15 @@ impl Api {
 
     pub async fn create_task(&self, task: &CreateTask) -> TaskInfo {
         self.ok(self.request(Method::POST, "/admin/v1/tasks").json(task))
+            .await
+    }
+
+    /// Creates a sync job; the answer carries its token.
+    pub async fn create_sync_job(
+        &self,
+        job: &hora_common::wire::CreateSyncJob,
+    ) -> hora_common::wire::SyncJobInfo {
+        self.ok(self.request(Method::POST, "/admin/v1/sync-jobs").json(job))
             .await
     }
 
