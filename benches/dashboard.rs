@@ -48,6 +48,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn entry(round: u64, model: ModelDigest) -> RoundRecord {
     let r = round as f64;
     RoundRecord {
+        contributors: None,
+        forwarded_to: None,
         round,
         attempt: 0,
         outcome: RoundOutcome::Published,
@@ -83,6 +85,7 @@ fn history(data: &std::path::Path) {
         let mut config = task(id, digest, rounds + 100, 1, 1, 3600);
         config.evaluation = None;
         let mut record = TaskRecord {
+            parent: None,
             config,
             spec: model.spec(),
             state: TaskState::Paused,

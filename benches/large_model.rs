@@ -138,6 +138,7 @@ async fn run(mib: u64, clients: u64) {
     let meta = UpdateMeta {
         num_examples: 10,
         metrics: Metrics::default(),
+        contributors: None,
     };
     let mut client_peak = 0u64;
     let mut chunk = 0;

@@ -115,6 +115,7 @@ async fn run(clients: usize, params: usize) {
             let meta = UpdateMeta {
                 num_examples: 10,
                 metrics: Default::default(),
+                contributors: None,
             };
             let resp = http
                 .post(url)

@@ -182,6 +182,7 @@ async fn run_mode(
     };
     let rounds = args.versions.unwrap_or(100_000);
     let config = CreateTask {
+        parent: None,
         trainable: None,
         evaluation: None,
         compression: None,

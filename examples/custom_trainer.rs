@@ -85,6 +85,7 @@ async fn main() -> Result<()> {
     let digest = fed.upload_model(&initial).await?;
     let rounds = 10;
     fed.create_task(&CreateTask {
+        parent: None,
         trainable: None,
         evaluation: None,
         compression: None,

@@ -123,6 +123,7 @@ async fn federate(
 ) -> Result<(Vec<f64>, Option<f64>)> {
     let digest = fed.upload_model(&setup.initial).await?;
     fed.create_task(&CreateTask {
+        parent: None,
         trainable: None,
         // Every client evaluates every published model on its own held-out split.
         evaluation: Some(EvaluationConfig {

@@ -93,6 +93,7 @@ async fn main() -> Result<()> {
     let digest = fed.upload_model(&initial).await?;
     let task = "replicated";
     fed.create_task(&CreateTask {
+        parent: None,
         trainable: None,
         evaluation: None,
         compression: None,

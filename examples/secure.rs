@@ -95,6 +95,7 @@ async fn federation(
     let evaluate = secure && args.evaluate;
     let rounds = if evaluate { 2 } else { 1 };
     fed.create_task(&CreateTask {
+        parent: None,
         trainable: (!args.trainable.is_empty()).then(|| args.trainable.clone()),
         evaluation: evaluate.then_some(EvaluationConfig {
             every: 1,

@@ -72,6 +72,7 @@ async fn main() -> Result<()> {
     let task = "torchscript";
     let kind = ModelKind::TorchScript { module_digest };
     fed.create_task(&CreateTask {
+        parent: None,
         trainable: None,
         evaluation: None,
         compression: None,

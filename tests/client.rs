@@ -586,6 +586,7 @@ async fn conflicts_are_typed_and_a_late_update_is_a_missed_round() {
     let meta = UpdateMeta {
         num_examples: 10,
         metrics: Metrics::default(),
+        contributors: None,
     };
     let receipt = early.upload("t", &offer, &delta, &meta).await.unwrap();
     assert_eq!(receipt.map(|r| r.accepted), Some(1));
@@ -1068,6 +1069,7 @@ async fn a_chunked_upload_cut_at_half_resumes_and_publishes_what_an_unbroken_one
     let meta = UpdateMeta {
         num_examples: 10,
         metrics: Metrics::default(),
+        contributors: None,
     };
     let mut sent = Vec::new();
     for (id, cut) in [("cut", size / 2), ("unbroken", u64::MAX)] {
@@ -1448,6 +1450,7 @@ async fn a_task_that_trains_part_of_its_model_keeps_the_rest_frozen_and_download
     let meta = UpdateMeta {
         num_examples: 10,
         metrics: Metrics::default(),
+        contributors: None,
     };
     let err = client
         .upload("part", &offer, &delta(&initial, 1), &meta)

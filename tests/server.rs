@@ -1100,6 +1100,13 @@ fn every_serve_option_is_layered_flags_over_environment_over_file() {
             ("max_upload_share", "0.5", "0.75"),
             ("metrics_require_token", "true", "false"),
             ("min_upload_rate", "100", "200"),
+            ("parent", "https://a.example:8443", "https://b.example:8443"),
+            ("parent_ca", "/srv/a/parent-ca.pem", "/srv/b/parent-ca.pem"),
+            (
+                "parent_enrolment_token",
+                "a-parent-token-0123",
+                "b-parent-token-0123456789",
+            ),
             ("quarantine_after", "2", "3"),
             ("request_timeout_secs", "31", "32"),
             ("retain_rounds_every", "2", "3"),
@@ -1196,4 +1203,144 @@ fn version_completions_and_man_pages() {
         serve.contains("HORA_LISTEN"),
         "the page of serve names its variables"
     );
+}
+
+/// The two-level tree: a parent and two regional servers (`--parent`), three clients on each
+/// region and one on the parent itself. Each region's round starts from the parent's open
+/// round's model and forwards its partial as one update standing for its three clients; the
+/// parent's published models equal the flat federation's (FedAvg of all seven updates, each by
+/// its examples), and its history counts seven contributors and every example. The second round
+/// starts on both regions from the parent's new model. A client not enrolled as an aggregator
+/// cannot claim to stand for several clients.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_models() {
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let parent = Server::start(dirs[0].path());
+    let admin = parent.api(ADMIN_TOKEN);
+    let initial = small_model();
+    let digest = admin.upload_model(&initial).await;
+    admin.create_task(&task("tree", digest, 2, 7, 7, 600)).await;
+    let mut regions = Vec::new();
+    for (i, dir) in dirs[1..].iter().enumerate() {
+        let token: serde_json::Value = admin
+            .ok(admin
+                .request(Method::POST, "/admin/v1/enrolments")
+                .json(&serde_json::json!({"aggregator": true, "tasks": ["tree"]})))
+            .await;
+        let token = token["token"].as_str().unwrap().to_string();
+        let region = Server::start_with(
+            dir.path(),
+            &[
+                "--parent",
+                &parent.url,
+                "--parent-ca",
+                parent.ca.to_str().unwrap(),
+                "--parent-enrolment-token",
+                &token,
+            ],
+        );
+        let api = region.api(ADMIN_TOKEN);
+        assert_eq!(api.upload_model(&initial).await, digest);
+        let mut config = task(&format!("tree-{i}"), digest, 2, 3, 3, 600);
+        config.parent = Some(hora_common::wire::ParentTask {
+            task: "tree".into(),
+        });
+        api.create_task(&config).await;
+        let mut clients = Vec::new();
+        for _ in 0..3 {
+            clients.push(api.enrol().await);
+        }
+        regions.push((region, api, clients));
+    }
+    let direct = admin.enrol().await;
+
+    let mut expected = initial.clone();
+    for round in 1..=2u64 {
+        let mut updates = Vec::new();
+        for (r, (_, _, clients)) in regions.iter().enumerate() {
+            let id = format!("tree-{r}");
+            for (i, c) in clients.iter().enumerate() {
+                // The region opens its round once it joined the parent's.
+                let offer = wait_for_offer(c, &id).await;
+                assert_eq!(
+                    offer.model,
+                    expected.digest(),
+                    "trained from the parent's model"
+                );
+                let examples = 10 + 7 * (3 * r + i) as u64 + round;
+                let d = delta(&expected, round * 100 + (3 * r + i) as u64);
+                c.upload(&id, &offer, examples, &d).await;
+                updates.push((examples, d));
+            }
+        }
+        let offer = direct.join("tree").await;
+        assert_eq!(offer.round, round);
+        let d = delta(&expected, round * 100 + 99);
+        direct.upload("tree", &offer, 5, &d).await;
+        updates.push((5, d));
+
+        let model = admin.round_model("tree", round).await;
+        let want = fedavg(&expected, &updates);
+        assert_close(&model, &want);
+        let history: Vec<RoundRecord> = admin
+            .ok(admin.request(Method::GET, "/admin/v1/tasks/tree/rounds"))
+            .await;
+        let entry = history
+            .iter()
+            .find(|h| h.round == round && h.outcome == RoundOutcome::Published)
+            .expect("the round's entry");
+        assert_eq!(entry.contributors, Some(7));
+        assert_eq!(entry.participants.len(), 3, "two regions and one client");
+        assert_eq!(entry.examples, updates.iter().map(|(n, _)| n).sum::<u64>());
+        for (r, (_, api, _)) in regions.iter().enumerate() {
+            let local: Vec<RoundRecord> = api
+                .ok(api.request(Method::GET, &format!("/admin/v1/tasks/tree-{r}/rounds")))
+                .await;
+            let entry = local.iter().find(|h| h.round == round).expect("forwarded");
+            assert_eq!(entry.forwarded_to, Some(round));
+            assert_eq!(entry.contributors, Some(3));
+        }
+        expected = model;
+    }
+    let info: TaskInfo = admin
+        .ok(admin.request(Method::GET, "/admin/v1/tasks/tree"))
+        .await;
+    assert_eq!(info.state, TaskState::Finished);
+
+    // Standing for several clients is an aggregator's right only.
+    admin
+        .create_task(&task("single", digest, 1, 1, 2, 600))
+        .await;
+    let offer = direct.join("single").await;
+    let body = direct.seal("single", &offer, &delta(&initial, 1));
+    let meta = serde_json::json!({"num_examples": 10, "contributors": 3});
+    let refused = direct
+        .api
+        .request(Method::POST, "/v1/tasks/single/rounds/1/update")
+        .header("x-hora-update", meta.to_string())
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+    let text = refused.text().await.unwrap();
+    assert!(
+        text.contains("not enrolled as a regional aggregator"),
+        "{text}"
+    );
+}
+
+/// Joins `task` until its round is open (a regional task opens it once its parent's is).
+async fn wait_for_offer(client: &Client, task: &str) -> hora_common::wire::RoundOffer {
+    let started = std::time::Instant::now();
+    loop {
+        if let Some(offer) = client.try_join(task).await {
+            return offer;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no round of {task} opened"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -50,6 +50,7 @@ pub fn fedavg_task(
     round_deadline_secs: u64,
 ) -> CreateTask {
     CreateTask {
+        parent: None,
         trainable: None,
         evaluation: None,
         compression: None,

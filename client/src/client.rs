@@ -1180,6 +1180,7 @@ impl Client {
         let meta = UpdateMeta {
             num_examples: record.num_examples,
             metrics: record.metrics,
+            contributors: None,
         };
         let sealing = Instant::now();
         let (plaintext, unsent, delta) = {

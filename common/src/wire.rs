@@ -334,6 +334,23 @@ pub struct CreateTask {
     /// example-weighted result goes into each evaluated round's history entry. Absent: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub evaluation: Option<EvaluationConfig>,
+    /// Makes this server a regional aggregator for a task of its parent (the server runs with
+    /// `--parent`): each round starts from the parent's open round's model, and instead of
+    /// publishing a model it forwards its partial (the example-weighted mean delta of its
+    /// clients' updates, with their example count and number) to the parent's round, sealed to
+    /// that round's key. The parent's strategy, privacy and evaluation apply; this task's
+    /// `rounds` bounds how many of the parent's rounds it takes part in. Plain rounds only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentTask>,
+}
+
+/// The parent's task a regional task forwards its rounds to ([`CreateTask::parent`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ParentTask {
+    /// The task's id on the parent server.
+    #[schema(pattern = "^[A-Za-z0-9_.-]{1,64}$")]
+    pub task: String,
 }
 
 /// What one client's update may weigh in a round (the plain path; secure aggregation has its
@@ -585,6 +602,11 @@ pub struct CreateEnrolment {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(schema_with = id_list_schema)]
     pub tasks: Option<Vec<String>>,
+    /// The client enrolled with this token is a regional aggregator (another `hora-server`
+    /// running with `--parent`): its updates may each stand for several clients
+    /// ([`UpdateMeta::contributors`]). Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub aggregator: bool,
 }
 
 /// The schema of an optional list of ids (see [`valid_id`]).
@@ -624,6 +646,9 @@ pub struct ClientInfo {
     /// The tasks its enrolment allows (absent: every task).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks: Option<Vec<String>>,
+    /// A regional aggregator (enrolled with `aggregator: true`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub aggregator: bool,
     /// When the server that answers last saw a request with its credentials (absent: not since
     /// that server started).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -682,8 +707,18 @@ pub struct RoundRecord {
     /// Example-weighted mean of the clients' reported metrics.
     pub metrics: Metrics,
     pub duration_ms: u64,
-    /// The global model the round published (absent if it was abandoned).
+    /// The global model the round published (absent if it was abandoned). For a regional task
+    /// (one with a `parent`), the partial the round forwarded to its parent: the
+    /// example-weighted mean delta of its updates.
     pub model: Option<ModelDigest>,
+    /// How many clients' updates the round holds, those behind each regional aggregator among
+    /// its participants counted (absent in entries written before servers counted them: then
+    /// one a participant).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub contributors: Option<u64>,
+    /// For a regional task: the parent's round this round's partial was forwarded to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forwarded_to: Option<u64>,
     /// The model's file was removed by the server's retention policy (the digest stays).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pruned: bool,
@@ -1089,6 +1124,21 @@ pub struct UpdateMeta {
     pub num_examples: u64,
     #[serde(default)]
     pub metrics: Metrics,
+    /// How many clients' updates this one holds: a regional aggregator's partial of its own
+    /// round (the example-weighted mean of its clients' deltas, `num_examples` their examples)
+    /// counts as that many towards the round's `min_clients` and `target_clients`, and its weight
+    /// is bounded by `max_weight` times this. Only a client enrolled as an aggregator
+    /// ([`CreateEnrolment::aggregator`]) may send more than 1. Absent: 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1)]
+    pub contributors: Option<u64>,
+}
+
+impl UpdateMeta {
+    /// How many clients the update stands for (1 unless an aggregator says more).
+    pub fn contributors(&self) -> u64 {
+        self.contributors.unwrap_or(1)
+    }
 }
 
 /// Starts (or resumes) a chunked upload (`POST /v1/tasks/{task}/rounds/{round}/uploads`): the

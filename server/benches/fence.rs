@@ -38,6 +38,7 @@ fn record(round: u64) -> OpenRoundRecord {
             contributions: clients
                 .into_iter()
                 .map(|client| Contribution {
+                    contributors: 1,
                     client,
                     examples: 50,
                     metrics: Default::default(),

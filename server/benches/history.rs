@@ -16,6 +16,8 @@ use hora_server::store::{Blobs, Retention, RoundLog, SledStore, TaskRecord};
 
 fn record(round: u64, model: ModelDigest) -> RoundRecord {
     RoundRecord {
+        contributors: None,
+        forwarded_to: None,
         round,
         attempt: 0,
         outcome: RoundOutcome::Published,
@@ -36,7 +38,9 @@ fn record(round: u64, model: ModelDigest) -> RoundRecord {
 /// Task `t`'s record after round `published`, whose model is `global`.
 fn task(global: ModelDigest, spec: ModelSpec, published: u64) -> TaskRecord {
     TaskRecord {
+        parent: None,
         config: CreateTask {
+            parent: None,
             trainable: None,
             evaluation: None,
             compression: None,

@@ -98,6 +98,10 @@ pub enum AdminCommand {
         /// A task the enrolled client may use (repeat for several; default: every task).
         #[arg(long = "task")]
         tasks: Vec<String>,
+        /// The enrolled client is a regional aggregator (a `hora-server --parent`): its
+        /// updates may each stand for several clients.
+        #[arg(long)]
+        aggregator: bool,
     },
     /// List clients.
     Clients,
@@ -341,12 +345,21 @@ pub async fn run(args: AdminArgs, matches: &clap::ArgMatches) -> Result<()> {
                 .await?;
             serde_json::json!({ "written": output.display().to_string(), "bytes": bytes })
         }
-        AdminCommand::Enrol { ttl_secs, tasks } => {
+        AdminCommand::Enrol {
+            ttl_secs,
+            tasks,
+            aggregator,
+        } => {
             let tasks = (!tasks.is_empty()).then_some(tasks);
+            let request = CreateEnrolment {
+                ttl_secs,
+                tasks,
+                aggregator,
+            };
             c.json(
                 Method::POST,
                 "/admin/v1/enrolments",
-                Some(serde_json::to_value(CreateEnrolment { ttl_secs, tasks })?),
+                Some(serde_json::to_value(request)?),
             )
             .await?
         }

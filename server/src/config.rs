@@ -57,6 +57,21 @@ pub struct ServeArgs {
     /// plain http only on loopback, unless AWS_ALLOW_HTTP=true.
     #[arg(long, env = "HORA_BLOBS_ENDPOINT")]
     pub blobs_endpoint: Option<String>,
+    /// Makes this server a regional aggregator under a parent server, https://host:port (or
+    /// several comma-separated: the parent's replicas): its tasks created with a `parent` take
+    /// part in the parent's task, each round forwarding its partial there.
+    #[arg(long, env = "HORA_PARENT")]
+    pub parent: Option<String>,
+    /// The CA certificate the parent's certificate chains to (PEM; default:
+    /// <data dir>/parent/ca.pem).
+    #[arg(long, env = "HORA_PARENT_CA")]
+    pub parent_ca: Option<PathBuf>,
+    /// The parent's aggregator enrolment token (`hora-server admin enrol --aggregator` there),
+    /// needed until this server's first enrolment there; the credentials it earns are kept in
+    /// <data dir>/parent. Give it through HORA_PARENT_ENROLMENT_TOKEN rather than the command
+    /// line, which others see.
+    #[arg(long, env = "HORA_PARENT_ENROLMENT_TOKEN", hide_env_values = true)]
+    pub parent_enrolment_token: Option<String>,
     /// Server certificate (PEM). Without it development certificates are made.
     #[arg(long, env = "HORA_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
@@ -262,6 +277,8 @@ pub struct ServeConfig {
     pub durability_timeout: Duration,
     pub retention: crate::store::Retention,
     pub metrics_require_token: bool,
+    /// The parent of a regional aggregator.
+    pub parent: Option<crate::upstream::ParentConfig>,
 }
 
 impl std::fmt::Debug for ServeConfig {
@@ -312,6 +329,7 @@ impl std::fmt::Debug for ServeConfig {
             .field("durability_timeout", &self.durability_timeout)
             .field("retention", &self.retention)
             .field("metrics_require_token", &self.metrics_require_token)
+            .field("parent", &self.parent)
             .finish()
     }
 }
@@ -405,6 +423,17 @@ impl ServeConfig {
         }
         .with_endpoint(args.blobs_endpoint)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let parent = match args.parent {
+            None => None,
+            Some(url) => Some(crate::upstream::ParentConfig {
+                ca: args
+                    .parent_ca
+                    .unwrap_or_else(|| args.data_dir.join("parent").join("ca.pem")),
+                url,
+                enrolment_token: args.parent_enrolment_token,
+                state_dir: args.data_dir.join("parent"),
+            }),
+        };
         let lease_secs = args.lease_secs;
         if !(1..=3600).contains(&lease_secs) {
             anyhow::bail!("lease_secs is {lease_secs}; give 1 to 3600 seconds (10: the default)");
@@ -447,6 +476,7 @@ impl ServeConfig {
                 detail: args.history_detail_rounds,
             },
             metrics_require_token: args.metrics_require_token,
+            parent,
         })
     }
 }

@@ -45,6 +45,7 @@ pub mod shutdown;
 pub mod store;
 pub mod strategy;
 pub mod tls;
+pub mod upstream;
 
 use anyhow::Result;
 

@@ -117,6 +117,7 @@ impl Server {
                 durability_timeout: config.durability_timeout,
                 retention: config.retention,
                 quarantine_after: config.quarantine_after,
+                parent: config.parent.clone(),
                 max_poll_wait: CoordinatorConfig::poll_cap(
                     CoordinatorConfig::default().max_poll_wait,
                     config.idle_timeout,

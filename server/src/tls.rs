@@ -28,7 +28,7 @@ pub const SERVER_KEY: &str = "server-key.pem";
 /// Paths of a certificate and its key (PEM).
 pub use hora_common::tls::Identity as CertPaths;
 
-fn write_private(path: &Path, contents: &str) -> Result<()> {
+pub(crate) fn write_private(path: &Path, contents: &str) -> Result<()> {
     use std::io::Write;
     let mut opts = fs::OpenOptions::new();
     opts.write(true).create(true).truncate(true);

@@ -544,6 +544,7 @@ pub fn task(
     deadline_secs: u64,
 ) -> CreateTask {
     CreateTask {
+        parent: None,
         trainable: None,
         evaluation: None,
         compression: None,
@@ -655,6 +656,7 @@ impl Client {
         let meta = UpdateMeta {
             num_examples: examples,
             metrics,
+            contributors: None,
         };
         self.api
             .request(

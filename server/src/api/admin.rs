@@ -318,6 +318,7 @@ pub async fn create_enrolment(
         let record = EnrolmentRecord {
             expires_unix_ms,
             tasks: req.tasks,
+            aggregator: req.aggregator,
         };
         store.put_enrolment(&hash, &record)?;
         Ok(store.flush()?)
@@ -336,6 +337,7 @@ fn client_info(state: &Shared, id: String, c: crate::store::ClientRecord) -> Cli
     let (last_seen_unix_ms, contributions) = state.coordinator.clients_seen.of(&id);
     ClientInfo {
         tasks: c.tasks,
+        aggregator: c.aggregator,
         last_seen_unix_ms,
         contributions,
         client_id: id,

@@ -575,6 +575,7 @@ impl Ingest for Slot {
     responses(
         (status = 200, body = UpdateReceipt, description = "folded and durable"),
         (status = 400, body = ApiError, description = "`invalid_update`: what arrived is not the plaintext announced, or not a valid update"),
+        (status = 403, body = ApiError, description = "`forbidden`: the `x-hora-update` header says the update stands for several clients (`contributors`) and this client is not enrolled as a regional aggregator"),
         (status = 409, body = ApiError, description = "`chunk_out_of_order`: chunks are missing (the message says which is next); or as for `…/update`"),
         (status = 410, body = ApiError, description = "`upload_unknown`: no such session (start the upload again)"),
         (status = 503, body = ApiError, description = "as for `…/update`: retry the completion")))]
@@ -587,7 +588,7 @@ pub async fn complete(
     let early = async {
         sessions(&state)?;
         let task = state.coordinator.task(&task)?;
-        let meta = update_meta(&headers)?;
+        let meta = update_meta(&headers, &auth)?;
         let in_flight = state.uploads.begin(&task.id, &auth.id)?;
         Ok((task, meta, in_flight))
     }

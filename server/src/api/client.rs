@@ -137,6 +137,7 @@ pub async fn enrol(
         revoked: false,
         identity_key: req.identity_key,
         tasks: record.tasks,
+        aggregator: record.aggregator,
         strikes: 0,
         quarantined: None,
     };
@@ -452,6 +453,7 @@ pub async fn module(
     responses(
         (status = 200, body = UpdateReceipt, description = "folded and durable"),
         (status = 400, body = ApiError, description = "a malformed path or `x-hora-update` header; `invalid_update`: a bad envelope, names, shapes, dtypes or values"),
+        (status = 403, body = ApiError, description = "`forbidden`: the `x-hora-update` header says the update stands for several clients (`contributors`) and this client is not enrolled as a regional aggregator"),
         (status = 408, body = ApiError, description = "`upload_too_slow`: the body arrived too slowly"),
         (status = 409, body = ApiError, description = "wrong, closed or abandoned round; not selected; already uploaded; `too_stale`: an asynchronous task's update trained from a version more than `max_staleness` behind; `upload_in_progress`: another upload of this client to this round is being read"),
         (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
@@ -466,7 +468,7 @@ pub async fn update(
 ) -> Result<Json<UpdateReceipt>, ServerError> {
     let result: Result<UpdateReceipt, ServerError> = async {
         let task = state.coordinator.task(&task)?;
-        let meta = update_meta(&headers)?;
+        let meta = update_meta(&headers, &auth)?;
         // Cheap checks before the body is read at all. The length comes before the claim on
         // this client's upload slot: a body refused unread is dropped (its stream reset) at
         // once, and the client, told so, may send its next upload before this handler ends.
@@ -504,9 +506,13 @@ pub async fn update(
     settled(&state, &auth.id, round, result).await.map(Json)
 }
 
-/// The [`UpdateMeta`] of the `x-hora-update` header.
-pub(crate) fn update_meta(headers: &HeaderMap) -> Result<UpdateMeta, ServerError> {
-    headers
+/// The [`UpdateMeta`] of the `x-hora-update` header, which may say the update stands for
+/// several clients only if `auth` is a regional aggregator.
+pub(crate) fn update_meta(
+    headers: &HeaderMap,
+    auth: &ClientAuth,
+) -> Result<UpdateMeta, ServerError> {
+    let meta: UpdateMeta = headers
         .get(UPDATE_META_HEADER)
         .and_then(|v| v.to_str().ok())
         .ok_or_else(|| {
@@ -518,7 +524,15 @@ pub(crate) fn update_meta(headers: &HeaderMap) -> Result<UpdateMeta, ServerError
             serde_json::from_str(v).map_err(|e| {
                 ServerError::BadRequest(format!("malformed `{UPDATE_META_HEADER}` header: {e}"))
             })
-        })
+        })?;
+    if meta.contributors() > 1 && !auth.aggregator {
+        return Err(ServerError::Forbidden(format!(
+            "client `{}` is not enrolled as a regional aggregator, so its update stands for one client (contributors {}): enrol the aggregating server with an aggregator enrolment (`hora-server admin enrol --aggregator`)",
+            auth.id,
+            meta.contributors()
+        )));
+    }
+    Ok(meta)
 }
 
 /// An upload's outcome, counted: the metrics, the log line of a refusal, and the client's

@@ -229,6 +229,8 @@ pub struct ClientAuth {
     pub id: String,
     /// Its updates refused in a row so far.
     pub strikes: u32,
+    /// Enrolled as a regional aggregator: its updates may stand for several clients.
+    pub aggregator: bool,
 }
 
 /// The client `token` names, if its credentials are good. The record is read on a blocking
@@ -286,6 +288,7 @@ impl FromRequestParts<Shared> for ClientAuth {
         Ok(ClientAuth {
             id: id.to_string(),
             strikes: record.strikes,
+            aggregator: record.aggregator,
         })
     }
 }

@@ -24,7 +24,7 @@ use super::task::Unsettled;
 use super::{lock, Accumulator, Coordinator, Durability, Ending, Round, SelectionDurability, Task};
 use crate::dp;
 use crate::error::ServerError;
-use crate::store::{Contribution, TaskRecord};
+use crate::store::{Contribution, PartialRecord, TaskRecord};
 use crate::strategy;
 
 /// What the tally of an attempt found.
@@ -32,6 +32,8 @@ struct Tally {
     /// The task record as the close will write it.
     record: TaskRecord,
     updates: usize,
+    /// The clients whose updates `updates` hold (a regional aggregator's stand for several).
+    contributors: u64,
     participants: Vec<String>,
     dropped: Vec<String>,
     examples: u64,
@@ -83,6 +85,7 @@ impl Coordinator {
                             metrics: Metrics::default(),
                             unclipped: None,
                             base: None,
+                            contributors: 1,
                         })
                         .collect();
                     acc.durable = acc.contributions.len();
@@ -216,13 +219,14 @@ impl Coordinator {
     ) -> Result<Tally, ServerError> {
         let mut record = task.record();
         let updates = acc.contributions.len();
+        let contributors = acc.contributors();
         let participants: Vec<String> =
             acc.contributions.iter().map(|c| c.client.clone()).collect();
         let dropped = round.collection.dropped(&acc.selected, &participants);
         let examples = round.collection.examples(&acc.contributions, &acc.sum);
         let metrics = task.strategy.aggregate_metrics(&acc.contributions);
-        let short =
-            matches!(ending, Ending::Publish) && updates < record.config.min_clients as usize;
+        let min = u64::from(record.config.min_clients);
+        let short = matches!(ending, Ending::Publish) && contributors < min;
         // Not after a restart (the deadline may have passed while the server was down), and
         // only when every selection was durable (a client whose join was not answered was
         // never told it is in).
@@ -240,9 +244,8 @@ impl Coordinator {
         };
         let mut abandon = match ending {
             Ending::Abandon(r) => Some(r.clone()),
-            Ending::Publish if updates < record.config.min_clients as usize => Some(format!(
-                "{updates} of the required {} updates by the deadline",
-                record.config.min_clients
+            Ending::Publish if contributors < min => Some(format!(
+                "{contributors} of the required {min} updates by the deadline"
             )),
             Ending::Publish => None,
         };
@@ -272,6 +275,7 @@ impl Coordinator {
         Ok(Tally {
             record,
             updates,
+            contributors,
             participants,
             dropped,
             examples,
@@ -295,6 +299,16 @@ impl Coordinator {
     ) -> Result<Option<Aggregated>, ServerError> {
         if tally.abandon.is_some() {
             return Ok(None);
+        }
+        if tally.record.parent.is_some() {
+            // A regional task's round forwards its partial, the example-weighted mean delta,
+            // instead of publishing a model: the parent's strategy makes the next one.
+            let partial = acc.sum.finish().map_err(ServerError::internal)?;
+            if let Err(e) = partial.check_finite() {
+                tally.abandon = Some(format!("the round's partial is not finite ({e}): some update is out of range; bound updates with update_bounds.max_norm"));
+                return Ok(None);
+            }
+            return Ok(Some((partial.digest(), partial.to_safetensors(), None)));
         }
         let mut bytes = self.store.model_bytes(&round.base)?;
         match strategy::aggregate_round(
@@ -353,8 +367,23 @@ impl Coordinator {
                     self.store.put_model_bytes(&digest, &bytes)?;
                     drop(bytes);
                     record.published += 1;
-                    record.global_model = digest;
-                    record.strategy_state = state;
+                    match &mut record.parent {
+                        // Forwarded by the upstream agent once this record is durable.
+                        Some(parent) => {
+                            parent.partial = Some(PartialRecord {
+                                round: round.number,
+                                parent_round: parent.round,
+                                model: digest,
+                                examples: tally.examples,
+                                contributors: tally.contributors,
+                                metrics: tally.metrics,
+                            })
+                        }
+                        None => {
+                            record.global_model = digest;
+                            record.strategy_state = state;
+                        }
+                    }
                     if record.published >= record.config.rounds {
                         record.state = TaskState::Finished;
                     }
@@ -370,7 +399,12 @@ impl Coordinator {
                 }
                 None => None,
             };
-            if let Some(digest) = model {
+            let forwarded_to = record
+                .parent
+                .as_ref()
+                .filter(|_| model.is_some())
+                .map(|p| p.round);
+            if let Some(digest) = model.filter(|_| forwarded_to.is_none()) {
                 let published = (round.number, round.attempt, digest);
                 tally.evaluations =
                     self.open_evaluation(task, record, published, &tally.participants);
@@ -393,6 +427,8 @@ impl Coordinator {
                     .filter(|_| model.is_some())
                     .map(|p| p.spent.clone()),
                 model,
+                contributors: Some(tally.contributors),
+                forwarded_to,
                 pruned: false,
                 staleness: round.collection.staleness(round.number, &acc.contributions),
                 compacted: None,
@@ -403,6 +439,9 @@ impl Coordinator {
             round.collection.retire(round);
             let previous = Some(&round.collection);
             let next = match record.state {
+                // A regional task's next round starts from its parent's next model: the
+                // upstream agent opens it.
+                TaskState::Running | TaskState::Paused if forwarded_to.is_some() => None,
                 TaskState::Running | TaskState::Paused => Some(match &tally.abandon {
                     None => self.fresh_round(record, round.number + 1, 0, previous)?,
                     Some(_) => {

@@ -36,6 +36,9 @@ pub struct CoordinatorConfig {
     pub retention: crate::store::Retention,
     /// Strikes in a row after which a client is quarantined (0: never; see [`super::strikes`]).
     pub quarantine_after: u32,
+    /// The parent server of a regional aggregator (`--parent`): its regional tasks forward
+    /// their rounds' partials there ([`crate::upstream`]).
+    pub parent: Option<crate::upstream::ParentConfig>,
 }
 
 impl CoordinatorConfig {
@@ -62,6 +65,7 @@ impl Default for CoordinatorConfig {
             durability_timeout: Duration::from_secs(60),
             retention: crate::store::Retention::default(),
             quarantine_after: 5,
+            parent: None,
         }
     }
 }
@@ -83,6 +87,8 @@ pub struct Coordinator {
     pub(crate) changes: Arc<watch::Sender<u64>>,
     /// When each client was last seen and its accepted updates, since the start.
     pub clients_seen: super::seen::ClientsSeen,
+    /// The parent of a regional aggregator.
+    pub(crate) parent: Option<Arc<crate::upstream::Parent>>,
 }
 
 impl Coordinator {
@@ -92,7 +98,12 @@ impl Coordinator {
         config: CoordinatorConfig,
         metrics: Arc<ServerMetrics>,
     ) -> Result<Arc<Self>, ServerError> {
+        let parent = config
+            .parent
+            .clone()
+            .map(|p| Arc::new(crate::upstream::Parent::new(p)));
         let coordinator = Arc::new(Coordinator {
+            parent,
             store,
             tasks: RwLock::new(HashMap::new()),
             broken: RwLock::new(HashMap::new()),
@@ -125,8 +136,10 @@ impl Coordinator {
                 }
                 let round = match coordinator.store.open_round(&id)? {
                     Some(open) => Some(coordinator.resume_round(&record, open)?),
+                    // (A regional task's rounds are opened from its parent's.)
                     None if matches!(record.state, TaskState::Running | TaskState::Paused)
-                        && record.published < record.config.rounds =>
+                        && record.published < record.config.rounds
+                        && record.parent.is_none() =>
                     {
                         Some(coordinator.new_round(&id, &record, record.published + 1, 0)?)
                     }
@@ -182,7 +195,10 @@ impl Coordinator {
                 self.watch_evaluation(task.clone(), e.round, e.deadline_unix_ms);
             }
             if let Some(round) = task.current() {
-                self.watch(task, round);
+                self.watch(task.clone(), round);
+            }
+            if task.record().parent.is_some() {
+                self.follow_parent(task);
             }
         }
     }

@@ -32,7 +32,9 @@ impl Coordinator {
         round
             .collection
             .report(&self.metrics, &task.id, acc.contributions.len());
-        if acc.contributions.len() < full_at {
+        // (An asynchronous buffer counts updates, each of one client: aggregators cannot send
+        // to it.)
+        if acc.contributors() < full_at as u64 {
             return;
         }
         acc.close_requested = true;

@@ -142,6 +142,14 @@ pub(crate) struct Accumulator {
 }
 
 impl Accumulator {
+    /// How many clients' updates the attempt holds: those behind a regional aggregator's
+    /// partial counted each.
+    pub(crate) fn contributors(&self) -> u64 {
+        self.contributions
+            .iter()
+            .fold(0u64, |n, c| n.saturating_add(c.contributors))
+    }
+
     pub(crate) fn new(spec: hora_common::model::ModelSpec) -> Self {
         Accumulator {
             phase: Phase::Collecting,

@@ -204,6 +204,12 @@ impl Coordinator {
         config: wire::CreateTask,
     ) -> Result<TaskInfo, ServerError> {
         validate_task(&config)?;
+        if let (Some(parent), None) = (&config.parent, &self.parent) {
+            return Err(ServerError::BadRequest(format!(
+                "task `{}` names a parent task (`{}`), but this server has no parent: start it with --parent https://… (and --parent-ca, --parent-enrolment-token) to make it a regional aggregator",
+                config.id, parent.task
+            )));
+        }
         let initial = self.store.read_model(&config.initial_model).map_err(|_| {
             ServerError::BadRequest(format!(
                 "no uploaded model with digest {}: upload it first with POST /admin/v1/models",
@@ -246,6 +252,7 @@ impl Coordinator {
             ended_reason: None,
             part,
             evaluating: None,
+            parent: config.parent.as_ref().map(|_| Default::default()),
             config,
         };
         // The registry is read by every request: its lock is never held across the store. The
@@ -280,7 +287,11 @@ impl Coordinator {
             );
         }
         drop((initial, base));
-        let round = self.new_round(&id, &record, 1, 0)?;
+        // A regional task's first round is opened from its parent's, by its agent.
+        let round = match record.parent {
+            None => Some(self.new_round(&id, &record, 1, 0)?),
+            Some(_) => None,
+        };
         if record.dp.is_some() {
             self.metrics.dp_epsilon(&id, 0.0);
         }
@@ -288,7 +299,7 @@ impl Coordinator {
         let task = Arc::new(Task::new(
             id.clone(),
             record,
-            Some(round.clone()),
+            round.clone(),
             strategy,
             self.changes.clone(),
         ));
@@ -298,7 +309,10 @@ impl Coordinator {
             .insert(id.clone(), task.clone());
         task.bump();
         self.commit_for(task.clone());
-        self.watch(task.clone(), round);
+        match round {
+            Some(round) => self.watch(task.clone(), round),
+            None => self.follow_parent(task.clone()),
+        }
         tracing::info!(task = %id, "task created");
         Ok(self.info(&task))
     }
@@ -545,6 +559,25 @@ fn validate_task(c: &wire::CreateTask) -> Result<(), ServerError> {
     }
     if let Some(config) = &c.evaluation {
         super::evaluation::validate(config, c).map_err(ServerError::BadRequest)?;
+    }
+    if let Some(parent) = &c.parent {
+        if !wire::valid_id(&parent.task) {
+            return bad(format!(
+                "parent.task `{}` must be 1-64 of [A-Za-z0-9_.-]",
+                parent.task
+            ));
+        }
+        // The parent's round does what these would do, once, for the whole tree.
+        let theirs = [
+            (c.secure_aggregation.is_some(), "secure_aggregation"),
+            (c.asynchronous.is_some(), "asynchronous"),
+            (c.differential_privacy.is_some(), "differential_privacy"),
+            (c.evaluation.is_some(), "evaluation"),
+            (c.strategy != wire::StrategyConfig::default(), "strategy"),
+        ];
+        if let Some((_, what)) = theirs.iter().find(|(set, _)| *set) {
+            return bad(format!("a regional task (one with a parent) forwards plain rounds' partials, and the parent's task decides `{what}` for the whole tree: leave it out here"));
+        }
     }
     if let Some(sa) = &c.secure_aggregation {
         secagg::validate(sa, c.min_clients, capacity(c))?;

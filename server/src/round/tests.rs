@@ -80,6 +80,7 @@ impl Engine {
         let meta = UpdateMeta {
             num_examples: examples,
             metrics: Default::default(),
+            contributors: None,
         };
         self.coordinator
             .upload(
@@ -126,6 +127,7 @@ impl Engine {
 /// An enrolled client's record, with no strikes.
 fn enrolled() -> crate::store::ClientRecord {
     crate::store::ClientRecord {
+        aggregator: false,
         secret_hash: String::new(),
         label: None,
         enrolled_unix_ms: 0,
@@ -541,6 +543,7 @@ async fn a_checkpoint_whose_record_may_have_landed_is_kept_until_a_later_one_lan
             let meta = UpdateMeta {
                 num_examples: 1,
                 metrics: Default::default(),
+                contributors: None,
             };
             coordinator
                 .upload(

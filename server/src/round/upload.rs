@@ -22,6 +22,39 @@ use super::{lock, Coordinator, Round, Task};
 use crate::error::ServerError;
 use crate::store::Contribution;
 
+/// The most clients one update may stand for.
+pub const MAX_CONTRIBUTORS: u64 = 1 << 32;
+
+/// Whether task `task` (configured as `config`) takes an update that stands for `contributors`
+/// clients: one always; several (a regional aggregator's partial) only in a plain round without
+/// central DP, which clips and weighs each client's update itself.
+pub fn check_contributors(
+    task: &str,
+    config: &wire::CreateTask,
+    contributors: u64,
+) -> Result<(), ServerError> {
+    if contributors == 0 || contributors > MAX_CONTRIBUTORS {
+        return Err(ServerError::BadRequest(format!(
+            "contributors is {contributors}; an update stands for 1 to {MAX_CONTRIBUTORS} clients"
+        )));
+    }
+    if contributors == 1 {
+        return Ok(());
+    }
+    let mode = match () {
+        _ if config.secure_aggregation.is_some() => Some("secure aggregation"),
+        _ if config.asynchronous.is_some() => Some("asynchronous aggregation"),
+        _ if config.differential_privacy.is_some() => Some("central differential privacy"),
+        _ => None,
+    };
+    match mode {
+        None => Ok(()),
+        Some(mode) => Err(ServerError::BadRequest(format!(
+            "task `{task}` uses {mode}, which takes each client's update itself: a regional aggregator's partial ({contributors} clients) cannot take part; connect those clients to this server"
+        ))),
+    }
+}
+
 /// Whether an upload is worth reading.
 pub enum Admission {
     /// No such update from this client in the round yet; it is sealed as `.1` says.
@@ -127,15 +160,22 @@ impl Coordinator {
             }
         }
         let record = task.record();
+        let contributors = meta.contributors();
+        check_contributors(&task.id, &record.config, contributors)?;
         let spec = record.spec;
         let frozen = record.part.map(|p| p.base_spec);
         let bounds = record.config.update_bounds;
         let dp = record.dp;
         // Example counts above the task's bound count as the bound, and so do those above the
-        // adaptive bound (a multiple of the median weight of recent accepted updates).
-        let mut weight = meta.num_examples.min(bounds.max_weight.max(1));
+        // adaptive bound (a multiple of the median weight of recent accepted updates). A
+        // regional aggregator's partial is bounded as its clients were, each (it bounded them
+        // itself): by the bound times their number, and by no one client's median.
+        let mut weight = meta
+            .num_examples
+            .min(bounds.max_weight.max(1).saturating_mul(contributors));
         if let Some(cap) = bounds
             .adaptive_weight_factor
+            .filter(|_| contributors == 1)
             .and_then(|f| lock(&task.recent).weights.bound(f))
         {
             weight = weight.min(cap.ceil() as u64).max(1);
@@ -234,6 +274,7 @@ impl Coordinator {
                     metrics: meta.metrics,
                     unclipped: folding.unclipped,
                     base: None,
+                    contributors,
                 },
                 sealed: folding.sealed,
                 weight: folding.fold_weight,

@@ -102,6 +102,35 @@ pub struct TaskRecord {
     /// never the reports. Written with every report it counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub evaluating: Option<EvaluationRecord>,
+    /// For a regional task (`config.parent`): where it stands with its parent's rounds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentRecord>,
+}
+
+/// Where a regional task stands with its parent's task (see [`crate::upstream`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ParentRecord {
+    /// The parent's round that the open local round (or the last one) trains for; 0 before the
+    /// first.
+    pub round: u64,
+    /// The last local round's partial, until the parent has taken it (or closed its round
+    /// without it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial: Option<PartialRecord>,
+}
+
+/// A closed local round's partial, waiting to be forwarded to the parent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PartialRecord {
+    /// The local round it closed.
+    pub round: u64,
+    /// The parent's round it is for.
+    pub parent_round: u64,
+    /// The example-weighted mean delta of the round's updates (a model blob).
+    pub model: ModelDigest,
+    pub examples: u64,
+    pub contributors: u64,
+    pub metrics: Metrics,
 }
 
 impl TaskRecord {
@@ -122,8 +151,10 @@ impl TaskRecord {
             None => [Some(self.config.initial_model), None],
         };
         let evaluated = self.evaluating.as_ref().map(|e| e.model);
+        let partial = self.parent.as_ref().and_then(|p| p.partial.as_ref());
         std::iter::once(self.global_model)
             .chain(evaluated)
+            .chain(partial.map(|p| p.model))
             .chain(initial.into_iter().flatten())
     }
 }
@@ -171,6 +202,17 @@ pub struct Contribution {
     /// In an asynchronous task: the version the update was trained from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<u64>,
+    /// How many clients' updates it holds (a regional aggregator's partial holds several).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub contributors: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn is_one(n: &u64) -> bool {
+    *n == 1
 }
 
 /// The durable part of a round's accumulator.
@@ -264,6 +306,9 @@ pub struct ClientRecord {
     /// The tasks this client may use; None: every task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks: Option<Vec<String>>,
+    /// A regional aggregator: its updates may stand for several clients.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub aggregator: bool,
     /// Updates of this client refused in a row as invalid or out of bounds (an accepted one
     /// starts the count again).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -290,6 +335,9 @@ pub struct EnrolmentRecord {
     /// The tasks the enrolled client may use; None: every task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tasks: Option<Vec<String>>,
+    /// The enrolled client is a regional aggregator.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub aggregator: bool,
 }
 
 /// Which published round models are kept: the last `last` rounds and every `every`th round (0

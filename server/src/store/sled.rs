@@ -654,6 +654,8 @@ mod tests {
             let store = SledStore::open(dir.path()).unwrap();
             let digest = store.put_model(&model).unwrap();
             let round = RoundRecord {
+                contributors: None,
+                forwarded_to: None,
                 round: 1,
                 attempt: 0,
                 outcome: hora_common::wire::RoundOutcome::Published,

@@ -355,6 +355,7 @@ fn bad_parameters_are_refused_with_the_field_named() {
 #[test]
 fn metrics_are_the_example_weighted_mean_and_selection_is_first_come() {
     let c = |examples, loss: Option<f64>| Contribution {
+        contributors: 1,
         client: "c".into(),
         examples,
         metrics: Metrics {

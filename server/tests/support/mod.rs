@@ -268,6 +268,7 @@ impl Client {
         let meta = UpdateMeta {
             num_examples: examples,
             metrics: Default::default(),
+            contributors: None,
         };
         let resp = self
             .api

@@ -228,6 +228,7 @@ pub(super) fn everything_written_is_there_after_reopening(f: &mut dyn Fixture) {
     s.put_enrolment(
         "h",
         &EnrolmentRecord {
+            aggregator: false,
             expires_unix_ms: 9,
             tasks: None,
         },

@@ -194,6 +194,7 @@ pub(super) fn task(initial: ModelDigest, published: u64) -> TaskRecord {
     }))
     .unwrap();
     TaskRecord {
+        parent: None,
         config,
         spec: model([0.0; 3]).spec(),
         state: TaskState::Running,
@@ -220,6 +221,7 @@ pub(super) fn open_round(round: u64, checkpoint: Option<&str>) -> OpenRoundRecor
         checkpoint: checkpoint.map(|file| CheckpointRecord {
             file: file.into(),
             contributions: vec![Contribution {
+                contributors: 1,
                 client: "c1".into(),
                 examples: 5,
                 metrics: Default::default(),
@@ -243,6 +245,8 @@ pub(super) fn open_round(round: u64, checkpoint: Option<&str>) -> OpenRoundRecor
 
 pub(super) fn published(round: u64, attempt: u32, model: Option<ModelDigest>) -> RoundRecord {
     RoundRecord {
+        contributors: None,
+        forwarded_to: None,
         round,
         attempt,
         outcome: RoundOutcome::Published,
@@ -262,6 +266,7 @@ pub(super) fn published(round: u64, attempt: u32, model: Option<ModelDigest>) ->
 
 pub(super) fn client(label: &str) -> ClientRecord {
     ClientRecord {
+        aggregator: false,
         secret_hash: "h".into(),
         label: Some(label.into()),
         enrolled_unix_ms: 1,

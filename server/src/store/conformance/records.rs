@@ -338,6 +338,7 @@ pub(super) fn clients_are_read_back_in_id_order(f: &mut dyn Fixture) {
 pub(super) fn enrolment_tokens_work_once(f: &mut dyn Fixture) {
     let s = f.store();
     let enrolment = EnrolmentRecord {
+        aggregator: false,
         expires_unix_ms: 5,
         tasks: Some(vec!["t".into()]),
     };
