@@ -1209,36 +1209,41 @@ fn version_completions_and_man_pages() {
 /// region and one on the parent itself. Each region's round starts from the parent's open
 /// round's model and forwards its partial as one update standing for its three clients; the
 /// parent's published models equal the flat federation's (FedAvg of all seven updates, each by
-/// its examples), and its history counts seven contributors and every example. The second round
-/// starts on both regions from the parent's new model. A client not enrolled as an aggregator
-/// cannot claim to stand for several clients.
+/// its examples), and its history counts seven contributors and every example. In the second
+/// round the parent is SIGKILLed before the regions' rounds close, and a region holding its
+/// partial is SIGKILLed and restarted too: once the parent is back, both partials arrive and the
+/// round publishes the flat FedAvg all the same. A client not enrolled as an aggregator cannot
+/// claim to stand for several clients.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_models() {
+async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_models_through_crashes()
+{
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let parent = Server::start(dirs[0].path());
+    let listen = format!("127.0.0.1:{}", free_port());
+    let parent = Server::start_on(dirs[0].path(), &listen, &[]);
     let admin = parent.api(ADMIN_TOKEN);
     let initial = small_model();
     let digest = admin.upload_model(&initial).await;
     admin.create_task(&task("tree", digest, 2, 7, 7, 600)).await;
+    let mut flags = Vec::new();
     let mut regions = Vec::new();
+    let (parent_url, parent_ca) = (parent.url.clone(), parent.ca.clone());
+    let mut parent = Some(parent);
     for (i, dir) in dirs[1..].iter().enumerate() {
         let token: serde_json::Value = admin
             .ok(admin
                 .request(Method::POST, "/admin/v1/enrolments")
                 .json(&serde_json::json!({"aggregator": true, "tasks": ["tree"]})))
             .await;
-        let token = token["token"].as_str().unwrap().to_string();
-        let region = Server::start_with(
-            dir.path(),
-            &[
-                "--parent",
-                &parent.url,
-                "--parent-ca",
-                parent.ca.to_str().unwrap(),
-                "--parent-enrolment-token",
-                &token,
-            ],
-        );
+        let region_flags: Vec<String> = vec![
+            "--parent".into(),
+            parent_url.clone(),
+            "--parent-ca".into(),
+            parent_ca.to_str().unwrap().into(),
+            "--parent-enrolment-token".into(),
+            token["token"].as_str().unwrap().into(),
+        ];
+        let flag_refs: Vec<&str> = region_flags.iter().map(String::as_str).collect();
+        let region = Server::start_with(dir.path(), &flag_refs);
         let api = region.api(ADMIN_TOKEN);
         assert_eq!(api.upload_model(&initial).await, digest);
         let mut config = task(&format!("tree-{i}"), digest, 2, 3, 3, 600);
@@ -1250,38 +1255,61 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
         for _ in 0..3 {
             clients.push(api.enrol().await);
         }
-        regions.push((region, api, clients));
+        flags.push(region_flags);
+        regions.push((region, clients));
     }
     let direct = admin.enrol().await;
 
     let mut expected = initial.clone();
     for round in 1..=2u64 {
-        let mut updates = Vec::new();
-        for (r, (_, _, clients)) in regions.iter().enumerate() {
-            let id = format!("tree-{r}");
-            for (i, c) in clients.iter().enumerate() {
-                // The region opens its round once it joined the parent's.
-                let offer = wait_for_offer(c, &id).await;
+        // Every client's offer first: a region opens its round once it joined the parent's.
+        let mut offers = Vec::new();
+        for (r, (_, clients)) in regions.iter().enumerate() {
+            for c in clients {
+                let offer = wait_for_offer(c, &format!("tree-{r}")).await;
                 assert_eq!(
                     offer.model,
                     expected.digest(),
                     "trained from the parent's model"
                 );
-                let examples = 10 + 7 * (3 * r + i) as u64 + round;
-                let d = delta(&expected, round * 100 + (3 * r + i) as u64);
-                c.upload(&id, &offer, examples, &d).await;
+                offers.push(offer);
+            }
+        }
+        let direct_offer = direct.join("tree").await;
+        assert_eq!(direct_offer.round, round);
+        let down = match round {
+            2 => Some(parent.take().expect("the parent runs").kill()),
+            _ => None,
+        };
+        let mut updates = Vec::new();
+        for (r, (_, clients)) in regions.iter().enumerate() {
+            for (i, c) in clients.iter().enumerate() {
+                let k = 3 * r + i;
+                let examples = 10 + 7 * k as u64 + round;
+                let d = delta(&expected, round * 100 + k as u64);
+                c.upload(&format!("tree-{r}"), &offers[k], examples, &d)
+                    .await;
                 updates.push((examples, d));
             }
         }
-        let offer = direct.join("tree").await;
-        assert_eq!(offer.round, round);
+        if round == 2 {
+            // Region 0 keeps its partial (the parent is down): killed, and started again.
+            let region = regions.remove(0).0;
+            wait_for_kept_partial(&region.api(ADMIN_TOKEN), "tree-0").await;
+            region.kill();
+            let flag_refs: Vec<&str> = flags[0].iter().map(String::as_str).collect();
+            let region = Server::start_with(dirs[1].path(), &flag_refs);
+            regions.insert(0, (region, Vec::new()));
+        }
+        if down.is_some() {
+            parent = Some(Server::start_on(dirs[0].path(), &listen, &[]));
+        }
         let d = delta(&expected, round * 100 + 99);
-        direct.upload("tree", &offer, 5, &d).await;
+        direct.upload("tree", &direct_offer, 5, &d).await;
         updates.push((5, d));
 
         let model = admin.round_model("tree", round).await;
-        let want = fedavg(&expected, &updates);
-        assert_close(&model, &want);
+        assert_close(&model, &fedavg(&expected, &updates));
         let history: Vec<RoundRecord> = admin
             .ok(admin.request(Method::GET, "/admin/v1/tasks/tree/rounds"))
             .await;
@@ -1292,7 +1320,8 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
         assert_eq!(entry.contributors, Some(7));
         assert_eq!(entry.participants.len(), 3, "two regions and one client");
         assert_eq!(entry.examples, updates.iter().map(|(n, _)| n).sum::<u64>());
-        for (r, (_, api, _)) in regions.iter().enumerate() {
+        for (r, (region, _)) in regions.iter().enumerate() {
+            let api = region.api(ADMIN_TOKEN);
             let local: Vec<RoundRecord> = api
                 .ok(api.request(Method::GET, &format!("/admin/v1/tasks/tree-{r}/rounds")))
                 .await;
@@ -1328,6 +1357,24 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
         text.contains("not enrolled as a regional aggregator"),
         "{text}"
     );
+}
+
+/// Waits until regional task `task` has closed its open round (keeping its partial).
+async fn wait_for_kept_partial(api: &Api, task: &str) {
+    let started = std::time::Instant::now();
+    loop {
+        let info: TaskInfo = api
+            .ok(api.request(Method::GET, &format!("/admin/v1/tasks/{task}")))
+            .await;
+        if info.open_round.is_none() {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{task} kept no partial"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Joins `task` until its round is open (a regional task opens it once its parent's is).

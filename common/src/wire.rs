@@ -338,8 +338,11 @@ pub struct CreateTask {
     /// `--parent`): each round starts from the parent's open round's model, and instead of
     /// publishing a model it forwards its partial (the example-weighted mean delta of its
     /// clients' updates, with their example count and number) to the parent's round, sealed to
-    /// that round's key. The parent's strategy, privacy and evaluation apply; this task's
-    /// `rounds` bounds how many of the parent's rounds it takes part in. Plain rounds only.
+    /// that round's key. The parent's strategy applies; this task's `rounds` bounds how many of
+    /// the parent's rounds it takes part in. Plain rounds only, under a parent task that is plain
+    /// without central DP (secure aggregation, asynchronous tasks and central DP take each
+    /// client's update themselves); the parent's federated evaluation does not reach the
+    /// region's clients.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<ParentTask>,
 }
@@ -708,8 +711,8 @@ pub struct RoundRecord {
     pub metrics: Metrics,
     pub duration_ms: u64,
     /// The global model the round published (absent if it was abandoned). For a regional task
-    /// (one with a `parent`), the partial the round forwarded to its parent: the
-    /// example-weighted mean delta of its updates.
+    /// (one with a `parent`), the partial the round kept for its parent: the example-weighted
+    /// mean delta of its updates (what `…/rounds/{round}/model` then serves).
     pub model: Option<ModelDigest>,
     /// How many clients' updates the round holds, those behind each regional aggregator among
     /// its participants counted (absent in entries written before servers counted them: then

@@ -426,10 +426,11 @@ impl ServeConfig {
         let parent = match args.parent {
             None => None,
             Some(url) => Some(crate::upstream::ParentConfig {
+                urls: crate::upstream::parent_urls(&url)
+                    .map_err(|e| anyhow::anyhow!("--parent: {e}"))?,
                 ca: args
                     .parent_ca
                     .unwrap_or_else(|| args.data_dir.join("parent").join("ca.pem")),
-                url,
                 enrolment_token: args.parent_enrolment_token,
                 state_dir: args.data_dir.join("parent"),
             }),

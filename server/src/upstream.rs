@@ -20,34 +20,39 @@
 //!    it as it folds any update, so its FedAvg over the regions equals the flat federation's;
 //!    then the partial is settled and the cycle starts again at the parent's next round.
 //!
-//! Every step is durable before the next: a region that crashes forwards its kept partial after
-//! its restart (joining again hands back the same round key), and one the parent already took is
-//! answered `already_contributed`, which settles it. A partial the parent's round closed without
-//! (the region was too slow) is logged as lost with its clients and examples; the region moves on
-//! to the parent's next round. The parent's strategy, privacy and evaluation apply; a regional
-//! task takes plain rounds only.
+//! Every step is durable before the next: the parent's offer is kept with the round it opened,
+//! so a region that crashes forwards its kept partial after its restart under the same round
+//! key, and one the parent already holds is answered as it was the first time (or
+//! `already_contributed`, which settles it). A partial the parent refuses for good (its round
+//! closed without it, the region was too slow; or an update it does not take) is logged as lost
+//! with its clients and examples, and the region moves on to the parent's next round. A local
+//! attempt abandoned short of its minimum is not retried on its own: the next attempt starts
+//! from the parent's round as it then is. The parent's strategy applies; a regional task takes
+//! plain rounds only, and the parent's task must be plain without central DP (which take each
+//! client's update themselves).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use hora_common::envelope::{self, Binding};
-use hora_common::model::{Model, ModelDigest};
+use hora_common::model::{Model, ModelDigest, ModelSpec};
 use hora_common::wire::{
     ApiError, Credentials, EnrolRequest, ErrorCode, JoinResponse, PollResponse, RoundOffer,
     TaskState, UpdateMeta,
 };
-use reqwest::Method;
+use reqwest::{Method, StatusCode};
 
 use crate::error::ServerError;
-use crate::round::{lock, Coordinator, Task};
+use crate::round::{Coordinator, Task};
 use crate::store::PartialRecord;
 
 /// How a server reaches its parent (`--parent`, `--parent-ca`, `--parent-enrolment-token`).
 #[derive(Clone)]
 pub struct ParentConfig {
-    /// `https://host:port`, or several comma-separated (the parent's replicas).
-    pub url: String,
+    /// `https://host:port` URLs of the parent (several: its replicas), as [`parent_urls`]
+    /// checked them.
+    pub urls: Vec<String>,
     /// The CA certificate the parent's certificate chains to.
     pub ca: PathBuf,
     /// The aggregator enrolment token, needed until the first enrolment succeeded.
@@ -59,14 +64,39 @@ pub struct ParentConfig {
 impl std::fmt::Debug for ParentConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ParentConfig")
-            .field("url", &self.url)
+            .field("urls", &self.urls)
             .field("ca", &self.ca)
             .field(
                 "enrolment_token",
-                &self.enrolment_token.as_ref().map(|_| "…"),
+                &self.enrolment_token.as_ref().map(|_| "(secret)"),
             )
             .field("state_dir", &self.state_dir)
             .finish()
+    }
+}
+
+/// The parent's URLs of `--parent` (comma-separated): each `https://host[:port]`, without a
+/// path, a query or credentials (what the server sends there is a bearer token).
+pub fn parent_urls(value: &str) -> Result<Vec<String>, String> {
+    let mut urls = Vec::new();
+    for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let url = reqwest::Url::parse(part).map_err(|e| format!("`{part}`: {e}"))?;
+        if url.scheme() != "https"
+            || url.host_str().is_none()
+            || !matches!(url.path(), "" | "/")
+            || url.query().is_some()
+            || !url.username().is_empty()
+            || url.password().is_some()
+        {
+            return Err(format!(
+                "`{part}` must be https://host:port, with nothing after the port"
+            ));
+        }
+        urls.push(part.trim_end_matches('/').to_string());
+    }
+    match urls.is_empty() {
+        true => Err("give the parent's https://host:port".into()),
+        false => Ok(urls),
     }
 }
 
@@ -95,8 +125,20 @@ impl Parent {
 /// A refusal or failure of a request to the parent.
 #[derive(Debug)]
 struct Refused {
+    /// None: no answer at all.
+    status: Option<StatusCode>,
     code: Option<ErrorCode>,
     message: String,
+}
+
+impl Refused {
+    fn local(message: String) -> Refused {
+        Refused {
+            status: None,
+            code: None,
+            message,
+        }
+    }
 }
 
 impl std::fmt::Display for Refused {
@@ -105,10 +147,17 @@ impl std::fmt::Display for Refused {
     }
 }
 
+/// The most bytes of a refusal's body read.
+const MAX_ERROR_BYTES: usize = 64 << 10;
+/// The most bytes of a JSON answer read.
+const MAX_JSON_BYTES: usize = 1 << 20;
+/// How long one request to the parent may take (a model's download or a partial's upload).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(900);
+
 /// This server as a client of its parent: the client API's enrolment, join, poll, model
-/// download and sealed upload (the SDK's `hora-client` brings libtorch, which the server never
-/// links). A request goes to each of the parent's URLs in turn until one answers; the agent's
-/// loop retries the rest.
+/// download and sealed upload (the SDK, `hora-client`, brings libtorch, which the server never
+/// links). A request goes to the parent's URLs in turn while they cannot be reached or answer
+/// that they stand by or stop; the agent's loop retries the rest.
 struct ParentClient {
     http: reqwest::Client,
     urls: Vec<String>,
@@ -124,48 +173,40 @@ impl ParentClient {
         let (http, kept, secret) = crate::blocking(move || {
             let http = crate::tls::https_client(&ca, None).map_err(ServerError::internal)?;
             std::fs::create_dir_all(&dir).map_err(ServerError::internal)?;
-            let kept = match std::fs::read(dir.join("credentials.json")) {
-                Ok(bytes) => Some(
-                    serde_json::from_slice::<Credentials>(&bytes).map_err(ServerError::internal)?,
-                ),
+            let creds = dir.join("credentials.json");
+            let kept = match std::fs::read(&creds) {
+                Ok(bytes) => Some(serde_json::from_slice::<Credentials>(&bytes).map_err(|e| {
+                    ServerError::internal(format!("{} is damaged ({e}): remove it, and the server enrols again with the secret kept beside it and --parent-enrolment-token", creds.display()))
+                })?),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
                 Err(e) => return Err(ServerError::internal(e)),
             };
             let secret_file = dir.join("enrolment-secret");
             let secret = match std::fs::read_to_string(&secret_file) {
                 Ok(s) => s.trim().to_string(),
-                Err(_) => {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     let secret = crate::auth::new_secret()?;
-                    crate::tls::write_private(&secret_file, &secret)
-                        .map_err(ServerError::internal)?;
+                    write_durably(&secret_file, &secret).map_err(ServerError::internal)?;
                     secret
                 }
+                Err(e) => return Err(ServerError::internal(e)),
             };
             Ok((http, kept, secret))
         })
         .await
-        .map_err(|e| {
-            format!("preparing the parent's client (--parent-ca, <data dir>/parent): {e}")
-        })?;
-        let urls: Vec<String> = config
-            .url
-            .split(',')
-            .map(|u| u.trim().trim_end_matches('/').to_string())
-            .filter(|u| !u.is_empty())
-            .collect();
+        .map_err(|e| format!("preparing the parent's client (--parent-ca, <data dir>/parent): {e}"))?;
         let mut client = ParentClient {
             http,
-            urls,
+            urls: config.urls.clone(),
             id: String::new(),
             token: String::new(),
         };
         let creds = match kept {
             Some(creds) => creds,
             None => {
-                let token = config.enrolment_token.clone().ok_or_else(|| {
-                    "this server has not enrolled with its parent yet: give it an aggregator enrolment token of the parent (--parent-enrolment-token, from `hora-server admin enrol --aggregator` there)".to_string()
+                client.token = config.enrolment_token.clone().ok_or_else(|| {
+                    "this server has not enrolled with its parent yet: give it an aggregator enrolment token of the parent (HORA_PARENT_ENROLMENT_TOKEN or --parent-enrolment-token, from `hora-server admin enrol --aggregator` there)".to_string()
                 })?;
-                client.token = token;
                 let request = EnrolRequest {
                     secret: Some(secret),
                     label: Some("regional aggregator".into()),
@@ -175,16 +216,11 @@ impl ParentClient {
                     .json(Method::POST, "/v1/enrol", |r| r.json(&request))
                     .await
                     .map_err(|e| format!("enrolling with the parent: {e}"))?;
-                let (dir, text) = (
-                    config.state_dir.clone(),
-                    serde_json::to_string(&creds).map_err(|e| e.to_string())?,
-                );
-                crate::blocking(move || {
-                    crate::tls::write_private(&dir.join("credentials.json"), &text)
-                        .map_err(ServerError::internal)
-                })
-                .await
-                .map_err(|e| format!("keeping the parent's credentials: {e}"))?;
+                let text = serde_json::to_string(&creds).map_err(|e| e.to_string())?;
+                let file = config.state_dir.join("credentials.json");
+                crate::blocking(move || write_durably(&file, &text).map_err(ServerError::internal))
+                    .await
+                    .map_err(|e| format!("keeping the parent's credentials: {e}"))?;
                 tracing::info!(client = %creds.client_id, "enrolled with the parent");
                 creds
             }
@@ -194,44 +230,53 @@ impl ParentClient {
         Ok(client)
     }
 
-    /// Sends a request to the first of the parent's URLs that answers: the response, or the
-    /// parent's refusal.
+    /// Sends a request to the parent: the first URL that answers other than standing by or
+    /// stopping. A success's response, or the refusal.
     async fn send(
         &self,
         method: Method,
         path: &str,
         build: impl Fn(reqwest::RequestBuilder) -> reqwest::RequestBuilder,
     ) -> Result<reqwest::Response, Refused> {
-        let mut last = String::from("no parent URL");
+        let mut last = Refused::local("no parent URL".into());
         for url in &self.urls {
             let request = self
                 .http
                 .request(method.clone(), format!("{url}{path}"))
                 .bearer_auth(&self.token)
-                .timeout(Duration::from_secs(120));
-            match build(request).send().await {
+                .timeout(REQUEST_TIMEOUT);
+            let resp = match build(request).send().await {
                 Ok(resp) if resp.status().is_success() => return Ok(resp),
-                Ok(resp) => {
-                    let status = resp.status();
-                    let text = resp.text().await.unwrap_or_default();
-                    return Err(match serde_json::from_str::<ApiError>(&text) {
-                        Ok(e) => Refused {
-                            message: format!("{status}: {}: {}", e.code.as_str(), e.message),
-                            code: Some(e.code),
-                        },
-                        Err(_) => Refused {
-                            code: None,
-                            message: format!("{status}: {text}"),
-                        },
-                    });
+                Ok(resp) => resp,
+                Err(e) => {
+                    last = Refused::local(format!("{url}: {e}"));
+                    continue;
                 }
-                Err(e) => last = format!("{url}: {e}"),
+            };
+            let status = resp.status();
+            let text = read_limited(resp, MAX_ERROR_BYTES)
+                .await
+                .unwrap_or_default();
+            let text = String::from_utf8_lossy(&text);
+            let refused = match serde_json::from_str::<ApiError>(&text) {
+                Ok(e) => Refused {
+                    status: Some(status),
+                    message: format!("{url}: {status}: {}: {}", e.code.as_str(), e.message),
+                    code: Some(e.code),
+                },
+                Err(_) => Refused {
+                    status: Some(status),
+                    code: None,
+                    message: format!("{url}: {status}: {text}"),
+                },
+            };
+            match refused.code {
+                // Another replica of the parent may serve.
+                Some(ErrorCode::Standby | ErrorCode::ShuttingDown) => last = refused,
+                _ => return Err(refused),
             }
         }
-        Err(Refused {
-            code: None,
-            message: last,
-        })
+        Err(last)
     }
 
     async fn json<T: serde::de::DeserializeOwned>(
@@ -241,10 +286,11 @@ impl ParentClient {
         build: impl Fn(reqwest::RequestBuilder) -> reqwest::RequestBuilder,
     ) -> Result<T, Refused> {
         let resp = self.send(method, path, build).await?;
-        resp.json().await.map_err(|e| Refused {
-            code: None,
-            message: format!("{path}: an answer that does not parse: {e}"),
-        })
+        let bytes = read_limited(resp, MAX_JSON_BYTES)
+            .await
+            .map_err(Refused::local)?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| Refused::local(format!("{path}: an answer that does not parse: {e}")))
     }
 
     async fn join(&self, task: &str) -> Result<JoinResponse, Refused> {
@@ -252,13 +298,14 @@ impl ParentClient {
             .await
     }
 
-    async fn poll(&self, task: &str) -> Result<PollResponse, Refused> {
-        self.json(
-            Method::GET,
-            &format!("/v1/tasks/{task}/poll?wait_ms=0"),
-            |r| r,
-        )
-        .await
+    /// The task's state once a round later than `after` (or a later attempt of it) opens, or
+    /// after the parent's longest poll.
+    async fn poll(&self, task: &str, after: &RoundOffer) -> Result<PollResponse, Refused> {
+        let path = format!(
+            "/v1/tasks/{task}/poll?wait_ms=25000&after={}&attempt={}",
+            after.round, after.attempt
+        );
+        self.json(Method::GET, &path, |r| r).await
     }
 
     /// The parent's model `digest`, checked against its digest and the task's spec.
@@ -266,17 +313,16 @@ impl ParentClient {
         &self,
         task: &str,
         digest: &ModelDigest,
-        spec: &hora_common::model::ModelSpec,
+        spec: &ModelSpec,
     ) -> Result<Model, String> {
         let path = format!("/v1/tasks/{task}/model?digest={}", digest.to_hex());
-        let bytes = self
+        let limits = spec.limits();
+        let resp = self
             .send(Method::GET, &path, |r| r)
             .await
-            .map_err(|e| e.to_string())?
-            .bytes()
-            .await
             .map_err(|e| e.to_string())?;
-        let model = Model::from_safetensors(&bytes, &spec.limits()).map_err(|e| {
+        let bytes = read_limited(resp, limits.max_bytes as usize).await?;
+        let model = Model::from_safetensors(&bytes, &limits).map_err(|e| {
             format!("the parent's model does not fit this task's (create the regional task with the parent's model, kind and trainable tensors): {e}")
         })?;
         if model.digest() != *digest || model.spec() != *spec {
@@ -315,11 +361,9 @@ impl ParentClient {
             envelope::seal(&plaintext, &o.round_key, &binding).map_err(ServerError::internal)
         })
         .await
-        .map_err(|e| Refused {
-            code: None,
-            message: format!("sealing the partial: {e}"),
-        })?;
-        let meta = serde_json::to_string(meta).unwrap_or_default();
+        .map_err(|e| Refused::local(format!("sealing the partial: {e}")))?;
+        let meta = serde_json::to_string(meta)
+            .map_err(|e| Refused::local(format!("the partial's metadata: {e}")))?;
         let path = format!("/v1/tasks/{task}/rounds/{}/update", offer.round);
         self.send(Method::POST, &path, |r| {
             r.header("x-hora-update", &meta).body(sealed.clone())
@@ -329,11 +373,39 @@ impl ParentClient {
     }
 }
 
+/// A response's body, refused past `limit` bytes (checked against its length first).
+async fn read_limited(mut resp: reqwest::Response, limit: usize) -> Result<Vec<u8>, String> {
+    if resp.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(format!("the parent's answer is larger than {limit} bytes"));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+        if body.len() + chunk.len() > limit {
+            return Err(format!("the parent's answer is larger than {limit} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// Writes `contents` to `path` readable by the server's user only, whole or not at all: a
+/// temporary file, synced, renamed over it, and the directory synced.
+fn write_durably(path: &std::path::Path, contents: &str) -> anyhow::Result<()> {
+    let temporary = path.with_extension("tmp");
+    crate::tls::write_private(&temporary, contents)?;
+    std::fs::File::open(&temporary)?.sync_all()?;
+    std::fs::rename(&temporary, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
 /// What became of a forwarded partial.
 enum Forwarded {
     /// The parent folded it (now, or at an earlier attempt whose answer was lost).
     Taken,
-    /// The parent's round closed without it.
+    /// The parent refused it for good.
     Lost(String),
 }
 
@@ -341,10 +413,11 @@ impl Coordinator {
     /// Starts the agent that moves regional task `task` through its parent's rounds; it ends
     /// with the task (or the server).
     pub(crate) fn follow_parent(self: &Arc<Self>, task: Arc<Task>) {
-        let Some(parent) = self.parent.clone() else {
+        let Some(parent_task) = task.record().config.parent.map(|p| p.task) else {
             return;
         };
-        let Some(parent_task) = task.record().config.parent.map(|p| p.task) else {
+        let Some(parent) = self.parent.clone() else {
+            tracing::error!(task = %task.id, parent_task = %parent_task, "a regional task, but this server has no parent: it opens no round until the server runs with --parent again");
             return;
         };
         let me = self.clone();
@@ -356,64 +429,75 @@ impl Coordinator {
                     step = me.upstream_step(&parent, &task, &parent_task) => step,
                     _ = stopping.cancelled() => return,
                 };
-                match step {
-                    Ok(true) => failures = 0,
-                    Ok(false) => return,
+                let wait = match step {
+                    Ok(Next::Now) => {
+                        failures = 0;
+                        continue;
+                    }
+                    Ok(Next::After(wait)) => {
+                        failures = 0;
+                        wait
+                    }
+                    Ok(Next::Done) => return,
                     Err(e) => {
                         failures = failures.saturating_add(1);
-                        let wait = Duration::from_millis(500 << failures.min(6));
-                        tracing::warn!(task = %task.id, parent_task = %parent_task, error = %e, retry_in_ms = wait.as_millis() as u64, "the regional task cannot reach its parent's round; trying again");
-                        tokio::select! {
-                            _ = tokio::time::sleep(wait) => {}
-                            _ = stopping.cancelled() => return,
-                        }
+                        let wait = Duration::from_millis(250 << failures.min(7));
+                        tracing::warn!(task = %task.id, parent_task = %parent_task, error = %e, retry_in_ms = wait.as_millis() as u64, "the regional task cannot go on with its parent's round; trying again");
+                        wait
                     }
+                };
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = stopping.cancelled() => return,
                 }
             }
         });
     }
 
-    /// One step of the cycle; false once the task has nothing more to do.
+    /// One step of the cycle.
     async fn upstream_step(
         self: &Arc<Self>,
         parent: &Parent,
         task: &Arc<Task>,
         parent_task: &str,
-    ) -> Result<bool, String> {
+    ) -> Result<Next, String> {
         // (Subscribed before reading, so a change made meanwhile is not missed.)
         let mut changes = task.subscribe();
         let record = task.record();
         let Some(link) = record.parent.clone() else {
-            return Ok(false);
+            return Ok(Next::Done);
         };
         if let Some(partial) = link.partial {
             let client = parent.client().await?;
-            let outcome = self.forward(client, parent_task, &partial).await?;
+            let outcome = match link.offer.filter(|o| o.round == partial.parent_round) {
+                Some(offer) => forward(client, parent_task, &offer, &partial, &self.store).await?,
+                None => Forwarded::Lost("the parent's offer for its round is not kept".into()),
+            };
             match &outcome {
                 Forwarded::Taken => {
                     tracing::info!(task = %task.id, round = partial.round, parent_task, parent_round = partial.parent_round, contributors = partial.contributors, examples = partial.examples, "the round's partial was forwarded to the parent")
                 }
                 Forwarded::Lost(why) => {
-                    tracing::warn!(task = %task.id, round = partial.round, parent_task, parent_round = partial.parent_round, contributors = partial.contributors, examples = partial.examples, reason = %why, "the parent's round closed without this round's partial: its updates are lost to the parent (give the regional task a shorter round deadline than the parent's)")
+                    tracing::warn!(task = %task.id, round = partial.round, parent_task, parent_round = partial.parent_round, contributors = partial.contributors, examples = partial.examples, reason = %why, "the parent did not take this round's partial: its updates are lost to the parent")
                 }
             }
             let (me, t) = (self.clone(), task.clone());
-            crate::blocking(move || me.partial_settled(&t, partial.round))
+            crate::blocking(move || me.settle_partial(&t, partial.round))
                 .await
                 .map_err(|e| format!("recording the forwarded partial: {e}"))?;
-            return Ok(true);
+            return Ok(Next::Now);
         }
         match record.state {
-            TaskState::Stopped | TaskState::Finished => return Ok(false),
+            TaskState::Stopped | TaskState::Finished => return Ok(Next::Done),
             TaskState::Running if task.current().is_none() => {}
             // A local round is open (or the task paused): wait for it to close.
             _ => {
                 let _ = tokio::time::timeout(Duration::from_secs(30), changes.changed()).await;
-                return Ok(true);
+                return Ok(Next::Now);
             }
         }
         let client = parent.client().await?;
-        let offer = match self.join_parent(client, parent_task).await? {
+        let offer = match join_parent(client, parent_task, link.offer.as_ref()).await? {
             Some(offer) => offer,
             None => {
                 tracing::info!(task = %task.id, parent_task, "the parent's task has ended: so does this regional task");
@@ -421,14 +505,15 @@ impl Coordinator {
                 crate::blocking(move || me.finish_regional(&t))
                     .await
                     .map_err(|e| format!("finishing the regional task: {e}"))?;
-                return Ok(false);
+                return Ok(Next::Now);
             }
         };
-        if !self
-            .store
-            .has_model(&offer.model)
-            .map_err(|e| e.to_string())?
-        {
+        let store = self.store.clone();
+        let digest = offer.model;
+        let stored = crate::blocking(move || Ok(store.has_model(&digest)?))
+            .await
+            .map_err(|e| e.to_string())?;
+        if !stored {
             let model = client
                 .model(parent_task, &offer.model, &record.spec)
                 .await
@@ -439,166 +524,91 @@ impl Coordinator {
                 .map_err(|e| e.to_string())?;
         }
         let (me, t) = (self.clone(), task.clone());
-        crate::blocking(move || me.open_from_parent(&t, offer.round, offer.model))
+        let opened = crate::blocking(move || me.open_from_parent(&t, offer))
             .await
             .map_err(|e| format!("opening the round: {e}"))?;
-        Ok(true)
-    }
-
-    /// Joins the parent's open round: its offer, or None once the parent's task has ended.
-    async fn join_parent(
-        &self,
-        client: &ParentClient,
-        task: &str,
-    ) -> Result<Option<RoundOffer>, String> {
-        loop {
-            match client.join(task).await {
-                Ok(JoinResponse {
-                    offer: Some(offer), ..
-                }) => return Ok(Some(offer)),
-                Ok(JoinResponse { retry_after_ms, .. }) => {
-                    tokio::time::sleep(Duration::from_millis(retry_after_ms.clamp(100, 5_000)))
-                        .await
-                }
-                Err(e) if e.code == Some(ErrorCode::TaskEnded) => return Ok(None),
-                Err(e) => return Err(format!("joining the parent's round: {e}")),
-            }
-        }
-    }
-
-    /// Uploads `partial` to the parent's round it was trained for.
-    async fn forward(
-        &self,
-        client: &ParentClient,
-        task: &str,
-        partial: &PartialRecord,
-    ) -> Result<Forwarded, String> {
-        // Joining again hands a selected client its round's offer (and key) back.
-        let offer = match client.join(task).await {
-            Ok(JoinResponse {
-                offer: Some(offer), ..
-            }) => offer,
-            Ok(JoinResponse { .. }) => {
-                let poll = client
-                    .poll(task)
-                    .await
-                    .map_err(|e| format!("asking the parent's task: {e}"))?;
-                return match poll.open_round {
-                    Some(open) if open <= partial.parent_round => Err(format!(
-                        "the parent's round {open} takes no update now; trying again"
-                    )),
-                    open => Ok(Forwarded::Lost(format!(
-                        "the parent's open round is {open:?}"
-                    ))),
-                };
-            }
-            Err(e) => return gone(e),
-        };
-        if offer.round != partial.parent_round {
-            return Ok(Forwarded::Lost(format!(
-                "the parent's open round is {}",
-                offer.round
-            )));
-        }
-        let store = self.store.clone();
-        let digest = partial.model;
-        let delta: Model = crate::blocking(move || Ok(store.read_model(&digest)?))
-            .await
-            .map_err(|e| format!("reading the partial {digest}: {e}"))?;
-        let meta = UpdateMeta {
-            num_examples: partial.examples,
-            metrics: partial.metrics,
-            contributors: Some(partial.contributors),
-        };
-        match client.upload(task, &offer, delta, &meta).await {
-            Ok(_) => Ok(Forwarded::Taken),
-            Err(e) => gone(e),
-        }
-    }
-
-    /// Opens the local round that trains for the parent's round `parent_round`, from `model`, if
-    /// the task has no round open and no partial kept. Blocking.
-    pub(crate) fn open_from_parent(
-        self: &Arc<Self>,
-        task: &Arc<Task>,
-        parent_round: u64,
-        model: ModelDigest,
-    ) -> Result<(), ServerError> {
-        let writing = lock(&task.writing);
-        let mut record = task.record();
-        if task.current().is_some()
-            || record.state != TaskState::Running
-            || record.published >= record.config.rounds
-        {
-            return Ok(());
-        }
-        let Some(link) = record.parent.as_mut().filter(|l| l.partial.is_none()) else {
-            return Ok(());
-        };
-        link.round = parent_round;
-        record.global_model = model;
-        let round = self.fresh_round(&record, record.published + 1, 0, None)?;
-        // The record first: a crash before the round is stored leaves none open, and the agent
-        // joins the parent's round again (and is handed the same offer).
-        self.store.put_task(&task.id, &record)?;
-        self.store
-            .put_open_round(&task.id, &round.record(&lock(&round.acc)))?;
-        round.collection.persist_new(&*self.store)?;
-        self.store.flush()?;
-        tracing::info!(task = %task.id, round = round.number, parent_round, model = %model, "opened a round from the parent's");
-        *lock(&task.round) = Some(round.clone());
-        *lock(&task.record) = record;
-        drop(writing);
-        task.bump();
-        self.watch(task.clone(), round);
-        Ok(())
-    }
-
-    /// The partial of local round `round` went to the parent (or was lost): forget it. Blocking.
-    fn partial_settled(&self, task: &Task, round: u64) -> Result<(), ServerError> {
-        let _writing = lock(&task.writing);
-        let mut record = task.record();
-        match record.parent.as_mut() {
-            Some(link) if link.partial.as_ref().is_some_and(|p| p.round == round) => {
-                link.partial = None
-            }
-            _ => return Ok(()),
-        }
-        self.store.put_task(&task.id, &record)?;
-        self.store.flush()?;
-        *lock(&task.record) = record;
-        task.bump();
-        Ok(())
-    }
-
-    /// The parent's task ended: the regional task finishes too. Blocking.
-    fn finish_regional(&self, task: &Task) -> Result<(), ServerError> {
-        let _writing = lock(&task.writing);
-        let mut record = task.record();
-        if task.current().is_some() || record.state != TaskState::Running {
-            return Ok(());
-        }
-        record.state = TaskState::Finished;
-        record.ended_reason = Some("the parent's task ended".into());
-        self.store.put_task(&task.id, &record)?;
-        self.store.flush()?;
-        *lock(&task.record) = record;
-        task.bump();
-        Ok(())
+        Ok(match opened {
+            true => Next::Now,
+            // (Paused, say, since the step began.)
+            false => Next::After(Duration::from_secs(1)),
+        })
     }
 }
 
-/// What an upload's refusal says about the partial: the parent has it already, or its round
-/// is gone; anything else is an error the agent retries.
-fn gone(e: Refused) -> Result<Forwarded, String> {
-    match &e.code {
-        Some(ErrorCode::AlreadyContributed) => Ok(Forwarded::Taken),
-        Some(
-            code @ (ErrorCode::RoundClosed
-            | ErrorCode::WrongRound
-            | ErrorCode::RoundAbandoned
-            | ErrorCode::NotSelected),
-        ) => Ok(Forwarded::Lost(format!("{} ({e})", code.as_str()))),
+/// What the agent does after a step.
+enum Next {
+    Now,
+    After(Duration),
+    Done,
+}
+
+/// Joins the parent's open round: its offer, or None once the parent's task has ended. While
+/// the parent's round `last` (whose partial it has) is open, waits for the next.
+async fn join_parent(
+    client: &ParentClient,
+    task: &str,
+    last: Option<&RoundOffer>,
+) -> Result<Option<RoundOffer>, String> {
+    loop {
+        match client.join(task).await {
+            Ok(JoinResponse {
+                offer: Some(offer), ..
+            }) => return Ok(Some(offer)),
+            Ok(JoinResponse { retry_after_ms, .. }) => {
+                tokio::time::sleep(Duration::from_millis(retry_after_ms.clamp(100, 5_000))).await
+            }
+            Err(e) if e.code == Some(ErrorCode::TaskEnded) => return Ok(None),
+            Err(e) if e.code == Some(ErrorCode::AlreadyContributed) => match last {
+                Some(last) => {
+                    client
+                        .poll(task, last)
+                        .await
+                        .map_err(|e| format!("waiting for the parent's next round: {e}"))?;
+                }
+                None => tokio::time::sleep(Duration::from_secs(1)).await,
+            },
+            Err(e) => return Err(format!("joining the parent's round: {e}")),
+        }
+    }
+}
+
+/// Uploads `partial` to the parent's round of `offer`, the one it was trained for.
+async fn forward(
+    client: &ParentClient,
+    task: &str,
+    offer: &RoundOffer,
+    partial: &PartialRecord,
+    store: &Arc<crate::store::Store>,
+) -> Result<Forwarded, String> {
+    let (store, digest) = (store.clone(), partial.model);
+    let delta: Model = crate::blocking(move || Ok(store.read_model(&digest)?))
+        .await
+        .map_err(|e| format!("reading the partial {digest}: {e}"))?;
+    let meta = UpdateMeta {
+        num_examples: partial.examples,
+        metrics: partial.metrics,
+        contributors: Some(partial.contributors),
+    };
+    match client.upload(task, offer, delta, &meta).await {
+        Ok(()) => Ok(Forwarded::Taken),
+        Err(e) => settled(e),
+    }
+}
+
+/// What an upload's refusal says about the partial: the parent has it already, or refuses it
+/// for good (a 4xx: its round is gone, or it does not take such an update); anything else (no
+/// answer, a timeout, a 5xx, an upload of it still being read) is retried.
+fn settled(e: Refused) -> Result<Forwarded, String> {
+    match (&e.code, e.status) {
+        (Some(ErrorCode::AlreadyContributed), _) => Ok(Forwarded::Taken),
+        (Some(ErrorCode::UploadInProgress | ErrorCode::UploadTooSlow), _) => Err(e.message),
+        (_, Some(s))
+            if s.is_client_error()
+                && s != StatusCode::REQUEST_TIMEOUT
+                && s != StatusCode::TOO_MANY_REQUESTS =>
+        {
+            Ok(Forwarded::Lost(e.message))
+        }
         _ => Err(format!("forwarding the partial: {e}")),
     }
 }

@@ -89,6 +89,7 @@ impl Coordinator {
                         })
                         .collect();
                     acc.durable = acc.contributions.len();
+                    acc.behind = 0;
                     *lock(&round.roster) = super::Roster::of(&acc);
                 }
                 let closed = self.close(task, round, Ending::Publish);
@@ -163,7 +164,11 @@ impl Coordinator {
                 self.metrics
                     .round_published(&task.id, started.elapsed().as_secs_f64());
                 round.collection.report(&self.metrics, &task.id, 0);
-                tracing::info!(task = %task.id, round = round.number, updates = tally.updates, examples = tally.examples, loss = ?history.metrics.loss, model = %history.model.map(|d| d.to_hex()[..12].to_string()).unwrap_or_default(), "round published");
+                let what = match history.forwarded_to {
+                    Some(_) => "round closed: its partial goes to the parent",
+                    None => "round published",
+                };
+                tracing::info!(task = %task.id, round = round.number, updates = tally.updates, examples = tally.examples, loss = ?history.metrics.loss, model = %history.model.map(|d| d.to_hex()[..12].to_string()).unwrap_or_default(), "{what}");
             }
             Some(r) => {
                 round
@@ -370,9 +375,10 @@ impl Coordinator {
                     match &mut record.parent {
                         // Forwarded by the upstream agent once this record is durable.
                         Some(parent) => {
+                            parent.attempt = 0;
                             parent.partial = Some(PartialRecord {
                                 round: round.number,
-                                parent_round: parent.round,
+                                parent_round: parent.round().unwrap_or_default(),
                                 model: digest,
                                 examples: tally.examples,
                                 contributors: tally.contributors,
@@ -403,7 +409,12 @@ impl Coordinator {
                 .parent
                 .as_ref()
                 .filter(|_| model.is_some())
-                .map(|p| p.round);
+                .and_then(|p| p.round());
+            // A regional task's abandoned attempt is not retried from here: its next attempt
+            // starts from the parent's round as it then is.
+            if let (Some(parent), Some(_)) = (&mut record.parent, &tally.abandon) {
+                parent.attempt = round.attempt + 1;
+            }
             if let Some(digest) = model.filter(|_| forwarded_to.is_none()) {
                 let published = (round.number, round.attempt, digest);
                 tally.evaluations =
@@ -439,9 +450,9 @@ impl Coordinator {
             round.collection.retire(round);
             let previous = Some(&round.collection);
             let next = match record.state {
-                // A regional task's next round starts from its parent's next model: the
+                // A regional task's next round (or attempt) starts from its parent's: the
                 // upstream agent opens it.
-                TaskState::Running | TaskState::Paused if forwarded_to.is_some() => None,
+                TaskState::Running | TaskState::Paused if record.parent.is_some() => None,
                 TaskState::Running | TaskState::Paused => Some(match &tally.abandon {
                     None => self.fresh_round(record, round.number + 1, 0, previous)?,
                     Some(_) => {

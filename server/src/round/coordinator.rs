@@ -242,6 +242,7 @@ impl Coordinator {
             ),
         };
         let durable = contributions.len();
+        let behind = Accumulator::behind(&contributions);
         let selected: std::collections::BTreeSet<String> = open.selected.into_iter().collect();
         let selected_durable = selected.len();
         let acc = Accumulator {
@@ -249,6 +250,7 @@ impl Coordinator {
             selected,
             selected_durable,
             contributions,
+            behind,
             durable,
             checkpoint,
             noised,

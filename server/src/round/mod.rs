@@ -46,6 +46,7 @@ mod deadline;
 pub mod evaluation;
 pub mod phase;
 pub mod plain;
+mod regional;
 pub mod secure;
 pub mod seen;
 pub mod strikes;
@@ -129,6 +130,9 @@ pub(crate) struct Accumulator {
     pub(crate) tried: BTreeSet<String>,
     /// Every accepted contribution, the durable ones first.
     pub(crate) contributions: Vec<Contribution>,
+    /// The clients behind regional aggregators' partials among `contributions`, beyond one a
+    /// partial (Σ contributors − 1): kept as they are folded, so counting is O(1).
+    pub(crate) behind: u64,
     pub(crate) durable: usize,
     /// The last durable checkpoint of the sum, as the open-round record must describe it.
     pub(crate) checkpoint: Option<Checkpointed>,
@@ -145,9 +149,14 @@ impl Accumulator {
     /// How many clients' updates the attempt holds: those behind a regional aggregator's
     /// partial counted each.
     pub(crate) fn contributors(&self) -> u64 {
-        self.contributions
-            .iter()
-            .fold(0u64, |n, c| n.saturating_add(c.contributors))
+        (self.contributions.len() as u64).saturating_add(self.behind)
+    }
+
+    /// [`Accumulator::behind`] of `contributions`.
+    pub(crate) fn behind(contributions: &[Contribution]) -> u64 {
+        contributions.iter().fold(0u64, |n, c| {
+            n.saturating_add(c.contributors.saturating_sub(1))
+        })
     }
 
     pub(crate) fn new(spec: hora_common::model::ModelSpec) -> Self {
@@ -158,6 +167,7 @@ impl Accumulator {
             selected_durable: 0,
             tried: BTreeSet::new(),
             contributions: Vec::new(),
+            behind: 0,
             durable: 0,
             checkpoint: None,
             noised: false,

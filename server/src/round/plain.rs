@@ -136,6 +136,9 @@ pub(crate) fn fold(round: &Arc<Round>, opened: Opened<'_>) -> Result<Folded, Ser
         .add_update_scaled(opened.weight, opened.scale, opened.view)
         .map_err(|e| ServerError::InvalidUpdate(e.to_string()))?;
     lock(&round.roster).contributed(client);
+    acc.behind = acc
+        .behind
+        .saturating_add(opened.update.contributors.saturating_sub(1));
     acc.contributions.push(opened.update);
     Ok(Folded {
         round: round.clone(),

@@ -23,12 +23,12 @@ use crate::error::ServerError;
 use crate::store::Contribution;
 
 /// The most clients one update may stand for.
-pub const MAX_CONTRIBUTORS: u64 = 1 << 32;
+const MAX_CONTRIBUTORS: u64 = 1 << 24;
 
 /// Whether task `task` (configured as `config`) takes an update that stands for `contributors`
 /// clients: one always; several (a regional aggregator's partial) only in a plain round without
 /// central DP, which clips and weighs each client's update itself.
-pub fn check_contributors(
+fn check_contributors(
     task: &str,
     config: &wire::CreateTask,
     contributors: u64,
@@ -286,7 +286,11 @@ impl Coordinator {
             // folded body can go.)
             drop(permit);
             if folded.now {
-                task.accepted(folding.accepted_norm, weight);
+                // (A partial's weight and the norm of a mean are no one client's: they would
+                // move the adaptive bounds' medians.)
+                if contributors == 1 {
+                    task.accepted(folding.accepted_norm, weight);
+                }
                 me.clients_seen.contributed(&contributor);
                 me.metrics
                     .ingest_seconds

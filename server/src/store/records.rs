@@ -7,7 +7,7 @@
 use std::fmt;
 
 use hora_common::model::{ModelDigest, ModelSpec};
-use hora_common::wire::{CreateTask, EvaluationSums, Metrics, Redacted, TaskState};
+use hora_common::wire::{CreateTask, EvaluationSums, Metrics, Redacted, RoundOffer, TaskState};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
@@ -110,13 +110,25 @@ pub struct TaskRecord {
 /// Where a regional task stands with its parent's task (see [`crate::upstream`]).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ParentRecord {
-    /// The parent's round that the open local round (or the last one) trains for; 0 before the
-    /// first.
-    pub round: u64,
+    /// The parent's offer (its round, model and public key) that the open local round, or the
+    /// last one, trains for; None before the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offer: Option<RoundOffer>,
+    /// The attempt the next local round opens as: 0 after a partial, one more after an
+    /// abandoned attempt (whose successor keeps its number).
+    #[serde(default)]
+    pub attempt: u32,
     /// The last local round's partial, until the parent has taken it (or closed its round
     /// without it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial: Option<PartialRecord>,
+}
+
+impl ParentRecord {
+    /// The parent's round the open (or last) local round trains for.
+    pub fn round(&self) -> Option<u64> {
+        self.offer.as_ref().map(|o| o.round)
+    }
 }
 
 /// A closed local round's partial, waiting to be forwarded to the parent.
@@ -142,7 +154,7 @@ impl TaskRecord {
     }
 
     /// The models the task needs whatever its history: the current one, the one its open
-    /// evaluation hands out, and the initial one or, for a task that trains part of its model,
+    /// evaluation hands out, a regional task's partial not yet forwarded, and the initial one or, for a task that trains part of its model,
     /// the initial one's trainable part and its frozen base (the whole model as uploaded is no
     /// longer needed).
     pub fn own_models(&self) -> impl Iterator<Item = ModelDigest> {
