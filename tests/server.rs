@@ -1277,10 +1277,10 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
         }
         let direct_offer = direct.join("tree").await;
         assert_eq!(direct_offer.round, round);
-        let down = match round {
-            2 => Some(parent.take().expect("the parent runs").kill()),
-            _ => None,
-        };
+        let down = round == 2;
+        if down {
+            parent.take().expect("the parent runs").kill();
+        }
         let mut updates = Vec::new();
         for (r, (_, clients)) in regions.iter().enumerate() {
             for (i, c) in clients.iter().enumerate() {
@@ -1301,7 +1301,7 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
             let region = Server::start_with(dirs[1].path(), &flag_refs);
             regions.insert(0, (region, Vec::new()));
         }
-        if down.is_some() {
+        if down {
             parent = Some(Server::start_on(dirs[0].path(), &listen, &[]));
         }
         let d = delta(&expected, round * 100 + 99);
