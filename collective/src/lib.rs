@@ -60,7 +60,7 @@ pub use launch::{torchrun_peers, LaunchRank};
 pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, Snapshot, SyncOptimizer};
 pub use rendezvous::{Rendezvous, World};
 pub use ring::{CommOptions, Communicator, Reduce, Wire};
-pub use world::{bind, connect, form_world, Meeting};
+pub use world::{bind, connect, form_world, ElasticMeeting, Meeting};
 
 /// Why a collective failed. Every variant that involves another worker names its rank, so that
 /// an operator knows which process to look at.
@@ -96,6 +96,18 @@ pub enum CollectiveError {
 }
 
 impl CollectiveError {
+    /// Whether this is a lost or stalled worker that an elastic job survives (by rolling back
+    /// and forming the next world), not a bug, a mismatch or bad data, which would fail the next
+    /// world too.
+    pub fn survivable(&self) -> bool {
+        matches!(
+            self,
+            CollectiveError::PeerFailed { .. }
+                | CollectiveError::Poisoned(_)
+                | CollectiveError::Io { .. }
+        )
+    }
+
     pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
         CollectiveError::Io {
             context: context.into(),

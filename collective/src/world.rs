@@ -6,7 +6,7 @@ use std::net::TcpListener;
 
 use crate::launch::LaunchRank;
 use crate::link::Links;
-use hora_common::wire::SyncJoinRequest;
+use hora_common::wire::{SyncJoinRequest, SyncRejoin};
 
 use crate::rendezvous::{self, Rendezvous, World};
 use crate::ring::{CommOptions, Communicator};
@@ -130,4 +130,61 @@ pub fn connect(
         _ => None,
     };
     Communicator::new(world, links, options)
+}
+
+/// How many worlds in a row may fail while their rings connect before a worker gives up.
+const MEET_ATTEMPTS: u32 = 5;
+
+/// How an elastic job's worker (a job created with `--min-world-size`) meets each of its worlds:
+/// at the server, which forms a world from whoever joined, the newest commit at rank 0.
+pub struct ElasticMeeting<'a> {
+    pub service: &'a dyn Rendezvous,
+    pub listen: &'a str,
+    pub advertise: Option<&'a str>,
+    /// The job's largest world (its `world_size`).
+    pub max_world_size: u32,
+    pub options: CommOptions,
+}
+
+impl ElasticMeeting<'_> {
+    /// Joins the next world: as a survivor of the world and rank `rejoin` names (with the step
+    /// of its last commit), or as a newcomer. A world whose member dies while the ring connects
+    /// is given up and the next one joined (a few times in a row at most); a rendezvous
+    /// refusal, such as a world below the minimum, is the caller's error.
+    pub fn meet(&self, mut rejoin: Option<SyncRejoin>) -> Result<Communicator> {
+        let mut attempt = 1;
+        loop {
+            let (listener, address) = bind(self.listen, self.advertise)?;
+            tracing::info!(%address, ?rejoin, "joining the elastic job");
+            // A survivor waits its timeout for the others to come back; a new worker waits as
+            // long as the server holds a join (10 minutes) for the running world's next commit.
+            let wait = match rejoin {
+                Some(_) => self.options.timeout.as_secs().clamp(1, 600),
+                None => 600,
+            };
+            let request = SyncJoinRequest {
+                address,
+                rank: None,
+                world_size: self.max_world_size,
+                timeout_s: Some(wait as u32),
+                rejoin,
+                elastic: true,
+            };
+            let world = rendezvous::join(self.service, &request)?;
+            let (generation, rank) = (world.generation, world.rank);
+            match connect(world, Some(listener), self.options.clone()) {
+                Err(e) if e.survivable() && attempt < MEET_ATTEMPTS => {
+                    tracing::warn!(error = %e, attempt, "a worker was lost while the world formed: joining the next one");
+                    // Still a member of the world that formed, with the same state.
+                    rejoin = rejoin.map(|r| SyncRejoin {
+                        generation,
+                        rank,
+                        ..r
+                    });
+                    attempt += 1;
+                }
+                formed => return formed,
+            }
+        }
+    }
 }

@@ -213,7 +213,15 @@ class Admin:
 
     # Sync jobs --------------------------------------------------------------------------------
 
-    def create_sync_job(self, job: str, world_size: int) -> Dict[str, Any]:
+    def create_sync_job(self, job: str, world_size: int, min_world_size: Optional[int] = None,
+                        settle_ms: Optional[int] = None) -> Dict[str, Any]:
         """A sync job whose workers meet at this server; the answer holds the job's ``token``
-        (shown once)."""
-        return self._json("POST", "/admin/v1/sync-jobs", {"id": job, "world_size": world_size})
+        (shown once). With ``min_world_size`` it is elastic (:mod:`hora.elastic`): worlds of
+        ``min_world_size`` to ``world_size`` workers form after ``settle_ms`` of quiet (default
+        one second)."""
+        body: Dict[str, Any] = {"id": job, "world_size": world_size}
+        if min_world_size is not None:
+            body["min_world_size"] = min_world_size
+        if settle_ms is not None:
+            body["settle_ms"] = settle_ms
+        return self._json("POST", "/admin/v1/sync-jobs", body)

@@ -669,3 +669,7 @@ def load_checkpoint(path: Union[str, "os.PathLike[str]"], root_rank: int = 0) ->
 
     tag, data = _broadcast_bytes(read, root_rank, "checkpoint", MAX_STATE_BYTES)
     return _decode_state(tag, data, root_rank)
+
+
+# Elastic jobs (a submodule that builds on this one): ``hora.sync.elastic.run``.
+from . import elastic  # noqa: E402

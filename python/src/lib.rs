@@ -56,7 +56,7 @@ create_exception!(
     _hora,
     SyncFailed,
     HoraError,
-    "A collective failed. `rank` names the worker that died, stalled or disagreed (None when unknown)."
+    "A collective failed. `rank` names the worker that died, stalled or disagreed (None when unknown); `survivable` says whether it was a lost or stalled worker, which an elastic job survives."
 );
 
 /// The runtime every network call of the module runs on.
@@ -154,6 +154,8 @@ fn sync_error(py: Python<'_>, e: CollectiveError) -> PyErr {
     };
     let err = SyncFailed::new_err(e.to_string());
     let _ = err.value(py).setattr("rank", rank);
+    // A lost or stalled worker, which an elastic job survives.
+    let _ = err.value(py).setattr("survivable", e.survivable());
     err
 }
 
@@ -179,6 +181,7 @@ fn _hora(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ring::PendingRing>()?;
     m.add_function(wrap_pyfunction!(ring::launch_rank, m)?)?;
     m.add_function(wrap_pyfunction!(ring::torchrun_peers, m)?)?;
+    m.add_function(wrap_pyfunction!(ring::sync_job_status, m)?)?;
     m.add_function(wrap_pyfunction!(convert::encode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::decode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::load_dataset, m)?)?;

@@ -30,9 +30,10 @@ use hora_client::sync::ServerRendezvous;
 use hora_collective::fusion::{Part, DEFAULT_THRESHOLD};
 use hora_collective::ring::fingerprint;
 use hora_collective::{
-    bind, connect, form_world, CollectiveError, CommOptions, Communicator, HostFusion, LaunchRank,
-    Meeting, Reduce, Wire, World,
+    bind, connect, form_world, CollectiveError, CommOptions, Communicator, ElasticMeeting,
+    HostFusion, LaunchRank, Meeting, Reduce, Rendezvous, Wire, World,
 };
+use hora_common::wire::SyncRejoin;
 use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -58,6 +59,7 @@ pub(crate) struct Ring {
     fusion: Mutex<HostFusion>,
     rank: u32,
     size: u32,
+    generation: u64,
 }
 
 impl Ring {
@@ -65,6 +67,7 @@ impl Ring {
         Ring {
             rank: comm.rank(),
             size: comm.size(),
+            generation: comm.world().generation,
             comm: Mutex::new(comm),
             fusion: Mutex::new(HostFusion::default()),
         }
@@ -304,9 +307,72 @@ impl Ring {
         .map_err(|e| sync_error(py, e))
     }
 
+    /// join_elastic(server, ca, job, token, max_world_size, rejoin=None, listen="127.0.0.1:0", advertise=None, timeout_secs=30.0, half_precision=False, seal_frames=True, cert=None, key=None) -> Ring
+    /// --
+    ///
+    /// Joins the next world of an elastic job (one created with a minimum world size): as a
+    /// survivor, `rejoin` is `(generation, rank, committed)`, the world it was in, its rank
+    /// there and the step of its last commit; a newcomer passes None and waits (up to ten
+    /// minutes) for the running world's next commit. The server gives rank 0 to the newest
+    /// commit. A world below the job's minimum fails with the ranks that did not come back.
+    #[staticmethod]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (server, ca, job, token, max_world_size, rejoin=None, listen="127.0.0.1:0".to_string(), advertise=None, timeout_secs=30.0, half_precision=false, seal_frames=true, cert=None, key=None))]
+    fn join_elastic(
+        py: Python<'_>,
+        server: String,
+        ca: PathBuf,
+        job: String,
+        token: String,
+        max_world_size: u32,
+        rejoin: Option<(u64, u32, u64)>,
+        listen: String,
+        advertise: Option<String>,
+        timeout_secs: f64,
+        half_precision: bool,
+        seal_frames: bool,
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+    ) -> PyResult<Ring> {
+        let identity = crate::identity(cert, key)?;
+        let options = options(timeout_secs, half_precision, seal_frames)?;
+        let rejoin = rejoin.map(|(generation, rank, committed)| SyncRejoin {
+            generation,
+            rank,
+            committed,
+        });
+        py.detach(|| {
+            let rendezvous = ServerRendezvous {
+                server: &server,
+                ca: &ca,
+                identity: identity.as_ref(),
+                job: &job,
+                token: &token,
+                timeout: Duration::from_secs(600),
+                retry_for: Duration::from_secs(600),
+            };
+            ElasticMeeting {
+                service: &rendezvous,
+                listen: &listen,
+                advertise: advertise.as_deref(),
+                max_world_size,
+                options,
+            }
+            .meet(rejoin)
+        })
+        .map(Ring::new)
+        .map_err(|e| sync_error(py, e))
+    }
+
     #[getter]
     fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// The generation of this world (counts the worlds the job formed; 0 without a server).
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.generation
     }
 
     #[getter]
@@ -540,4 +606,37 @@ impl PendingRing {
         .map(Ring::new)
         .map_err(|e| sync_error(py, e))
     }
+}
+
+/// sync_job_status(server, ca, job, token, cert=None, key=None) -> (generation, waiting)
+/// --
+///
+/// An elastic job's generation and the workers waiting to join it, as a running world's rank 0
+/// asks at its commits (which also tells the server the world is alive).
+#[pyfunction]
+#[pyo3(signature = (server, ca, job, token, cert=None, key=None))]
+pub(crate) fn sync_job_status(
+    py: Python<'_>,
+    server: String,
+    ca: PathBuf,
+    job: String,
+    token: String,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> PyResult<(u64, u32)> {
+    let identity = crate::identity(cert, key)?;
+    py.detach(|| {
+        ServerRendezvous {
+            server: &server,
+            ca: &ca,
+            identity: identity.as_ref(),
+            job: &job,
+            token: &token,
+            timeout: Duration::from_secs(30),
+            retry_for: Duration::from_secs(30),
+        }
+        .status()
+    })
+    .map(|s| (s.generation, s.waiting))
+    .map_err(|e| sync_error(py, CollectiveError::Rendezvous(e)))
 }

@@ -8,11 +8,17 @@ objects:   (2 ranks) objects as JSON, states by torch.load(weights_only=True), a
            a checkpoint that would run code, a length past the limit; prints the outcomes.
 resize:    (2 ranks) while rank 0's allreduce_ waits for rank 1 with the GIL released, another
            thread of rank 0 resizes its array and its tensor; prints the outcomes.
+elastic:   hora.sync.elastic.run: the MLP, committing every 5 steps; with DIE_AT=n the process
+           SIGKILLs itself at step n of its first world; the survivors train on until a world of
+           generation 3 (a newcomer joined) has trained, then to --steps; prints each world's
+           size, starting step and state digest, and the final digest.
 """
 
 import argparse
+import hashlib
 import json
 import os
+import signal
 import struct
 import sys
 import threading
@@ -56,6 +62,56 @@ def train(batch: int, epochs: int) -> dict:
         torch.nn.init.constant_(model.fc1.weight, 0.3)
     fit(model, x, y, batch, epochs)
     return {k: v.flatten().tolist() for k, v in model.state_dict().items()}
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def elastic(steps: int) -> dict:
+    """See the module's doc: one global batch of 8 a rank a step, from a permutation seeded by
+    the step, so any world size takes the same path through the data from a commit."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    (x, y), _, _ = hora.load_dataset(DATA, 0)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = hs.elastic.TorchState(model, opt, step=0)
+    worlds = []
+
+    def reset() -> None:
+        worlds.append({"generation": hs._the_ring().generation, "size": hs.size(),
+                       "step": state.step, "digest": digest(model)})
+        print(f"WORLD {worlds[-1]['generation']} {hs.size()}", flush=True)
+
+    state.on_reset(reset)
+    die_at = int(os.environ.get("DIE_AT", "0"))
+
+    def train(state) -> str:
+        dist = hs.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        batch = 8
+        # (Past --steps until the newcomer's world has trained a while: the same on every rank.)
+        while state.step < steps or (hs._the_ring().generation < 3 and state.step < 100 * steps):
+            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(state.step))
+            mine = order[hs.rank() * batch: (hs.rank() + 1) * batch]
+            dist.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
+            dist.step()
+            state.step += 1
+            if state.step == die_at and len(worlds) == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state.step % 5 == 0:
+                state.commit()
+            time.sleep(0.005)
+        return digest(model)
+
+    final = hs.elastic.run(train, state, timeout_secs=10.0)
+    return {"digest": final, "step": state.step, "worlds": worlds, "commits": state.commits}
 
 
 def outcome(f) -> str:
@@ -158,7 +214,11 @@ def main() -> None:
     p.add_argument("mode")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
     args = p.parse_args()
+    if args.mode == "elastic":
+        print("RESULT " + json.dumps(elastic(args.steps)), flush=True)
+        return
     hs.init(timeout_secs=float(os.environ.get("TIMEOUT", "10")))
     if args.mode == "allreduce":
         r = hs.rank()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,36 @@ def test_states_torch_refuses_to_load_are_refused_with_or_without_torchs_list_of
     with pytest.raises(TypeError, match="weights_only=True"):
         sync._check_loadable(str(evil), "the checkpoint")
     assert not marker.exists()
+
+
+def test_an_elastic_job_survives_a_killed_worker_and_hands_a_newcomer_the_state(server, procs):
+    """hora.sync.elastic.run: three workers of a job of two to three; one SIGKILLs itself at step
+    22 of the first world. The two survivors roll back to their commit of step 20 and form world
+    2 of two; a fourth process started then joins at a commit (world 3 of three), handed the same
+    state, bit for bit; all three end with one state."""
+    token = server.admin.create_sync_job("elastic", 3, min_world_size=2, settle_ms=500)["token"]
+    env = {"HORA_SERVER": server.url, "HORA_CA": str(server.ca), "HORA_JOB": "elastic",
+           "HORA_SYNC_TOKEN": token, "HORA_WORLD_SIZE": "3", "HORA_LOG": "warn"}
+    argv = [sys.executable, WORKER, "elastic", "--steps", "60"]
+    first = [procs.start(f"elastic-{i}", argv, env={**env, **({"DIE_AT": "22"} if i == 1 else {})})
+             for i in range(3)]
+    assert first[1].wait(timeout=120) == -9, log(first[1])
+    survivor = Path(first[0].log_path)
+    deadline = time.monotonic() + 60
+    while "WORLD 2 2" not in survivor.read_text(errors="replace"):
+        assert time.monotonic() < deadline and first[0].poll() is None, log(first[0])
+        time.sleep(0.05)
+    newcomer = procs.start("elastic-3", argv, env=env)
+    results = []
+    for w in (first[0], first[2], newcomer):
+        assert w.wait(timeout=180) == 0, log(w)
+        lines = [l for l in Path(w.log_path).read_text(errors="replace").splitlines()
+                 if l.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][7:]))
+    a, b, c = results
+    assert a["digest"] == b["digest"] == c["digest"] and a["step"] == b["step"] == c["step"]
+    for r in (a, b):
+        assert [(w["generation"], w["size"]) for w in r["worlds"]] == [(1, 3), (2, 2), (3, 3)], r
+        assert r["worlds"][1]["step"] == 20, "rolled back to the commit before the loss"
+    assert [(w["generation"], w["size"]) for w in c["worlds"]] == [(3, 3)], c
+    assert c["worlds"][0] == a["worlds"][2] == b["worlds"][2], "the newcomer's state is theirs"

@@ -22,10 +22,10 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Device, Tensor};
 
 use hora_collective::{
-    bind, connect, rendezvous, Algorithm, CollectiveError, CommOptions, Communicator,
-    DistributedOptimizer, Fusion, LrScaling, Rendezvous, Snapshot, SyncOptimizer,
+    Algorithm, CollectiveError, CommOptions, Communicator, DistributedOptimizer, ElasticMeeting,
+    Fusion, LrScaling, Rendezvous, Snapshot, SyncOptimizer,
 };
-use hora_common::wire::{SyncJoinRequest, SyncRejoin};
+use hora_common::wire::SyncRejoin;
 
 use super::checkpoint;
 use super::{Result, SyncError};
@@ -162,14 +162,7 @@ enum Ended {
 /// Whether `e` is a lost or stalled worker that an elastic job survives (not a bug, a
 /// mismatch or bad data, which would fail the next world too).
 fn survivable(e: &SyncError) -> bool {
-    matches!(
-        e,
-        SyncError::Collective(
-            CollectiveError::PeerFailed { .. }
-                | CollectiveError::Poisoned(_)
-                | CollectiveError::Io { .. }
-        )
-    )
+    matches!(e, SyncError::Collective(c) if c.survivable())
 }
 
 /// Trains `config` on this worker's shard in lock-step with the others of each world.
@@ -317,48 +310,17 @@ pub fn train(
     Ok(report)
 }
 
-/// Attempts at forming a world in a row whose members fail while connecting, before giving up.
-const MEET_ATTEMPTS: u32 = 5;
-
 impl Elastic<'_> {
-    /// Joins the next world. A world whose member dies while the ring connects is given up and
-    /// the next one joined (a few times in a row at most); a rendezvous refusal, such as a world
-    /// below the minimum, ends the run.
-    fn meet(&self, mut rejoin: Option<SyncRejoin>) -> Result<Communicator> {
-        let mut attempt = 1;
-        loop {
-            let (listener, address) = bind(self.listen, self.advertise)?;
-            tracing::info!(%address, ?rejoin, "joining the elastic job");
-            // A survivor waits `--timeout` for the others to come back; a new worker waits as
-            // long as the server holds a join (10 minutes) for the running world's next commit.
-            let wait = match rejoin {
-                Some(_) => self.options.timeout.as_secs().clamp(1, 600),
-                None => 600,
-            };
-            let request = SyncJoinRequest {
-                address,
-                rank: None,
-                world_size: self.max_world_size,
-                timeout_s: Some(wait as u32),
-                rejoin,
-                elastic: true,
-            };
-            let world = rendezvous::join(self.service, &request)?;
-            let (generation, rank) = (world.generation, world.rank);
-            match connect(world, Some(listener), self.options.clone()).map_err(SyncError::from) {
-                Err(e) if survivable(&e) && attempt < MEET_ATTEMPTS => {
-                    tracing::warn!(error = %e, attempt, "a worker was lost while the world formed: joining the next one");
-                    // Still a member of the world that formed, with the same state.
-                    rejoin = rejoin.map(|r| SyncRejoin {
-                        generation,
-                        rank,
-                        ..r
-                    });
-                    attempt += 1;
-                }
-                formed => return formed,
-            }
-        }
+    /// Joins the next world ([`ElasticMeeting::meet`]).
+    fn meet(&self, rejoin: Option<SyncRejoin>) -> Result<Communicator> {
+        let meeting = ElasticMeeting {
+            service: self.service,
+            listen: self.listen,
+            advertise: self.advertise,
+            max_world_size: self.max_world_size,
+            options: self.options.clone(),
+        };
+        Ok(meeting.meet(rejoin)?)
     }
 }
 
