@@ -84,7 +84,8 @@ class _Meeting:
         server the world is alive). A server that does not answer means nobody waits."""
         try:
             _, waiting = _hora.sync_job_status(
-                self.server, self.ca, self.job, self.token, cert=self.cert, key=self.key
+                self.server, self.ca, self.job, self.token, timeout_secs=self.timeout_secs,
+                cert=self.cert, key=self.key,
             )
         except _hora.HoraError as e:
             print(f"hora: asking the server whether workers wait failed ({e}); going on",
@@ -151,15 +152,18 @@ class State:
         """Keeps a copy of the state in memory, to roll back to when a worker is lost; then, in
         a running job, asks (on rank 0) whether workers wait to join, and if they do and the
         world is below the job's largest, raises :class:`WorldChanging` on every rank. Call it
-        on every rank at the same points (it is a collective in a job)."""
+        on every rank at the same points (it is a collective in a job), and more often than
+        once a minute: rank 0's question is also how the server knows the world is alive (after
+        a minute of silence, workers waiting alone may form a world of their own)."""
         self._saved = self.save()
         self._commits += 1
         meeting = self._meeting
         if meeting is None:
             return
         grow = 0
-        if _sync.rank() == 0 and _sync.size() < meeting.max_world_size:
-            grow = int(meeting.waiting() > 0)
+        if _sync.rank() == 0:
+            waiting = meeting.waiting()
+            grow = int(waiting > 0 and _sync.size() < meeting.max_world_size)
         if _sync.broadcast_object(grow, root_rank=0):
             raise WorldChanging()
 
@@ -200,6 +204,8 @@ class TorchState(State):
         super().load(saved)
         if self.model is not None:
             self.model.load_state_dict(saved["model"])
+            # (Gradients of the failed step, half averaged, must not reach the next one.)
+            self.model.zero_grad(set_to_none=True)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
 
@@ -214,6 +220,7 @@ class TorchState(State):
             theirs = _sync.broadcast_state(mine if _sync.rank() == 0 else None, root_rank=0)
             if self.model is not None:
                 self.model.load_state_dict(theirs["model"])
+                self.model.zero_grad(set_to_none=True)
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(theirs["optimizer"])
 
@@ -243,7 +250,9 @@ def run(
     default to ``HORA_SERVER``, ``HORA_CA``, ``HORA_JOB``, ``HORA_SYNC_TOKEN`` and
     ``HORA_WORLD_SIZE``. ``timeout_secs`` is how long a silent worker is given, and how long the
     survivors wait for each other after a loss. ``listen``, ``advertise``, ``half_precision``,
-    ``seal_frames``, ``cert`` and ``key`` are as for :func:`hora.sync.init`."""
+    ``seal_frames`` (and ``HORA_RING_UNSEALED``), ``cert`` and ``key`` are as for
+    :func:`hora.sync.init`. Build the :class:`hora.sync.DistributedOptimizer` inside
+    ``train_fn``: each world needs its own (its count of backward passes starts again)."""
     env = os.environ
     server = server or env.get("HORA_SERVER")
     ca = ca or env.get("HORA_CA")
@@ -256,6 +265,8 @@ def run(
             "an elastic job meets at the server: give server, ca, job, token and max_world_size "
             "(HORA_SERVER, HORA_CA, HORA_JOB, HORA_SYNC_TOKEN, HORA_WORLD_SIZE)"
         )
+    if env.get("HORA_RING_UNSEALED", "").lower() in ("1", "true", "yes"):
+        seal_frames = False
     cert, key = _identity(cert, key)
     meeting = _Meeting(server, ca, job, token, max_world_size, listen, advertise, timeout_secs,
                        half_precision, seal_frames, cert, key)
@@ -267,7 +278,11 @@ def run(
             _sync._set_ring(ring)
             try:
                 state._start_world()
-                return train_fn(state, *args, **kwargs)
+                result = train_fn(state, *args, **kwargs)
+                # Every rank is done before any leaves: one that exits under another's last
+                # collective would fail it.
+                _sync.barrier()
+                return result
             except WorldChanging:
                 # Committed just now, on every rank: the larger world starts from here.
                 pass
@@ -280,7 +295,8 @@ def run(
                     file=sys.stderr,
                 )
                 state.restore()
-            rejoin = (ring.generation, ring.rank, state.commits)
+            # (A newcomer whose first world failed before it had a state comes again as one.)
+            rejoin = (ring.generation, ring.rank, state.commits) if state._saved else None
             _sync.shutdown()
             del ring
     finally:

@@ -312,7 +312,7 @@ impl Ring {
     ///
     /// Joins the next world of an elastic job (one created with a minimum world size): as a
     /// survivor, `rejoin` is `(generation, rank, committed)`, the world it was in, its rank
-    /// there and the step of its last commit; a newcomer passes None and waits (up to ten
+    /// there and how far its last commit is (a step or commit count: larger is newer); a newcomer passes None and waits (up to ten
     /// minutes) for the running world's next commit. The server gives rank 0 to the newest
     /// commit. A world below the job's minimum fails with the ranks that did not come back.
     #[staticmethod]
@@ -608,23 +608,27 @@ impl PendingRing {
     }
 }
 
-/// sync_job_status(server, ca, job, token, cert=None, key=None) -> (generation, waiting)
+/// sync_job_status(server, ca, job, token, timeout_secs=30.0, cert=None, key=None) -> (generation, waiting)
 /// --
 ///
 /// An elastic job's generation and the workers waiting to join it, as a running world's rank 0
-/// asks at its commits (which also tells the server the world is alive).
+/// asks at its commits (which also tells the server the world is alive): one try, of at most a
+/// third of `timeout_secs` (the ring's, which the other ranks wait meanwhile) and 5 s.
 #[pyfunction]
-#[pyo3(signature = (server, ca, job, token, cert=None, key=None))]
+#[pyo3(signature = (server, ca, job, token, timeout_secs=30.0, cert=None, key=None))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn sync_job_status(
     py: Python<'_>,
     server: String,
     ca: PathBuf,
     job: String,
     token: String,
+    timeout_secs: f64,
     cert: Option<PathBuf>,
     key: Option<PathBuf>,
 ) -> PyResult<(u64, u32)> {
     let identity = crate::identity(cert, key)?;
+    let timeout = crate::seconds("timeout_secs", timeout_secs, 0.1, 3600.0)?;
     py.detach(|| {
         ServerRendezvous {
             server: &server,
@@ -632,8 +636,8 @@ pub(crate) fn sync_job_status(
             identity: identity.as_ref(),
             job: &job,
             token: &token,
-            timeout: Duration::from_secs(30),
-            retry_for: Duration::from_secs(30),
+            timeout,
+            retry_for: timeout,
         }
         .status()
     })

@@ -64,11 +64,16 @@ def train(batch: int, epochs: int) -> dict:
     return {k: v.flatten().tolist() for k, v in model.state_dict().items()}
 
 
-def digest(model: torch.nn.Module) -> str:
+def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """SHA-256 of the parameters and the optimizer's state (its momentum buffers)."""
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
         h.update(k.encode())
         h.update(v.detach().contiguous().numpy().tobytes())
+    for i, s in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(s.items()):
+            h.update(f"{i}.{k}".encode())
+            h.update(v.detach().contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
     return h.hexdigest()[:16]
 
 
@@ -83,10 +88,11 @@ def elastic(steps: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = hs.elastic.TorchState(model, opt, step=0)
     worlds = []
+    commits = {}
 
     def reset() -> None:
         worlds.append({"generation": hs._the_ring().generation, "size": hs.size(),
-                       "step": state.step, "digest": digest(model)})
+                       "step": state.step, "digest": digest(model, opt)})
         print(f"WORLD {worlds[-1]['generation']} {hs.size()}", flush=True)
 
     state.on_reset(reset)
@@ -94,9 +100,11 @@ def elastic(steps: int) -> dict:
 
     def train(state) -> str:
         dist = hs.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-        batch = 8
-        # (Past --steps until the newcomer's world has trained a while: the same on every rank.)
-        while state.step < steps or (hs._the_ring().generation < 3 and state.step < 100 * steps):
+        batch, generation, start = 8, hs._the_ring().generation, state.step
+        # Until --steps, and (past them if need be: the same on every rank) until the world a
+        # newcomer joined, generation 3, has trained 20 steps.
+        while state.step < steps or (generation < 3 and state.step < 100 * steps) or (
+                generation >= 3 and state.step < start + 20):
             order = torch.randperm(len(y), generator=torch.Generator().manual_seed(state.step))
             mine = order[hs.rank() * batch: (hs.rank() + 1) * batch]
             dist.zero_grad()
@@ -106,12 +114,14 @@ def elastic(steps: int) -> dict:
             if state.step == die_at and len(worlds) == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             if state.step % 5 == 0:
+                if len(worlds) == 1:
+                    commits[state.step] = digest(model, opt)
                 state.commit()
             time.sleep(0.005)
-        return digest(model)
+        return digest(model, opt)
 
-    final = hs.elastic.run(train, state, timeout_secs=10.0)
-    return {"digest": final, "step": state.step, "worlds": worlds, "commits": state.commits}
+    final = hs.elastic.run(train, state, timeout_secs=15.0)
+    return {"digest": final, "step": state.step, "worlds": worlds, "commits": commits}
 
 
 def outcome(f) -> str:

@@ -217,10 +217,12 @@ def test_states_torch_refuses_to_load_are_refused_with_or_without_torchs_list_of
 
 def test_an_elastic_job_survives_a_killed_worker_and_hands_a_newcomer_the_state(server, procs):
     """hora.sync.elastic.run: three workers of a job of two to three; one SIGKILLs itself at step
-    22 of the first world. The two survivors roll back to their commit of step 20 and form world
-    2 of two; a fourth process started then joins at a commit (world 3 of three), handed the same
-    state, bit for bit; all three end with one state."""
-    token = server.admin.create_sync_job("elastic", 3, min_world_size=2, settle_ms=500)["token"]
+    22 of the first world. The two survivors roll back to their commit of step 20 (its model and
+    optimizer state) and form world 2 of two; a fourth process started then joins at a commit
+    (world 3 of three), handed the same state, bit for bit; the three train 20 more steps and end
+    with one state."""
+    # (A quiet time of 3 s: three cold Python processes join the first world together.)
+    token = server.admin.create_sync_job("elastic", 3, min_world_size=2, settle_ms=3000)["token"]
     env = {"HORA_SERVER": server.url, "HORA_CA": str(server.ca), "HORA_JOB": "elastic",
            "HORA_SYNC_TOKEN": token, "HORA_WORLD_SIZE": "3", "HORA_LOG": "warn"}
     argv = [sys.executable, WORKER, "elastic", "--steps", "60"]
@@ -244,5 +246,7 @@ def test_an_elastic_job_survives_a_killed_worker_and_hands_a_newcomer_the_state(
     for r in (a, b):
         assert [(w["generation"], w["size"]) for w in r["worlds"]] == [(1, 3), (2, 2), (3, 3)], r
         assert r["worlds"][1]["step"] == 20, "rolled back to the commit before the loss"
+        assert r["worlds"][1]["digest"] == r["commits"]["20"], "to its model and optimizer state"
     assert [(w["generation"], w["size"]) for w in c["worlds"]] == [(3, 3)], c
     assert c["worlds"][0] == a["worlds"][2] == b["worlds"][2], "the newcomer's state is theirs"
+    assert a["step"] >= a["worlds"][2]["step"] + 20, "and the three trained on together"
