@@ -657,6 +657,7 @@ fn init(args: InitArgs) -> anyhow::Result<()> {
 fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
     use hora_client::sync::worker::{self, Elastic, SyncTraining, Worlds};
     use hora_client::sync::ServerRendezvous;
+    use hora_collective::ElasticMeeting;
     use hora_collective::{Algorithm, CommOptions, LaunchRank, Meeting, Wire};
 
     let (job_token, meet) = check_sync(&layered)?;
@@ -756,13 +757,15 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
     };
     let worlds = match meeting {
         Meeting::Server(service) if args.elastic => Worlds::Elastic(Elastic {
-            service,
-            listen: &args.ring_listen,
-            advertise: args.advertise.as_deref(),
-            max_world_size: launch.world_size.ok_or_else(|| {
-                anyhow::anyhow!("--elastic needs --world-size: the job's largest world")
-            })?,
-            options,
+            meeting: ElasticMeeting {
+                service,
+                listen: &args.ring_listen,
+                advertise: args.advertise.as_deref(),
+                max_world_size: launch.world_size.ok_or_else(|| {
+                    anyhow::anyhow!("--elastic needs --world-size: the job's largest world")
+                })?,
+                options,
+            },
             commit_every: args.commit_every,
         }),
         meeting => {

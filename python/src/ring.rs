@@ -50,6 +50,30 @@ fn options(timeout_secs: f64, half_precision: bool, seal_frames: bool) -> PyResu
     })
 }
 
+/// How long a join waits at the server for its world (a newcomer of an elastic job waits for
+/// the running world's next commit).
+const JOIN_WAIT: Duration = Duration::from_secs(600);
+
+/// The rendezvous of `job` at `server`, waiting and retrying for up to `timeout`.
+fn rendezvous<'a>(
+    server: &'a str,
+    ca: &'a std::path::Path,
+    identity: Option<&'a hora_common::tls::Identity>,
+    job: &'a str,
+    token: &'a str,
+    timeout: Duration,
+) -> ServerRendezvous<'a> {
+    ServerRendezvous {
+        server,
+        ca,
+        identity,
+        job,
+        token,
+        timeout,
+        retry_for: timeout,
+    }
+}
+
 /// A connected worker of a sync job.
 #[pyclass(module = "hora._hora", frozen)]
 pub(crate) struct Ring {
@@ -286,15 +310,8 @@ impl Ring {
         };
         let options = options(timeout_secs, half_precision, seal_frames)?;
         py.detach(|| {
-            let rendezvous = ServerRendezvous {
-                server: &server,
-                ca: &ca,
-                identity: identity.as_ref(),
-                job: &job,
-                token: &token,
-                timeout: Duration::from_secs(600),
-                retry_for: Duration::from_secs(600),
-            };
+            let rendezvous =
+                rendezvous(&server, &ca, identity.as_ref(), &job, &token, JOIN_WAIT);
             form_world(
                 Meeting::Server(&rendezvous),
                 &launch,
@@ -342,15 +359,8 @@ impl Ring {
             committed,
         });
         py.detach(|| {
-            let rendezvous = ServerRendezvous {
-                server: &server,
-                ca: &ca,
-                identity: identity.as_ref(),
-                job: &job,
-                token: &token,
-                timeout: Duration::from_secs(600),
-                retry_for: Duration::from_secs(600),
-            };
+            let rendezvous =
+                rendezvous(&server, &ca, identity.as_ref(), &job, &token, JOIN_WAIT);
             ElasticMeeting {
                 service: &rendezvous,
                 listen: &listen,
@@ -630,16 +640,7 @@ pub(crate) fn sync_job_status(
     let identity = crate::identity(cert, key)?;
     let timeout = crate::seconds("timeout_secs", timeout_secs, 0.1, 3600.0)?;
     py.detach(|| {
-        ServerRendezvous {
-            server: &server,
-            ca: &ca,
-            identity: identity.as_ref(),
-            job: &job,
-            token: &token,
-            timeout,
-            retry_for: timeout,
-        }
-        .status()
+        rendezvous(&server, &ca, identity.as_ref(), &job, &token, timeout).status()
     })
     .map(|s| (s.generation, s.waiting))
     .map_err(|e| sync_error(py, CollectiveError::Rendezvous(e)))

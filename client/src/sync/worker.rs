@@ -22,8 +22,8 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Device, Tensor};
 
 use hora_collective::{
-    Algorithm, CollectiveError, CommOptions, Communicator, DistributedOptimizer, ElasticMeeting,
-    Fusion, LrScaling, Rendezvous, Snapshot, SyncOptimizer,
+    Algorithm, CollectiveError, Communicator, DistributedOptimizer, ElasticMeeting, Fusion,
+    LrScaling, Snapshot, SyncOptimizer,
 };
 use hora_common::wire::SyncRejoin;
 
@@ -97,15 +97,10 @@ fn permutation(n: usize, seed: u64, epoch: u64) -> Vec<i64> {
     order
 }
 
-/// How an elastic job's worker meets each of its worlds (a job created with
-/// `--min-world-size`): at the server, which forms a world from whoever joined.
+/// An elastic job's worker (a job created with `--min-world-size`): how it meets each of its
+/// worlds at the server, which forms a world from whoever joined, and how often it commits.
 pub struct Elastic<'a> {
-    pub service: &'a dyn Rendezvous,
-    pub listen: &'a str,
-    pub advertise: Option<&'a str>,
-    /// The job's largest world (its `world_size`).
-    pub max_world_size: u32,
-    pub options: CommOptions,
+    pub meeting: ElasticMeeting<'a>,
     /// Commit the training state in memory every this many steps (and at every epoch's end).
     pub commit_every: u64,
 }
@@ -192,7 +187,7 @@ pub fn train(
         SyncOptimizer::new(net.parameters(), config.algorithm, config.learning_rate)?;
     let (mut comm, elastic) = match worlds {
         Worlds::Fixed(comm) => (*comm, None),
-        Worlds::Elastic(e) => (e.meet(None)?, Some(e)),
+        Worlds::Elastic(e) => (e.meeting.meet(None)?, Some(e)),
     };
     // Rank 0 of the first world restores its newest checkpoint; the broadcast hands it (or
     // rank 0's fresh initialisation) to everyone, step count included.
@@ -284,7 +279,7 @@ pub fn train(
                 // none (its first world failed) joins as a newcomer and receives the state.
                 let Some(commit) = &run.commit else {
                     tracing::warn!(error = %err, "lost a worker before this one had any state: joining as a newcomer");
-                    comm = e.meet(None)?;
+                    comm = e.meeting.meet(None)?;
                     continue;
                 };
                 optimizer.restore(&commit.snapshot)?;
@@ -294,7 +289,7 @@ pub fn train(
                 optimizer.steps()
             }
         };
-        comm = e.meet(Some(SyncRejoin {
+        comm = e.meeting.meet(Some(SyncRejoin {
             generation: world.generation,
             rank: world.rank,
             committed,
@@ -308,20 +303,6 @@ pub fn train(
         }
     }
     Ok(report)
-}
-
-impl Elastic<'_> {
-    /// Joins the next world ([`ElasticMeeting::meet`]).
-    fn meet(&self, rejoin: Option<SyncRejoin>) -> Result<Communicator> {
-        let meeting = ElasticMeeting {
-            service: self.service,
-            listen: self.listen,
-            advertise: self.advertise,
-            max_world_size: self.max_world_size,
-            options: self.options.clone(),
-        };
-        Ok(meeting.meet(rejoin)?)
-    }
 }
 
 /// A world's starting point, the same on every rank.
@@ -560,8 +541,8 @@ impl Run<'_> {
         let comm = dist.comm();
         // Rank 0 asks at every commit: the question also tells the server this world is alive.
         let waiting = match comm.rank() {
-            0 => match e.service.status() {
-                Ok(status) => status.waiting > 0 && comm.size() < e.max_world_size,
+            0 => match e.meeting.service.status() {
+                Ok(status) => status.waiting > 0 && comm.size() < e.meeting.max_world_size,
                 Err(err) => {
                     tracing::warn!(error = %err, "could not ask the server whether workers wait to join");
                     false
