@@ -310,8 +310,7 @@ impl Ring {
         };
         let options = options(timeout_secs, half_precision, seal_frames)?;
         py.detach(|| {
-            let rendezvous =
-                rendezvous(&server, &ca, identity.as_ref(), &job, &token, JOIN_WAIT);
+            let rendezvous = rendezvous(&server, &ca, identity.as_ref(), &job, &token, JOIN_WAIT);
             form_world(
                 Meeting::Server(&rendezvous),
                 &launch,
@@ -359,8 +358,7 @@ impl Ring {
             committed,
         });
         py.detach(|| {
-            let rendezvous =
-                rendezvous(&server, &ca, identity.as_ref(), &job, &token, JOIN_WAIT);
+            let rendezvous = rendezvous(&server, &ca, identity.as_ref(), &job, &token, JOIN_WAIT);
             ElasticMeeting {
                 service: &rendezvous,
                 listen: &listen,
@@ -639,9 +637,7 @@ pub(crate) fn sync_job_status(
 ) -> PyResult<(u64, u32)> {
     let identity = crate::identity(cert, key)?;
     let timeout = crate::seconds("timeout_secs", timeout_secs, 0.1, 3600.0)?;
-    py.detach(|| {
-        rendezvous(&server, &ca, identity.as_ref(), &job, &token, timeout).status()
-    })
-    .map(|s| (s.generation, s.waiting))
-    .map_err(|e| sync_error(py, CollectiveError::Rendezvous(e)))
+    py.detach(|| rendezvous(&server, &ca, identity.as_ref(), &job, &token, timeout).status())
+        .map(|s| (s.generation, s.waiting))
+        .map_err(|e| sync_error(py, CollectiveError::Rendezvous(e)))
 }
