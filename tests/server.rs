@@ -1277,6 +1277,16 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
         }
         let direct_offer = direct.join("tree").await;
         assert_eq!(direct_offer.round, round);
+        // Each server holds its open round's running sum (f64 a parameter).
+        let sum_bytes = initial.numel() as f64 * 8.0;
+        for (r, (region, _)) in regions.iter().enumerate() {
+            let series = format!("hora_round_sum_bytes{{task=\"tree-{r}\"}}");
+            assert_eq!(region.api(ADMIN_TOKEN).metric(&series).await, sum_bytes);
+        }
+        assert_eq!(
+            admin.metric(r#"hora_round_sum_bytes{task="tree"}"#).await,
+            sum_bytes
+        );
         let down = round == 2;
         if down {
             parent.take().expect("the parent runs").kill();
@@ -1335,6 +1345,11 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
         .ok(admin.request(Method::GET, "/admin/v1/tasks/tree"))
         .await;
     assert_eq!(info.state, TaskState::Finished);
+    assert_eq!(
+        admin.metric(r#"hora_round_sum_bytes{task="tree"}"#).await,
+        0.0,
+        "no round open, no sum held"
+    );
 
     // Standing for several clients is an aggregator's right only.
     admin

@@ -74,6 +74,7 @@ pub struct ServerMetrics {
     pub clients_quarantined: Counter,
     dp_epsilon: Family<TaskLabel, Gauge<f64, AtomicU64>>,
     async_buffered: Family<TaskLabel, Gauge>,
+    round_sum_bytes: Family<TaskLabel, Gauge>,
     async_training: Family<TaskLabel, Gauge>,
     update_staleness: Family<TaskLabel, Histogram, fn() -> Histogram>,
     evaluation_reports: Family<TaskLabel, Counter>,
@@ -116,6 +117,7 @@ impl Default for ServerMetrics {
             clients_quarantined: Counter::default(),
             dp_epsilon: Family::default(),
             async_buffered: Family::default(),
+            round_sum_bytes: Family::default(),
             async_training: Family::default(),
             update_staleness: Family::new_with_constructor(staleness_histogram),
             evaluation_reports: Family::default(),
@@ -174,6 +176,11 @@ impl Default for ServerMetrics {
             "sync_join_timeouts",
             "Sync-job joins answered 408 because the world stayed incomplete",
             m.sync_join_timeouts.clone(),
+        );
+        registry.register(
+            "round_sum_bytes",
+            "Bytes of the open round's running sum that this replica holds in memory (its partial sum; a regional server's is the partial it forwards), 0 while the task has no round open here",
+            m.round_sum_bytes.clone(),
         );
         registry.register(
             "lease_held",
@@ -317,6 +324,13 @@ impl ServerMetrics {
         if let Some(accuracy) = summary.accuracy {
             self.evaluation_accuracy.get_or_create(&label).set(accuracy);
         }
+    }
+
+    /// The open round of `task` holds a running sum of `bytes` (0: none open).
+    pub fn round_sum_bytes(&self, task: &str, bytes: u64) {
+        self.round_sum_bytes
+            .get_or_create(&TaskLabel { task: task.into() })
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     pub fn async_buffered(&self, task: &str, updates: usize) {
@@ -625,6 +639,7 @@ mod tests {
         m.round_abandoned("t");
         m.dp_epsilon("t", 1.0);
         m.async_buffered("t", 1);
+        m.round_sum_bytes("t", 8);
         m.async_training("t", 1);
         m.update_staleness("t", 1);
         m.upload_rejected("invalid_update");

@@ -180,9 +180,10 @@ impl Coordinator {
         }
         drop(acc);
         task.bump();
-        if let Some(next) = next {
+        match next {
             // Runs on one of the runtime's blocking threads, which can spawn.
-            self.watch(task.clone(), next);
+            Some(next) => self.watch(task.clone(), next),
+            None => self.metrics.round_sum_bytes(&task.id, 0),
         }
         if tally.abandon.is_none() {
             self.evaluations_moved(task, std::mem::take(&mut tally.evaluations));
