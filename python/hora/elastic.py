@@ -48,7 +48,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import _hora
 from . import sync as _sync
-from .client import _identity
 
 
 class WorldChanging(BaseException):
@@ -253,21 +252,15 @@ def run(
     ``seal_frames`` (and ``HORA_RING_UNSEALED``), ``cert`` and ``key`` are as for
     :func:`hora.sync.init`. Build the :class:`hora.sync.DistributedOptimizer` inside
     ``train_fn``: each world needs its own (its count of backward passes starts again)."""
-    env = os.environ
-    server = server or env.get("HORA_SERVER")
-    ca = ca or env.get("HORA_CA")
-    job = job or env.get("HORA_JOB")
-    token = token or env.get("HORA_SYNC_TOKEN")
-    if max_world_size is None and env.get("HORA_WORLD_SIZE"):
-        max_world_size = int(env["HORA_WORLD_SIZE"])
+    server, ca, job, token, cert, key = _sync._server_job(server, ca, job, token, cert, key)
+    if max_world_size is None and os.environ.get("HORA_WORLD_SIZE"):
+        max_world_size = int(os.environ["HORA_WORLD_SIZE"])
     if not (server and ca and job and token and max_world_size):
         raise _hora.HoraError(
             "an elastic job meets at the server: give server, ca, job, token and max_world_size "
             "(HORA_SERVER, HORA_CA, HORA_JOB, HORA_SYNC_TOKEN, HORA_WORLD_SIZE)"
         )
-    if env.get("HORA_RING_UNSEALED", "").lower() in ("1", "true", "yes"):
-        seal_frames = False
-    cert, key = _identity(cert, key)
+    seal_frames = _sync._ring_sealed(seal_frames)
     meeting = _Meeting(server, ca, job, token, max_world_size, listen, advertise, timeout_secs,
                        half_precision, seal_frames, cert, key)
     state._meeting = meeting

@@ -108,8 +108,7 @@ def init(
     if _ring is not None and peers is None and server is None:
         return
     rank, size, _, _ = _hora.launch_rank(rank, size)
-    if os.environ.get("HORA_RING_UNSEALED", "").lower() in ("1", "true", "yes"):
-        seal_frames = False
+    seal_frames = _ring_sealed(seal_frames)
     if peers is None and os.environ.get("HORA_PEERS"):
         peers = [p for p in os.environ["HORA_PEERS"].split(",") if p]
     server = server or os.environ.get("HORA_SERVER")
@@ -130,10 +129,7 @@ def init(
             seal_frames=seal_frames,
         )
     elif server:
-        ca = ca or os.environ.get("HORA_CA")
-        job = job or os.environ.get("HORA_JOB")
-        token = token or os.environ.get("HORA_SYNC_TOKEN")
-        cert, key = _identity(cert, key)
+        server, ca, job, token, cert, key = _server_job(server, ca, job, token, cert, key)
         if not (ca and job and token and size):
             raise _hora.HoraError(
                 "meeting at the server needs ca, job, token and the world size "
@@ -161,6 +157,23 @@ def init(
         )
     else:
         _ring = _hora.Ring.single()
+
+
+def _ring_sealed(seal_frames: bool) -> bool:
+    """``seal_frames``, unless ``HORA_RING_UNSEALED`` turns the sealing off."""
+    return seal_frames and os.environ.get("HORA_RING_UNSEALED", "").lower() not in ("1", "true", "yes")
+
+
+def _server_job(
+    server: Optional[str], ca: Optional[str], job: Optional[str], token: Optional[str],
+    cert: Optional[str], key: Optional[str],
+) -> Tuple[Optional[str], Optional[str], Optional[str], Optional[str], Optional[str], Optional[str]]:
+    """A sync job at the server: each setting its argument, else its variable (``HORA_SERVER``,
+    ``HORA_CA``, ``HORA_JOB``, ``HORA_SYNC_TOKEN``, ``HORA_CLIENT_CERT``, ``HORA_CLIENT_KEY``)."""
+    env = os.environ
+    cert, key = _identity(cert, key)
+    return (server or env.get("HORA_SERVER"), ca or env.get("HORA_CA"), job or env.get("HORA_JOB"),
+            token or env.get("HORA_SYNC_TOKEN"), cert, key)
 
 
 def _set_ring(ring: _hora.Ring) -> None:

@@ -328,8 +328,8 @@ impl Ring {
     ///
     /// Joins the next world of an elastic job (one created with a minimum world size): as a
     /// survivor, `rejoin` is `(generation, rank, committed)`, the world it was in, its rank
-    /// there and how far its last commit is (a step or commit count: larger is newer); a newcomer passes None and waits (up to ten
-    /// minutes) for the running world's next commit. The server gives rank 0 to the newest
+    /// there and how far its last commit is (a step or commit count: larger is newer); a
+    /// newcomer passes None and waits (up to ten minutes) for the running world's next commit. The server gives rank 0 to the newest
     /// commit. A world below the job's minimum fails with the ranks that did not come back.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]

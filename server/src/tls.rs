@@ -28,8 +28,12 @@ pub const SERVER_KEY: &str = "server-key.pem";
 /// Paths of a certificate and its key (PEM).
 pub use hora_common::tls::Identity as CertPaths;
 
+/// Writes `contents` to `path`, readable by the server's user only, whole or not at all: a
+/// temporary file beside it, synced, renamed over it, and the directory synced (a crash never
+/// leaves a truncated key or credential).
 pub(crate) fn write_private(path: &Path, contents: &str) -> Result<()> {
     use std::io::Write;
+    let temporary = path.with_extension("tmp");
     let mut opts = fs::OpenOptions::new();
     opts.write(true).create(true).truncate(true);
     #[cfg(unix)]
@@ -38,9 +42,14 @@ pub(crate) fn write_private(path: &Path, contents: &str) -> Result<()> {
         opts.mode(0o600);
     }
     let mut f = opts
-        .open(path)
-        .with_context(|| format!("writing {}", path.display()))?;
+        .open(&temporary)
+        .with_context(|| format!("writing {}", temporary.display()))?;
     f.write_all(contents.as_bytes())?;
+    f.sync_all()?;
+    fs::rename(&temporary, path).with_context(|| format!("writing {}", path.display()))?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        fs::File::open(dir)?.sync_all()?;
+    }
     Ok(())
 }
 

@@ -186,7 +186,7 @@ impl ParentClient {
                 Ok(s) => s.trim().to_string(),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     let secret = crate::auth::new_secret()?;
-                    write_durably(&secret_file, &secret).map_err(ServerError::internal)?;
+                    crate::tls::write_private(&secret_file, &secret).map_err(ServerError::internal)?;
                     secret
                 }
                 Err(e) => return Err(ServerError::internal(e)),
@@ -218,9 +218,11 @@ impl ParentClient {
                     .map_err(|e| format!("enrolling with the parent: {e}"))?;
                 let text = serde_json::to_string(&creds).map_err(|e| e.to_string())?;
                 let file = config.state_dir.join("credentials.json");
-                crate::blocking(move || write_durably(&file, &text).map_err(ServerError::internal))
-                    .await
-                    .map_err(|e| format!("keeping the parent's credentials: {e}"))?;
+                crate::blocking(move || {
+                    crate::tls::write_private(&file, &text).map_err(ServerError::internal)
+                })
+                .await
+                .map_err(|e| format!("keeping the parent's credentials: {e}"))?;
                 tracing::info!(client = %creds.client_id, "enrolled with the parent");
                 creds
             }
@@ -386,19 +388,6 @@ async fn read_limited(mut resp: reqwest::Response, limit: usize) -> Result<Vec<u
         body.extend_from_slice(&chunk);
     }
     Ok(body)
-}
-
-/// Writes `contents` to `path` readable by the server's user only, whole or not at all: a
-/// temporary file, synced, renamed over it, and the directory synced.
-fn write_durably(path: &std::path::Path, contents: &str) -> anyhow::Result<()> {
-    let temporary = path.with_extension("tmp");
-    crate::tls::write_private(&temporary, contents)?;
-    std::fs::File::open(&temporary)?.sync_all()?;
-    std::fs::rename(&temporary, path)?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
 }
 
 /// What became of a forwarded partial.

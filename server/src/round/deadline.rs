@@ -45,8 +45,8 @@ impl Coordinator {
     /// Starts the watcher of `round`, the open round of `task`; it ends with the round.
     pub(crate) fn watch(self: &Arc<Self>, task: Arc<Task>, round: Arc<Round>) {
         // (Every round opened or resumed here is watched: its running sum is this replica's.)
-        self.metrics
-            .round_sum_bytes(&task.id, task.spec().numel() as u64 * 8);
+        let numel = lock(&task.record).spec.numel() as u64;
+        self.metrics.round_sum_bytes(&task.id, numel * 8);
         let me = self.clone();
         let stopping = self.stopping.clone();
         self.background.spawn(async move {
