@@ -847,7 +847,7 @@ fn every_client_option_is_layered_flags_over_environment_over_file() {
         &samples,
         &[("token", "token_file")],
     );
-    let sync: [support::Sample; 28] = [
+    let sync: [support::Sample; 29] = [
         ("advertise", "10.0.0.1", "10.0.0.2"),
         ("backward_passes_per_step", "2", "3"),
         ("batch_size", "16", "64"),
@@ -863,6 +863,7 @@ fn every_client_option_is_layered_flags_over_environment_over_file() {
         ("lr_scaling", "none", "linear"),
         ("model", "mlp", "logreg"),
         ("momentum", "0.5", "0.6"),
+        ("nccl", "off", "on"),
         ("optimizer", "adam", "sgd"),
         (
             "params",

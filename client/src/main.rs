@@ -31,7 +31,7 @@ use hora_client::transport::RetryPolicy;
 use hora_client::{
     Client, ClientConfig, ClientError, Paced, RoundOutcome, RoundReport, SupervisedTrainer, Trainer,
 };
-use hora_collective::LrScaling;
+use hora_collective::{LrScaling, UseNccl};
 use hora_common::config::{self as layers, Layered};
 use hora_common::logging;
 use hora_common::tls::Identity;
@@ -219,6 +219,10 @@ struct SyncArgs {
     /// auto (cuda:LOCAL_RANK when there are GPUs), cpu, cuda or cuda:N.
     #[arg(long, env = "HORA_DEVICE", default_value = "auto")]
     device: DeviceChoice,
+    /// auto (NCCL when every worker trains on a GPU and can load it), on (fail when one
+    /// cannot, naming it), off (the ring, on each worker's device).
+    #[arg(long, env = "HORA_NCCL", value_enum, default_value_t = UseNccl::Auto)]
+    nccl: UseNccl,
     /// CPU threads for libtorch [default: libtorch's choice].
     #[arg(long, env = "HORA_THREADS")]
     threads: Option<i32>,
@@ -715,6 +719,7 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
         seed: args.seed,
         device,
         fusion_bytes: args.fusion_mib << 20,
+        nccl: args.nccl,
         checkpoint_dir: args.checkpoint_dir,
         checkpoint_every: args.checkpoint_every,
         save: args.save,

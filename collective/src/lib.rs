@@ -24,6 +24,8 @@
 //!   slices (hora-common's kernel) or, with the `torch` feature, tensor views on any device
 //!   (hora-common-tch's kernel, CUDA included);
 //! - [`world`] binds, meets and connects: a [`Communicator`] from a launcher's rank;
+//! - [`nccl`] runs the collectives of tensors in GPU memory through NCCL (the library PyTorch's
+//!   wheel ships, opened at run time), agreed on over the ring ([`Communicator::use_nccl`]);
 //! - [`fusion`] packs lists of buffers into fusion buffers (Horovod's fusion threshold): host
 //!   memory ([`HostFusion`], what the Python package uses), or tensors of any device with the
 //!   `torch` feature;
@@ -39,6 +41,7 @@ pub mod fusion;
 mod handshake;
 pub mod launch;
 pub mod link;
+pub mod nccl;
 #[cfg(feature = "torch")]
 pub mod optimizer;
 pub mod region;
@@ -57,7 +60,7 @@ pub use fusion::Fusion;
 pub use fusion::HostFusion;
 pub use launch::{torchrun_peers, LaunchRank};
 #[cfg(feature = "torch")]
-pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, Snapshot, SyncOptimizer};
+pub use optimizer::{Algorithm, DistributedOptimizer, LrScaling, Snapshot, SyncOptimizer, UseNccl};
 pub use rendezvous::{Rendezvous, World};
 pub use ring::{CommOptions, Communicator, Reduce, Wire};
 pub use world::{bind, connect, form_world, ElasticMeeting, Meeting};
@@ -90,6 +93,12 @@ pub enum CollectiveError {
     Torch(#[from] tch::TchError),
     #[error("{0}")]
     Config(String),
+    /// NCCL or the CUDA runtime refused a call.
+    #[error("NCCL: {0}")]
+    Nccl(String),
+    /// An NCCL collective did not complete: a rank died or stalled mid-collective.
+    #[error("NCCL: {0}")]
+    NcclStalled(String),
     /// A collective failed earlier; the ring is no longer in a known state.
     #[error("this worker's ring failed earlier ({0}); a new world must be formed (an elastic job does it itself; restart a fixed one)")]
     Poisoned(String),
@@ -103,6 +112,7 @@ impl CollectiveError {
         matches!(
             self,
             CollectiveError::PeerFailed { .. }
+                | CollectiveError::NcclStalled(_)
                 | CollectiveError::Poisoned(_)
                 | CollectiveError::Io { .. }
         )

@@ -31,6 +31,46 @@ pub enum Algorithm {
     },
 }
 
+/// Whether a world whose tensors are on GPUs averages them through NCCL.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum UseNccl {
+    /// When every rank's tensors are on a GPU and every rank can load NCCL; else the ring
+    /// averages them on each rank's device.
+    #[default]
+    Auto,
+    /// Always: a rank that cannot use NCCL fails the world (naming it and why).
+    On,
+    /// Never: the ring averages on each rank's device (a GPU's tensors pass through host memory).
+    Off,
+}
+
+impl UseNccl {
+    /// Forms NCCL on `comm` for tensors on `device`, as this choice says. Every rank of the
+    /// world calls it (unless every rank's choice is `Off`): each learns whether all can, so
+    /// all use NCCL or none does. Returns NCCL's version when it is used.
+    pub fn attach(self, comm: &mut Communicator, device: tch::Device) -> Result<Option<String>> {
+        if self == UseNccl::Off {
+            return Ok(None);
+        }
+        let index = match device {
+            tch::Device::Cuda(i) => i32::try_from(i).unwrap_or(i32::MAX),
+            _ => -1,
+        };
+        comm.attach_nccl(index, self == UseNccl::On)
+    }
+}
+
 /// How the learning rate follows the world size.
 #[derive(
     Debug,

@@ -28,6 +28,7 @@ use std::thread;
 use std::time::Duration;
 
 use crate::link::{Kind, LinkOptions, Links};
+use crate::nccl::{self, DType, DeviceBuffer, Nccl, Stream};
 pub use crate::region::Wire;
 use crate::region::{Apply, Received, Region};
 use crate::rendezvous::World;
@@ -138,9 +139,13 @@ impl OpHeader {
     fn describe(&self) -> String {
         let what = match self.kind {
             OpKind::Allreduce => format!(
-                "allreduce of {} elements ({} wire)",
+                "allreduce of {} elements ({})",
                 self.elements,
-                if self.wire == 2 { "f16" } else { "f32" }
+                match self.wire {
+                    2 => "f16 wire",
+                    NCCL_WIRE => "through NCCL",
+                    _ => "f32 wire",
+                }
             ),
             OpKind::Broadcast => {
                 format!(
@@ -155,6 +160,23 @@ impl OpHeader {
             self.fingerprint, self.piece
         )
     }
+}
+
+/// The wire byte of a collective that runs through NCCL.
+const NCCL_WIRE: u8 = 16;
+
+/// `fingerprint` with each device buffer's element count and type.
+fn fingerprint_of(bufs: &[DeviceBuffer], fingerprint: u64) -> u64 {
+    let code = |d: DType| match d {
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::F32 => 3,
+        DType::F64 => 4,
+    };
+    self::fingerprint(
+        std::iter::once(fingerprint)
+            .chain(bufs.iter().flat_map(|b| [b.count as u64, code(b.dtype)])),
+    )
 }
 
 /// FNV-1a over a description of the tensors (shapes, names): ranks whose tensors differ get
@@ -192,6 +214,8 @@ pub struct Communicator {
     options: CommOptions,
     seq: u64,
     poisoned: Option<String>,
+    /// NCCL, for tensors in GPU memory, once [`Communicator::use_nccl`] formed it.
+    nccl: Option<Nccl>,
 }
 
 impl Communicator {
@@ -209,6 +233,7 @@ impl Communicator {
             options,
             seq: 0,
             poisoned: None,
+            nccl: None,
         })
     }
 
@@ -220,6 +245,7 @@ impl Communicator {
             options: CommOptions::default(),
             seq: 0,
             poisoned: None,
+            nccl: None,
         }
     }
 
@@ -349,6 +375,168 @@ impl Communicator {
             })?;
             Ok(all)
         })
+    }
+
+    /// Forms an NCCL communicator of this world on CUDA device `device`, over which
+    /// [`device_allreduce`](Self::device_allreduce) and
+    /// [`device_broadcast`](Self::device_broadcast) then run. Every rank calls it (a collective):
+    /// each says over the ring whether it can use NCCL, and either every rank does or none, with
+    /// an error on every rank that names each rank that cannot and why. Returns NCCL's version.
+    pub fn use_nccl(&mut self, device: i32) -> Result<String> {
+        if let Some(nccl) = &self.nccl {
+            return match nccl.device() == device {
+                true => Ok(nccl.version().to_string()),
+                false => Err(CollectiveError::Config(format!(
+                    "this ring's NCCL communicator is on cuda:{}, not cuda:{device}: one GPU per worker",
+                    nccl.device()
+                ))),
+            };
+        }
+        let mine = nccl::Offer::new(self.world.rank == 0, device).encode();
+        let offers = self.allgather(&mine)?;
+        let id = nccl::agree_on(&offers)?;
+        let formed = Nccl::init(
+            id,
+            self.world.rank,
+            self.world.size,
+            device,
+            self.options.timeout,
+        )?;
+        let version = formed.version().to_string();
+        self.nccl = Some(formed);
+        Ok(version)
+    }
+
+    /// [`use_nccl`](Self::use_nccl) on `device` (a CUDA device, or −1 for a rank whose tensors
+    /// are on the CPU), where a world in which some rank cannot use NCCL is not an error unless
+    /// it is `required`: every rank then goes on without it. Returns NCCL's version when it is
+    /// used.
+    pub fn attach_nccl(&mut self, device: i32, required: bool) -> Result<Option<String>> {
+        match self.use_nccl(device) {
+            Ok(version) => {
+                tracing::info!(version = %version, device, "tensors on the GPU are averaged through NCCL");
+                Ok(Some(version))
+            }
+            Err(e @ CollectiveError::Config(_)) if !required => {
+                match device >= 0 {
+                    true => {
+                        tracing::info!(reason = %e, "NCCL is not used: the ring averages on each rank's device")
+                    }
+                    false => tracing::debug!(reason = %e, "NCCL is not used"),
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The NCCL communicator [`use_nccl`](Self::use_nccl) formed, if any.
+    pub fn nccl(&self) -> Option<&Nccl> {
+        self.nccl.as_ref()
+    }
+
+    /// Sums or averages each buffer in GPU memory over all ranks, in place, through NCCL on
+    /// `stream`; returns once the stream has done it. Agreed on over the ring first, like every
+    /// collective (element counts, types and `fingerprint` must match on every rank).
+    ///
+    /// # Safety
+    /// Each buffer is `count` elements of `dtype` of device memory on the device
+    /// [`use_nccl`](Self::use_nccl) named, that nothing frees or resizes until this returns;
+    /// `stream` is a live stream of that device, or null (its default stream).
+    pub unsafe fn device_allreduce(
+        &mut self,
+        bufs: &[DeviceBuffer],
+        reduce: Reduce,
+        stream: Stream,
+        fingerprint: u64,
+    ) -> Result<()> {
+        let header = self.device_header(OpKind::Allreduce, bufs, 0, fingerprint);
+        // SAFETY: the caller's promise.
+        self.on_device(header, |nccl| unsafe {
+            nccl.allreduce(bufs, reduce, stream)
+        })
+    }
+
+    /// Copies `root`'s buffers in GPU memory into every rank's, through NCCL on `stream`.
+    ///
+    /// # Safety
+    /// As [`device_allreduce`](Self::device_allreduce).
+    pub unsafe fn device_broadcast(
+        &mut self,
+        bufs: &[DeviceBuffer],
+        root: u32,
+        stream: Stream,
+        fingerprint: u64,
+    ) -> Result<()> {
+        if root >= self.world.size {
+            return Err(CollectiveError::Config(format!(
+                "broadcast root {root} is not a rank of a world of {}",
+                self.world.size
+            )));
+        }
+        let header = self.device_header(OpKind::Broadcast, bufs, root, fingerprint);
+        // SAFETY: the caller's promise.
+        self.on_device(header, |nccl| unsafe { nccl.broadcast(bufs, root, stream) })
+    }
+
+    /// The header of a device collective: every buffer's count and type go into its
+    /// fingerprint; the wire byte says NCCL.
+    fn device_header(
+        &mut self,
+        kind: OpKind,
+        bufs: &[DeviceBuffer],
+        root: u32,
+        fingerprint: u64,
+    ) -> OpHeader {
+        let elements = bufs.iter().map(|b| b.count).sum();
+        let described = fingerprint_of(bufs, fingerprint);
+        let mut header = self.header(kind, elements, root, described);
+        header.wire = NCCL_WIRE;
+        header.piece = 0;
+        header
+    }
+
+    /// Runs a device collective once every rank agreed to it: the headers are gathered from
+    /// all ranks, so either every rank starts it or none does (NCCL would wait for the missing
+    /// ones). Poisons the ring on failure.
+    fn on_device(
+        &mut self,
+        header: OpHeader,
+        op: impl FnOnce(&mut Nccl) -> Result<()>,
+    ) -> Result<()> {
+        if let Some(why) = &self.poisoned {
+            return Err(CollectiveError::Poisoned(why.clone()));
+        }
+        if self.nccl.is_none() {
+            return Err(CollectiveError::Config(
+                "NCCL is not set up on this ring: call use_nccl (every rank) first".into(),
+            ));
+        }
+        if self.world.size > 1 {
+            let all = self.allgather(&header.encode())?;
+            let differs = all.iter().enumerate().find(|(_, h)| **h != header.encode());
+            if let Some((rank, theirs)) = differs {
+                let theirs = OpHeader::decode(theirs)
+                    .map_or_else(|| "a malformed call".to_string(), |h| h.describe());
+                let e = CollectiveError::Mismatch(format!(
+                    "collective #{} differs between ranks: rank {rank} called {theirs}, rank {} called {}. \
+                     Every rank must make the same collective calls, with the same tensors, in the same order",
+                    header.seq,
+                    self.world.rank,
+                    header.describe()
+                ));
+                self.poison(&e);
+                return Err(e);
+            }
+        }
+        let result = match self.nccl.as_mut() {
+            Some(nccl) => op(nccl),
+            None => Ok(()),
+        };
+        if let Err(e) = &result {
+            self.poison(e);
+        }
+        result
     }
 
     fn header(&mut self, kind: OpKind, elements: usize, root: u32, fingerprint: u64) -> OpHeader {

@@ -23,7 +23,7 @@ use tch::{Device, Tensor};
 
 use hora_collective::{
     Algorithm, CollectiveError, Communicator, DistributedOptimizer, ElasticMeeting, Fusion,
-    LrScaling, Snapshot, SyncOptimizer,
+    LrScaling, Snapshot, SyncOptimizer, UseNccl,
 };
 use hora_common::wire::SyncRejoin;
 
@@ -53,6 +53,8 @@ pub struct SyncTraining {
     pub seed: u64,
     pub device: Device,
     pub fusion_bytes: usize,
+    /// Whether gradients on GPUs are averaged through NCCL.
+    pub nccl: UseNccl,
     pub checkpoint_dir: Option<PathBuf>,
     /// Checkpoint every this many steps (0: at the end of each epoch only).
     pub checkpoint_every: u64,
@@ -235,13 +237,17 @@ pub fn train(
         let lr = config.lr_scaling.apply(config.learning_rate, world.size);
         optimizer.set_lr(lr)?;
         run.report.learning_rate = lr;
+        let attached = config.nccl.attach(&mut comm, config.device);
         let mut dist = DistributedOptimizer::new(
             optimizer,
             comm,
             Fusion::new(config.fusion_bytes),
             config.backward_passes_per_step,
         )?;
-        let ended = match run.world(&mut dist, first, elastic.as_ref()) {
+        let started = attached
+            .map_err(SyncError::from)
+            .and_then(|_| run.world(&mut dist, first, elastic.as_ref()));
+        let ended = match started {
             Ok(start) => {
                 first = false;
                 on_world(&WorldReport {

@@ -6,6 +6,7 @@ use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 
 use super::{plan, shapes_fingerprint, DEFAULT_THRESHOLD};
+use crate::nccl::{DType, DeviceBuffer};
 use crate::region::TensorRegion;
 use crate::ring::{Communicator, Reduce};
 use crate::{CollectiveError, Result};
@@ -42,6 +43,12 @@ impl Fusion {
         for bucket in buckets(tensors, self.threshold_bytes)? {
             self.collective(comm, &tensors[bucket], 0, |comm, fused, fp| match fused {
                 Fused::Host(buf) => comm.allreduce(buf, reduce, fp),
+                Fused::Device(t) if comm.nccl().is_some() => {
+                    let buf = device_buffer(t)?;
+                    // SAFETY: `t` is the fused bucket, a contiguous f32 tensor on the device,
+                    // alive until this returns; libtorch's work on it is on the default stream.
+                    unsafe { comm.device_allreduce(&[buf], reduce, std::ptr::null_mut(), fp) }
+                }
                 Fused::Device(t) => comm.allreduce(TensorRegion::new(t)?, reduce, fp),
             })?;
         }
@@ -58,6 +65,11 @@ impl Fusion {
         for bucket in buckets(tensors, self.threshold_bytes)? {
             self.collective(comm, &tensors[bucket], 1, |comm, fused, fp| match fused {
                 Fused::Host(buf) => comm.broadcast(buf, root, fp),
+                Fused::Device(t) if comm.nccl().is_some() => {
+                    let buf = device_buffer(t)?;
+                    // SAFETY: as in `allreduce`.
+                    unsafe { comm.device_broadcast(&[buf], root, std::ptr::null_mut(), fp) }
+                }
                 Fused::Device(t) => comm.broadcast(TensorRegion::new(t)?, root, fp),
             })?;
         }
@@ -120,6 +132,21 @@ impl Fusion {
             }
         }
         Ok(())
+    }
+}
+
+/// A fused bucket on a CUDA device as NCCL takes it (the communicator's NCCL is on that device;
+/// a bucket elsewhere is refused).
+fn device_buffer(t: &Tensor) -> Result<DeviceBuffer> {
+    match t.device() {
+        Device::Cuda(_) if t.is_contiguous() && t.kind() == Kind::Float => Ok(DeviceBuffer {
+            ptr: t.data_ptr(),
+            count: t.numel(),
+            dtype: DType::F32,
+        }),
+        other => Err(CollectiveError::Config(format!(
+            "NCCL reduces contiguous f32 buckets on a CUDA device, not on {other:?}: keep the model on the ring's GPU"
+        ))),
     }
 }
 
