@@ -16,7 +16,13 @@
 The ring is the one ``hora-client sync`` uses (pipelined reduce-scatter and allgather, a
 handshake that keeps strangers out, frames sealed with AES-256-GCM, timeouts); a worker that dies
 or stalls fails every other worker with :class:`hora.SyncFailed`, whose ``rank`` names it.
-Collectives run on host memory: CUDA tensors are copied to the host and back.
+CUDA tensors are averaged where they are, through NCCL (the library PyTorch's wheel ships),
+when every worker's tensors are on a GPU: :func:`init` forms an NCCL communicator over the ring
+(``nccl="auto"``, the default; ``HORA_NCCL``), pins each worker to GPU ``local_rank() %
+device_count``, and every collective of CUDA tensors on that GPU then runs on PyTorch's current
+stream without a copy, agreed on over the ring first like every collective. Otherwise (no GPU,
+``nccl="off"``, or a worker that cannot load NCCL) collectives run on host memory: CUDA
+tensors are copied to the host and back.
 
 No bytes from another worker reach :mod:`pickle`. Objects (:func:`allgather_object`,
 :func:`broadcast_object`) travel as JSON: ``None``, ``bool``, ``int``, ``float`` (NaN and
@@ -39,6 +45,7 @@ import io
 import json
 import os
 import struct
+import sys
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -47,6 +54,8 @@ from . import _hora
 from .client import _identity
 
 _ring: Optional[_hora.Ring] = None
+#: The CUDA device whose tensors this worker averages through NCCL (None: NCCL is not used).
+_nccl_device: Optional[int] = None
 
 #: The most bytes of JSON one object may take in :func:`broadcast_object`; a larger length
 #: announced by the root is refused before anything is allocated.
@@ -80,6 +89,7 @@ def init(
     seal_frames: bool = True,
     cert: Optional[str] = None,
     key: Optional[str] = None,
+    nccl: Optional[str] = None,
 ) -> None:
     """Joins this process to its job's ring.
 
@@ -103,6 +113,11 @@ def init(
     ``seal_frames=False`` (or ``HORA_RING_UNSEALED=1``) leaves the ring's TCP frames unsealed (no
     AES-256-GCM after the handshake): only on a network nobody else can reach, and on every
     worker alike (a worker that seals and one that does not refuse each other).
+
+    ``nccl`` (or ``HORA_NCCL``): ``auto`` (the default) averages CUDA tensors through NCCL when
+    PyTorch is imported, sees a GPU on every worker and every worker can load NCCL; ``on``
+    fails every worker, naming those that cannot, unless all can; ``off`` keeps collectives on
+    host memory. Every worker of a job must ask alike.
     """
     global _ring
     if _ring is not None and peers is None and server is None:
@@ -157,6 +172,30 @@ def init(
         )
     else:
         _ring = _hora.Ring.single()
+    _attach_nccl(_ring, nccl)
+
+
+def _attach_nccl(ring: _hora.Ring, nccl: Optional[str] = None) -> None:
+    """Forms NCCL on ``ring`` as ``nccl`` (else ``HORA_NCCL``, else ``auto``) says: every
+    worker asks (a collective), with its GPU (``local_rank() % device_count``, made PyTorch's
+    current device) or none, and either all use NCCL or none does."""
+    global _nccl_device
+    _nccl_device = None
+    mode = (nccl or os.environ.get("HORA_NCCL") or "auto").strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"nccl={mode!r}: give auto, on or off")
+    if mode == "off":
+        return
+    torch = sys.modules.get("torch")
+    if torch is None and mode == "on":
+        import torch
+    device = -1
+    if torch is not None and torch.cuda.is_available():
+        local = _hora.launch_rank()[2]
+        device = (local if local is not None else ring.rank) % torch.cuda.device_count()
+        torch.cuda.set_device(device)
+    if ring.use_nccl(device, required=mode == "on") is not None:
+        _nccl_device = device
 
 
 def _ring_sealed(seal_frames: bool) -> bool:
@@ -179,6 +218,7 @@ def _server_job(
 def _set_ring(ring: _hora.Ring) -> None:
     global _ring
     _ring = ring
+    _attach_nccl(ring)
 
 
 def _the_ring() -> _hora.Ring:
@@ -189,8 +229,9 @@ def _the_ring() -> _hora.Ring:
 
 def shutdown() -> None:
     """Leaves the ring (its connections close); :func:`init` may be called again."""
-    global _ring
+    global _ring, _nccl_device
     _ring = None
+    _nccl_device = None
 
 
 def is_initialized() -> bool:
@@ -220,6 +261,20 @@ def _resized(size: int) -> ValueError:
     )
 
 
+def _to_host(view: Any) -> Any:
+    """A float32 contiguous CPU copy of the tensor ``view`` of this module's own: in pinned
+    (page-locked) memory when ``view`` is on a GPU, which the copies to and from the device
+    run at the full speed of the bus from (PyTorch's caching host allocator keeps the pages
+    between calls)."""
+    import torch
+
+    if view.is_cuda:
+        host = torch.empty(view.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(view)
+        return host
+    return view.to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+
+
 def _host(tensor: Any) -> Tuple[np.ndarray, Any]:
     """A float32 C-contiguous host array of this module's own holding ``tensor``'s values (no
     other thread can reach it, so the ring may run on it with the GIL released), and a function
@@ -237,21 +292,74 @@ def _host(tensor: Any) -> Tuple[np.ndarray, Any]:
         return array, back
     import torch
 
-    array = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous().numpy()
+    host = _to_host(tensor.detach())
+    array = host.numpy()
 
     def copy_back() -> None:
         if tensor.numel() != array.size:
             raise _resized(array.size)
         with torch.no_grad():
-            tensor.copy_(torch.from_numpy(array).view(tensor.shape))
+            tensor.copy_(host.view(tensor.shape))
 
     return array, copy_back
 
 
+def nccl_version() -> Optional[str]:
+    """The NCCL version this worker averages CUDA tensors with, or None when it does not."""
+    return None if _nccl_device is None else _hora.nccl_probe()[0]
+
+
+def _on_nccl(tensors: Sequence[Any]) -> bool:
+    """Whether ``tensors`` go through NCCL: CUDA tensors, all on the GPU NCCL was formed on."""
+    if _nccl_device is None or not tensors:
+        return False
+    return all(
+        getattr(t, "is_cuda", False) and t.device.index == _nccl_device for t in tensors
+    )
+
+
+_NCCL_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
+
+
+def _nccl(tensors: Sequence[Any], op: str, name: str, **kwargs: Any) -> None:
+    """``op`` (allreduce or broadcast) of CUDA ``tensors`` through NCCL, in one group, on
+    PyTorch's current stream. A contiguous tensor of a type NCCL reduces is passed as it is;
+    any other (strided, an integer type, or sharing storage with one already listed) through a
+    float32 copy on the same GPU, written back afterwards."""
+    import torch
+
+    buffers: List[Tuple[int, int, str]] = []
+    staged: List[Tuple[Any, Any]] = []
+    storages = set()
+    with torch.no_grad():
+        for t in tensors:
+            view = t.detach()
+            storage = view.untyped_storage().data_ptr()
+            if str(view.dtype) in _NCCL_DTYPES and view.is_contiguous() and storage not in storages:
+                work = view
+            else:
+                work = view.to(dtype=torch.float32, copy=True).contiguous()
+                staged.append((t, work))
+            storages.add(storage)
+            buffers.append((work.data_ptr(), work.numel(), str(work.dtype)))
+        stream = torch.cuda.current_stream(_nccl_device).cuda_stream
+        ring = _the_ring()
+        if op == "allreduce":
+            ring.nccl_allreduce(buffers, stream=stream, name=name, **kwargs)
+        else:
+            ring.nccl_broadcast(buffers, stream=stream, name=name, **kwargs)
+        for t, work in staged:
+            t.copy_(work.view_as(t))
+
+
 def allreduce_(tensor: Any, average: bool = True, name: Optional[str] = None) -> Any:
     """Sums (or averages) ``tensor`` over all workers, in place, and returns it. Every worker
-    must call it with a tensor of the same size, in the same order. The ring works on a copy
-    (see :func:`_host`), written back once it is done."""
+    must call it with a tensor of the same size, in the same order. A CUDA tensor goes through
+    NCCL where the ring has it, in place; otherwise the ring works on a host copy (see
+    :func:`_host`), written back once it is done."""
+    if _on_nccl([tensor]):
+        _nccl([tensor], "allreduce", name or "allreduce", average=average)
+        return tensor
     array, back = _host(tensor)
     _the_ring().allreduce(array.reshape(-1), average=average, name=name or "allreduce", copy=False)
     back()
@@ -268,13 +376,21 @@ def allreduce(tensor: Any, average: bool = True, name: Optional[str] = None) -> 
         return out
     import torch
 
-    array = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous().numpy()
+    if _on_nccl([tensor]):
+        out = tensor.detach().clone(memory_format=torch.contiguous_format)
+        _nccl([out], "allreduce", name, average=average)
+        return out
+    array = _to_host(tensor.detach()).numpy()
     ring.allreduce(array.reshape(-1), average=average, name=name, copy=False)
     return torch.from_numpy(array).view(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
 
 
 def broadcast_(tensor: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
-    """Copies ``root_rank``'s ``tensor`` into every worker's, in place, and returns it."""
+    """Copies ``root_rank``'s ``tensor`` into every worker's, in place, and returns it (a CUDA
+    tensor through NCCL where the ring has it)."""
+    if _on_nccl([tensor]):
+        _nccl([tensor], "broadcast", name or "broadcast", root=root_rank)
+        return tensor
     array, back = _host(tensor)
     _the_ring().broadcast(array.reshape(-1), root=root_rank, name=name or "broadcast", copy=False)
     back()
@@ -510,9 +626,13 @@ def _fused(
     Horovod's fusion). A contiguous float32 CPU tensor is handed over as a view of its own
     storage, which Rust packs from and unpacks into with the GIL held; any other (another
     dtype, a GPU's, strided, or sharing storage with one already listed) goes through a float32
-    copy that is written back afterwards."""
+    copy that is written back afterwards. CUDA tensors on the GPU the ring averages through
+    NCCL go through NCCL instead, in one group, without leaving the GPU."""
     import torch
 
+    if _on_nccl(tensors):
+        _nccl(tensors, op, op, **kwargs)
+        return
     arrays: List[np.ndarray] = []
     staged: List[Tuple[Any, Any]] = []
     storages = set()
@@ -530,7 +650,7 @@ def _fused(
         else:
             if storage is not None:
                 storages.add(storage)
-            host = view.to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+            host = _to_host(view)
             arrays.append(host.numpy())
             staged.append((t, host))
     ring = _the_ring()

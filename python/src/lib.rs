@@ -182,6 +182,7 @@ fn _hora(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ring::launch_rank, m)?)?;
     m.add_function(wrap_pyfunction!(ring::torchrun_peers, m)?)?;
     m.add_function(wrap_pyfunction!(ring::sync_job_status, m)?)?;
+    m.add_function(wrap_pyfunction!(ring::nccl_probe, m)?)?;
     m.add_function(wrap_pyfunction!(convert::encode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::decode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::load_dataset, m)?)?;

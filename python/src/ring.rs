@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use hora_client::sync::ServerRendezvous;
 use hora_collective::fusion::{Part, DEFAULT_THRESHOLD};
+use hora_collective::nccl::{self, DType, DeviceBuffer, Stream};
 use hora_collective::ring::fingerprint;
 use hora_collective::{
     bind, connect, form_world, CollectiveError, CommOptions, Communicator, ElasticMeeting,
@@ -487,6 +488,81 @@ impl Ring {
         )
     }
 
+    /// use_nccl(device, required=True) -> str | None
+    /// --
+    ///
+    /// Forms an NCCL communicator of this world on CUDA device `device` (-1: this worker's
+    /// tensors are on the CPU). Every worker calls it, and either every worker uses NCCL or
+    /// none does: then, if `required`, every one raises `SyncFailed` naming each worker that
+    /// cannot and why; else every one returns None. Returns NCCL's version when it is used.
+    #[pyo3(signature = (device, required=true))]
+    fn use_nccl(&self, py: Python<'_>, device: i32, required: bool) -> PyResult<Option<String>> {
+        let comm = &self.comm;
+        py.detach(move || {
+            let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+            comm.attach_nccl(device, required)
+        })
+        .map_err(|e| sync_error(py, e))
+    }
+
+    /// nccl_allreduce(buffers, average=True, stream=0, name="") -> None
+    /// --
+    ///
+    /// Sums (or averages) CUDA buffers over all workers through NCCL, in place, as one group:
+    /// each `(address, elements, dtype)` of a contiguous tensor on the device `use_nccl` named
+    /// (`dtype` as PyTorch names it: float32, float16, bfloat16, float64). Enqueued on
+    /// `stream` (a `cudaStream_t`; 0 is the default stream) and waited for. Every worker must
+    /// make the same calls with buffers of the same sizes and types (and `name`).
+    #[pyo3(signature = (buffers, average=true, stream=0, name=""))]
+    fn nccl_allreduce(
+        &self,
+        py: Python<'_>,
+        buffers: Vec<(usize, usize, String)>,
+        average: bool,
+        stream: usize,
+        name: &str,
+    ) -> PyResult<()> {
+        let bufs = device_buffers(buffers)?;
+        let reduce = match average {
+            true => Reduce::Average,
+            false => Reduce::Sum,
+        };
+        let fp = tag(name, 0);
+        let comm = &self.comm;
+        py.detach(move || {
+            let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: hora.sync passes the addresses of contiguous CUDA tensors it holds until
+            // the call returns, on the device NCCL was formed on, and the tensors' stream.
+            unsafe { comm.device_allreduce(&bufs, reduce, stream as Stream, fp) }
+        })
+        .map_err(|e| sync_error(py, e))
+    }
+
+    /// nccl_broadcast(buffers, root=0, stream=0, name="") -> None
+    /// --
+    ///
+    /// Copies `root`'s CUDA buffers into every worker's through NCCL (buffers as
+    /// `nccl_allreduce`).
+    #[pyo3(signature = (buffers, root=0, stream=0, name=""))]
+    fn nccl_broadcast(
+        &self,
+        py: Python<'_>,
+        buffers: Vec<(usize, usize, String)>,
+        root: u32,
+        stream: usize,
+        name: &str,
+    ) -> PyResult<()> {
+        let bufs = device_buffers(buffers)?;
+        let fp = tag(name, 1);
+        let comm = &self.comm;
+        py.detach(move || {
+            let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: as in nccl_allreduce.
+            unsafe { comm.device_broadcast(&bufs, root, stream as Stream, fp) }
+        })
+        .map_err(|e| sync_error(py, e))
+    }
+
     /// allgather(data) -> list[bytes]
     /// --
     ///
@@ -500,6 +576,42 @@ impl Ring {
             })
             .map_err(|e| sync_error(py, e))?;
         Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
+    }
+}
+
+/// `(address, elements, dtype)` triples as NCCL takes them.
+fn device_buffers(buffers: Vec<(usize, usize, String)>) -> PyResult<Vec<DeviceBuffer>> {
+    buffers
+        .into_iter()
+        .enumerate()
+        .map(|(i, (ptr, count, dtype))| {
+            let dtype = DType::parse(&dtype).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "buffer {i} is {dtype}: NCCL averages float32, float16, bfloat16 and float64"
+                ))
+            })?;
+            if ptr == 0 && count > 0 {
+                return Err(PyValueError::new_err(format!("buffer {i} has no memory")));
+            }
+            Ok(DeviceBuffer {
+                ptr: ptr as *mut std::ffi::c_void,
+                count,
+                dtype,
+            })
+        })
+        .collect()
+}
+
+/// nccl_probe() -> tuple[str | None, int, str | None]
+/// --
+///
+/// Whether this process can use NCCL: (its version, the CUDA devices it sees, None), or
+/// (the version if the library loads, 0, why not).
+#[pyfunction]
+pub(crate) fn nccl_probe() -> (Option<String>, u32, Option<String>) {
+    match nccl::probe() {
+        Ok(p) => (Some(p.version), p.devices, None),
+        Err(why) => (nccl::version().ok(), 0, Some(why)),
     }
 }
 

@@ -8,6 +8,8 @@ objects:   (2 ranks) objects as JSON, states by torch.load(weights_only=True), a
            a checkpoint that would run code, a length past the limit; prints the outcomes.
 resize:    (2 ranks) while rank 0's allreduce_ waits for rank 1 with the GIL released, another
            thread of rank 0 resizes its array and its tensor; prints the outcomes.
+cuda:      (HORA_NCCL=on, one GPU per rank) CUDA tensors through NCCL: in place, bfloat16,
+           strided, broadcast, and three steps of the MLP on the GPU; prints the outcomes.
 elastic:   hora.sync.elastic.run: the MLP, committing every 5 steps; with DIE_AT=n the process
            SIGKILLs itself at step n of its first world; the survivors train on until a world of
            generation 3 (a newcomer joined) has trained, then to --steps; prints each world's
@@ -219,6 +221,37 @@ def resize() -> dict:
     return out
 
 
+def cuda() -> dict:
+    r, dev = hs.rank(), torch.device("cuda", torch.cuda.current_device())
+    t = torch.full((1_000_003,), float(r + 1), device=dev)
+    at = t.data_ptr()
+    hs.allreduce_(t)
+    bf16 = torch.full((7,), float(r + 1), device=dev, dtype=torch.bfloat16)
+    hs.allreduce_(bf16)
+    strided = torch.full((3, 4), float(r + 1), device=dev).t()
+    hs.allreduce_(strided)
+    b = torch.full((4,), float(r), device=dev)
+    hs.broadcast_(b, root_rank=hs.size() - 1)
+    torch.manual_seed(r)
+    model = MLP().to(dev)
+    hs.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hs.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                  named_parameters=model.named_parameters())
+    (x, y), _, _ = hora.load_dataset(DATA, 0)
+    x, y = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)
+    for step in range(3):
+        mine = slice((step * hs.size() + r) * 16, (step * hs.size() + r + 1) * 16)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
+        opt.step()
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return {"nccl": hs.nccl_version(), "in_place": t.data_ptr() == at, "min": float(t.min()),
+            "max": float(t.max()), "bf16": bf16.float().tolist(), "strided": strided.tolist(),
+            "broadcast": b.tolist(), "digest": h.hexdigest()[:16]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode")
@@ -265,6 +298,8 @@ def main() -> None:
             "wrote": wrote, "step": state["step"], "w": state["w"].tolist(),
             "momentum": opt.state[w]["momentum_buffer"].tolist(),
         }), flush=True)
+    elif args.mode == "cuda":
+        print("RESULT " + json.dumps(cuda()), flush=True)
     elif args.mode == "train":
         result = train(args.batch, args.epochs)
         print("RESULT " + json.dumps(result), flush=True)

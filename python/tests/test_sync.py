@@ -15,13 +15,13 @@ from conftest import HERE, log
 WORKER = str(HERE / "sync_main.py")
 
 
-def world(server, procs, n: int, *args: str, timeout: str = "10"):
+def world(server, procs, n: int, *args: str, timeout: str = "10", env=None):
     ckpt = procs.dir / f"ckpt-{len(procs.procs)}.pt"
     job = f"job-{len(procs.procs)}"
     token = server.admin.create_sync_job(job, n)["token"]
     env = {"HORA_SERVER": server.url, "HORA_CA": str(server.ca), "HORA_JOB": job,
            "HORA_SYNC_TOKEN": token, "HORA_WORLD_SIZE": str(n), "TIMEOUT": timeout,
-           "HORA_LOG": "warn", "CKPT": str(ckpt)}
+           "HORA_LOG": "warn", "CKPT": str(ckpt), **(env or {})}
     workers = [procs.start(f"{job}-{r}", [sys.executable, WORKER, *args], env={**env, "HORA_RANK": str(r)})
                for r in range(n)]
     results = []
@@ -250,3 +250,62 @@ def test_an_elastic_job_survives_a_killed_worker_and_hands_a_newcomer_the_state(
     assert [(w["generation"], w["size"]) for w in c["worlds"]] == [(3, 3)], c
     assert c["worlds"][0] == a["worlds"][2] == b["worlds"][2], "the newcomer's state is theirs"
     assert a["step"] >= a["worlds"][2]["step"] + 20, "and the three trained on together"
+
+
+def test_nccl_is_used_by_every_worker_or_by_none_naming_each_that_cannot():
+    """Two rings in one process: one worker's tensors are on the CPU and the other asks for a
+    GPU no machine has, so with NCCL required both fail naming both, without it both go on
+    without it, and the ring still works."""
+    import threading
+
+    import numpy as np
+
+    import hora
+    from hora import _hora
+
+    pending = [_hora.PendingRing() for _ in range(2)]
+    peers = [p.address for p in pending]
+    out = [None, None]
+
+    def worker(r: int) -> None:
+        ring = pending[r].connect(peers, r, "a secret of the tests, long enough")
+        try:
+            ring.use_nccl(-1 if r == 0 else 1 << 20, required=True)
+            refused = None
+        except hora.SyncFailed as e:
+            refused = str(e)
+        fallback = ring.use_nccl(-1 if r == 0 else 1 << 20, required=False)
+        a = np.full(3, r + 1, np.float32)
+        ring.allreduce(a)
+        out[r] = (refused, fallback, a.tolist())
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for refused, fallback, a in out:
+        assert refused and "rank 0: its tensors are on the CPU" in refused, refused
+        assert "rank 1: " in refused and "no rank uses it" in refused, refused
+        assert fallback is None and a == [1.5] * 3
+    version, devices, reason = _hora.nccl_probe()
+    assert (devices > 0 and reason is None and version) or (devices == 0 and reason), (version, devices, reason)
+
+
+def test_cuda_tensors_are_averaged_through_nccl_where_they_are(server, procs):
+    torch = pytest.importorskip("torch")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        pytest.skip("no CUDA device here: the NCCL path runs where there is one (make bench-gpu)")
+    n = min(gpus, 2)
+    workers, results = world(server, procs, n, "cuda", env={"HORA_NCCL": "on"})
+    mean = sum(range(1, n + 1)) / n
+    for w, r in zip(workers, results):
+        assert w.returncode == 0 and r is not None, log(w)
+        assert r["nccl"], "NCCL was used"
+        assert r["in_place"], "the tensor was reduced where it is, not through a copy"
+        assert r["min"] == pytest.approx(mean) and r["max"] == pytest.approx(mean)
+        assert r["bf16"] == pytest.approx([mean] * 7, rel=1e-2)
+        assert r["strided"] == [[mean] * 3] * 4
+        assert r["broadcast"] == [float(n - 1)] * 4
+        assert r["digest"] == results[0]["digest"], "every worker holds the same model"
