@@ -29,7 +29,7 @@ DASH_ENV := eval "$$(scripts/setup-dashboard.sh --print-env)"
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
-.PHONY: demo dashboard bench-dashboard replicas test bench bench-large bench-updates lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
+.PHONY: demo dashboard bench-dashboard replicas test bench bench-gpu bench-large bench-updates lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
 
 ## Release artefacts of this machine's architecture in dist/: the server's tarball, the client's
 ## tarball with its CPU libtorch beside it ($$ORIGIN), and an abi3 wheel (scripts/dist.sh).
@@ -140,6 +140,14 @@ bench:
 	$(PY_ENV); $(call PY_INSTALL,--release); \
 	"$$HORA_PACKAGE_PYTHON" python/bench/bench.py; \
 	"$$HORA_PACKAGE_PYTHON" python/bench/fusion.py
+
+## The GPU figures of the sync mode (needs a CUDA device; without one each part says so and
+## measures nothing): the averaging kernel's fold against a device-to-device copy, hora.sync
+## through NCCL against torch.distributed's NCCL, and the ring from CUDA tensors through pinned
+## host memory against Gloo. Not part of `make bench`, which runs where there is no GPU.
+bench-gpu:
+	@$(TORCH_ENV); $(PY_ENV); cargo bench -p hora-common-tch --bench cuda_fold && \
+	$(call PY_INSTALL,--release) && "$$HORA_PACKAGE_PYTHON" python/bench/gpu.py
 
 ## One round of a model past 2 GiB (HORA_LARGE_MODEL_MB, 2200) with 4 clients: transfer
 ## rates against the loopback TLS limit, peak RSS, cut and resumed transfers. Needs about
