@@ -1178,6 +1178,7 @@ fn an_elastic_job_survives_a_killed_worker_takes_in_a_new_one_and_fails_below_it
     args.extend(strings(&["--elastic", "--commit-every", "10"]));
     let at = args.iter().position(|a| a == "--job").expect("--job") + 1;
     args[at] = "lose".into();
+    let mut late = Elastic::new(args.clone());
     let mut job = Elastic::new(args);
     for _ in 0..4 {
         job.start();
@@ -1216,6 +1217,18 @@ fn an_elastic_job_survives_a_killed_worker_takes_in_a_new_one_and_fails_below_it
     assert!(
         (accuracy - base_accuracy).abs() <= 0.02,
         "after losing a worker {accuracy}, uninterrupted with three {base_accuracy}"
+    );
+    // The last world's rank 0 told the server the job finished: a worker that comes now (a
+    // launcher's retry) has nothing to do, at once.
+    let started = late.start();
+    let outputs = late.finish(&[started]);
+    let (out, lines) = &outputs[0];
+    assert!(out.status.success(), "{lines:?}{}", text(&out.stderr));
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("nothing to do: ") && l.contains("finished training")),
+        "{lines:?}"
     );
 
     // Two workers of a job of two to three; a third joins at a commit and starts from the

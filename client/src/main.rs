@@ -868,13 +868,23 @@ fn sync(layered: Layered<SyncArgs>) -> anyhow::Result<()> {
             });
         }
     };
-    let report = worker::train(
+    let report = match worker::train(
         &training,
         worlds,
         &mut on_step,
         &mut on_epoch,
         &mut on_world,
-    )?;
+    ) {
+        // A worker started (or retried by its launcher) after the job's training finished.
+        Err(hora_client::sync::SyncError::Collective(
+            hora_collective::CollectiveError::JobFinished(why),
+        )) => {
+            bar.finish_and_clear();
+            println!("nothing to do: {why}");
+            return Ok(());
+        }
+        report => report?,
+    };
     bar.finish_and_clear();
     if let Some(step) = report.resumed_from {
         println!("resumed from step {step}");

@@ -80,6 +80,9 @@ pub enum CollectiveError {
     Protocol(String),
     #[error("rendezvous: {0}")]
     Rendezvous(String),
+    /// The job's training finished before this worker joined it: there is nothing to do.
+    #[error("{0}")]
+    JobFinished(String),
     #[error("{context}: {source}")]
     Io {
         context: String,

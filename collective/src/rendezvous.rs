@@ -143,9 +143,10 @@ impl World {
 /// the collective stack carries no HTTP client of its own.
 pub trait Rendezvous {
     /// Sends `request` and waits until the world is complete (the service holds the request
-    /// until every rank has joined, or until `request.timeout_s`). Errors are the service's
-    /// words for what went wrong; [`join`] wraps them as [`CollectiveError::Rendezvous`].
-    fn send(&self, request: &SyncJoinRequest) -> std::result::Result<SyncWorld, String>;
+    /// until every rank has joined, or until `request.timeout_s`). Errors are
+    /// [`CollectiveError::Rendezvous`] in the service's words, or
+    /// [`CollectiveError::JobFinished`] when the job's training finished (`job_finished`).
+    fn send(&self, request: &SyncJoinRequest) -> Result<SyncWorld>;
 
     /// How long this worker waits for the others.
     fn timeout(&self) -> Duration;
@@ -153,11 +154,16 @@ pub trait Rendezvous {
     /// An elastic job's generation and the workers waiting to join it (`GET
     /// /v1/sync/{job}/status`), asked by a running world's rank 0 at its commits.
     fn status(&self) -> std::result::Result<SyncStatus, String>;
+
+    /// Says the job's training finished (`POST /v1/sync/{job}/finish`), once every rank is
+    /// done: an elastic job's workers that join later, or are retried by their launcher, learn
+    /// that there is nothing to do instead of waiting for a world.
+    fn finish(&self) -> std::result::Result<(), String>;
 }
 
 /// Joins at `service` with `request` and waits until the world is complete.
 pub fn join(service: &dyn Rendezvous, request: &SyncJoinRequest) -> Result<World> {
-    let world = service.send(request).map_err(CollectiveError::Rendezvous)?;
+    let world = service.send(request)?;
     World::from_wire(world)
 }
 

@@ -1296,6 +1296,10 @@ pub struct SyncJobInfo {
     /// The last world formed since the answering server started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub formed: Option<SyncWorldInfo>,
+    /// Its training finished: it forms no more worlds, and joins are answered 410
+    /// `job_finished`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub finished: bool,
 }
 
 /// A worker of a sync job's world: its rank and the address its ring neighbour connects to.
@@ -1326,6 +1330,7 @@ impl fmt::Debug for SyncJobInfo {
             .field("waiting", &self.waiting)
             .field("members", &self.members)
             .field("formed", &self.formed)
+            .field("finished", &self.finished)
             .finish()
     }
 }
@@ -1378,6 +1383,9 @@ pub struct SyncStatus {
     pub generation: u64,
     /// Workers waiting to join: the running world re-forms at its next commit to take them in.
     pub waiting: u32,
+    /// The job's training finished (`POST /v1/sync/{job}/finish`): it forms no more worlds.
+    #[serde(default)]
+    pub finished: bool,
 }
 
 /// The complete world, the same for every worker of one generation.
@@ -1448,6 +1456,7 @@ mod tests {
                     waiting: 0,
                     members: Vec::new(),
                     formed: None,
+                    finished: false,
                 }
             ),
         ];
@@ -1471,6 +1480,7 @@ mod tests {
                 waiting: 0,
                 members: Vec::new(),
                 formed: None,
+                finished: false,
             }
         );
         assert!(unset.contains("token: None"), "{unset}");

@@ -4,12 +4,13 @@
 use std::path::Path;
 use std::time::Duration;
 
-use hora_collective::Rendezvous;
+use hora_collective::{CollectiveError, Rendezvous};
 use hora_common::tls::Identity;
-use hora_common::wire::{SyncJoinRequest, SyncStatus, SyncWorld, CLIENT_API};
+use hora_common::wire::{ErrorCode, SyncJoinRequest, SyncStatus, SyncWorld, CLIENT_API};
 use reqwest::Method;
 
-use crate::transport::{Connection, RetryPolicy};
+use crate::error::ClientError;
+use crate::transport::{check, Connection, RetryPolicy};
 
 /// Where and how to join at the server.
 #[derive(Clone)]
@@ -43,7 +44,8 @@ impl std::fmt::Debug for ServerRendezvous<'_> {
 impl ServerRendezvous<'_> {
     /// One call to the server: a fresh connection (with this rendezvous's TLS settings and
     /// retries) on a runtime of its own, since the collective stack's callers are synchronous.
-    fn call<T: serde::de::DeserializeOwned>(
+    /// The body of its successful answer.
+    fn call(
         &self,
         what: &str,
         method: Method,
@@ -51,33 +53,45 @@ impl ServerRendezvous<'_> {
         body: Option<&SyncJoinRequest>,
         retry_for: Duration,
         timeout: Duration,
-    ) -> Result<T, String> {
+    ) -> Result<Vec<u8>, ClientError> {
         let retry = RetryPolicy {
             budget: retry_for,
             ..Default::default()
         };
-        let conn = Connection::new(self.server, self.ca, self.identity, retry)
-            .map_err(|e| e.to_string())?
+        let conn = Connection::new(self.server, self.ca, self.identity, retry)?
             .with_token(self.token.to_string());
         let path = format!("{CLIENT_API}/sync/{}/{path}", self.job);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|e| format!("starting the rendezvous runtime: {e}"))?;
-        runtime
-            .block_on(conn.json(what, || {
-                let request = conn.request(method.clone(), &path, timeout);
-                match body {
-                    Some(body) => request.json(body),
-                    None => request,
-                }
-            }))
-            .map_err(|e| e.to_string())
+            .map_err(|e| ClientError::Protocol(format!("starting the rendezvous runtime: {e}")))?;
+        runtime.block_on(async {
+            let (resp, _) = conn
+                .send(what, || {
+                    let request = conn.request(method.clone(), &path, timeout);
+                    match body {
+                        Some(body) => request.json(body),
+                        None => request,
+                    }
+                })
+                .await?;
+            let bytes =
+                check(resp).await?.bytes().await.map_err(|e| {
+                    ClientError::Protocol(format!("{what}: reading the answer: {e}"))
+                })?;
+            Ok(bytes.to_vec())
+        })
     }
 }
 
+/// A JSON answer of [`ServerRendezvous::call`].
+fn decode<T: serde::de::DeserializeOwned>(what: &str, body: &[u8]) -> Result<T, ClientError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ClientError::Protocol(format!("{what}: decoding the answer: {e}")))
+}
+
 impl Rendezvous for ServerRendezvous<'_> {
-    fn send(&self, request: &SyncJoinRequest) -> Result<SyncWorld, String> {
+    fn send(&self, request: &SyncJoinRequest) -> hora_collective::Result<SyncWorld> {
         // The server holds a join up to its `timeout_s`; the request waits a little longer.
         let held = Duration::from_secs(request.timeout_s.map_or(600, u64::from) + 5);
         self.call(
@@ -88,6 +102,11 @@ impl Rendezvous for ServerRendezvous<'_> {
             self.retry_for,
             held.max(self.timeout),
         )
+        .and_then(|body| decode("joining the sync job", &body))
+        .map_err(|e| match e.code() {
+            Some(ErrorCode::JobFinished) => CollectiveError::JobFinished(e.to_string()),
+            _ => CollectiveError::Rendezvous(e.to_string()),
+        })
     }
 
     fn timeout(&self) -> Duration {
@@ -106,5 +125,20 @@ impl Rendezvous for ServerRendezvous<'_> {
             Duration::ZERO,
             limit,
         )
+        .and_then(|body| decode("asking for the sync job's status", &body))
+        .map_err(|e| e.to_string())
+    }
+
+    fn finish(&self) -> Result<(), String> {
+        self.call(
+            "saying the sync job finished",
+            Method::POST,
+            "finish",
+            None,
+            self.retry_for.min(Duration::from_secs(30)),
+            self.timeout.min(Duration::from_secs(10)),
+        )
+        .map(|_| ())
+        .map_err(|e| e.to_string())
     }
 }

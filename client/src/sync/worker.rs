@@ -302,6 +302,13 @@ pub fn train(
         }))?;
     };
     let report = run.report;
+    if let (Some(e), 0) = (&elastic, rank) {
+        // Workers that join from now on (started late, or retried by their launcher) learn
+        // that there is nothing to do instead of waiting for a world.
+        if let Err(why) = e.meeting.service.finish() {
+            tracing::warn!(error = %why, "could not tell the server the job finished: workers that join later wait for a world until their timeout");
+        }
+    }
     if rank == 0 {
         if let Some(path) = &config.save {
             let weights = net.weights()?;

@@ -206,6 +206,9 @@ error_codes! {
     RendezvousTimeout => "rendezvous_timeout",
     /// The sync job was deleted while this worker waited: nothing to join any more.
     JobDeleted => "job_deleted",
+    /// The job's training finished (its workers said so): there is no world to join. A worker
+    /// started late, or retried by its launcher after the others finished, has nothing to do.
+    JobFinished => "job_finished",
 }
 
 impl ErrorCode {

@@ -48,7 +48,7 @@ use super::{admin, chunked, client, secagg, sync};
         admin::create_enrolment, admin::list_clients, admin::revoke_client, admin::release_client,
         admin::create_sync_job, admin::list_sync_jobs, admin::delete_sync_job,
         crate::dashboard::create_link,
-        sync::join, sync::status,
+        sync::join, sync::status, sync::finish,
         secagg::advertise, secagg::neighbours, secagg::share, secagg::inbox, secagg::masked,
         secagg::unmask_request, secagg::unmask,
     ),

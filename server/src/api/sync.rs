@@ -6,7 +6,7 @@
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::header::AUTHORIZATION;
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use hora_common::wire::{ApiError, SyncJoinRequest, SyncStatus, SyncWorld};
@@ -19,6 +19,25 @@ pub fn routes() -> axum::Router<Shared> {
     Router::new()
         .route("/v1/sync/{job}/join", post(join))
         .route("/v1/sync/{job}/status", get(status))
+        .route("/v1/sync/{job}/finish", post(finish))
+}
+
+#[utoipa::path(post, path = "/v1/sync/{job}/finish", tag = "sync", params(("job" = String, Path)),
+    security(("sync_job_token" = [])),
+    responses(
+        (status = 204, description = "the job's training finished (said by its rank 0 once every rank is done): it forms no more worlds, and its waiting and later joins are answered 410 `job_finished`; saying it again changes nothing"),
+        (status = 401, body = ApiError, description = "missing or wrong job token, or no such job")))]
+pub async fn finish(
+    State(state): State<Shared>,
+    ApiPath(job): ApiPath<String>,
+    unverified: Unverified,
+    headers: HeaderMap,
+) -> Result<StatusCode, ServerError> {
+    let token = auth::bearer(headers.get(AUTHORIZATION))?;
+    state.rendezvous.authenticate(&job, token)?;
+    unverified.passed();
+    crate::blocking(move || state.rendezvous.finish(&job)).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 #[utoipa::path(get, path = "/v1/sync/{job}/status", tag = "sync", params(("job" = String, Path)),
@@ -46,7 +65,7 @@ pub async fn status(
         (status = 401, body = ApiError, description = "missing or wrong job token, or no such job (the same answer, checked before the body is read)"),
         (status = 408, body = ApiError, description = "`rendezvous_timeout`: the world was still incomplete at the timeout; the message names the ranks that did not join"),
         (status = 409, body = ApiError, description = "`replaced`: a newer worker joined this rank; `rank_taken`: the rank was given to a worker that joined without one"),
-        (status = 410, body = ApiError, description = "`job_deleted`: the job was deleted while this worker waited")))]
+        (status = 410, body = ApiError, description = "`job_deleted`: the job was deleted while this worker waited; `job_finished`: its training finished (the job forms no more worlds)")))]
 pub async fn join(
     State(state): State<Shared>,
     ApiPath(job): ApiPath<String>,

@@ -267,6 +267,7 @@ impl Job {
                 })
                 .collect(),
             formed: self.formed.clone(),
+            finished: self.record.finished,
         }
     }
 }
@@ -372,6 +373,7 @@ impl Rendezvous {
             token_hash: auth::hash_secret(&token),
             generations: 0,
             elastic,
+            finished: false,
         };
         {
             let mut jobs = self.jobs();
@@ -403,6 +405,7 @@ impl Rendezvous {
             waiting: 0,
             members: Vec::new(),
             formed: None,
+            finished: false,
         })
     }
 
@@ -535,7 +538,40 @@ impl Rendezvous {
         Ok(SyncStatus {
             generation: job.record.generations,
             waiting: job.waiting(),
+            finished: job.record.finished,
         })
+    }
+
+    /// Marks `job_id`'s training finished (its rank 0 says so once every rank is done): it
+    /// forms no more worlds, the workers waiting to join are answered 410 `job_finished`, and
+    /// so is every later join (a worker its launcher retried after the others finished has
+    /// nothing to wait for). Durable before it returns; saying it again changes nothing.
+    pub fn finish(&self, job_id: &str) -> Result<(), ServerError> {
+        let (record, waiters) = {
+            let mut jobs = self.jobs();
+            let job = jobs
+                .get_mut(job_id)
+                .ok_or_else(|| unknown_job_or_token(job_id))?;
+            if job.record.finished {
+                return Ok(());
+            }
+            let mut record = job.record.clone();
+            record.finished = true;
+            // (Under the recording lock, as a deletion: a world formed just before, whose
+            // announcement is still to write its record, must not write over this one.)
+            let mut recorded = self.recorded.lock().unwrap_or_else(PoisonError::into_inner);
+            self.store.put_sync_job(&record)?;
+            recorded.insert(job_id.to_string(), u64::MAX);
+            job.record = record.clone();
+            (record, job.take_waiters())
+        };
+        let waiting = waiters.len();
+        for waiter in waiters {
+            let _ = waiter.answer.send(Err(finished(job_id)));
+        }
+        self.store.flush()?;
+        tracing::info!(job = %job_id, generations = record.generations, waiting, "sync job finished");
+        Ok(())
     }
 
     /// Whether `token` is the token of sync job `job_id`. An unknown job is refused exactly as
@@ -601,6 +637,10 @@ impl Rendezvous {
                 )))
             }
             _ => {}
+        }
+        // (After the request's own checks: a malformed join is told what is wrong with it.)
+        if job.record.finished {
+            return Err(finished(job_id));
         }
         let rank = match req.rank {
             Some(rank) if rank >= world_size => {
@@ -881,6 +921,16 @@ fn check_address(address: &str) -> Result<(), ServerError> {
         return bad("is neither an IP address with a port nor a host name with a port");
     }
     Ok(())
+}
+
+/// The refusal of a join to a job whose training finished.
+fn finished(job_id: &str) -> ServerError {
+    ServerError::Gone {
+        code: ErrorCode::JobFinished,
+        message: format!(
+            "sync job `{job_id}` has finished training: there is no world to join (create a new job to train again)"
+        ),
+    }
 }
 
 /// The one refusal for a join whose job does not exist or whose token is wrong.

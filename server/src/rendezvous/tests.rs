@@ -583,3 +583,55 @@ async fn elastic_worlds_form_from_survivors_and_newcomers_with_the_newest_state_
         "{message}"
     );
 }
+
+#[tokio::test]
+async fn a_finished_job_answers_its_waiting_and_later_joins_that_it_finished() {
+    let f = fixture();
+    let info = f
+        .rendezvous
+        .create(CreateSyncJob {
+            id: "done".into(),
+            world_size: 2,
+            min_world_size: Some(1),
+            settle_ms: Some(100),
+        })
+        .unwrap();
+    let token = info.token.unwrap();
+    let elastic = |address: &str| SyncJoinRequest {
+        elastic: true,
+        ..req(address, None, 2)
+    };
+    let pair = [
+        f.join("done", &token, elastic("a:1")),
+        f.join("done", &token, elastic("b:1")),
+    ];
+    for h in pair {
+        answer(h).await.unwrap();
+    }
+    // A newcomer waits for the running world's next commit; the world finishes instead.
+    let late = f.spawn_join("done", &token, elastic("c:1")).await;
+    assert!(!f.rendezvous.status("done").unwrap().finished);
+    f.rendezvous.finish("done").unwrap();
+    for err in [
+        answer(late).await.unwrap_err(),
+        answer(f.join("done", &token, elastic("d:1")))
+            .await
+            .unwrap_err(),
+    ] {
+        assert_eq!(
+            (err.status(), err.code()),
+            (axum::http::StatusCode::GONE, ErrorCode::JobFinished)
+        );
+        assert!(err.to_string().contains("finished training"), "{err}");
+    }
+    // Durable, shown, and idempotent.
+    f.rendezvous.finish("done").unwrap();
+    let status = f.rendezvous.status("done").unwrap();
+    assert!(status.finished && status.generation == 1);
+    assert!(f.rendezvous.list()[0].finished);
+    let stored = f.store.sync_jobs().unwrap();
+    assert!(stored[0].finished && stored[0].generations == 1);
+    let reopened = Rendezvous::open(f.store.clone(), Arc::new(ServerMetrics::default())).unwrap();
+    assert!(reopened.status("done").unwrap().finished);
+    assert!(f.rendezvous.finish("nope").is_err());
+}

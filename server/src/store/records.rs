@@ -409,6 +409,9 @@ pub struct SyncJobRecord {
     /// world of `world_size`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elastic: Option<ElasticSyncJob>,
+    /// Its workers said its training finished: it forms no more worlds.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub finished: bool,
 }
 
 /// An elastic job's terms.

@@ -289,6 +289,8 @@ fn job(id: &str, generations: u64) -> SyncJobRecord {
             min_world_size: 2,
             settle_ms: 500,
         }),
+        // And one in three finished.
+        finished: generations % 3 == 2,
     }
 }
 
