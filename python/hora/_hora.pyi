@@ -129,6 +129,15 @@ def launch_rank(
 ) -> Tuple[Optional[int], Optional[int], Optional[int], str]: ...
 def torchrun_peers() -> Optional[List[str]]: ...
 def nccl_probe() -> Tuple[Optional[str], int, Optional[str]]: ...
+def sync_job_finish(
+    server: str,
+    ca: str,
+    job: str,
+    token: str,
+    timeout_secs: float = ...,
+    cert: Optional[str] = ...,
+    key: Optional[str] = ...,
+) -> None: ...
 def sync_job_status(
     server: str,
     ca: str,

@@ -225,3 +225,8 @@ class Admin:
         if settle_ms is not None:
             body["settle_ms"] = settle_ms
         return self._json("POST", "/admin/v1/sync-jobs", body)
+
+    def sync_jobs(self) -> List[Dict[str, Any]]:
+        """Every sync job (no tokens): its worlds formed, who waits, and whether its training
+        ``finished``."""
+        return self._json("GET", "/admin/v1/sync-jobs")

@@ -92,6 +92,16 @@ class _Meeting:
             return 0
         return waiting
 
+    def finish(self) -> None:
+        """Tells the server the job's training finished: workers that join later (started
+        late, or retried by Spark) learn there is nothing to do instead of waiting."""
+        try:
+            _hora.sync_job_finish(self.server, self.ca, self.job, self.token,
+                                  timeout_secs=self.timeout_secs, cert=self.cert, key=self.key)
+        except _hora.HoraError as e:
+            print(f"hora: telling the server the job finished failed ({e}); workers that join "
+                  "later wait for a world until their timeout", file=sys.stderr)
+
 
 class State:
     """What an elastic job rolls back to and hands to the workers that join: the progress given
@@ -243,7 +253,9 @@ def run(
     **kwargs: Any,
 ) -> Any:
     """Runs ``train_fn(state, *args, **kwargs)`` in as many worlds as it takes (see the module's
-    documentation) and returns what it returns on this worker.
+    documentation) and returns what it returns on this worker. A worker that comes after the
+    job's training finished (started late, or retried by its launcher: the last world's rank 0
+    tells the server when every rank is done) has nothing to do and returns None.
 
     ``server``, ``ca``, ``job``, ``token`` and ``max_world_size`` (the job's ``world_size``)
     default to ``HORA_SERVER``, ``HORA_CA``, ``HORA_JOB``, ``HORA_SYNC_TOKEN`` and
@@ -267,7 +279,14 @@ def run(
     rejoin = None
     try:
         while True:
-            ring = meeting.meet(rejoin)
+            try:
+                ring = meeting.meet(rejoin)
+            except _hora.SyncFailed as e:
+                if not getattr(e, "finished", False):
+                    raise
+                # Started (or retried by its launcher) after the others finished.
+                print(f"hora: {e}; nothing to do", file=sys.stderr)
+                return None
             _sync._set_ring(ring)
             try:
                 state._start_world()
@@ -275,6 +294,8 @@ def run(
                 # Every rank is done before any leaves: one that exits under another's last
                 # collective would fail it.
                 _sync.barrier()
+                if ring.rank == 0:
+                    meeting.finish()
                 return result
             except WorldChanging:
                 # Committed just now, on every rank: the larger world starts from here.

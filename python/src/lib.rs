@@ -156,6 +156,10 @@ fn sync_error(py: Python<'_>, e: CollectiveError) -> PyErr {
     let _ = err.value(py).setattr("rank", rank);
     // A lost or stalled worker, which an elastic job survives.
     let _ = err.value(py).setattr("survivable", e.survivable());
+    // An elastic job whose training finished before this worker joined.
+    let _ = err
+        .value(py)
+        .setattr("finished", matches!(e, CollectiveError::JobFinished(_)));
     err
 }
 
@@ -183,6 +187,7 @@ fn _hora(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ring::torchrun_peers, m)?)?;
     m.add_function(wrap_pyfunction!(ring::sync_job_status, m)?)?;
     m.add_function(wrap_pyfunction!(ring::nccl_probe, m)?)?;
+    m.add_function(wrap_pyfunction!(ring::sync_job_finish, m)?)?;
     m.add_function(wrap_pyfunction!(convert::encode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::decode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::load_dataset, m)?)?;

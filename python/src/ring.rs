@@ -753,3 +753,27 @@ pub(crate) fn sync_job_status(
         .map(|s| (s.generation, s.waiting))
         .map_err(|e| sync_error(py, CollectiveError::Rendezvous(e)))
 }
+
+/// sync_job_finish(server, ca, job, token, timeout_secs=30.0, cert=None, key=None) -> None
+/// --
+///
+/// Says the job's training finished (its rank 0, once every rank is done): workers that join
+/// it later, or are retried by their launcher, are told there is nothing to do.
+#[pyfunction]
+#[pyo3(signature = (server, ca, job, token, timeout_secs=30.0, cert=None, key=None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sync_job_finish(
+    py: Python<'_>,
+    server: String,
+    ca: PathBuf,
+    job: String,
+    token: String,
+    timeout_secs: f64,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> PyResult<()> {
+    let identity = crate::identity(cert, key)?;
+    let timeout = crate::seconds("timeout_secs", timeout_secs, 0.1, 3600.0)?;
+    py.detach(|| rendezvous(&server, &ca, identity.as_ref(), &job, &token, timeout).finish())
+        .map_err(|e| sync_error(py, CollectiveError::Rendezvous(e)))
+}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -79,3 +80,23 @@ def test_a_failing_task_fails_the_job_naming_its_rank(spark):
 
     with pytest.raises(hora.HoraError, match=r"rank 2 failed: ValueError: this worker's data is unreadable"):
         hora.spark.run(fail_on_rank_two, num_proc=4, spark=spark, timeout_secs=10)
+
+
+def test_an_elastic_spark_job_survives_a_dead_task_that_spark_retries_into_the_running_world(server, procs):
+    """hora.spark.run_elastic on a Spark that retries a failed task once: task 1 exits abruptly
+    at step 12; the two others go on from their last commit, Spark retries task 1, the retry
+    joins the running world at a commit, and all three end with one model."""
+    token = server.admin.create_sync_job("spark-elastic", 3, min_world_size=2, settle_ms=2000)["token"]
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+           "PYSPARK_PYTHON": sys.executable, "HORA_LOG": "warn"}
+    driver = procs.start("spark-elastic", [sys.executable, str(HERE / "spark_elastic_main.py"), server.url,
+                                           str(server.ca), "spark-elastic", token], env=env)
+    assert driver.wait(timeout=300) == 0, log(driver)
+    lines = [l for l in log(driver).splitlines() if l.startswith("RESULT ")]
+    results = json.loads(lines[-1][7:])
+    assert len(results) == 3, results
+    assert len({r["digest"] for r in results}) == 1 and len({r["step"] for r in results}) == 1, results
+    assert all(r["size"] == 3 and r["generation"] >= 3 for r in results), results
+    retried = [r for r in results if r["task"] == 1]
+    assert retried and retried[0]["attempt"] == 1, "task 1's retry trained in the last world"
+    assert server.admin.sync_jobs()[0]["finished"], "and the job was marked finished"

@@ -250,6 +250,14 @@ def test_an_elastic_job_survives_a_killed_worker_and_hands_a_newcomer_the_state(
     assert [(w["generation"], w["size"]) for w in c["worlds"]] == [(3, 3)], c
     assert c["worlds"][0] == a["worlds"][2] == b["worlds"][2], "the newcomer's state is theirs"
     assert a["step"] >= a["worlds"][2]["step"] + 20, "and the three trained on together"
+    # The last world's rank 0 told the server the job finished: a worker that comes now (a
+    # launcher's retry) has nothing to do, at once.
+    late = procs.start("elastic-late", argv, env=env)
+    assert late.wait(timeout=60) == 0, log(late)
+    lines = [l for l in Path(late.log_path).read_text(errors="replace").splitlines()
+             if l.startswith("RESULT ")]
+    assert json.loads(lines[-1][7:]) == {"digest": None, "step": 0, "worlds": [], "commits": {}}
+    assert "finished training" in log(late)
 
 
 def test_nccl_is_used_by_every_worker_or_by_none_naming_each_that_cannot():
