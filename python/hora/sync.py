@@ -22,7 +22,7 @@ when every worker's tensors are on a GPU: :func:`init` forms an NCCL communicato
 device_count``, and every collective of CUDA tensors on that GPU then runs on PyTorch's current
 stream without a copy, agreed on over the ring first like every collective. Otherwise (no GPU,
 ``nccl="off"``, or a worker that cannot load NCCL) collectives run on host memory: CUDA
-tensors are copied to the host and back.
+tensors are copied to pinned host memory and back.
 
 No bytes from another worker reach :mod:`pickle`. Objects (:func:`allgather_object`,
 :func:`broadcast_object`) travel as JSON: ``None``, ``bool``, ``int``, ``float`` (NaN and
