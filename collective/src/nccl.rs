@@ -8,21 +8,29 @@
 //! loaded already and are found by name; `HORA_NCCL_LIBRARY` and `HORA_CUDART_LIBRARY` name
 //! others.
 //!
-//! An NCCL communicator is formed over a Hora ring ([`Communicator::use_nccl`]): the ring, whose
-//! neighbours proved they belong to the world, carries rank 0's NCCL id to the others, and every
-//! rank learns whether every other can use NCCL before any of them starts to (one that cannot is
-//! named, with its reason, on every rank). Each collective is then agreed on over the ring first
-//! (the call, its element count and type, a fingerprint of the tensors): ranks that disagree fail
-//! with an error that says how, instead of NCCL reducing mismatched buffers or waiting forever.
-//! The operation itself is enqueued on the caller's CUDA stream (PyTorch's current stream, so it
-//! is ordered with the caller's kernels) and waited for with a deadline: a rank that died or
-//! stalled mid-collective ends it with an error after the ring's timeout (the communicator is
-//! aborted, which frees the GPU), rather than a hang.
+//! An NCCL communicator is formed over a Hora ring ([`Communicator::use_nccl`]): first every rank
+//! says over the ring, whose neighbours proved they belong to the world, whether it can use NCCL
+//! and on which GPU (its host and PCI bus id), so every rank learns whether every other can
+//! before any of them starts to: a rank that cannot, or two ranks on one GPU (which NCCL
+//! refuses), are named with the reason on every rank. Only then does rank 0 make the NCCL id and
+//! the ring carry it to the others, and each rank joins the communicator, within the ring's
+//! timeout (a rank lost meanwhile ends the formation with an error, not a hang). Each collective
+//! is then agreed on over the ring first (the call, its element count and type, a fingerprint of
+//! the tensors): ranks that disagree fail with an error that says how, instead of NCCL reducing
+//! mismatched buffers or waiting forever. The operation itself is enqueued on the caller's CUDA
+//! stream (PyTorch's current stream, so it is ordered with the caller's kernels) and waited for
+//! under a watchdog: a rank that died or stalled mid-collective (or while NCCL connects) ends it
+//! with an error after the ring's timeout (the communicator is aborted, which frees the GPU),
+//! rather than a hang. A failure the ring sees (a lost neighbour, a mismatch) aborts it too.
+//!
+//! Half-precision tensors (float16, bfloat16) are summed by NCCL in their own precision, as
+//! `torch.distributed` does; the ring on host memory sums them in f32.
 //!
 //! [`Communicator::use_nccl`]: crate::Communicator::use_nccl
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use libloading::Library;
@@ -84,6 +92,14 @@ pub struct DeviceBuffer {
 unsafe impl Send for DeviceBuffer {}
 
 type CommHandle = *mut c_void;
+
+/// A communicator handle that crosses to the threads that form and watch it.
+#[derive(Clone, Copy)]
+struct Handle(CommHandle);
+
+// SAFETY: an NCCL communicator handle may be used from any thread; NCCL documents
+// `ncclCommAbort` from another thread as the way to end a stuck operation.
+unsafe impl Send for Handle {}
 /// A `cudaStream_t`; null is the device's default stream.
 pub type Stream = *mut c_void;
 
@@ -92,6 +108,9 @@ pub type Stream = *mut c_void;
 pub(crate) struct UniqueId([u8; 128]);
 
 const NCCL_SUCCESS: c_int = 0;
+/// `ncclSystemError` and `ncclRemoteError`: a connection to another rank broke.
+const NCCL_SYSTEM_ERROR: c_int = 2;
+const NCCL_REMOTE_ERROR: c_int = 6;
 const NCCL_IN_PROGRESS: c_int = 7;
 const CUDA_SUCCESS: c_int = 0;
 const CUDA_NOT_READY: c_int = 600;
@@ -132,13 +151,24 @@ struct Api {
     device_count: unsafe extern "C" fn(*mut c_int) -> c_int,
     set_device: unsafe extern "C" fn(c_int) -> c_int,
     stream_query: unsafe extern "C" fn(Stream) -> c_int,
+    pci_bus_id: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int,
     cuda_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
     _nccl: Library,
     _cudart: Library,
 }
 
-/// The first of `names` that opens.
+/// The first of `names` this process has loaded already (PyTorch's own, so a cu12 process never
+/// loads a second CUDA runtime), else the first of them that opens.
 fn open(what: &str, names: &[String]) -> std::result::Result<Library, String> {
+    for name in names {
+        // SAFETY: RTLD_NOLOAD opens nothing new: it finds a library loaded already.
+        let loaded = unsafe {
+            libloading::os::unix::Library::open(Some(name), libc::RTLD_NOLOAD | libc::RTLD_NOW)
+        };
+        if let Ok(lib) = loaded {
+            return Ok(lib.into());
+        }
+    }
     let mut tried = Vec::new();
     for name in names {
         // SAFETY: NCCL's and the CUDA runtime's initialisers set up their own state only.
@@ -216,6 +246,7 @@ impl Api {
             device_count: symbol!(cudart, b"cudaGetDeviceCount\0"),
             set_device: symbol!(cudart, b"cudaSetDevice\0"),
             stream_query: symbol!(cudart, b"cudaStreamQuery\0"),
+            pci_bus_id: symbol!(cudart, b"cudaDeviceGetPCIBusId\0"),
             cuda_error_string: symbol!(cudart, b"cudaGetErrorString\0"),
             _nccl: nccl,
             _cudart: cudart,
@@ -234,13 +265,17 @@ impl Api {
         describe(s, code)
     }
 
+    /// A broken connection to another rank is [`CollectiveError::NcclStalled`] (an elastic job
+    /// survives it); any other failure [`CollectiveError::Nccl`].
     fn nccl(&self, what: &str, code: c_int) -> Result<()> {
+        let why = || format!("{what} failed: {}", self.nccl_error(code));
         match code {
             NCCL_SUCCESS => Ok(()),
-            code => Err(CollectiveError::Nccl(format!(
-                "{what} failed: {}",
-                self.nccl_error(code)
+            NCCL_SYSTEM_ERROR | NCCL_REMOTE_ERROR => Err(CollectiveError::NcclStalled(format!(
+                "{}: a rank died or its connection broke",
+                why()
             ))),
+            _ => Err(CollectiveError::Nccl(why())),
         }
     }
 
@@ -311,99 +346,229 @@ pub fn version() -> std::result::Result<String, String> {
     api().map(|api| api.version.clone())
 }
 
+/// What a rank asks for when a world forms NCCL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    /// Its NCCL is turned off (`--nccl off`, `nccl="off"`).
+    Off,
+    /// Its tensors are on the CPU.
+    Cpu,
+    /// NCCL on this CUDA device.
+    Cuda(i32),
+}
+
 /// What one rank brings to the formation of an NCCL communicator (see
-/// [`Communicator::use_nccl`](crate::Communicator::use_nccl)): that it can take part, and rank
-/// 0's id; or why it cannot.
-pub(crate) struct Offer(std::result::Result<Option<UniqueId>, String>);
+/// [`Communicator::use_nccl`](crate::Communicator::use_nccl)): the GPU it would use (its host
+/// and PCI bus id), or why it cannot.
+pub(crate) struct Offer(std::result::Result<String, String>);
 
 impl Offer {
-    /// This rank's offer: it can use NCCL on `device`; rank 0 brings the communicator's id.
-    pub(crate) fn new(root: bool, device: i32) -> Offer {
-        if device < 0 {
-            return Offer(Err("its tensors are on the CPU".into()));
-        }
-        let made = probe().and_then(|p| {
-            if device as u32 >= p.devices {
-                return Err(format!(
-                    "CUDA device {device} was asked for, but this process sees {} (cuda:0 to cuda:{})",
-                    p.devices,
-                    p.devices - 1
-                ));
-            }
-            let api = api()?;
-            // SAFETY: cudaSetDevice takes a device index, checked above.
-            let set = unsafe { (api.set_device)(device) };
-            if set != CUDA_SUCCESS {
-                return Err(format!(
-                    "CUDA device {device} cannot be used: {}",
-                    api.cuda_error(set)
-                ));
-            }
-            if !root {
-                return Ok(None);
-            }
-            let mut id = UniqueId([0; 128]);
-            // SAFETY: ncclGetUniqueId writes one ncclUniqueId.
-            match unsafe { (api.get_unique_id)(&mut id) } {
-                NCCL_SUCCESS => Ok(Some(id)),
-                code => Err(format!("ncclGetUniqueId failed: {}", api.nccl_error(code))),
-            }
-        });
-        Offer(made)
+    pub(crate) fn new(want: Want) -> Offer {
+        Offer(match want {
+            Want::Off => Err("its NCCL is turned off (--nccl off; nccl=\"off\")".into()),
+            Want::Cpu => Err("its tensors are on the CPU".into()),
+            Want::Cuda(device) => gpu(device),
+        })
     }
 
-    /// As it travels: a status byte, then the id or the reason.
+    /// As it travels: a status byte, then the GPU or the reason.
     pub(crate) fn encode(&self) -> Vec<u8> {
-        match &self.0 {
-            Ok(None) => vec![1],
-            Ok(Some(id)) => std::iter::once(2).chain(id.0).collect(),
-            Err(why) => std::iter::once(0).chain(why.bytes().take(4000)).collect(),
-        }
+        let (status, text) = match &self.0 {
+            Ok(gpu) => (1, gpu),
+            Err(why) => (0, why),
+        };
+        std::iter::once(status)
+            .chain(text.bytes().take(4000))
+            .collect()
     }
 
     fn decode(bytes: &[u8]) -> Offer {
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
         Offer(match bytes.split_first() {
-            Some((1, [])) => Ok(None),
-            Some((2, id)) if id.len() == 128 => {
-                let mut out = [0u8; 128];
-                out.copy_from_slice(id);
-                Ok(Some(UniqueId(out)))
-            }
-            Some((0, why)) => Err(String::from_utf8_lossy(why).into_owned()),
+            Some((1, gpu)) => Ok(text(gpu)),
+            Some((0, why)) => Err(text(why)),
             _ => Err("sent a malformed NCCL offer (is every rank running the same Hora?)".into()),
         })
     }
 }
 
-/// The offers of every rank (in rank order) → rank 0's id, or every reason a rank gave.
-pub(crate) fn agree_on(offers: &[Vec<u8>]) -> Result<UniqueId> {
+/// The GPU `device` of this process as no other process's is named: its host and PCI bus id.
+fn gpu(device: i32) -> std::result::Result<String, String> {
+    let p = probe()?;
+    if device < 0 || device as u32 >= p.devices {
+        return Err(format!(
+            "CUDA device {device} was asked for, but this process sees {} (cuda:0 to cuda:{})",
+            p.devices,
+            p.devices - 1
+        ));
+    }
+    let api = api()?;
+    let mut bus = [0 as c_char; 64];
+    // SAFETY: writes at most `bus.len()` bytes, NUL-terminated, for a device index checked
+    // above (it does not change the calling thread's device).
+    let code = unsafe { (api.pci_bus_id)(bus.as_mut_ptr(), bus.len() as c_int, device) };
+    if code != CUDA_SUCCESS {
+        return Err(format!(
+            "CUDA device {device} cannot be used: {}",
+            api.cuda_error(code)
+        ));
+    }
+    // SAFETY: NUL-terminated by cudaDeviceGetPCIBusId within the buffer.
+    let bus = unsafe { CStr::from_ptr(bus.as_ptr()) }.to_string_lossy();
+    Ok(format!("{bus} on host {}", host()))
+}
+
+/// This host, as its kernel's boot id says (two containers of one machine share it), else its
+/// name.
+fn host() -> String {
+    if let Ok(id) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
+        if !id.trim().is_empty() {
+            return id.trim().to_string();
+        }
+    }
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into `buf`.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match ok && end > 0 {
+        true => String::from_utf8_lossy(&buf[..end]).into_owned(),
+        false => "an unnamed host".into(),
+    }
+}
+
+/// The offers of every rank (in rank order) → whether every rank can use NCCL, each on a GPU
+/// of its own; else every reason a rank gave, and every GPU two ranks would share.
+pub(crate) fn agree_on(offers: &[Vec<u8>]) -> Result<()> {
     let offers: Vec<Offer> = offers.iter().map(|b| Offer::decode(b)).collect();
-    let refusals: Vec<String> = offers
+    let mut refusals: Vec<String> = offers
         .iter()
         .enumerate()
         .filter_map(|(rank, o)| o.0.as_ref().err().map(|why| format!("rank {rank}: {why}")))
         .collect();
-    if !refusals.is_empty() {
-        return Err(CollectiveError::Config(format!(
+    let mut seen: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
+    for (rank, o) in offers.iter().enumerate() {
+        if let Ok(gpu) = &o.0 {
+            seen.entry(gpu.as_str()).or_default().push(rank);
+        }
+    }
+    for (gpu, ranks) in seen.iter().filter(|(_, r)| r.len() > 1) {
+        refusals.push(format!(
+            "ranks {ranks:?} would share GPU {gpu}, and NCCL takes one GPU per rank (run at most as many workers on a host as it has GPUs, or give each its own: LOCAL_RANK, CUDA_VISIBLE_DEVICES)"
+        ));
+    }
+    match refusals.is_empty() {
+        true => Ok(()),
+        false => Err(CollectiveError::Config(format!(
             "NCCL cannot be used by every rank, so no rank uses it ({}); leave the tensors on the CPU, or use the ring on host memory",
             refusals.join("; ")
-        )));
+        ))),
     }
-    match offers.first().map(|o| &o.0) {
-        Some(Ok(Some(id))) => Ok(*id),
-        _ => Err(CollectiveError::Protocol("rank 0 sent no NCCL id".into())),
+}
+
+/// Rank 0's NCCL id as it travels (once every rank agreed to form the communicator): a status
+/// byte, then the id or why it could not be made.
+pub(crate) fn make_id() -> Vec<u8> {
+    let made = api().and_then(|api| {
+        let mut id = UniqueId([0; 128]);
+        // SAFETY: ncclGetUniqueId writes one ncclUniqueId.
+        match unsafe { (api.get_unique_id)(&mut id) } {
+            NCCL_SUCCESS => Ok(id),
+            code => Err(format!("ncclGetUniqueId failed: {}", api.nccl_error(code))),
+        }
+    });
+    match made {
+        Ok(id) => std::iter::once(1).chain(id.0).collect(),
+        Err(why) => std::iter::once(0).chain(why.bytes().take(4000)).collect(),
+    }
+}
+
+/// The id [`make_id`] sent.
+pub(crate) fn read_id(bytes: &[u8]) -> Result<UniqueId> {
+    match bytes.split_first() {
+        Some((1, id)) if id.len() == 128 => {
+            let mut out = [0u8; 128];
+            out.copy_from_slice(id);
+            Ok(UniqueId(out))
+        }
+        Some((0, why)) => Err(CollectiveError::Config(format!(
+            "rank 0 could not make the NCCL id ({}), so no rank uses NCCL",
+            String::from_utf8_lossy(why)
+        ))),
+        _ => Err(CollectiveError::Protocol(
+            "rank 0 sent a malformed NCCL id".into(),
+        )),
+    }
+}
+
+/// The watchdog's state: the deadline of the operation in flight, if any.
+#[derive(Default)]
+struct Armed {
+    deadline: Option<Instant>,
+    /// The deadline passed and the communicator was aborted.
+    fired: bool,
+    stop: bool,
+}
+
+/// What the communicator and its watchdog share.
+struct Shared {
+    armed: Mutex<Armed>,
+    wake: Condvar,
+    /// The communicator was aborted (by the watchdog, a failure, or the ring): never destroy it.
+    aborted: AtomicBool,
+}
+
+impl Shared {
+    fn armed(&self) -> std::sync::MutexGuard<'_, Armed> {
+        self.armed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Aborts the communicator unless it was aborted already.
+    fn abort(&self, api: &Api, comm: Handle) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            // SAFETY: a communicator its owner has not destroyed (it stops the watchdog first).
+            unsafe { (api.comm_abort)(comm.0) };
+        }
+    }
+}
+
+/// Aborts the communicator when an armed deadline passes: the only way to end an NCCL call that
+/// blocks (`ncclGroupEnd` while NCCL connects to a dead rank) or a kernel that waits forever.
+fn watch(api: Arc<Api>, comm: Handle, shared: Arc<Shared>) {
+    let mut armed = shared.armed();
+    loop {
+        if armed.stop {
+            return;
+        }
+        armed = match armed.deadline {
+            None => shared
+                .wake
+                .wait(armed)
+                .unwrap_or_else(PoisonError::into_inner),
+            Some(deadline) if Instant::now() >= deadline => {
+                armed.deadline = None;
+                armed.fired = true;
+                shared.abort(&api, comm);
+                armed
+            }
+            Some(deadline) => {
+                shared
+                    .wake
+                    .wait_timeout(armed, deadline.saturating_duration_since(Instant::now()))
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            }
+        };
     }
 }
 
 /// One rank's NCCL communicator, on one device.
 pub struct Nccl {
     api: Arc<Api>,
-    comm: CommHandle,
+    comm: Handle,
     device: i32,
     timeout: Duration,
-    /// Set once an operation failed or timed out: the communicator is aborted, never destroyed
-    /// (which would wait for the stuck kernel).
-    aborted: bool,
+    shared: Arc<Shared>,
+    watchdog: Option<std::thread::JoinHandle<()>>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (`&mut self`); each
@@ -412,7 +577,9 @@ unsafe impl Send for Nccl {}
 
 impl Nccl {
     /// Joins the communicator `id` names as `rank` of `size` on `device`. Every rank calls it
-    /// at once (NCCL waits for all of them).
+    /// at once; NCCL waits for all of them, here for at most `timeout` (a rank lost meanwhile is
+    /// an error, [`CollectiveError::NcclStalled`], and the communicator, should it form later,
+    /// is aborted).
     pub(crate) fn init(
         id: UniqueId,
         rank: u32,
@@ -421,18 +588,66 @@ impl Nccl {
         timeout: Duration,
     ) -> Result<Nccl> {
         let api = api().map_err(CollectiveError::Nccl)?;
-        // SAFETY: a device index the offer checked.
-        api.cuda("cudaSetDevice", unsafe { (api.set_device)(device) })?;
-        let mut comm: CommHandle = std::ptr::null_mut();
-        // SAFETY: ncclCommInitRank writes one communicator handle.
-        let code = unsafe { (api.comm_init_rank)(&mut comm, size as c_int, id, rank as c_int) };
-        api.nccl("ncclCommInitRank", code)?;
+        let (tx, rx) = mpsc::channel::<Result<Handle>>();
+        let forming = api.clone();
+        std::thread::Builder::new()
+            .name("nccl-init".into())
+            .spawn(move || {
+                let api = forming;
+                let made = (|| {
+                    // SAFETY: a device index the offers checked.
+                    api.cuda("cudaSetDevice", unsafe { (api.set_device)(device) })?;
+                    let mut comm: CommHandle = std::ptr::null_mut();
+                    // SAFETY: ncclCommInitRank writes one communicator handle.
+                    let code = unsafe {
+                        (api.comm_init_rank)(&mut comm, size as c_int, id, rank as c_int)
+                    };
+                    api.nccl("ncclCommInitRank", code).map(|()| Handle(comm))
+                })();
+                if let Err(mpsc::SendError(Ok(comm))) = tx.send(made) {
+                    // Formed after the caller gave up on it: nobody's.
+                    // SAFETY: a communicator this thread made and nobody else holds.
+                    unsafe { (api.comm_abort)(comm.0) };
+                }
+            })
+            .map_err(|e| CollectiveError::io("starting NCCL's formation", e))?;
+        let comm = match rx.recv_timeout(timeout) {
+            Ok(made) => made?,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                return Err(CollectiveError::NcclStalled(format!(
+                    "forming the NCCL communicator did not complete in {} s: a rank died, stalled or cannot reach the others (NCCL connects on sockets of its own: check that the workers' hosts reach each other)",
+                    timeout.as_secs_f64()
+                )))
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(CollectiveError::Nccl(
+                    "forming the NCCL communicator ended without an answer".into(),
+                ))
+            }
+        };
+        let shared = Arc::new(Shared {
+            armed: Mutex::new(Armed::default()),
+            wake: Condvar::new(),
+            aborted: AtomicBool::new(false),
+        });
+        let (watching, on) = (api.clone(), shared.clone());
+        let watchdog = std::thread::Builder::new()
+            .name("nccl-watchdog".into())
+            .spawn(move || watch(watching, comm, on));
+        let watchdog = match watchdog {
+            Ok(handle) => handle,
+            Err(e) => {
+                shared.abort(&api, comm);
+                return Err(CollectiveError::io("starting NCCL's watchdog", e));
+            }
+        };
         Ok(Nccl {
             api,
             comm,
             device,
             timeout,
-            aborted: false,
+            shared,
+            watchdog: Some(watchdog),
         })
     }
 
@@ -463,7 +678,7 @@ impl Nccl {
             Reduce::Sum => NCCL_SUM,
             Reduce::Average => NCCL_AVG,
         };
-        let (api, comm) = (self.api.clone(), self.comm);
+        let (api, comm) = (self.api.clone(), self.comm.0);
         self.run(
             stream,
             |b| {
@@ -484,7 +699,7 @@ impl Nccl {
         root: u32,
         stream: Stream,
     ) -> Result<()> {
-        let (api, comm) = (self.api.clone(), self.comm);
+        let (api, comm) = (self.api.clone(), self.comm.0);
         self.run(
             stream,
             |b| {
@@ -505,14 +720,15 @@ impl Nccl {
         )
     }
 
-    /// Enqueues `op` of every buffer as one NCCL group, then waits for the stream.
+    /// Enqueues `op` of every buffer as NCCL groups, then waits for the stream, all under the
+    /// watchdog's deadline.
     fn run(
         &mut self,
         stream: Stream,
         op: impl Fn(&DeviceBuffer) -> c_int,
         bufs: &[DeviceBuffer],
     ) -> Result<()> {
-        if self.aborted {
+        if self.shared.aborted.load(Ordering::SeqCst) {
             return Err(CollectiveError::Poisoned(
                 "an NCCL collective failed earlier".into(),
             ));
@@ -520,6 +736,7 @@ impl Nccl {
         let api = self.api.clone();
         // SAFETY: a device index checked when the communicator was formed.
         api.cuda("cudaSetDevice", unsafe { (api.set_device)(self.device) })?;
+        self.arm(Some(Instant::now() + self.timeout));
         let enqueued = bufs.chunks(GROUP).try_for_each(|group| {
             // SAFETY: group calls take no arguments; every start is matched by an end.
             api.nccl("ncclGroupStart", unsafe { (api.group_start)() })?;
@@ -531,15 +748,35 @@ impl Nccl {
             enqueued.and(ended)
         });
         let result = enqueued.and_then(|()| self.wait(stream));
+        let result = match self.arm(None) {
+            // (Whatever the aborted calls answered.)
+            true => Err(CollectiveError::NcclStalled(format!(
+                "an NCCL collective did not complete in {} s: a rank died or stalled (the communicator is aborted; form a new world)",
+                self.timeout.as_secs_f64()
+            ))),
+            false => result,
+        };
         if result.is_err() {
+            // A kernel aborted, or still queued behind the caller's work on its stream, is
+            // ordered before anything the stream does next: memory freed meanwhile to
+            // PyTorch's stream-ordered allocator is not reused under it.
             self.abort();
         }
         result
     }
 
+    /// Sets the watchdog's deadline (None: disarms it); whether it fired since it was last set.
+    fn arm(&self, deadline: Option<Instant>) -> bool {
+        let mut armed = self.shared.armed();
+        let fired = std::mem::take(&mut armed.fired);
+        armed.deadline = deadline;
+        self.shared.wake.notify_one();
+        fired
+    }
+
     /// Waits until `stream` has done its work, the communicator reports an error, or the
-    /// timeout passes. Spins at first (a collective of a few MiB takes tens of microseconds),
-    /// then sleeps between looks.
+    /// watchdog aborts it. Spins at first (a collective of a few MiB takes tens of
+    /// microseconds), then sleeps between looks.
     fn wait(&self, stream: Stream) -> Result<()> {
         let started = Instant::now();
         let mut looks: u64 = 0;
@@ -557,19 +794,18 @@ impl Nccl {
             }
             looks += 1;
             if looks % 64 == 0 {
+                if self.shared.aborted.load(Ordering::SeqCst) {
+                    return Err(CollectiveError::NcclStalled(
+                        "the NCCL communicator was aborted during a collective".into(),
+                    ));
+                }
                 let mut state: c_int = NCCL_SUCCESS;
                 // SAFETY: writes one ncclResult_t.
-                unsafe { (self.api.async_error)(self.comm, &mut state) };
+                unsafe { (self.api.async_error)(self.comm.0, &mut state) };
                 if state != NCCL_SUCCESS && state != NCCL_IN_PROGRESS {
                     return Err(CollectiveError::NcclStalled(format!(
                         "NCCL reports {} during a collective: a rank died or its connection broke",
                         self.api.nccl_error(state)
-                    )));
-                }
-                if started.elapsed() > self.timeout {
-                    return Err(CollectiveError::NcclStalled(format!(
-                        "an NCCL collective did not complete in {} s: a rank died or stalled (the communicator is aborted; form a new world)",
-                        self.timeout.as_secs_f64()
                     )));
                 }
             }
@@ -580,25 +816,28 @@ impl Nccl {
         }
     }
 
-    fn abort(&mut self) {
-        if !self.aborted {
-            self.aborted = true;
-            // SAFETY: a communicator this value owns; abort ends its kernels.
-            unsafe { (self.api.comm_abort)(self.comm) };
-        }
+    /// Aborts the communicator (it is then never destroyed, which would wait for the other
+    /// ranks): after a failure here, or one the ring saw.
+    pub(crate) fn abort(&mut self) {
+        self.shared.abort(&self.api, self.comm);
     }
 }
 
 impl Drop for Nccl {
     fn drop(&mut self) {
-        if self.aborted {
+        self.shared.armed().stop = true;
+        self.shared.wake.notify_one();
+        if let Some(watchdog) = self.watchdog.take() {
+            let _ = watchdog.join();
+        }
+        if self.shared.aborted.load(Ordering::SeqCst) {
             return;
         }
         // SAFETY: a communicator this value owns, with no operation in flight (each waits for
-        // its stream before it returns), on its device.
+        // its stream before it returns), on its device; the watchdog has stopped.
         unsafe {
             (self.api.set_device)(self.device);
-            (self.api.comm_destroy)(self.comm);
+            (self.api.comm_destroy)(self.comm.0);
         }
     }
 }
@@ -693,28 +932,32 @@ mod tests {
     }
 
     #[test]
-    fn offers_travel_and_every_refusal_is_named() {
-        let mut id = UniqueId([0; 128]);
-        id.0[0] = 7;
-        id.0[127] = 9;
-        let root = Offer(Ok(Some(id))).encode();
-        let other = Offer(Ok(None)).encode();
-        let agreed = agree_on(&[root.clone(), other.clone()]).expect("agreed");
-        assert_eq!(agreed.0, id.0);
-        let refusal = Offer(Err("no CUDA device".into())).encode();
-        let e = agree_on(&[root, other, refusal.clone(), refusal])
+    fn offers_travel_and_every_refusal_and_shared_gpu_is_named() {
+        let gpu = |bus: &str| Offer(Ok(format!("{bus} on host h"))).encode();
+        agree_on(&[gpu("0000:3b:00.0"), gpu("0000:5e:00.0")]).expect("agreed");
+        let cpu = Offer::new(Want::Cpu).encode();
+        let off = Offer::new(Want::Off).encode();
+        let e = agree_on(&[gpu("a"), gpu("b"), cpu, off])
             .err()
             .expect("refused")
             .to_string();
         assert!(
-            e.contains("rank 2: no CUDA device") && e.contains("rank 3: no CUDA device"),
+            e.contains("rank 2: its tensors are on the CPU")
+                && e.contains("rank 3: its NCCL is turned off"),
             "{e}"
         );
-        let e = agree_on(&[vec![9, 9]])
+        let e = agree_on(&[gpu("a"), gpu("b"), gpu("a")])
             .err()
-            .expect("malformed")
+            .expect("a shared GPU")
             .to_string();
+        assert!(e.contains("ranks [0, 2] would share GPU a on host h"), "{e}");
+        let e = agree_on(&[vec![9, 9]]).err().expect("malformed").to_string();
         assert!(e.contains("malformed NCCL offer"), "{e}");
+        let mut id = [1u8; 129];
+        id[128] = 9;
+        assert_eq!(read_id(&id).expect("an id").0[127], 9);
+        let e = read_id(b"\0no library").err().expect("refused").to_string();
+        assert!(e.contains("could not make the NCCL id (no library)"), "{e}");
     }
 
     #[test]

@@ -14,6 +14,7 @@
 use tch::Tensor;
 
 use crate::fusion::Fusion;
+use crate::nccl::Want;
 use crate::ring::{Communicator, Reduce};
 use crate::{CollectiveError, Result};
 
@@ -57,17 +58,15 @@ pub enum UseNccl {
 
 impl UseNccl {
     /// Forms NCCL on `comm` for tensors on `device`, as this choice says. Every rank of the
-    /// world calls it (unless every rank's choice is `Off`): each learns whether all can, so
-    /// all use NCCL or none does. Returns NCCL's version when it is used.
+    /// world calls it, whatever its choice (one that is `Off` says so): each learns whether all
+    /// can, so all use NCCL or none does. Returns NCCL's version when it is used.
     pub fn attach(self, comm: &mut Communicator, device: tch::Device) -> Result<Option<String>> {
-        if self == UseNccl::Off {
-            return Ok(None);
-        }
-        let index = match device {
-            tch::Device::Cuda(i) => i32::try_from(i).unwrap_or(i32::MAX),
-            _ => -1,
+        let want = match (self, device) {
+            (UseNccl::Off, _) => Want::Off,
+            (_, tch::Device::Cuda(i)) => Want::Cuda(i32::try_from(i).unwrap_or(i32::MAX)),
+            _ => Want::Cpu,
         };
-        comm.attach_nccl(index, self == UseNccl::On)
+        comm.attach_nccl(want, self == UseNccl::On)
     }
 }
 

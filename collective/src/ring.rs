@@ -28,7 +28,7 @@ use std::thread;
 use std::time::Duration;
 
 use crate::link::{Kind, LinkOptions, Links};
-use crate::nccl::{self, DType, DeviceBuffer, Nccl, Stream};
+use crate::nccl::{self, DType, DeviceBuffer, Nccl, Stream, Want};
 pub use crate::region::Wire;
 use crate::region::{Apply, Received, Region};
 use crate::rendezvous::World;
@@ -379,55 +379,85 @@ impl Communicator {
 
     /// Forms an NCCL communicator of this world on CUDA device `device`, over which
     /// [`device_allreduce`](Self::device_allreduce) and
-    /// [`device_broadcast`](Self::device_broadcast) then run. Every rank calls it (a collective):
-    /// each says over the ring whether it can use NCCL, and either every rank does or none, with
-    /// an error on every rank that names each rank that cannot and why. Returns NCCL's version.
+    /// [`device_broadcast`](Self::device_broadcast) then run. Every rank calls it (a collective,
+    /// as [`attach_nccl`](Self::attach_nccl)): either every rank uses NCCL or none does, with an
+    /// error on every rank naming each rank that cannot and why. Returns NCCL's version.
     pub fn use_nccl(&mut self, device: i32) -> Result<String> {
+        self.form_nccl(Want::Cuda(device))
+    }
+
+    /// Forms NCCL as this rank wants it (`Off` and `Cpu` take part, saying why they cannot): a
+    /// world where some rank cannot use it is not an error unless it is `required`, and every
+    /// rank then goes on without it. Every rank of the world calls it. Returns NCCL's version
+    /// when it is used.
+    pub fn attach_nccl(&mut self, want: Want, required: bool) -> Result<Option<String>> {
+        match self.form_nccl(want) {
+            Ok(version) => {
+                tracing::info!(version = %version, ?want, "tensors on the GPU are averaged through NCCL");
+                Ok(Some(version))
+            }
+            Err(e @ CollectiveError::Config(_)) if !required => {
+                match want {
+                    Want::Cuda(_) => tracing::info!(reason = %e, "NCCL is not used: the ring averages on each rank's device"),
+                    Want::Cpu | Want::Off => tracing::debug!(reason = %e, "NCCL is not used"),
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every rank says whether it can use NCCL, and on which GPU; if all can, each on its own,
+    /// rank 0 makes the NCCL id, the ring carries it, and every rank joins the communicator.
+    fn form_nccl(&mut self, want: Want) -> Result<String> {
         if let Some(nccl) = &self.nccl {
-            return match nccl.device() == device {
+            return match want == Want::Cuda(nccl.device()) {
                 true => Ok(nccl.version().to_string()),
                 false => Err(CollectiveError::Config(format!(
-                    "this ring's NCCL communicator is on cuda:{}, not cuda:{device}: one GPU per worker",
+                    "this ring's NCCL communicator is on cuda:{} already: one GPU per worker, for the life of its world",
                     nccl.device()
                 ))),
             };
         }
-        let mine = nccl::Offer::new(self.world.rank == 0, device).encode();
-        let offers = self.allgather(&mine)?;
-        let id = nccl::agree_on(&offers)?;
+        let offers = self.allgather(&nccl::Offer::new(want).encode())?;
+        nccl::agree_on(&offers)?;
+        let Want::Cuda(device) = want else {
+            return Err(CollectiveError::Protocol(
+                "the ranks agreed on NCCL, though this one cannot use it".into(),
+            ));
+        };
+        let mine = match self.world.rank {
+            0 => nccl::make_id(),
+            _ => Vec::new(),
+        };
+        let ids = self.allgather(&mine)?;
+        let id = nccl::read_id(ids.first().map_or(&[][..], Vec::as_slice))?;
         let formed = Nccl::init(
             id,
             self.world.rank,
             self.world.size,
             device,
             self.options.timeout,
-        )?;
+        );
+        let formed = match formed {
+            Ok(formed) => formed,
+            Err(e) => {
+                // The others may be waiting in NCCL's formation: they time out there, and this
+                // ring is in no known state.
+                self.poison(&e);
+                return Err(e);
+            }
+        };
         let version = formed.version().to_string();
         self.nccl = Some(formed);
         Ok(version)
     }
 
-    /// [`use_nccl`](Self::use_nccl) on `device` (a CUDA device, or −1 for a rank whose tensors
-    /// are on the CPU), where a world in which some rank cannot use NCCL is not an error unless
-    /// it is `required`: every rank then goes on without it. Returns NCCL's version when it is
-    /// used.
-    pub fn attach_nccl(&mut self, device: i32, required: bool) -> Result<Option<String>> {
-        match self.use_nccl(device) {
-            Ok(version) => {
-                tracing::info!(version = %version, device, "tensors on the GPU are averaged through NCCL");
-                Ok(Some(version))
-            }
-            Err(e @ CollectiveError::Config(_)) if !required => {
-                match device >= 0 {
-                    true => {
-                        tracing::info!(reason = %e, "NCCL is not used: the ring averages on each rank's device")
-                    }
-                    false => tracing::debug!(reason = %e, "NCCL is not used"),
-                }
-                Ok(None)
-            }
-            Err(e) => Err(e),
-        }
+    /// Drops this ring's NCCL communicator (every rank, at the end of its world): a caller that
+    /// holds a lock others wait on (Python's) calls it without the lock, since NCCL's teardown
+    /// may wait for the other ranks.
+    pub fn drop_nccl(&mut self) {
+        self.nccl = None;
     }
 
     /// The NCCL communicator [`use_nccl`](Self::use_nccl) formed, if any.
@@ -609,6 +639,11 @@ impl Communicator {
         let message = error.to_string();
         tracing::error!("collective failed: {message}");
         self.poisoned = Some(message);
+        // NCCL's collectives cannot go on either; aborted, never destroyed (a destroy waits
+        // for ranks that may be gone).
+        if let Some(nccl) = self.nccl.as_mut() {
+            nccl.abort();
+        }
         if let Some(mut links) = self.links.take() {
             let (failed, what) = match error {
                 CollectiveError::PeerFailed { rank, what } => (Some(*rank), what.clone()),

@@ -250,6 +250,7 @@ def run(
     seal_frames: bool = True,
     cert: Optional[str] = None,
     key: Optional[str] = None,
+    nccl: Optional[str] = None,
     **kwargs: Any,
 ) -> Any:
     """Runs ``train_fn(state, *args, **kwargs)`` in as many worlds as it takes (see the module's
@@ -261,7 +262,7 @@ def run(
     default to ``HORA_SERVER``, ``HORA_CA``, ``HORA_JOB``, ``HORA_SYNC_TOKEN`` and
     ``HORA_WORLD_SIZE``. ``timeout_secs`` is how long a silent worker is given, and how long the
     survivors wait for each other after a loss. ``listen``, ``advertise``, ``half_precision``,
-    ``seal_frames`` (and ``HORA_RING_UNSEALED``), ``cert`` and ``key`` are as for
+    ``seal_frames`` (and ``HORA_RING_UNSEALED``), ``cert``, ``key`` and ``nccl`` are as for
     :func:`hora.sync.init`. Build the :class:`hora.sync.DistributedOptimizer` inside
     ``train_fn``: each world needs its own (its count of backward passes starts again)."""
     server, ca, job, token, cert, key = _sync._server_job(server, ca, job, token, cert, key)
@@ -273,6 +274,7 @@ def run(
             "(HORA_SERVER, HORA_CA, HORA_JOB, HORA_SYNC_TOKEN, HORA_WORLD_SIZE)"
         )
     seal_frames = _sync._ring_sealed(seal_frames)
+    _sync._nccl_mode(nccl)
     meeting = _Meeting(server, ca, job, token, max_world_size, listen, advertise, timeout_secs,
                        half_precision, seal_frames, cert, key)
     state._meeting = meeting
@@ -287,8 +289,9 @@ def run(
                 # Started (or retried by its launcher) after the others finished.
                 print(f"hora: {e}; nothing to do", file=sys.stderr)
                 return None
-            _sync._set_ring(ring)
             try:
+                # (Forming NCCL is a collective: a worker lost meanwhile is survivable too.)
+                _sync._set_ring(ring, nccl)
                 state._start_world()
                 result = train_fn(state, *args, **kwargs)
                 # Every rank is done before any leaves: one that exits under another's last

@@ -148,7 +148,8 @@ def run_elastic(
     and optimizer) on the executor. ``ca`` is a path every executor can read. ``host`` is the
     address the workers' ring ports are advertised at (default: the executor's host name;
     ``127.0.0.1`` on a ``local`` master). A job that ends below its minimum raises
-    :class:`hora.HoraError` naming the lost ranks.
+    :class:`hora.HoraError` naming the lost ranks. Spark's speculation (``spark.speculation``)
+    must be off: a second copy of a task would join the job as another worker.
     """
     from pyspark.sql import SparkSession
 
@@ -181,7 +182,7 @@ def run_elastic(
                 advertise=advertise, timeout_secs=timeout_secs, half_precision=half_precision,
                 **kwargs,
             )
-        except BaseException as e:  # noqa: BLE001 - Spark retries the task; the message says why
+        except Exception as e:  # noqa: BLE001 - Spark retries the task; the message says why
             raise RuntimeError(
                 f"hora elastic worker (task {ctx.partitionId()}, attempt {ctx.attemptNumber()}) "
                 f"failed: {type(e).__name__}: {e}"
@@ -199,5 +200,10 @@ def run_elastic(
         raise _hora.HoraError(f"the elastic Spark job failed: {why}") from None
     if not results:
         raise _hora.HoraError(f"no worker of elastic job `{job}` trained: it had finished already")
+    if results[0][0] != 0 or len({rank for rank, _ in results}) != len(results):
+        raise _hora.HoraError(
+            f"the elastic Spark job's results are not one world's (ranks {[r for r, _ in results]}): "
+            "turn spark.speculation off, which runs a second copy of a task"
+        )
     values: List[Any] = [r for _, r in results]
     return values if all_results else values[0]

@@ -122,6 +122,7 @@ def init(
     global _ring
     if _ring is not None and peers is None and server is None:
         return
+    _nccl_mode(nccl)
     rank, size, _, _ = _hora.launch_rank(rank, size)
     seal_frames = _ring_sealed(seal_frames)
     if peers is None and os.environ.get("HORA_PEERS"):
@@ -175,26 +176,31 @@ def init(
     _attach_nccl(_ring, nccl)
 
 
-def _attach_nccl(ring: _hora.Ring, nccl: Optional[str] = None) -> None:
-    """Forms NCCL on ``ring`` as ``nccl`` (else ``HORA_NCCL``, else ``auto``) says: every
-    worker asks (a collective), with its GPU (``local_rank() % device_count``, made PyTorch's
-    current device) or none, and either all use NCCL or none does."""
-    global _nccl_device
-    _nccl_device = None
+def _nccl_mode(nccl: Optional[str]) -> str:
+    """``nccl``, else ``HORA_NCCL``, else ``auto``; checked before any collective."""
     mode = (nccl or os.environ.get("HORA_NCCL") or "auto").strip().lower()
     if mode not in ("auto", "on", "off"):
-        raise ValueError(f"nccl={mode!r}: give auto, on or off")
-    if mode == "off":
-        return
+        raise ValueError(f"nccl={mode!r} (or HORA_NCCL): give auto, on or off")
+    return mode
+
+
+def _attach_nccl(ring: _hora.Ring, nccl: Optional[str] = None) -> None:
+    """Forms NCCL on ``ring`` as ``nccl`` (else ``HORA_NCCL``, else ``auto``) says: every
+    worker takes part (a collective), with its GPU (``local_rank() % device_count``), none, or
+    saying its NCCL is off, and either all use NCCL, each on a GPU of its own, or none does.
+    The GPU becomes PyTorch's current device once NCCL is formed on it."""
+    global _nccl_device
+    _nccl_device = None
+    mode = _nccl_mode(nccl)
     torch = sys.modules.get("torch")
     if torch is None and mode == "on":
         import torch
-    device = -1
-    if torch is not None and torch.cuda.is_available():
+    device = -2 if mode == "off" else -1
+    if mode != "off" and torch is not None and torch.cuda.is_available():
         local = _hora.launch_rank()[2]
         device = (local if local is not None else ring.rank) % torch.cuda.device_count()
-        torch.cuda.set_device(device)
     if ring.use_nccl(device, required=mode == "on") is not None:
+        torch.cuda.set_device(device)
         _nccl_device = device
 
 
@@ -215,10 +221,10 @@ def _server_job(
             token or env.get("HORA_SYNC_TOKEN"), cert, key)
 
 
-def _set_ring(ring: _hora.Ring) -> None:
+def _set_ring(ring: _hora.Ring, nccl: Optional[str] = None) -> None:
     global _ring
     _ring = ring
-    _attach_nccl(ring)
+    _attach_nccl(ring, nccl)
 
 
 def _the_ring() -> _hora.Ring:
@@ -230,6 +236,8 @@ def _the_ring() -> _hora.Ring:
 def shutdown() -> None:
     """Leaves the ring (its connections close); :func:`init` may be called again."""
     global _ring, _nccl_device
+    if _ring is not None and _nccl_device is not None:
+        _ring.release_nccl()
     _ring = None
     _nccl_device = None
 

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use hora_client::sync::ServerRendezvous;
 use hora_collective::fusion::{Part, DEFAULT_THRESHOLD};
-use hora_collective::nccl::{self, DType, DeviceBuffer, Stream};
+use hora_collective::nccl::{self, DType, DeviceBuffer, Stream, Want};
 use hora_collective::ring::fingerprint;
 use hora_collective::{
     bind, connect, form_world, CollectiveError, CommOptions, Communicator, ElasticMeeting,
@@ -492,17 +492,33 @@ impl Ring {
     /// --
     ///
     /// Forms an NCCL communicator of this world on CUDA device `device` (-1: this worker's
-    /// tensors are on the CPU). Every worker calls it, and either every worker uses NCCL or
-    /// none does: then, if `required`, every one raises `SyncFailed` naming each worker that
-    /// cannot and why; else every one returns None. Returns NCCL's version when it is used.
+    /// tensors are on the CPU; -2: its NCCL is turned off). Every worker calls it, and either
+    /// every worker uses NCCL, each on a GPU of its own, or none does: then, if `required`, every
+    /// one raises `SyncFailed` naming each worker that cannot and why; else every one returns
+    /// None. Returns NCCL's version when it is used.
     #[pyo3(signature = (device, required=true))]
     fn use_nccl(&self, py: Python<'_>, device: i32, required: bool) -> PyResult<Option<String>> {
+        let want = match device {
+            -2 => Want::Off,
+            d if d < 0 => Want::Cpu,
+            d => Want::Cuda(d),
+        };
         let comm = &self.comm;
         py.detach(move || {
             let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
-            comm.attach_nccl(device, required)
+            comm.attach_nccl(want, required)
         })
         .map_err(|e| sync_error(py, e))
+    }
+
+    /// release_nccl() -> None
+    /// --
+    ///
+    /// Tears this world's NCCL communicator down (with the GIL released: NCCL's teardown may
+    /// wait for the other workers). `hora.sync.shutdown` calls it.
+    fn release_nccl(&self, py: Python<'_>) {
+        let comm = &self.comm;
+        py.detach(move || comm.lock().unwrap_or_else(|p| p.into_inner()).drop_nccl());
     }
 
     /// nccl_allreduce(buffers, average=True, stream=0, name="") -> None

@@ -7,7 +7,8 @@ use std::time::Duration;
 use hora_collective::{CollectiveError, Rendezvous};
 use hora_common::tls::Identity;
 use hora_common::wire::{ErrorCode, SyncJoinRequest, SyncStatus, SyncWorld, CLIENT_API};
-use reqwest::Method;
+use reqwest::{Method, RequestBuilder};
+use tokio::runtime::Runtime;
 
 use crate::error::ClientError;
 use crate::transport::{check, Connection, RetryPolicy};
@@ -42,10 +43,42 @@ impl std::fmt::Debug for ServerRendezvous<'_> {
 }
 
 impl ServerRendezvous<'_> {
-    /// One call to the server: a fresh connection (with this rendezvous's TLS settings and
-    /// retries) on a runtime of its own, since the collective stack's callers are synchronous.
-    /// The body of its successful answer.
-    fn call(
+    /// A fresh connection (with this rendezvous's TLS settings, retrying for `retry_for`) and
+    /// a runtime of its own to call the server on, since the collective stack's callers are
+    /// synchronous.
+    fn connect(&self, retry_for: Duration) -> Result<(Connection, Runtime), ClientError> {
+        let retry = RetryPolicy {
+            budget: retry_for,
+            ..Default::default()
+        };
+        let conn = Connection::new(self.server, self.ca, self.identity, retry)?
+            .with_token(self.token.to_string());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| ClientError::Protocol(format!("starting the rendezvous runtime: {e}")))?;
+        Ok((conn, runtime))
+    }
+
+    /// `method` on the job's `path`, with `body` as JSON.
+    fn request(
+        &self,
+        conn: &Connection,
+        method: &Method,
+        path: &str,
+        body: Option<&SyncJoinRequest>,
+        timeout: Duration,
+    ) -> RequestBuilder {
+        let path = format!("{CLIENT_API}/sync/{}/{path}", self.job);
+        let request = conn.request(method.clone(), &path, timeout);
+        match body {
+            Some(body) => request.json(body),
+            None => request,
+        }
+    }
+
+    /// One call whose answer is JSON.
+    fn call<T: serde::de::DeserializeOwned>(
         &self,
         what: &str,
         method: Method,
@@ -53,41 +86,12 @@ impl ServerRendezvous<'_> {
         body: Option<&SyncJoinRequest>,
         retry_for: Duration,
         timeout: Duration,
-    ) -> Result<Vec<u8>, ClientError> {
-        let retry = RetryPolicy {
-            budget: retry_for,
-            ..Default::default()
-        };
-        let conn = Connection::new(self.server, self.ca, self.identity, retry)?
-            .with_token(self.token.to_string());
-        let path = format!("{CLIENT_API}/sync/{}/{path}", self.job);
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| ClientError::Protocol(format!("starting the rendezvous runtime: {e}")))?;
-        runtime.block_on(async {
-            let (resp, _) = conn
-                .send(what, || {
-                    let request = conn.request(method.clone(), &path, timeout);
-                    match body {
-                        Some(body) => request.json(body),
-                        None => request,
-                    }
-                })
-                .await?;
-            let bytes =
-                check(resp).await?.bytes().await.map_err(|e| {
-                    ClientError::Protocol(format!("{what}: reading the answer: {e}"))
-                })?;
-            Ok(bytes.to_vec())
-        })
+    ) -> Result<T, ClientError> {
+        let (conn, runtime) = self.connect(retry_for)?;
+        runtime.block_on(conn.json(what, || {
+            self.request(&conn, &method, path, body, timeout)
+        }))
     }
-}
-
-/// A JSON answer of [`ServerRendezvous::call`].
-fn decode<T: serde::de::DeserializeOwned>(what: &str, body: &[u8]) -> Result<T, ClientError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ClientError::Protocol(format!("{what}: decoding the answer: {e}")))
 }
 
 impl Rendezvous for ServerRendezvous<'_> {
@@ -102,7 +106,6 @@ impl Rendezvous for ServerRendezvous<'_> {
             self.retry_for,
             held.max(self.timeout),
         )
-        .and_then(|body| decode("joining the sync job", &body))
         .map_err(|e| match e.code() {
             Some(ErrorCode::JobFinished) => CollectiveError::JobFinished(e.to_string()),
             _ => CollectiveError::Rendezvous(e.to_string()),
@@ -125,20 +128,25 @@ impl Rendezvous for ServerRendezvous<'_> {
             Duration::ZERO,
             limit,
         )
-        .and_then(|body| decode("asking for the sync job's status", &body))
         .map_err(|e| e.to_string())
     }
 
     fn finish(&self) -> Result<(), String> {
-        self.call(
-            "saying the sync job finished",
-            Method::POST,
-            "finish",
-            None,
-            self.retry_for.min(Duration::from_secs(30)),
-            self.timeout.min(Duration::from_secs(10)),
-        )
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+        let what = "saying the sync job finished";
+        let timeout = self.timeout.min(Duration::from_secs(10));
+        let finished = self
+            .connect(self.retry_for.min(Duration::from_secs(30)))
+            .and_then(|(conn, runtime)| {
+                runtime.block_on(async {
+                    let (resp, _) = conn
+                        .send(what, || {
+                            self.request(&conn, &Method::POST, "finish", None, timeout)
+                        })
+                        .await?;
+                    // (204: no body.)
+                    check(resp).await.map(|_| ())
+                })
+            });
+        finished.map_err(|e| e.to_string())
     }
 }

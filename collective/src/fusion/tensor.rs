@@ -44,9 +44,10 @@ impl Fusion {
             self.collective(comm, &tensors[bucket], 0, |comm, fused, fp| match fused {
                 Fused::Host(buf) => comm.allreduce(buf, reduce, fp),
                 Fused::Device(t) if comm.nccl().is_some() => {
-                    let buf = device_buffer(t)?;
-                    // SAFETY: `t` is the fused bucket, a contiguous f32 tensor on the device,
-                    // alive until this returns; libtorch's work on it is on the default stream.
+                    let buf = device_buffer(comm, t)?;
+                    // SAFETY: `t` is the fused bucket, a contiguous f32 tensor on NCCL's device
+                    // (checked), alive until this returns; libtorch's work on it is on the
+                    // default stream.
                     unsafe { comm.device_allreduce(&[buf], reduce, std::ptr::null_mut(), fp) }
                 }
                 Fused::Device(t) => comm.allreduce(TensorRegion::new(t)?, reduce, fp),
@@ -66,7 +67,7 @@ impl Fusion {
             self.collective(comm, &tensors[bucket], 1, |comm, fused, fp| match fused {
                 Fused::Host(buf) => comm.broadcast(buf, root, fp),
                 Fused::Device(t) if comm.nccl().is_some() => {
-                    let buf = device_buffer(t)?;
+                    let buf = device_buffer(comm, t)?;
                     // SAFETY: as in `allreduce`.
                     unsafe { comm.device_broadcast(&[buf], root, std::ptr::null_mut(), fp) }
                 }
@@ -135,17 +136,20 @@ impl Fusion {
     }
 }
 
-/// A fused bucket on a CUDA device as NCCL takes it (the communicator's NCCL is on that device;
-/// a bucket elsewhere is refused).
-fn device_buffer(t: &Tensor) -> Result<DeviceBuffer> {
+/// A fused bucket as NCCL takes it: a contiguous f32 tensor on the device the ring's NCCL is on
+/// (a bucket elsewhere is refused).
+fn device_buffer(comm: &Communicator, t: &Tensor) -> Result<DeviceBuffer> {
+    let on = comm.nccl().map(|n| Device::Cuda(n.device().max(0) as usize));
     match t.device() {
-        Device::Cuda(_) if t.is_contiguous() && t.kind() == Kind::Float => Ok(DeviceBuffer {
-            ptr: t.data_ptr(),
-            count: t.numel(),
-            dtype: DType::F32,
-        }),
+        device if Some(device) == on && t.is_contiguous() && t.kind() == Kind::Float => {
+            Ok(DeviceBuffer {
+                ptr: t.data_ptr(),
+                count: t.numel(),
+                dtype: DType::F32,
+            })
+        }
         other => Err(CollectiveError::Config(format!(
-            "NCCL reduces contiguous f32 buckets on a CUDA device, not on {other:?}: keep the model on the ring's GPU"
+            "NCCL reduces contiguous f32 buckets on {on:?}, not on {other:?}: keep the model on the ring's GPU"
         ))),
     }
 }

@@ -558,9 +558,13 @@ impl Rendezvous {
             let mut record = job.record.clone();
             record.finished = true;
             // (Under the recording lock, as a deletion: a world formed just before, whose
-            // announcement is still to write its record, must not write over this one.)
+            // announcement is still to write its record, must not write over this one. Durable
+            // before anything changes here, so a failed write is tried again by a retry; like a
+            // deletion, it holds the jobs lock, once in a job's life.)
             let mut recorded = self.recorded.lock().unwrap_or_else(PoisonError::into_inner);
-            self.store.put_sync_job(&record)?;
+            self.store
+                .put_sync_job(&record)
+                .and_then(|()| self.store.flush())?;
             recorded.insert(job_id.to_string(), u64::MAX);
             job.record = record.clone();
             (record, job.take_waiters())
@@ -569,7 +573,6 @@ impl Rendezvous {
         for waiter in waiters {
             let _ = waiter.answer.send(Err(finished(job_id)));
         }
-        self.store.flush()?;
         tracing::info!(job = %job_id, generations = record.generations, waiting, "sync job finished");
         Ok(())
     }
