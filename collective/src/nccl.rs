@@ -938,8 +938,7 @@ mod tests {
         let cpu = Offer::new(Want::Cpu).encode();
         let off = Offer::new(Want::Off).encode();
         let e = agree_on(&[gpu("a"), gpu("b"), cpu, off])
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(
             e.contains("rank 2: its tensors are on the CPU")
@@ -947,11 +946,13 @@ mod tests {
             "{e}"
         );
         let e = agree_on(&[gpu("a"), gpu("b"), gpu("a")])
-            .err()
-            .expect("a shared GPU")
+            .expect_err("a shared GPU")
             .to_string();
-        assert!(e.contains("ranks [0, 2] would share GPU a on host h"), "{e}");
-        let e = agree_on(&[vec![9, 9]]).err().expect("malformed").to_string();
+        assert!(
+            e.contains("ranks [0, 2] would share GPU a on host h"),
+            "{e}"
+        );
+        let e = agree_on(&[vec![9, 9]]).expect_err("malformed").to_string();
         assert!(e.contains("malformed NCCL offer"), "{e}");
         let mut id = [1u8; 129];
         id[128] = 9;

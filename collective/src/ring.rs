@@ -398,7 +398,9 @@ impl Communicator {
             }
             Err(e @ CollectiveError::Config(_)) if !required => {
                 match want {
-                    Want::Cuda(_) => tracing::info!(reason = %e, "NCCL is not used: the ring averages on each rank's device"),
+                    Want::Cuda(_) => {
+                        tracing::info!(reason = %e, "NCCL is not used: the ring averages on each rank's device")
+                    }
                     Want::Cpu | Want::Off => tracing::debug!(reason = %e, "NCCL is not used"),
                 }
                 Ok(None)

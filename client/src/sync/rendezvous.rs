@@ -88,9 +88,7 @@ impl ServerRendezvous<'_> {
         timeout: Duration,
     ) -> Result<T, ClientError> {
         let (conn, runtime) = self.connect(retry_for)?;
-        runtime.block_on(conn.json(what, || {
-            self.request(&conn, &method, path, body, timeout)
-        }))
+        runtime.block_on(conn.json(what, || self.request(&conn, &method, path, body, timeout)))
     }
 }
 

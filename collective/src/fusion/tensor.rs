@@ -139,7 +139,9 @@ impl Fusion {
 /// A fused bucket as NCCL takes it: a contiguous f32 tensor on the device the ring's NCCL is on
 /// (a bucket elsewhere is refused).
 fn device_buffer(comm: &Communicator, t: &Tensor) -> Result<DeviceBuffer> {
-    let on = comm.nccl().map(|n| Device::Cuda(n.device().max(0) as usize));
+    let on = comm
+        .nccl()
+        .map(|n| Device::Cuda(n.device().max(0) as usize));
     match t.device() {
         device if Some(device) == on && t.is_contiguous() && t.kind() == Kind::Float => {
             Ok(DeviceBuffer {
