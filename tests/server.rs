@@ -1372,6 +1372,38 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
         text.contains("not enrolled as a regional aggregator"),
         "{text}"
     );
+    // And an aggregator's enrolment may cap it: above the cap refused before the body is read,
+    // at the cap taken.
+    let uncapped = admin
+        .request(Method::POST, "/admin/v1/enrolments")
+        .json(&serde_json::json!({"max_contributors": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(uncapped.status(), StatusCode::BAD_REQUEST);
+    let capped = admin
+        .enrol_with(serde_json::json!({"aggregator": true, "max_contributors": 2}))
+        .await;
+    let clients: Vec<serde_json::Value> = admin
+        .ok(admin.request(Method::GET, "/admin/v1/clients"))
+        .await;
+    let shown = clients.iter().find(|c| c["client_id"] == capped.id.as_str());
+    assert_eq!(shown.map(|c| c["max_contributors"].clone()), Some(2.into()));
+    let offer = capped.join("single").await;
+    let upload = |contributors: u64| {
+        let meta = serde_json::json!({"num_examples": 10, "contributors": contributors});
+        capped
+            .api
+            .request(Method::POST, "/v1/tasks/single/rounds/1/update")
+            .header("x-hora-update", meta.to_string())
+            .body(capped.seal("single", &offer, &delta(&initial, 2)))
+            .send()
+    };
+    let refused = upload(3).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+    let text = refused.text().await.unwrap();
+    assert!(text.contains("at most 2 clients"), "{text}");
+    assert_eq!(upload(2).await.unwrap().status(), StatusCode::OK);
 }
 
 /// Waits until regional task `task` has closed its open round (keeping its partial).

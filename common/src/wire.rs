@@ -610,6 +610,11 @@ pub struct CreateEnrolment {
     /// ([`UpdateMeta::contributors`]). Default false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub aggregator: bool,
+    /// For an aggregator: the most clients one of its updates may stand for (absent: up to
+    /// 2^24). An update that says more is refused (403) before its body is read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 2, maximum = 16777216)]
+    pub max_contributors: Option<u64>,
 }
 
 /// The schema of an optional list of ids (see [`valid_id`]).
@@ -652,6 +657,9 @@ pub struct ClientInfo {
     /// A regional aggregator (enrolled with `aggregator: true`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub aggregator: bool,
+    /// The most clients one of its updates may stand for, if its enrolment capped it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_contributors: Option<u64>,
     /// When the server that answers last saw a request with its credentials (absent: not since
     /// that server started).
     #[serde(default, skip_serializing_if = "Option::is_none")]

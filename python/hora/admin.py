@@ -187,15 +187,18 @@ class Admin:
     # Clients ----------------------------------------------------------------------------------
 
     def enrol(self, ttl_secs: Optional[int] = None, tasks: Optional[List[str]] = None,
-              aggregator: bool = False) -> str:
+              aggregator: bool = False, max_contributors: Optional[int] = None) -> str:
         """A one-time enrolment token for one new client (valid ``ttl_secs``, default a day;
         limited to ``tasks`` when given). ``aggregator=True`` for a regional server
-        (``hora-server serve --parent``), whose updates stand for several clients."""
+        (``hora-server serve --parent``), whose updates stand for several clients: at most
+        ``max_contributors`` each, when given."""
         body: Dict[str, Any] = {"ttl_secs": ttl_secs}
         if tasks is not None:
             body["tasks"] = list(tasks)
         if aggregator:
             body["aggregator"] = True
+        if max_contributors is not None:
+            body["max_contributors"] = max_contributors
         return self._json("POST", "/admin/v1/enrolments", body)["token"]
 
     def clients(self) -> List[Dict[str, Any]]:

@@ -102,6 +102,10 @@ pub enum AdminCommand {
         /// updates may each stand for several clients.
         #[arg(long)]
         aggregator: bool,
+        /// With --aggregator: the most clients one of its updates may stand for (default:
+        /// 2^24). Larger claims are refused.
+        #[arg(long, requires = "aggregator")]
+        max_contributors: Option<u64>,
     },
     /// List clients.
     Clients,
@@ -349,12 +353,14 @@ pub async fn run(args: AdminArgs, matches: &clap::ArgMatches) -> Result<()> {
             ttl_secs,
             tasks,
             aggregator,
+            max_contributors,
         } => {
             let tasks = (!tasks.is_empty()).then_some(tasks);
             let request = CreateEnrolment {
                 ttl_secs,
                 tasks,
                 aggregator,
+                max_contributors,
             };
             c.json(
                 Method::POST,

@@ -504,10 +504,15 @@ impl Api {
 
     /// A fresh one-time enrolment token.
     pub async fn enrolment_token(&self) -> String {
+        self.enrolment_token_with(serde_json::json!({})).await
+    }
+
+    /// A fresh one-time enrolment token of these terms (`CreateEnrolment` as JSON).
+    pub async fn enrolment_token_with(&self, terms: serde_json::Value) -> String {
         let token: serde_json::Value = self
             .ok(self
                 .request(Method::POST, "/admin/v1/enrolments")
-                .json(&serde_json::json!({})))
+                .json(&terms))
             .await;
         token["token"]
             .as_str()
@@ -522,7 +527,12 @@ impl Api {
 
     /// Enrols a new client through a fresh one-time token.
     pub async fn enrol(&self) -> Client {
-        let enrolling = self.enrolling().await;
+        self.enrol_with(serde_json::json!({})).await
+    }
+
+    /// Enrols a new client through a fresh one-time token of these terms.
+    pub async fn enrol_with(&self, terms: serde_json::Value) -> Client {
+        let enrolling = self.with_token(&self.enrolment_token_with(terms).await);
         let creds: Credentials = enrolling
             .ok(enrolling
                 .request(Method::POST, "/v1/enrol")

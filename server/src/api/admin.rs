@@ -15,6 +15,7 @@ use hora_common::wire::{
 };
 
 use super::client::model_response;
+use crate::round::upload::MAX_CONTRIBUTORS;
 use super::{spool_body, AdminAuth, ApiJson, ApiPath, ApiQuery, Shared};
 use crate::auth;
 use crate::error::ServerError;
@@ -310,6 +311,19 @@ pub async fn create_enrolment(
             ));
         }
     }
+    match req.max_contributors {
+        Some(_) if !req.aggregator => {
+            return Err(ServerError::BadRequest(
+                "max_contributors caps an aggregator's updates: give aggregator: true too".into(),
+            ))
+        }
+        Some(cap) if !(2..=MAX_CONTRIBUTORS).contains(&cap) => {
+            return Err(ServerError::BadRequest(format!(
+                "max_contributors is {cap}; an aggregator's update stands for 2 to {MAX_CONTRIBUTORS} clients"
+            )))
+        }
+        _ => {}
+    }
     let token = auth::new_secret()?;
     let expires_unix_ms = now_ms() + ttl * 1000;
     let (me, hash) = (state.clone(), auth::hash_secret(&token));
@@ -319,6 +333,7 @@ pub async fn create_enrolment(
             expires_unix_ms,
             tasks: req.tasks,
             aggregator: req.aggregator,
+            max_contributors: req.max_contributors,
         };
         store.put_enrolment(&hash, &record)?;
         Ok(store.flush()?)
@@ -338,6 +353,7 @@ fn client_info(state: &Shared, id: String, c: crate::store::ClientRecord) -> Cli
     ClientInfo {
         tasks: c.tasks,
         aggregator: c.aggregator,
+        max_contributors: c.max_contributors,
         last_seen_unix_ms,
         contributions,
         client_id: id,

@@ -575,7 +575,7 @@ impl Ingest for Slot {
     responses(
         (status = 200, body = UpdateReceipt, description = "folded and durable"),
         (status = 400, body = ApiError, description = "`invalid_update`: what arrived is not the plaintext announced, or not a valid update"),
-        (status = 403, body = ApiError, description = "`forbidden`: the `x-hora-update` header says the update stands for several clients (`contributors`) and this client is not enrolled as a regional aggregator"),
+        (status = 403, body = ApiError, description = "`forbidden`: the `x-hora-update` header says the update stands for several clients (`contributors`) and this client is not enrolled as a regional aggregator, or for more than its enrolment's `max_contributors`"),
         (status = 409, body = ApiError, description = "`chunk_out_of_order`: chunks are missing (the message says which is next); or as for `…/update`"),
         (status = 410, body = ApiError, description = "`upload_unknown`: no such session (start the upload again)"),
         (status = 503, body = ApiError, description = "as for `…/update`: retry the completion")))]

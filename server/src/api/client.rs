@@ -138,6 +138,7 @@ pub async fn enrol(
         identity_key: req.identity_key,
         tasks: record.tasks,
         aggregator: record.aggregator,
+        max_contributors: record.max_contributors,
         strikes: 0,
         quarantined: None,
     };
@@ -453,7 +454,7 @@ pub async fn module(
     responses(
         (status = 200, body = UpdateReceipt, description = "folded and durable"),
         (status = 400, body = ApiError, description = "a malformed path or `x-hora-update` header; `invalid_update`: a bad envelope, names, shapes, dtypes or values"),
-        (status = 403, body = ApiError, description = "`forbidden`: the `x-hora-update` header says the update stands for several clients (`contributors`) and this client is not enrolled as a regional aggregator"),
+        (status = 403, body = ApiError, description = "`forbidden`: the `x-hora-update` header says the update stands for several clients (`contributors`) and this client is not enrolled as a regional aggregator, or for more than its enrolment's `max_contributors`"),
         (status = 408, body = ApiError, description = "`upload_too_slow`: the body arrived too slowly"),
         (status = 409, body = ApiError, description = "wrong, closed or abandoned round; not selected; already uploaded; `too_stale`: an asynchronous task's update trained from a version more than `max_staleness` behind; `upload_in_progress`: another upload of this client to this round is being read"),
         (status = 411, body = ApiError, description = "`length_required`: no `Content-Length`"),
@@ -525,11 +526,17 @@ pub(crate) fn update_meta(
                 ServerError::BadRequest(format!("malformed `{UPDATE_META_HEADER}` header: {e}"))
             })
         })?;
-    if meta.contributors() > 1 && !auth.aggregator {
+    let claimed = meta.contributors();
+    if claimed > 1 && !auth.aggregator {
         return Err(ServerError::Forbidden(format!(
-            "client `{}` is not enrolled as a regional aggregator, so its update stands for one client (contributors {}): enrol the aggregating server with an aggregator enrolment (`hora-server admin enrol --aggregator`)",
+            "client `{}` is not enrolled as a regional aggregator, so its update stands for one client (contributors {claimed}): enrol the aggregating server with an aggregator enrolment (`hora-server admin enrol --aggregator`)",
             auth.id,
-            meta.contributors()
+        )));
+    }
+    if let Some(cap) = auth.max_contributors.filter(|&cap| claimed > cap) {
+        return Err(ServerError::Forbidden(format!(
+            "client `{}` aggregates for at most {cap} clients (its enrolment's max_contributors), but this update says it stands for {claimed}: enrol the aggregating server again with a larger --max-contributors if its region grew",
+            auth.id,
         )));
     }
     Ok(meta)

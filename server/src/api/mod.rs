@@ -231,6 +231,8 @@ pub struct ClientAuth {
     pub strikes: u32,
     /// Enrolled as a regional aggregator: its updates may stand for several clients.
     pub aggregator: bool,
+    /// Its enrolment's cap on the clients one update may stand for.
+    pub max_contributors: Option<u64>,
 }
 
 /// The client `token` names, if its credentials are good. The record is read on a blocking
@@ -289,6 +291,7 @@ impl FromRequestParts<Shared> for ClientAuth {
             id: id.to_string(),
             strikes: record.strikes,
             aggregator: record.aggregator,
+            max_contributors: record.max_contributors,
         })
     }
 }

@@ -128,6 +128,7 @@ impl Engine {
 fn enrolled() -> crate::store::ClientRecord {
     crate::store::ClientRecord {
         aggregator: false,
+        max_contributors: None,
         secret_hash: String::new(),
         label: None,
         enrolled_unix_ms: 0,

@@ -23,7 +23,7 @@ use crate::error::ServerError;
 use crate::store::Contribution;
 
 /// The most clients one update may stand for.
-const MAX_CONTRIBUTORS: u64 = 1 << 24;
+pub const MAX_CONTRIBUTORS: u64 = 1 << 24;
 
 /// Whether task `task` (configured as `config`) takes an update that stands for `contributors`
 /// clients: one always; several (a regional aggregator's partial) only in a plain round without

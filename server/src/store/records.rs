@@ -321,6 +321,9 @@ pub struct ClientRecord {
     /// A regional aggregator: its updates may stand for several clients.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub aggregator: bool,
+    /// An aggregator's cap on the clients one update may stand for (None: the server's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_contributors: Option<u64>,
     /// Updates of this client refused in a row as invalid or out of bounds (an accepted one
     /// starts the count again).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -350,6 +353,9 @@ pub struct EnrolmentRecord {
     /// The enrolled client is a regional aggregator.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub aggregator: bool,
+    /// Its cap on the clients one update may stand for (None: the server's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_contributors: Option<u64>,
 }
 
 /// Which published round models are kept: the last `last` rounds and every `every`th round (0

@@ -267,6 +267,7 @@ pub(super) fn published(round: u64, attempt: u32, model: Option<ModelDigest>) ->
 pub(super) fn client(label: &str) -> ClientRecord {
     ClientRecord {
         aggregator: false,
+        max_contributors: None,
         secret_hash: "h".into(),
         label: Some(label.into()),
         enrolled_unix_ms: 1,

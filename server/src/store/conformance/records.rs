@@ -339,6 +339,7 @@ pub(super) fn enrolment_tokens_work_once(f: &mut dyn Fixture) {
     let s = f.store();
     let enrolment = EnrolmentRecord {
         aggregator: false,
+        max_contributors: None,
         expires_unix_ms: 5,
         tasks: Some(vec!["t".into()]),
     };
