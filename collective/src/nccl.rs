@@ -119,29 +119,20 @@ const GROUP: usize = 1024;
 const NCCL_SUM: c_int = 0;
 const NCCL_AVG: c_int = 4;
 
+/// `ncclAllReduce` and `ncclBroadcast`: buffers, count, type, the op or the root, the
+/// communicator and the stream.
+type Collective =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommHandle, Stream) -> c_int;
+
 /// The functions Hora calls, with the libraries that hold them (kept open while they are used).
 struct Api {
     version: String,
     get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
     comm_init_rank: unsafe extern "C" fn(*mut CommHandle, c_int, UniqueId, c_int) -> c_int,
-    all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        CommHandle,
-        Stream,
-    ) -> c_int,
-    broadcast: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        CommHandle,
-        Stream,
-    ) -> c_int,
+    /// `ncclAllReduce(send, recv, count, datatype, op, comm, stream)`.
+    all_reduce: Collective,
+    /// `ncclBroadcast(send, recv, count, datatype, root, comm, stream)`.
+    broadcast: Collective,
     group_start: unsafe extern "C" fn() -> c_int,
     group_end: unsafe extern "C" fn() -> c_int,
     comm_destroy: unsafe extern "C" fn(CommHandle) -> c_int,
@@ -418,22 +409,16 @@ fn gpu(device: i32) -> std::result::Result<String, String> {
     Ok(format!("{bus} on host {}", host()))
 }
 
-/// This host, as its kernel's boot id says (two containers of one machine share it), else its
-/// name.
+/// This host, as its kernel's boot id says (two containers of one machine share it), else as
+/// `/etc/hostname` does. (Two hosts told apart by neither would look like one: their ranks on
+/// GPUs of the same bus ids would be refused as sharing them, and use the ring.)
 fn host() -> String {
-    if let Ok(id) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
-        if !id.trim().is_empty() {
-            return id.trim().to_string();
-        }
-    }
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most `buf.len()` bytes into `buf`.
-    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    match ok && end > 0 {
-        true => String::from_utf8_lossy(&buf[..end]).into_owned(),
-        false => "an unnamed host".into(),
-    }
+    ["/proc/sys/kernel/random/boot_id", "/etc/hostname"]
+        .iter()
+        .filter_map(|path| std::fs::read_to_string(path).ok())
+        .map(|id| id.trim().to_string())
+        .find(|id| !id.is_empty())
+        .unwrap_or_else(|| "an unnamed host".into())
 }
 
 /// The offers of every rank (in rank order) → whether every rank can use NCCL, each on a GPU
