@@ -1070,6 +1070,8 @@ fn every_serve_option_is_layered_flags_over_environment_over_file() {
                 "http://127.0.0.1:9000",
                 "http://127.0.0.1:9001",
             ),
+            ("blobs_retries", "2", "5"),
+            ("blobs_retry_secs", "30", "60"),
             ("body_wait_secs", "11", "12"),
             ("certs_dir", "/srv/a/certs", "/srv/b/certs"),
             ("client_ca", "/srv/a/ca.pem", "/srv/b/ca.pem"),

@@ -57,6 +57,13 @@ pub struct ServeArgs {
     /// plain http only on loopback, unless AWS_ALLOW_HTTP=true.
     #[arg(long, env = "HORA_BLOBS_ENDPOINT")]
     pub blobs_endpoint: Option<String>,
+    /// Retries of a failed request to --blobs s3://… [default: 3].
+    #[arg(long, env = "HORA_BLOBS_RETRIES")]
+    pub blobs_retries: Option<usize>,
+    /// The most seconds spent retrying one request to --blobs s3://… before the store counts
+    /// as down (answered 503; clients and the server retry by themselves) [default: 15].
+    #[arg(long, env = "HORA_BLOBS_RETRY_SECS")]
+    pub blobs_retry_secs: Option<u64>,
     /// Makes this server a regional aggregator under a parent server, https://host:port (or
     /// several comma-separated: the parent's replicas): its tasks created with a `parent` take
     /// part in the parent's task, each round forwarding its partial there.
@@ -422,6 +429,7 @@ impl ServeConfig {
             None => crate::store::BlobLocation::DataDir,
         }
         .with_endpoint(args.blobs_endpoint)
+        .and_then(|b| b.with_retry(args.blobs_retries, args.blobs_retry_secs))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         let parent = match args.parent {
             None => None,
@@ -601,8 +609,33 @@ mod tests {
                 bucket: "fl".into(),
                 prefix: "hora/prod".into(),
                 endpoint: Some("http://127.0.0.1:9000".into()),
+                retry: Default::default(),
             }
         );
+        let retried = ServeConfig::from_args([
+            "--blobs",
+            "s3://fl",
+            "--blobs-retries",
+            "0",
+            "--blobs-retry-secs",
+            "120",
+        ])
+        .map(|c| c.blobs)
+        .unwrap();
+        assert!(matches!(
+            retried,
+            BlobLocation::S3 { retry, .. } if retry.max_retries == 0 && retry.timeout_secs == 120
+        ));
+        for (args, says) in [
+            (vec!["--blobs-retries", "2"], "are for --blobs s3"),
+            (
+                vec!["--blobs", "s3://fl", "--blobs-retry-secs", "0"],
+                "within 1 to 3600 s",
+            ),
+        ] {
+            let err = ServeConfig::from_args(args).unwrap_err();
+            assert!(format!("{err:#}").contains(says), "{err:#}");
+        }
         for (blobs, endpoint, says) in [
             (Some("gs://b"), None, "unknown blob store"),
             (Some("file://relative"), None, "absolute"),

@@ -60,7 +60,7 @@ pub mod postgres;
 mod records;
 mod sled;
 
-pub use self::blobs::{BlobKind, BlobLocation, BlobStore, Blobs, DirBlobs, ObjectBlobs};
+pub use self::blobs::{BlobKind, BlobLocation, BlobRetry, BlobStore, Blobs, DirBlobs, ObjectBlobs};
 pub use self::files::le_words;
 pub(crate) use self::files::short_or_carried;
 pub use self::memory::MemoryStore;

@@ -44,7 +44,7 @@ pub mod object;
 pub(crate) mod test_s3;
 
 pub use self::dir::DirBlobs;
-pub use self::object::{BlobLocation, ObjectBlobs};
+pub use self::object::{BlobLocation, BlobRetry, ObjectBlobs};
 
 /// What a blob is, and so where it lives: the same folders under a data directory and key
 /// prefixes in an object store.

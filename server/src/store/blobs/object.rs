@@ -43,12 +43,36 @@ pub enum BlobLocation {
     /// store (fsync on).
     File(PathBuf),
     /// `s3://bucket[/prefix]`: credentials and region from the usual AWS environment
-    /// variables; `endpoint` (`--blobs-endpoint`) for an S3-compatible server.
+    /// variables; `endpoint` (`--blobs-endpoint`) for an S3-compatible server; how requests
+    /// that fail are retried (`--blobs-retries`, `--blobs-retry-secs`).
     S3 {
         bucket: String,
         prefix: String,
         endpoint: Option<String>,
+        retry: BlobRetry,
     },
+}
+
+/// How a request to an object store that failed (a 5xx, a dropped connection) is retried
+/// before the caller hears of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlobRetry {
+    /// Retries of one request (`--blobs-retries`, 3).
+    pub max_retries: usize,
+    /// The most time spent retrying one request, in seconds (`--blobs-retry-secs`, 15). A
+    /// store that is down is answered 503 after this, and the callers retry by themselves
+    /// (clients, the group commit, a round's close): longer rides out longer blips, shorter
+    /// tells clients sooner.
+    pub timeout_secs: u64,
+}
+
+impl Default for BlobRetry {
+    fn default() -> Self {
+        BlobRetry {
+            max_retries: 3,
+            timeout_secs: 15,
+        }
+    }
 }
 
 impl FromStr for BlobLocation {
@@ -74,6 +98,7 @@ impl FromStr for BlobLocation {
                 bucket: bucket.to_string(),
                 prefix: prefix.trim_matches('/').to_string(),
                 endpoint: None,
+                retry: BlobRetry::default(),
             });
         }
         Err(format!(
@@ -97,6 +122,7 @@ impl fmt::Display for BlobLocation {
                 bucket,
                 prefix,
                 endpoint,
+                ..
             } => {
                 write!(f, "s3://{bucket}/{prefix}")?;
                 match endpoint {
@@ -114,12 +140,49 @@ impl BlobLocation {
     pub fn with_endpoint(self, endpoint: Option<String>) -> Result<Self, String> {
         match (self, endpoint) {
             (location, None) => Ok(location),
-            (BlobLocation::S3 { bucket, prefix, .. }, Some(endpoint)) => Ok(BlobLocation::S3 {
+            (BlobLocation::S3 {
+                bucket,
+                prefix,
+                retry,
+                ..
+            }, Some(endpoint)) => Ok(BlobLocation::S3 {
                 bucket,
                 prefix,
                 endpoint: Some(endpoint),
+                retry,
             }),
             (_, Some(_)) => Err("--blobs-endpoint is for --blobs s3://…".into()),
+        }
+    }
+
+    /// With the retries `--blobs-retries` and `--blobs-retry-secs` say (for `s3://` only).
+    pub fn with_retry(self, retries: Option<usize>, secs: Option<u64>) -> Result<Self, String> {
+        match (self, retries.is_some() || secs.is_some()) {
+            (location, false) => Ok(location),
+            (BlobLocation::S3 {
+                bucket,
+                prefix,
+                endpoint,
+                retry,
+            }, true) => {
+                let retry = BlobRetry {
+                    max_retries: retries.unwrap_or(retry.max_retries),
+                    timeout_secs: secs.unwrap_or(retry.timeout_secs),
+                };
+                if retry.max_retries > 100 || !(1..=3600).contains(&retry.timeout_secs) {
+                    return Err(format!(
+                        "--blobs-retries {} and --blobs-retry-secs {}: give 0 to 100 retries within 1 to 3600 s",
+                        retry.max_retries, retry.timeout_secs
+                    ));
+                }
+                Ok(BlobLocation::S3 {
+                    bucket,
+                    prefix,
+                    endpoint,
+                    retry,
+                })
+            }
+            (_, true) => Err("--blobs-retries and --blobs-retry-secs are for --blobs s3://…".into()),
         }
     }
 
@@ -165,9 +228,10 @@ impl ObjectBlobs {
                 bucket,
                 prefix,
                 endpoint,
+                retry,
             } => {
                 let builder = object_store::aws::AmazonS3Builder::from_env();
-                Self::open_s3(bucket, prefix, endpoint.as_deref(), builder)
+                Self::open_s3(bucket, prefix, endpoint.as_deref(), *retry, builder)
             }
         }
     }
@@ -178,12 +242,14 @@ impl ObjectBlobs {
         bucket: &str,
         prefix: &str,
         endpoint: Option<&str>,
+        retry: BlobRetry,
         mut builder: object_store::aws::AmazonS3Builder,
     ) -> Result<Self, StoreError> {
         let shown = BlobLocation::S3 {
             bucket: bucket.into(),
             prefix: prefix.into(),
             endpoint: endpoint.map(Into::into),
+            retry,
         }
         .to_string();
         let failed = |reason: String| StoreError::Blobs {
@@ -222,9 +288,9 @@ impl ObjectBlobs {
                 builder = builder.with_config(Client(key), value);
             }
         }
-        // A store that is down is answered 503 within seconds, not after object_store's three
-        // minutes of retries: the callers retry by themselves (clients, the group commit, a
-        // round's close).
+        // A store that is down is answered 503 within seconds (`retry`), not after
+        // object_store's three minutes of retries: the callers retry by themselves (clients,
+        // the group commit, a round's close).
         if builder
             .get_config_value(&Client(ClientConfigKey::ConnectTimeout))
             .is_none()
@@ -232,8 +298,8 @@ impl ObjectBlobs {
             builder = builder.with_config(Client(ClientConfigKey::ConnectTimeout), "5s");
         }
         builder = builder.with_retry(object_store::RetryConfig {
-            max_retries: 3,
-            retry_timeout: std::time::Duration::from_secs(15),
+            max_retries: retry.max_retries,
+            retry_timeout: std::time::Duration::from_secs(retry.timeout_secs),
             ..Default::default()
         });
         // object_store's HTTP client is reqwest with rustls and no provider of its own: it takes

@@ -61,6 +61,7 @@ impl BlobsAt {
                     crate::store::blobs::test_s3::BUCKET,
                     S3_PREFIX,
                     Some(&server.endpoint()),
+                    Default::default(),
                     object_store::aws::AmazonS3Builder::new()
                         .with_access_key_id(crate::store::blobs::test_s3::ACCESS_KEY)
                         .with_secret_access_key(crate::store::blobs::test_s3::SECRET_KEY)
