@@ -1389,7 +1389,9 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
     let clients: Vec<serde_json::Value> = admin
         .ok(admin.request(Method::GET, "/admin/v1/clients"))
         .await;
-    let shown = clients.iter().find(|c| c["client_id"] == capped.id.as_str());
+    let shown = clients
+        .iter()
+        .find(|c| c["client_id"] == capped.id.as_str());
     assert_eq!(shown.map(|c| c["max_contributors"].clone()), Some(2.into()));
     let offer = capped.join("single").await;
     let upload = |contributors: u64| {

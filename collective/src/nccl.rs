@@ -121,8 +121,15 @@ const NCCL_AVG: c_int = 4;
 
 /// `ncclAllReduce` and `ncclBroadcast`: buffers, count, type, the op or the root, the
 /// communicator and the stream.
-type Collective =
-    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, CommHandle, Stream) -> c_int;
+type Collective = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    CommHandle,
+    Stream,
+) -> c_int;
 
 /// The functions Hora calls, with the libraries that hold them (kept open while they are used).
 struct Api {

@@ -15,11 +15,11 @@ use hora_common::wire::{
 };
 
 use super::client::model_response;
-use crate::round::upload::MAX_CONTRIBUTORS;
 use super::{spool_body, AdminAuth, ApiJson, ApiPath, ApiQuery, Shared};
 use crate::auth;
 use crate::error::ServerError;
 use crate::round::now_ms;
+use crate::round::upload::MAX_CONTRIBUTORS;
 use crate::store::EnrolmentRecord;
 
 pub fn routes() -> axum::Router<Shared> {

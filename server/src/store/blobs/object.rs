@@ -140,12 +140,15 @@ impl BlobLocation {
     pub fn with_endpoint(self, endpoint: Option<String>) -> Result<Self, String> {
         match (self, endpoint) {
             (location, None) => Ok(location),
-            (BlobLocation::S3 {
-                bucket,
-                prefix,
-                retry,
-                ..
-            }, Some(endpoint)) => Ok(BlobLocation::S3 {
+            (
+                BlobLocation::S3 {
+                    bucket,
+                    prefix,
+                    retry,
+                    ..
+                },
+                Some(endpoint),
+            ) => Ok(BlobLocation::S3 {
                 bucket,
                 prefix,
                 endpoint: Some(endpoint),
@@ -159,12 +162,15 @@ impl BlobLocation {
     pub fn with_retry(self, retries: Option<usize>, secs: Option<u64>) -> Result<Self, String> {
         match (self, retries.is_some() || secs.is_some()) {
             (location, false) => Ok(location),
-            (BlobLocation::S3 {
-                bucket,
-                prefix,
-                endpoint,
-                retry,
-            }, true) => {
+            (
+                BlobLocation::S3 {
+                    bucket,
+                    prefix,
+                    endpoint,
+                    retry,
+                },
+                true,
+            ) => {
                 let retry = BlobRetry {
                     max_retries: retries.unwrap_or(retry.max_retries),
                     timeout_secs: secs.unwrap_or(retry.timeout_secs),
@@ -182,7 +188,9 @@ impl BlobLocation {
                     retry,
                 })
             }
-            (_, true) => Err("--blobs-retries and --blobs-retry-secs are for --blobs s3://…".into()),
+            (_, true) => {
+                Err("--blobs-retries and --blobs-retry-secs are for --blobs s3://…".into())
+            }
         }
     }
 

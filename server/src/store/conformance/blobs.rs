@@ -229,7 +229,7 @@ pub(super) fn everything_written_is_there_after_reopening(f: &mut dyn Fixture) {
         "h",
         &EnrolmentRecord {
             aggregator: false,
-        max_contributors: None,
+            max_contributors: None,
             expires_unix_ms: 9,
             tasks: None,
         },
