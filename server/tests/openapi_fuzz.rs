@@ -34,7 +34,8 @@ const SEED: &str = "1";
 /// Operations whose bodies the schema cannot call valid or not: a safetensors file, a TorchScript
 /// archive, a sealed envelope, masked words, signed keys and shares, a digest that must name an
 /// uploaded model, min_clients ≤ target_clients, a world size that must match the job's, an
-/// elastic job's min_world_size ≤ world_size (and settle_ms only with it), an
+/// elastic job's min_world_size ≤ world_size (and settle_ms only with it), an enrolment's
+/// max_contributors only with aggregator, an
 /// upload session that must exist (410) and a length within the task's limit (413). Valid by the
 /// document, such a request may still be refused with 400, 410 or 413, and the document says so.
 /// Not a blanket exemption: every other operation must take every request its schema calls
@@ -44,6 +45,7 @@ const CONTENT_CHECKED: &[&str] = &[
     "POST /admin/v1/modules",
     "POST /admin/v1/tasks",
     "POST /admin/v1/sync-jobs",
+    "POST /admin/v1/enrolments",
     "POST /v1/tasks/{task}/rounds/{round}/update",
     "POST /v1/tasks/{task}/rounds/{round}/uploads",
     "PUT /v1/tasks/{task}/rounds/{round}/uploads/{digest}/chunks/{index}",

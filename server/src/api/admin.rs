@@ -292,7 +292,9 @@ pub async fn frozen_base(
 }
 
 #[utoipa::path(post, path = "/admin/v1/enrolments", tag = "admin", security(("admin_token" = [])), request_body = CreateEnrolment,
-    responses((status = 201, body = EnrolmentToken)))]
+    responses(
+        (status = 201, body = EnrolmentToken),
+        (status = 400, body = ApiError, description = "`max_contributors` without `aggregator: true`, or a malformed body")))]
 pub async fn create_enrolment(
     State(state): State<Shared>,
     _a: AdminAuth,
