@@ -117,12 +117,12 @@ async fn a_second_server_stands_by_and_readiness_follows_the_database() {
     let dir = tempfile::tempdir().unwrap();
     let (admin, stop, running) = start(dir.path(), Some(&postgres.url()), None);
     assert_eq!(readyz(&admin).await.0, 200);
-    // A second server on the same database stands by while the first leads, until told to
-    // stop.
-    let (other, url) = (tempfile::tempdir().unwrap(), postgres.url());
+    // A second server on the same database and data directory stands by while the first
+    // leads, until told to stop.
+    let (same, url) = (dir.path().to_path_buf(), postgres.url());
     let second = tokio::task::spawn_blocking(move || {
         let asked = std::time::Instant::now();
-        Server::build_unless(config(other.path(), Some(&url), None), &|| {
+        Server::build_unless(config(&same, Some(&url), None), &|| {
             asked.elapsed() > std::time::Duration::from_secs(2)
         })
         .map(|_| ())
@@ -137,6 +137,17 @@ async fn a_second_server_stands_by_and_readiness_follows_the_database() {
             Some(hora_server::store::StoreError::Stopped)
         ),
         "{stood_by:#}"
+    );
+    // One with its own data directory and no --blobs could not serve the records' blobs: it
+    // is refused at start, not when it would take over.
+    let (other, url) = (tempfile::tempdir().unwrap(), postgres.url());
+    let refused = tokio::task::spawn_blocking(move || {
+        Server::build_unless(config(other.path(), Some(&url), None), &|| false).map(|_| ())
+    });
+    let refused = format!("{:#}", refused.await.unwrap().expect_err("refused"));
+    assert!(
+        refused.contains("were written with blobs this data directory does not hold"),
+        "{refused}"
     );
     postgres.stop();
     let (status, body) = readyz(&admin).await;

@@ -131,12 +131,17 @@ impl StoreLocation {
                     shared_blobs: apart,
                     ..lease.clone()
                 };
-                std::sync::Arc::new(
-                    PostgresStore::open_with(target, blobs)?.claim(&lease, give_up)?,
-                )
+                let opened = PostgresStore::open_with(target, blobs)?;
+                if !apart {
+                    // Files of this data directory: standing by is worth it only if they are
+                    // the records'.
+                    self::blobs::check_unshared(&opened)?;
+                }
+                std::sync::Arc::new(opened.claim(&lease, give_up)?)
             }
         };
-        if apart {
+        // Blobs apart from their records, or records that other replicas share: tied together.
+        if apart || matches!(self, StoreLocation::Postgres(_)) {
             self::blobs::bind(&*store)?;
         }
         Ok(store)

@@ -115,6 +115,41 @@ pub fn bind(store: &super::Store) -> Result<(), StoreError> {
     })
 }
 
+/// The id of the records `blobs` belong to, if they were tied to some.
+fn marker(blobs: &dyn BlobStore) -> Result<Option<String>, StoreError> {
+    Ok(match blobs.head(BlobKind::Meta, STORE_ID)? {
+        Some(_) => Some(
+            String::from_utf8_lossy(&read_all(blobs, BlobKind::Meta, STORE_ID)?)
+                .trim()
+                .to_string(),
+        ),
+        None => None,
+    })
+}
+
+/// Before a replica whose blobs are files in its own data directory stands by for records in a
+/// shared database: whether those files are the records' (the records name blobs that must be
+/// here). A data directory tied to other records, or none while the records are tied, is
+/// refused at start, saying what to do, instead of when the replica takes over. Reads only:
+/// [`bind`] ties a new deployment's once it leads.
+pub fn check_unshared(store: &super::Store) -> Result<(), StoreError> {
+    let blobs = store.blobs();
+    let refused = |why: String| StoreError::Blobs {
+        at: blobs.describe(),
+        reason: why,
+    };
+    const WHAT: &str = "a replica without --blobs serves the blobs of its own data directory, so replicas without it must share one --data-dir on one host; otherwise give every replica --blobs (file:///a-shared-dir or s3://…)";
+    match (store.meta(STORE_ID)?, marker(blobs)?) {
+        (Some(ours), Some(theirs)) if ours != theirs => Err(refused(format!(
+            "this data directory's blobs belong to another Hora store (id {theirs}; the database's records are {ours}): {WHAT}"
+        ))),
+        (Some(ours), None) => Err(refused(format!(
+            "the database's records (store {ours}) were written with blobs this data directory does not hold: {WHAT}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// [`bind`], or None when another server wrote the blobs' id first.
 fn try_bind(store: &super::Store) -> Result<Option<()>, StoreError> {
     let blobs = store.blobs();
@@ -122,14 +157,7 @@ fn try_bind(store: &super::Store) -> Result<Option<()>, StoreError> {
         at: blobs.describe(),
         reason: why,
     };
-    let marker = match blobs.head(BlobKind::Meta, STORE_ID)? {
-        Some(_) => Some(
-            String::from_utf8_lossy(&read_all(blobs, BlobKind::Meta, STORE_ID)?)
-                .trim()
-                .to_string(),
-        ),
-        None => None,
-    };
+    let marker = marker(blobs)?;
     let adopt = |id: &str| -> Result<(), StoreError> {
         store.put_meta(STORE_ID, id)?;
         store.flush()
