@@ -49,7 +49,7 @@ pub enum DType {
 
 impl DType {
     /// NCCL's `ncclDataType_t`.
-    fn code(self) -> c_int {
+    pub(crate) fn code(self) -> c_int {
         match self {
             DType::F16 => 6,
             DType::F32 => 7,

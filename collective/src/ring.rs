@@ -28,7 +28,7 @@ use std::thread;
 use std::time::Duration;
 
 use crate::link::{Kind, LinkOptions, Links};
-use crate::nccl::{self, DType, DeviceBuffer, Nccl, Stream, Want};
+use crate::nccl::{self, DeviceBuffer, Nccl, Stream, Want};
 pub use crate::region::Wire;
 use crate::region::{Apply, Received, Region};
 use crate::rendezvous::World;
@@ -167,15 +167,11 @@ const NCCL_WIRE: u8 = 16;
 
 /// `fingerprint` with each device buffer's element count and type.
 fn fingerprint_of(bufs: &[DeviceBuffer], fingerprint: u64) -> u64 {
-    let code = |d: DType| match d {
-        DType::F16 => 1,
-        DType::BF16 => 2,
-        DType::F32 => 3,
-        DType::F64 => 4,
-    };
     self::fingerprint(
-        std::iter::once(fingerprint)
-            .chain(bufs.iter().flat_map(|b| [b.count as u64, code(b.dtype)])),
+        std::iter::once(fingerprint).chain(
+            bufs.iter()
+                .flat_map(|b| [b.count as u64, b.dtype.code() as u64]),
+        ),
     )
 }
 

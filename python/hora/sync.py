@@ -197,8 +197,7 @@ def _attach_nccl(ring: _hora.Ring, nccl: Optional[str] = None) -> None:
         import torch
     device = -2 if mode == "off" else -1
     if mode != "off" and torch is not None and torch.cuda.is_available():
-        local = _hora.launch_rank()[2]
-        device = (local if local is not None else ring.rank) % torch.cuda.device_count()
+        device = local_rank() % torch.cuda.device_count()
     if ring.use_nccl(device, required=mode == "on") is not None:
         torch.cuda.set_device(device)
         _nccl_device = device

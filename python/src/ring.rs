@@ -179,6 +179,17 @@ impl Ring {
             .map_err(|e| sync_error(py, e))
     }
 
+    /// `op` on the communicator with the GIL released; its error as `SyncFailed`.
+    fn with_comm<T: Send>(
+        &self,
+        py: Python<'_>,
+        op: impl FnOnce(&mut Communicator) -> Result<T, CollectiveError> + Send,
+    ) -> PyResult<T> {
+        let comm = &self.comm;
+        py.detach(move || op(&mut comm.lock().unwrap_or_else(|p| p.into_inner())))
+            .map_err(|e| sync_error(py, e))
+    }
+
     /// Runs a collective on `array`'s values with the GIL released: on a copy that Rust owns,
     /// copied back into the array afterwards (`copy`), or on the array's memory itself.
     fn collective(
@@ -503,12 +514,7 @@ impl Ring {
             d if d < 0 => Want::Cpu,
             d => Want::Cuda(d),
         };
-        let comm = &self.comm;
-        py.detach(move || {
-            let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
-            comm.attach_nccl(want, required)
-        })
-        .map_err(|e| sync_error(py, e))
+        self.with_comm(py, |comm| comm.attach_nccl(want, required))
     }
 
     /// release_nccl() -> None
@@ -544,14 +550,11 @@ impl Ring {
             false => Reduce::Sum,
         };
         let fp = tag(name, 0);
-        let comm = &self.comm;
-        py.detach(move || {
-            let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+        self.with_comm(py, move |comm| {
             // SAFETY: hora.sync passes the addresses of contiguous CUDA tensors it holds until
             // the call returns, on the device NCCL was formed on, and the tensors' stream.
             unsafe { comm.device_allreduce(&bufs, reduce, stream as Stream, fp) }
         })
-        .map_err(|e| sync_error(py, e))
     }
 
     /// nccl_broadcast(buffers, root=0, stream=0, name="") -> None
@@ -570,13 +573,10 @@ impl Ring {
     ) -> PyResult<()> {
         let bufs = device_buffers(buffers)?;
         let fp = tag(name, 1);
-        let comm = &self.comm;
-        py.detach(move || {
-            let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
+        self.with_comm(py, move |comm| {
             // SAFETY: as in nccl_allreduce.
             unsafe { comm.device_broadcast(&bufs, root, stream as Stream, fp) }
         })
-        .map_err(|e| sync_error(py, e))
     }
 
     /// allgather(data) -> list[bytes]
@@ -584,13 +584,7 @@ impl Ring {
     ///
     /// Every worker's small `data` (metrics, counters; at most a few KiB), in rank order.
     fn allgather<'py>(&self, py: Python<'py>, data: Vec<u8>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let comm = &self.comm;
-        let all = py
-            .detach(move || {
-                let mut comm = comm.lock().unwrap_or_else(|p| p.into_inner());
-                comm.allgather(&data)
-            })
-            .map_err(|e| sync_error(py, e))?;
+        let all = self.with_comm(py, |comm| comm.allgather(&data))?;
         Ok(all.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 }
