@@ -1214,16 +1214,41 @@ fn version_completions_and_man_pages() {
 /// its examples), and its history counts seven contributors and every example. In the second
 /// round the parent is SIGKILLed before the regions' rounds close, and a region holding its
 /// partial is SIGKILLed and restarted too: once the parent is back, both partials arrive and the
-/// round publishes the flat FedAvg all the same. A client not enrolled as an aggregator cannot
-/// claim to stand for several clients.
+/// round publishes the flat FedAvg all the same. The parent takes updates in chunks of 64 KiB
+/// and the model is larger, so the partials travel as chunked uploads (counted by the parent's
+/// `hora_upload_chunks_total`). A client not enrolled as an aggregator cannot claim to stand for
+/// several clients.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_models_through_crashes()
 {
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
     let listen = format!("127.0.0.1:{}", free_port());
-    let parent = Server::start_on(dirs[0].path(), &listen, &[]);
+    let chunked = ["--upload-chunk-bytes", "65536"];
+    let parent = Server::start_on(dirs[0].path(), &listen, &chunked);
     let admin = parent.api(ADMIN_TOKEN);
-    let initial = small_model();
+    // 20,672 parameters: a partial of about 81 KiB, two of the parent's chunks.
+    let small = small_model();
+    let mut tensors: Vec<_> = small
+        .tensors()
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.shape.clone(),
+                small.data()[t.offset..][..t.len].to_vec(),
+            )
+        })
+        .collect();
+    tensors.push((
+        "embedding.weight".into(),
+        vec![160, 128],
+        // (Away from zero: a partial travels as f32 values, and the suite's tolerance is
+        // relative to the value.)
+        (0..160 * 128)
+            .map(|i| 0.15 + (i as f32 * 0.07).sin() * 0.05)
+            .collect(),
+    ));
+    let initial = Model::from_tensors(tensors).unwrap();
     let digest = admin.upload_model(&initial).await;
     admin.create_task(&task("tree", digest, 2, 7, 7, 600)).await;
     let mut flags = Vec::new();
@@ -1314,7 +1339,7 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
             regions.insert(0, (region, Vec::new()));
         }
         if down {
-            parent = Some(Server::start_on(dirs[0].path(), &listen, &[]));
+            parent = Some(Server::start_on(dirs[0].path(), &listen, &chunked));
         }
         let d = delta(&expected, round * 100 + 99);
         direct.upload("tree", &direct_offer, 5, &d).await;
@@ -1332,6 +1357,11 @@ async fn a_parent_with_two_regional_servers_publishes_the_flat_federations_model
         assert_eq!(entry.contributors, Some(7));
         assert_eq!(entry.participants.len(), 3, "two regions and one client");
         assert_eq!(entry.examples, updates.iter().map(|(n, _)| n).sum::<u64>());
+        // Both partials came in chunks (since the parent's restart, in round 2).
+        assert!(
+            admin.metric("hora_upload_chunks_total").await >= 4.0,
+            "the partials were not uploaded in chunks"
+        );
         for (r, (region, _)) in regions.iter().enumerate() {
             let api = region.api(ADMIN_TOKEN);
             let local: Vec<RoundRecord> = api

@@ -58,6 +58,8 @@ pub struct ServerMetrics {
     pub uploads_accepted: Counter,
     uploads_rejected: Family<ReasonLabel, Counter>,
     pub upload_bytes: Counter,
+    /// Chunks of chunked uploads taken (each opened and spooled).
+    pub upload_chunks: Counter,
     pub ingest_seconds: Histogram,
     aggregation_seconds: Histogram,
     pub store_commit_seconds: Histogram,
@@ -103,6 +105,7 @@ impl Default for ServerMetrics {
             uploads_accepted: Counter::default(),
             uploads_rejected: Family::default(),
             upload_bytes: Counter::default(),
+            upload_chunks: Counter::default(),
             ingest_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
             aggregation_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
             store_commit_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
@@ -151,6 +154,11 @@ impl Default for ServerMetrics {
             "upload_bytes",
             "Bytes of sealed updates received",
             m.upload_bytes.clone(),
+        );
+        registry.register(
+            "upload_chunks",
+            "Chunks of chunked uploads taken (opened and spooled)",
+            m.upload_chunks.clone(),
         );
         registry.register(
             "ingest_seconds",

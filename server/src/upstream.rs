@@ -35,14 +35,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hora_common::envelope::{self, Binding};
+use hora_common::envelope::{self, Binding, Chunk};
 use hora_common::model::{Model, ModelDigest, ModelSpec};
 use hora_common::wire::{
     ApiError, Credentials, EnrolRequest, ErrorCode, JoinResponse, PollResponse, RoundOffer,
-    TaskState, UpdateMeta,
+    TaskState, UpdateMeta, UploadSession, UploadStart,
 };
 use reqwest::{Method, StatusCode};
 
+use crate::api::client::UPDATE_META_HEADER;
 use crate::error::ServerError;
 use crate::round::{Coordinator, Task};
 use crate::store::PartialRecord;
@@ -153,6 +154,9 @@ const MAX_ERROR_BYTES: usize = 64 << 10;
 const MAX_JSON_BYTES: usize = 1 << 20;
 /// How long one request to the parent may take (a model's download or a partial's upload).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(900);
+/// The smallest chunk a server cuts uploads into (its `--upload-chunk-bytes` floor): an answer
+/// with smaller ones is not a Hora server's.
+const MIN_CHUNK_BYTES: u64 = 64 << 10;
 
 /// This server as a client of its parent: the client API's enrolment, join, poll, model
 /// download and sealed upload (the SDK, `hora-client`, brings libtorch, which the server never
@@ -335,7 +339,9 @@ impl ParentClient {
         Ok(model)
     }
 
-    /// Encodes `delta` as the offer asks, seals it to the round's key and uploads it.
+    /// Encodes `delta` as the offer asks, seals it to the round's key and uploads it: in one
+    /// body, or, when the parent takes chunks and the partial is larger than one, as an upload
+    /// session ([`ParentClient::upload_chunked`]), as the parent's own clients do.
     async fn upload(
         &self,
         task: &str,
@@ -343,35 +349,145 @@ impl ParentClient {
         delta: Model,
         meta: &UpdateMeta,
     ) -> Result<(), Refused> {
+        let o = offer.clone();
+        let plaintext = crate::blocking(move || match &o.compression {
+            None => Ok(delta.to_safetensors()),
+            Some(compression) => {
+                let mut unsent = delta;
+                compression
+                    .encode(&mut unsent, &mut rand::rng())
+                    .map_err(ServerError::internal)
+            }
+        })
+        .await
+        .map_err(|e| Refused::local(format!("encoding the partial: {e}")))?;
+        let meta = serde_json::to_string(meta)
+            .map_err(|e| Refused::local(format!("the partial's metadata: {e}")))?;
+        let chunked = offer
+            .upload_chunk_bytes
+            .filter(|&chunk| chunk > 0 && plaintext.len() as u64 > chunk);
+        if chunked.is_some() {
+            return self
+                .upload_chunked(task, offer, Arc::new(plaintext), &meta)
+                .await;
+        }
         let (id, t, o) = (self.id.clone(), task.to_string(), offer.clone());
         let sealed = crate::blocking(move || {
-            let plaintext = match &o.compression {
-                None => delta.to_safetensors(),
-                Some(compression) => {
-                    let mut unsent = delta;
-                    compression
-                        .encode(&mut unsent, &mut rand::rng())
-                        .map_err(ServerError::internal)?
-                }
-            };
-            let binding = Binding {
-                task: &t,
-                round: o.round,
-                client: &id,
-                base_model: &o.model,
-            };
-            envelope::seal(&plaintext, &o.round_key, &binding).map_err(ServerError::internal)
+            envelope::seal(&plaintext, &o.round_key, &binding(&id, &t, &o))
+                .map_err(ServerError::internal)
         })
         .await
         .map_err(|e| Refused::local(format!("sealing the partial: {e}")))?;
-        let meta = serde_json::to_string(meta)
-            .map_err(|e| Refused::local(format!("the partial's metadata: {e}")))?;
         let path = format!("/v1/tasks/{task}/rounds/{}/update", offer.round);
         self.send(Method::POST, &path, |r| {
-            r.header("x-hora-update", &meta).body(sealed.clone())
+            r.header(UPDATE_META_HEADER, &meta).body(sealed.clone())
         })
         .await
         .map(drop)
+    }
+
+    /// Uploads `plaintext` as a chunked upload session (`POST …/uploads`, a `PUT` of each
+    /// chunk, sealed with its index, then `POST …/complete`). A session the parent still holds
+    /// resumes from the chunk it expects next, so a partial whose upload was cut (or whose
+    /// region restarted) sends again only what the parent lacks; any refusal on the way ends
+    /// this try, and [`settled`] says whether the next one starts (or resumes) it again.
+    async fn upload_chunked(
+        &self,
+        task: &str,
+        offer: &RoundOffer,
+        plaintext: Arc<Vec<u8>>,
+        meta: &str,
+    ) -> Result<(), Refused> {
+        let hashed = plaintext.clone();
+        let digest: [u8; 32] = crate::blocking(move || {
+            let digest = ring::digest::digest(&ring::digest::SHA256, &hashed);
+            digest.as_ref().try_into().map_err(ServerError::internal)
+        })
+        .await
+        .map_err(|e| Refused::local(format!("hashing the partial: {e}")))?;
+        let (hex_digest, length) = (hex::encode(digest), plaintext.len() as u64);
+        let uploads = format!("/v1/tasks/{task}/rounds/{}/uploads", offer.round);
+        let start = UploadStart {
+            digest: hex_digest.clone(),
+            length,
+        };
+        let mut at: UploadSession = self
+            .json(Method::POST, &uploads, |r| r.json(&start))
+            .await?;
+        if at.digest != hex_digest || at.length != length || at.chunk_bytes < MIN_CHUNK_BYTES {
+            return Err(Refused::local(format!(
+                "the parent answered the start of upload {hex_digest} ({length} bytes) with another ({} of {} bytes, chunks of {})",
+                at.digest, at.length, at.chunk_bytes
+            )));
+        }
+        if at.received > 0 {
+            tracing::info!(
+                task,
+                chunk = at.next_chunk,
+                chunks = at.chunks,
+                "resuming the partial's upload where the parent's copy ends"
+            );
+        }
+        while at.received < length {
+            let (index, chunk_bytes) = (at.next_chunk, at.chunk_bytes);
+            let chunk = Chunk {
+                upload: &digest,
+                length,
+                chunk_bytes,
+                index,
+            };
+            let Some(range) = chunk.range().filter(|r| r.start == at.received) else {
+                return Err(Refused::local(format!(
+                    "the parent expects chunk {index} of upload {hex_digest}, which does not start at the {} bytes it says it holds",
+                    at.received
+                )));
+            };
+            let (id, t, o, p) = (
+                self.id.clone(),
+                task.to_string(),
+                offer.clone(),
+                plaintext.clone(),
+            );
+            let sealed = crate::blocking(move || {
+                let chunk = Chunk {
+                    upload: &digest,
+                    length,
+                    chunk_bytes,
+                    index,
+                };
+                let piece = &p[range.start as usize..range.end as usize];
+                envelope::seal_chunk(piece, &o.round_key, &binding(&id, &t, &o), &chunk)
+                    .map_err(ServerError::internal)
+            })
+            .await
+            .map_err(|e| Refused::local(format!("sealing a chunk of the partial: {e}")))?;
+            let path = format!("{uploads}/{hex_digest}/chunks/{index}");
+            let next: UploadSession = self
+                .json(Method::PUT, &path, |r| r.body(sealed.clone()))
+                .await?;
+            if next.next_chunk != index + 1 || next.received != range.end {
+                return Err(Refused::local(format!(
+                    "the parent took chunk {index} of upload {hex_digest} but says it holds {} bytes, next chunk {}",
+                    next.received, next.next_chunk
+                )));
+            }
+            at = next;
+        }
+        let path = format!("{uploads}/{hex_digest}/complete");
+        self.send(Method::POST, &path, |r| r.header(UPDATE_META_HEADER, meta))
+            .await
+            .map(drop)
+    }
+}
+
+/// What an update (or a chunk of one) from this region to the parent's round of `offer` is
+/// bound to.
+fn binding<'a>(client: &'a str, task: &'a str, offer: &'a RoundOffer) -> Binding<'a> {
+    Binding {
+        task,
+        round: offer.round,
+        client,
+        base_model: &offer.model,
     }
 }
 
@@ -590,7 +706,16 @@ async fn forward(
 fn settled(e: Refused) -> Result<Forwarded, String> {
     match (&e.code, e.status) {
         (Some(ErrorCode::AlreadyContributed), _) => Ok(Forwarded::Taken),
-        (Some(ErrorCode::UploadInProgress | ErrorCode::UploadTooSlow), _) => Err(e.message),
+        // An upload still being read, or a chunked one to start or resume again.
+        (
+            Some(
+                ErrorCode::UploadInProgress
+                | ErrorCode::UploadTooSlow
+                | ErrorCode::ChunkOutOfOrder
+                | ErrorCode::UploadUnknown,
+            ),
+            _,
+        ) => Err(e.message),
         (_, Some(s))
             if s.is_client_error()
                 && s != StatusCode::REQUEST_TIMEOUT

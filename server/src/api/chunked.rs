@@ -544,6 +544,7 @@ pub async fn chunk(
     match &held_chunk {
         Ok(_) => {
             state.coordinator.metrics.upload_bytes.inc_by(sealed_length);
+            state.coordinator.metrics.upload_chunks.inc();
         }
         Err(e) => {
             // (A round that moved on, a client no longer admitted: the upload cannot end well.)
