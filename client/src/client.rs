@@ -732,15 +732,9 @@ impl Client {
                     offer.clone(),
                     plaintext.clone(),
                 );
-                let piece = range.start as usize..range.end as usize;
                 let sealed = tokio::task::spawn_blocking(move || {
-                    let chunk = Chunk {
-                        upload: &digest,
-                        length: p.len() as u64,
-                        chunk_bytes,
-                        index,
-                    };
-                    envelope::seal_chunk(&p[piece], &o.round_key, &binding(&id, &t, &o), &chunk)
+                    let binding = binding(&id, &t, &o);
+                    envelope::seal_chunk_of(&p, &digest, chunk_bytes, index, &o.round_key, &binding)
                 })
                 .await
                 .map_err(|e| ClientError::Training(format!("sealing a chunk failed: {e}")))??;

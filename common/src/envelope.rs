@@ -190,6 +190,8 @@ pub enum EnvelopeError {
     Rejected,
     #[error("the system random number generator failed")]
     Random,
+    #[error("the upload has no chunk {0}")]
+    NoSuchChunk(u64),
 }
 
 /// Seals `plaintext` to `recipient` (the round's public key), bound to `binding`.
@@ -209,6 +211,31 @@ pub fn seal_chunk(
     chunk: &Chunk<'_>,
 ) -> Result<Vec<u8>, EnvelopeError> {
     seal_bound(plaintext, recipient, binding, Some(chunk))
+}
+
+/// Seals chunk `index` of an upload whose whole plaintext is `plaintext` (its SHA-256 `upload`,
+/// cut in chunks of `chunk_bytes`): [`seal_chunk`] of the bytes [`Chunk::range`] names.
+pub fn seal_chunk_of(
+    plaintext: &[u8],
+    upload: &[u8; 32],
+    chunk_bytes: u64,
+    index: u64,
+    recipient: &RoundPublicKey,
+    binding: &Binding<'_>,
+) -> Result<Vec<u8>, EnvelopeError> {
+    let chunk = Chunk {
+        upload,
+        length: plaintext.len() as u64,
+        chunk_bytes,
+        index,
+    };
+    let range = chunk.range().ok_or(EnvelopeError::NoSuchChunk(index))?;
+    seal_chunk(
+        &plaintext[range.start as usize..range.end as usize],
+        recipient,
+        binding,
+        &chunk,
+    )
 }
 
 fn seal_bound(
@@ -537,6 +564,14 @@ mod tests {
         assert_eq!(
             open_chunk(&mut env.clone(), &key, &b, &chunk).unwrap(),
             b"4567"
+        );
+        // Sealed from the whole plaintext, chunk 1 is the same piece; there is no chunk 3.
+        let whole = b"0123456789";
+        let mut of = seal_chunk_of(whole, &upload, 4, 1, &key.public_key(), &b).unwrap();
+        assert_eq!(open_chunk(&mut of, &key, &b, &chunk).unwrap(), b"4567");
+        assert_eq!(
+            seal_chunk_of(whole, &upload, 4, 3, &key.public_key(), &b),
+            Err(EnvelopeError::NoSuchChunk(3))
         );
         let wrong = [
             ("replayed at another index", Chunk { index: 2, ..chunk }),

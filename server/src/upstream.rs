@@ -449,14 +449,8 @@ impl ParentClient {
                 plaintext.clone(),
             );
             let sealed = crate::blocking(move || {
-                let chunk = Chunk {
-                    upload: &digest,
-                    length,
-                    chunk_bytes,
-                    index,
-                };
-                let piece = &p[range.start as usize..range.end as usize];
-                envelope::seal_chunk(piece, &o.round_key, &binding(&id, &t, &o), &chunk)
+                let binding = binding(&id, &t, &o);
+                envelope::seal_chunk_of(&p, &digest, chunk_bytes, index, &o.round_key, &binding)
                     .map_err(ServerError::internal)
             })
             .await
