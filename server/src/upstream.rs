@@ -366,10 +366,22 @@ impl ParentClient {
         let chunked = offer
             .upload_chunk_bytes
             .filter(|&chunk| chunk > 0 && plaintext.len() as u64 > chunk);
+        let plaintext = Arc::new(plaintext);
         if chunked.is_some() {
-            return self
-                .upload_chunked(task, offer, Arc::new(plaintext), &meta)
-                .await;
+            match self
+                .upload_chunked(task, offer, plaintext.clone(), &meta)
+                .await
+            {
+                // A parent restarted without chunked uploads (or a replica of it that takes
+                // none) still takes the partial in one body.
+                Err(e)
+                    if e.status == Some(StatusCode::NOT_FOUND)
+                        && e.code == Some(ErrorCode::NotFound) =>
+                {
+                    tracing::info!(task, error = %e, "the parent takes no chunked uploads now: forwarding the partial in one body");
+                }
+                done => return done,
+            }
         }
         let (id, t, o) = (self.id.clone(), task.to_string(), offer.clone());
         let sealed = crate::blocking(move || {
