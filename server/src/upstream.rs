@@ -31,6 +31,7 @@
 //! plain rounds only, and the parent's task must be plain without central DP (which take each
 //! client's update themselves).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -167,6 +168,18 @@ struct ParentClient {
     urls: Vec<String>,
     id: String,
     token: String,
+    /// The partial each regional task is forwarding, as encoded for the parent's round, kept
+    /// until it is settled: a try after a cut connection sends the same bytes (a lossy
+    /// compression rounds at random, and safetensors' metadata has no fixed order), so a
+    /// chunked upload resumes where the parent's session ends instead of starting again.
+    encoded: std::sync::Mutex<HashMap<String, EncodedPartial>>,
+}
+
+/// A partial (by its digest) encoded for a round of the parent.
+struct EncodedPartial {
+    partial: ModelDigest,
+    round: u64,
+    plaintext: Arc<Vec<u8>>,
 }
 
 impl ParentClient {
@@ -204,6 +217,7 @@ impl ParentClient {
             urls: config.urls.clone(),
             id: String::new(),
             token: String::new(),
+            encoded: Default::default(),
         };
         let creds = match kept {
             Some(creds) => creds,
@@ -346,27 +360,40 @@ impl ParentClient {
         &self,
         task: &str,
         offer: &RoundOffer,
-        delta: Model,
+        partial: &PartialRecord,
+        store: &Arc<crate::store::Store>,
         meta: &UpdateMeta,
     ) -> Result<(), Refused> {
-        let o = offer.clone();
-        let plaintext = crate::blocking(move || match &o.compression {
-            None => Ok(delta.to_safetensors()),
-            Some(compression) => {
-                let mut unsent = delta;
-                compression
-                    .encode(&mut unsent, &mut rand::rng())
-                    .map_err(ServerError::internal)
+        let plaintext = match self.encoded_for(task, partial.model, offer.round) {
+            Some(kept) => kept,
+            None => {
+                let (store, digest, o) = (store.clone(), partial.model, offer.clone());
+                let plaintext =
+                    crate::blocking(move || encode_partial(store.read_model(&digest)?, &o))
+                        .await
+                        .map_err(|e| {
+                            Refused::local(format!(
+                                "reading and encoding the partial {}: {e}",
+                                partial.model
+                            ))
+                        })?;
+                let plaintext = Arc::new(plaintext);
+                crate::round::lock(&self.encoded).insert(
+                    task.to_string(),
+                    EncodedPartial {
+                        partial: partial.model,
+                        round: offer.round,
+                        plaintext: plaintext.clone(),
+                    },
+                );
+                plaintext
             }
-        })
-        .await
-        .map_err(|e| Refused::local(format!("encoding the partial: {e}")))?;
+        };
         let meta = serde_json::to_string(meta)
             .map_err(|e| Refused::local(format!("the partial's metadata: {e}")))?;
         let chunked = offer
             .upload_chunk_bytes
             .filter(|&chunk| chunk > 0 && plaintext.len() as u64 > chunk);
-        let plaintext = Arc::new(plaintext);
         if chunked.is_some() {
             match self
                 .upload_chunked(task, offer, plaintext.clone(), &meta)
@@ -396,6 +423,19 @@ impl ParentClient {
         })
         .await
         .map(drop)
+    }
+
+    /// `task`'s partial `partial` as encoded for the parent's round `round`, if kept.
+    fn encoded_for(&self, task: &str, partial: ModelDigest, round: u64) -> Option<Arc<Vec<u8>>> {
+        crate::round::lock(&self.encoded)
+            .get(task)
+            .filter(|e| e.partial == partial && e.round == round)
+            .map(|e| e.plaintext.clone())
+    }
+
+    /// `task`'s partial is settled: its encoding is no longer kept.
+    fn settled(&self, task: &str) {
+        crate::round::lock(&self.encoded).remove(task);
     }
 
     /// Uploads `plaintext` as a chunked upload session (`POST …/uploads`, a `PUT` of each
@@ -484,6 +524,17 @@ impl ParentClient {
             .await
             .map(drop)
     }
+}
+
+/// The plaintext of `partial` as `offer` asks it encoded.
+fn encode_partial(partial: Model, offer: &RoundOffer) -> Result<Vec<u8>, ServerError> {
+    let Some(compression) = &offer.compression else {
+        return Ok(partial.to_safetensors());
+    };
+    let mut unsent = partial;
+    compression
+        .encode(&mut unsent, &mut rand::rng())
+        .map_err(ServerError::internal)
 }
 
 /// What an update (or a chunk of one) from this region to the parent's round of `offer` is
@@ -691,19 +742,19 @@ async fn forward(
     partial: &PartialRecord,
     store: &Arc<crate::store::Store>,
 ) -> Result<Forwarded, String> {
-    let (store, digest) = (store.clone(), partial.model);
-    let delta: Model = crate::blocking(move || Ok(store.read_model(&digest)?))
-        .await
-        .map_err(|e| format!("reading the partial {digest}: {e}"))?;
     let meta = UpdateMeta {
         num_examples: partial.examples,
         metrics: partial.metrics,
         contributors: Some(partial.contributors),
     };
-    match client.upload(task, offer, delta, &meta).await {
+    let outcome = match client.upload(task, offer, partial, store, &meta).await {
         Ok(()) => Ok(Forwarded::Taken),
         Err(e) => settled(e),
+    };
+    if outcome.is_ok() {
+        client.settled(task);
     }
+    outcome
 }
 
 /// What an upload's refusal says about the partial: the parent has it already, or refuses it
