@@ -24,13 +24,13 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use hora_common::envelope::{self, Binding, Chunk};
+use hora_common::envelope;
 use hora_common::model::{Limits, Model, ModelDigest};
 use hora_common::tls::Identity;
 use hora_common::wire::{
     Credentials, DeadlinePolicy, EnrolRequest, ErrorCode, EvaluationOffer, EvaluationReceipt,
     EvaluationReport, JoinResponse, Metrics, ModelKind, PollResponse, RoundOffer, TaskState,
-    UpdateMeta, UpdateReceipt, UploadSession, UploadStart, MAX_LOSS,
+    UpdateMeta, UpdateReceipt, UploadSession, UploadStart, MAX_LOSS, MIN_UPLOAD_CHUNK_BYTES,
 };
 use reqwest::Method;
 
@@ -635,7 +635,7 @@ impl Client {
             None => {
                 let (id, t, o) = (self.id.clone(), task.to_string(), offer.clone());
                 let sealed = tokio::task::spawn_blocking(move || {
-                    envelope::seal(&plaintext, &o.round_key, &binding(&id, &t, &o))
+                    envelope::seal(&plaintext, &o.round_key, &o.binding(&t, &id))
                 })
                 .await
                 .map_err(|e| ClientError::Training(format!("sealing the update failed: {e}")))??;
@@ -696,7 +696,10 @@ impl Client {
                 }
             };
             // (In the chunks the session cuts: a restarted server may cut others than offered.)
-            if at.digest != hex_digest || at.length != length || at.chunk_bytes < MIN_CHUNK {
+            if at.digest != hex_digest
+                || at.length != length
+                || at.chunk_bytes < MIN_UPLOAD_CHUNK_BYTES
+            {
                 return Err(ClientError::Protocol(format!(
                     "the server answered the start of upload {hex_digest} ({length} bytes) with another upload ({} of {} bytes, chunks of {})",
                     at.digest, at.length, at.chunk_bytes
@@ -714,13 +717,8 @@ impl Client {
             // The chunks the server does not hold yet, one after another.
             while at.received < length {
                 let index = at.next_chunk;
-                let chunk = Chunk {
-                    upload: &digest,
-                    length,
-                    chunk_bytes,
-                    index,
-                };
-                let Some(range) = chunk.range().filter(|r| r.start == at.received) else {
+                let range = envelope::chunk_range(length, chunk_bytes, index);
+                let Some(range) = range.filter(|r| r.start == at.received) else {
                     return Err(ClientError::Protocol(format!(
                         "the server expects chunk {index} of upload {hex_digest}, which does not start at the {} bytes it says it holds",
                         at.received
@@ -733,7 +731,7 @@ impl Client {
                     plaintext.clone(),
                 );
                 let sealed = tokio::task::spawn_blocking(move || {
-                    let binding = binding(&id, &t, &o);
+                    let binding = o.binding(&t, &id);
                     envelope::seal_chunk_of(&p, &digest, chunk_bytes, index, &o.round_key, &binding)
                 })
                 .await
@@ -1328,9 +1326,6 @@ fn carry(state: &StateDir, task: &str, limits: &Limits, mut delta: Model) -> Res
     Ok(delta)
 }
 
-/// The smallest chunk a server may cut an upload into (its `--upload-chunk-bytes` floor).
-const MIN_CHUNK: u64 = 64 << 10;
-
 /// How a chunked upload fares: answers in a row that moved it no further and fresh starts after
 /// the server lost its session (both bounded), and whether some request was sent again (an
 /// `already_contributed` answer then means an earlier one got through).
@@ -1377,16 +1372,6 @@ impl Setbacks<'_> {
     }
 }
 
-/// What an update of `client` to `offer`'s round is bound to.
-fn binding<'a>(client: &'a str, task: &'a str, offer: &'a RoundOffer) -> Binding<'a> {
-    Binding {
-        task,
-        round: offer.round,
-        client,
-        base_model: &offer.model,
-    }
-}
-
 /// `delta` encoded as `offer` asks and sealed for `client` (see [`Client::seal_update`]).
 fn seal_update(
     client: &str,
@@ -1395,7 +1380,7 @@ fn seal_update(
     delta: &Model,
 ) -> Result<(Vec<u8>, Option<Model>)> {
     let (plaintext, unsent) = encode_update(offer, delta)?;
-    let sealed = envelope::seal(&plaintext, &offer.round_key, &binding(client, task, offer))?;
+    let sealed = envelope::seal(&plaintext, &offer.round_key, &offer.binding(task, client))?;
     Ok((sealed, unsent))
 }
 

@@ -101,13 +101,19 @@ impl Chunk<'_> {
     /// Where this chunk's plaintext lies in the whole, or None when its index is past the end
     /// (or the chunk size is 0).
     pub fn range(&self) -> Option<std::ops::Range<u64>> {
-        if self.chunk_bytes == 0 {
-            return None;
-        }
-        let start = self.index.checked_mul(self.chunk_bytes)?;
-        let count = Chunk::count(self.length, self.chunk_bytes);
-        (self.index < count).then(|| start..(start + self.chunk_bytes).min(self.length))
+        chunk_range(self.length, self.chunk_bytes, self.index)
     }
+}
+
+/// Where chunk `index` of an upload of `length` bytes cut in chunks of `chunk_bytes` lies in
+/// the whole, or None when it is past the end (or the chunk size is 0).
+pub fn chunk_range(length: u64, chunk_bytes: u64, index: u64) -> Option<std::ops::Range<u64>> {
+    if chunk_bytes == 0 {
+        return None;
+    }
+    let start = index.checked_mul(chunk_bytes)?;
+    let count = Chunk::count(length, chunk_bytes);
+    (index < count).then(|| start..(start + chunk_bytes).min(length))
 }
 
 /// The public half of a round key, handed to clients (hex in JSON).

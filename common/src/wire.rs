@@ -991,6 +991,19 @@ pub struct RoundOffer {
     pub frozen_base: Option<ModelDigest>,
 }
 
+impl RoundOffer {
+    /// What an update (or a chunk of one) of `client` to `task`, trained for this offer, is
+    /// sealed to: its task, round, client and base model.
+    pub fn binding<'a>(&'a self, task: &'a str, client: &'a str) -> crate::envelope::Binding<'a> {
+        crate::envelope::Binding {
+            task,
+            round: self.round,
+            client,
+            base_model: &self.model,
+        }
+    }
+}
+
 /// How a client takes part in a secure-aggregation round attempt.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct SecAggOffer {
@@ -1179,6 +1192,10 @@ pub struct UploadSession {
     pub next_chunk: u64,
     pub chunks: u64,
 }
+
+/// The smallest chunk a server cuts uploads into (the floor of its `--upload-chunk-bytes`): a
+/// session answered with smaller ones is not a Hora server's.
+pub const MIN_UPLOAD_CHUNK_BYTES: u64 = 64 << 10;
 
 /// The server's acknowledgement: the update is durable and counted.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{ArgMatches, Args};
 use hora_common::config::Layered;
+use hora_common::wire::MIN_UPLOAD_CHUNK_BYTES;
 use serde::{Deserialize, Serialize};
 
 // No Debug: it holds secrets (the admin token, a store URL's password); `config check` shows
@@ -413,7 +414,7 @@ impl ServeConfig {
             );
         }
         let chunk = args.upload_chunk_bytes;
-        if chunk != 0 && !((64 << 10)..=(1 << 30)).contains(&chunk) {
+        if chunk != 0 && !(MIN_UPLOAD_CHUNK_BYTES..=(1 << 30)).contains(&chunk) {
             anyhow::bail!(
                 "upload_chunk_bytes is {chunk}; give 65536 (64 KiB) to 1073741824 (1 GiB), or 0 to take updates in one body only"
             );

@@ -36,11 +36,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hora_common::envelope::{self, Binding, Chunk};
+use hora_common::envelope;
 use hora_common::model::{Model, ModelDigest, ModelSpec};
 use hora_common::wire::{
     ApiError, Credentials, EnrolRequest, ErrorCode, JoinResponse, PollResponse, RoundOffer,
-    TaskState, UpdateMeta, UploadSession, UploadStart,
+    TaskState, UpdateMeta, UploadSession, UploadStart, MIN_UPLOAD_CHUNK_BYTES,
 };
 use reqwest::{Method, StatusCode};
 
@@ -155,9 +155,6 @@ const MAX_ERROR_BYTES: usize = 64 << 10;
 const MAX_JSON_BYTES: usize = 1 << 20;
 /// How long one request to the parent may take (a model's download or a partial's upload).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(900);
-/// The smallest chunk a server cuts uploads into (its `--upload-chunk-bytes` floor): an answer
-/// with smaller ones is not a Hora server's.
-const MIN_CHUNK_BYTES: u64 = 64 << 10;
 
 /// This server as a client of its parent: the client API's enrolment, join, poll, model
 /// download and sealed upload (the SDK, `hora-client`, brings libtorch, which the server never
@@ -412,7 +409,7 @@ impl ParentClient {
         }
         let (id, t, o) = (self.id.clone(), task.to_string(), offer.clone());
         let sealed = crate::blocking(move || {
-            envelope::seal(&plaintext, &o.round_key, &binding(&id, &t, &o))
+            envelope::seal(&plaintext, &o.round_key, &o.binding(&t, &id))
                 .map_err(ServerError::internal)
         })
         .await
@@ -466,7 +463,8 @@ impl ParentClient {
         let mut at: UploadSession = self
             .json(Method::POST, &uploads, |r| r.json(&start))
             .await?;
-        if at.digest != hex_digest || at.length != length || at.chunk_bytes < MIN_CHUNK_BYTES {
+        if at.digest != hex_digest || at.length != length || at.chunk_bytes < MIN_UPLOAD_CHUNK_BYTES
+        {
             return Err(Refused::local(format!(
                 "the parent answered the start of upload {hex_digest} ({length} bytes) with another ({} of {} bytes, chunks of {})",
                 at.digest, at.length, at.chunk_bytes
@@ -482,13 +480,8 @@ impl ParentClient {
         }
         while at.received < length {
             let (index, chunk_bytes) = (at.next_chunk, at.chunk_bytes);
-            let chunk = Chunk {
-                upload: &digest,
-                length,
-                chunk_bytes,
-                index,
-            };
-            let Some(range) = chunk.range().filter(|r| r.start == at.received) else {
+            let range = envelope::chunk_range(length, chunk_bytes, index);
+            let Some(range) = range.filter(|r| r.start == at.received) else {
                 return Err(Refused::local(format!(
                     "the parent expects chunk {index} of upload {hex_digest}, which does not start at the {} bytes it says it holds",
                     at.received
@@ -501,7 +494,7 @@ impl ParentClient {
                 plaintext.clone(),
             );
             let sealed = crate::blocking(move || {
-                let binding = binding(&id, &t, &o);
+                let binding = o.binding(&t, &id);
                 envelope::seal_chunk_of(&p, &digest, chunk_bytes, index, &o.round_key, &binding)
                     .map_err(ServerError::internal)
             })
@@ -535,17 +528,6 @@ fn encode_partial(partial: Model, offer: &RoundOffer) -> Result<Vec<u8>, ServerE
     compression
         .encode(&mut unsent, &mut rand::rng())
         .map_err(ServerError::internal)
-}
-
-/// What an update (or a chunk of one) from this region to the parent's round of `offer` is
-/// bound to.
-fn binding<'a>(client: &'a str, task: &'a str, offer: &'a RoundOffer) -> Binding<'a> {
-    Binding {
-        task,
-        round: offer.round,
-        client,
-        base_model: &offer.model,
-    }
 }
 
 /// A response's body, refused past `limit` bytes (checked against its length first).
