@@ -51,6 +51,7 @@ fn record(round: u64) -> OpenRoundRecord {
         }),
         earlier: Vec::new(),
         slots: Vec::new(),
+        merged: Vec::new(),
     }
 }
 

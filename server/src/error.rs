@@ -146,6 +146,10 @@ impl From<crate::store::StoreError> for ServerError {
                     "the server cannot reach its blob store right now; retry in a moment",
                 )
             }
+            crate::store::StoreError::AttemptSealed { round, .. } => ServerError::conflict(
+                ErrorCode::RoundClosed,
+                format!("round {round} is closing; poll for the next"),
+            ),
             e => ServerError::Internal(e.to_string()),
         }
     }

@@ -47,6 +47,8 @@ pub mod strategy;
 pub mod tls;
 pub mod upstream;
 
+use std::sync::Arc;
+
 use anyhow::Result;
 
 pub use crate::server::{Server, Stopped};
@@ -90,27 +92,57 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
         .and_then(|port| port.local_addr().ok())
         .unwrap_or(config.listen);
     let replica = store::postgres::Replica::this(&listen.to_string());
-    let mut standing_by = None;
+    let port = port.map(Arc::new);
+    let mut standing_by: Option<server::StandingBy> = None;
     // Leads in a row that found the address taken.
     let mut taken = 0;
     loop {
-        let building = {
+        let mut building = {
             let (config, stop, replica) = (config.clone(), stop.clone(), replica.clone());
             tokio::task::spawn_blocking(move || {
                 Server::build_as(config, replica, &|| stop.requested())
             })
         };
-        // (A port that cannot answer meanwhile is no reason not to lead.)
-        if standing_by.is_none() {
-            standing_by = port.as_ref().and_then(|port| {
-                port.stand_by()
-                    .inspect_err(|e| {
-                        tracing::info!(error = format!("{e:#}"), "not answering as a standby")
-                    })
-                    .ok()
-            });
-        }
-        let server = match building.await? {
+        // Meanwhile the port serves clients as a follower, or else answers as a standby (and
+        // tries again every few seconds to follow: a deployment's first replica to lead ties
+        // the blobs and makes the admin token a follower needs). A port that cannot answer is
+        // no reason not to lead.
+        let built = loop {
+            if let Some(port) = &port {
+                let (port, id) = (port.clone(), replica.id.clone());
+                match standing_by.take() {
+                    None => {
+                        standing_by = tokio::task::spawn_blocking(move || port.follow(&id))
+                            .await?
+                            .inspect_err(|e| {
+                                tracing::info!(
+                                    error = format!("{e:#}"),
+                                    "not answering while another replica leads"
+                                )
+                            })
+                            .ok();
+                    }
+                    Some(standby) if standby.only_stands_by() => {
+                        match tokio::task::spawn_blocking(move || port.follower(&id)).await? {
+                            Ok(Some(following)) => {
+                                standby.end().await;
+                                standing_by = Some(following);
+                            }
+                            _ => standing_by = Some(standby),
+                        }
+                    }
+                    following => standing_by = following,
+                }
+            }
+            let retry = standing_by
+                .as_ref()
+                .is_some_and(server::StandingBy::only_stands_by);
+            tokio::select! {
+                built = &mut building => break built,
+                () = tokio::time::sleep(std::time::Duration::from_secs(3)), if retry => {}
+            }
+        };
+        let server = match built? {
             Ok(server) => server,
             Err(e) if matches!(e.downcast_ref(), Some(store::StoreError::Stopped)) => {
                 tracing::info!("stopped while standing by");
@@ -152,7 +184,7 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
         }
         let listener = match port
             .as_ref()
-            .map_or_else(|| server.bind(), server::Port::listener)
+            .map_or_else(|| server.bind(), |port| port.listener())
         {
             Ok(listener) => listener,
             // Another replica on this address answers there as a standby (both started at

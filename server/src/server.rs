@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 
 use crate::config::ServeConfig;
-use crate::round::{Coordinator, CoordinatorConfig};
+use crate::round::{Coordinator, CoordinatorConfig, Role};
 use crate::store::Store;
 use crate::{api, auth, conn, metrics, rendezvous, store, tls};
 
@@ -25,6 +25,8 @@ pub struct Server {
     store: Arc<Store>,
     coordinator: Arc<Coordinator>,
     app: axum::Router,
+    /// Whether it leads, or serves clients without leading.
+    role: Role,
     /// The HTTP layer's state (for its background sweeps).
     state: api::Shared,
     tls: rustls::ServerConfig,
@@ -61,6 +63,7 @@ impl Server {
         give_up: &dyn Fn() -> bool,
     ) -> Result<Server> {
         let fd_limit = conn::raise_fd_limit();
+        let id = replica.id.clone();
         let lease = store::postgres::LeaseSettings::new(replica, config.lease);
         let store: Arc<Store> = config
             .store
@@ -83,26 +86,73 @@ impl Server {
                 }
             })?;
         // Whatever fails from here, a lease taken is handed back at once, not left to lapse.
-        Self::build_on(config, store.clone(), fd_limit).inspect_err(|_| {
+        Self::build_on(config, store.clone(), fd_limit, (Role::Leader, id)).inspect_err(|_| {
             if let Err(e) = store.step_down() {
                 tracing::warn!(error = %e, "handing the lease back failed; it lapses by itself");
             }
         })
     }
 
-    /// The rest of [`build`](Self::build), on an open store.
-    fn build_on(config: ServeConfig, store: Arc<Store>, fd_limit: Option<u64>) -> Result<Server> {
+    /// A replica that serves clients of plain rounds without leading (see `round::replicas`),
+    /// as `replica`, while another leads: on a PostgreSQL store whose blobs every replica
+    /// reaches (`--blobs`), once a replica has led (it tied the blobs, made the admin token and
+    /// any development certificates). None for a deployment whose replicas can only stand by.
+    pub fn build_follower(config: ServeConfig, replica: &str) -> Result<Option<Server>> {
+        let Some(store) = config
+            .store
+            .open_following(&config.data_dir, &config.blobs, config.lease)
+            .context("opening the store to serve without leading")?
+        else {
+            return Ok(None);
+        };
+        let fd_limit = conn::raise_fd_limit();
+        Self::build_on(
+            config,
+            store,
+            fd_limit,
+            (Role::Follower, replica.to_string()),
+        )
+        .map(Some)
+    }
+
+    /// The rest of [`build`](Self::build), on an open store, for a replica of `role` whose id
+    /// is `.1`.
+    fn build_on(
+        config: ServeConfig,
+        store: Arc<Store>,
+        fd_limit: Option<u64>,
+        (role, replica): (Role, String),
+    ) -> Result<Server> {
+        let leads = role == Role::Leader;
+        // Each time it serves, a replica's claims and partials carry an id of their own: a
+        // follower that comes to lead must not take its own earlier updates for unseen ones.
+        let replica = format!("{replica}#{:04x}", rand::random::<u16>());
         // Housekeeping: a blob store that fails it now (a blip during a restart) costs some
-        // space until the next start, not the start.
+        // space until the next start, not the start. (The leader's alone.)
         match store.sweep_orphans() {
+            _ if !leads => {}
             Ok(0) => {}
             Ok(swept) => tracing::info!(files = swept, "removed orphaned files"),
             Err(e) => tracing::warn!(
                 "sweeping orphaned files failed ({e}); they stay until the next start's sweep"
             ),
         }
-        let (admin_token_hash, generated_admin_token) = admin_token(&*store, &config)?;
-        let (cert_paths, dev_ca) = certificates(&config)?;
+        let (admin_token_hash, generated_admin_token) = match leads {
+            true => admin_token(&*store, &config)?,
+            false => (
+                store
+                    .meta("admin_token_hash")?
+                    .context("no admin token yet: the first replica to lead makes it")?,
+                None,
+            ),
+        };
+        let (cert_paths, dev_ca) = match leads {
+            true => certificates(&config)?,
+            false => (
+                existing_certificates(&config).context("no certificates yet: development certificates are made by the first replica to lead")?,
+                None,
+            ),
+        };
         let tls = tls::server_config(&cert_paths, config.client_ca.as_deref())?;
 
         let metrics = Arc::new(metrics::ServerMetrics::default());
@@ -118,6 +168,8 @@ impl Server {
                 retention: config.retention,
                 quarantine_after: config.quarantine_after,
                 parent: config.parent.clone(),
+                role: role.clone(),
+                replica,
                 max_poll_wait: CoordinatorConfig::poll_cap(
                     CoordinatorConfig::default().max_poll_wait,
                     config.idle_timeout,
@@ -180,7 +232,11 @@ impl Server {
         let connections = conn::Connections::new(limits, metrics.clone());
         Ok(Server {
             metrics,
-            app: api::router(state.clone()),
+            app: match leads {
+                true => api::router(state.clone()),
+                false => api::follower_router(state.clone()),
+            },
+            role,
             state,
             config,
             store,
@@ -226,6 +282,7 @@ impl Server {
             let lease = self.store.lease();
             let metrics = self.metrics.clone();
             let dashboard_closing = self.state.dashboard.closing.clone();
+            let role_at_stop = self.role.clone();
             tokio::spawn(async move {
                 let deposed = async move {
                     let Some(mut lease) = lease else {
@@ -254,7 +311,13 @@ impl Server {
                 };
                 // Dashboards' feeds end now, so they do not hold the shutdown's grace.
                 dashboard_closing.cancel();
-                handle.graceful_shutdown(Some(Duration::from_secs(10)));
+                // A follower that is to lead stops at once: its clients' requests in flight are
+                // retried (what it acknowledged is durable already), and it leads sooner.
+                let grace = match role_at_stop {
+                    Role::Leader => Duration::from_secs(10),
+                    Role::Follower => Duration::ZERO,
+                };
+                handle.graceful_shutdown(Some(grace));
                 let _ = stopped_tx.send(stopped);
             });
         }
@@ -266,10 +329,20 @@ impl Server {
             handle.clone(),
             self.app,
         )?;
+        let role = self.role.clone();
         let announce = async {
             if let Some(addr) = handle.listening().await {
                 // Tests and scripts read this line to learn the port (with --listen 127.0.0.1:0).
-                crate::say(&format!("hora-server listening on https://{addr}"));
+                match role {
+                    Role::Leader => crate::say(&format!("hora-server listening on https://{addr}")),
+                    // (It says "listening on" once it leads.)
+                    Role::Follower => {
+                        tracing::info!(
+                            "serving clients of plain rounds while another replica leads"
+                        );
+                        crate::say(&format!("hora-server following on https://{addr}"));
+                    }
+                }
             }
         };
         let (result, ()) = tokio::join!(serving, announce);
@@ -314,6 +387,8 @@ pub struct Port {
     listener: TcpListener,
     config: ServeConfig,
     connections: Arc<conn::Connections>,
+    /// Why it last could not serve as a follower (said once).
+    told: std::sync::Mutex<Option<String>>,
 }
 
 impl Port {
@@ -345,6 +420,7 @@ impl Port {
             listener,
             config: config.clone(),
             connections: conn::Connections::new(limits, Arc::default()),
+            told: Default::default(),
         }))
     }
 
@@ -358,6 +434,52 @@ impl Port {
         self.listener
             .try_clone()
             .context("sharing the listening socket")
+    }
+
+    /// Serves clients without leading (see [`Server::build_follower`]) until
+    /// [`StandingBy::end`], as `replica`; where this deployment's replicas cannot (their blobs are
+    /// not shared, or no replica has led yet), answers as a standby instead
+    /// ([`stand_by`](Self::stand_by)). Blocking while it loads the tasks.
+    pub fn follow(&self, replica: &str) -> Result<StandingBy> {
+        match self.follower(replica)? {
+            Some(following) => Ok(following),
+            None => self.stand_by(),
+        }
+    }
+
+    /// Serves clients without leading, as [`follow`](Self::follow) does; None where this
+    /// deployment's replicas cannot (yet: the reason is logged once). Blocking.
+    pub fn follower(&self, replica: &str) -> Result<Option<StandingBy>> {
+        let follower = match Server::build_follower(self.config.clone(), replica) {
+            Ok(Some(follower)) => follower,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                let why = format!("{e:#}");
+                let mut told = self
+                    .told
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if told.as_deref() != Some(why.as_str()) {
+                    tracing::info!(error = %why, "not serving clients while another replica leads: standing by");
+                    *told = Some(why);
+                }
+                return Ok(None);
+            }
+        };
+        let listener = self.listener()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stopped.await;
+            };
+            if let Err(e) = follower.run(listener, stopped).await {
+                tracing::warn!(error = format!("{e:#}"), "serving as a follower failed");
+            }
+        });
+        Ok(Some(StandingBy {
+            answering: Answering::Following(stop),
+            serving,
+        }))
     }
 
     /// Answers as a standby until [`StandingBy::end`] (while this replica waits for the lease,
@@ -394,24 +516,43 @@ impl Port {
                 tracing::warn!(error = %e, "answering as a standby failed");
             }
         });
-        Ok(StandingBy { handle, serving })
+        Ok(StandingBy {
+            answering: Answering::Standby(handle),
+            serving,
+        })
     }
 }
 
-/// A [`Port`] answering as a standby.
+/// A [`Port`] answering while its replica does not lead: as a follower, or as a standby.
 pub struct StandingBy {
-    handle: axum_server::Handle<std::net::SocketAddr>,
+    answering: Answering,
     serving: tokio::task::JoinHandle<()>,
 }
 
+enum Answering {
+    Standby(axum_server::Handle<std::net::SocketAddr>),
+    /// Stops the follower.
+    Following(tokio::sync::oneshot::Sender<()>),
+}
+
 impl StandingBy {
-    /// Stops answering as a standby: its connections are closed at once, a handshake in
-    /// progress included (clients reconnect, to the leader this replica has become or to
-    /// another), and the port is left bound.
+    /// Whether it only stands by (it does not serve clients).
+    pub fn only_stands_by(&self) -> bool {
+        matches!(self.answering, Answering::Standby(_))
+    }
+
+    /// Stops answering: its connections are closed at once, a handshake in progress included
+    /// (clients reconnect, to the leader this replica has become or to another), a follower's
+    /// background work is stopped, and the port is left bound.
     pub async fn end(self) {
-        self.handle.shutdown();
+        match self.answering {
+            Answering::Standby(handle) => handle.shutdown(),
+            Answering::Following(stop) => {
+                let _ = stop.send(());
+            }
+        }
         if let Err(e) = self.serving.await {
-            tracing::warn!(error = %e, "the standby's answering task failed");
+            tracing::warn!(error = %e, "the answering task of a replica that did not lead failed");
         }
     }
 }

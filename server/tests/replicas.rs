@@ -1,12 +1,15 @@
 //! Replicas on one PostgreSQL database (a real server the test starts) with their blobs in one
-//! shared directory (`--blobs file://…`): the first `hora-server` process leads, a second stands
-//! by, its port answering 503 `standby` to all but its liveness probe. The leader is SIGKILLed
-//! with a round half done: the standby takes the lease within the lease's length and two
-//! seconds, and the round publishes with every acknowledged update, FedAvg of all of them,
-//! though PostgreSQL itself is stopped and started again while it is open. `hora-server status`
+//! shared directory (`--blobs file://…`): the first `hora-server` process leads, the others
+//! follow, serving clients' joins and uploads of plain rounds and answering 503 `standby` to the
+//! rest (the admin API). The leader is SIGKILLed with a round half done: a follower takes the
+//! lease within the lease's length and two seconds, and the round publishes with every
+//! acknowledged update, FedAvg of all of them, though PostgreSQL itself is stopped and started
+//! again while it is open. Three replicas serve one round's clients together, each folding the
+//! uploads it takes into a durable partial: a follower and then the leader are SIGKILLed, and the
+//! round still publishes FedAvg of every acknowledged update, none twice. `hora-server status`
 //! shows who leads at each step, and a clean stop hands the lease back at once. A leader cut off
 //! from the database (through a relay the test cuts) stops acknowledging, and steps down when it
-//! is back, while the standby carries on.
+//! is back, while the other replica carries on.
 
 mod support;
 
@@ -64,11 +67,11 @@ fn status_until(store: &str, what: &str, check: impl Fn(&Value) -> bool) -> Valu
     }
 }
 
-/// The directories of two replicas: a data directory each, and a blob directory and development
-/// certificates they share.
+/// The directories of three replicas: a data directory each, and a blob directory and
+/// development certificates they share.
 struct Dirs {
     shared: tempfile::TempDir,
-    data: [tempfile::TempDir; 2],
+    data: [tempfile::TempDir; 3],
 }
 
 impl Dirs {
@@ -76,11 +79,11 @@ impl Dirs {
         let dir = || tempfile::tempdir().unwrap();
         Dirs {
             shared: dir(),
-            data: [dir(), dir()],
+            data: [dir(), dir(), dir()],
         }
     }
 
-    /// Replica `i` (0 or 1) on `store`, serving (once it leads) on a port of its own.
+    /// Replica `i` (0 to 2) on `store`, serving (once it leads) on a port of its own.
     fn replica(&self, i: usize, store: &str) -> Starting {
         self.replica_on(i, store, &free_listen())
     }
@@ -170,9 +173,9 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     let store = postgres.url();
     let dirs = Dirs::new();
     let a = dirs.replica(0, &store).listening();
-    // On a port the system chooses: the standby says which, and `status` shows it.
+    // On a port the system chooses: the follower says which, and `status` shows it.
     let mut standby = dirs.replica_on(1, &store, "127.0.0.1:0");
-    let b_url = standby.standing_by();
+    let b_url = standby.following();
     let b_listen = b_url
         .strip_prefix("https://")
         .expect("an https URL")
@@ -190,9 +193,9 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
     assert_eq!(both["replicas"][0]["role"], "leader", "{both:#}");
     assert_eq!(both["replicas"][1]["role"], "standby", "{both:#}");
     let a_id = both["lease"]["holder"].as_str().unwrap().to_string();
-    assert!(!standby.exited(), "the standby waits");
-    // The standby's port answers meanwhile: alive, not ready, and every other request refused
-    // with 503 `standby`, worth sending elsewhere or retrying.
+    assert!(!standby.exited(), "the follower waits to lead");
+    // The follower's port answers meanwhile: alive and ready (it serves clients), and the admin
+    // API refused with 503 `standby`, worth sending to the leader or retrying.
     let at_standby = |path: &str| {
         let (http, url) = (a.http(), format!("https://{b_listen}{path}"));
         async move {
@@ -220,7 +223,9 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
         }
     };
     assert_eq!((status_code, body.as_str()), (200, "ok"));
-    for path in ["/readyz", "/admin/v1/tasks"] {
+    let (status_code, _, body) = at_standby("/readyz").await.unwrap();
+    assert_eq!(status_code, 200, "{body}");
+    for path in ["/admin/v1/tasks", "/dashboard"] {
         let (status_code, retry_after, body) = at_standby(path).await.unwrap();
         assert_eq!(status_code, 503, "{path}: {body}");
         assert_eq!(retry_after.as_ref().map(|v| v.as_bytes()), Some(&b"1"[..]));
@@ -316,6 +321,158 @@ async fn a_standby_takes_over_a_killed_leader_and_its_round_publishes_with_every
             .all(|r| r["id"] != led["lease"]["holder"]),
         "{left:#}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_replicas_serve_one_round_and_it_publishes_every_acknowledged_update_through_a_followers_and_the_leaders_sigkill(
+) {
+    let postgres = test_server::TestServer::start();
+    let store = postgres.url();
+    let dirs = Dirs::new();
+    let a = dirs.replica(0, &store).listening();
+    let mut b = dirs.replica_on(1, &store, "127.0.0.1:0");
+    let b_url = b.following();
+    let mut c = dirs.replica_on(2, &store, "127.0.0.1:0");
+    let c_url = c.following();
+    let http = a.http();
+    let urls = [a.url.clone(), b_url, c_url];
+    let at = |client: &mut support::Client, url: &str| {
+        client.api = support::Api {
+            url: url.to_string(),
+            http: http.clone(),
+            token: client.api.token.clone(),
+        };
+    };
+
+    // One round of six clients, two on each replica (their joins and uploads there).
+    let admin = a.admin();
+    let digest = admin.upload_model(&model([1.0, 2.0, 3.0, 4.0])).await;
+    admin
+        .call(
+            Method::POST,
+            "/admin/v1/tasks",
+            Some(json!({
+                "id": "trio", "initial_model": digest,
+                "model": {"kind": "builtin", "name": "mlp"},
+                "rounds": 1, "min_clients": 6, "target_clients": 6, "over_selection": 0.0,
+                "round_deadline_secs": 600,
+            })),
+        )
+        .await;
+    let mut clients = Vec::new();
+    for i in 0..7 {
+        let mut client = admin.enrol().await;
+        at(&mut client, &urls[i % 3]);
+        clients.push(client);
+    }
+    let mut offers = Vec::new();
+    for client in &clients[..6] {
+        offers.push(client.join("trio").await);
+    }
+    // The round's capacity holds across replicas: a seventh client finds it full at each.
+    for url in &urls {
+        at(&mut clients[6], url);
+        let answer = clients[6]
+            .api
+            .call(Method::POST, "/v1/tasks/trio/join", None)
+            .await;
+        assert!(answer["offer"].is_null(), "{url}: {answer}");
+    }
+    let delta = |i: usize| {
+        let i = i as f32;
+        model([i + 1.0, -i, 0.5 * i, 1.0 / (i + 1.0)])
+    };
+    let examples = |i: usize| i as u64 + 1;
+
+    // c's two clients are acknowledged (its partial is durable), and c dies.
+    for i in [2, 5] {
+        clients[i]
+            .upload("trio", &offers[i], examples(i), &delta(i))
+            .await;
+    }
+    drop(c);
+    // b's first client and a's first client.
+    clients[1]
+        .upload("trio", &offers[1], examples(1), &delta(1))
+        .await;
+    clients[0]
+        .upload("trio", &offers[0], examples(0), &delta(0))
+        .await;
+    // A retry of c's client at a (its receipt lost) is recognised, not folded twice.
+    at(&mut clients[2], &urls[0]);
+    let again = clients[2]
+        .try_upload("trio", &offers[2], examples(2), &delta(2))
+        .await;
+    assert_eq!(again, 409, "a retry at another replica");
+
+    // The leader dies with the round at four of six: b, which followed, takes the lease.
+    a.kill();
+    let killed = Instant::now();
+    let b = b.listening();
+    let takeover = killed.elapsed();
+    println!(
+        "takeover by a follower after the leader's SIGKILL: {takeover:?} (lease {LEASE_SECS} s)"
+    );
+    assert!(
+        takeover < Duration::from_secs(LEASE_SECS + 2),
+        "the follower led {takeover:?} after the leader died (lease {LEASE_SECS} s)"
+    );
+    // b's own client, retried there now that b leads: its update is in b's partial already.
+    let again = clients[1]
+        .try_upload("trio", &offers[1], examples(1), &delta(1))
+        .await;
+    assert_eq!(
+        again, 409,
+        "a retry at the replica that took it, now leading"
+    );
+    for i in [3, 4] {
+        at(&mut clients[i], &b.url);
+        clients[i]
+            .upload("trio", &offers[i], examples(i), &delta(i))
+            .await;
+    }
+
+    // Full across replicas, the round closes before its deadline, and publishes FedAvg of all
+    // six: the dead follower's partial, the dead leader's checkpoint, b's partial from when it
+    // followed and what it took as the leader.
+    let admin = b.admin();
+    admin.wait_published("trio", 1).await;
+    let published = admin.round_model("trio", 1).await;
+    let total: u64 = (0..6).map(examples).sum();
+    let initial = [1.0f64, 2.0, 3.0, 4.0];
+    for (j, got) in published.data().iter().enumerate() {
+        let mean: f64 = (0..6)
+            .map(|i| examples(i) as f64 * f64::from(delta(i).data()[j]))
+            .sum::<f64>()
+            / total as f64;
+        let want = initial[j] + mean;
+        assert!(
+            (f64::from(*got) - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "parameter {j}: {got} != {want}"
+        );
+    }
+    let history = admin
+        .call(Method::GET, "/admin/v1/tasks/trio/rounds", None)
+        .await;
+    let entry = &history[0];
+    assert_eq!(entry["contributors"], 6, "{entry}");
+    assert_eq!(entry["examples"], total, "{entry}");
+    assert_eq!(
+        entry["participants"].as_array().map(Vec::len),
+        Some(6),
+        "{entry}"
+    );
+    assert_eq!(
+        entry["dropped"].as_array().map(Vec::len),
+        Some(0),
+        "{entry}"
+    );
+    // No partial's or checkpoint's blob is left behind.
+    let checkpoints = dirs.shared.path().join("blobs/checkpoints");
+    let left: Vec<_> = std::fs::read_dir(&checkpoints)
+        .map(|d| d.map(|e| e.unwrap().file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "checkpoints left: {left:?}");
 }
 
 /// A TCP relay on loopback to PostgreSQL (or the blob store), standing for the network between
@@ -434,12 +591,18 @@ async fn a_leader_cut_off_from_the_database_stops_acknowledging_and_steps_down_w
     });
     assert_eq!(status(&store)["lease"]["epoch"], 2);
 
-    // b dies too: a leads again, on what the database holds: the one acknowledged upload.
+    // b dies too: a leads again (its admin API answers: a follower's refuses), on what the
+    // database holds: the one acknowledged upload.
     b.kill();
     let admin = a.admin();
     let back = Instant::now();
     let info = loop {
-        if readiness(&http, &a.url).await.as_deref() == Some("ready") {
+        let answer = http
+            .get(format!("{}/admin/v1/tasks/cut", a.url))
+            .bearer_auth(support::ADMIN_TOKEN)
+            .send()
+            .await;
+        if answer.is_ok_and(|r| r.status().is_success()) {
             break admin.task("cut").await;
         }
         assert!(

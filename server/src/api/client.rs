@@ -39,7 +39,11 @@ pub fn routes() -> axum::Router<Shared> {
         .route("/v1/tasks/{task}/model", get(model))
         .route("/v1/tasks/{task}/module", get(module))
         .route("/v1/tasks/{task}/rounds/{round}/update", post(update))
-        .route("/v1/tasks/{task}/evaluations/{round}", post(evaluation))
+}
+
+/// Evaluation reports: the leader's alone (they change the task's record).
+pub fn evaluation_routes() -> Router<Shared> {
+    Router::new().route("/v1/tasks/{task}/evaluations/{round}", post(evaluation))
 }
 
 #[utoipa::path(post, path = "/v1/enrol", tag = "client", request_body = EnrolRequest,

@@ -789,18 +789,39 @@ async fn standby() -> ServerError {
 }
 
 pub fn router(state: Shared) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+    let routes = Router::new()
         .route("/openapi.json", get(openapi))
         .merge(client::routes())
+        .merge(client::evaluation_routes())
         .merge(chunked::routes())
         .merge(secagg::routes())
         .merge(sync::routes())
         .merge(admin::routes())
         .merge(crate::dashboard::routes())
-        .fallback(fallback)
+        .fallback(fallback);
+    serve(routes, state)
+}
+
+/// What a replica that serves without leading answers (see `round::replicas`): its clients'
+/// enrolment, polls, joins, model downloads and uploads (one body or in chunks), its probes and
+/// its metrics; everything else (the admin API, the dashboard, secure aggregation's messages,
+/// evaluation reports, synchronous jobs) is the leader's, answered 503 `standby` as a
+/// standby answers it, so that clients given several servers move on.
+pub fn follower_router(state: Shared) -> Router {
+    let routes = Router::new()
+        .merge(client::routes())
+        .merge(chunked::routes())
+        .fallback(standby);
+    serve(routes, state)
+}
+
+/// `routes` with the probes, the metrics and every layer of the server's HTTP handling.
+fn serve(routes: Router<Shared>, state: Shared) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .merge(routes)
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             request_timeout,

@@ -381,6 +381,11 @@ impl Collection for AsyncCollection {
         "asynchronous"
     }
 
+    /// Versions are published every `buffer_size` updates, counted in one place: the leader's.
+    fn spans_replicas(&self) -> bool {
+        false
+    }
+
     fn select(
         &self,
         engine: &Coordinator,

@@ -118,8 +118,12 @@ impl Coordinator {
             return Ok(()); // closing or closed by someone else
         }
         let started = Instant::now();
-        let closed = self
-            .tally(task, round, &mut acc, &ending)
+        let merged = match self.spans_replicas(round) {
+            true => self.merge_partials(task, round, &mut acc),
+            false => Ok(()),
+        };
+        let closed = merged
+            .and_then(|()| self.tally(task, round, &mut acc, &ending))
             .and_then(|tally| self.publish(task, round, &acc, tally));
         let (mut tally, history, next) = match closed {
             Ok(v) => v,
@@ -137,6 +141,9 @@ impl Coordinator {
         };
         if let Some(c) = acc.checkpoint.take() {
             self.store.remove_checkpoint(&c.file);
+        }
+        for file in std::mem::take(&mut acc.partial_files) {
+            self.store.remove_checkpoint(&file);
         }
         // Blobs kept after writes of unknown outcome are superseded by the records just written.
         for settled in task.settled(true) {

@@ -112,7 +112,18 @@ pub trait Collection: Send + Sync {
         if !self.admit_join(engine.store(), &task.id, client)? {
             return Ok(Joined::Wait);
         }
-        plain::select(task, record, round, client)
+        match engine.spans_replicas(round) {
+            true => engine.select_shared(task, record, round, client),
+            false => plain::select(task, record, round, client),
+        }
+    }
+
+    /// Whether every replica of a deployment may serve the round's clients (see
+    /// [`super::replicas`]): its updates fold into any replica's partial sum, which the leader
+    /// merges. A mode whose rounds need every update (or message) in one place says no: its
+    /// clients are served by the leader alone.
+    fn spans_replicas(&self) -> bool {
+        true
     }
 
     /// What a round offer carries for this mode.

@@ -92,6 +92,14 @@ impl Coordinator {
         // unless a close has failed already.
         let updates = acc.durable < acc.contributions.len()
             && !(acc.close_requested && acc.failed_closes == 0);
+        if self.follows() {
+            // A follower's selections are durable as they are made (in the store), and its
+            // updates in its partial: it never writes the leader's record.
+            return match updates {
+                true => self.checkpoint_partial(task, round, &mut acc),
+                false => Ok(()),
+            };
+        }
         if !updates {
             return match acc.selected_durable < acc.selected.len() {
                 true => self.record_selection(task, round, &mut acc),

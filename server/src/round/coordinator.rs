@@ -39,6 +39,10 @@ pub struct CoordinatorConfig {
     /// The parent server of a regional aggregator (`--parent`): its regional tasks forward
     /// their rounds' partials there ([`crate::upstream`]).
     pub parent: Option<crate::upstream::ParentConfig>,
+    /// Whether this replica leads or serves without leading (see [`super::replicas`]).
+    pub role: super::Role,
+    /// This replica's id, which its claims and partials carry in a store replicas share.
+    pub replica: String,
 }
 
 impl CoordinatorConfig {
@@ -66,6 +70,8 @@ impl Default for CoordinatorConfig {
             retention: crate::store::Retention::default(),
             quarantine_after: 5,
             parent: None,
+            role: super::Role::Leader,
+            replica: "local".into(),
         }
     }
 }
@@ -135,7 +141,12 @@ impl Coordinator {
                     ));
                 }
                 let round = match coordinator.store.open_round(&id)? {
+                    // (A follower's sum is its own, and starts empty.)
+                    Some(open) if coordinator.follows() => {
+                        Some(coordinator.follower_round(&record, open)?)
+                    }
                     Some(open) => Some(coordinator.resume_round(&record, open)?),
+                    None if coordinator.follows() => None,
                     // (A regional task's rounds are opened from its parent's.)
                     None if matches!(record.state, TaskState::Running | TaskState::Paused)
                         && record.published < record.config.rounds
@@ -189,8 +200,12 @@ impl Coordinator {
     /// Starts the background work: each task's group committer, its round's deadlines and its
     /// evaluation's.
     pub fn start(self: &Arc<Self>) {
+        self.follow_store();
         for task in self.all_tasks() {
             self.commit_for(task.clone());
+            if self.follows() {
+                continue; // the leader decides
+            }
             if let Some(e) = task.record().evaluating {
                 self.watch_evaluation(task.clone(), e.round, e.deadline_unix_ms);
             }
@@ -212,7 +227,7 @@ impl Coordinator {
         self.background.wait().await;
     }
 
-    fn resume_round(
+    pub(crate) fn resume_round(
         &self,
         record: &TaskRecord,
         open: OpenRoundRecord,
@@ -246,6 +261,7 @@ impl Coordinator {
         let selected: std::collections::BTreeSet<String> = open.selected.into_iter().collect();
         let selected_durable = selected.len();
         let acc = Accumulator {
+            merged: open.merged,
             sum,
             selected,
             selected_durable,
@@ -512,6 +528,7 @@ impl Coordinator {
         let Some(round) = task.current() else {
             return Ok(Joined::Wait);
         };
+        self.leader_only(&round)?;
         round.collection.select(self, task, &record, &round, client)
     }
 }

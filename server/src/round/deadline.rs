@@ -24,8 +24,8 @@ impl Coordinator {
     /// Has the round's watcher close it now if it holds its target number of updates.
     pub(crate) fn close_if_full(&self, task: &Task, round: &Round) {
         let record = task.record();
-        if record.state != TaskState::Running {
-            return;
+        if record.state != TaskState::Running || self.follows() {
+            return; // (a follower's rounds are closed by the leader)
         }
         let mut acc = lock(&round.acc);
         let full_at = round.collection.full_at(&record.config);
@@ -34,7 +34,7 @@ impl Coordinator {
             .report(&self.metrics, &task.id, acc.contributions.len());
         // (An asynchronous buffer counts updates, each of one client: aggregators cannot send
         // to it.)
-        if acc.contributors() < full_at as u64 {
+        if acc.contributors().saturating_add(acc.elsewhere) < full_at as u64 {
             return;
         }
         acc.close_requested = true;

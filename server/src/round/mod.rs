@@ -47,6 +47,7 @@ pub mod evaluation;
 pub mod phase;
 pub mod plain;
 mod regional;
+pub mod replicas;
 pub mod secure;
 pub mod seen;
 pub mod strikes;
@@ -66,6 +67,7 @@ use tokio::sync::{watch, Notify};
 pub use collection::Collection;
 pub use coordinator::{Coordinator, CoordinatorConfig};
 pub use phase::{Ending, Phase};
+pub use replicas::Role;
 pub use task::Task;
 pub use upload::{
     open_update, too_large_hint, upload_limit, Admission, Ingest, Sealing, UpdateBody,
@@ -143,6 +145,13 @@ pub(crate) struct Accumulator {
     /// Closes of this attempt that failed (storage trouble): from the first, checkpoints make
     /// uploads durable again while the close is retried.
     pub(crate) failed_closes: u32,
+    /// The serving replicas whose partials `sum` holds (see [`replicas`]).
+    pub(crate) merged: Vec<String>,
+    /// Their partials' blobs, removed once the close that merged them is durable.
+    pub(crate) partial_files: Vec<String>,
+    /// The leader's count of the clients whose updates other replicas hold for this attempt
+    /// (their partials), for closing a round full across replicas.
+    pub(crate) elsewhere: u64,
 }
 
 impl Accumulator {
@@ -173,6 +182,9 @@ impl Accumulator {
             noised: false,
             close_requested: false,
             failed_closes: 0,
+            merged: Vec::new(),
+            partial_files: Vec::new(),
+            elsewhere: 0,
         }
     }
 }
@@ -311,6 +323,7 @@ impl Round {
             }),
             earlier: Vec::new(),
             slots: Vec::new(),
+            merged: acc.merged.clone(),
         };
         self.collection.record(&mut record);
         record

@@ -78,6 +78,11 @@ impl Collection for SecureCollection {
         "secure aggregation"
     }
 
+    /// The stages' messages and the unmasking need every client's in one place: the leader's.
+    fn spans_replicas(&self) -> bool {
+        false
+    }
+
     fn stage(&self) -> Option<String> {
         let stage = match self.0.stage_now() {
             secagg::Stage::Advertise => "advertise",

@@ -329,9 +329,14 @@ impl Coordinator {
         let round = task
             .current()
             .ok_or_else(|| ServerError::conflict(ErrorCode::RoundClosed, "no round is open"))?;
-        round
+        self.leader_only(&round)?;
+        let checked = round
             .collection
-            .check_upload(task, &round, client, round_number)
+            .check_upload(task, &round, client, round_number);
+        match self.spans_replicas(&round) {
+            true => self.check_shared(task, &round, client, round_number, checked),
+            false => checked,
+        }
     }
 
     /// The receipt of `client`'s update to the open round if it is folded but not yet durable

@@ -148,6 +148,31 @@ impl StoreLocation {
     }
 }
 
+impl StoreLocation {
+    /// Opens the store for a replica that serves without leading (see `round::replicas`): a
+    /// PostgreSQL store with its blobs where every replica reaches them (`--blobs`), tied to
+    /// its records already by the replica that led first. None for any other store: its
+    /// replicas stand by.
+    pub fn open_following(
+        &self,
+        data_dir: &std::path::Path,
+        blobs: &BlobLocation,
+        lease: std::time::Duration,
+    ) -> Result<Option<std::sync::Arc<Store>>, StoreError> {
+        let StoreLocation::Postgres(target) = self else {
+            return Ok(None);
+        };
+        if matches!(blobs, BlobLocation::DataDir) {
+            return Ok(None);
+        }
+        let store: std::sync::Arc<Store> = std::sync::Arc::new(
+            PostgresStore::open_with(target, blobs.open(data_dir)?)?.with_lease(lease),
+        );
+        self::blobs::check_tied(&*store)?;
+        Ok(Some(store))
+    }
+}
+
 /// What a store's change feed says (see [`RoundLog::changes`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreChange {
@@ -271,6 +296,67 @@ pub trait RoundLog: Durable {
     /// (sled, memory), whose writers can wake their own waiters.
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<StoreChange>> {
         None
+    }
+
+    // -- what serving replicas share of an open attempt (a store only one server uses has
+    // -- none: its reads find nothing and its writes answer `NotShared`) ---------------------
+
+    /// Whether several replicas serve from this store (each may take joins and uploads of a
+    /// plain round; the leader merges their partials when it closes the attempt).
+    fn shared(&self) -> bool {
+        false
+    }
+
+    /// Selects `client` for attempt `attempt` of round `round` of `task` if it is the task's open
+    /// attempt, not sealed, and fewer than `capacity` clients hold a place in it: durable when
+    /// this returns. A client selected already keeps its place.
+    fn select_client(
+        &self,
+        _task: &str,
+        _round: u64,
+        _attempt: u32,
+        _client: &str,
+        _capacity: usize,
+    ) -> Result<SharedSelection, StoreError> {
+        Err(StoreError::NotShared("selecting across replicas"))
+    }
+
+    /// Takes `client`'s update of the attempt for `replica` (`<process's replica id>#<serving
+    /// incarnation>`) to fold, unless another took it already: None when it is `replica`'s
+    /// (now or before), else the other's claim. With `from` (a claim found before, whose
+    /// holder is gone and holds no such update), takes it over if it is still `from`'s.
+    fn claim_update(
+        &self,
+        _task: &str,
+        _round: u64,
+        _attempt: u32,
+        _client: &str,
+        _replica: &str,
+        _from: Option<&str>,
+    ) -> Result<Option<Claim>, StoreError> {
+        Err(StoreError::NotShared("taking updates across replicas"))
+    }
+
+    /// Records `partial` as its replica's durable partial sum of its attempt (replacing the one
+    /// recorded before); [`StoreError::AttemptSealed`] once the attempt is closing or closed.
+    fn put_partial(&self, _task: &str, _partial: &ReplicaPartial) -> Result<(), StoreError> {
+        Err(StoreError::NotShared("partial sums of replicas"))
+    }
+
+    /// Seals the attempt (no replica selects or records a partial for it from now on) and
+    /// returns every replica's partial of it. The leader's, when it closes the attempt.
+    fn seal_partials(
+        &self,
+        _task: &str,
+        _round: u64,
+        _attempt: u32,
+    ) -> Result<Vec<ReplicaPartial>, StoreError> {
+        Ok(Vec::new())
+    }
+
+    /// Every partial recorded for `task`'s attempts (their blobs are in use).
+    fn partials(&self, _task: &str) -> Result<Vec<ReplicaPartial>, StoreError> {
+        Ok(Vec::new())
     }
 }
 
@@ -452,6 +538,9 @@ fn referenced(
         }
         if let Some(c) = open.and_then(|open| open.checkpoint) {
             refs.checkpoints.insert(c.file);
+        }
+        for p in store.partials(&id)? {
+            refs.checkpoints.insert(p.file);
         }
         let key = format!("{id}\0state\0");
         if let Some(bytes) = store.secagg_get_bytes(&key)? {

@@ -48,6 +48,18 @@ pub enum StoreError {
     /// The server was asked to stop while it stood by for the lease.
     #[error("stopped while standing by")]
     Stopped,
+    /// A replica that does not lead wrote for an attempt that is closing or closed (the leader
+    /// sealed it) or that is not the task's open one.
+    #[error("round {round} (attempt {attempt}) of task `{task}` is closing or closed: this replica records nothing more for it")]
+    AttemptSealed {
+        task: String,
+        round: u64,
+        attempt: u32,
+    },
+    /// What replicas share of an attempt (selections, claims, partial sums) was asked of a
+    /// store only one server uses.
+    #[error("{0} needs a store that replicas share (--store postgres://…)")]
+    NotShared(&'static str),
     #[error("the database's schema migration {version} ({name}) is not the one this hora-server ships (its SQL was changed after it was applied): run the hora-server that set the database up, or restore the migration's original file")]
     MigrationChanged { version: u32, name: String },
 }
@@ -239,6 +251,39 @@ pub struct CheckpointRecord {
     pub noised: bool,
 }
 
+/// A serving replica's durable partial sum of an open attempt: what the leader merges when it
+/// closes the attempt (see `round::replicas`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ReplicaPartial {
+    /// The replica (its id, new at each start of a process).
+    pub replica: String,
+    pub round: u64,
+    pub attempt: u32,
+    /// Its sum's checkpoint blob.
+    pub file: String,
+    pub total_weight: f64,
+    pub contributions: Vec<Contribution>,
+}
+
+/// Another replica's claim on an update (see [`super::RoundLog::claim_update`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub replica: String,
+    /// Whether the process that holds it was seen lately (its heartbeat, within the lease).
+    pub alive: bool,
+}
+
+/// Whether a join recorded in a shared store ([`super::RoundLog::select_client`]) holds a place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedSelection {
+    /// The client holds a place (taken now or before).
+    Selected,
+    /// The attempt has its capacity of clients.
+    Full,
+    /// The attempt is closing or is no longer the task's open one.
+    Closed,
+}
+
 /// The round a task has open, enough to resume it after a crash.
 #[derive(Clone, Serialize, Deserialize)]
 pub struct OpenRoundRecord {
@@ -260,6 +305,10 @@ pub struct OpenRoundRecord {
     /// restart never refuses the upload it trained for.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub slots: Vec<TrainingSlot>,
+    /// The serving replicas whose partials the checkpoint's sum holds already (a close that
+    /// merged them failed): never merged twice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub merged: Vec<String>,
 }
 
 impl fmt::Debug for OpenRoundRecord {
@@ -275,6 +324,7 @@ impl fmt::Debug for OpenRoundRecord {
             .field("checkpoint", &self.checkpoint)
             .field("earlier", &self.earlier)
             .field("slots", &self.slots)
+            .field("merged", &self.merged)
             .finish()
     }
 }
@@ -450,6 +500,7 @@ mod tests {
                 base_model: ModelDigest([8; 32]),
             }],
             slots: Vec::new(),
+            merged: Vec::new(),
         };
         let shown = format!("{record:?}");
         assert!(!shown.contains(secret), "{shown}");

@@ -340,6 +340,12 @@ impl Starting {
         self.said("hora-server standing by on ", "stand by")
     }
 
+    /// Waits until it serves clients while another replica leads (a follower), and returns
+    /// its port's URL.
+    pub fn following(&mut self) -> String {
+        self.said("hora-server following on ", "follow")
+    }
+
     /// Waits until it listens (a standby: until it leads), a minute at most (then it is
     /// killed and the test fails); its later output is drained.
     pub fn listening(mut self) -> Server {

@@ -150,6 +150,23 @@ pub fn check_unshared(store: &super::Store) -> Result<(), StoreError> {
     }
 }
 
+/// Before a replica serves without leading (see `round::replicas`): whether `store`'s blobs are
+/// the ones its records were written with, as the replica that led first tied them. Reads only.
+pub fn check_tied(store: &super::Store) -> Result<(), StoreError> {
+    let blobs = store.blobs();
+    match (store.meta(STORE_ID)?, marker(blobs)?) {
+        (Some(ours), Some(theirs)) if ours == theirs => Ok(()),
+        (ours, theirs) => Err(StoreError::Blobs {
+            at: blobs.describe(),
+            reason: format!(
+                "these blobs are not tied to the database's records yet (records {}, blobs {}): a replica serves without leading only once one has led with the same --blobs",
+                ours.as_deref().unwrap_or("not tied"),
+                theirs.as_deref().unwrap_or("not tied")
+            ),
+        }),
+    }
+}
+
 /// [`bind`], or None when another server wrote the blobs' id first.
 fn try_bind(store: &super::Store) -> Result<Option<()>, StoreError> {
     let blobs = store.blobs();

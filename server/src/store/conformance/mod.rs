@@ -241,6 +241,7 @@ pub(super) fn open_round(round: u64, checkpoint: Option<&str>) -> OpenRoundRecor
             secret: "11".into(),
             base_model: model([1.0; 3]).digest(),
         }],
+        merged: vec!["r0".into()],
     }
 }
 

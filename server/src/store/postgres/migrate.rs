@@ -42,6 +42,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         name: "0004_federated_evaluation",
         sql: include_str!("../../../migrations/0004_federated_evaluation.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_serving_replicas",
+        sql: include_str!("../../../migrations/0005_serving_replicas.sql"),
+    },
 ];
 
 /// The advisory lock key the migrations are applied under (any constant; "hora" in ASCII).

@@ -38,9 +38,9 @@ use self::lease::Held;
 pub use self::lease::{LeaseSettings, Replica};
 use super::blobs::{self, BlobStore, Blobs, DirBlobs};
 use super::{
-    decode, json, referenced, remove_unused_models, ClientRecord, Durable, EnrolmentRecord,
-    Housekeeping, OpenRoundRecord, Registry, Retention, RoundLog, SecaggLog, StoreChange,
-    StoreError, SyncJobRecord, SyncJobs, TaskRead, TaskRecord,
+    decode, json, referenced, remove_unused_models, Claim, ClientRecord, Durable, EnrolmentRecord,
+    Housekeeping, OpenRoundRecord, Registry, ReplicaPartial, Retention, RoundLog, SecaggLog,
+    SharedSelection, StoreChange, StoreError, SyncJobRecord, SyncJobs, TaskRead, TaskRecord,
 };
 
 /// Notifications a subscriber may fall behind by before it is told it lagged.
@@ -53,6 +53,8 @@ pub struct PostgresStore {
     /// The lease this replica leads under, once [`claim`](PostgresStore::claim)ed: every write
     /// is fenced by it. A store never claimed (tests, `migrate`) writes unfenced.
     leading: std::sync::OnceLock<Leading>,
+    /// How recent a replica's heartbeat must be for it to count as alive (twice the lease).
+    alive_within: std::time::Duration,
 }
 
 struct Leading {
@@ -72,6 +74,8 @@ macro_rules! params {
         vec![$(Box::new($p) as Param),*]
     };
 }
+
+mod serving;
 
 fn refs(params: &[Param]) -> Vec<&(dyn ToSql + Sync)> {
     params.iter().map(|p| p.as_ref() as _).collect()
@@ -260,7 +264,17 @@ impl PostgresStore {
             driver,
             changes,
             leading: std::sync::OnceLock::new(),
+            alive_within: std::time::Duration::from_secs(20),
         })
+    }
+
+    /// The store for replicas whose lease lasts `lease` (a replica's heartbeat counts as alive
+    /// for two leases).
+    pub fn with_lease(self, lease: std::time::Duration) -> Self {
+        PostgresStore {
+            alive_within: lease * 2,
+            ..self
+        }
     }
 
     /// Waits until this replica leads: takes the database's lease (see `lease`) as soon as it
@@ -268,10 +282,11 @@ impl PostgresStore {
     /// then renews it in the background. Every write from then on is fenced by the lease. Ends
     /// [`StoreError::Stopped`] once `give_up` says so (the server was asked to stop).
     pub fn claim(
-        self,
+        mut self,
         settings: &LeaseSettings,
         give_up: &dyn Fn() -> bool,
     ) -> Result<Self, StoreError> {
+        self.alive_within = settings.ttl * 2;
         let mut told: Option<String> = None;
         loop {
             let sent = std::time::Instant::now();
@@ -439,7 +454,13 @@ impl RoundLog for PostgresStore {
     }
 
     fn open_round(&self, task: &str) -> Result<Option<OpenRoundRecord>, StoreError> {
-        self.record("SELECT record FROM open_rounds WHERE task = $1", task)
+        let open: Option<OpenRoundRecord> =
+            self.record("SELECT record FROM open_rounds WHERE task = $1", task)?;
+        open.map(|mut open| {
+            self.selections(task, &mut open)?;
+            Ok(open)
+        })
+        .transpose()
     }
 
     fn put_open_round(&self, task: &str, round: &OpenRoundRecord) -> Result<(), StoreError> {
@@ -492,6 +513,7 @@ impl RoundLog for PostgresStore {
                         .await?
                 }
             };
+            serving::forget(&*tx, &id).await?;
             tx.commit().await?;
             Ok(())
         })
@@ -694,6 +716,50 @@ impl RoundLog for PostgresStore {
 
     fn changes(&self) -> Option<broadcast::Receiver<StoreChange>> {
         Some(self.changes.subscribe())
+    }
+
+    fn shared(&self) -> bool {
+        true
+    }
+
+    fn select_client(
+        &self,
+        task: &str,
+        round: u64,
+        attempt: u32,
+        client: &str,
+        capacity: usize,
+    ) -> Result<SharedSelection, StoreError> {
+        self.select_shared(task, round, attempt, client, capacity)
+    }
+
+    fn claim_update(
+        &self,
+        task: &str,
+        round: u64,
+        attempt: u32,
+        client: &str,
+        replica: &str,
+        from: Option<&str>,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.claim_shared(task, round, attempt, client, replica, from)
+    }
+
+    fn put_partial(&self, task: &str, partial: &ReplicaPartial) -> Result<(), StoreError> {
+        self.put_partial_shared(task, partial)
+    }
+
+    fn seal_partials(
+        &self,
+        task: &str,
+        round: u64,
+        attempt: u32,
+    ) -> Result<Vec<ReplicaPartial>, StoreError> {
+        self.seal_shared(task, round, attempt)
+    }
+
+    fn partials(&self, task: &str) -> Result<Vec<ReplicaPartial>, StoreError> {
+        self.partials_of(task)
     }
 }
 

@@ -66,7 +66,8 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
             "0001_initial",
             "0002_leases",
             "0003_part_of_a_model",
-            "0004_federated_evaluation"
+            "0004_federated_evaluation",
+            "0005_serving_replicas"
         ]
     );
     assert!(migrate(&target).unwrap().is_empty(), "up to date");
@@ -92,7 +93,7 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
     );
     sql(
         &target,
-        "INSERT INTO hora_migrations (version, name, checksum) VALUES (5, '0005_later', 'x')",
+        "INSERT INTO hora_migrations (version, name, checksum) VALUES (6, '0006_later', 'x')",
     );
     let refused = migrate(&target).expect_err("refused");
     assert!(
@@ -106,7 +107,8 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
             "0002_leases",
             "0003_part_of_a_model",
             "0004_federated_evaluation",
-            "0005_later"
+            "0005_serving_replicas",
+            "0006_later"
         ]
     );
 }
@@ -441,4 +443,108 @@ fn over_tls_the_store_verifies_the_database_and_plain_or_unverifiable_connection
         .parse::<Target>()
         .expect_err("refused");
     assert!(missing.contains("/nonexistent/ca.pem"), "{missing}");
+}
+
+#[test]
+fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_seals_it() {
+    let server = TestServer::start();
+    let target = target(&server);
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = PostgresStore::open(&target, dir_a.path()).unwrap();
+    let b = PostgresStore::open(&target, dir_b.path()).unwrap();
+    let m = model([1.0; 3]).digest();
+    assert!(a.create_task("t", &task(m, 0)).unwrap());
+    let open = OpenRoundRecord {
+        selected: Vec::new(),
+        ..open_round(1, None)
+    };
+    a.put_open_round("t", &open).unwrap();
+
+    // Selections: a capacity of two holds across both stores; a client keeps its place; an
+    // attempt that is not the open one takes nobody; the record lists every selection.
+    use SharedSelection::*;
+    assert_eq!(a.select_client("t", 1, 0, "c1", 2).unwrap(), Selected);
+    assert_eq!(b.select_client("t", 1, 0, "c2", 2).unwrap(), Selected);
+    assert_eq!(b.select_client("t", 1, 0, "c3", 2).unwrap(), Full);
+    assert_eq!(a.select_client("t", 1, 0, "c1", 2).unwrap(), Selected);
+    assert_eq!(a.select_client("t", 1, 1, "c4", 9).unwrap(), Closed);
+    assert_eq!(b.open_round("t").unwrap().unwrap().selected, ["c1", "c2"]);
+
+    // Claims: the first replica's; another finds it (its process has no heartbeat: not alive)
+    // and may take it over, once.
+    assert_eq!(a.claim_update("t", 1, 0, "c1", "ra#1", None).unwrap(), None);
+    assert_eq!(a.claim_update("t", 1, 0, "c1", "ra#1", None).unwrap(), None);
+    let theirs = b.claim_update("t", 1, 0, "c1", "rb#1", None).unwrap();
+    assert_eq!(
+        theirs,
+        Some(Claim {
+            replica: "ra#1".into(),
+            alive: false
+        })
+    );
+    assert_eq!(
+        b.claim_update("t", 1, 0, "c1", "rb#1", Some("ra#1"))
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        a.claim_update("t", 1, 0, "c1", "ra#1", Some("ra#1"))
+            .unwrap()
+            .map(|c| c.replica),
+        Some("rb#1".into())
+    );
+
+    // Partials: each replica's latest, until the leader seals the attempt; then none is
+    // recorded, nobody is selected and no update claimed for it.
+    let mut partial = ReplicaPartial {
+        replica: "rb#1".into(),
+        round: 1,
+        attempt: 0,
+        file: "p1.ckpt".into(),
+        total_weight: 0.0,
+        contributions: Vec::new(),
+    };
+    b.put_partial("t", &partial).unwrap();
+    partial.file = "p2.ckpt".into();
+    partial.total_weight = 5.0;
+    partial.contributions = open_round(1, Some("x")).checkpoint.unwrap().contributions;
+    b.put_partial("t", &partial).unwrap();
+    assert_eq!(a.partials("t").unwrap(), [partial.clone()]);
+    let stale = ReplicaPartial {
+        attempt: 1,
+        ..partial.clone()
+    };
+    assert!(matches!(
+        b.put_partial("t", &stale),
+        Err(StoreError::AttemptSealed { attempt: 1, .. })
+    ));
+    assert_eq!(a.seal_partials("t", 1, 0).unwrap(), [partial.clone()]);
+    assert!(matches!(
+        b.put_partial("t", &partial),
+        Err(StoreError::AttemptSealed { round: 1, .. })
+    ));
+    assert_eq!(b.select_client("t", 1, 0, "c9", 9).unwrap(), Closed);
+    assert!(b.claim_update("t", 1, 0, "c2", "rb#1", None).is_err());
+
+    // The close's transaction forgets the attempt; the next one starts from nothing.
+    a.finish_round(
+        "t",
+        &task(m, 1),
+        &published(1, 0, Some(m)),
+        0,
+        Some(&open_round(2, None)),
+    )
+    .unwrap();
+    assert!(a.partials("t").unwrap().is_empty());
+    assert_eq!(b.select_client("t", 2, 0, "c2", 2).unwrap(), Selected);
+    assert_eq!(a.open_round("t").unwrap().unwrap().selected, ["c1", "c2"]);
+
+    // A store one server uses shares nothing.
+    let memory = crate::store::MemoryStore::new().unwrap();
+    assert!(!memory.shared());
+    assert!(matches!(
+        memory.select_client("t", 1, 0, "c1", 1),
+        Err(StoreError::NotShared(_))
+    ));
+    assert!(memory.partials("t").unwrap().is_empty());
 }

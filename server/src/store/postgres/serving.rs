@@ -1,0 +1,304 @@
+//! What serving replicas share of an open attempt (`migrations/0005_serving_replicas.sql`):
+//! selections, claims on updates, and each replica's durable partial sum, which the leader
+//! seals and merges when it closes the attempt.
+//!
+//! Every write here first reads the task's open round row `FOR KEY SHARE` and checks, in the
+//! same transaction, that the attempt it names is the open one and is not sealed. The seal locks
+//! that row `FOR UPDATE`, which waits for those transactions to commit, so the partials it
+//! returns are every partial that will ever be recorded for the attempt: an upload a replica
+//! acknowledged (after its partial committed) is in the leader's merge. The leader's own writes
+//! of the row (`UPDATE`) take a lock that does not conflict with `KEY SHARE`, so checkpoints and
+//! replicas' writes never wait on each other.
+
+use tokio_postgres::GenericClient;
+
+use super::driver::Failure;
+use super::{int, Param, PostgresStore};
+use crate::store::{
+    decode, json, Claim, OpenRoundRecord, ReplicaPartial, SharedSelection, StoreError,
+};
+
+/// The attempt a write of a serving replica is for.
+struct Attempt<'a> {
+    task: &'a str,
+    round: i64,
+    attempt: i64,
+}
+
+impl Attempt<'_> {
+    /// Whether the attempt is the task's open one and not sealed, with the open round's row
+    /// locked `FOR KEY SHARE` (held until the transaction ends).
+    async fn open(&self, tx: &impl GenericClient) -> Result<bool, Failure> {
+        let Some(row) = tx
+            .query_opt(
+                "SELECT record FROM open_rounds WHERE task = $1 FOR KEY SHARE",
+                &[&self.task],
+            )
+            .await?
+        else {
+            return Ok(false);
+        };
+        let record: OpenRoundRecord = decode(self.task, row.try_get(0)?)?;
+        if (int(record.round)?, i64::from(record.attempt)) != (self.round, self.attempt) {
+            return Ok(false);
+        }
+        let sealed = tx
+            .query_opt(
+                "SELECT 1 FROM round_seals WHERE task = $1 AND round = $2 AND attempt = $3",
+                &[&self.task, &self.round, &self.attempt],
+            )
+            .await?;
+        Ok(sealed.is_none())
+    }
+
+    fn sealed(&self) -> StoreError {
+        StoreError::AttemptSealed {
+            task: self.task.to_string(),
+            round: self.round as u64,
+            attempt: self.attempt as u32,
+        }
+    }
+}
+
+impl PostgresStore {
+    pub(super) fn select_shared(
+        &self,
+        task: &str,
+        round: u64,
+        attempt: u32,
+        client: &str,
+        capacity: usize,
+    ) -> Result<SharedSelection, StoreError> {
+        let (task, client) = (task.to_string(), client.to_string());
+        let (round, capacity) = (int(round)?, int(capacity as u64)?);
+        self.driver.with(move |mut db| async move {
+            let tx = db.transaction().await?;
+            let at = Attempt {
+                task: &task,
+                round,
+                attempt: i64::from(attempt),
+            };
+            // One task's selections one at a time, so that its capacity holds.
+            tx.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended('hora select ' || $1, 0))",
+                &[&task],
+            )
+            .await?;
+            if !at.open(&*tx).await? {
+                return Ok(SharedSelection::Closed);
+            }
+            let key: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                [&task, &round, &at.attempt, &client];
+            let known = tx
+                .query_opt(
+                    "SELECT 1 FROM round_selections
+                     WHERE task = $1 AND round = $2 AND attempt = $3 AND client = $4",
+                    &key,
+                )
+                .await?;
+            if known.is_some() {
+                return Ok(SharedSelection::Selected);
+            }
+            let taken: i64 = tx
+                .query_one(
+                    "SELECT count(*) FROM round_selections
+                     WHERE task = $1 AND round = $2 AND attempt = $3",
+                    &key[..3],
+                )
+                .await?
+                .try_get(0)?;
+            if taken >= capacity {
+                return Ok(SharedSelection::Full);
+            }
+            tx.execute(
+                "INSERT INTO round_selections (task, round, attempt, client)
+                 VALUES ($1, $2, $3, $4)",
+                &key,
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(SharedSelection::Selected)
+        })
+    }
+
+    /// The clients selected in the store for `open`'s attempt (beside those its record lists).
+    pub(super) fn selections(
+        &self,
+        task: &str,
+        open: &mut OpenRoundRecord,
+    ) -> Result<(), StoreError> {
+        let rows = self.query(
+            "SELECT client FROM round_selections
+             WHERE task = $1 AND round = $2 AND attempt = $3 ORDER BY client",
+            params![task.to_string(), int(open.round)?, i64::from(open.attempt)],
+        )?;
+        let listed: std::collections::HashSet<String> = open.selected.iter().cloned().collect();
+        for row in &rows {
+            let client: String = super::col(row, 0)?;
+            if !listed.contains(&client) {
+                open.selected.push(client);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn claim_shared(
+        &self,
+        task: &str,
+        round: u64,
+        attempt: u32,
+        client: &str,
+        replica: &str,
+        from: Option<&str>,
+    ) -> Result<Option<Claim>, StoreError> {
+        let (task, client, replica) = (task.to_string(), client.to_string(), replica.to_string());
+        let from = from.map(str::to_string);
+        let round = int(round)?;
+        // A process is alive while its heartbeat is younger than this (a standby's comes every
+        // second at most, a leader's every third of its lease).
+        let alive_secs = self.alive_within.as_secs_f64();
+        self.driver.with(move |mut db| async move {
+            let tx = db.transaction().await?;
+            let at = Attempt {
+                task: &task,
+                round,
+                attempt: i64::from(attempt),
+            };
+            if !at.open(&*tx).await? {
+                return Err(at.sealed().into());
+            }
+            if let Some(from) = &from {
+                tx.execute(
+                    "UPDATE round_claims SET replica = $5
+                     WHERE task = $1 AND round = $2 AND attempt = $3 AND client = $4
+                         AND replica = $6",
+                    &[&task, &round, &at.attempt, &client, &replica, from],
+                )
+                .await?;
+            }
+            tx.execute(
+                "INSERT INTO round_claims (task, round, attempt, client, replica)
+                 VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+                &[&task, &round, &at.attempt, &client, &replica],
+            )
+            .await?;
+            let row = tx
+                .query_one(
+                    "SELECT c.replica, EXISTS (
+                         SELECT 1 FROM replicas r
+                         WHERE r.id = split_part(c.replica, '#', 1)
+                             AND r.seen_at > clock_timestamp() - make_interval(secs => $5))
+                     FROM round_claims c
+                     WHERE task = $1 AND round = $2 AND attempt = $3 AND client = $4",
+                    &[&task, &round, &at.attempt, &client, &alive_secs],
+                )
+                .await?;
+            let holder: String = row.try_get(0)?;
+            let alive: bool = row.try_get(1)?;
+            tx.commit().await?;
+            Ok((holder != replica).then_some(Claim {
+                replica: holder,
+                alive,
+            }))
+        })
+    }
+
+    pub(super) fn put_partial_shared(
+        &self,
+        task: &str,
+        partial: &ReplicaPartial,
+    ) -> Result<(), StoreError> {
+        let (task, replica, record) = (task.to_string(), partial.replica.clone(), json(partial));
+        let round = int(partial.round)?;
+        let attempt = partial.attempt;
+        self.driver.with(move |mut db| async move {
+            let tx = db.transaction().await?;
+            let at = Attempt {
+                task: &task,
+                round,
+                attempt: i64::from(attempt),
+            };
+            if !at.open(&*tx).await? {
+                return Err(at.sealed().into());
+            }
+            tx.execute(
+                "INSERT INTO round_partials (task, round, attempt, replica, record)
+                 VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (task, round, attempt, replica) DO UPDATE SET record = excluded.record",
+                &[&task, &round, &at.attempt, &replica, &record],
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(())
+        })
+    }
+
+    pub(super) fn seal_shared(
+        &self,
+        task: &str,
+        round: u64,
+        attempt: u32,
+    ) -> Result<Vec<ReplicaPartial>, StoreError> {
+        let task = task.to_string();
+        let round = int(round)?;
+        let attempt = i64::from(attempt);
+        let held = self.held();
+        self.driver.with(move |mut db| async move {
+            let tx = super::fenced(&mut db, held.as_deref()).await?;
+            // Waits for every replica's write of the attempt in flight (they hold KEY SHARE).
+            tx.query_opt(
+                "SELECT 1 FROM open_rounds WHERE task = $1 FOR UPDATE",
+                &[&task],
+            )
+            .await?;
+            tx.execute(
+                "INSERT INTO round_seals (task, round, attempt) VALUES ($1, $2, $3)
+                 ON CONFLICT (task) DO UPDATE SET round = excluded.round, attempt = excluded.attempt",
+                &[&task, &round, &attempt],
+            )
+            .await?;
+            let rows = tx
+                .query(
+                    "SELECT replica, record FROM round_partials
+                     WHERE task = $1 AND round = $2 AND attempt = $3 ORDER BY replica",
+                    &[&task, &round, &attempt],
+                )
+                .await?;
+            let partials = rows
+                .iter()
+                .map(|row| {
+                    let replica: String = row.try_get(0)?;
+                    Ok(decode(&replica, row.try_get(1)?)?)
+                })
+                .collect::<Result<Vec<ReplicaPartial>, Failure>>()?;
+            tx.commit().await?;
+            Ok(partials)
+        })
+    }
+
+    pub(super) fn partials_of(&self, task: &str) -> Result<Vec<ReplicaPartial>, StoreError> {
+        Ok(self
+            .records::<ReplicaPartial>(
+                "SELECT replica, record FROM round_partials WHERE task = $1
+                 ORDER BY round, attempt, replica",
+                params![task.to_string()],
+            )?
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect())
+    }
+}
+
+/// Deletes what serving replicas shared of `task`'s attempts: in the transaction that records
+/// the close (the attempt was sealed before; a later one has written nothing yet).
+pub(super) async fn forget(tx: &impl GenericClient, task: &str) -> Result<(), Failure> {
+    for table in [
+        "DELETE FROM round_selections WHERE task = $1",
+        "DELETE FROM round_claims WHERE task = $1",
+        "DELETE FROM round_partials WHERE task = $1",
+        "DELETE FROM round_seals WHERE task = $1",
+    ] {
+        tx.execute(table, &[&task]).await?;
+    }
+    Ok(())
+}
