@@ -29,7 +29,7 @@ DASH_ENV := eval "$$(scripts/setup-dashboard.sh --print-env)"
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
-.PHONY: demo dashboard bench-dashboard replicas test bench bench-gpu bench-large bench-updates lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
+.PHONY: demo dashboard bench-dashboard replicas test bench bench-gpu bench-large bench-replicas bench-updates lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
 
 ## Release artefacts of this machine's architecture in dist/: the server's tarball, the client's
 ## tarball with its CPU libtorch beside it ($$ORIGIN), and an abi3 wheel (scripts/dist.sh).
@@ -148,6 +148,14 @@ bench:
 bench-gpu:
 	@$(TORCH_ENV); $(PY_ENV); cargo bench -p hora-common-tch --bench cuda_fold && \
 	$(call PY_INSTALL,--release) && "$$HORA_PACKAGE_PYTHON" python/bench/gpu.py
+
+## Replicas at scale (about ten minutes; not part of `make bench`): one round of 10,000 and of
+## 20,000 clients (generator processes, a connection each) on one replica and on three (on a
+## PostgreSQL server started for the run), then the failover after the leader's SIGKILL and
+## each replica's ingest rate.
+bench-replicas:
+	@$(TORCH_ENV); $(PG_ENV); cargo build --release -p hora-server --bins && \
+	cargo bench -p hora --bench replicas
 
 ## One round of a model past 2 GiB (HORA_LARGE_MODEL_MB, 2200) with 4 clients: transfer
 ## rates against the loopback TLS limit, peak RSS, cut and resumed transfers. Needs about

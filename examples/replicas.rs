@@ -1,10 +1,12 @@
 //! Running more than one server, on one machine: a PostgreSQL server of its own (initdb and
 //! `postgres` in a temporary directory, on a free loopback port), three `hora-server` replicas on
 //! it with their blobs in one shared directory, and a federation of `hora-client` processes that
-//! are given all three URLs. The first replica leads (it holds the database's lease), the others
-//! stand by. After round 2 the leader is SIGKILLed: a standby takes the lease once it lapses,
-//! the clients fail over to it, and the federation finishes there, every acknowledged update
-//! kept. It prints `hora-server status` before and after, the failover time and each round.
+//! are given all three URLs, each starting at another, so they spread over the replicas. The
+//! first replica leads (it holds the database's lease), the others follow: all three take the
+//! clients' joins and uploads, each into a partial sum the leader merges. After round 2 the
+//! leader is SIGKILLed: a follower takes the lease once it lapses, the leader's clients fail over,
+//! and the federation finishes, every acknowledged update kept. It prints `hora-server status`
+//! before and after, the failover time and each round.
 //!
 //! This is `make replicas` (`cargo run --release --example replicas`; `--replicas`,
 //! `--clients`, `--rounds`, `--kill-after` and `--lease-secs` change it). Nothing is left

@@ -73,8 +73,8 @@ impl Federation {
 
     /// Starts `replicas` `hora-server serve` processes on one PostgreSQL database (`store`),
     /// their blobs in one shared directory, each on a loopback port of its own: the first leads,
-    /// the others stand by (answering 503 `standby`) until one of them takes the lease, `lease_secs` after
-    /// the leader is gone at most.
+    /// the others follow (serving clients of plain rounds) until one of them takes the lease,
+    /// `lease_secs` after the leader is gone at most.
     pub fn start_replicas(replicas: usize, store: &str, lease_secs: u64) -> Result<Federation> {
         let dir = tempfile::Builder::new()
             .prefix("hora-replicas-")
@@ -327,12 +327,15 @@ impl Federation {
     }
 
     /// Starts `hora-client train` with `args` (the server, CA, token and a state directory of
-    /// its own are added). Its output goes to `<dir>/<name>.log`.
+    /// its own are added). Its output goes to `<dir>/<name>.log`. With replicas, each client is
+    /// given their URLs starting at the next one, so the clients spread over them.
     pub fn spawn_client(&mut self, name: &str, token: &str, args: &[String]) -> Result<()> {
+        let mut urls = self.urls.clone();
+        urls.rotate_left(self.clients.len() % urls.len().max(1));
         let mut all: Vec<String> = [
             "train",
             "--server",
-            &self.urls.join(","),
+            &urls.join(","),
             "--token",
             token,
             "--no-progress",

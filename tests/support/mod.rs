@@ -245,7 +245,7 @@ mod test_server;
 /// Replicas of one server: `hora-server` processes on one PostgreSQL database of the test's own,
 /// their blobs in one shared directory (`--blobs file://…`) and their development certificates
 /// in another, all on one `--listen` address (a standby finds it taken, and listens only once it
-/// leads) unless started [on one of its own](Replicas::spawn_on), each with its own data
+/// leads) unless started [on one of its own](Replicas::spawn_on) (it follows there), each with its own data
 /// directory and a lease of two seconds.
 pub struct Replicas {
     postgres: test_server::TestServer,
@@ -270,8 +270,8 @@ impl Replicas {
         self.spawn_on(&listen)
     }
 
-    /// [`spawn`](Self::spawn) on an address of its own, where it answers as a standby until it
-    /// leads.
+    /// [`spawn`](Self::spawn) on an address of its own, where it serves clients as a follower
+    /// until it leads.
     pub fn spawn_on(&mut self, listen: &str) -> Starting {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let blobs = format!("file://{}", self.shared.path().join("blobs").display());

@@ -331,6 +331,11 @@ impl Coordinator {
             .seal_partials(&task.id, round.number, round.attempt)?;
         let spec = acc.sum.spec().clone();
         for partial in partials {
+            // (Every sealed partial's blob goes once the close lands, those an earlier close
+            // merged included.)
+            if !acc.partial_files.contains(&partial.file) {
+                acc.partial_files.push(partial.file.clone());
+            }
             if acc.merged.contains(&partial.replica) {
                 continue;
             }
@@ -349,7 +354,6 @@ impl Coordinator {
             drop(roster);
             tracing::debug!(task = %task.id, round = round.number, replica = %partial.replica, updates = n, "merged a replica's partial");
             acc.merged.push(partial.replica);
-            acc.partial_files.push(partial.file);
         }
         // Every selection, whichever replica took it, for the history's list of dropouts.
         if let Some(open) = self.store.open_round(&task.id)? {

@@ -19,13 +19,34 @@ use crate::store::{
 };
 
 /// The attempt a write of a serving replica is for.
-struct Attempt<'a> {
-    task: &'a str,
+struct Attempt {
+    task: String,
     round: i64,
     attempt: i64,
 }
 
-impl Attempt<'_> {
+impl Attempt {
+    fn new(task: &str, round: u64, attempt: u32) -> Result<Attempt, StoreError> {
+        Ok(Attempt {
+            task: task.to_string(),
+            round: int(round)?,
+            attempt: i64::from(attempt),
+        })
+    }
+
+    /// A transaction on `db` in which the attempt is open and not sealed (see [`Attempt::open`]);
+    /// [`StoreError::AttemptSealed`] otherwise.
+    async fn begin<'a>(
+        &self,
+        db: &'a mut deadpool_postgres::Object,
+    ) -> Result<deadpool_postgres::Transaction<'a>, Failure> {
+        let tx = db.transaction().await?;
+        if !self.open(&*tx).await? {
+            return Err(self.sealed().into());
+        }
+        Ok(tx)
+    }
+
     /// Whether the attempt is the task's open one and not sealed, with the open round's row
     /// locked `FOR KEY SHARE` (held until the transaction ends).
     async fn open(&self, tx: &impl GenericClient) -> Result<bool, Failure> {
@@ -38,7 +59,7 @@ impl Attempt<'_> {
         else {
             return Ok(false);
         };
-        let record: OpenRoundRecord = decode(self.task, row.try_get(0)?)?;
+        let record: OpenRoundRecord = decode(&self.task, row.try_get(0)?)?;
         if (int(record.round)?, i64::from(record.attempt)) != (self.round, self.attempt) {
             return Ok(false);
         }
@@ -53,7 +74,7 @@ impl Attempt<'_> {
 
     fn sealed(&self) -> StoreError {
         StoreError::AttemptSealed {
-            task: self.task.to_string(),
+            task: self.task.clone(),
             round: self.round as u64,
             attempt: self.attempt as u32,
         }
@@ -69,26 +90,21 @@ impl PostgresStore {
         client: &str,
         capacity: usize,
     ) -> Result<SharedSelection, StoreError> {
-        let (task, client) = (task.to_string(), client.to_string());
-        let (round, capacity) = (int(round)?, int(capacity as u64)?);
+        let at = Attempt::new(task, round, attempt)?;
+        let (client, capacity) = (client.to_string(), int(capacity as u64)?);
         self.driver.with(move |mut db| async move {
             let tx = db.transaction().await?;
-            let at = Attempt {
-                task: &task,
-                round,
-                attempt: i64::from(attempt),
-            };
             // One task's selections one at a time, so that its capacity holds.
             tx.execute(
                 "SELECT pg_advisory_xact_lock(hashtextextended('hora select ' || $1, 0))",
-                &[&task],
+                &[&at.task],
             )
             .await?;
             if !at.open(&*tx).await? {
                 return Ok(SharedSelection::Closed);
             }
             let key: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-                [&task, &round, &at.attempt, &client];
+                [&at.task, &at.round, &at.attempt, &client];
             let known = tx
                 .query_opt(
                     "SELECT 1 FROM round_selections
@@ -151,35 +167,28 @@ impl PostgresStore {
         replica: &str,
         from: Option<&str>,
     ) -> Result<Option<Claim>, StoreError> {
-        let (task, client, replica) = (task.to_string(), client.to_string(), replica.to_string());
+        let at = Attempt::new(task, round, attempt)?;
+        let (client, replica) = (client.to_string(), replica.to_string());
         let from = from.map(str::to_string);
-        let round = int(round)?;
         // A process is alive while its heartbeat is younger than this (a standby's comes every
         // second at most, a leader's every third of its lease).
         let alive_secs = self.alive_within.as_secs_f64();
         self.driver.with(move |mut db| async move {
-            let tx = db.transaction().await?;
-            let at = Attempt {
-                task: &task,
-                round,
-                attempt: i64::from(attempt),
-            };
-            if !at.open(&*tx).await? {
-                return Err(at.sealed().into());
-            }
+            let tx = at.begin(&mut db).await?;
+            let (task, round) = (&at.task, &at.round);
             if let Some(from) = &from {
                 tx.execute(
                     "UPDATE round_claims SET replica = $5
                      WHERE task = $1 AND round = $2 AND attempt = $3 AND client = $4
                          AND replica = $6",
-                    &[&task, &round, &at.attempt, &client, &replica, from],
+                    &[task, round, &at.attempt, &client, &replica, from],
                 )
                 .await?;
             }
             tx.execute(
                 "INSERT INTO round_claims (task, round, attempt, client, replica)
                  VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
-                &[&task, &round, &at.attempt, &client, &replica],
+                &[task, round, &at.attempt, &client, &replica],
             )
             .await?;
             let row = tx
@@ -190,7 +199,7 @@ impl PostgresStore {
                              AND r.seen_at > clock_timestamp() - make_interval(secs => $5))
                      FROM round_claims c
                      WHERE task = $1 AND round = $2 AND attempt = $3 AND client = $4",
-                    &[&task, &round, &at.attempt, &client, &alive_secs],
+                    &[task, round, &at.attempt, &client, &alive_secs],
                 )
                 .await?;
             let holder: String = row.try_get(0)?;
@@ -208,24 +217,15 @@ impl PostgresStore {
         task: &str,
         partial: &ReplicaPartial,
     ) -> Result<(), StoreError> {
-        let (task, replica, record) = (task.to_string(), partial.replica.clone(), json(partial));
-        let round = int(partial.round)?;
-        let attempt = partial.attempt;
+        let at = Attempt::new(task, partial.round, partial.attempt)?;
+        let (replica, record) = (partial.replica.clone(), json(partial));
         self.driver.with(move |mut db| async move {
-            let tx = db.transaction().await?;
-            let at = Attempt {
-                task: &task,
-                round,
-                attempt: i64::from(attempt),
-            };
-            if !at.open(&*tx).await? {
-                return Err(at.sealed().into());
-            }
+            let tx = at.begin(&mut db).await?;
             tx.execute(
                 "INSERT INTO round_partials (task, round, attempt, replica, record)
                  VALUES ($1, $2, $3, $4, $5)
                  ON CONFLICT (task, round, attempt, replica) DO UPDATE SET record = excluded.record",
-                &[&task, &round, &at.attempt, &replica, &record],
+                &[&at.task, &at.round, &at.attempt, &replica, &record],
             )
             .await?;
             tx.commit().await?;
