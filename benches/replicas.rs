@@ -118,10 +118,7 @@ struct Deployment {
     said: std::sync::mpsc::Receiver<(usize, String)>,
 }
 
-/// The throwaway PostgreSQL server the store's tests start, this same file.
-#[allow(dead_code)]
-#[path = "../server/src/store/postgres/test_server.rs"]
-mod test_server;
+use support::test_server;
 
 impl Deployment {
     /// One server on sled (`r` = 1), or `r` replicas on PostgreSQL and one blob directory.

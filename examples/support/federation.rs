@@ -331,7 +331,8 @@ impl Federation {
     /// given their URLs starting at the next one, so the clients spread over them.
     pub fn spawn_client(&mut self, name: &str, token: &str, args: &[String]) -> Result<()> {
         let mut urls = self.urls.clone();
-        urls.rotate_left(self.clients.len() % urls.len().max(1));
+        let first = self.clients.len() % urls.len().max(1);
+        urls.rotate_left(first);
         let mut all: Vec<String> = [
             "train",
             "--server",

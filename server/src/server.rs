@@ -126,7 +126,7 @@ impl Server {
         let leads = role == Role::Leader;
         // Each time it serves, a replica's claims and partials carry an id of their own: a
         // follower that comes to lead must not take its own earlier updates for unseen ones.
-        let replica = format!("{replica}#{:04x}", rand::random::<u16>());
+        let replica = format!("{replica}#{:016x}", rand::random::<u64>());
         // Housekeeping: a blob store that fails it now (a blip during a restart) costs some
         // space until the next start, not the start. (The leader's alone.)
         match store.sweep_orphans() {

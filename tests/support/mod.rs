@@ -240,7 +240,7 @@ impl Drop for Starting {
 
 /// The throwaway PostgreSQL server the store's tests start, this same file.
 #[path = "../../server/src/store/postgres/test_server.rs"]
-mod test_server;
+pub mod test_server;
 
 /// Replicas of one server: `hora-server` processes on one PostgreSQL database of the test's own,
 /// their blobs in one shared directory (`--blobs file://…`) and their development certificates

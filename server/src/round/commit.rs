@@ -183,7 +183,7 @@ impl Coordinator {
         trouble.mark_unchanged();
         let durable = durability.wait_for(|d| match d {
             Durability::Upto(n) => *n > index,
-            Durability::Abandoned(_) => true,
+            Durability::Abandoned(_) | Durability::Ended { .. } => true,
         });
         let troubled = async {
             loop {
@@ -226,7 +226,14 @@ impl Coordinator {
             )
         })?;
         match outcome {
-            Durability::Upto(_) => Ok(wire::UpdateReceipt {
+            Durability::Ended { upto, why } if index >= upto => Err(ServerError::conflict(
+                ErrorCode::RoundClosed,
+                format!(
+                    "round {} took no more updates here before this one was recorded ({why}); poll for the next round",
+                    round.number
+                ),
+            )),
+            Durability::Upto(_) | Durability::Ended { .. } => Ok(wire::UpdateReceipt {
                 round: round.number,
                 accepted: index as u32 + 1,
             }),

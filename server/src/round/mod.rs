@@ -109,6 +109,10 @@ pub(crate) enum Durability {
     Upto(usize),
     /// The attempt was abandoned: nothing of it counts.
     Abandoned(String),
+    /// A follower's attempt ended (the leader closed it, or another replica took an update
+    /// this one held): its first `upto` contributions are durable (in its partial, which the
+    /// leader merges), the rest never will be.
+    Ended { upto: usize, why: String },
 }
 
 /// What joining clients learn about their selection: a client is told it is selected only once

@@ -67,7 +67,8 @@ impl Coordinator {
         self.store.shared() && round.collection.spans_replicas()
     }
 
-    /// A follower's answer to a client of a round only the leader serves.
+    /// A follower's answer to a client of a round only the leader serves (a mode whose updates
+    /// must meet in one place).
     pub(crate) fn leader_only(&self, round: &Round) -> Result<(), ServerError> {
         if self.follows() && !round.collection.spans_replicas() {
             return Err(ServerError::unavailable(
@@ -177,6 +178,9 @@ impl Coordinator {
                     false => Some(holder),
                 };
                 if let Some(holder) = still {
+                    if self.taken_by(task, round, &holder.replica, client)? {
+                        return Err(plain::already_contributed(client, round.number));
+                    }
                     return Err(ServerError::unavailable(
                         ErrorCode::NotDurableYet,
                         format!("an earlier upload of this update is being taken by replica {}; retry the same upload to get its receipt", holder.replica),
@@ -257,11 +261,15 @@ impl Coordinator {
             total_weight: acc.sum.total_weight(),
             contributions: acc.contributions.clone(),
         };
-        match self.store.put_partial(&task.id, &partial) {
+        let fresh: Vec<String> = acc.contributions[acc.durable..]
+            .iter()
+            .map(|c| c.client.clone())
+            .collect();
+        match self.store.put_partial(&task.id, &partial, &fresh) {
             Ok(()) => {}
-            Err(StoreError::AttemptSealed { .. }) => {
+            Err(e @ (StoreError::AttemptSealed { .. } | StoreError::ClaimLost { .. })) => {
                 self.store.remove_checkpoint(&file);
-                self.sealed(task, round, acc);
+                self.sealed(task, round, acc, &e.to_string());
                 return Ok(());
             }
             Err(e) => {
@@ -294,26 +302,28 @@ impl Coordinator {
         Ok(())
     }
 
-    /// `round`, a follower's, was sealed or replaced by the leader: it takes nothing more, and
-    /// the uploads it holds that are not durable are told it closed (their clients poll for the
-    /// next round). Its last partial stays the leader's to merge and remove.
-    fn sealed(&self, task: &Task, round: &Round, acc: &mut Accumulator) {
+    /// `round`, a follower's, ended for this replica (`why`): the leader sealed or replaced it,
+    /// or another replica took over an update this one held (its sum can no longer be
+    /// recorded). It takes nothing more, and the uploads it holds that are not durable are told
+    /// the round closed here (their clients poll for the next round); those in its last partial
+    /// are acknowledged, and the leader merges and removes that partial.
+    fn sealed(&self, task: &Task, round: &Round, acc: &mut Accumulator, why: &str) {
         if acc.phase.is_ended() {
             return;
         }
         if acc.phase.begin_close().is_ok() {
-            let _ = acc.phase.closed(Err("closed by the leader".into()));
+            let _ = acc.phase.closed(Err(why.to_string()));
         }
         round
             .selection
             .send_replace(super::SelectionDurability::Closed);
         if acc.durable < acc.contributions.len() {
-            tracing::info!(task = %task.id, round = round.number, lost = acc.contributions.len() - acc.durable, "the leader closed the round before this replica recorded some uploads: their clients are told it closed");
-            round.durability.send_replace(Durability::Abandoned(
-                "it closed on the replica that leads before this replica recorded the update"
-                    .into(),
-            ));
+            tracing::info!(task = %task.id, round = round.number, lost = acc.contributions.len() - acc.durable, why, "the round ended here before this replica recorded some uploads: their clients are told it closed");
         }
+        round.durability.send_replace(Durability::Ended {
+            upto: acc.durable,
+            why: why.to_string(),
+        });
         task.bump();
     }
 
@@ -355,6 +365,8 @@ impl Coordinator {
             tracing::debug!(task = %task.id, round = round.number, replica = %partial.replica, updates = n, "merged a replica's partial");
             acc.merged.push(partial.replica);
         }
+        // (They are in the sum now: a close that fails counts them there, not twice.)
+        acc.elsewhere = 0;
         // Every selection, whichever replica took it, for the history's list of dropouts.
         if let Some(open) = self.store.open_round(&task.id)? {
             if (open.round, open.attempt) == (round.number, round.attempt) {
@@ -394,18 +406,18 @@ impl Coordinator {
                 while let Ok(change) = feed.try_recv() {
                     note(Ok(change));
                 }
-                let ids: Vec<String> = match all {
-                    true => match me.store.tasks() {
-                        Ok(tasks) => tasks.into_iter().map(|(id, _)| id).collect(),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "reading the tasks after the change feed's gap failed; trying again at the next change");
-                            continue;
-                        }
-                    },
-                    false => changed.into_iter().collect(),
-                };
                 let m = me.clone();
                 let followed = crate::blocking(move || {
+                    let ids: Vec<String> = match all {
+                        true => match m.store.tasks() {
+                            Ok(tasks) => tasks.into_iter().map(|(id, _)| id).collect(),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "reading the tasks after the change feed's gap failed; trying again at the next change");
+                                return Ok(());
+                            }
+                        },
+                        false => changed.into_iter().collect(),
+                    };
                     for id in ids {
                         if let Err(e) = m.follow_task(&id) {
                             tracing::warn!(task = %id, error = %e, "following the task's change failed; it is read again at its next change");
@@ -427,6 +439,13 @@ impl Coordinator {
             return self.count_partials(id);
         }
         let Some(record) = self.store.task(id)? else {
+            // Deleted: nothing more to serve.
+            if let Some(task) = self.tasks.write().expect("tasks lock").remove(id) {
+                if let Some(round) = task.current() {
+                    let mut acc = lock(&round.acc);
+                    self.sealed(&task, &round, &mut acc, "the task was deleted");
+                }
+            }
             return Ok(());
         };
         let open = self.store.open_round(id)?;
@@ -471,7 +490,7 @@ impl Coordinator {
                     .transpose()?;
                 if let Some(old) = &current {
                     let mut acc = lock(&old.acc);
-                    self.sealed(&task, old, &mut acc);
+                    self.sealed(&task, old, &mut acc, "the leader closed it");
                 }
                 *lock(&task.round) = next;
             }

@@ -338,8 +338,15 @@ pub trait RoundLog: Durable {
     }
 
     /// Records `partial` as its replica's durable partial sum of its attempt (replacing the one
-    /// recorded before); [`StoreError::AttemptSealed`] once the attempt is closing or closed.
-    fn put_partial(&self, _task: &str, _partial: &ReplicaPartial) -> Result<(), StoreError> {
+    /// recorded before); [`StoreError::AttemptSealed`] once the attempt is closing or closed,
+    /// [`StoreError::ClaimLost`] when the claim on one of the `fresh` clients' updates (those
+    /// not in its replica's last partial) is no longer the replica's.
+    fn put_partial(
+        &self,
+        _task: &str,
+        _partial: &ReplicaPartial,
+        _fresh: &[String],
+    ) -> Result<(), StoreError> {
         Err(StoreError::NotShared("partial sums of replicas"))
     }
 

@@ -56,6 +56,14 @@ pub enum StoreError {
         round: u64,
         attempt: u32,
     },
+    /// A replica's partial holds an update whose claim another replica took over (this one
+    /// was cut off long enough to count as gone): it can record nothing more of the attempt.
+    #[error("another replica took over client `{client}`'s update of round {round} of task `{task}`, which this replica's partial holds: this replica records nothing more of the round")]
+    ClaimLost {
+        task: String,
+        round: u64,
+        client: String,
+    },
     /// What replicas share of an attempt (selections, claims, partial sums) was asked of a
     /// store only one server uses.
     #[error("{0} needs a store that replicas share (--store postgres://…)")]

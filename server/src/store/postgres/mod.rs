@@ -499,6 +499,7 @@ impl RoundLog for PostgresStore {
                 &[&id, &round, &i64::from(attempt), &model, &pruned, &entry],
             )
             .await?;
+            let ended = next.is_none();
             match next {
                 Some(next) => {
                     tx.execute(
@@ -513,7 +514,7 @@ impl RoundLog for PostgresStore {
                         .await?
                 }
             };
-            serving::forget(&*tx, &id).await?;
+            serving::forget(&*tx, &id, ended).await?;
             tx.commit().await?;
             Ok(())
         })
@@ -745,8 +746,13 @@ impl RoundLog for PostgresStore {
         self.claim_shared(task, round, attempt, client, replica, from)
     }
 
-    fn put_partial(&self, task: &str, partial: &ReplicaPartial) -> Result<(), StoreError> {
-        self.put_partial_shared(task, partial)
+    fn put_partial(
+        &self,
+        task: &str,
+        partial: &ReplicaPartial,
+        fresh: &[String],
+    ) -> Result<(), StoreError> {
+        self.put_partial_shared(task, partial, fresh)
     }
 
     fn seal_partials(

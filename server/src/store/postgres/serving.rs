@@ -3,12 +3,20 @@
 //! seals and merges when it closes the attempt.
 //!
 //! Every write here first reads the task's open round row `FOR KEY SHARE` and checks, in the
-//! same transaction, that the attempt it names is the open one and is not sealed. The seal locks
-//! that row `FOR UPDATE`, which waits for those transactions to commit, so the partials it
-//! returns are every partial that will ever be recorded for the attempt: an upload a replica
-//! acknowledged (after its partial committed) is in the leader's merge. The leader's own writes
-//! of the row (`UPDATE`) take a lock that does not conflict with `KEY SHARE`, so checkpoints and
-//! replicas' writes never wait on each other.
+//! same transaction, that the attempt it names is the open one and that no seal covers it. The
+//! seal locks that row `FOR UPDATE`, which waits for those transactions to commit, so the
+//! partials it returns are every partial that will ever be recorded for the attempt: an upload a
+//! replica acknowledged (after its partial committed) is in the leader's merge. The leader's own
+//! writes of the row (`UPDATE`, an upsert) take a lock that does not conflict with `KEY SHARE`,
+//! so checkpoints and replicas' writes never wait on each other; a write may therefore still read
+//! a closed attempt as open (its snapshot of the row predates the close's commit), and what stops
+//! it is the seal, committed before the close began and kept until the next seal replaces it
+//! with a later attempt's (a seal covers its attempt and every earlier one).
+//!
+//! A partial records only updates whose claims are still its replica's (read `FOR SHARE` in its
+//! transaction), and a claim is taken over from a replica only in a transaction that finds the
+//! update in none of that replica's partials (after its `UPDATE` locked the claim, so a partial
+//! in flight commits first): an update is never in two partials.
 
 use tokio_postgres::GenericClient;
 
@@ -65,7 +73,8 @@ impl Attempt {
         }
         let sealed = tx
             .query_opt(
-                "SELECT 1 FROM round_seals WHERE task = $1 AND round = $2 AND attempt = $3",
+                "SELECT 1 FROM round_seals
+                 WHERE task = $1 AND (round, attempt) >= ($2, $3)",
                 &[&self.task, &self.round, &self.attempt],
             )
             .await?;
@@ -177,13 +186,32 @@ impl PostgresStore {
             let tx = at.begin(&mut db).await?;
             let (task, round) = (&at.task, &at.round);
             if let Some(from) = &from {
-                tx.execute(
-                    "UPDATE round_claims SET replica = $5
-                     WHERE task = $1 AND round = $2 AND attempt = $3 AND client = $4
-                         AND replica = $6",
-                    &[task, round, &at.attempt, &client, &replica, from],
-                )
-                .await?;
+                let moved = tx
+                    .execute(
+                        "UPDATE round_claims SET replica = $5
+                         WHERE task = $1 AND round = $2 AND attempt = $3 AND client = $4
+                             AND replica = $6",
+                        &[task, round, &at.attempt, &client, &replica, from],
+                    )
+                    .await?;
+                // Not if `from` recorded the update meanwhile (its partial's transaction holds
+                // the claim until it commits: the UPDATE waited for it).
+                let theirs = tx
+                    .query_opt(
+                        "SELECT record FROM round_partials
+                         WHERE task = $1 AND round = $2 AND attempt = $3 AND replica = $4",
+                        &[task, round, &at.attempt, from],
+                    )
+                    .await?;
+                if let (1, Some(row)) = (moved, theirs) {
+                    let partial: ReplicaPartial = decode(from, row.try_get(0)?)?;
+                    if partial.contributions.iter().any(|c| c.client == client) {
+                        return Ok(Some(Claim {
+                            replica: from.clone(),
+                            alive: false,
+                        }));
+                    }
+                }
             }
             tx.execute(
                 "INSERT INTO round_claims (task, round, attempt, client, replica)
@@ -216,11 +244,37 @@ impl PostgresStore {
         &self,
         task: &str,
         partial: &ReplicaPartial,
+        fresh: &[String],
     ) -> Result<(), StoreError> {
         let at = Attempt::new(task, partial.round, partial.attempt)?;
         let (replica, record) = (partial.replica.clone(), json(partial));
+        let fresh = fresh.to_vec();
         self.driver.with(move |mut db| async move {
             let tx = at.begin(&mut db).await?;
+            // The fresh updates' claims are still this replica's, and stay so until it commits.
+            let claims = tx
+                .query(
+                    "SELECT client, replica FROM round_claims
+                     WHERE task = $1 AND round = $2 AND attempt = $3 AND client = ANY($4)
+                     FOR SHARE",
+                    &[&at.task, &at.round, &at.attempt, &fresh],
+                )
+                .await?;
+            let mut ours = std::collections::HashSet::new();
+            for row in &claims {
+                let (client, holder): (String, String) = (row.try_get(0)?, row.try_get(1)?);
+                if holder == replica {
+                    ours.insert(client);
+                }
+            }
+            if let Some(lost) = fresh.iter().find(|c| !ours.contains(*c)) {
+                return Err(StoreError::ClaimLost {
+                    task: at.task.clone(),
+                    round: at.round as u64,
+                    client: lost.clone(),
+                }
+                .into());
+            }
             tx.execute(
                 "INSERT INTO round_partials (task, round, attempt, replica, record)
                  VALUES ($1, $2, $3, $4, $5)
@@ -245,6 +299,9 @@ impl PostgresStore {
         let held = self.held();
         self.driver.with(move |mut db| async move {
             let tx = super::fenced(&mut db, held.as_deref()).await?;
+            // A replica's write stuck in flight holds the close up for seconds at most: the
+            // close fails then, and is tried again.
+            tx.batch_execute("SET LOCAL lock_timeout = '5s'").await?;
             // Waits for every replica's write of the attempt in flight (they hold KEY SHARE).
             tx.query_opt(
                 "SELECT 1 FROM open_rounds WHERE task = $1 FOR UPDATE",
@@ -290,15 +347,24 @@ impl PostgresStore {
 }
 
 /// Deletes what serving replicas shared of `task`'s attempts: in the transaction that records
-/// the close (the attempt was sealed before; a later one has written nothing yet).
-pub(super) async fn forget(tx: &impl GenericClient, task: &str) -> Result<(), Failure> {
+/// the close (the attempt was sealed before; a later one has written nothing yet). The seal
+/// stays while the task has a next attempt (a write that read the closed attempt as open must
+/// still find it sealed), and goes with the task's last.
+pub(super) async fn forget(
+    tx: &impl GenericClient,
+    task: &str,
+    ended: bool,
+) -> Result<(), Failure> {
     for table in [
         "DELETE FROM round_selections WHERE task = $1",
         "DELETE FROM round_claims WHERE task = $1",
         "DELETE FROM round_partials WHERE task = $1",
-        "DELETE FROM round_seals WHERE task = $1",
     ] {
         tx.execute(table, &[&task]).await?;
+    }
+    if ended {
+        tx.execute("DELETE FROM round_seals WHERE task = $1", &[&task])
+            .await?;
     }
     Ok(())
 }

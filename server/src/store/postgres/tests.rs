@@ -504,23 +504,41 @@ fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_se
         total_weight: 0.0,
         contributions: Vec::new(),
     };
-    b.put_partial("t", &partial).unwrap();
+    b.put_partial("t", &partial, &[]).unwrap();
     partial.file = "p2.ckpt".into();
     partial.total_weight = 5.0;
+    // (c1's update, which rb#1 claimed.)
     partial.contributions = open_round(1, Some("x")).checkpoint.unwrap().contributions;
-    b.put_partial("t", &partial).unwrap();
+    let fresh = ["c1".to_string()];
+    // A partial with an update whose claim is another's is refused (ra#1 lost c1's).
+    let lost = ReplicaPartial {
+        replica: "ra#1".into(),
+        ..partial.clone()
+    };
+    assert!(matches!(
+        a.put_partial("t", &lost, &fresh),
+        Err(StoreError::ClaimLost { client, .. }) if client == "c1"
+    ));
+    b.put_partial("t", &partial, &fresh).unwrap();
     assert_eq!(a.partials("t").unwrap(), [partial.clone()]);
+    // Once rb#1's partial holds c1's update, its claim is not taken over, gone or not.
+    assert_eq!(
+        a.claim_update("t", 1, 0, "c1", "ra#1", Some("rb#1"))
+            .unwrap()
+            .map(|c| c.replica),
+        Some("rb#1".into())
+    );
     let stale = ReplicaPartial {
         attempt: 1,
         ..partial.clone()
     };
     assert!(matches!(
-        b.put_partial("t", &stale),
+        b.put_partial("t", &stale, &[]),
         Err(StoreError::AttemptSealed { attempt: 1, .. })
     ));
     assert_eq!(a.seal_partials("t", 1, 0).unwrap(), [partial.clone()]);
     assert!(matches!(
-        b.put_partial("t", &partial),
+        b.put_partial("t", &partial, &[]),
         Err(StoreError::AttemptSealed { round: 1, .. })
     ));
     assert_eq!(b.select_client("t", 1, 0, "c9", 9).unwrap(), Closed);
@@ -538,6 +556,14 @@ fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_se
     assert!(a.partials("t").unwrap().is_empty());
     assert_eq!(b.select_client("t", 2, 0, "c2", 2).unwrap(), Selected);
     assert_eq!(a.open_round("t").unwrap().unwrap().selected, ["c1", "c2"]);
+    // The seal outlives the close: a write that still read the closed attempt as open is
+    // refused by it (here the open record is put back to round 1 by hand).
+    a.put_open_round("t", &open).unwrap();
+    assert!(matches!(
+        b.put_partial("t", &partial, &[]),
+        Err(StoreError::AttemptSealed { round: 1, .. })
+    ));
+    assert_eq!(b.select_client("t", 1, 0, "c5", 9).unwrap(), Closed);
 
     // A store one server uses shares nothing.
     let memory = crate::store::MemoryStore::new().unwrap();
