@@ -6,7 +6,11 @@
 //!   and the selection is durable before the join is answered.
 //! - **Uploads.** Before its body is read, an update is claimed in the store for the replica
 //!   that takes it ([`crate::store::RoundLog::claim_update`]), so a retry sent to another
-//!   replica after a lost acknowledgement is never folded twice. The replica folds it into its
+//!   replica after a lost acknowledgement is never folded twice (answered 409 once the first
+//!   replica recorded it, 503 while it may still). A claim is taken over only from a replica
+//!   whose heartbeat stopped, and only if none of its partials holds the update; a partial
+//!   records only updates whose claims are still its replica's (a replica that lost one ends
+//!   the round there: see [`Coordinator::checkpoint_partial`]). The replica folds it into its
 //!   own running sum of the attempt; a replica that does not lead (a *follower*) makes that sum
 //!   durable as its partial ([`Coordinator::checkpoint_partial`]: the sum's blob, then its row,
 //!   written only while the attempt is open and not sealed) before it acknowledges. The leader
