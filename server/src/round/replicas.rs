@@ -125,12 +125,7 @@ impl Coordinator {
                 .select_client(&task.id, round.number, round.attempt, client, capacity)?;
         match outcome {
             SharedSelection::Selected => {
-                let mut acc = lock(&round.acc);
-                if acc.selected.insert(client.to_string()) {
-                    acc.selected_durable += 1;
-                    lock(&round.roster).selected.insert(client.to_string());
-                }
-                drop(acc);
+                learn_selected(round, &mut lock(&round.acc), client);
                 task.bump();
                 Ok(selected(round))
             }
@@ -170,14 +165,11 @@ impl Coordinator {
                 )
             };
             if let Some(holder) = claim(None)? {
-                if self.taken_by(task, round, &holder.replica, client)? {
-                    return Err(plain::already_contributed(client, round.number));
-                }
-                // A replica that died (or a serving of this one that ended) before making it
+                // A replica that died (or a serving of this one that ended) without making it
                 // durable: its claim is taken over, once.
                 let stale = !holder.alive
                     || holder.replica.split('#').next() == self.config.replica.split('#').next();
-                let still = match stale {
+                let still = match stale && !self.taken_by(task, round, &holder.replica, client)? {
                     true => claim(Some(&holder.replica))?,
                     false => Some(holder),
                 };
@@ -211,11 +203,7 @@ impl Coordinator {
         {
             return Ok(false);
         }
-        let mut acc = lock(&round.acc);
-        if acc.selected.insert(client.to_string()) {
-            acc.selected_durable += 1;
-            lock(&round.roster).selected.insert(client.to_string());
-        }
+        learn_selected(round, &mut lock(&round.acc), client);
         Ok(true)
     }
 
@@ -480,12 +468,8 @@ impl Coordinator {
         match (&current, open) {
             (Some(r), Some(open)) if same(r, &open) => {
                 let mut acc = lock(&r.acc);
-                let mut roster = lock(&r.roster);
-                for client in open.selected {
-                    if acc.selected.insert(client.clone()) {
-                        acc.selected_durable += 1;
-                        roster.selected.insert(client);
-                    }
+                for client in &open.selected {
+                    learn_selected(r, &mut acc, client);
                 }
             }
             (_, open) => {
@@ -548,5 +532,14 @@ impl Coordinator {
         task.bump();
         self.close_if_full(&task, &round);
         Ok(())
+    }
+}
+
+/// `client` holds a place in `round` (the store says so): this replica's copy of the
+/// selections, which are durable as they are made, learns it.
+fn learn_selected(round: &Round, acc: &mut Accumulator, client: &str) {
+    if acc.selected.insert(client.to_string()) {
+        acc.selected_durable += 1;
+        lock(&round.roster).selected.insert(client.to_string());
     }
 }
