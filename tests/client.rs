@@ -442,13 +442,13 @@ async fn a_client_retries_while_the_server_is_down() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_given_several_servers_fails_over_to_one_that_answers() {
     let dir = tempfile::tempdir().unwrap();
-    // Replicas on PostgreSQL: one leads, one follows on a port of its own.
-    let mut replicas = Replicas::new(&format!("127.0.0.1:{}", free_port()));
+    // Replicas on PostgreSQL: one leads, one stands by on a port of its own (without shared
+    // blobs it cannot follow, so it serves no client).
+    let mut replicas = Replicas::on_one_data_dir(&format!("127.0.0.1:{}", free_port()));
     let server = replicas.spawn().listening();
     let standby_listen = format!("127.0.0.1:{}", free_port());
     let _standby = replicas.spawn_on(&standby_listen);
     let admin = server.api(ADMIN_TOKEN);
-    // An asynchronous task: the leader serves its joins and uploads alone.
     let (_, digest) = upload_initial(&admin).await;
     admin
         .create_task(&wire::CreateTask {
@@ -462,23 +462,22 @@ async fn a_client_given_several_servers_fails_over_to_one_that_answers() {
         })
         .await;
     let token = admin.enrolment_token().await;
-    // The first URL is a port nothing listens on (a server that died), the second the follower
-    // (it enrols the client and answers its polls, but answers its join 503 `standby` once its
-    // port is up): the client moves on to the leader.
+    // The first URL is a port nothing listens on (a server that died), the second the standby
+    // (it answers 503 `standby` once its port is up): the client moves on to the leader.
     let http = hora_server::tls::https_client(&server.ca, None).expect("an HTTPS client");
     let asked = Instant::now();
-    let following = || async {
+    let standing_by = || async {
         let answer = http
-            .get(format!("https://{standby_listen}/readyz"))
+            .get(format!("https://{standby_listen}/healthz"))
             .send()
             .await
             .ok()?;
         Some(answer.status().is_success())
     };
-    while following().await != Some(true) {
+    while standing_by().await != Some(true) {
         assert!(
             asked.elapsed().as_secs() < 30,
-            "the follower does not answer"
+            "the standby does not answer"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -150,6 +150,9 @@ impl From<crate::store::StoreError> for ServerError {
                 ErrorCode::RoundClosed,
                 format!("round {round} is closing; poll for the next"),
             ),
+            e @ crate::store::StoreError::NoTrainingSlot { .. } => {
+                ServerError::conflict(ErrorCode::NotSelected, e.to_string())
+            }
             e => ServerError::Internal(e.to_string()),
         }
     }

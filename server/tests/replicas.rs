@@ -1,7 +1,7 @@
 //! Replicas on one PostgreSQL database (a real server the test starts) with their blobs in one
 //! shared directory (`--blobs file://…`): the first `hora-server` process leads, the others
-//! follow, serving clients' joins and uploads of plain rounds and answering 503 `standby` to the
-//! rest (the admin API). The leader is SIGKILLed with a round half done: a follower takes the
+//! follow, serving clients' joins and uploads of plain rounds (and of asynchronous tasks) and
+//! answering 503 `standby` to the rest (the admin API). The leader is SIGKILLed with a round half done: a follower takes the
 //! lease within the lease's length and two seconds, and the round publishes with every
 //! acknowledged update, FedAvg of all of them, though PostgreSQL itself is stopped and started
 //! again while it is open. Three replicas serve one round's clients together, each folding the
@@ -9,7 +9,9 @@
 //! round still publishes FedAvg of every acknowledged update, none twice. `hora-server status`
 //! shows who leads at each step, and a clean stop hands the lease back at once. A leader cut off
 //! from the database (through a relay the test cuts) stops acknowledging, and steps down when it
-//! is back, while the other replica carries on.
+//! is back, while the other replica carries on. An asynchronous (FedBuff) task's clients join
+//! at one replica and upload at another, and every version is the staleness-weighted average of
+//! the buffer its history lists.
 
 mod support;
 
@@ -473,6 +475,272 @@ async fn three_replicas_serve_one_round_and_it_publishes_every_acknowledged_upda
         .map(|d| d.map(|e| e.unwrap().file_name()).collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "checkpoints left: {left:?}");
+}
+
+/// Waits until each replica at `urls` serves version `version` of `task` (asked with `client`'s
+/// credentials), twenty seconds at most.
+async fn serving(client: &support::Client, urls: &[String], task: &str, version: u64) {
+    for url in urls {
+        let api = support::Api {
+            url: url.clone(),
+            ..client.api.clone()
+        };
+        let started = Instant::now();
+        loop {
+            let poll = api
+                .call(Method::GET, &format!("/v1/tasks/{task}/poll"), None)
+                .await;
+            if poll["open_round"] == version {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "{url} does not serve version {version}: {poll}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// An asynchronous (FedBuff) task whose seven clients each join at one replica and upload at
+/// another: buffers of three fill across the replicas, a version is published when its buffer
+/// is full wherever its updates were taken, and each version is the staleness-weighted average
+/// of its buffer, computed here independently (`n·(1 + s)^-½`, relative 1e-6). A retry at a
+/// third replica is refused as in, and an update three versions stale as too stale.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_asynchronous_task_across_three_replicas_publishes_the_staleness_weighted_versions_of_its_buffers(
+) {
+    const TASK: &str = "fedbuff";
+    let postgres = test_server::TestServer::start();
+    let store = postgres.url();
+    let dirs = Dirs::new();
+    let a = dirs.replica(0, &store).listening();
+    let mut b = dirs.replica_on(1, &store, "127.0.0.1:0");
+    let b_url = b.following();
+    let mut c = dirs.replica_on(2, &store, "127.0.0.1:0");
+    let c_url = c.following();
+    let http = a.http();
+    let urls = [a.url.clone(), b_url, c_url];
+    let at = |client: &support::Client, replica: usize| support::Client {
+        api: support::Api {
+            url: urls[replica % 3].clone(),
+            http: http.clone(),
+            token: client.api.token.clone(),
+        },
+        id: client.id.clone(),
+    };
+
+    let admin = a.admin();
+    let initial = model([1.0, -2.0, 0.5, 4.0]);
+    let digest = admin.upload_model(&initial).await;
+    admin
+        .call(
+            Method::POST,
+            "/admin/v1/tasks",
+            Some(json!({
+                "id": TASK, "initial_model": digest,
+                "model": {"kind": "builtin", "name": "mlp"},
+                "rounds": 10, "min_clients": 1, "target_clients": 3, "round_deadline_secs": 600,
+                "asynchronous": {
+                    "buffer_size": 3, "max_staleness": 2, "concurrency": 8,
+                    "staleness": {"kind": "polynomial", "exponent": 0.5},
+                },
+            })),
+        )
+        .await;
+    // Client k joins at replica k and uploads at replica k + 1 (of three).
+    let mut clients = Vec::new();
+    let mut offers = Vec::new();
+    for k in 0..7 {
+        let client = at(&admin.enrol().await, k);
+        offers.push(client.join(TASK).await);
+        clients.push(client);
+    }
+    let delta = |seed: u64| {
+        let s = seed as f32;
+        model([s, -0.5 * s, 1.0 / s, 0.25 * s * s])
+    };
+    // (client, base version, examples, delta) of each acknowledged update.
+    let mut updates: Vec<(String, u64, u64, Model)> = Vec::new();
+    // An upload, sent again while it is answered 503 (as the SDK does): a replica that had not
+    // recorded it when its version closed asks for it again, for the next version.
+    let mut up = |k: usize, examples: u64, seed: u64, offers: &[RoundOffer]| {
+        let (client, offer) = (at(&clients[k], k + 1), offers[k].clone());
+        updates.push((client.id.clone(), offer.round, examples, delta(seed)));
+        async move {
+            let started = Instant::now();
+            loop {
+                match client
+                    .try_upload(TASK, &offer, examples, &delta(seed))
+                    .await
+                {
+                    200 => return,
+                    503 if started.elapsed() < Duration::from_secs(20) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await
+                    }
+                    status => panic!("client {k}'s upload was answered {status}"),
+                }
+            }
+        }
+    };
+
+    // Version 1's buffer, one update at each replica; client 1's retry at a third is in.
+    up(0, 10, 1, &offers).await;
+    up(1, 20, 2, &offers).await;
+    let refused = |k: usize, replica: usize, offer: &RoundOffer, seed: u64| {
+        let (client, offer) = (at(&clients[k], replica), offer.clone());
+        async move {
+            let plaintext = delta(seed).to_safetensors();
+            client.upload_plaintext(TASK, &offer, 10, &plaintext).await
+        }
+    };
+    let (status, again) = refused(1, 0, &offers[1], 2).await;
+    assert_eq!(status, 409, "a retry at another replica: {again}");
+    assert!(again.contains("already_contributed"), "{again}");
+    up(2, 30, 3, &offers).await;
+    serving(&clients[0], &urls, TASK, 2).await;
+    // Version 2's: client 3 trained from version 1, client 0 from version 2, client 4 from 1.
+    up(3, 10, 4, &offers).await;
+    offers[0] = clients[0].join(TASK).await;
+    assert_eq!(offers[0].round, 2);
+    up(0, 10, 5, &offers).await;
+    up(4, 40, 6, &offers).await;
+    serving(&clients[0], &urls, TASK, 3).await;
+    // Version 3's: client 1 from version 3, client 5 from version 1 (two versions stale, the
+    // most allowed: the key of version 1 is at every replica), client 2 from version 3.
+    offers[1] = clients[1].join(TASK).await;
+    up(1, 20, 7, &offers).await;
+    up(5, 10, 8, &offers).await;
+    offers[2] = clients[2].join(TASK).await;
+    up(2, 5, 9, &offers).await;
+    serving(&clients[0], &urls, TASK, 4).await;
+    let history = admin
+        .call(Method::GET, &format!("/admin/v1/tasks/{TASK}/rounds"), None)
+        .await;
+    let bases: Vec<Vec<u64>> = history
+        .as_array()
+        .expect("the history")
+        .iter()
+        .map(|h| serde_json::from_value(h["staleness"]["bases"].clone()).expect("bases"))
+        .map(|mut bases: Vec<u64>| {
+            bases.sort_unstable();
+            bases
+        })
+        .collect();
+    assert_eq!(bases, [[1, 1, 1], [1, 1, 2], [1, 3, 3]], "{history}");
+    // Version 4's buffer fills at the leader while client 0 uploads at b: b may fold it into
+    // version 4 before the leader seals it (a buffer one larger), or after (it asks for the
+    // update again, for version 5), or into version 5.
+    for k in [0, 3, 4, 5] {
+        offers[k] = clients[k].join(TASK).await;
+    }
+    up(3, 10, 11, &offers).await;
+    up(4, 20, 12, &offers).await;
+    let (filling, racing) = (up(5, 30, 13, &offers), up(0, 10, 14, &offers));
+    tokio::join!(filling, racing);
+    // Client 6, still on version 1, is at least three versions behind now.
+    let (status, stale) = refused(6, 1, &offers[6], 10).await;
+    assert_eq!(status, 409, "an update three versions stale: {stale}");
+    assert!(stale.contains("too_stale"), "{stale}");
+
+    // Version 5 fills with what version 4 left of the two racing updates (one of them, unless
+    // both made version 4's buffer one larger).
+    admin.wait_published(TASK, 4).await;
+    let fourth = admin
+        .call(Method::GET, &format!("/admin/v1/tasks/{TASK}/rounds"), None)
+        .await[3]["participants"]
+        .clone();
+    let carried: Vec<usize> = [0, 5]
+        .into_iter()
+        .filter(|k| {
+            !fourth
+                .as_array()
+                .expect("participants")
+                .contains(&json!(clients[*k].id))
+        })
+        .collect();
+    serving(&clients[0], &urls, TASK, 5).await;
+    let fillers = [3, 4, 5, 0].into_iter().filter(|k| !carried.contains(k));
+    for (seed, k) in (15..).zip(fillers.take(3 - carried.len())) {
+        offers[k] = clients[k].join(TASK).await;
+        up(k, 10, seed, &offers).await;
+    }
+
+    // A leader that sealed version 6 (it was closing it) dies before the close is recorded: no
+    // replica can add to the version, and it has no deadline, so the replica that takes the
+    // lease closes it at once, with the update a follower recorded.
+    admin.wait_published(TASK, 5).await;
+    serving(&clients[0], &urls, TASK, 6).await;
+    offers[1] = clients[1].join(TASK).await;
+    up(1, 10, 20, &offers).await;
+    let (db, connection) = tokio_postgres::connect(&store, tokio_postgres::NoTls)
+        .await
+        .expect("a connection to the test's database");
+    tokio::spawn(connection);
+    db.execute(
+        "INSERT INTO round_seals (task, round, attempt) VALUES ($1, 6, 0)
+         ON CONFLICT (task) DO UPDATE SET round = 6, attempt = 0",
+        &[&TASK],
+    )
+    .await
+    .expect("a seal");
+    a.kill();
+    let b = b.listening();
+    let admin = b.admin();
+    admin.wait_published(TASK, 6).await;
+
+    // Independently: each version from the one before and the updates its history lists, each
+    // weighted by its example count and (1 + staleness)^-½; every acknowledged update is in
+    // exactly one version.
+    let history = admin
+        .call(Method::GET, &format!("/admin/v1/tasks/{TASK}/rounds"), None)
+        .await;
+    let mut global: Vec<f64> = initial.data().iter().map(|v| f64::from(*v)).collect();
+    let mut counted = Vec::new();
+    for entry in history.as_array().expect("the history") {
+        let version = entry["round"].as_u64().expect("a version");
+        let participants: Vec<String> =
+            serde_json::from_value(entry["participants"].clone()).expect("participants");
+        let bases: Vec<u64> =
+            serde_json::from_value(entry["staleness"]["bases"].clone()).expect("bases");
+        let buffer: Vec<_> = participants
+            .iter()
+            .zip(&bases)
+            .map(|(client, base)| {
+                counted.push((client.clone(), *base));
+                updates
+                    .iter()
+                    .find(|(c, b, _, _)| c == client && b == base)
+                    .unwrap_or_else(|| panic!("version {version} holds an update never sent"))
+            })
+            .collect();
+        let total: f64 = buffer.iter().map(|(_, _, n, _)| *n as f64).sum();
+        for (j, g) in global.iter_mut().enumerate() {
+            let sum: f64 = buffer
+                .iter()
+                .map(|(_, base, n, d)| {
+                    let w = (1.0 + (version - base) as f64).powf(-0.5);
+                    *n as f64 * w * f64::from(d.data()[j])
+                })
+                .sum();
+            *g += sum / total;
+        }
+        let published = admin.round_model(TASK, version).await;
+        for (j, (got, want)) in published.data().iter().zip(&global).enumerate() {
+            assert!(
+                (f64::from(*got) - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "version {version}, parameter {j}: {got} != {want}"
+            );
+        }
+        // (The next version builds on what was published, as the server's does.)
+        global = published.data().iter().map(|v| f64::from(*v)).collect();
+    }
+    counted.sort();
+    let mut sent: Vec<_> = updates.iter().map(|(c, b, _, _)| (c.clone(), *b)).collect();
+    sent.sort();
+    assert_eq!(counted, sent, "{history}");
+    println!("racing updates carried from version 4 into 5: {carried:?}");
+    drop((b, c));
 }
 
 /// A TCP relay on loopback to PostgreSQL (or the blob store), standing for the network between

@@ -245,13 +245,16 @@ pub mod test_server;
 /// Replicas of one server: `hora-server` processes on one PostgreSQL database of the test's own,
 /// their blobs in one shared directory (`--blobs file://…`) and their development certificates
 /// in another, all on one `--listen` address (a standby finds it taken, and listens only once it
-/// leads) unless started [on one of its own](Replicas::spawn_on) (it follows there), each with its own data
-/// directory and a lease of two seconds.
+/// leads) unless started [on one of its own](Replicas::spawn_on) (it follows there), each with
+/// its own data directory and a lease of two seconds. [`Replicas::on_one_data_dir`] starts them
+/// without `--blobs`, on one data directory instead: then none can follow, and a standby on an
+/// address of its own answers clients 503 `standby` until it leads.
 pub struct Replicas {
     postgres: test_server::TestServer,
     pub listen: String,
     shared: tempfile::TempDir,
     dirs: Vec<tempfile::TempDir>,
+    shared_blobs: bool,
 }
 
 impl Replicas {
@@ -261,6 +264,14 @@ impl Replicas {
             listen: listen.to_string(),
             shared: tempfile::tempdir().expect("a temporary directory"),
             dirs: Vec::new(),
+            shared_blobs: true,
+        }
+    }
+
+    pub fn on_one_data_dir(listen: &str) -> Replicas {
+        Replicas {
+            shared_blobs: false,
+            ..Replicas::new(listen)
         }
     }
 
@@ -271,27 +282,25 @@ impl Replicas {
     }
 
     /// [`spawn`](Self::spawn) on an address of its own, where it serves clients as a follower
-    /// until it leads.
+    /// until it leads (it stands by there instead [on one data directory](Self::on_one_data_dir)).
     pub fn spawn_on(&mut self, listen: &str) -> Starting {
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let blobs = format!("file://{}", self.shared.path().join("blobs").display());
         let certs = self.shared.path().join("certs");
-        let mut starting = Server::spawn_on(
-            dir.path(),
-            listen,
-            &[
-                "--store",
-                &self.postgres.url(),
-                "--blobs",
-                &blobs,
-                "--lease-secs",
-                "2",
-                "--certs-dir",
-                certs.to_str().expect("a UTF-8 path"),
-            ],
-        );
+        let (store, blobs) = (self.postgres.url(), self.shared.path().join("blobs"));
+        let blobs = format!("file://{}", blobs.display());
+        let mut args = vec!["--store", &store, "--lease-secs", "2", "--certs-dir"];
+        args.push(certs.to_str().expect("a UTF-8 path"));
+        let data = match self.shared_blobs {
+            true => {
+                args.extend(["--blobs", &blobs]);
+                let dir = tempfile::tempdir().expect("a temporary directory");
+                let path = dir.path().to_path_buf();
+                self.dirs.push(dir);
+                path
+            }
+            false => self.shared.path().join("data"),
+        };
+        let mut starting = Server::spawn_on(&data, listen, &args);
         starting.ca = certs.join("ca.pem");
-        self.dirs.push(dir);
         starting
     }
 }

@@ -24,7 +24,8 @@
 //! version (and only from a version later than its last one), one at a time; an update is
 //! acknowledged only once a checkpoint or the publication that contains it is durable. The keys
 //! of the versions still within `max_staleness` travel in the open round's record, so a restart
-//! opens the updates clients trained before it.
+//! opens the updates clients trained before it. On a store that replicas share, every replica
+//! serves the task: see [`super::replicas`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -36,12 +37,14 @@ use hora_common::wire::{self, AsynchronousConfig, ErrorCode, VersionStaleness};
 
 use super::collection::{Collection, Folded, Joined, Opened, Step};
 use super::plain::already_contributed;
+use super::replicas::learn_selected;
 use super::upload::{Admission, Sealing};
 use super::{jitter, lock, now_ms, Coordinator, Round, Task};
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
 use crate::store::{
-    Contribution, EarlierVersion, OpenRoundRecord, Retention, Store, TaskRecord, TrainingSlot,
+    Contribution, EarlierVersion, OpenRoundRecord, Retention, SlotTaken, Store, TaskRecord,
+    TrainingSlot,
 };
 
 /// Buffered asynchronous aggregation. One collection serves every version of its task.
@@ -210,6 +213,55 @@ impl AsyncCollection {
         })
     }
 
+    /// [`AsyncCollection::join`] on a store replicas share: the slot is taken in the store, so
+    /// that the task's concurrency holds across replicas and the client may upload at any of
+    /// them; durable once this returns. A client whose update of the open version is in, at
+    /// whichever replica, waits for the next. Blocking.
+    fn join_shared(
+        &self,
+        engine: &Coordinator,
+        task: &Task,
+        record: &TaskRecord,
+        round: &Arc<Round>,
+        client: &str,
+    ) -> Result<Joined, ServerError> {
+        if !lock(&round.acc).phase.is_collecting() {
+            return Ok(Joined::Wait);
+        }
+        if lock(&self.state)
+            .last_base
+            .get(client)
+            .is_some_and(|b| *b >= round.number)
+        {
+            return Err(already_contributed(client, round.number));
+        }
+        // (The store's transaction is not held under a lock.)
+        let taken = engine.store().take_slot(
+            &task.id,
+            round.number,
+            round.attempt,
+            client,
+            self.slot_ms,
+            self.config.concurrency,
+        )?;
+        let until = match taken {
+            SlotTaken::Held { until_unix_ms } => until_unix_ms,
+            SlotTaken::Full | SlotTaken::Closed => return Ok(Joined::Wait),
+            SlotTaken::Contributed => return Err(already_contributed(client, round.number)),
+        };
+        learn_selected(round, &mut lock(&round.acc), client);
+        lock(&self.state).slots.insert(client.to_string(), until);
+        task.bump();
+        Ok(Joined::Selected {
+            round: round.clone(),
+            upto: 0,
+            answer: Box::new(wire::JoinResponse {
+                offer: Some(round.offer(record, until)),
+                retry_after_ms: 0,
+            }),
+        })
+    }
+
     /// The checks an upload trained from version `base` must pass before its body is read.
     fn admit_upload(
         &self,
@@ -281,9 +333,16 @@ impl AsyncCollection {
     /// Folds an opened update (`update.base` says which version it was trained from) into the
     /// buffer open now (the one checked may have closed meanwhile: the update goes into the
     /// next), weighted by its example count and its staleness; `scale` is what the task's norm
-    /// bound asks for. Returns the round it went into, its index there, and whether it was
-    /// folded now (false: a retry that raced its first attempt).
-    fn fold_into_open(&self, task: &Task, opened: Opened<'_>) -> Result<Folded, ServerError> {
+    /// bound asks for. With `only` (the version its claim across replicas is for), into that
+    /// one or none: its client sends it again for the next. Returns the round it went into, its
+    /// index there, and whether it was folded now (false: a retry that raced its first
+    /// attempt).
+    fn fold_into_open(
+        &self,
+        task: &Task,
+        only: Option<&Arc<Round>>,
+        opened: Opened<'_>,
+    ) -> Result<Folded, ServerError> {
         let Opened {
             mut update,
             sealed: base,
@@ -296,12 +355,21 @@ impl AsyncCollection {
         // A close holds the buffer's lock until the next version is installed, so a buffer found
         // closed has a successor already, unless the task ended.
         for _ in 0..64 {
-            let round = task.current().ok_or_else(|| {
-                ServerError::conflict(ErrorCode::RoundClosed, "the task takes no more updates")
-            })?;
+            let round = match only {
+                Some(round) => round.clone(),
+                None => task.current().ok_or_else(|| {
+                    ServerError::conflict(ErrorCode::RoundClosed, "the task takes no more updates")
+                })?,
+            };
             let mut acc = lock(&round.acc);
             if !acc.phase.is_collecting() {
                 drop(acc);
+                if only.is_some() {
+                    return Err(ServerError::unavailable(
+                        ErrorCode::RoundClosed,
+                        format!("version {} closed while this update was being read; send the same upload again: it goes into the next version", round.number),
+                    ));
+                }
                 if task.current().is_some_and(|c| !Arc::ptr_eq(&c, &round)) {
                     continue;
                 }
@@ -381,11 +449,6 @@ impl Collection for AsyncCollection {
         "asynchronous"
     }
 
-    /// Versions are published every `buffer_size` updates, counted in one place: the leader's.
-    fn spans_replicas(&self) -> bool {
-        false
-    }
-
     fn select(
         &self,
         engine: &Coordinator,
@@ -394,7 +457,10 @@ impl Collection for AsyncCollection {
         round: &Arc<Round>,
         client: &str,
     ) -> Result<Joined, ServerError> {
-        let joined = self.join(round, record, client);
+        let joined = match engine.spans_replicas(round) {
+            true => self.join_shared(engine, task, record, round, client),
+            false => self.join(round, record, client),
+        };
         self.report(&engine.metrics, &task.id, round.counts().1);
         joined
     }
@@ -419,6 +485,48 @@ impl Collection for AsyncCollection {
         self.training()
     }
 
+    /// A slot another replica gave: the store has it.
+    fn selected_elsewhere(
+        &self,
+        engine: &Coordinator,
+        task: &Task,
+        _: &Round,
+        client: &str,
+    ) -> Result<bool, ServerError> {
+        let Some(until) = engine.store().training_slot(&task.id, client)? else {
+            return Ok(false);
+        };
+        lock(&self.state).slots.insert(client.to_string(), until);
+        Ok(true)
+    }
+
+    fn spends_slots(&self) -> bool {
+        true
+    }
+
+    /// An update trained from version `b` goes into whichever version is open when it is
+    /// folded, within `max_staleness`.
+    fn carries_over(&self) -> bool {
+        true
+    }
+
+    /// The updates other replicas folded count as their clients' newest, as this replica's
+    /// own do (and are undone with them if the version is abandoned).
+    fn merged(&self, round: &Round, contributions: &[Contribution]) {
+        let mut state = lock(&self.state);
+        for c in contributions {
+            let Some(base) = c.base else { continue };
+            let before = state.last_base.get(&c.client).copied();
+            state
+                .last_base
+                .insert(c.client.clone(), before.map_or(base, |b| b.max(base)));
+            state
+                .undo
+                .push((round.number, round.attempt, c.client.clone(), before));
+            state.slots.remove(&c.client);
+        }
+    }
+
     /// How long a client without a slot waits before asking again: about the time until the
     /// next update frees one, jittered so that waiting clients do not come back as one herd.
     fn retry_after_ms(&self, _: &Round) -> u64 {
@@ -439,11 +547,14 @@ impl Collection for AsyncCollection {
         &self,
         engine: &Coordinator,
         task: &Task,
-        _: &Arc<Round>,
+        round: &Arc<Round>,
         opened: Opened<'_>,
     ) -> Result<Folded, ServerError> {
         let sealed = opened.sealed;
-        let folded = self.fold_into_open(task, opened)?;
+        // Across replicas, an update goes only into the version it was claimed for (a claim is
+        // what keeps a retry at another replica from being folded twice).
+        let only = engine.spans_replicas(round).then_some(round);
+        let folded = self.fold_into_open(task, only, opened)?;
         if folded.now {
             engine
                 .metrics

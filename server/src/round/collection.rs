@@ -126,6 +126,36 @@ pub trait Collection: Send + Sync {
         true
     }
 
+    /// Whether `client`, refused as not selected by this replica's copy of `round`, holds a
+    /// place that another replica gave it (the store says); if so, the copy learns it.
+    /// Blocking.
+    fn selected_elsewhere(
+        &self,
+        engine: &Coordinator,
+        task: &Task,
+        round: &Round,
+        client: &str,
+    ) -> Result<bool, ServerError> {
+        engine.selected_in_store(task, round, client)
+    }
+
+    /// Whether a client's update spends a training slot it holds in the store (taken when it
+    /// joined, at any replica): a claim on an update across replicas needs one.
+    fn spends_slots(&self) -> bool {
+        false
+    }
+
+    /// Whether an update that a replica folded into a round the leader closed before the
+    /// replica recorded it may go into a later round: its client is asked to send it again
+    /// (503) rather than told it missed the round.
+    fn carries_over(&self) -> bool {
+        false
+    }
+
+    /// The leader merged other replicas' partials of `round` into its sum: their updates, now
+    /// the round's too.
+    fn merged(&self, _round: &Round, _contributions: &[Contribution]) {}
+
     /// What a round offer carries for this mode.
     fn offer(&self) -> Option<SecAggOffer> {
         None

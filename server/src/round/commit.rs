@@ -226,6 +226,15 @@ impl Coordinator {
             )
         })?;
         match outcome {
+            Durability::Ended { upto, why } if index >= upto && round.collection.carries_over() => {
+                Err(ServerError::unavailable(
+                    ErrorCode::RoundClosed,
+                    format!(
+                        "version {} took no more updates here before this one was recorded ({why}); send the same upload again: it goes into the next version",
+                        round.number
+                    ),
+                ))
+            }
             Durability::Ended { upto, why } if index >= upto => Err(ServerError::conflict(
                 ErrorCode::RoundClosed,
                 format!(

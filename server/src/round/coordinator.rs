@@ -210,7 +210,17 @@ impl Coordinator {
                 self.watch_evaluation(task.clone(), e.round, e.deadline_unix_ms);
             }
             if let Some(round) = task.current() {
+                let spans = self.spans_replicas(&round);
                 self.watch(task.clone(), round);
+                if spans {
+                    let (me, id) = (self.clone(), task.id.clone());
+                    self.background.spawn(async move {
+                        let caught = crate::blocking(move || me.catch_up(&id)).await;
+                        if let Err(e) = caught {
+                            tracing::warn!(error = %e, "reading what other replicas recorded of a resumed round failed; the round closes at its next full count or deadline");
+                        }
+                    });
+                }
             }
             if task.record().parent.is_some() {
                 self.follow_parent(task);

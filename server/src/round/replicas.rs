@@ -1,5 +1,6 @@
 //! Serving replicas: every replica of a deployment whose store they share (PostgreSQL and a
-//! shared blob store) takes joins and uploads of plain rounds; one of them leads.
+//! shared blob store) takes joins and uploads of plain rounds and asynchronous tasks; one of
+//! them leads.
 //!
 //! - **Joins.** A client is selected in the store ([`crate::store::RoundLog::select_client`]),
 //!   one row per client under a per-task lock, so the attempt's capacity holds across replicas
@@ -27,8 +28,18 @@
 //!   record replaces its copy, a new task is served. The leader follows the feed too, to count
 //!   the partials of its open rounds: a round full across replicas closes before its deadline.
 //!
-//! Secure aggregation and asynchronous (FedBuff) tasks are the leader's alone: a follower answers
-//! their clients 503 `standby`, and clients given several servers move on to the leader.
+//! - **Asynchronous (FedBuff) tasks.** A version is an attempt like any other: every replica
+//!   folds the updates it takes into its partial of the open version, staleness-weighted
+//!   against that version, and the leader publishes when the buffer is full across replicas.
+//!   Training slots are rows in the store ([`crate::store::RoundLog::take_slot`]), so the
+//!   task's concurrency holds across replicas and a client may upload where it did not join; a
+//!   claim needs the client's slot, and the durable update spends it. An update goes only into
+//!   the version it was claimed for: one that closed before the replica recorded it is answered
+//!   503, and its client sends it again for the next. A client contributes at most one update
+//!   to a version across replicas (on one server, one per version it trained from).
+//!
+//! Secure aggregation is the leader's alone: a follower answers its clients 503 `standby`, and
+//! clients given several servers move on to the leader.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -54,8 +65,8 @@ pub enum Role {
     /// the lease of a store replicas share.
     #[default]
     Leader,
-    /// It serves clients of plain rounds without leading: it folds the uploads it takes into
-    /// partials of its own, which the leader merges.
+    /// It serves clients of plain rounds and asynchronous tasks without leading: it folds the
+    /// uploads it takes into partials of its own, which the leader merges.
     Follower,
 }
 
@@ -65,8 +76,8 @@ impl Coordinator {
         self.config.role == Role::Follower
     }
 
-    /// Whether `round`'s clients may be served by any replica: a plain round on a store that
-    /// replicas share.
+    /// Whether `round`'s clients may be served by any replica: a round whose mode allows it
+    /// (plain, asynchronous) on a store that replicas share.
     pub(crate) fn spans_replicas(&self, round: &Round) -> bool {
         self.store.shared() && round.collection.spans_replicas()
     }
@@ -144,27 +155,53 @@ impl Coordinator {
         number: u64,
         checked: Result<Admission, ServerError>,
     ) -> Result<Admission, ServerError> {
+        let claim = |from: Option<&str>| {
+            self.store.claim_update(
+                &task.id,
+                round.number,
+                round.attempt,
+                client,
+                &self.config.replica,
+                from,
+                round.collection.spends_slots(),
+            )
+        };
         let checked = match checked {
             Err(e)
                 if e.code() == ErrorCode::NotSelected
-                    && self.selected_elsewhere(task, round, client)? =>
+                    && round
+                        .collection
+                        .selected_elsewhere(self, task, round, client)? =>
             {
                 round.collection.check_upload(task, round, client, number)?
+            }
+            // A slot is spent by the update it was given for: the retry of one that another
+            // replica recorded (its answer lost) is told it is in. (Without a slot, the claim
+            // is refused and leaves nothing.)
+            Err(e) if e.code() == ErrorCode::NotSelected && round.collection.spends_slots() => {
+                return match claim(None) {
+                    Ok(Some(holder)) if self.taken_by(task, round, &holder.replica, client)? => {
+                        Err(plain::already_contributed(client, round.number))
+                    }
+                    _ => Err(e),
+                };
             }
             other => other?,
         };
         if let Admission::Fresh(..) = checked {
-            let claim = |from: Option<&str>| {
-                self.store.claim_update(
-                    &task.id,
-                    round.number,
-                    round.attempt,
-                    client,
-                    &self.config.replica,
-                    from,
-                )
+            let claimed = match claim(None) {
+                // An asynchronous update is not lost with its version: it goes into the next.
+                Err(StoreError::AttemptSealed { round: number, .. })
+                    if round.collection.carries_over() =>
+                {
+                    return Err(ServerError::unavailable(
+                        ErrorCode::RoundClosed,
+                        format!("version {number} is closing; send the same upload again: it goes into the next version"),
+                    ));
+                }
+                other => other?,
             };
-            if let Some(holder) = claim(None)? {
+            if let Some(holder) = claimed {
                 // A replica that died (or a serving of this one that ended) without making it
                 // durable: its claim is taken over, once.
                 let stale = !holder.alive
@@ -188,8 +225,8 @@ impl Coordinator {
     }
 
     /// Whether the store lists `client` as selected for `round` (it joined at another
-    /// replica); if so, this replica's copy of the selections learns it.
-    fn selected_elsewhere(
+    /// replica); if so, this replica's copy of the selections learns it. Blocking.
+    pub(crate) fn selected_in_store(
         &self,
         task: &Task,
         round: &Round,
@@ -346,6 +383,7 @@ impl Coordinator {
             let sum = WeightedSum::from_parts(spec.clone(), values, partial.total_weight, n)
                 .map_err(ServerError::internal)?;
             acc.sum.merge(&sum).map_err(ServerError::internal)?;
+            round.collection.merged(round, &partial.contributions);
             let mut roster = lock(&round.roster);
             for c in partial.contributions {
                 acc.behind = acc.behind.saturating_add(c.contributors.saturating_sub(1));
@@ -503,6 +541,24 @@ impl Coordinator {
         self.resume_round(record, open)
     }
 
+    /// A leader's first look at task `id`'s open round, resumed from the store, if it spans
+    /// replicas: the partials recorded meanwhile count, and an attempt that a leader which died
+    /// (or lost its lease) had sealed closes now. No replica can add to a sealed attempt, and an
+    /// asynchronous version has no deadline to close it. Blocking.
+    pub(crate) fn catch_up(&self, id: &str) -> Result<(), ServerError> {
+        self.count_partials(id)?;
+        let Some(round) = self.task(id).ok().and_then(|t| t.current()) else {
+            return Ok(());
+        };
+        if !self.spans_replicas(&round) || !self.store.sealed(id, round.number, round.attempt)? {
+            return Ok(());
+        }
+        tracing::info!(task = %id, round = round.number, attempt = round.attempt, "the attempt was sealed by a leader that did not finish closing it: closing it now");
+        lock(&round.acc).close_requested = true;
+        round.wake.notify_one();
+        Ok(())
+    }
+
     /// The leader's count of the updates other replicas hold for task `id`'s open round: a
     /// round full across replicas closes now. Blocking.
     fn count_partials(&self, id: &str) -> Result<(), ServerError> {
@@ -537,7 +593,7 @@ impl Coordinator {
 
 /// `client` holds a place in `round` (the store says so): this replica's copy of the
 /// selections, which are durable as they are made, learns it.
-fn learn_selected(round: &Round, acc: &mut Accumulator, client: &str) {
+pub(crate) fn learn_selected(round: &Round, acc: &mut Accumulator, client: &str) {
     if acc.selected.insert(client.to_string()) {
         acc.selected_durable += 1;
         lock(&round.roster).selected.insert(client.to_string());

@@ -321,10 +321,38 @@ pub trait RoundLog: Durable {
         Err(StoreError::NotShared("selecting across replicas"))
     }
 
+    /// Gives `client` a training slot of asynchronous task `task` for `slot_ms` from now (the
+    /// store's clock), or finds the unexpired one it holds: durable when this returns. Refused
+    /// while `concurrency` clients hold one, while the client's update of the open attempt
+    /// (`round`, `attempt`) is claimed (it waits for the next version), and once that attempt
+    /// is closing.
+    #[allow(clippy::too_many_arguments)]
+    fn take_slot(
+        &self,
+        _task: &str,
+        _round: u64,
+        _attempt: u32,
+        _client: &str,
+        _slot_ms: u64,
+        _concurrency: u32,
+    ) -> Result<SlotTaken, StoreError> {
+        Err(StoreError::NotShared("training slots across replicas"))
+    }
+
+    /// When the unexpired training slot `client` holds for `task` lapses (Unix ms), if it holds
+    /// one.
+    fn training_slot(&self, _task: &str, _client: &str) -> Result<Option<u64>, StoreError> {
+        Ok(None)
+    }
+
     /// Takes `client`'s update of the attempt for `replica` (`<process's replica id>#<serving
     /// incarnation>`) to fold, unless another took it already: None when it is `replica`'s
     /// (now or before), else the other's claim. With `from` (a claim found before, whose
-    /// holder is gone and holds no such update), takes it over if it is still `from`'s.
+    /// holder is gone and holds no such update), takes it over if it is still `from`'s. With
+    /// `slotted` (an asynchronous task's update), a new claim needs the client to hold a
+    /// training slot ([`StoreError::NoTrainingSlot`] otherwise), which the update spends once
+    /// it is durable.
+    #[allow(clippy::too_many_arguments)]
     fn claim_update(
         &self,
         _task: &str,
@@ -333,6 +361,7 @@ pub trait RoundLog: Durable {
         _client: &str,
         _replica: &str,
         _from: Option<&str>,
+        _slotted: bool,
     ) -> Result<Option<Claim>, StoreError> {
         Err(StoreError::NotShared("taking updates across replicas"))
     }
@@ -359,6 +388,12 @@ pub trait RoundLog: Durable {
         _attempt: u32,
     ) -> Result<Vec<ReplicaPartial>, StoreError> {
         Ok(Vec::new())
+    }
+
+    /// Whether a seal covers attempt `attempt` of round `round` of `task`: a leader began
+    /// closing it (no replica records anything more for it).
+    fn sealed(&self, _task: &str, _round: u64, _attempt: u32) -> Result<bool, StoreError> {
+        Ok(false)
     }
 
     /// Every partial recorded for `task`'s attempts (their blobs are in use).

@@ -64,6 +64,10 @@ pub enum StoreError {
         round: u64,
         client: String,
     },
+    /// An asynchronous task's update was claimed for a client that holds no training slot in
+    /// the store (it never joined, its slot lapsed, or an earlier update spent it).
+    #[error("client `{client}` holds no training slot of task `{task}`: join the task first (a slot lapses round_deadline_secs after it is given, and is spent by the upload it was given for)")]
+    NoTrainingSlot { task: String, client: String },
     /// What replicas share of an attempt (selections, claims, partial sums) was asked of a
     /// store only one server uses.
     #[error("{0} needs a store that replicas share (--store postgres://…)")]
@@ -289,6 +293,19 @@ pub enum SharedSelection {
     /// The attempt has its capacity of clients.
     Full,
     /// The attempt is closing or is no longer the task's open one.
+    Closed,
+}
+
+/// Whether a training slot asked of a shared store ([`super::RoundLog::take_slot`]) is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotTaken {
+    /// The client holds a slot (taken now or before) until this time (Unix ms).
+    Held { until_unix_ms: u64 },
+    /// `concurrency` clients hold one.
+    Full,
+    /// The client's update of the open version is in already: it waits for the next.
+    Contributed,
+    /// The version is closing or is no longer the task's open one.
     Closed,
 }
 

@@ -47,6 +47,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         name: "0005_serving_replicas",
         sql: include_str!("../../../migrations/0005_serving_replicas.sql"),
     },
+    Migration {
+        version: 6,
+        name: "0006_training_slots",
+        sql: include_str!("../../../migrations/0006_training_slots.sql"),
+    },
 ];
 
 /// The advisory lock key the migrations are applied under (any constant; "hora" in ASCII).

@@ -40,7 +40,8 @@ use super::blobs::{self, BlobStore, Blobs, DirBlobs};
 use super::{
     decode, json, referenced, remove_unused_models, Claim, ClientRecord, Durable, EnrolmentRecord,
     Housekeeping, OpenRoundRecord, Registry, ReplicaPartial, Retention, RoundLog, SecaggLog,
-    SharedSelection, StoreChange, StoreError, SyncJobRecord, SyncJobs, TaskRead, TaskRecord,
+    SharedSelection, SlotTaken, StoreChange, StoreError, SyncJobRecord, SyncJobs, TaskRead,
+    TaskRecord,
 };
 
 /// Notifications a subscriber may fall behind by before it is told it lagged.
@@ -469,6 +470,22 @@ impl RoundLog for PostgresStore {
              ON CONFLICT (task) DO UPDATE SET record = excluded.record",
             params![task.to_string(), json(round)],
         )?;
+        // The training slots of the asynchronous updates it makes durable are spent (a client
+        // whose update of the open version is claimed takes no new one meanwhile). Were this
+        // lost, they would lapse at their time, and the next checkpoint spends them anyway.
+        let spent: Vec<String> = round
+            .checkpoint
+            .iter()
+            .flat_map(|c| &c.contributions)
+            .filter(|c| c.base.is_some())
+            .map(|c| c.client.clone())
+            .collect();
+        if !spent.is_empty() {
+            self.execute(
+                "DELETE FROM training_slots WHERE task = $1 AND client = ANY($2)",
+                params![task.to_string(), spent],
+            )?;
+        }
         Ok(())
     }
 
@@ -487,6 +504,11 @@ impl RoundLog for PostgresStore {
         let pruned = record.pruned;
         let entry = json(record);
         let next = next.map(json);
+        // An asynchronous version's updates spent their clients' training slots.
+        let spent = match record.staleness {
+            Some(_) => record.participants.clone(),
+            None => Vec::new(),
+        };
         let held = self.held();
         self.driver.with(move |mut client| async move {
             let tx = fenced(&mut client, held.as_deref()).await?;
@@ -514,7 +536,7 @@ impl RoundLog for PostgresStore {
                         .await?
                 }
             };
-            serving::forget(&*tx, &id, ended).await?;
+            serving::forget(&*tx, &id, ended, &spent).await?;
             tx.commit().await?;
             Ok(())
         })
@@ -734,6 +756,22 @@ impl RoundLog for PostgresStore {
         self.select_shared(task, round, attempt, client, capacity)
     }
 
+    fn take_slot(
+        &self,
+        task: &str,
+        round: u64,
+        attempt: u32,
+        client: &str,
+        slot_ms: u64,
+        concurrency: u32,
+    ) -> Result<SlotTaken, StoreError> {
+        self.take_slot_shared(task, round, attempt, client, slot_ms, concurrency)
+    }
+
+    fn training_slot(&self, task: &str, client: &str) -> Result<Option<u64>, StoreError> {
+        self.training_slot_of(task, client)
+    }
+
     fn claim_update(
         &self,
         task: &str,
@@ -742,8 +780,9 @@ impl RoundLog for PostgresStore {
         client: &str,
         replica: &str,
         from: Option<&str>,
+        slotted: bool,
     ) -> Result<Option<Claim>, StoreError> {
-        self.claim_shared(task, round, attempt, client, replica, from)
+        self.claim_shared(task, round, attempt, client, replica, from, slotted)
     }
 
     fn put_partial(
@@ -762,6 +801,14 @@ impl RoundLog for PostgresStore {
         attempt: u32,
     ) -> Result<Vec<ReplicaPartial>, StoreError> {
         self.seal_shared(task, round, attempt)
+    }
+
+    fn sealed(&self, task: &str, round: u64, attempt: u32) -> Result<bool, StoreError> {
+        let rows = self.query(
+            "SELECT 1 FROM round_seals WHERE task = $1 AND (round, attempt) >= ($2, $3)",
+            params![task.to_string(), int(round)?, i64::from(attempt)],
+        )?;
+        Ok(!rows.is_empty())
     }
 
     fn partials(&self, task: &str) -> Result<Vec<ReplicaPartial>, StoreError> {

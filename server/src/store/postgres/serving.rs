@@ -23,8 +23,12 @@ use tokio_postgres::GenericClient;
 use super::driver::Failure;
 use super::{int, Param, PostgresStore};
 use crate::store::{
-    decode, json, Claim, OpenRoundRecord, ReplicaPartial, SharedSelection, StoreError,
+    decode, json, Claim, OpenRoundRecord, ReplicaPartial, SharedSelection, SlotTaken, StoreError,
 };
+
+/// The database's clock, Unix ms: training slots are given and checked by one clock, whichever
+/// replica's clock is off.
+const NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
 /// The attempt a write of a serving replica is for.
 struct Attempt {
@@ -167,6 +171,106 @@ impl PostgresStore {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn take_slot_shared(
+        &self,
+        task: &str,
+        round: u64,
+        attempt: u32,
+        client: &str,
+        slot_ms: u64,
+        concurrency: u32,
+    ) -> Result<SlotTaken, StoreError> {
+        let at = Attempt::new(task, round, attempt)?;
+        let client = client.to_string();
+        let (slot_ms, concurrency) = (int(slot_ms)?, i64::from(concurrency));
+        self.driver.with(move |mut db| async move {
+            let tx = db.transaction().await?;
+            // One task's slots one at a time, so that its concurrency holds.
+            tx.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended('hora slots ' || $1, 0))",
+                &[&at.task],
+            )
+            .await?;
+            if !at.open(&*tx).await? {
+                return Ok(SlotTaken::Closed);
+            }
+            let claimed = tx
+                .query_opt(
+                    "SELECT 1 FROM round_claims
+                     WHERE task = $1 AND round = $2 AND attempt = $3 AND client = $4",
+                    &[&at.task, &at.round, &at.attempt, &client],
+                )
+                .await?;
+            if claimed.is_some() {
+                return Ok(SlotTaken::Contributed);
+            }
+            let now: i64 = tx
+                .query_one(&format!("SELECT {NOW_MS}"), &[])
+                .await?
+                .try_get(0)?;
+            tx.execute(
+                "DELETE FROM training_slots WHERE task = $1 AND until_ms <= $2",
+                &[&at.task, &now],
+            )
+            .await?;
+            let held = tx
+                .query_opt(
+                    "SELECT until_ms FROM training_slots WHERE task = $1 AND client = $2",
+                    &[&at.task, &client],
+                )
+                .await?;
+            let taken = match held {
+                Some(row) => SlotTaken::Held {
+                    until_unix_ms: row.try_get::<_, i64>(0)?.max(0) as u64,
+                },
+                None => {
+                    let holding: i64 = tx
+                        .query_one(
+                            "SELECT count(*) FROM training_slots WHERE task = $1",
+                            &[&at.task],
+                        )
+                        .await?
+                        .try_get(0)?;
+                    match holding >= concurrency {
+                        true => SlotTaken::Full,
+                        false => {
+                            let until = now.saturating_add(slot_ms);
+                            tx.execute(
+                                "INSERT INTO training_slots (task, client, until_ms)
+                                 VALUES ($1, $2, $3)",
+                                &[&at.task, &client, &until],
+                            )
+                            .await?;
+                            SlotTaken::Held {
+                                until_unix_ms: until.max(0) as u64,
+                            }
+                        }
+                    }
+                }
+            };
+            tx.commit().await?;
+            Ok(taken)
+        })
+    }
+
+    pub(super) fn training_slot_of(
+        &self,
+        task: &str,
+        client: &str,
+    ) -> Result<Option<u64>, StoreError> {
+        let rows = self.query(
+            "SELECT until_ms FROM training_slots
+             WHERE task = $1 AND client = $2 AND until_ms > (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+            params![task.to_string(), client.to_string()],
+        )?;
+        match rows.first() {
+            Some(row) => Ok(Some(super::col::<i64>(row, 0)?.max(0) as u64)),
+            None => Ok(None),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn claim_shared(
         &self,
         task: &str,
@@ -175,6 +279,7 @@ impl PostgresStore {
         client: &str,
         replica: &str,
         from: Option<&str>,
+        slotted: bool,
     ) -> Result<Option<Claim>, StoreError> {
         let at = Attempt::new(task, round, attempt)?;
         let (client, replica) = (client.to_string(), replica.to_string());
@@ -213,12 +318,33 @@ impl PostgresStore {
                     }
                 }
             }
-            tx.execute(
-                "INSERT INTO round_claims (task, round, attempt, client, replica)
-                 VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
-                &[task, round, &at.attempt, &client, &replica],
-            )
-            .await?;
+            let new = tx
+                .execute(
+                    "INSERT INTO round_claims (task, round, attempt, client, replica)
+                     VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+                    &[task, round, &at.attempt, &client, &replica],
+                )
+                .await?;
+            if new == 1 && slotted {
+                // (Checked, not spent: the update spends it once it is durable, so a retry of
+                // one that was never recorded still holds it.)
+                let slot = tx
+                    .query_opt(
+                        &format!(
+                            "SELECT 1 FROM training_slots
+                             WHERE task = $1 AND client = $2 AND until_ms > {NOW_MS}"
+                        ),
+                        &[task, &client],
+                    )
+                    .await?;
+                if slot.is_none() {
+                    return Err(StoreError::NoTrainingSlot {
+                        task: task.clone(),
+                        client: client.clone(),
+                    }
+                    .into());
+                }
+            }
             let row = tx
                 .query_one(
                     "SELECT c.replica, EXISTS (
@@ -249,6 +375,7 @@ impl PostgresStore {
         let at = Attempt::new(task, partial.round, partial.attempt)?;
         let (replica, record) = (partial.replica.clone(), json(partial));
         let fresh = fresh.to_vec();
+        let slotted = partial.contributions.iter().any(|c| c.base.is_some());
         self.driver.with(move |mut db| async move {
             let tx = at.begin(&mut db).await?;
             // The fresh updates' claims are still this replica's, and stay so until it commits.
@@ -274,6 +401,14 @@ impl PostgresStore {
                     client: lost.clone(),
                 }
                 .into());
+            }
+            // The training slots of the fresh updates (an asynchronous task's) are spent.
+            if slotted {
+                tx.execute(
+                    "DELETE FROM training_slots WHERE task = $1 AND client = ANY($2)",
+                    &[&at.task, &fresh],
+                )
+                .await?;
             }
             tx.execute(
                 "INSERT INTO round_partials (task, round, attempt, replica, record)
@@ -349,11 +484,13 @@ impl PostgresStore {
 /// Deletes what serving replicas shared of `task`'s attempts: in the transaction that records
 /// the close (the attempt was sealed before; a later one has written nothing yet). The seal
 /// stays while the task has a next attempt (a write that read the closed attempt as open must
-/// still find it sealed), and goes with the task's last.
+/// still find it sealed), and goes with the task's last, as do the training slots (they span
+/// versions). The slots of the clients in `spent` go now: the close made their updates durable.
 pub(super) async fn forget(
     tx: &impl GenericClient,
     task: &str,
     ended: bool,
+    spent: &[String],
 ) -> Result<(), Failure> {
     for table in [
         "DELETE FROM round_selections WHERE task = $1",
@@ -362,9 +499,20 @@ pub(super) async fn forget(
     ] {
         tx.execute(table, &[&task]).await?;
     }
+    if !spent.is_empty() {
+        tx.execute(
+            "DELETE FROM training_slots WHERE task = $1 AND client = ANY($2)",
+            &[&task, &spent],
+        )
+        .await?;
+    }
     if ended {
-        tx.execute("DELETE FROM round_seals WHERE task = $1", &[&task])
-            .await?;
+        for table in [
+            "DELETE FROM round_seals WHERE task = $1",
+            "DELETE FROM training_slots WHERE task = $1",
+        ] {
+            tx.execute(table, &[&task]).await?;
+        }
     }
     Ok(())
 }

@@ -67,7 +67,8 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
             "0002_leases",
             "0003_part_of_a_model",
             "0004_federated_evaluation",
-            "0005_serving_replicas"
+            "0005_serving_replicas",
+            "0006_training_slots"
         ]
     );
     assert!(migrate(&target).unwrap().is_empty(), "up to date");
@@ -93,7 +94,7 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
     );
     sql(
         &target,
-        "INSERT INTO hora_migrations (version, name, checksum) VALUES (6, '0006_later', 'x')",
+        "INSERT INTO hora_migrations (version, name, checksum) VALUES (7, '0007_later', 'x')",
     );
     let refused = migrate(&target).expect_err("refused");
     assert!(
@@ -108,7 +109,8 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
             "0003_part_of_a_model",
             "0004_federated_evaluation",
             "0005_serving_replicas",
-            "0006_later"
+            "0006_training_slots",
+            "0007_later"
         ]
     );
 }
@@ -472,9 +474,19 @@ fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_se
 
     // Claims: the first replica's; another finds it (its process has no heartbeat: not alive)
     // and may take it over, once.
-    assert_eq!(a.claim_update("t", 1, 0, "c1", "ra#1", None).unwrap(), None);
-    assert_eq!(a.claim_update("t", 1, 0, "c1", "ra#1", None).unwrap(), None);
-    let theirs = b.claim_update("t", 1, 0, "c1", "rb#1", None).unwrap();
+    assert_eq!(
+        a.claim_update("t", 1, 0, "c1", "ra#1", None, false)
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        a.claim_update("t", 1, 0, "c1", "ra#1", None, false)
+            .unwrap(),
+        None
+    );
+    let theirs = b
+        .claim_update("t", 1, 0, "c1", "rb#1", None, false)
+        .unwrap();
     assert_eq!(
         theirs,
         Some(Claim {
@@ -483,12 +495,12 @@ fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_se
         })
     );
     assert_eq!(
-        b.claim_update("t", 1, 0, "c1", "rb#1", Some("ra#1"))
+        b.claim_update("t", 1, 0, "c1", "rb#1", Some("ra#1"), false)
             .unwrap(),
         None
     );
     assert_eq!(
-        a.claim_update("t", 1, 0, "c1", "ra#1", Some("ra#1"))
+        a.claim_update("t", 1, 0, "c1", "ra#1", Some("ra#1"), false)
             .unwrap()
             .map(|c| c.replica),
         Some("rb#1".into())
@@ -523,7 +535,7 @@ fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_se
     assert_eq!(a.partials("t").unwrap(), [partial.clone()]);
     // Once rb#1's partial holds c1's update, its claim is not taken over, gone or not.
     assert_eq!(
-        a.claim_update("t", 1, 0, "c1", "ra#1", Some("rb#1"))
+        a.claim_update("t", 1, 0, "c1", "ra#1", Some("rb#1"), false)
             .unwrap()
             .map(|c| c.replica),
         Some("rb#1".into())
@@ -542,7 +554,9 @@ fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_se
         Err(StoreError::AttemptSealed { round: 1, .. })
     ));
     assert_eq!(b.select_client("t", 1, 0, "c9", 9).unwrap(), Closed);
-    assert!(b.claim_update("t", 1, 0, "c2", "rb#1", None).is_err());
+    assert!(b
+        .claim_update("t", 1, 0, "c2", "rb#1", None, false)
+        .is_err());
 
     // The close's transaction forgets the attempt; the next one starts from nothing.
     a.finish_round(
@@ -564,6 +578,88 @@ fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_se
         Err(StoreError::AttemptSealed { round: 1, .. })
     ));
     assert_eq!(b.select_client("t", 1, 0, "c5", 9).unwrap(), Closed);
+
+    // Training slots (an asynchronous task's): a concurrency of two holds across both stores;
+    // a client keeps its slot; one whose update of the open attempt is claimed waits for the
+    // next; a claim of a client without a slot is refused, and a durable update spends it.
+    a.put_open_round(
+        "t",
+        &OpenRoundRecord {
+            selected: Vec::new(),
+            ..open_round(3, None)
+        },
+    )
+    .unwrap();
+    let held = |t: SlotTaken| matches!(t, SlotTaken::Held { until_unix_ms } if until_unix_ms > 0);
+    assert!(held(a.take_slot("t", 3, 0, "s1", 60_000, 2).unwrap()));
+    assert!(held(b.take_slot("t", 3, 0, "s2", 60_000, 2).unwrap()));
+    assert_eq!(
+        a.take_slot("t", 3, 0, "s3", 60_000, 2).unwrap(),
+        SlotTaken::Full
+    );
+    let first = b.training_slot("t", "s1").unwrap().expect("s1's slot");
+    assert_eq!(
+        b.take_slot("t", 3, 0, "s1", 60_000, 2).unwrap(),
+        SlotTaken::Held {
+            until_unix_ms: first
+        }
+    );
+    assert_eq!(
+        a.take_slot("t", 3, 1, "s1", 60_000, 2).unwrap(),
+        SlotTaken::Closed
+    );
+    assert!(matches!(
+        a.claim_update("t", 3, 0, "s3", "ra#1", None, true),
+        Err(StoreError::NoTrainingSlot { client, .. }) if client == "s3"
+    ));
+    assert_eq!(
+        a.claim_update("t", 3, 0, "s1", "ra#1", None, true).unwrap(),
+        None
+    );
+    assert_eq!(
+        b.take_slot("t", 3, 0, "s1", 60_000, 2).unwrap(),
+        SlotTaken::Contributed
+    );
+    // (Still held, until the update is durable: a retry of one never recorded needs it.)
+    assert_eq!(a.training_slot("t", "s1").unwrap(), Some(first));
+    let mut slotted = partial.clone();
+    slotted.replica = "ra#1".into();
+    slotted.round = 3;
+    slotted.contributions[0].client = "s1".into();
+    a.put_partial("t", &slotted, &["s1".to_string()]).unwrap();
+    assert_eq!(a.training_slot("t", "s1").unwrap(), None);
+    assert!(held(a.take_slot("t", 3, 0, "s3", 60_000, 2).unwrap()));
+    // The leader's checkpoint spends the slots of the asynchronous updates it holds.
+    let mut checkpointed = OpenRoundRecord {
+        selected: Vec::new(),
+        ..open_round(3, Some("x"))
+    };
+    if let Some(c) = checkpointed.checkpoint.as_mut() {
+        c.contributions[0].client = "s3".into();
+    }
+    a.put_open_round("t", &checkpointed).unwrap();
+    assert_eq!(a.training_slot("t", "s3").unwrap(), None);
+    // A slot lapses at its time, and frees its place.
+    assert!(held(a.take_slot("t", 3, 0, "s4", 1, 2).unwrap()));
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(a.training_slot("t", "s4").unwrap(), None);
+    assert!(held(b.take_slot("t", 3, 0, "s5", 60_000, 2).unwrap()));
+    // The seal of round 1 covers it and not round 3; the close of an asynchronous version
+    // spends its participants' slots, and the task's last close every slot.
+    assert!(a.sealed("t", 1, 0).unwrap());
+    assert!(!a.sealed("t", 3, 0).unwrap());
+    let version = hora_common::wire::RoundRecord {
+        participants: vec!["s5".into()],
+        staleness: Some(hora_common::wire::VersionStaleness::of(3, vec![3])),
+        ..published(3, 0, Some(m))
+    };
+    a.finish_round("t", &task(m, 3), &version, 0, Some(&open_round(4, None)))
+        .unwrap();
+    assert_eq!(a.training_slot("t", "s5").unwrap(), None);
+    assert!(a.training_slot("t", "s2").unwrap().is_some());
+    a.finish_round("t", &task(m, 4), &published(4, 0, Some(m)), 0, None)
+        .unwrap();
+    assert_eq!(a.training_slot("t", "s2").unwrap(), None);
 
     // A store one server uses shares nothing.
     let memory = crate::store::MemoryStore::new().unwrap();
