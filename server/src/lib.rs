@@ -137,6 +137,11 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
             let retry = standing_by
                 .as_ref()
                 .is_some_and(server::StandingBy::only_stands_by);
+            // (Its next heartbeat says so, for `hora-server status`.)
+            replica.following.store(
+                standing_by.is_some() && !retry,
+                std::sync::atomic::Ordering::Relaxed,
+            );
             tokio::select! {
                 built = &mut building => break built,
                 () = tokio::time::sleep(std::time::Duration::from_secs(3)), if retry => {}

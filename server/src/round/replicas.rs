@@ -176,11 +176,13 @@ impl Coordinator {
                 round.collection.check_upload(task, round, client, number)?
             }
             // A slot is spent by the update it was given for: the retry of one that another
-            // replica recorded (its answer lost) is told it is in. (Without a slot, the claim
-            // is refused and leaves nothing.)
+            // replica recorded (its answer lost) is told it is in.
             Err(e) if e.code() == ErrorCode::NotSelected && round.collection.spends_slots() => {
-                return match claim(None) {
-                    Ok(Some(holder)) if self.taken_by(task, round, &holder.replica, client)? => {
+                let holder =
+                    self.store
+                        .claim_holder(&task.id, round.number, round.attempt, client)?;
+                return match holder {
+                    Some(holder) if self.taken_by(task, round, &holder, client)? => {
                         Err(plain::already_contributed(client, round.number))
                     }
                     _ => Err(e),

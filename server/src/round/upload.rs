@@ -330,6 +330,18 @@ impl Coordinator {
             .current()
             .ok_or_else(|| ServerError::conflict(ErrorCode::RoundClosed, "no round is open"))?;
         self.leader_only(&round)?;
+        // A follower's copy of the round ended while no later one is known here (the leader is
+        // closing it, or this replica lost a claim and can record nothing more of it): the
+        // client is sent to another replica, which may still take its update.
+        if self.follows() && lock(&round.acc).phase.is_ended() {
+            return Err(ServerError::unavailable(
+                ErrorCode::Standby,
+                format!(
+                    "round {} takes no more updates at this replica; send the update to another of the deployment's servers",
+                    round.number
+                ),
+            ));
+        }
         let checked = round
             .collection
             .check_upload(task, &round, client, round_number);

@@ -366,6 +366,18 @@ pub trait RoundLog: Durable {
         Err(StoreError::NotShared("taking updates across replicas"))
     }
 
+    /// Which replica holds the claim on `client`'s update of the attempt, if one does (read
+    /// only).
+    fn claim_holder(
+        &self,
+        _task: &str,
+        _round: u64,
+        _attempt: u32,
+        _client: &str,
+    ) -> Result<Option<String>, StoreError> {
+        Ok(None)
+    }
+
     /// Records `partial` as its replica's durable partial sum of its attempt (replacing the one
     /// recorded before); [`StoreError::AttemptSealed`] once the attempt is closing or closed,
     /// [`StoreError::ClaimLost`] when the claim on one of the `fresh` clients' updates (those

@@ -22,6 +22,8 @@
 //! database itself (the session settings `driver` gives every connection: an idle transaction
 //! times out, and dead clients are found by TCP keepalive), so it holds up a take for seconds.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -40,6 +42,9 @@ pub struct Replica {
     pub id: String,
     /// What `hora-server status` shows of it: its host and `--listen` address.
     pub address: String,
+    /// Whether it serves clients while another leads (it follows), as its heartbeat records;
+    /// shared by its clones, set by the serving loop.
+    pub following: Arc<AtomicBool>,
 }
 
 impl Replica {
@@ -54,6 +59,7 @@ impl Replica {
                 rand::random::<u16>()
             ),
             address: format!("{host} {listen}"),
+            following: Arc::default(),
         }
     }
 }
@@ -468,10 +474,15 @@ pub(super) async fn heartbeat(
 ) -> Result<(), tokio_postgres::Error> {
     client
         .execute(
-            "INSERT INTO replicas (id, address, version, started_at, seen_at)
-             VALUES ($1, $2, $3, clock_timestamp(), clock_timestamp())
-             ON CONFLICT (id) DO UPDATE SET seen_at = clock_timestamp()",
-            &[&replica.id, &replica.address, &env!("CARGO_PKG_VERSION")],
+            "INSERT INTO replicas (id, address, version, started_at, seen_at, following)
+             VALUES ($1, $2, $3, clock_timestamp(), clock_timestamp(), $4)
+             ON CONFLICT (id) DO UPDATE SET seen_at = clock_timestamp(), following = $4",
+            &[
+                &replica.id,
+                &replica.address,
+                &env!("CARGO_PKG_VERSION"),
+                &replica.following.load(Ordering::Relaxed),
+            ],
         )
         .await?;
     Ok(())

@@ -52,6 +52,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         name: "0006_training_slots",
         sql: include_str!("../../../migrations/0006_training_slots.sql"),
     },
+    Migration {
+        version: 7,
+        name: "0007_followers_in_status",
+        sql: include_str!("../../../migrations/0007_followers_in_status.sql"),
+    },
 ];
 
 /// The advisory lock key the migrations are applied under (any constant; "hora" in ASCII).

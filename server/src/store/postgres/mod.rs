@@ -157,8 +157,9 @@ pub struct LeaseStatus {
 pub struct ReplicaStatus {
     pub id: String,
     pub address: String,
-    /// `leader` (it holds the lease, unlapsed), `standby`, or `silent` (no heartbeat for three
-    /// lease lengths: stopped without leaving, or cut off).
+    /// `leader` (it holds the lease, unlapsed), `follower` (it serves clients without
+    /// leading), `standby` (it only waits to lead), or `silent` (no heartbeat for three lease
+    /// lengths: stopped without leaving, or cut off).
     pub role: String,
     pub version: String,
     pub seen_secs_ago: f64,
@@ -196,7 +197,7 @@ pub fn status(target: &Target) -> Result<Status, StoreError> {
         for row in client
             .query(
                 "SELECT id, address, version,
-                     EXTRACT(EPOCH FROM clock_timestamp() - seen_at)::float8
+                     EXTRACT(EPOCH FROM clock_timestamp() - seen_at)::float8, following
                  FROM replicas ORDER BY id",
                 &[],
             )
@@ -207,10 +208,12 @@ pub fn status(target: &Target) -> Result<Status, StoreError> {
             let leads = lease
                 .as_ref()
                 .is_some_and(|l| l.holder == id && l.expires_in_secs > 0.0);
-            let role = match (leads, seen_secs_ago > 3.0 * ttl) {
-                (true, _) => "leader",
-                (false, false) => "standby",
-                (false, true) => "silent",
+            let following: bool = col(&row, 4)?;
+            let role = match (leads, seen_secs_ago > 3.0 * ttl, following) {
+                (true, _, _) => "leader",
+                (false, true, _) => "silent",
+                (false, false, true) => "follower",
+                (false, false, false) => "standby",
             };
             replicas.push(ReplicaStatus {
                 id,
@@ -783,6 +786,26 @@ impl RoundLog for PostgresStore {
         slotted: bool,
     ) -> Result<Option<Claim>, StoreError> {
         self.claim_shared(task, round, attempt, client, replica, from, slotted)
+    }
+
+    fn claim_holder(
+        &self,
+        task: &str,
+        round: u64,
+        attempt: u32,
+        client: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let rows = self.query(
+            "SELECT replica FROM round_claims
+             WHERE task = $1 AND round = $2 AND attempt = $3 AND client = $4",
+            params![
+                task.to_string(),
+                int(round)?,
+                i64::from(attempt),
+                client.to_string()
+            ],
+        )?;
+        rows.first().map(|row| col(row, 0)).transpose()
     }
 
     fn put_partial(

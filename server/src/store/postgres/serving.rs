@@ -209,15 +209,13 @@ impl PostgresStore {
                 .query_one(&format!("SELECT {NOW_MS}"), &[])
                 .await?
                 .try_get(0)?;
-            tx.execute(
-                "DELETE FROM training_slots WHERE task = $1 AND until_ms <= $2",
-                &[&at.task, &now],
-            )
-            .await?;
+            // (Lapsed slots are not deleted here, only passed over: this transaction locks no
+            // row but its client's, so it never deadlocks with the writes that spend slots.)
             let held = tx
                 .query_opt(
-                    "SELECT until_ms FROM training_slots WHERE task = $1 AND client = $2",
-                    &[&at.task, &client],
+                    "SELECT until_ms FROM training_slots
+                     WHERE task = $1 AND client = $2 AND until_ms > $3",
+                    &[&at.task, &client, &now],
                 )
                 .await?;
             let taken = match held {
@@ -227,8 +225,9 @@ impl PostgresStore {
                 None => {
                     let holding: i64 = tx
                         .query_one(
-                            "SELECT count(*) FROM training_slots WHERE task = $1",
-                            &[&at.task],
+                            "SELECT count(*) FROM training_slots
+                             WHERE task = $1 AND until_ms > $2",
+                            &[&at.task, &now],
                         )
                         .await?
                         .try_get(0)?;
@@ -238,7 +237,8 @@ impl PostgresStore {
                             let until = now.saturating_add(slot_ms);
                             tx.execute(
                                 "INSERT INTO training_slots (task, client, until_ms)
-                                 VALUES ($1, $2, $3)",
+                                 VALUES ($1, $2, $3)
+                                 ON CONFLICT (task, client) DO UPDATE SET until_ms = excluded.until_ms",
                                 &[&at.task, &client, &until],
                             )
                             .await?;

@@ -68,7 +68,8 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
             "0003_part_of_a_model",
             "0004_federated_evaluation",
             "0005_serving_replicas",
-            "0006_training_slots"
+            "0006_training_slots",
+            "0007_followers_in_status"
         ]
     );
     assert!(migrate(&target).unwrap().is_empty(), "up to date");
@@ -94,7 +95,7 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
     );
     sql(
         &target,
-        "INSERT INTO hora_migrations (version, name, checksum) VALUES (7, '0007_later', 'x')",
+        "INSERT INTO hora_migrations (version, name, checksum) VALUES (8, '0008_later', 'x')",
     );
     let refused = migrate(&target).expect_err("refused");
     assert!(
@@ -110,7 +111,8 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
             "0004_federated_evaluation",
             "0005_serving_replicas",
             "0006_training_slots",
-            "0007_later"
+            "0007_followers_in_status",
+            "0008_later"
         ]
     );
 }
@@ -223,6 +225,7 @@ fn leading(name: &str, ttl: Duration) -> LeaseSettings {
         replica: Replica {
             id: name.into(),
             address: format!("{name} 127.0.0.1:0"),
+            following: Default::default(),
         },
         ttl,
         shared_blobs: true,
@@ -505,6 +508,12 @@ fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_se
             .map(|c| c.replica),
         Some("rb#1".into())
     );
+
+    assert_eq!(
+        a.claim_holder("t", 1, 0, "c1").unwrap().as_deref(),
+        Some("rb#1")
+    );
+    assert_eq!(a.claim_holder("t", 1, 0, "c2").unwrap(), None);
 
     // Partials: each replica's latest, until the leader seals the attempt; then none is
     // recorded, nobody is selected and no update claimed for it.
