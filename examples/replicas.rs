@@ -117,7 +117,17 @@ async fn main() -> Result<()> {
     .await?;
     fed.spawn_clients(task, &config.to_string(), args.clients, &["--seed", "{k}"])
         .await?;
-    print!("{}", status(&store)?);
+    // (Once each replica that does not lead has said in a heartbeat that it follows: a second
+    // at most.)
+    let mut shown = status(&store)?;
+    for _ in 0..25 {
+        if !shown.contains("  standby ") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        shown = status(&store)?;
+    }
+    print!("{shown}");
 
     println!(
         "{:>5}  {:>7}  {:>8}  {:>13}  {:>7}",

@@ -496,6 +496,8 @@ impl Collection for AsyncCollection {
         let Some(until) = engine.store().training_slot(&task.id, client)? else {
             return Ok(false);
         };
+        // (The store's clock says the slot holds now; this replica's may run ahead of it.)
+        let until = until.max(now_ms() + 1_000);
         lock(&self.state).slots.insert(client.to_string(), until);
         Ok(true)
     }
