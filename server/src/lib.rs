@@ -148,7 +148,13 @@ pub async fn serve(config: config::ServeConfig) -> Result<()> {
             }
         };
         let server = match built? {
-            Ok(server) => server,
+            Ok(server) => {
+                // (It leads: its heartbeats say it does not follow.)
+                replica
+                    .following
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+                server
+            }
             Err(e) if matches!(e.downcast_ref(), Some(store::StoreError::Stopped)) => {
                 tracing::info!("stopped while standing by");
                 return Ok(());

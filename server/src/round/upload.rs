@@ -330,10 +330,17 @@ impl Coordinator {
             .current()
             .ok_or_else(|| ServerError::conflict(ErrorCode::RoundClosed, "no round is open"))?;
         self.leader_only(&round)?;
-        // A follower's copy of the round ended while no later one is known here (the leader is
-        // closing it, or this replica lost a claim and can record nothing more of it): the
-        // client is sent to another replica, which may still take its update.
-        if self.follows() && lock(&round.acc).phase.is_ended() {
+        // A follower's copy of the round ended while the round is still open and not sealed
+        // (this replica lost a claim and can record nothing more of it): a fresh update is sent
+        // to another replica, which may still take it. (A retry of one it took gets its answer
+        // here; a round the leader is closing gets the mode's answer for that.)
+        let ended_here = {
+            let acc = lock(&round.acc);
+            self.follows()
+                && acc.phase.is_ended()
+                && !acc.contributions.iter().any(|c| c.client == client)
+        };
+        if ended_here && !self.store.sealed(&task.id, round.number, round.attempt)? {
             return Err(ServerError::unavailable(
                 ErrorCode::Standby,
                 format!(

@@ -405,7 +405,8 @@ pub(super) async fn keep(
                         }
                         client
                             .execute(
-                                "UPDATE replicas SET seen_at = clock_timestamp() WHERE id = $1",
+                                "UPDATE replicas SET seen_at = clock_timestamp(), following = false
+                                 WHERE id = $1",
                                 &[&settings.replica.id],
                             )
                             .await?;

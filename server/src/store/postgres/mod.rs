@@ -197,8 +197,9 @@ pub fn status(target: &Target) -> Result<Status, StoreError> {
         for row in client
             .query(
                 "SELECT id, address, version,
-                     EXTRACT(EPOCH FROM clock_timestamp() - seen_at)::float8, following
-                 FROM replicas ORDER BY id",
+                     EXTRACT(EPOCH FROM clock_timestamp() - seen_at)::float8,
+                     coalesce((to_jsonb(r) ->> 'following')::boolean, false)
+                 FROM replicas r ORDER BY id",
                 &[],
             )
             .await?
@@ -208,6 +209,7 @@ pub fn status(target: &Target) -> Result<Status, StoreError> {
             let leads = lease
                 .as_ref()
                 .is_some_and(|l| l.holder == id && l.expires_in_secs > 0.0);
+            // (A database not yet migrated to 0007 has no such column: nobody follows there.)
             let following: bool = col(&row, 4)?;
             let role = match (leads, seen_secs_ago > 3.0 * ttl, following) {
                 (true, _, _) => "leader",

@@ -485,7 +485,8 @@ impl PostgresStore {
 /// the close (the attempt was sealed before; a later one has written nothing yet). The seal
 /// stays while the task has a next attempt (a write that read the closed attempt as open must
 /// still find it sealed), and goes with the task's last, as do the training slots (they span
-/// versions). The slots of the clients in `spent` go now: the close made their updates durable.
+/// versions). The slots of the clients in `spent` go now (the close made their updates
+/// durable), and so do lapsed ones.
 pub(super) async fn forget(
     tx: &impl GenericClient,
     task: &str,
@@ -499,13 +500,15 @@ pub(super) async fn forget(
     ] {
         tx.execute(table, &[&task]).await?;
     }
-    if !spent.is_empty() {
-        tx.execute(
-            "DELETE FROM training_slots WHERE task = $1 AND client = ANY($2)",
-            &[&task, &spent],
-        )
-        .await?;
-    }
+    // (No partial of the task is being written meanwhile: the attempt was sealed.)
+    tx.execute(
+        &format!(
+            "DELETE FROM training_slots
+             WHERE task = $1 AND (client = ANY($2) OR until_ms <= {NOW_MS})"
+        ),
+        &[&task, &spent],
+    )
+    .await?;
     if ended {
         for table in [
             "DELETE FROM round_seals WHERE task = $1",

@@ -653,6 +653,9 @@ fn replicas_share_an_attempts_selections_claims_and_partials_until_the_leader_se
     std::thread::sleep(std::time::Duration::from_millis(20));
     assert_eq!(a.training_slot("t", "s4").unwrap(), None);
     assert!(held(b.take_slot("t", 3, 0, "s5", 60_000, 2).unwrap()));
+    // A client whose slot lapsed takes a new one (its row is replaced).
+    assert!(held(a.take_slot("t", 3, 0, "s4", 60_000, 3).unwrap()));
+    assert!(a.training_slot("t", "s4").unwrap().is_some());
     // The seal of round 1 covers it and not round 3; the close of an asynchronous version
     // spends its participants' slots, and the task's last close every slot.
     assert!(a.sealed("t", 1, 0).unwrap());
