@@ -35,7 +35,7 @@ use hora_common::envelope::RoundSecretKey;
 use hora_common::model::ModelDigest;
 use hora_common::wire::{self, AsynchronousConfig, ErrorCode, VersionStaleness};
 
-use super::collection::{Collection, Folded, Joined, Opened, Step};
+use super::collection::{send_again, Collection, Folded, Joined, Opened, Step};
 use super::plain::already_contributed;
 use super::replicas::learn_selected;
 use super::upload::{Admission, Sealing};
@@ -203,14 +203,7 @@ impl AsyncCollection {
         if acc.selected.insert(client.to_string()) {
             lock(&round.roster).selected.insert(client.to_string());
         }
-        Ok(Joined::Selected {
-            round: round.clone(),
-            upto: acc.selected.len(),
-            answer: Box::new(wire::JoinResponse {
-                offer: Some(round.offer(record, until)),
-                retry_after_ms: 0,
-            }),
-        })
+        Ok(Joined::offered(round, record, until, acc.selected.len()))
     }
 
     /// [`AsyncCollection::join`] on a store replicas share: the slot is taken in the store, so
@@ -252,14 +245,7 @@ impl AsyncCollection {
         learn_selected(round, &mut lock(&round.acc), client);
         lock(&self.state).slots.insert(client.to_string(), until);
         task.bump();
-        Ok(Joined::Selected {
-            round: round.clone(),
-            upto: 0,
-            answer: Box::new(wire::JoinResponse {
-                offer: Some(round.offer(record, until)),
-                retry_after_ms: 0,
-            }),
-        })
+        Ok(Joined::offered(round, record, until, 0))
     }
 
     /// The checks an upload trained from version `base` must pass before its body is read.
@@ -365,9 +351,9 @@ impl AsyncCollection {
             if !acc.phase.is_collecting() {
                 drop(acc);
                 if only.is_some() {
-                    return Err(ServerError::unavailable(
-                        ErrorCode::RoundClosed,
-                        format!("version {} closed while this update was being read; send the same upload again: it goes into the next version", round.number),
+                    return Err(send_again(
+                        round.number,
+                        "closed while this update was being read",
                     ));
                 }
                 if task.current().is_some_and(|c| !Arc::ptr_eq(&c, &round)) {

@@ -63,6 +63,33 @@ pub enum Joined {
     },
 }
 
+impl Joined {
+    /// Selected for `round`, offered until `until` (Unix ms): answered once its first `upto`
+    /// selections are durable (0: durable already).
+    pub fn offered(round: &Arc<Round>, record: &TaskRecord, until: u64, upto: usize) -> Joined {
+        Joined::Selected {
+            round: round.clone(),
+            upto,
+            answer: Box::new(wire::JoinResponse {
+                offer: Some(round.offer(record, until)),
+                retry_after_ms: 0,
+            }),
+        }
+    }
+}
+
+/// The answer to an update of a mode that [carries over](Collection::carries_over) whose
+/// version `number` took no more updates before this replica recorded it (`why`): 503, sent
+/// again, it goes into the next version.
+pub fn send_again(number: u64, why: &str) -> ServerError {
+    ServerError::unavailable(
+        ErrorCode::RoundClosed,
+        format!(
+            "version {number} {why}; send the same upload again: it goes into the next version"
+        ),
+    )
+}
+
 /// Where an update went: the round it was folded into (an asynchronous buffer that closed
 /// meanwhile hands it to the next), its index there, and whether it was folded now (false: a
 /// retry that raced its own first attempt, answered as that one is).

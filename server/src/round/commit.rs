@@ -227,12 +227,9 @@ impl Coordinator {
         })?;
         match outcome {
             Durability::Ended { upto, why } if index >= upto && round.collection.carries_over() => {
-                Err(ServerError::unavailable(
-                    ErrorCode::RoundClosed,
-                    format!(
-                        "version {} took no more updates here before this one was recorded ({why}); send the same upload again: it goes into the next version",
-                        round.number
-                    ),
+                Err(super::collection::send_again(
+                    round.number,
+                    &format!("took no more updates here before this one was recorded ({why})"),
                 ))
             }
             Durability::Ended { upto, why } if index >= upto => Err(ServerError::conflict(

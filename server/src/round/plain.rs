@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use hora_common::wire::{self, ErrorCode};
+use hora_common::wire::ErrorCode;
 
 use super::collection::{Collection, Folded, Joined, Opened};
 use super::upload::{Admission, Sealing};
@@ -54,14 +54,7 @@ pub(crate) fn select(
             upto
         }
     };
-    Ok(Joined::Selected {
-        round: round.clone(),
-        upto,
-        answer: Box::new(wire::JoinResponse {
-            offer: Some(round.offer(record, round.deadline())),
-            retry_after_ms: 0,
-        }),
-    })
+    Ok(Joined::offered(round, record, round.deadline(), upto))
 }
 
 /// A plain upload's checks: it is for the open round, which is still collecting, from a client

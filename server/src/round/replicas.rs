@@ -46,9 +46,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hora_common::kernel::WeightedSum;
-use hora_common::wire::{self, ErrorCode};
+use hora_common::wire::ErrorCode;
 
-use super::collection::Joined;
+use super::collection::{send_again, Joined};
 use super::upload::Admission;
 use super::{
     capacity, lock, plain, Accumulator, Checkpointed, Coordinator, Durability, Phase, Round, Task,
@@ -107,14 +107,7 @@ impl Coordinator {
         round: &Arc<Round>,
         client: &str,
     ) -> Result<Joined, ServerError> {
-        let selected = |round: &Arc<Round>| Joined::Selected {
-            round: round.clone(),
-            upto: 0,
-            answer: Box::new(wire::JoinResponse {
-                offer: Some(round.offer(record, round.deadline())),
-                retry_after_ms: 0,
-            }),
-        };
+        let selected = |round: &Arc<Round>| Joined::offered(round, record, round.deadline(), 0);
         let capacity = capacity(&record.config);
         {
             let acc = lock(&round.acc);
@@ -196,10 +189,7 @@ impl Coordinator {
                 Err(StoreError::AttemptSealed { round: number, .. })
                     if round.collection.carries_over() =>
                 {
-                    return Err(ServerError::unavailable(
-                        ErrorCode::RoundClosed,
-                        format!("version {number} is closing; send the same upload again: it goes into the next version"),
-                    ));
+                    return Err(send_again(number, "is closing"));
                 }
                 other => other?,
             };

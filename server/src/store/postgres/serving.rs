@@ -26,9 +26,13 @@ use crate::store::{
     decode, json, Claim, OpenRoundRecord, ReplicaPartial, SharedSelection, SlotTaken, StoreError,
 };
 
-/// The database's clock, Unix ms: training slots are given and checked by one clock, whichever
-/// replica's clock is off.
-const NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+/// The database's clock, Unix ms, as SQL (for `concat!`): training slots are given and checked
+/// by one clock, whichever replica's clock is off.
+macro_rules! now_ms {
+    () => {
+        "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+    };
+}
 
 /// The attempt a write of a serving replica is for.
 struct Attempt {
@@ -206,7 +210,7 @@ impl PostgresStore {
                 return Ok(SlotTaken::Contributed);
             }
             let now: i64 = tx
-                .query_one(&format!("SELECT {NOW_MS}"), &[])
+                .query_one(concat!("SELECT ", now_ms!()), &[])
                 .await?
                 .try_get(0)?;
             // (Lapsed slots are not deleted here, only passed over: this transaction locks no
@@ -260,8 +264,11 @@ impl PostgresStore {
         client: &str,
     ) -> Result<Option<u64>, StoreError> {
         let rows = self.query(
-            "SELECT until_ms FROM training_slots
-             WHERE task = $1 AND client = $2 AND until_ms > (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+            concat!(
+                "SELECT until_ms FROM training_slots
+                 WHERE task = $1 AND client = $2 AND until_ms > ",
+                now_ms!()
+            ),
             params![task.to_string(), client.to_string()],
         )?;
         match rows.first() {
@@ -330,9 +337,10 @@ impl PostgresStore {
                 // one that was never recorded still holds it.)
                 let slot = tx
                     .query_opt(
-                        &format!(
+                        concat!(
                             "SELECT 1 FROM training_slots
-                             WHERE task = $1 AND client = $2 AND until_ms > {NOW_MS}"
+                             WHERE task = $1 AND client = $2 AND until_ms > ",
+                            now_ms!()
                         ),
                         &[task, &client],
                     )
@@ -502,9 +510,10 @@ pub(super) async fn forget(
     }
     // (No partial of the task is being written meanwhile: the attempt was sealed.)
     tx.execute(
-        &format!(
-            "DELETE FROM training_slots
-             WHERE task = $1 AND (client = ANY($2) OR until_ms <= {NOW_MS})"
+        concat!(
+            "DELETE FROM training_slots WHERE task = $1 AND (client = ANY($2) OR until_ms <= ",
+            now_ms!(),
+            ")"
         ),
         &[&task, &spent],
     )
