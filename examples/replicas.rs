@@ -115,6 +115,8 @@ async fn main() -> Result<()> {
         asynchronous: None,
     })
     .await?;
+    // (Once every replica serves: a client given a standby first moves on to the leader.)
+    fed.wait_serving(Duration::from_secs(60)).await?;
     fed.spawn_clients(task, &config.to_string(), args.clients, &["--seed", "{k}"])
         .await?;
     // (Once each replica that does not lead has said in a heartbeat that it follows: a second

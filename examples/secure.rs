@@ -12,11 +12,21 @@
 //! held-out shards: what the server recorded, having learnt only the sum, is compared with the
 //! same evaluation computed here from every shard.
 //!
+//! With `--replicas 3` the secure round runs on three replicas sharing a PostgreSQL database
+//! started here (and a blob directory), the clients spread over them: every replica takes
+//! messages of every stage, and the leader alone moves the stages on. The result then says how
+//! many advertisements and masked inputs each replica took.
+//!
 //! `cargo run --release --example secure -- --clients 20 --drop share-keys=2` prints the round
 //! history and a `RESULT {json}` line.
 
 #[path = "support/federation.rs"]
 mod federation;
+
+/// The throwaway PostgreSQL server the store's tests start, this same file.
+#[allow(dead_code)]
+#[path = "../server/src/store/postgres/test_server.rs"]
+mod test_server;
 
 use std::time::Duration;
 
@@ -62,6 +72,32 @@ struct Args {
     /// Federated evaluation in the secure task, over a second round (no dropouts).
     #[arg(long, conflicts_with = "drop")]
     evaluate: bool,
+    /// Run the secure round on this many replicas sharing a PostgreSQL database (the plain
+    /// round it is compared with runs on one server).
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+}
+
+/// What each replica of a secure round took: advertisements and masked inputs accepted.
+#[derive(Default)]
+struct Taken {
+    advertised: Vec<u64>,
+    masked: Vec<u64>,
+}
+
+/// How many `POST …/secagg/…/{stage}` requests the metrics `text` count as answered 200.
+fn accepted(text: &str, stage: &str) -> u64 {
+    let route = format!("route=\"/v1/tasks/{{task}}/secagg/{{round}}/{{attempt}}/{stage}\"");
+    text.lines()
+        .filter(|l| {
+            l.starts_with("hora_http_requests_total{")
+                && l.contains(&route)
+                && l.contains("method=\"POST\"")
+                && l.contains("status=\"200\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
 }
 
 fn drops(spec: &str) -> Result<Vec<(String, usize)>> {
@@ -80,6 +116,7 @@ fn drops(spec: &str) -> Result<Vec<(String, usize)>> {
 }
 
 /// Runs one round of `task` with the clients `indices`; `secure` turns secure aggregation on.
+/// With `store` (a PostgreSQL URL), on `args.replicas` replicas sharing it.
 async fn federation(
     args: &Args,
     initial: &Model,
@@ -87,8 +124,16 @@ async fn federation(
     data: &str,
     indices: &[(usize, Option<String>)],
     secure: bool,
-) -> Result<(Vec<RoundRecord>, Model)> {
-    let mut fed = Federation::start()?;
+    store: Option<&str>,
+) -> Result<(Vec<RoundRecord>, Model, Taken)> {
+    let mut fed = match store {
+        Some(store) => {
+            let fed = Federation::start_replicas(args.replicas, store, 5)?;
+            fed.wait_serving(Duration::from_secs(60)).await?;
+            fed
+        }
+        None => Federation::start()?,
+    };
     let digest = fed.upload_model(initial).await?;
     let task = "secure";
     let n = indices.len() as u32;
@@ -151,7 +196,13 @@ async fn federation(
     fed.wait_clients(Duration::from_secs(60))?;
     let history: Vec<RoundRecord> = fed.rounds(task).await?;
     let model = fed.round_model(task, 1).await?;
-    Ok((history, model))
+    let mut taken = Taken::default();
+    for url in &fed.urls {
+        let text = fed.metrics_at(url).await?;
+        taken.advertised.push(accepted(&text, "advertise"));
+        taken.masked.push(accepted(&text, "masked"));
+    }
+    Ok((history, model, taken))
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -175,7 +226,17 @@ async fn main() -> Result<()> {
         }
         next += count;
     }
-    let (history, secure_model) = federation(&args, &initial, &arch, &data, &plan, true).await?;
+    // (Started first, stopped last: the replicas' database.)
+    let postgres = (args.replicas > 1).then(test_server::TestServer::start);
+    let store = postgres.as_ref().map(test_server::TestServer::url);
+    let (history, secure_model, taken) =
+        federation(&args, &initial, &arch, &data, &plan, true, store.as_deref()).await?;
+    if args.replicas > 1 {
+        println!(
+            "advertisements taken by each replica: {:?}; masked inputs: {:?}",
+            taken.advertised, taken.masked
+        );
+    }
     for r in &history {
         let outcome = match &r.outcome {
             RoundOutcome::Published => "published".to_string(),
@@ -218,8 +279,8 @@ async fn main() -> Result<()> {
             summed.len()
         );
     }
-    let (plain_history, plain_model) =
-        federation(&args, &initial, &arch, &data, &summed, false).await?;
+    let (plain_history, plain_model, _) =
+        federation(&args, &initial, &arch, &data, &summed, false, None).await?;
     let plain = plain_history
         .iter()
         .find(|r| r.outcome == RoundOutcome::Published)
@@ -255,6 +316,8 @@ async fn main() -> Result<()> {
             "tensors": secure_model.tensors().len(),
             "model_tensors": initial.tensors().len(),
             "evaluation": evaluation,
+            "replica_advertised": taken.advertised,
+            "replica_masked": taken.masked,
         })
     );
     Ok(())

@@ -109,6 +109,42 @@ fn thirty_percent_dropping_at_three_stages_publish_the_fedavg_of_the_survivors()
     );
 }
 
+/// The same across three replicas on one PostgreSQL database, the clients spread over them:
+/// every replica takes advertisements and masked inputs, and the leader's sum of the replicas'
+/// masked partial sums unmasks to the FedAvg of the survivors.
+#[test]
+fn thirty_percent_dropping_across_three_replicas_publish_the_fedavg_of_the_survivors() {
+    let r = secure_round(
+        &[
+            "--clients",
+            "10",
+            "--replicas",
+            "3",
+            "--drop",
+            "advertise=1,share-keys=1,masked-input=1",
+        ],
+        8,
+        0,
+    );
+    for what in ["replica_advertised", "replica_masked"] {
+        let taken: Vec<u64> = serde_json::from_value(r[what].clone()).unwrap();
+        assert_eq!(taken.len(), 3, "{r}");
+        assert!(taken.iter().all(|&n| n > 0), "{what}: {r}");
+    }
+    // Everyone advertised (the first to drop did so after advertising); the eight that
+    // survived to upload did so once each.
+    let total = |what: &str| -> u64 {
+        r[what]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .sum()
+    };
+    assert!(total("replica_advertised") >= 10, "{r}"); // (a repeat after a lost answer counts again)
+    assert_eq!(total("replica_masked"), 8, "{r}");
+}
+
 #[test]
 fn a_round_where_too_many_drop_is_abandoned_and_retried() {
     // Six clients, each with all five others as neighbours and threshold 3: three vanish after
@@ -326,6 +362,86 @@ async fn the_protocol_state_and_masked_sum_survive_a_failover_to_a_standby_repli
     let leader = replicas.spawn().listening();
     let standby = replicas.spawn();
     survives_a_sigkill(leader, move || standby.listening()).await;
+}
+
+/// Secure aggregation across three replicas, message by message: leader `a`, followers `b` and
+/// `c`, client i talking to replica i mod 3. Every stage's messages are taken by all three; a
+/// masked input taken by `b` and sent again to `c` (its answer lost) is refused there as in
+/// already; `b` is SIGKILLed with two masked inputs acknowledged and its clients move to the
+/// leader; the stage closes once all six are in, counted across replicas, and the round
+/// publishes the FedAvg of all six: `b`'s durable masked partial sum is in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_followers_masked_partial_sum_survives_its_sigkill_and_is_unmasked_with_the_others() {
+    let mut replicas = Replicas::new(&format!("127.0.0.1:{}", free_port()));
+    let a = replicas.spawn().listening();
+    let listens: Vec<String> = (0..2)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
+    let b = replicas.spawn_on(&listens[0]);
+    let _c = replicas.spawn_on(&listens[1]);
+    let admin = a.api(ADMIN_TOKEN);
+    let urls = [
+        a.url.clone(),
+        format!("https://{}", listens[0]),
+        format!("https://{}", listens[1]),
+    ];
+    for url in &urls[1..] {
+        // (A follower answers `/readyz` once it serves clients.)
+        let ready = || async {
+            let r = admin.http.get(format!("{url}/readyz")).send().await;
+            r.is_ok_and(|r| r.status().is_success())
+        };
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !ready().await {
+            assert!(std::time::Instant::now() < until, "{url} does not follow");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+    let n = 6;
+    let mut h = Harness::start(&admin, n, SecureAggregationConfig::default()).await;
+    for (i, (c, _)) in h.clients.iter_mut().enumerate() {
+        c.api.url = urls[i % 3].clone();
+    }
+    for i in 0..n {
+        h.advertise(i).await;
+    }
+    let bundles = h.rosters().await;
+    for (i, b) in bundles.iter().enumerate() {
+        h.post(i, "shares", b).await;
+    }
+    let mut uploads = Vec::new();
+    for i in 0..n {
+        uploads.push(h.masked(i).await.1);
+    }
+    h.upload(1, &uploads[1]).await;
+    h.upload(4, &uploads[4]).await;
+    let retry = Api {
+        url: urls[2].clone(),
+        ..h.clients[1].0.api.clone()
+    };
+    retry
+        .refused(
+            retry
+                .request(Method::POST, &format!("{}/masked", h.base))
+                .body(uploads[1].clone()),
+            StatusCode::CONFLICT,
+            "already_contributed",
+        )
+        .await;
+    drop(b); // SIGKILL
+    for i in [1, 4] {
+        h.clients[i].0.api.url = urls[0].clone();
+    }
+    for i in [0, 2, 3, 5] {
+        h.upload(i, &uploads[i]).await;
+    }
+    for i in 0..n {
+        let request = h.unmask_request(i).await;
+        assert!(request.dropped.is_empty(), "every neighbour survived");
+        let answer = h.sessions[i].unmask(&request).unwrap();
+        h.post(i, "unmask", &answer).await;
+    }
+    h.check_published(&admin).await;
 }
 
 /// A round of four: two masked inputs acknowledged, then `server` is SIGKILLed and `next` (on

@@ -155,6 +155,25 @@ impl Federation {
         })
     }
 
+    /// Waits until every replica answers `/readyz` (a follower does once it serves clients;
+    /// before, it stands by and sends them to the leader).
+    pub async fn wait_serving(&self, timeout: Duration) -> Result<()> {
+        let until = std::time::Instant::now() + timeout;
+        for url in &self.urls {
+            loop {
+                let ready = self.http.get(format!("{url}/readyz")).send().await;
+                if ready.is_ok_and(|r| r.status().is_success()) {
+                    break;
+                }
+                if std::time::Instant::now() > until {
+                    bail!("{url} does not serve after {timeout:?}");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        Ok(())
+    }
+
     /// SIGKILLs server (replica) `i`, by its id.
     pub fn kill_server(&mut self, i: usize) {
         if let Some(mut server) = self.servers.get_mut(i).and_then(Option::take) {
@@ -433,8 +452,13 @@ impl Federation {
 
     /// The server's Prometheus metrics, as text.
     pub async fn metrics(&self) -> Result<String> {
+        self.metrics_at(&self.url).await
+    }
+
+    /// The Prometheus metrics of the server (replica) at `url`, as text.
+    pub async fn metrics_at(&self, url: &str) -> Result<String> {
         Ok(self
-            .send(self.http.get(format!("{}/metrics", self.url)))
+            .send(self.http.get(format!("{url}/metrics")))
             .await?
             .text()
             .await?)

@@ -803,14 +803,15 @@ pub fn router(state: Shared) -> Router {
 }
 
 /// What a replica that serves without leading answers (see `round::replicas`): its clients'
-/// enrolment, polls, joins, model downloads and uploads (one body or in chunks), its probes and
-/// its metrics; everything else (the admin API, the dashboard, secure aggregation's messages,
-/// evaluation reports, synchronous jobs) is the leader's, answered 503 `standby` as a
-/// standby answers it, so that clients given several servers move on.
+/// enrolment, polls, joins, model downloads and uploads (one body or in chunks), secure
+/// aggregation's messages, its probes and its metrics; everything else (the admin API, the
+/// dashboard, evaluation reports, synchronous jobs) is the leader's, answered 503 `standby` as
+/// a standby answers it, so that clients given several servers move on.
 pub fn follower_router(state: Shared) -> Router {
     let routes = Router::new()
         .merge(client::routes())
         .merge(chunked::routes())
+        .merge(secagg::routes())
         .fallback(standby);
     serve(routes, state)
 }

@@ -66,7 +66,9 @@ where
 {
     let coordinator = state.coordinator.clone();
     let task = coordinator.task(&task)?;
-    let (round, s) = coordinator.secagg_round(&task, client, round, attempt)?;
+    let (round, s) = coordinator
+        .secagg_attempt(&task, client, round, attempt)
+        .await?;
     let result = tokio::task::spawn_blocking(move || {
         let (receipt, outcome) = stage(&s, coordinator.store())?;
         coordinator.secagg_outcome(&task, &round, outcome)?;
@@ -95,7 +97,8 @@ async fn wait_for<T: Serialize + Send + 'static>(
     loop {
         let (_, s): (Arc<Round>, Arc<SecAggRound>) = state
             .coordinator
-            .secagg_round(&task, client, round, attempt)?;
+            .secagg_attempt(&task, client, round, attempt)
+            .await?;
         let mut changed = s.changed.subscribe();
         let who = client.to_string();
         if let Some(answer) = crate::blocking(move || read(&s, &who)).await? {
@@ -210,7 +213,8 @@ pub async fn masked(
     let task = state.coordinator.task(&at.0)?;
     let (_, s) = state
         .coordinator
-        .secagg_round(&task, &auth.id, at.1, at.2)?;
+        .secagg_attempt(&task, &auth.id, at.1, at.2)
+        .await?;
     let _in_flight = state.uploads.begin(&task.id, &auth.id)?;
     let within = std::time::Duration::from_secs(task.record().config.round_deadline_secs);
     let (body, permit) = read_upload(&state, &headers, body, s.masked_len(), within).await?;

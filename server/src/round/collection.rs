@@ -28,7 +28,7 @@ use super::upload::Admission;
 use super::{jitter, now_ms, plain, Coordinator, Ending, Round, Task};
 use crate::error::ServerError;
 use crate::metrics::ServerMetrics;
-use crate::secagg::SecAggRound;
+use crate::secagg::{SecAggRound, Sharing};
 use crate::store::{Contribution, OpenRoundRecord, Retention, Store, TaskRecord};
 
 /// What the deadline watcher (or a mode's own message) does to a round.
@@ -277,6 +277,12 @@ pub trait Collection: Send + Sync {
         None
     }
 
+    /// What is due now that another replica changed the round's records in the store it
+    /// shares (its stage messages, or the leader's). Blocking.
+    fn followed(&self, _store: &Store) -> Result<Step, ServerError> {
+        Ok(Step::Continue)
+    }
+
     /// What is due now that the round's deadline has passed. Blocking (it may write the store).
     fn at_deadline(&self, _store: &Store) -> Result<Step, ServerError> {
         // Published if it has the minimum, abandoned otherwise: the close decides.
@@ -368,6 +374,7 @@ pub fn for_new_attempt(
     attempt: u32,
     now: u64,
     previous: Option<&Arc<dyn Collection>>,
+    sharing: Option<Sharing>,
 ) -> Result<(Arc<dyn Collection>, u64), ServerError> {
     let deadline = now + record.config.round_deadline_secs * 1000;
     if let Some(config) = &record.config.asynchronous {
@@ -380,7 +387,9 @@ pub fn for_new_attempt(
     }
     Ok(match &record.config.secure_aggregation {
         Some(config) => {
-            let s = super::secure::SecureCollection::new(record, config, number, attempt, now)?;
+            let s = super::secure::SecureCollection::new(
+                record, config, number, attempt, now, sharing,
+            )?;
             // Under secure aggregation the round's deadline is when masked inputs are due.
             let deadline = s.round().latest_input_deadline_unix_ms;
             (Arc::new(s), deadline)
@@ -394,6 +403,7 @@ pub fn resume(
     store: &Store,
     record: &TaskRecord,
     open: &OpenRoundRecord,
+    sharing: Option<Sharing>,
 ) -> Result<Arc<dyn Collection>, ServerError> {
     if let Some(config) = &record.config.asynchronous {
         return Ok(Arc::new(AsyncCollection::resume(
@@ -402,7 +412,7 @@ pub fn resume(
     }
     Ok(match &record.config.secure_aggregation {
         Some(config) => Arc::new(super::secure::SecureCollection::resume(
-            store, record, config, open,
+            store, record, config, open, sharing,
         )?),
         None => Arc::new(super::plain::PlainCollection),
     })

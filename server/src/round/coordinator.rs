@@ -245,7 +245,7 @@ impl Coordinator {
         let mut secret = [0u8; 32];
         hex::decode_to_slice(&open.secret, &mut secret)
             .map_err(|_| ServerError::internal("corrupt round secret"))?;
-        let collection = collection::resume(&*self.store, record, &open)?;
+        let collection = collection::resume(&*self.store, record, &open, self.sharing())?;
         let (sum, contributions, checkpoint, noised) = match open.checkpoint {
             Some(c) => {
                 let values = self.store.read_checkpoint(&c.file, record.spec.numel())?;
@@ -327,7 +327,7 @@ impl Coordinator {
     ) -> Result<Arc<Round>, ServerError> {
         let now = now_ms();
         let (collection, deadline) =
-            collection::for_new_attempt(record, number, attempt, now, previous)?;
+            collection::for_new_attempt(record, number, attempt, now, previous, self.sharing())?;
         // A retried attempt may keep the key its clients sealed their updates to.
         let key = match collection.attempt_key(number) {
             Some(key) => key,

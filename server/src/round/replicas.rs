@@ -48,7 +48,7 @@ use std::time::Instant;
 use hora_common::kernel::WeightedSum;
 use hora_common::wire::ErrorCode;
 
-use super::collection::{send_again, Joined};
+use super::collection::{send_again, Joined, Step};
 use super::upload::Admission;
 use super::{
     capacity, lock, plain, Accumulator, Checkpointed, Coordinator, Durability, Phase, Round, Task,
@@ -74,6 +74,15 @@ impl Coordinator {
     /// Whether this replica serves without leading.
     pub(crate) fn follows(&self) -> bool {
         self.config.role == Role::Follower
+    }
+
+    /// How this replica shares secure-aggregation attempts with the others (None: its store
+    /// is its own).
+    pub(crate) fn sharing(&self) -> Option<crate::secagg::Sharing> {
+        self.store.shared().then(|| crate::secagg::Sharing {
+            replica: self.config.replica.clone(),
+            leads: !self.follows(),
+        })
     }
 
     /// Whether `round`'s clients may be served by any replica: a round whose mode allows it
@@ -497,10 +506,14 @@ impl Coordinator {
             |r: &Round, open: &OpenRoundRecord| (r.number, r.attempt) == (open.round, open.attempt);
         match (&current, open) {
             (Some(r), Some(open)) if same(r, &open) => {
-                let mut acc = lock(&r.acc);
-                for client in &open.selected {
-                    learn_selected(r, &mut acc, client);
+                {
+                    let mut acc = lock(&r.acc);
+                    for client in &open.selected {
+                        learn_selected(r, &mut acc, client);
+                    }
                 }
+                // (A follower's step is always to go on: the leader decides.)
+                r.collection.followed(&*self.store)?;
             }
             (_, open) => {
                 let next = open
@@ -537,7 +550,7 @@ impl Coordinator {
     /// replicas: the partials recorded meanwhile count, and an attempt that a leader which died
     /// (or lost its lease) had sealed closes now. No replica can add to a sealed attempt, and an
     /// asynchronous version has no deadline to close it. Blocking.
-    pub(crate) fn catch_up(&self, id: &str) -> Result<(), ServerError> {
+    pub(crate) fn catch_up(self: &Arc<Self>, id: &str) -> Result<(), ServerError> {
         self.count_partials(id)?;
         let Some(round) = self.task(id).ok().and_then(|t| t.current()) else {
             return Ok(());
@@ -552,8 +565,8 @@ impl Coordinator {
     }
 
     /// The leader's count of the updates other replicas hold for task `id`'s open round: a
-    /// round full across replicas closes now. Blocking.
-    fn count_partials(&self, id: &str) -> Result<(), ServerError> {
+    /// round full across replicas closes now (a mode with stages may move on). Blocking.
+    fn count_partials(self: &Arc<Self>, id: &str) -> Result<(), ServerError> {
         let Ok(task) = self.task(id) else {
             return Ok(());
         };
@@ -562,6 +575,10 @@ impl Coordinator {
         };
         if !self.spans_replicas(&round) {
             return Ok(());
+        }
+        match round.collection.followed(&*self.store)? {
+            Step::Continue => {}
+            step => return self.step(&task, &round, step),
         }
         let elsewhere = self
             .store

@@ -13,7 +13,7 @@ use super::collection::{Collection, Step};
 use super::upload::Admission;
 use super::{capacity, Coordinator, Ending, Round, Task};
 use crate::error::ServerError;
-use crate::secagg::{self, Outcome, SecAggRound};
+use crate::secagg::{self, Outcome, SecAggRound, Sharing};
 use crate::store::{Contribution, OpenRoundRecord, Store, TaskRecord};
 
 /// How round `number` of a task with federated evaluation carries it: its clients evaluate
@@ -36,6 +36,7 @@ impl SecureCollection {
         number: u64,
         attempt: u32,
         now: u64,
+        sharing: Option<Sharing>,
     ) -> Result<Self, ServerError> {
         Ok(SecureCollection(Arc::new(SecAggRound::new(
             hora_common::secagg::Context::new(&record.config.id, number, attempt),
@@ -46,6 +47,7 @@ impl SecureCollection {
             record.config.round_deadline_secs,
             record.spec.numel(),
             evaluation(record, number),
+            sharing,
         )?)))
     }
 
@@ -54,6 +56,7 @@ impl SecureCollection {
         record: &TaskRecord,
         config: &SecureAggregationConfig,
         open: &OpenRoundRecord,
+        sharing: Option<Sharing>,
     ) -> Result<Self, ServerError> {
         Ok(SecureCollection(Arc::new(SecAggRound::resume(
             store,
@@ -65,6 +68,7 @@ impl SecureCollection {
             record.config.round_deadline_secs,
             record.spec.numel(),
             evaluation(record, open.round),
+            sharing,
         )?)))
     }
 
@@ -76,11 +80,6 @@ impl SecureCollection {
 impl Collection for SecureCollection {
     fn mode(&self) -> &'static str {
         "secure aggregation"
-    }
-
-    /// The stages' messages and the unmasking need every client's in one place: the leader's.
-    fn spans_replicas(&self) -> bool {
-        false
     }
 
     fn stage(&self) -> Option<String> {
@@ -140,6 +139,10 @@ impl Collection for SecureCollection {
 
     fn at_deadline(&self, store: &Store) -> Result<Step, ServerError> {
         Ok(step(self.0.tick(store)?))
+    }
+
+    fn followed(&self, store: &Store) -> Result<Step, ServerError> {
+        Ok(step(self.0.followed(store)?))
     }
 
     fn retry_after_failed_close(&self, ending: Ending) -> Option<Ending> {
@@ -244,6 +247,32 @@ impl Coordinator {
             ));
         }
         Ok((round, s))
+    }
+
+    /// [`Coordinator::secagg_round`] for a client that may have joined at another replica: the
+    /// store says whether it did (and this replica's copy of the selections learns it).
+    pub async fn secagg_attempt(
+        self: &Arc<Self>,
+        task: &Arc<Task>,
+        client: &str,
+        round_number: u64,
+        attempt: u32,
+    ) -> Result<(Arc<Round>, Arc<SecAggRound>), ServerError> {
+        let refused = match self.secagg_round(task, client, round_number, attempt) {
+            Err(e) if e.code() == ErrorCode::NotSelected => e,
+            other => return other,
+        };
+        let Some(round) = task.current().filter(|r| self.spans_replicas(r)) else {
+            return Err(refused);
+        };
+        let (me, t, c) = (self.clone(), task.clone(), client.to_string());
+        let learned =
+            crate::blocking(move || round.collection.selected_elsewhere(&me, &t, &round, &c))
+                .await?;
+        match learned {
+            true => self.secagg_round(task, client, round_number, attempt),
+            false => Err(refused),
+        }
     }
 
     /// Acts on what a secure-aggregation message did: publishes the unmasked sum, or abandons

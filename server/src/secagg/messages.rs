@@ -13,6 +13,18 @@ use hora_common::wire::{
 
 use super::*;
 
+fn already_advertised(client: &str) -> String {
+    format!("client `{client}` has already advertised other keys for this attempt")
+}
+
+fn already_shared(client: &str) -> String {
+    format!("client `{client}` has already sent its shares for this attempt")
+}
+
+fn already_revealed(client: &str) -> String {
+    format!("client `{client}` has already revealed its shares for this attempt")
+}
+
 impl SecAggRound {
     /// Stage 0: a selected client's signed keys, checked against its registered identity.
     pub fn advertise(
@@ -34,24 +46,26 @@ impl SecAggRound {
             e => secagg_error(e),
         })?;
         let mut inner = lock(&self.inner);
-        self.require(&inner, Stage::Advertise)?;
+        self.require(store, &mut inner, Stage::Advertise)?;
         if let Some(existing) = inner.adverts.get(client) {
             return self.repeated(
                 existing.keys == keys,
                 inner.adverts.len(),
                 ErrorCode::AlreadyAdvertised,
-                format!("client `{client}` has already advertised other keys for this attempt"),
+                already_advertised(client),
             );
         }
         let record = AdvertRecord {
             identity_key: identity_key.to_string(),
             keys,
         };
-        store.secagg_put(&key(&self.ctx.task, "adv", client), &record)?;
-        store.flush()?;
+        self.record(store, &inner, "adv", client, &record, || {
+            ServerError::conflict(ErrorCode::AlreadyAdvertised, already_advertised(client))
+        })?;
         inner.adverts.insert(client.to_string(), record);
         let accepted = inner.adverts.len();
-        if accepted == 1 {
+        // (Across replicas the leader does this when it counts the first advertisement.)
+        if accepted == 1 && !self.follows() {
             // The others have `stage_secs` from now.
             inner.deadline_unix_ms = inner
                 .deadline_unix_ms
@@ -98,14 +112,14 @@ impl SecAggRound {
         bundles: SecAggShareBundles,
     ) -> Result<(SecAggReceipt, Outcome), ServerError> {
         let mut inner = lock(&self.inner);
-        self.require(&inner, Stage::ShareKeys)?;
+        self.require(store, &mut inner, Stage::ShareKeys)?;
         let me = self.participant(&inner, client, "advertise")?;
         if let Some(existing) = inner.mail.get(client) {
             return self.repeated(
                 *existing == bundles,
                 inner.mail.len(),
                 ErrorCode::AlreadyShared,
-                format!("client `{client}` has already sent its shares for this attempt"),
+                already_shared(client),
             );
         }
         let neighbours: BTreeSet<&str> = inner.participants[me]
@@ -147,8 +161,9 @@ impl SecAggRound {
                 ),
             });
         }
-        store.secagg_put(&key(&self.ctx.task, "mail", client), &bundles)?;
-        store.flush()?;
+        self.record(store, &inner, "mail", client, &bundles, || {
+            ServerError::conflict(ErrorCode::AlreadyShared, already_shared(client))
+        })?;
         inner.mail.insert(client.to_string(), bundles);
         let (accepted, expected) = (inner.mail.len(), inner.participants.len());
         self.progress(store, &mut inner, accepted, expected)
@@ -207,7 +222,7 @@ impl SecAggRound {
             });
         }
         let mut inner = lock(&self.inner);
-        self.require(&inner, Stage::MaskedInput)?;
+        self.require(store, &mut inner, Stage::MaskedInput)?;
         let me = self.participant(&inner, client, "advertise")?;
         if !inner.shared.contains(&me) {
             return Err(dropped_out(client, "share-keys"));
@@ -217,6 +232,11 @@ impl SecAggRound {
                 ErrorCode::AlreadyContributed,
                 format!("client `{client}` has already uploaded its masked input for this attempt"),
             ));
+        }
+        if self.sharing.is_some() {
+            self.fold_shared(store, &mut inner, me, client, body)?;
+            let (accepted, expected) = (inner.survivors.len(), inner.shared.len());
+            return self.progress(store, &mut inner, accepted, expected);
         }
         if inner.sum.len() != self.vector_len {
             inner.sum = vec![0; self.vector_len];
@@ -306,14 +326,14 @@ impl SecAggRound {
         answer: SecAggUnmask,
     ) -> Result<(SecAggReceipt, Outcome), ServerError> {
         let mut inner = lock(&self.inner);
-        self.require(&inner, Stage::Unmask)?;
+        self.require(store, &mut inner, Stage::Unmask)?;
         let me = self.participant(&inner, client, "advertise")?;
         if let Some(existing) = inner.answers.get(client) {
             return self.repeated(
                 *existing == answer,
                 inner.answers.len(),
                 ErrorCode::AlreadyRevealed,
-                format!("client `{client}` has already revealed its shares for this attempt"),
+                already_revealed(client),
             );
         }
         let mut u = self.unmasker_with_answers(&inner)?;
@@ -321,9 +341,10 @@ impl SecAggRound {
             SecAggError::Stage(m) => ServerError::conflict(ErrorCode::DroppedOut, m),
             e => secagg_error(e),
         })?;
-        store.secagg_put(&key(&self.ctx.task, "unmask", client), &answer)?;
-        store.flush()?;
         drop(u);
+        self.record(store, &inner, "unmask", client, &answer, || {
+            ServerError::conflict(ErrorCode::AlreadyRevealed, already_revealed(client))
+        })?;
         inner.answers.insert(client.to_string(), answer);
         // Only survivors answer: all have once there are as many answers as survivors.
         let (accepted, expected) = (inner.answers.len(), inner.survivors.len());

@@ -26,9 +26,15 @@
 //! revealed unmask shares. The sum of the masked inputs is a checkpoint file. Individual masked
 //! inputs are folded into the sum as they arrive and never stored; the shares are encrypted to
 //! clients; so nothing stored unmasks a single client.
+//!
+//! Across replicas (a store they share), every replica takes any client's messages and the
+//! leader alone moves the stages on: see [`shared`].
 
 mod messages;
+mod shared;
 mod stages;
+
+pub use shared::Sharing;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -116,6 +122,9 @@ struct Inner {
     sum: Vec<u32>,
     sum_file: Option<String>,
     answers: BTreeMap<String, SecAggUnmask>,
+    /// Across replicas, while masked inputs come in: the participants whose inputs this
+    /// replica's own partial sum (`sum`) holds.
+    mine: BTreeSet<usize>,
 }
 
 pub struct SecAggRound {
@@ -136,6 +145,8 @@ pub struct SecAggRound {
     stage_now: AtomicU8,
     /// Bumped at every stage change, for the long polls.
     pub changed: watch::Sender<u64>,
+    /// How this replica shares the attempt with others (None: the server is alone).
+    sharing: Option<Sharing>,
 }
 
 /// The parameters a task's rounds run with, checked at task creation.
@@ -233,6 +244,7 @@ impl SecAggRound {
         round_deadline_secs: u64,
         numel: usize,
         evaluation: Option<SecAggEvaluation>,
+        sharing: Option<Sharing>,
     ) -> Result<SecAggRound, ServerError> {
         let mut seed = [0u8; 32];
         ring::rand::SystemRandom::new()
@@ -260,6 +272,7 @@ impl SecAggRound {
                 sum: Vec::new(),
                 sum_file: None,
                 answers: BTreeMap::new(),
+                mine: BTreeSet::new(),
             }),
             ctx,
             quantiser,
@@ -270,10 +283,12 @@ impl SecAggRound {
                 + evaluation.map_or(0, |_| hora_common::secagg::quantise::EVALUATION_SLOTS),
             evaluation,
             changed: watch::channel(0).0,
+            sharing,
         })
     }
 
-    /// Rebuilds an attempt from the store after a restart.
+    /// Rebuilds an attempt from the store after a restart (or, for a replica that does not
+    /// lead, from what the leader stored).
     #[allow(clippy::too_many_arguments)]
     pub fn resume(
         store: &Store,
@@ -285,6 +300,7 @@ impl SecAggRound {
         round_deadline_secs: u64,
         numel: usize,
         evaluation: Option<SecAggEvaluation>,
+        sharing: Option<Sharing>,
     ) -> Result<SecAggRound, ServerError> {
         let round = SecAggRound::new(
             ctx,
@@ -295,65 +311,84 @@ impl SecAggRound {
             round_deadline_secs,
             numel,
             evaluation,
+            sharing,
         )?;
         let task = round.ctx.task.clone();
-        let Some(state) = store.secagg_get::<StateRecord>(&key(&task, "state", ""))? else {
-            store.secagg_clear(&task)?; // a fresh attempt: nothing of an older one counts
-            return Ok(round);
-        };
-        if state.round != round.ctx.round || state.attempt != round.ctx.attempt {
-            store.secagg_clear(&task)?;
-            return Ok(round);
+        let state = store
+            .secagg_get::<StateRecord>(&key(&task, "state", ""))?
+            .filter(|s| (s.round, s.attempt) == (round.ctx.round, round.ctx.attempt));
+        let mut inner = lock(&round.inner);
+        match state {
+            Some(state) => round.load(store, &mut inner, &state, true)?,
+            // A fresh attempt: nothing of an older one counts. (A follower leaves that to the
+            // leader, and learns the attempt's state when the leader stores it.)
+            None if !round.follows() => store.secagg_clear(&task)?,
+            None => {}
         }
-        {
-            let mut inner = lock(&round.inner);
-            round.set_stage(&mut inner, state.stage);
-            inner.deadline_unix_ms = state.deadline_unix_ms;
-            inner.input_deadline_unix_ms = state.input_deadline_unix_ms;
-            inner.seed = hex_array("seed", &state.seed).map_err(ServerError::internal)?;
-            for (client, advert) in store.secagg_scan::<AdvertRecord>(&format!("{task}\0adv\0"))? {
-                inner.adverts.insert(client, advert);
-            }
-            if !state.participants.is_empty() {
-                round.fix_participants(
-                    &mut inner,
-                    &state.participants,
-                    state.degree,
-                    state.threshold,
-                )?;
-            }
-            for (client, bundles) in
-                store.secagg_scan::<SecAggShareBundles>(&format!("{task}\0mail\0"))?
-            {
-                inner.mail.insert(client, bundles);
-            }
-            let index = |inner: &Inner, id: &str| {
+        if round.sharing.is_some() && !round.follows() {
+            // The gate opens for the stage stored (again, if a leader died closing it: the
+            // stage takes messages until it closes once more).
+            round.save_state(store, &inner)?;
+        }
+        drop(inner);
+        Ok(round)
+    }
+
+    /// Takes in the stage record `state` of this attempt and every message stored for it; the
+    /// masked sum too, if `sum` (a replica's own partial sum is its own).
+    fn load(
+        &self,
+        store: &Store,
+        inner: &mut Inner,
+        state: &StateRecord,
+        sum: bool,
+    ) -> Result<(), ServerError> {
+        let task = &self.ctx.task;
+        self.set_stage(inner, state.stage);
+        inner.deadline_unix_ms = state.deadline_unix_ms;
+        inner.input_deadline_unix_ms = state.input_deadline_unix_ms;
+        inner.seed = hex_array("seed", &state.seed).map_err(ServerError::internal)?;
+        inner.adverts = store
+            .secagg_scan::<AdvertRecord>(&format!("{task}\0adv\0"))?
+            .into_iter()
+            .collect();
+        if !state.participants.is_empty() && inner.participants.is_empty() {
+            self.fix_participants(inner, &state.participants, state.degree, state.threshold)?;
+        }
+        inner.mail = store
+            .secagg_scan::<SecAggShareBundles>(&format!("{task}\0mail\0"))?
+            .into_iter()
+            .collect();
+        inner.shared = self.indices(inner, &state.shared)?;
+        inner.survivors = self.indices(inner, &state.survivors)?;
+        if sum {
+            inner.sum = match &state.sum_file {
+                Some(file) => store.read_masked_sum(file, self.vector_len)?,
+                None => vec![0; self.vector_len],
+            };
+            inner.sum_file = state.sum_file.clone();
+        }
+        inner.answers = store
+            .secagg_scan::<SecAggUnmask>(&format!("{task}\0unmask\0"))?
+            .into_iter()
+            .collect();
+        if self.sharing.is_some() && inner.stage == Stage::MaskedInput {
+            self.gather(store, inner)?;
+        }
+        Ok(())
+    }
+
+    /// The participant indices of `ids`.
+    fn indices(&self, inner: &Inner, ids: &[String]) -> Result<BTreeSet<usize>, ServerError> {
+        ids.iter()
+            .map(|id| {
                 inner
                     .participants
                     .iter()
-                    .position(|p| p.id == id)
+                    .position(|p| &p.id == id)
                     .ok_or_else(|| ServerError::internal(format!("unknown participant {id}")))
-            };
-            for id in &state.shared {
-                let i = index(&inner, id)?;
-                inner.shared.insert(i);
-            }
-            for id in &state.survivors {
-                let i = index(&inner, id)?;
-                inner.survivors.insert(i);
-            }
-            inner.sum = match &state.sum_file {
-                Some(file) => store.read_masked_sum(file, round.vector_len)?,
-                None => vec![0; round.vector_len],
-            };
-            inner.sum_file = state.sum_file;
-            for (client, answer) in
-                store.secagg_scan::<SecAggUnmask>(&format!("{task}\0unmask\0"))?
-            {
-                inner.answers.insert(client, answer);
-            }
-        }
-        Ok(round)
+            })
+            .collect()
     }
 
     pub fn offer(&self) -> SecAggOffer {
@@ -421,11 +456,20 @@ impl SecAggRound {
             sum_file: inner.sum_file.clone(),
         };
         store.secagg_put(&key(&self.ctx.task, "state", ""), &record)?;
+        if self.sharing.is_some() && inner.stage != Stage::Ended {
+            // (After the record: a replica that finds the gate open finds the stage stored.)
+            self.set_gate(store, inner.stage, true)?;
+        }
         Ok(())
     }
 
     /// Persists the first record of a new attempt (and clears the task's older ones).
     pub fn persist_new(&self, store: &Store) -> Result<(), ServerError> {
+        if self.sharing.is_some() {
+            // The older attempt's gate closes first: a message of it still in flight at another
+            // replica commits before the clear, or is refused.
+            self.set_gate(store, Stage::Advertise, false)?;
+        }
         store.secagg_clear(&self.ctx.task)?;
         self.save_state(store, &lock(&self.inner))
     }
@@ -474,7 +518,12 @@ impl SecAggRound {
         Ok(())
     }
 
-    fn require(&self, inner: &Inner, stage: Stage) -> Result<(), ServerError> {
+    /// Checks that the attempt is at `stage`. A replica that does not lead may not have
+    /// heard yet that the leader moved the stage on: it reads the leader's record first.
+    fn require(&self, store: &Store, inner: &mut Inner, stage: Stage) -> Result<(), ServerError> {
+        if inner.stage < stage && self.follows() {
+            self.sync(store, inner)?;
+        }
         if inner.stage != stage {
             return Err(stage_closed(stage, inner.stage));
         }
@@ -521,7 +570,8 @@ impl SecAggRound {
         accepted: usize,
         expected: usize,
     ) -> Result<(SecAggReceipt, Outcome), ServerError> {
-        let outcome = if accepted >= expected {
+        // (Only the leader moves the stages on: it counts what every replica took.)
+        let outcome = if accepted >= expected && !self.follows() {
             self.close_stage(store, inner)?
         } else {
             Outcome::Continue

@@ -44,6 +44,8 @@ impl SecAggRound {
         inner: &mut Inner,
     ) -> Result<Outcome, ServerError> {
         let stage_ms = self.config.stage_secs * 1000;
+        // Across replicas: what every replica took of the stage, the stage's gate closed.
+        let merged = self.seal(store, inner)?;
         let outcome = match inner.stage {
             Stage::Advertise => {
                 let n = inner.adverts.len();
@@ -174,6 +176,10 @@ impl SecAggRound {
             Outcome::Continue => {
                 self.save_state(store, inner)?;
                 store.flush()?;
+                // (The replicas' partial sums are in the attempt's, recorded now.)
+                for file in &merged {
+                    store.remove_checkpoint(file);
+                }
                 tracing::info!(task = %self.ctx.task, round = self.ctx.round, attempt = self.ctx.attempt, stage = ?inner.stage,
                     participants = inner.participants.len(), shared = inner.shared.len(), survivors = inner.survivors.len(), "secure aggregation stage opened");
             }
@@ -181,6 +187,9 @@ impl SecAggRound {
             // so that nobody rejoins in between.
             _ => {
                 self.set_stage(inner, Stage::Ended);
+                for file in &merged {
+                    store.remove_checkpoint(file);
+                }
                 return Ok(outcome);
             }
         }

@@ -476,6 +476,44 @@ pub trait SecaggLog: Durable {
 
     /// Forgets a task's secure-aggregation records (a new attempt starts from nothing).
     fn secagg_clear(&self, task: &str) -> Result<(), StoreError>;
+
+    /// A serving replica's write of a stage's message: only while the record at `gate` holds
+    /// exactly `open` (the leader says the stage takes messages), and only if the record at
+    /// `claim`'s key is absent or already `claim`'s value (which is written with `writes`).
+    /// A leader's write of `gate` waits for those in flight, so once it has changed the gate,
+    /// every message of the stage is in the store. This default reads, then writes: enough for
+    /// a store one server owns, whose secure-aggregation round orders its writes under its lock.
+    fn secagg_put_gated(
+        &self,
+        gate: &str,
+        open: &[u8],
+        claim: (&str, &[u8]),
+        writes: &[(&str, &[u8])],
+    ) -> Result<Gated, StoreError> {
+        if self.secagg_get_bytes(gate)?.as_deref() != Some(open) {
+            return Ok(Gated::Closed);
+        }
+        match self.secagg_get_bytes(claim.0)? {
+            Some(held) if held != claim.1 => return Ok(Gated::Taken(held)),
+            Some(_) => {}
+            None => self.secagg_put_bytes(claim.0, claim.1)?,
+        }
+        for (key, value) in writes {
+            self.secagg_put_bytes(key, value)?;
+        }
+        Ok(Gated::Written)
+    }
+}
+
+/// What [`SecaggLog::secagg_put_gated`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Gated {
+    /// Written (or the claim held its value already: a repeat).
+    Written,
+    /// The gate is not open: nothing written.
+    Closed,
+    /// The claim holds another value (returned): nothing written.
+    Taken(Vec<u8>),
 }
 
 /// What the server does with its store at start.
@@ -561,7 +599,8 @@ struct Referenced {
 fn referenced(
     store: &(impl RoundLog + SecaggLog + ?Sized),
 ) -> Result<Option<Referenced>, StoreError> {
-    /// The one field of secure aggregation's state record the sweep needs.
+    /// The one field of secure aggregation's state record (and of a replica's masked partial
+    /// sum's) the sweep needs.
     #[derive(Deserialize)]
     struct SecaggState {
         sum_file: Option<String>,
@@ -600,6 +639,12 @@ fn referenced(
         if let Some(bytes) = store.secagg_get_bytes(&key)? {
             let state: SecaggState = decode(&key, &bytes)?;
             refs.checkpoints.extend(state.sum_file);
+        }
+        // (Replicas' masked sums of an attempt, beside the leader's.)
+        let parts = format!("{id}\0part\0");
+        for (replica, bytes) in store.secagg_scan_bytes(&parts)? {
+            let part: SecaggState = decode(&format!("{parts}{replica}"), &bytes)?;
+            refs.checkpoints.extend(part.sum_file);
         }
     }
     Ok(Some(refs))

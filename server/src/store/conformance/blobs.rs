@@ -134,7 +134,7 @@ pub(super) fn strategy_states_are_removed_by_valid_name_only(f: &mut dyn Fixture
 pub(super) fn the_sweep_removes_what_no_record_refers_to(f: &mut dyn Fixture) {
     let s = f.store();
     // Referred to: the task's initial and global models, a retained round's model, its
-    // module, its strategy state, its open round's checkpoint, its secagg attempt's sum.
+    // module, its strategy state, its open round's checkpoint, its secagg attempt's sums.
     let initial = s.put_model(&model([0.0; 3])).unwrap();
     let global = s.put_model(&model([1.0; 3])).unwrap();
     let retained = s.put_model(&model([2.0; 3])).unwrap();
@@ -159,6 +159,10 @@ pub(super) fn the_sweep_removes_what_no_record_refers_to(f: &mut dyn Fixture) {
     )
     .unwrap();
     s.secagg_put("t\0state\0", &secagg_state(Some(&msum)))
+        .unwrap();
+    // (A replica's masked partial sum of the attempt: a record of the same shape.)
+    let part = s.write_masked_sum(&[3]).unwrap();
+    s.secagg_put("t\0part\0r1", &secagg_state(Some(&part)))
         .unwrap();
     // Not referred to: a pruned round's model (stale), an unused model an admin uploaded
     // today (kept for a day), another that is stale, a stale module, an older state, a
@@ -198,6 +202,7 @@ pub(super) fn the_sweep_removes_what_no_record_refers_to(f: &mut dyn Fixture) {
     assert_eq!(names(s, BlobKind::StrategyState), HashSet::from([state]));
     assert!(s.read_checkpoint(&ckpt, 1).is_ok());
     assert!(s.read_masked_sum(&msum, 1).is_ok());
+    assert!(s.read_masked_sum(&part, 1).is_ok());
     assert!(s.read_checkpoint(&orphan_ckpt, 1).is_err());
     assert!(s.read_masked_sum(&orphan_msum, 1).is_err());
     assert_eq!(s.sweep_orphans().unwrap(), 0, "nothing left to sweep");

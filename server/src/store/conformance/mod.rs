@@ -366,6 +366,7 @@ suite!(
     enrolment_tokens_work_once,
     sync_jobs_are_created_once_updated_and_removed,
     secagg_records_are_scanned_by_prefix_and_cleared_per_task,
+    secagg_messages_go_in_through_an_open_gate_and_a_claim_once,
     meta_is_kept,
     models_and_modules_are_content_addressed,
     checkpoints_and_masked_sums_round_trip,

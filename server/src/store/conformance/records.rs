@@ -399,6 +399,42 @@ pub(super) fn sync_jobs_are_created_once_updated_and_removed(f: &mut dyn Fixture
     assert!(s.sync_jobs().unwrap().is_empty());
 }
 
+pub(super) fn secagg_messages_go_in_through_an_open_gate_and_a_claim_once(f: &mut dyn Fixture) {
+    let s = f.store();
+    let put = |claim: (&str, &[u8]), writes: &[(&str, &[u8])]| {
+        s.secagg_put_gated("t\0gate\0", b"open", claim, writes)
+            .unwrap()
+    };
+    // No gate, or another one: nothing is written.
+    assert_eq!(put(("t\0adv\0c1", b"k1"), &[]), Gated::Closed);
+    s.secagg_put_bytes("t\0gate\0", b"closed").unwrap();
+    assert_eq!(put(("t\0adv\0c1", b"k1"), &[]), Gated::Closed);
+    assert!(s.secagg_scan_bytes("t\0adv\0").unwrap().is_empty());
+    // Open: the claim and the writes go in; the same claim again is a repeat, another value
+    // is refused with the one held, and nothing of it is written.
+    s.secagg_put_bytes("t\0gate\0", b"open").unwrap();
+    assert_eq!(
+        put(("t\0in\0c1", b"r1"), &[("t\0part\0r1", b"1")]),
+        Gated::Written
+    );
+    assert_eq!(
+        put(("t\0in\0c1", b"r1"), &[("t\0part\0r1", b"2")]),
+        Gated::Written
+    );
+    assert_eq!(
+        put(("t\0in\0c1", b"r2"), &[("t\0part\0r2", b"3")]),
+        Gated::Taken(b"r1".to_vec())
+    );
+    assert_eq!(
+        s.secagg_scan_bytes("t\0part\0").unwrap(),
+        vec![("r1".into(), b"2".to_vec())]
+    );
+    assert_eq!(
+        s.secagg_get_bytes("t\0in\0c1").unwrap().as_deref(),
+        Some(&b"r1"[..])
+    );
+}
+
 pub(super) fn secagg_records_are_scanned_by_prefix_and_cleared_per_task(f: &mut dyn Fixture) {
     let s = f.store();
     assert!(s.secagg_get::<SecaggState>("t\0state\0").unwrap().is_none());

@@ -57,6 +57,11 @@ pub(super) const MIGRATIONS: &[Migration] = &[
         name: "0007_followers_in_status",
         sql: include_str!("../../../migrations/0007_followers_in_status.sql"),
     },
+    Migration {
+        version: 8,
+        name: "0008_secagg_changes",
+        sql: include_str!("../../../migrations/0008_secagg_changes.sql"),
+    },
 ];
 
 /// The advisory lock key the migrations are applied under (any constant; "hora" in ASCII).

@@ -39,7 +39,7 @@ pub use self::lease::{LeaseSettings, Replica};
 use super::blobs::{self, BlobStore, Blobs, DirBlobs};
 use super::{
     decode, json, referenced, remove_unused_models, Claim, ClientRecord, Durable, EnrolmentRecord,
-    Housekeeping, OpenRoundRecord, Registry, ReplicaPartial, Retention, RoundLog, SecaggLog,
+    Gated, Housekeeping, OpenRoundRecord, Registry, ReplicaPartial, Retention, RoundLog, SecaggLog,
     SharedSelection, SlotTaken, StoreChange, StoreError, SyncJobRecord, SyncJobs, TaskRead,
     TaskRecord,
 };
@@ -1013,6 +1013,61 @@ impl SecaggLog for PostgresStore {
                 Ok((String::from_utf8_lossy(rest).into_owned(), col(row, 1)?))
             })
             .collect()
+    }
+
+    /// One transaction: the gate read `FOR SHARE` (a leader's write of it waits for this one to
+    /// commit, and one after it reads the new gate), the claim inserted unless present, then
+    /// the writes.
+    fn secagg_put_gated(
+        &self,
+        gate: &str,
+        open: &[u8],
+        claim: (&str, &[u8]),
+        writes: &[(&str, &[u8])],
+    ) -> Result<Gated, StoreError> {
+        let (gate, open) = (gate.as_bytes().to_vec(), open.to_vec());
+        let claim = (claim.0.as_bytes().to_vec(), claim.1.to_vec());
+        let writes: Vec<(Vec<u8>, Vec<u8>)> = writes
+            .iter()
+            .map(|(k, v)| (k.as_bytes().to_vec(), v.to_vec()))
+            .collect();
+        self.driver.with(move |mut db| async move {
+            let tx = db.transaction().await?;
+            let held = tx
+                .query_opt(
+                    "SELECT value FROM secagg WHERE key = $1 FOR SHARE",
+                    &[&gate],
+                )
+                .await?;
+            if held.map(|row| row.try_get::<_, Vec<u8>>(0)).transpose()? != Some(open) {
+                return Ok(Gated::Closed);
+            }
+            let inserted = tx
+                .execute(
+                    "INSERT INTO secagg (key, value) VALUES ($1, $2) ON CONFLICT (key) DO NOTHING",
+                    &[&claim.0, &claim.1],
+                )
+                .await?;
+            if inserted == 0 {
+                let held: Vec<u8> = tx
+                    .query_one("SELECT value FROM secagg WHERE key = $1", &[&claim.0])
+                    .await?
+                    .try_get(0)?;
+                if held != claim.1 {
+                    return Ok(Gated::Taken(held));
+                }
+            }
+            for (key, value) in &writes {
+                tx.execute(
+                    "INSERT INTO secagg (key, value) VALUES ($1, $2)
+                     ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    &[key, value],
+                )
+                .await?;
+            }
+            tx.commit().await?;
+            Ok(Gated::Written)
+        })
     }
 
     fn secagg_clear(&self, task: &str) -> Result<(), StoreError> {

@@ -1,0 +1,362 @@
+//! Secure aggregation across replicas that share a store: every replica takes any client's
+//! messages of any stage, and the leader alone moves the stages on.
+//!
+//! - **The gate.** Beside its stage record the leader keeps a *gate* (record `task\0gate\0`):
+//!   the attempt and the stage that takes messages. A replica records a client's message only
+//!   while the gate is open for that stage ([`crate::store::SecaggLog::secagg_put_gated`]: the
+//!   gate is read, locked, in the message's transaction). To close a stage the leader first
+//!   closes its gate, which waits for the messages in flight; every message of the stage is
+//!   then in the store, and it reads them all before deciding who goes on.
+//! - **Messages.** A client's advertisement, share bundles and revealed shares are claimed
+//!   records: the first is kept, the same one again is a repeat (a lost acknowledgement, sent
+//!   to any replica), another one is refused as at one server.
+//! - **Masked inputs.** Each replica folds the inputs it takes into a masked partial sum of its
+//!   own and records it (its sum's blob, then record `task\0part\0replica` with the clients in
+//!   it, and for each of them a claim `task\0in\0client` naming the replica, in one gated
+//!   transaction) before acknowledging. A client's input is in one partial at most, and a
+//!   partial lists exactly the inputs its sum holds; the leader's close of the stage adds up
+//!   every partial, whichever replica died since.
+//! - **Following.** Every write notifies the change feed. The leader counts what the other
+//!   replicas took and closes a stage early once everyone is in; a replica that does not lead
+//!   reads the leader's record when the stage moves on (or when a client is ahead of it).
+
+use serde::{Deserialize, Serialize};
+
+use super::*;
+use crate::store::Gated;
+
+/// How a replica takes part in attempts that replicas share.
+#[derive(Debug, Clone)]
+pub struct Sharing {
+    /// This replica's id: the name of its partial sum and of its claims.
+    pub replica: String,
+    /// Whether it leads (moves the stages on).
+    pub leads: bool,
+}
+
+/// The stage the leader lets messages in for (the gate's record: compared byte for byte).
+#[derive(Serialize)]
+struct Gate {
+    round: u64,
+    attempt: u32,
+    stage: Stage,
+    open: bool,
+}
+
+/// A replica's masked partial sum of an attempt's inputs.
+#[derive(Debug, Serialize, Deserialize)]
+struct PartRecord {
+    round: u64,
+    attempt: u32,
+    sum_file: Option<String>,
+    /// The clients whose masked inputs `sum_file` holds.
+    survivors: Vec<String>,
+}
+
+impl SecAggRound {
+    /// Whether this replica serves the attempt without leading it.
+    pub(super) fn follows(&self) -> bool {
+        self.sharing.as_ref().is_some_and(|s| !s.leads)
+    }
+
+    fn gate(&self, stage: Stage, open: bool) -> Vec<u8> {
+        serde_json::to_vec(&Gate {
+            round: self.ctx.round,
+            attempt: self.ctx.attempt,
+            stage,
+            open,
+        })
+        .expect("a gate serialises")
+    }
+
+    /// The leader's write of the gate (it waits for the messages in flight under the old one).
+    pub(super) fn set_gate(
+        &self,
+        store: &Store,
+        stage: Stage,
+        open: bool,
+    ) -> Result<(), ServerError> {
+        store.secagg_put_bytes(&key(&self.ctx.task, "gate", ""), &self.gate(stage, open))?;
+        Ok(())
+    }
+
+    /// Makes `client`'s message `value` of the current stage durable: at one server, a write;
+    /// across replicas, a claimed record written while the stage's gate is open (`taken`: the
+    /// error for a client that recorded another one, at any replica).
+    pub(super) fn record<T: Serialize>(
+        &self,
+        store: &Store,
+        inner: &Inner,
+        kind: &str,
+        client: &str,
+        value: &T,
+        taken: impl FnOnce() -> ServerError,
+    ) -> Result<(), ServerError> {
+        let at = key(&self.ctx.task, kind, client);
+        if self.sharing.is_none() {
+            store.secagg_put(&at, value)?;
+            store.flush()?;
+            return Ok(());
+        }
+        let bytes = serde_json::to_vec(value).map_err(ServerError::internal)?;
+        let gate = key(&self.ctx.task, "gate", "");
+        match store.secagg_put_gated(&gate, &self.gate(inner.stage, true), (&at, &bytes), &[])? {
+            Gated::Written => Ok(()),
+            Gated::Closed => Err(closed_meanwhile(inner.stage)),
+            Gated::Taken(_) => Err(taken()),
+        }
+    }
+
+    /// Across replicas: folds `client`'s masked input (participant `me`) into this replica's
+    /// partial sum and records the partial, with the client's claim, while masked inputs are
+    /// still taken. Nothing of it stays when it is refused.
+    pub(super) fn fold_shared(
+        &self,
+        store: &Store,
+        inner: &mut Inner,
+        me: usize,
+        client: &str,
+        body: &[u8],
+    ) -> Result<(), ServerError> {
+        let Some(sharing) = &self.sharing else {
+            return Err(ServerError::internal("a shared fold at one server"));
+        };
+        if inner.sum.len() != self.vector_len {
+            inner.sum = vec![0; self.vector_len];
+        }
+        let add = |inner: &mut Inner, sign: bool| {
+            for (s, w) in inner.sum.iter_mut().zip(crate::store::le_words(body)) {
+                *s = if sign {
+                    s.wrapping_add(w)
+                } else {
+                    s.wrapping_sub(w)
+                };
+            }
+        };
+        add(inner, true);
+        inner.mine.insert(me);
+        let old = inner.sum_file.clone();
+        let written = store
+            .write_masked_sum(&inner.sum)
+            .map_err(ServerError::from)
+            .and_then(|file| {
+                let part = PartRecord {
+                    round: self.ctx.round,
+                    attempt: self.ctx.attempt,
+                    sum_file: Some(file.clone()),
+                    survivors: inner
+                        .mine
+                        .iter()
+                        .map(|&i| inner.participants[i].id.clone())
+                        .collect(),
+                };
+                let part = serde_json::to_vec(&part).map_err(ServerError::internal)?;
+                let task = &self.ctx.task;
+                let gated = store.secagg_put_gated(
+                    &key(task, "gate", ""),
+                    &self.gate(Stage::MaskedInput, true),
+                    (&key(task, "in", client), sharing.replica.as_bytes()),
+                    &[(&key(task, "part", &sharing.replica), &part)],
+                );
+                match gated {
+                    Ok(gated) => Ok((file, gated)),
+                    Err(e) => {
+                        // (Kept when the write may have committed: see `StoreError::keeps_new_blobs`.)
+                        if !e.keeps_new_blobs() && Some(&file) != old.as_ref() {
+                            store.remove_checkpoint(&file);
+                        }
+                        Err(e.into())
+                    }
+                }
+            });
+        let refused = match written {
+            Ok((file, Gated::Written)) => {
+                inner.survivors.insert(me);
+                inner.sum_file = Some(file);
+                if let Some(old) = old.filter(|o| Some(o) != inner.sum_file.as_ref()) {
+                    store.remove_checkpoint(&old);
+                }
+                return Ok(());
+            }
+            Ok((file, gated)) => {
+                if Some(&file) != old.as_ref() {
+                    store.remove_checkpoint(&file);
+                }
+                match gated {
+                    Gated::Taken(holder) => {
+                        inner.survivors.insert(me);
+                        ServerError::conflict(
+                            ErrorCode::AlreadyContributed,
+                            format!(
+                                "client `{client}`'s masked input for this attempt is in already (replica {} took it)",
+                                String::from_utf8_lossy(&holder)
+                            ),
+                        )
+                    }
+                    _ => closed_meanwhile(Stage::MaskedInput),
+                }
+            }
+            Err(e) => e,
+        };
+        add(inner, false);
+        inner.mine.remove(&me);
+        Err(refused)
+    }
+
+    /// The leader's read of what every replica took of the current stage.
+    pub(super) fn gather(&self, store: &Store, inner: &mut Inner) -> Result<(), ServerError> {
+        let task = &self.ctx.task;
+        match inner.stage {
+            Stage::Advertise => {
+                inner.adverts = store
+                    .secagg_scan::<AdvertRecord>(&format!("{task}\0adv\0"))?
+                    .into_iter()
+                    .collect();
+            }
+            Stage::ShareKeys => {
+                inner.mail = store
+                    .secagg_scan::<SecAggShareBundles>(&format!("{task}\0mail\0"))?
+                    .into_iter()
+                    .collect();
+            }
+            Stage::MaskedInput => {
+                for (_, part) in self.parts(store)? {
+                    let survivors = self.indices(inner, &part.survivors)?;
+                    inner.survivors.extend(survivors);
+                }
+            }
+            Stage::Unmask => {
+                inner.answers = store
+                    .secagg_scan::<SecAggUnmask>(&format!("{task}\0unmask\0"))?
+                    .into_iter()
+                    .collect();
+            }
+            Stage::Ended => {}
+        }
+        Ok(())
+    }
+
+    /// The replicas' partial sums of this attempt.
+    fn parts(&self, store: &Store) -> Result<Vec<(String, PartRecord)>, ServerError> {
+        let prefix = format!("{}\0part\0", self.ctx.task);
+        Ok(store
+            .secagg_scan::<PartRecord>(&prefix)?
+            .into_iter()
+            .filter(|(_, p)| (p.round, p.attempt) == (self.ctx.round, self.ctx.attempt))
+            .collect())
+    }
+
+    /// The leader's first step in closing a stage across replicas: the gate closes, and what
+    /// every replica took of the stage is read. For the masked inputs, the replicas' partial
+    /// sums become the attempt's sum (written as its own blob); their blobs are returned, to
+    /// go once the stage's close is recorded.
+    pub(super) fn seal(
+        &self,
+        store: &Store,
+        inner: &mut Inner,
+    ) -> Result<Vec<String>, ServerError> {
+        if self.sharing.is_none() {
+            return Ok(Vec::new());
+        }
+        self.set_gate(store, inner.stage, false)?;
+        self.gather(store, inner)?;
+        if inner.stage != Stage::MaskedInput {
+            return Ok(Vec::new());
+        }
+        let mut sum = vec![0u32; self.vector_len];
+        let mut survivors = BTreeSet::new();
+        let mut files = Vec::new();
+        for (replica, part) in self.parts(store)? {
+            for i in self.indices(inner, &part.survivors)? {
+                if !survivors.insert(i) {
+                    return Err(ServerError::internal(format!(
+                        "the masked input of `{}` is in two partial sums (replica {replica}'s)",
+                        inner.participants[i].id
+                    )));
+                }
+            }
+            if let Some(file) = part.sum_file {
+                for (s, v) in sum
+                    .iter_mut()
+                    .zip(store.read_masked_sum(&file, self.vector_len)?)
+                {
+                    *s = s.wrapping_add(v);
+                }
+                files.push(file);
+            }
+        }
+        let file = store.write_masked_sum(&sum)?;
+        // (Masked sums are named by their bytes: the merged one may be a partial's.)
+        files.retain(|f| *f != file);
+        inner.sum = sum;
+        inner.sum_file = Some(file);
+        inner.survivors = survivors;
+        inner.mine.clear();
+        Ok(files)
+    }
+
+    /// A change of the task's records in the shared store (another replica's message, or the
+    /// leader's stage record). The leader counts every replica's messages of the stage and
+    /// closes it once everyone is in; another replica catches up with the leader's record.
+    pub fn followed(&self, store: &Store) -> Result<Outcome, ServerError> {
+        if self.sharing.is_none() {
+            return Ok(Outcome::Continue);
+        }
+        let mut inner = lock(&self.inner);
+        if inner.stage == Stage::Ended {
+            return Ok(Outcome::Continue);
+        }
+        if self.follows() {
+            self.sync(store, &mut inner)?;
+            return Ok(Outcome::Continue);
+        }
+        let before = inner.adverts.len();
+        self.gather(store, &mut inner)?;
+        let (accepted, expected) = match inner.stage {
+            Stage::Advertise => {
+                if before == 0 && !inner.adverts.is_empty() {
+                    // The first advertisement, taken by another replica: the others have
+                    // `stage_secs` from now.
+                    inner.deadline_unix_ms = inner
+                        .deadline_unix_ms
+                        .min(now_ms() + self.config.stage_secs * 1000);
+                    self.save_state(store, &inner)?;
+                    self.changed.send_modify(|v| *v += 1);
+                }
+                (inner.adverts.len(), self.capacity)
+            }
+            Stage::ShareKeys => (inner.mail.len(), inner.participants.len()),
+            Stage::MaskedInput => (inner.survivors.len(), inner.shared.len()),
+            Stage::Unmask => (inner.answers.len(), inner.survivors.len()),
+            Stage::Ended => return Ok(Outcome::Continue),
+        };
+        Ok(self.progress(store, &mut inner, accepted, expected)?.1)
+    }
+
+    /// A follower's catch-up: once the leader's record says the stage moved on, everything it
+    /// fixed (participants, who shared, who survived) and every message stored are taken in.
+    /// The follower's own partial sum stays its own.
+    pub(super) fn sync(&self, store: &Store, inner: &mut Inner) -> Result<(), ServerError> {
+        let Some(state) = store
+            .secagg_get::<StateRecord>(&key(&self.ctx.task, "state", ""))?
+            .filter(|s| (s.round, s.attempt) == (self.ctx.round, self.ctx.attempt))
+        else {
+            return Ok(());
+        };
+        if state.stage <= inner.stage {
+            return Ok(());
+        }
+        self.load(store, inner, &state, false)?;
+        tracing::debug!(task = %self.ctx.task, round = self.ctx.round, attempt = self.ctx.attempt, stage = ?inner.stage, "followed the leader's secure-aggregation stage");
+        self.changed.send_modify(|v| *v += 1);
+        Ok(())
+    }
+}
+
+/// A message the stage's gate refused: the leader closed the stage before it was recorded.
+fn closed_meanwhile(stage: Stage) -> ServerError {
+    ServerError::conflict(
+        ErrorCode::StageClosed,
+        format!("the {stage:?} stage closed before this message was recorded").to_lowercase(),
+    )
+}
