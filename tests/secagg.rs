@@ -367,11 +367,13 @@ async fn the_protocol_state_and_masked_sum_survive_a_failover_to_a_standby_repli
 /// Secure aggregation across three replicas, message by message: leader `a`, followers `b` and
 /// `c`, client i talking to replica i mod 3. Every stage's messages are taken by all three; a
 /// masked input taken by `b` and sent again to `c` (its answer lost) is refused there as in
-/// already; `b` is SIGKILLed with two masked inputs acknowledged and its clients move to the
-/// leader; the stage closes once all six are in, counted across replicas, and the round
+/// already (and `c`, whose refused sum is that input alone, a blob of the same name as `b`'s
+/// partial, leaves it be); `b` is SIGKILLed with that input acknowledged and its clients move
+/// to the leader; the stage closes once all six are in, counted across replicas, and the round
 /// publishes the FedAvg of all six: `b`'s durable masked partial sum is in it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_followers_masked_partial_sum_survives_its_sigkill_and_is_unmasked_with_the_others() {
+async fn a_followers_masked_partial_sum_survives_its_sigkill_and_the_replicas_unmask_it_with_the_others(
+) {
     let mut replicas = Replicas::new(&format!("127.0.0.1:{}", free_port()));
     let a = replicas.spawn().listening();
     let listens: Vec<String> = (0..2)
@@ -414,7 +416,6 @@ async fn a_followers_masked_partial_sum_survives_its_sigkill_and_is_unmasked_wit
         uploads.push(h.masked(i).await.1);
     }
     h.upload(1, &uploads[1]).await;
-    h.upload(4, &uploads[4]).await;
     let retry = Api {
         url: urls[2].clone(),
         ..h.clients[1].0.api.clone()
@@ -432,7 +433,7 @@ async fn a_followers_masked_partial_sum_survives_its_sigkill_and_is_unmasked_wit
     for i in [1, 4] {
         h.clients[i].0.api.url = urls[0].clone();
     }
-    for i in [0, 2, 3, 5] {
+    for i in [0, 2, 3, 4, 5] {
         h.upload(i, &uploads[i]).await;
     }
     for i in 0..n {

@@ -73,7 +73,7 @@ impl Federation {
 
     /// Starts `replicas` `hora-server serve` processes on one PostgreSQL database (`store`),
     /// their blobs in one shared directory, each on a loopback port of its own: the first leads,
-    /// the others follow (serving clients of plain rounds) until one of them takes the lease,
+    /// the others follow (serving clients) until one of them takes the lease,
     /// `lease_secs` after the leader is gone at most.
     pub fn start_replicas(replicas: usize, store: &str, lease_secs: u64) -> Result<Federation> {
         let dir = tempfile::Builder::new()

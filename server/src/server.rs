@@ -93,7 +93,7 @@ impl Server {
         })
     }
 
-    /// A replica that serves clients of plain rounds without leading (see `round::replicas`),
+    /// A replica that serves clients without leading (see `round::replicas`),
     /// as `replica`, while another leads: on a PostgreSQL store whose blobs every replica
     /// reaches (`--blobs`), once a replica has led (it tied the blobs, made the admin token and
     /// any development certificates). None for a deployment whose replicas can only stand by.
@@ -337,9 +337,7 @@ impl Server {
                     Role::Leader => crate::say(&format!("hora-server listening on https://{addr}")),
                     // (It says "listening on" once it leads.)
                     Role::Follower => {
-                        tracing::info!(
-                            "serving clients of plain rounds while another replica leads"
-                        );
+                        tracing::info!("serving clients while another replica leads");
                         crate::say(&format!("hora-server following on https://{addr}"));
                     }
                 }

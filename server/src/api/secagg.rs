@@ -124,22 +124,20 @@ pub async fn advertise(
     ApiPath(at): AttemptPath,
     ApiJson(keys): ApiJson<SecAggAdvertise>,
 ) -> Result<Json<SecAggReceipt>, ServerError> {
-    let identity = state
-        .coordinator
-        .store()
-        .client(&auth.id)?
-        .and_then(|c| c.identity_key)
-        .ok_or_else(|| {
-            ServerError::conflict(
-                ErrorCode::NoIdentityKey,
-                format!(
-                    "client `{}` registered no identity key at enrolment: enrol it again",
-                    auth.id
-                ),
-            )
-        })?;
     let client = auth.id.clone();
     submit(&state, &auth.id, at, move |s, store| {
+        // (On the blocking thread: a database's store answers over the network.)
+        let identity = store
+            .client(&client)?
+            .and_then(|c| c.identity_key)
+            .ok_or_else(|| {
+                ServerError::conflict(
+                    ErrorCode::NoIdentityKey,
+                    format!(
+                        "client `{client}` registered no identity key at enrolment: enrol it again"
+                    ),
+                )
+            })?;
         s.advertise(store, &client, &identity, keys)
     })
     .await

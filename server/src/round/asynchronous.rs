@@ -443,7 +443,7 @@ impl Collection for AsyncCollection {
         round: &Arc<Round>,
         client: &str,
     ) -> Result<Joined, ServerError> {
-        let joined = match engine.spans_replicas(round) {
+        let joined = match engine.store().shared() {
             true => self.join_shared(engine, task, record, round, client),
             false => self.join(round, record, client),
         };
@@ -541,7 +541,7 @@ impl Collection for AsyncCollection {
         let sealed = opened.sealed;
         // Across replicas, an update goes only into the version it was claimed for (a claim is
         // what keeps a retry at another replica from being folded twice).
-        let only = engine.spans_replicas(round).then_some(round);
+        let only = engine.store().shared().then_some(round);
         let folded = self.fold_into_open(task, only, opened)?;
         if folded.now {
             engine

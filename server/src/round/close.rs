@@ -118,7 +118,7 @@ impl Coordinator {
             return Ok(()); // closing or closed by someone else
         }
         let started = Instant::now();
-        let merged = match self.spans_replicas(round) {
+        let merged = match self.store.shared() {
             true => self.merge_partials(task, round, &mut acc),
             false => Ok(()),
         };
@@ -156,7 +156,7 @@ impl Coordinator {
                 }
             }
         }
-        if let Some(file) = round.collection.leftover_file() {
+        for file in round.collection.leftover_files() {
             self.store.remove_checkpoint(&file);
         }
         round.collection.settle(round, tally.abandon.is_some());

@@ -139,18 +139,10 @@ pub trait Collection: Send + Sync {
         if !self.admit_join(engine.store(), &task.id, client)? {
             return Ok(Joined::Wait);
         }
-        match engine.spans_replicas(round) {
+        match engine.store().shared() {
             true => engine.select_shared(task, record, round, client),
             false => plain::select(task, record, round, client),
         }
-    }
-
-    /// Whether every replica of a deployment may serve the round's clients (see
-    /// [`super::replicas`]): its updates fold into any replica's partial sum, which the leader
-    /// merges. A mode whose rounds need every update (or message) in one place says no: its
-    /// clients are served by the leader alone.
-    fn spans_replicas(&self) -> bool {
-        true
     }
 
     /// Whether `client`, refused as not selected by this replica's copy of `round`, holds a
@@ -164,6 +156,13 @@ pub trait Collection: Send + Sync {
         client: &str,
     ) -> Result<bool, ServerError> {
         engine.selected_in_store(task, round, client)
+    }
+
+    /// Whether the round's sum is the merge of the replicas' durable partials of it (see
+    /// [`super::replicas`]), sealed and merged by the leader's close. A mode that sums what
+    /// the replicas took itself (secure aggregation, at its stages) says no.
+    fn merges_partials(&self) -> bool {
+        true
     }
 
     /// Whether a client's update spends a training slot it holds in the store (taken when it
@@ -359,9 +358,9 @@ pub trait Collection: Send + Sync {
         Ok(())
     }
 
-    /// A file the mode wrote for the round, removed once the round has closed.
-    fn leftover_file(&self) -> Option<String> {
-        None
+    /// Files the mode wrote for the round, removed once the round has closed.
+    fn leftover_files(&self) -> Vec<String> {
+        Vec::new()
     }
 }
 

@@ -210,7 +210,7 @@ impl Coordinator {
                 self.watch_evaluation(task.clone(), e.round, e.deadline_unix_ms);
             }
             if let Some(round) = task.current() {
-                let spans = self.spans_replicas(&round);
+                let spans = self.store.shared();
                 self.watch(task.clone(), round);
                 if spans {
                     let (me, id) = (self.clone(), task.id.clone());
@@ -538,7 +538,6 @@ impl Coordinator {
         let Some(round) = task.current() else {
             return Ok(Joined::Wait);
         };
-        self.leader_only(&round)?;
         round.collection.select(self, task, &record, &round, client)
     }
 }

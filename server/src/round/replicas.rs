@@ -1,5 +1,5 @@
 //! Serving replicas: every replica of a deployment whose store they share (PostgreSQL and a
-//! shared blob store) takes joins and uploads of plain rounds and asynchronous tasks; one of
+//! shared blob store) takes the joins, uploads and stage messages of every round mode; one of
 //! them leads.
 //!
 //! - **Joins.** A client is selected in the store ([`crate::store::RoundLog::select_client`]),
@@ -38,8 +38,9 @@
 //!   503, and its client sends it again for the next. A client contributes at most one update
 //!   to a version across replicas (on one server, one per version it trained from).
 //!
-//! Secure aggregation is the leader's alone: a follower answers its clients 503 `standby`, and
-//! clients given several servers move on to the leader.
+//! - **Secure aggregation.** Every replica takes any stage's messages and folds the masked inputs
+//!   it takes into a masked partial sum of its own; the leader alone moves the stages on (see
+//!   [`crate::secagg`]'s `shared`).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -65,8 +66,8 @@ pub enum Role {
     /// the lease of a store replicas share.
     #[default]
     Leader,
-    /// It serves clients of plain rounds and asynchronous tasks without leading: it folds the
-    /// uploads it takes into partials of its own, which the leader merges.
+    /// It serves clients without leading: it folds the uploads (or masked inputs) it takes into
+    /// partials of its own, which the leader merges.
     Follower,
 }
 
@@ -83,27 +84,6 @@ impl Coordinator {
             replica: self.config.replica.clone(),
             leads: !self.follows(),
         })
-    }
-
-    /// Whether `round`'s clients may be served by any replica: a round whose mode allows it
-    /// (plain, asynchronous) on a store that replicas share.
-    pub(crate) fn spans_replicas(&self, round: &Round) -> bool {
-        self.store.shared() && round.collection.spans_replicas()
-    }
-
-    /// A follower's answer to a client of a round only the leader serves (a mode whose updates
-    /// must meet in one place).
-    pub(crate) fn leader_only(&self, round: &Round) -> Result<(), ServerError> {
-        if self.follows() && !round.collection.spans_replicas() {
-            return Err(ServerError::unavailable(
-                ErrorCode::Standby,
-                format!(
-                    "this replica does not lead, and {} rounds are served by the replica that leads: send the request to another of the deployment's servers",
-                    round.collection.mode()
-                ),
-            ));
-        }
-        Ok(())
     }
 
     /// Selects `client` for `round` in the store if there is room (the plain mode's join on a
@@ -357,18 +337,23 @@ impl Coordinator {
         task.bump();
     }
 
-    /// The leader's close of a round that spans replicas: seals the attempt and merges every
-    /// replica's partial that the sum does not hold yet (their clients count as this attempt's
-    /// contributions, durable already). Blocking, under the round's lock.
+    /// The leader's close of a round on a store replicas share: seals the attempt and merges
+    /// every replica's partial that the sum does not hold yet (their clients count as this
+    /// attempt's contributions, durable already), where the mode [merges
+    /// partials](super::collection::Collection::merges_partials); and learns every replica's
+    /// selections. Blocking, under the round's lock.
     pub(crate) fn merge_partials(
         &self,
         task: &Task,
         round: &Round,
         acc: &mut Accumulator,
     ) -> Result<(), ServerError> {
-        let partials = self
-            .store
-            .seal_partials(&task.id, round.number, round.attempt)?;
+        let partials = match round.collection.merges_partials() {
+            true => self
+                .store
+                .seal_partials(&task.id, round.number, round.attempt)?,
+            false => Vec::new(),
+        };
         let spec = acc.sum.spec().clone();
         for partial in partials {
             // (Every sealed partial's blob goes once the close lands, those an earlier close
@@ -555,7 +540,10 @@ impl Coordinator {
         let Some(round) = self.task(id).ok().and_then(|t| t.current()) else {
             return Ok(());
         };
-        if !self.spans_replicas(&round) || !self.store.sealed(id, round.number, round.attempt)? {
+        if !self.store.shared()
+            || !round.collection.merges_partials()
+            || !self.store.sealed(id, round.number, round.attempt)?
+        {
             return Ok(());
         }
         tracing::info!(task = %id, round = round.number, attempt = round.attempt, "the attempt was sealed by a leader that did not finish closing it: closing it now");
@@ -573,11 +561,12 @@ impl Coordinator {
         let Some(round) = task.current() else {
             return Ok(());
         };
-        if !self.spans_replicas(&round) {
+        if !self.store.shared() {
             return Ok(());
         }
         match round.collection.followed(&*self.store)? {
-            Step::Continue => {}
+            Step::Continue if round.collection.merges_partials() => {}
+            Step::Continue => return Ok(()),
             step => return self.step(&task, &round, step),
         }
         let elsewhere = self

@@ -96,7 +96,7 @@ impl Collection for SecureCollection {
     fn admit_join(&self, store: &Store, task: &str, client: &str) -> Result<bool, ServerError> {
         // Keys are advertised right after joining: once advertising has closed, the attempt's
         // participants are fixed.
-        if self.0.stage() != secagg::Stage::Advertise {
+        if self.0.stage_caught_up(store)? != secagg::Stage::Advertise {
             return Ok(false);
         }
         let registered = store
@@ -141,6 +141,11 @@ impl Collection for SecureCollection {
         Ok(step(self.0.tick(store)?))
     }
 
+    /// The stages sum the replicas' masked partial sums themselves.
+    fn merges_partials(&self) -> bool {
+        false
+    }
+
     fn followed(&self, store: &Store) -> Result<Step, ServerError> {
         Ok(step(self.0.followed(store)?))
     }
@@ -172,8 +177,8 @@ impl Collection for SecureCollection {
         Ok(store.secagg_clear(task)?)
     }
 
-    fn leftover_file(&self) -> Option<String> {
-        self.0.sum_file()
+    fn leftover_files(&self) -> Vec<String> {
+        self.0.sum_files()
     }
 
     fn secure_aggregation(&self, _: &str) -> Result<Arc<SecAggRound>, ServerError> {
@@ -262,7 +267,7 @@ impl Coordinator {
             Err(e) if e.code() == ErrorCode::NotSelected => e,
             other => return other,
         };
-        let Some(round) = task.current().filter(|r| self.spans_replicas(r)) else {
+        let Some(round) = task.current().filter(|_| self.store.shared()) else {
             return Err(refused);
         };
         let (me, t, c) = (self.clone(), task.clone(), client.to_string());

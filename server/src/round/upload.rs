@@ -329,7 +329,6 @@ impl Coordinator {
         let round = task
             .current()
             .ok_or_else(|| ServerError::conflict(ErrorCode::RoundClosed, "no round is open"))?;
-        self.leader_only(&round)?;
         // A follower's copy of the round ended while the round is still open and not sealed
         // (this replica lost a claim and can record nothing more of it): a fresh update is sent
         // to another replica, which may still take it. (A retry of one it took gets its answer
@@ -352,7 +351,7 @@ impl Coordinator {
         let checked = round
             .collection
             .check_upload(task, &round, client, round_number);
-        match self.spans_replicas(&round) {
+        match self.store.shared() {
             true => self.check_shared(task, &round, client, round_number, checked),
             false => checked,
         }

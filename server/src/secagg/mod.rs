@@ -125,6 +125,11 @@ struct Inner {
     /// Across replicas, while masked inputs come in: the participants whose inputs this
     /// replica's own partial sum (`sum`) holds.
     mine: BTreeSet<usize>,
+    /// Whether the last write of that partial may or may not have landed (see `shared`).
+    unsettled: bool,
+    /// Replicas' partial sums merged into an attempt that then ended: removed with the
+    /// attempt's own sum once its close is recorded.
+    spent: Vec<String>,
 }
 
 pub struct SecAggRound {
@@ -273,6 +278,8 @@ impl SecAggRound {
                 sum_file: None,
                 answers: BTreeMap::new(),
                 mine: BTreeSet::new(),
+                unsettled: false,
+                spent: Vec::new(),
             }),
             ctx,
             quantiser,
@@ -343,22 +350,15 @@ impl SecAggRound {
         state: &StateRecord,
         sum: bool,
     ) -> Result<(), ServerError> {
-        let task = &self.ctx.task;
         self.set_stage(inner, state.stage);
         inner.deadline_unix_ms = state.deadline_unix_ms;
         inner.input_deadline_unix_ms = state.input_deadline_unix_ms;
         inner.seed = hex_array("seed", &state.seed).map_err(ServerError::internal)?;
-        inner.adverts = store
-            .secagg_scan::<AdvertRecord>(&format!("{task}\0adv\0"))?
-            .into_iter()
-            .collect();
+        inner.adverts = self.scan(store, "adv")?;
         if !state.participants.is_empty() && inner.participants.is_empty() {
             self.fix_participants(inner, &state.participants, state.degree, state.threshold)?;
         }
-        inner.mail = store
-            .secagg_scan::<SecAggShareBundles>(&format!("{task}\0mail\0"))?
-            .into_iter()
-            .collect();
+        inner.mail = self.scan(store, "mail")?;
         inner.shared = self.indices(inner, &state.shared)?;
         inner.survivors = self.indices(inner, &state.survivors)?;
         if sum {
@@ -368,14 +368,21 @@ impl SecAggRound {
             };
             inner.sum_file = state.sum_file.clone();
         }
-        inner.answers = store
-            .secagg_scan::<SecAggUnmask>(&format!("{task}\0unmask\0"))?
-            .into_iter()
-            .collect();
+        inner.answers = self.scan(store, "unmask")?;
         if self.sharing.is_some() && inner.stage == Stage::MaskedInput {
             self.gather(store, inner)?;
         }
         Ok(())
+    }
+
+    /// Every client's message `kind` stored for the task.
+    fn scan<T: serde::de::DeserializeOwned>(
+        &self,
+        store: &Store,
+        kind: &str,
+    ) -> Result<BTreeMap<String, T>, ServerError> {
+        let prefix = key(&self.ctx.task, kind, "");
+        Ok(store.secagg_scan::<T>(&prefix)?.into_iter().collect())
     }
 
     /// The participant indices of `ids`.
@@ -425,9 +432,10 @@ impl SecAggRound {
         lock(&self.inner).deadline_unix_ms
     }
 
-    /// The file holding the sum of the masked inputs, if any (removed when the round closes).
-    pub fn sum_file(&self) -> Option<String> {
-        lock(&self.inner).sum_file.clone()
+    /// The files of the attempt's masked sums (removed once the round's close is recorded).
+    pub fn sum_files(&self) -> Vec<String> {
+        let inner = lock(&self.inner);
+        inner.sum_file.iter().chain(&inner.spent).cloned().collect()
     }
 
     /// Clients whose masked input is in the sum.
@@ -465,11 +473,6 @@ impl SecAggRound {
 
     /// Persists the first record of a new attempt (and clears the task's older ones).
     pub fn persist_new(&self, store: &Store) -> Result<(), ServerError> {
-        if self.sharing.is_some() {
-            // The older attempt's gate closes first: a message of it still in flight at another
-            // replica commits before the clear, or is refused.
-            self.set_gate(store, Stage::Advertise, false)?;
-        }
         store.secagg_clear(&self.ctx.task)?;
         self.save_state(store, &lock(&self.inner))
     }

@@ -109,7 +109,11 @@ impl SecAggRound {
 
     /// Across replicas: folds `client`'s masked input (participant `me`) into this replica's
     /// partial sum and records the partial, with the client's claim, while masked inputs are
-    /// still taken. Nothing of it stays when it is refused.
+    /// still taken. A refused input leaves nothing in the sum; one whose record may or may not
+    /// have landed (the database went away mid-commit) leaves the partial *unsettled*: it is
+    /// read back from the store before the next input is folded. A new blob is never removed
+    /// here: masked sums are named by their bytes, and another replica's partial may be the
+    /// same file (the start-up sweep removes those nothing names).
     pub(super) fn fold_shared(
         &self,
         store: &Store,
@@ -121,6 +125,14 @@ impl SecAggRound {
         let Some(sharing) = &self.sharing else {
             return Err(ServerError::internal("a shared fold at one server"));
         };
+        let task = &self.ctx.task;
+        let own = key(task, "part", &sharing.replica);
+        if inner.unsettled {
+            self.reread_own(store, inner, &own)?;
+            if inner.survivors.contains(&me) {
+                return Err(already_in(client, &sharing.replica));
+            }
+        }
         if inner.sum.len() != self.vector_len {
             inner.sum = vec![0; self.vector_len];
         }
@@ -135,8 +147,7 @@ impl SecAggRound {
         };
         add(inner, true);
         inner.mine.insert(me);
-        let old = inner.sum_file.clone();
-        let written = store
+        let recorded = store
             .write_masked_sum(&inner.sum)
             .map_err(ServerError::from)
             .and_then(|file| {
@@ -151,51 +162,29 @@ impl SecAggRound {
                         .collect(),
                 };
                 let part = serde_json::to_vec(&part).map_err(ServerError::internal)?;
-                let task = &self.ctx.task;
-                let gated = store.secagg_put_gated(
-                    &key(task, "gate", ""),
-                    &self.gate(Stage::MaskedInput, true),
-                    (&key(task, "in", client), sharing.replica.as_bytes()),
-                    &[(&key(task, "part", &sharing.replica), &part)],
-                );
-                match gated {
-                    Ok(gated) => Ok((file, gated)),
-                    Err(e) => {
-                        // (Kept when the write may have committed: see `StoreError::keeps_new_blobs`.)
-                        if !e.keeps_new_blobs() && Some(&file) != old.as_ref() {
-                            store.remove_checkpoint(&file);
-                        }
-                        Err(e.into())
-                    }
-                }
+                let gated = store
+                    .secagg_put_gated(
+                        &key(task, "gate", ""),
+                        &self.gate(Stage::MaskedInput, true),
+                        (&key(task, "in", client), sharing.replica.as_bytes()),
+                        &[(&own, &part)],
+                    )
+                    .inspect_err(|e| inner.unsettled = e.keeps_new_blobs())?;
+                Ok((file, gated))
             });
-        let refused = match written {
+        let refused = match recorded {
             Ok((file, Gated::Written)) => {
                 inner.survivors.insert(me);
-                inner.sum_file = Some(file);
-                if let Some(old) = old.filter(|o| Some(o) != inner.sum_file.as_ref()) {
+                if let Some(old) = inner.sum_file.replace(file.clone()).filter(|o| *o != file) {
                     store.remove_checkpoint(&old);
                 }
                 return Ok(());
             }
-            Ok((file, gated)) => {
-                if Some(&file) != old.as_ref() {
-                    store.remove_checkpoint(&file);
-                }
-                match gated {
-                    Gated::Taken(holder) => {
-                        inner.survivors.insert(me);
-                        ServerError::conflict(
-                            ErrorCode::AlreadyContributed,
-                            format!(
-                                "client `{client}`'s masked input for this attempt is in already (replica {} took it)",
-                                String::from_utf8_lossy(&holder)
-                            ),
-                        )
-                    }
-                    _ => closed_meanwhile(Stage::MaskedInput),
-                }
+            Ok((_, Gated::Taken(holder))) => {
+                inner.survivors.insert(me);
+                already_in(client, &String::from_utf8_lossy(&holder))
             }
+            Ok((_, Gated::Closed)) => closed_meanwhile(Stage::MaskedInput),
             Err(e) => e,
         };
         add(inner, false);
@@ -203,34 +192,43 @@ impl SecAggRound {
         Err(refused)
     }
 
+    /// This replica's partial sum as the store holds it (record `own`), after a write whose
+    /// outcome was unknown.
+    fn reread_own(&self, store: &Store, inner: &mut Inner, own: &str) -> Result<(), ServerError> {
+        let part = store
+            .secagg_get::<PartRecord>(own)?
+            .filter(|p| (p.round, p.attempt) == (self.ctx.round, self.ctx.attempt));
+        let (sum, mine) = match &part {
+            Some(PartRecord {
+                sum_file: Some(file),
+                survivors,
+                ..
+            }) => (
+                store.read_masked_sum(file, self.vector_len)?,
+                self.indices(inner, survivors)?,
+            ),
+            _ => (vec![0; self.vector_len], BTreeSet::new()),
+        };
+        inner.survivors.extend(mine.iter().copied());
+        inner.sum = sum;
+        inner.mine = mine;
+        inner.sum_file = part.and_then(|p| p.sum_file);
+        inner.unsettled = false;
+        Ok(())
+    }
+
     /// The leader's read of what every replica took of the current stage.
     pub(super) fn gather(&self, store: &Store, inner: &mut Inner) -> Result<(), ServerError> {
-        let task = &self.ctx.task;
         match inner.stage {
-            Stage::Advertise => {
-                inner.adverts = store
-                    .secagg_scan::<AdvertRecord>(&format!("{task}\0adv\0"))?
-                    .into_iter()
-                    .collect();
-            }
-            Stage::ShareKeys => {
-                inner.mail = store
-                    .secagg_scan::<SecAggShareBundles>(&format!("{task}\0mail\0"))?
-                    .into_iter()
-                    .collect();
-            }
+            Stage::Advertise => inner.adverts = self.scan(store, "adv")?,
+            Stage::ShareKeys => inner.mail = self.scan(store, "mail")?,
             Stage::MaskedInput => {
                 for (_, part) in self.parts(store)? {
                     let survivors = self.indices(inner, &part.survivors)?;
                     inner.survivors.extend(survivors);
                 }
             }
-            Stage::Unmask => {
-                inner.answers = store
-                    .secagg_scan::<SecAggUnmask>(&format!("{task}\0unmask\0"))?
-                    .into_iter()
-                    .collect();
-            }
+            Stage::Unmask => inner.answers = self.scan(store, "unmask")?,
             Stage::Ended => {}
         }
         Ok(())
@@ -249,19 +247,20 @@ impl SecAggRound {
     /// The leader's first step in closing a stage across replicas: the gate closes, and what
     /// every replica took of the stage is read. For the masked inputs, the replicas' partial
     /// sums become the attempt's sum (written as its own blob); their blobs are returned, to
-    /// go once the stage's close is recorded.
+    /// go once the stage's close is recorded. `Ok(Err(why))`: a partial sum is lost (its blob
+    /// is missing or damaged), and the attempt cannot be unmasked.
     pub(super) fn seal(
         &self,
         store: &Store,
         inner: &mut Inner,
-    ) -> Result<Vec<String>, ServerError> {
+    ) -> Result<Result<Vec<String>, String>, ServerError> {
         if self.sharing.is_none() {
-            return Ok(Vec::new());
+            return Ok(Ok(Vec::new()));
         }
         self.set_gate(store, inner.stage, false)?;
         self.gather(store, inner)?;
         if inner.stage != Stage::MaskedInput {
-            return Ok(Vec::new());
+            return Ok(Ok(Vec::new()));
         }
         let mut sum = vec![0u32; self.vector_len];
         let mut survivors = BTreeSet::new();
@@ -275,15 +274,20 @@ impl SecAggRound {
                     )));
                 }
             }
-            if let Some(file) = part.sum_file {
-                for (s, v) in sum
-                    .iter_mut()
-                    .zip(store.read_masked_sum(&file, self.vector_len)?)
-                {
-                    *s = s.wrapping_add(v);
+            let Some(file) = part.sum_file else { continue };
+            let values = match store.read_masked_sum(&file, self.vector_len) {
+                Ok(values) => values,
+                Err(e) if lost(&e) => {
+                    return Ok(Err(format!(
+                        "replica {replica}'s masked partial sum is lost: {e}"
+                    )))
                 }
-                files.push(file);
+                Err(e) => return Err(e.into()),
+            };
+            for (s, v) in sum.iter_mut().zip(values) {
+                *s = s.wrapping_add(v);
             }
+            files.push(file);
         }
         let file = store.write_masked_sum(&sum)?;
         // (Masked sums are named by their bytes: the merged one may be a partial's.)
@@ -292,7 +296,7 @@ impl SecAggRound {
         inner.sum_file = Some(file);
         inner.survivors = survivors;
         inner.mine.clear();
-        Ok(files)
+        Ok(Ok(files))
     }
 
     /// A change of the task's records in the shared store (another replica's message, or the
@@ -333,6 +337,15 @@ impl SecAggRound {
         Ok(self.progress(store, &mut inner, accepted, expected)?.1)
     }
 
+    /// The attempt's stage, as the leader last recorded it when this replica follows.
+    pub fn stage_caught_up(&self, store: &Store) -> Result<Stage, ServerError> {
+        let mut inner = lock(&self.inner);
+        if self.follows() {
+            self.sync(store, &mut inner)?;
+        }
+        Ok(inner.stage)
+    }
+
     /// A follower's catch-up: once the leader's record says the stage moved on, everything it
     /// fixed (participants, who shared, who survived) and every message stored are taken in.
     /// The follower's own partial sum stays its own.
@@ -351,6 +364,24 @@ impl SecAggRound {
         self.changed.send_modify(|v| *v += 1);
         Ok(())
     }
+}
+
+/// Whether a blob read failed because the blob is gone or damaged (not worth another try).
+fn lost(e: &crate::store::StoreError) -> bool {
+    use crate::store::StoreError;
+    match e {
+        StoreError::Corrupt { .. } => true,
+        StoreError::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+        _ => false,
+    }
+}
+
+/// A masked input that another replica's partial sum (or this one's) holds already.
+fn already_in(client: &str, replica: &str) -> ServerError {
+    ServerError::conflict(
+        ErrorCode::AlreadyContributed,
+        format!("client `{client}`'s masked input for this attempt is in already (replica {replica} took it)"),
+    )
 }
 
 /// A message the stage's gate refused: the leader closed the stage before it was recorded.

@@ -45,7 +45,13 @@ impl SecAggRound {
     ) -> Result<Outcome, ServerError> {
         let stage_ms = self.config.stage_secs * 1000;
         // Across replicas: what every replica took of the stage, the stage's gate closed.
-        let merged = self.seal(store, inner)?;
+        let merged = match self.seal(store, inner)? {
+            Ok(merged) => merged,
+            Err(why) => {
+                self.set_stage(inner, Stage::Ended);
+                return Ok(Outcome::Abandon(why));
+            }
+        };
         let outcome = match inner.stage {
             Stage::Advertise => {
                 let n = inner.adverts.len();
@@ -187,9 +193,9 @@ impl SecAggRound {
             // so that nobody rejoins in between.
             _ => {
                 self.set_stage(inner, Stage::Ended);
-                for file in &merged {
-                    store.remove_checkpoint(file);
-                }
+                // (Removed once the attempt's end is recorded: a leader that dies first leaves
+                // them to the next, which closes the stage again.)
+                inner.spent = merged;
                 return Ok(outcome);
             }
         }

@@ -1015,9 +1015,9 @@ impl SecaggLog for PostgresStore {
             .collect()
     }
 
-    /// One transaction: the gate read `FOR SHARE` (a leader's write of it waits for this one to
-    /// commit, and one after it reads the new gate), the claim inserted unless present, then
-    /// the writes.
+    /// One transaction (fenced when this replica leads): the gate read `FOR SHARE` (a leader's
+    /// write of it waits for this one to commit, and one after it reads the new gate), the
+    /// claim inserted unless present, then the writes.
     fn secagg_put_gated(
         &self,
         gate: &str,
@@ -1031,8 +1031,9 @@ impl SecaggLog for PostgresStore {
             .iter()
             .map(|(k, v)| (k.as_bytes().to_vec(), v.to_vec()))
             .collect();
+        let leading = self.held();
         self.driver.with(move |mut db| async move {
-            let tx = db.transaction().await?;
+            let tx = fenced(&mut db, leading.as_deref()).await?;
             let held = tx
                 .query_opt(
                     "SELECT value FROM secagg WHERE key = $1 FOR SHARE",
@@ -1070,14 +1071,26 @@ impl SecaggLog for PostgresStore {
         })
     }
 
+    /// One transaction: the task's gate (see `secagg::shared`) locked first, which waits for the
+    /// messages a replica has in flight under it, then everything deleted (the delete reads
+    /// after they committed: none of them outlives the clear).
     fn secagg_clear(&self, task: &str) -> Result<(), StoreError> {
+        let gate = format!("{task}\0gate\0").into_bytes();
         let start = format!("{task}\0").into_bytes();
         let end = format!("{task}\u{1}").into_bytes();
-        self.execute(
-            "DELETE FROM secagg WHERE key >= $1 AND key < $2",
-            params![start, end],
-        )?;
-        Ok(())
+        let held = self.held();
+        self.driver.with(move |mut db| async move {
+            let tx = fenced(&mut db, held.as_deref()).await?;
+            tx.execute("SELECT 1 FROM secagg WHERE key = $1 FOR UPDATE", &[&gate])
+                .await?;
+            tx.execute(
+                "DELETE FROM secagg WHERE key >= $1 AND key < $2",
+                &[&start, &end],
+            )
+            .await?;
+            tx.commit().await?;
+            Ok(())
+        })
     }
 }
 

@@ -69,7 +69,8 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
             "0004_federated_evaluation",
             "0005_serving_replicas",
             "0006_training_slots",
-            "0007_followers_in_status"
+            "0007_followers_in_status",
+            "0008_secagg_changes"
         ]
     );
     assert!(migrate(&target).unwrap().is_empty(), "up to date");
@@ -95,7 +96,7 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
     );
     sql(
         &target,
-        "INSERT INTO hora_migrations (version, name, checksum) VALUES (8, '0008_later', 'x')",
+        "INSERT INTO hora_migrations (version, name, checksum) VALUES (9, '0009_later', 'x')",
     );
     let refused = migrate(&target).expect_err("refused");
     assert!(
@@ -112,7 +113,8 @@ fn replicas_opening_together_migrate_once_and_a_changed_or_newer_schema_is_refus
             "0005_serving_replicas",
             "0006_training_slots",
             "0007_followers_in_status",
-            "0008_later"
+            "0008_secagg_changes",
+            "0009_later"
         ]
     );
 }
