@@ -442,8 +442,14 @@ impl Coordinator {
                     Ok(())
                 })
                 .await;
-                if followed.is_err() {
-                    return; // the runtime is shutting down
+                match followed {
+                    Ok(()) => {}
+                    // (A panic, which `crate::blocking` reports as an internal error, must not
+                    // end the following: the next change is read again.)
+                    Err(e) if !me.stopping.is_cancelled() => {
+                        tracing::error!(error = %e, "following the store's changes failed; carrying on");
+                    }
+                    Err(_) => return, // the runtime is shutting down
                 }
             }
         });

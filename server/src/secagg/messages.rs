@@ -87,15 +87,22 @@ impl SecAggRound {
             .iter()
             .map(|&n| {
                 let p = &inner.participants[n];
-                let advert = &inner.adverts[&p.id];
-                SecAggNeighbour {
+                // (A replica that read the participants before another attempt cleared the
+                // records may lack one: the attempt is over for this client then.)
+                let advert = inner.adverts.get(&p.id).ok_or_else(|| {
+                    ServerError::conflict(
+                        ErrorCode::RoundAbandoned,
+                        "this attempt has ended; poll for what comes next",
+                    )
+                })?;
+                Ok(SecAggNeighbour {
                     client: p.id.clone(),
                     index: p.index,
                     identity_key: advert.identity_key.clone(),
                     keys: advert.keys.clone(),
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_, ServerError>>()?;
         Ok(Some(SecAggRoster {
             index: inner.participants[me].index,
             threshold: inner.threshold as u32,

@@ -109,11 +109,10 @@ impl SecAggRound {
 
     /// Across replicas: folds `client`'s masked input (participant `me`) into this replica's
     /// partial sum and records the partial, with the client's claim, while masked inputs are
-    /// still taken. A refused input leaves nothing in the sum; one whose record may or may not
-    /// have landed (the database went away mid-commit) leaves the partial *unsettled*: it is
-    /// read back from the store before the next input is folded. A new blob is never removed
-    /// here: masked sums are named by their bytes, and another replica's partial may be the
-    /// same file (the start-up sweep removes those nothing names).
+    /// still taken. A refused input leaves nothing in the sum (nor its blob, a name of this
+    /// write's alone); one whose record may or may not have landed (the database went away
+    /// mid-commit) leaves the partial *unsettled*: it is read back from the store before the
+    /// next input is folded.
     pub(super) fn fold_shared(
         &self,
         store: &Store,
@@ -148,7 +147,7 @@ impl SecAggRound {
         add(inner, true);
         inner.mine.insert(me);
         let recorded = store
-            .write_masked_sum(&inner.sum)
+            .write_masked_partial(&inner.sum)
             .map_err(ServerError::from)
             .and_then(|file| {
                 let part = PartRecord {
@@ -162,15 +161,22 @@ impl SecAggRound {
                         .collect(),
                 };
                 let part = serde_json::to_vec(&part).map_err(ServerError::internal)?;
-                let gated = store
-                    .secagg_put_gated(
-                        &key(task, "gate", ""),
-                        &self.gate(Stage::MaskedInput, true),
-                        (&key(task, "in", client), sharing.replica.as_bytes()),
-                        &[(&own, &part)],
-                    )
-                    .inspect_err(|e| inner.unsettled = e.keeps_new_blobs())?;
-                Ok((file, gated))
+                let gated = store.secagg_put_gated(
+                    &key(task, "gate", ""),
+                    &self.gate(Stage::MaskedInput, true),
+                    (&key(task, "in", client), sharing.replica.as_bytes()),
+                    &[(&own, &part)],
+                );
+                match gated {
+                    Ok(gated) => Ok((file, gated)),
+                    Err(e) => {
+                        match e.may_have_landed() {
+                            true => inner.unsettled = true,
+                            false => store.remove_checkpoint(&file),
+                        }
+                        Err(e.into())
+                    }
+                }
             });
         let refused = match recorded {
             Ok((file, Gated::Written)) => {
@@ -180,11 +186,15 @@ impl SecAggRound {
                 }
                 return Ok(());
             }
-            Ok((_, Gated::Taken(holder))) => {
+            Ok((file, Gated::Taken(holder))) => {
+                store.remove_checkpoint(&file);
                 inner.survivors.insert(me);
                 already_in(client, &String::from_utf8_lossy(&holder))
             }
-            Ok((_, Gated::Closed)) => closed_meanwhile(Stage::MaskedInput),
+            Ok((file, Gated::Closed)) => {
+                store.remove_checkpoint(&file);
+                closed_meanwhile(Stage::MaskedInput)
+            }
             Err(e) => e,
         };
         add(inner, false);
@@ -203,12 +213,19 @@ impl SecAggRound {
                 sum_file: Some(file),
                 survivors,
                 ..
-            }) => (
-                store.read_masked_sum(file, self.vector_len)?,
-                self.indices(inner, survivors)?,
-            ),
+            }) => match store.read_masked_sum(file, self.vector_len) {
+                Ok(sum) => (sum, self.indices(inner, survivors)?),
+                // (The leader closed the stage and removed the partials it merged.)
+                Err(e) if lost(&e) => return Err(closed_meanwhile(Stage::MaskedInput)),
+                Err(e) => return Err(e.into()),
+            },
             _ => (vec![0; self.vector_len], BTreeSet::new()),
         };
+        // (The blob of an earlier write, superseded by the one the store names.)
+        let stored = part.as_ref().and_then(|p| p.sum_file.as_ref());
+        if let Some(old) = inner.sum_file.take().filter(|o| Some(o) != stored) {
+            store.remove_checkpoint(&old);
+        }
         inner.survivors.extend(mine.iter().copied());
         inner.sum = sum;
         inner.mine = mine;
@@ -246,57 +263,61 @@ impl SecAggRound {
 
     /// The leader's first step in closing a stage across replicas: the gate closes, and what
     /// every replica took of the stage is read. For the masked inputs, the replicas' partial
-    /// sums become the attempt's sum (written as its own blob); their blobs are returned, to
-    /// go once the stage's close is recorded. `Ok(Err(why))`: a partial sum is lost (its blob
-    /// is missing or damaged), and the attempt cannot be unmasked.
+    /// sums become the attempt's sum (written as its own blob); their blobs are listed as
+    /// `spent`, to go once the stage's close is recorded. `Ok(Err(why))`: a partial sum cannot
+    /// be used (its blob is missing or damaged, or it names inputs it cannot hold), and the
+    /// attempt cannot be unmasked.
     pub(super) fn seal(
         &self,
         store: &Store,
         inner: &mut Inner,
-    ) -> Result<Result<Vec<String>, String>, ServerError> {
+    ) -> Result<Result<(), String>, ServerError> {
         if self.sharing.is_none() {
-            return Ok(Ok(Vec::new()));
+            return Ok(Ok(()));
         }
         self.set_gate(store, inner.stage, false)?;
         self.gather(store, inner)?;
         if inner.stage != Stage::MaskedInput {
-            return Ok(Ok(Vec::new()));
+            return Ok(Ok(()));
         }
         let mut sum = vec![0u32; self.vector_len];
         let mut survivors = BTreeSet::new();
-        let mut files = Vec::new();
-        for (replica, part) in self.parts(store)? {
-            for i in self.indices(inner, &part.survivors)? {
+        let parts = self.parts(store)?;
+        // (Removed once the attempt moves on, or once its end is recorded.)
+        inner
+            .spent
+            .extend(parts.iter().filter_map(|(_, p)| p.sum_file.clone()));
+        for (replica, part) in parts {
+            let unusable =
+                |why: String| Ok(Err(format!("replica {replica}'s masked partial sum {why}")));
+            let ids = match self.indices(inner, &part.survivors) {
+                Ok(ids) => ids,
+                Err(e) => return unusable(format!("names someone else: {e}")),
+            };
+            for i in ids {
                 if !survivors.insert(i) {
-                    return Err(ServerError::internal(format!(
-                        "the masked input of `{}` is in two partial sums (replica {replica}'s)",
-                        inner.participants[i].id
-                    )));
+                    let id = &inner.participants[i].id;
+                    return unusable(format!(
+                        "holds `{id}`'s masked input, which another holds too"
+                    ));
                 }
             }
             let Some(file) = part.sum_file else { continue };
             let values = match store.read_masked_sum(&file, self.vector_len) {
                 Ok(values) => values,
-                Err(e) if lost(&e) => {
-                    return Ok(Err(format!(
-                        "replica {replica}'s masked partial sum is lost: {e}"
-                    )))
-                }
+                Err(e) if lost(&e) => return unusable(format!("is lost: {e}")),
                 Err(e) => return Err(e.into()),
             };
             for (s, v) in sum.iter_mut().zip(values) {
                 *s = s.wrapping_add(v);
             }
-            files.push(file);
         }
-        let file = store.write_masked_sum(&sum)?;
-        // (Masked sums are named by their bytes: the merged one may be a partial's.)
-        files.retain(|f| *f != file);
+        inner.sum_file = Some(store.write_masked_sum(&sum)?);
         inner.sum = sum;
-        inner.sum_file = Some(file);
         inner.survivors = survivors;
         inner.mine.clear();
-        Ok(Ok(files))
+        inner.unsettled = false;
+        Ok(Ok(()))
     }
 
     /// A change of the task's records in the shared store (another replica's message, or the

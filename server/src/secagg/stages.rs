@@ -45,13 +45,13 @@ impl SecAggRound {
     ) -> Result<Outcome, ServerError> {
         let stage_ms = self.config.stage_secs * 1000;
         // Across replicas: what every replica took of the stage, the stage's gate closed.
-        let merged = match self.seal(store, inner)? {
-            Ok(merged) => merged,
+        match self.seal(store, inner)? {
+            Ok(()) => {}
             Err(why) => {
                 self.set_stage(inner, Stage::Ended);
                 return Ok(Outcome::Abandon(why));
             }
-        };
+        }
         let outcome = match inner.stage {
             Stage::Advertise => {
                 let n = inner.adverts.len();
@@ -183,8 +183,8 @@ impl SecAggRound {
                 self.save_state(store, inner)?;
                 store.flush()?;
                 // (The replicas' partial sums are in the attempt's, recorded now.)
-                for file in &merged {
-                    store.remove_checkpoint(file);
+                for file in std::mem::take(&mut inner.spent) {
+                    store.remove_checkpoint(&file);
                 }
                 tracing::info!(task = %self.ctx.task, round = self.ctx.round, attempt = self.ctx.attempt, stage = ?inner.stage,
                     participants = inner.participants.len(), shared = inner.shared.len(), survivors = inner.survivors.len(), "secure aggregation stage opened");
@@ -192,10 +192,9 @@ impl SecAggRound {
             // Waiters are woken by the coordinator once it has published or installed the retry,
             // so that nobody rejoins in between.
             _ => {
+                // (`spent` goes once the attempt's end is recorded: a leader that dies first
+                // leaves it to the next, which closes the stage again.)
                 self.set_stage(inner, Stage::Ended);
-                // (Removed once the attempt's end is recorded: a leader that dies first leaves
-                // them to the next, which closes the stage again.)
-                inner.spent = merged;
                 return Ok(outcome);
             }
         }

@@ -13,6 +13,9 @@ const CHECKPOINT_MAGIC: &[u8; 8] = b"HORACKP2";
 /// Checkpoints of earlier versions, named by the SHA-256 of their bytes (still read).
 const CHECKPOINT_MAGIC_V1: &[u8; 8] = b"HORACKP1";
 const MASKED_SUM_MAGIC: &[u8; 8] = b"HORAMSK1";
+/// A serving replica's masked partial sum: a masked sum followed by 16 random bytes, so that its
+/// content address is its own (two replicas' partials never share a blob, whatever they hold).
+const MASKED_PARTIAL_MAGIC: &[u8; 8] = b"HORAMSP1";
 
 /// Maps an I/O error on `path` to a [`StoreError`].
 pub(super) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -214,7 +217,18 @@ pub(super) fn encode_masked_sum(sum: &[u32]) -> (String, Vec<u8>) {
     (name, bytes)
 }
 
-/// Decodes the masked sum named `file`, checking its length and its content address.
+/// A replica's masked partial sum, salted (see [`MASKED_PARTIAL_MAGIC`]): its name and bytes.
+pub(super) fn encode_masked_partial(sum: &[u32]) -> (String, Vec<u8>) {
+    let mut bytes = Vec::with_capacity(8 + sum.len() * 4 + 16);
+    bytes.extend_from_slice(MASKED_PARTIAL_MAGIC);
+    bytes.extend(sum.iter().flat_map(|v| v.to_le_bytes()));
+    bytes.extend(rand::random::<u128>().to_le_bytes());
+    let name = format!("{}.msum", hora_common::sha256_hex(&bytes));
+    (name, bytes)
+}
+
+/// Decodes the masked sum (or partial sum) named `file`, checking its length and its content
+/// address.
 pub(super) fn decode_masked_sum(
     bytes: &[u8],
     file: &str,
@@ -224,13 +238,18 @@ pub(super) fn decode_masked_sum(
         key: file.into(),
         reason: reason.into(),
     };
-    if bytes.len() != 8 + expected_len * 4 || &bytes[..8] != MASKED_SUM_MAGIC {
+    let salt = match bytes.get(..8) {
+        Some(magic) if magic == MASKED_SUM_MAGIC => 0,
+        Some(magic) if magic == MASKED_PARTIAL_MAGIC => 16,
+        _ => return Err(corrupt("not a masked sum")),
+    };
+    if bytes.len() != 8 + expected_len * 4 + salt {
         return Err(corrupt("not a masked sum of the expected length"));
     }
     if format!("{}.msum", hora_common::sha256_hex(bytes)) != file {
         return Err(corrupt("contents do not match the file's content address"));
     }
-    Ok(le_words(&bytes[8..]).collect())
+    Ok(le_words(&bytes[8..bytes.len() - salt]).collect())
 }
 
 /// Little-endian u32 words of `bytes` (a masked input or sum; a trailing partial word is ignored).

@@ -474,6 +474,15 @@ pub trait Blobs {
         Ok(name)
     }
 
+    /// Writes a serving replica's masked partial sum under a name no other write shares
+    /// (salted: see `files`); returns the name. [`read_masked_sum`](Self::read_masked_sum)
+    /// reads it.
+    fn write_masked_partial(&self, sum: &[u32]) -> Result<String, StoreError> {
+        let (name, bytes) = files::encode_masked_partial(sum);
+        put(self.blobs(), BlobKind::Checkpoint, &name, &bytes)?;
+        Ok(name)
+    }
+
     fn read_masked_sum(&self, file: &str, expected_len: usize) -> Result<Vec<u32>, StoreError> {
         let bytes = read_all(self.blobs(), BlobKind::Checkpoint, file)?;
         files::decode_masked_sum(&bytes, file, expected_len)

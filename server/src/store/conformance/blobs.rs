@@ -108,6 +108,20 @@ pub(super) fn checkpoints_and_masked_sums_round_trip(f: &mut dyn Fixture) {
     ));
     s.remove_checkpoint(&msum);
     assert!(s.read_masked_sum(&msum, 3).is_err());
+    // A replica's partial of the same sum: a name of each write's own, read as a masked sum;
+    // removing one leaves the other.
+    let (p1, p2) = (
+        s.write_masked_partial(&masked).unwrap(),
+        s.write_masked_partial(&masked).unwrap(),
+    );
+    assert!(p1 != p2 && p1.ends_with(".msum"), "{p1} {p2}");
+    assert!(matches!(
+        s.read_masked_sum(&p1, 2),
+        Err(StoreError::Corrupt { .. })
+    ));
+    s.remove_checkpoint(&p1);
+    assert!(s.read_masked_sum(&p1, 3).is_err());
+    assert_eq!(s.read_masked_sum(&p2, 3).unwrap(), masked);
 }
 
 pub(super) fn strategy_states_are_removed_by_valid_name_only(f: &mut dyn Fixture) {
