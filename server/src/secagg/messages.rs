@@ -66,15 +66,25 @@ impl SecAggRound {
         let accepted = inner.adverts.len();
         // (Across replicas the leader does this when it counts the first advertisement.)
         if accepted == 1 && !self.follows() {
-            // The others have `stage_secs` from now.
-            inner.deadline_unix_ms = inner
-                .deadline_unix_ms
-                .min(now_ms() + self.config.stage_secs * 1000);
-            self.save_state(store, &inner)?;
-            store.flush()?;
-            self.changed.send_modify(|v| *v += 1);
+            self.first_advertised(store, &mut inner)?;
         }
         self.progress(store, &mut inner, accepted, self.capacity)
+    }
+
+    /// The attempt's first advertisement is in (here, or at another replica): the others have
+    /// `stage_secs` from now.
+    pub(super) fn first_advertised(
+        &self,
+        store: &Store,
+        inner: &mut Inner,
+    ) -> Result<(), ServerError> {
+        inner.deadline_unix_ms = inner
+            .deadline_unix_ms
+            .min(now_ms() + self.config.stage_secs * 1000);
+        self.save_state(store, inner)?;
+        store.flush()?;
+        self.changed.send_modify(|v| *v += 1);
+        Ok(())
     }
 
     /// Stage 1, read side: the roster, once advertising has closed.
@@ -245,12 +255,7 @@ impl SecAggRound {
             let (accepted, expected) = (inner.survivors.len(), inner.shared.len());
             return self.progress(store, &mut inner, accepted, expected);
         }
-        if inner.sum.len() != self.vector_len {
-            inner.sum = vec![0; self.vector_len];
-        }
-        for (s, w) in inner.sum.iter_mut().zip(crate::store::le_words(body)) {
-            *s = s.wrapping_add(w);
-        }
+        inner.fold(body, self.vector_len, true);
         inner.survivors.insert(me);
         let old = inner.sum_file.clone();
         let saved = store
@@ -263,9 +268,7 @@ impl SecAggRound {
             });
         if let Err(e) = saved {
             // Not durable: take it back out; the client retries.
-            for (s, w) in inner.sum.iter_mut().zip(crate::store::le_words(body)) {
-                *s = s.wrapping_sub(w);
-            }
+            inner.fold(body, self.vector_len, false);
             inner.survivors.remove(&me);
             // (Kept when the write may have committed, or another replica may have recorded the
             // same sum: see `StoreError::keeps_new_blobs`.)

@@ -199,6 +199,23 @@ pub fn validate(
     quantiser_for(config, capacity).map(|_| ())
 }
 
+impl Inner {
+    /// Adds a masked input (little-endian u32s) into the masked sum of `len` values, or with
+    /// `add` false takes it back out (a write that did not land).
+    fn fold(&mut self, body: &[u8], len: usize, add: bool) {
+        if self.sum.len() != len {
+            self.sum = vec![0; len];
+        }
+        for (s, w) in self.sum.iter_mut().zip(crate::store::le_words(body)) {
+            *s = if add {
+                s.wrapping_add(w)
+            } else {
+                s.wrapping_sub(w)
+            };
+        }
+    }
+}
+
 fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
     m.lock()
         .expect("a secure-aggregation lock was poisoned by an earlier panic")

@@ -132,19 +132,7 @@ impl SecAggRound {
                 return Err(already_in(client, &sharing.replica));
             }
         }
-        if inner.sum.len() != self.vector_len {
-            inner.sum = vec![0; self.vector_len];
-        }
-        let add = |inner: &mut Inner, sign: bool| {
-            for (s, w) in inner.sum.iter_mut().zip(crate::store::le_words(body)) {
-                *s = if sign {
-                    s.wrapping_add(w)
-                } else {
-                    s.wrapping_sub(w)
-                };
-            }
-        };
-        add(inner, true);
+        inner.fold(body, self.vector_len, true);
         inner.mine.insert(me);
         let recorded = store
             .write_masked_partial(&inner.sum)
@@ -197,7 +185,7 @@ impl SecAggRound {
             }
             Err(e) => e,
         };
-        add(inner, false);
+        inner.fold(body, self.vector_len, false);
         inner.mine.remove(&me);
         Err(refused)
     }
@@ -340,13 +328,8 @@ impl SecAggRound {
         let (accepted, expected) = match inner.stage {
             Stage::Advertise => {
                 if before == 0 && !inner.adverts.is_empty() {
-                    // The first advertisement, taken by another replica: the others have
-                    // `stage_secs` from now.
-                    inner.deadline_unix_ms = inner
-                        .deadline_unix_ms
-                        .min(now_ms() + self.config.stage_secs * 1000);
-                    self.save_state(store, &inner)?;
-                    self.changed.send_modify(|v| *v += 1);
+                    // (Taken by another replica.)
+                    self.first_advertised(store, &mut inner)?;
                 }
                 (inner.adverts.len(), self.capacity)
             }

@@ -63,6 +63,17 @@ impl Attempt {
         Ok(tx)
     }
 
+    /// [`Attempt::open`], with the task's writes of kind `what` (selections, training slots)
+    /// serialised by an advisory lock until the transaction ends.
+    async fn open_alone(&self, tx: &impl GenericClient, what: &str) -> Result<bool, Failure> {
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1 || $2, 0))",
+            &[&what, &self.task],
+        )
+        .await?;
+        self.open(tx).await
+    }
+
     /// Whether the attempt is the task's open one and not sealed, with the open round's row
     /// locked `FOR KEY SHARE` (held until the transaction ends).
     async fn open(&self, tx: &impl GenericClient) -> Result<bool, Failure> {
@@ -112,12 +123,7 @@ impl PostgresStore {
         self.driver.with(move |mut db| async move {
             let tx = db.transaction().await?;
             // One task's selections one at a time, so that its capacity holds.
-            tx.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended('hora select ' || $1, 0))",
-                &[&at.task],
-            )
-            .await?;
-            if !at.open(&*tx).await? {
+            if !at.open_alone(&*tx, "hora select ").await? {
                 return Ok(SharedSelection::Closed);
             }
             let key: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
@@ -191,12 +197,7 @@ impl PostgresStore {
         self.driver.with(move |mut db| async move {
             let tx = db.transaction().await?;
             // One task's slots one at a time, so that its concurrency holds.
-            tx.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended('hora slots ' || $1, 0))",
-                &[&at.task],
-            )
-            .await?;
-            if !at.open(&*tx).await? {
+            if !at.open_alone(&*tx, "hora slots ").await? {
                 return Ok(SlotTaken::Closed);
             }
             let claimed = tx
