@@ -12,6 +12,8 @@
 //!   (`common/tch/`), so that the server, which depends on this crate, never links libtorch.
 //! - [`secagg`]: secure aggregation (SecAgg+): keys, Shamir shares, masks, quantisation, the
 //!   client's state machine and the server's unmasking, so that the server learns only sums.
+//! - [`simulation`]: what a simulated federation's engine and its workers (virtual clients'
+//!   training, in other processes) say to each other over a pipe.
 //! - [`tls`]: rustls with the ring provider: PEM reading and the client configuration.
 //! - [`wire`]: the JSON types of the client (`/v1`) and admin (`/admin/v1`) APIs.
 //!
@@ -29,6 +31,7 @@ pub mod kernel;
 pub mod logging;
 pub mod model;
 pub mod secagg;
+pub mod simulation;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
 pub mod tls;

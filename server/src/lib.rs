@@ -24,6 +24,8 @@
 //! - [`conn`] guards connections (idle and half-open ones are closed, a cap with eviction of the
 //!   idlest, the open-file limit raised); [`api::body`] reads bodies at a minimum rate under a
 //!   byte budget, so a hostile client holds no slot anyone else needs.
+//! - [`simulation`]: a simulated federation (`hora-server simulate`) — this round engine over
+//!   an in-process store, virtual clients trained on worker processes, a simulated clock.
 //! - [`config`] merges flags, environment and a TOML file; [`admin_cli`] is `hora-server admin`.
 //!
 //! The server never links libtorch: all its arithmetic is hora-common's CPU kernel.
@@ -42,6 +44,7 @@ pub mod round;
 pub mod secagg;
 pub mod server;
 pub mod shutdown;
+pub mod simulation;
 pub mod store;
 pub mod strategy;
 pub mod tls;

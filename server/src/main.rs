@@ -56,6 +56,10 @@ enum Command {
         #[arg(long, env = "HORA_STORE", hide_env_values = true)]
         store: String,
     },
+    /// Simulate a federation of virtual clients in this process: the round engine of `serve`
+    /// over an in-process store, the clients trained by `hora-client` worker processes, on a
+    /// simulated clock; prints one row per round.
+    Simulate(hora_server::simulation::cli::SimulateArgs),
     /// Show the replicas that share a PostgreSQL store: which one leads (its lease, epoch and
     /// last renewal), which stand by, each one's last heartbeat, and the tasks.
     Status {
@@ -98,7 +102,12 @@ fn main() -> std::process::ExitCode {
     let renamed = layers::rename_env(&RENAMED_ENV);
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    logging::init(cli.logging.log_format, "info");
+    // (A simulation's table is its output: the engine's per-round log lines would bury it.)
+    let level = match cli.command {
+        Command::Simulate(_) => "warn",
+        _ => "info",
+    };
+    logging::init(cli.logging.log_format, level);
     layers::warn_renamed(&renamed);
     match run(cli.command, &matches) {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -172,6 +181,7 @@ fn run(command: Command, all: &ArgMatches) -> Result<()> {
             }
             Ok(())
         }
+        Command::Simulate(args) => runtime.block_on(hora_server::simulation::cli::run(args)),
         Command::Migrate { store } => {
             let target = postgres_target(
                 &store,

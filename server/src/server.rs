@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 
 use crate::config::ServeConfig;
-use crate::round::{Coordinator, CoordinatorConfig, Role};
+use crate::round::{Acknowledge, Coordinator, CoordinatorConfig, Role};
 use crate::store::Store;
 use crate::{api, auth, conn, metrics, rendezvous, store, tls};
 
@@ -175,6 +175,7 @@ impl Server {
                     config.idle_timeout,
                     config.request_timeout,
                 ),
+                acknowledge: Acknowledge::Durable,
             },
             metrics.clone(),
         )

@@ -88,6 +88,13 @@ impl Coordinator {
         if !acc.phase.is_collecting() {
             return Ok(());
         }
+        if self.config.acknowledge == super::Acknowledge::OnFold {
+            // Nothing outlives the store: what is folded is as durable as it will be.
+            acc.durable = acc.contributions.len();
+            round.durability.send_replace(Durability::Upto(acc.durable));
+            selection_recorded(round, &mut acc);
+            return Ok(());
+        }
         // A full round's close makes its uploads durable (and sooner): no checkpoint for it,
         // unless a close has failed already.
         let updates = acc.durable < acc.contributions.len()

@@ -43,6 +43,20 @@ pub struct CoordinatorConfig {
     pub role: super::Role,
     /// This replica's id, which its claims and partials carry in a store replicas share.
     pub replica: String,
+    /// When an update (or a selection) is acknowledged.
+    pub acknowledge: Acknowledge,
+}
+
+/// When the engine acknowledges an update or a selection: the one seam through which a
+/// simulation ([`crate::simulation`]) enters the round engine, chosen when it opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Acknowledge {
+    /// Once a checkpoint that holds it is durable (group commit, [`super::commit`]): a server.
+    #[default]
+    Durable,
+    /// As soon as it is folded: an in-process store that nothing outlives, where there is
+    /// nothing to wait for (a simulated federation).
+    OnFold,
 }
 
 impl CoordinatorConfig {
@@ -72,6 +86,7 @@ impl Default for CoordinatorConfig {
             parent: None,
             role: super::Role::Leader,
             replica: "local".into(),
+            acknowledge: Acknowledge::Durable,
         }
     }
 }

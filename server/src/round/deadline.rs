@@ -42,6 +42,15 @@ impl Coordinator {
         round.wake.notify_one();
     }
 
+    /// Has `task`'s open round close now, as at its deadline: published with the updates it
+    /// holds if they reach `min_clients`, else abandoned and retried. (A simulation's clock,
+    /// not the server's, says when its rounds' deadlines pass.)
+    pub fn expire_round(&self, task: &Task) {
+        if let Some(round) = task.current() {
+            round.set_deadline(now_ms());
+        }
+    }
+
     /// Starts the watcher of `round`, the open round of `task`; it ends with the round.
     pub(crate) fn watch(self: &Arc<Self>, task: Arc<Task>, round: Arc<Round>) {
         // (Every round opened or resumed here is watched: its running sum is this replica's.)

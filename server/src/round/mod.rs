@@ -65,7 +65,7 @@ use hora_common::wire;
 use tokio::sync::{watch, Notify};
 
 pub use collection::Collection;
-pub use coordinator::{Coordinator, CoordinatorConfig};
+pub use coordinator::{Acknowledge, Coordinator, CoordinatorConfig};
 pub use phase::{Ending, Phase};
 pub use replicas::Role;
 pub use task::Task;

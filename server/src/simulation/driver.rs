@@ -1,0 +1,709 @@
+//! The simulation's driver: the field around the engine — who is online, who joins, whose
+//! update arrives when — on a simulated clock. See the [module](super) for the picture.
+
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hora_common::model::{Model, ModelDigest, ModelSpec};
+use hora_common::simulation::{self, client_seed, Job, Reply, TrainJob};
+use hora_common::wire::{self, ErrorCode, RoundOutcome, TaskState, UpdateMeta};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha12Rng;
+use tokio::sync::oneshot;
+
+use super::history::Row;
+use super::workers::{Answer, Pool};
+use super::{Simulation, SimulationError};
+use crate::error::ServerError;
+use crate::metrics::ServerMetrics;
+use crate::round::{Acknowledge, Coordinator, CoordinatorConfig, Round, Task, UpdateBody};
+use crate::store::{MemoryStore, Store};
+
+/// The engine's deadline for every round: the simulated clock, not the engine's, ends rounds
+/// (a week, the longest a task may set).
+const ENGINE_DEADLINE_SECS: u64 = 604_800;
+
+/// How long the driver waits for the engine to move a round on before it gives up.
+const ENGINE_WAIT: Duration = Duration::from_secs(600);
+
+/// What a simulation ends with.
+#[derive(Debug)]
+pub struct Outcome {
+    /// One row per round attempt (asynchronous: per version).
+    pub history: Vec<Row>,
+    /// The task's last published model.
+    pub model: Model,
+    pub wall_seconds: f64,
+    /// Updates the engine took.
+    pub updates: u64,
+    /// The engine's history of the task: every attempt's participants, dropouts, examples.
+    pub records: Vec<wire::RoundRecord>,
+}
+
+/// Runs `sim` to the end of its task, calling `on_row` as each round closes.
+pub async fn run(
+    sim: &Simulation,
+    on_row: &mut (dyn FnMut(&Row) + Send),
+) -> Result<Outcome, SimulationError> {
+    let started = Instant::now();
+    let dir = tempfile::Builder::new()
+        .prefix("hora-simulation-")
+        .tempdir()
+        .map_err(|e| SimulationError::Setup(format!("making a scratch directory: {e}")))?;
+    let setup = simulation::Setup {
+        protocol: simulation::PROTOCOL,
+        data: sim.data.clone(),
+        clients: sim.clients,
+        seed: sim.seed,
+        models_dir: dir.path().join("models"),
+        state_dir: dir.path().join("clients"),
+        threads: 1,
+    };
+    for d in [&setup.models_dir, &setup.state_dir] {
+        std::fs::create_dir_all(d)
+            .map_err(|e| SimulationError::Setup(format!("making {}: {e}", d.display())))?;
+    }
+    if sim.clients == 0 {
+        return Err(SimulationError::Setup(
+            "--clients must be at least 1".into(),
+        ));
+    }
+    let pool =
+        Pool::start(&sim.worker_command, sim.workers, &setup).map_err(SimulationError::Workers)?;
+    let mut field = Field::open(sim, pool, setup.models_dir, started).await?;
+    let outcome = field.run(on_row).await;
+    field.coordinator.stop().await;
+    outcome
+}
+
+/// A client in flight: when its update arrives (simulated), and the worker's answer.
+struct Arrival {
+    at_s: f64,
+    client: u64,
+    /// The round (version) it trains for.
+    round: u64,
+    answer: oneshot::Receiver<Answer>,
+}
+
+impl PartialEq for Arrival {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+impl Eq for Arrival {}
+impl PartialOrd for Arrival {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Arrival {
+    /// The earliest first (a max-heap of the reverse), ties by client id.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other
+            .at_s
+            .total_cmp(&self.at_s)
+            .then(other.client.cmp(&self.client))
+    }
+}
+
+/// What the round's clients sent, for its row.
+#[derive(Default)]
+struct Traffic {
+    taken: u64,
+    bytes_up: u64,
+    bytes_down: u64,
+    /// Clients that sent nothing the engine took, beyond those it counts itself.
+    lost: u64,
+}
+
+/// The federation around the engine.
+struct Field<'s> {
+    sim: &'s Simulation,
+    pool: Pool,
+    coordinator: Arc<Coordinator>,
+    store: Arc<Store>,
+    task: Arc<Task>,
+    /// The simulated deadline of a round (an asynchronous slot's, unused).
+    deadline_s: f64,
+    spec: ModelSpec,
+    models_dir: PathBuf,
+    written: HashSet<ModelDigest>,
+    /// Each client's training examples, once known (O(clients) numbers, never data).
+    sizes: HashMap<u64, u64>,
+    evaluation_clients: Vec<u64>,
+    clock_s: f64,
+    started: Instant,
+    rows: Vec<Row>,
+    updates: u64,
+}
+
+impl<'s> Field<'s> {
+    /// The engine over an in-process store, and the task created in it.
+    async fn open(
+        sim: &'s Simulation,
+        pool: Pool,
+        models_dir: PathBuf,
+        started: Instant,
+    ) -> Result<Field<'s>, SimulationError> {
+        let mut json = sim.task.clone();
+        let object = json
+            .as_object_mut()
+            .ok_or_else(|| SimulationError::Setup("the task must be a JSON object".into()))?;
+        let deadline_s = object
+            .get("round_deadline_secs")
+            .and_then(|v| v.as_f64())
+            .filter(|d| *d > 0.0)
+            .ok_or_else(|| {
+                SimulationError::Setup(
+                    "the task needs round_deadline_secs (simulated seconds, above 0)".into(),
+                )
+            })?;
+        object.insert("round_deadline_secs".into(), ENGINE_DEADLINE_SECS.into());
+        let store: Arc<Store> = Arc::new(MemoryStore::new()?);
+        if !object.contains_key("initial_model") {
+            let kind = object.get("model").cloned().unwrap_or_default();
+            let model_kind = serde_json::from_value(kind).map_err(|e| {
+                SimulationError::Setup(format!("the task's `model` is not a model kind: {e}"))
+            })?;
+            let job = Job::Initial {
+                model_kind,
+                seed: sim.seed,
+            };
+            let (_, bytes) = answer(pool.run(job).await)?;
+            let initial = Model::from_safetensors(&bytes, &Default::default())
+                .map_err(|e| SimulationError::Workers(format!("the initial model: {e}")))?;
+            let digest = store.put_model(&initial)?;
+            object.insert(
+                "initial_model".into(),
+                serde_json::to_value(digest).unwrap_or_default(),
+            );
+        }
+        let config: wire::CreateTask = serde_json::from_value(json)
+            .map_err(|e| SimulationError::Setup(format!("the task: {e}")))?;
+        if config.secure_aggregation.is_some() || config.trainable.is_some() {
+            return Err(SimulationError::Setup(
+                "this release simulates plain and asynchronous tasks: secure aggregation and part-of-a-model tasks are not simulated yet".into(),
+            ));
+        }
+        let engine = CoordinatorConfig {
+            commit_window: Duration::ZERO,
+            acknowledge: Acknowledge::OnFold,
+            durability_timeout: ENGINE_WAIT,
+            ..CoordinatorConfig::default()
+        };
+        let coordinator =
+            Coordinator::open(store.clone(), engine, Arc::new(ServerMetrics::default()))?;
+        coordinator.start();
+        let id = config.id.clone();
+        coordinator.create_task(config)?;
+        let task = coordinator.task(&id)?;
+        let spec = task.spec();
+        let mut rng = ChaCha12Rng::seed_from_u64(client_seed(sim.seed, u64::MAX, u64::MAX));
+        let mut evaluation_clients: Vec<u64> = (0..sim.clients).collect();
+        evaluation_clients.shuffle(&mut rng);
+        evaluation_clients.truncate(sim.evaluate_clients.min(sim.clients) as usize);
+        evaluation_clients.sort_unstable();
+        Ok(Field {
+            sim,
+            pool,
+            coordinator,
+            store,
+            task,
+            deadline_s,
+            spec,
+            models_dir,
+            written: HashSet::new(),
+            sizes: HashMap::new(),
+            evaluation_clients,
+            clock_s: 0.0,
+            started,
+            rows: Vec::new(),
+            updates: 0,
+        })
+    }
+
+    async fn run(
+        &mut self,
+        on_row: &mut (dyn FnMut(&Row) + Send),
+    ) -> Result<Outcome, SimulationError> {
+        let asynchronous = self.task.record().config.asynchronous.is_some();
+        match asynchronous {
+            true => self.versions(on_row).await?,
+            false => {
+                while let Some(round) = self.open_round() {
+                    self.round(round, on_row).await?;
+                }
+            }
+        }
+        let model = self.store.read_model(&self.task.global_model())?;
+        Ok(Outcome {
+            records: self.coordinator.history(&self.task)?,
+            history: std::mem::take(&mut self.rows),
+            model,
+            wall_seconds: self.started.elapsed().as_secs_f64(),
+            updates: self.updates,
+        })
+    }
+
+    /// The task's open round, while it runs.
+    fn open_round(&self) -> Option<Arc<Round>> {
+        match self.task.state() {
+            TaskState::Running => self.task.current(),
+            _ => None,
+        }
+    }
+
+    /// One synchronous round attempt: select, plan arrivals, train and fold the updates the
+    /// engine takes, close at the simulated deadline if it is not full before.
+    async fn round(
+        &mut self,
+        round: Arc<Round>,
+        on_row: &mut (dyn FnMut(&Row) + Send),
+    ) -> Result<(), SimulationError> {
+        let config = self.task.record().config;
+        let (number, attempt) = (round.number, round.attempt);
+        let capacity = crate::round::capacity(&config);
+        let candidates = self.online(capacity, client_seed(self.sim.seed, number, attempt.into()));
+        let sizes = self.sizes(&candidates).await?;
+        let mut traffic = Traffic::default();
+        let mut arrivals = Vec::new();
+        for (&client, examples) in candidates.iter().zip(sizes) {
+            let Some(offer) = self.join(client).await? else {
+                continue;
+            };
+            let device = self.sim.profile.device(self.sim.seed, client);
+            traffic.bytes_down += self.model_bytes();
+            if self.drops_out(client, number << 16 | u64::from(attempt), device.dropout) {
+                continue;
+            }
+            let samples = examples.saturating_mul(config.training.epochs.into());
+            let took = device.round_seconds(self.model_bytes(), samples, self.update_bytes());
+            if took <= self.deadline_s {
+                arrivals.push((took, client, offer));
+            }
+        }
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        arrivals.truncate(config.target_clients as usize);
+        let full = arrivals.len() >= config.target_clients as usize;
+        let took = match full {
+            true => arrivals.last().map_or(0.0, |a| a.0),
+            false => self.deadline_s,
+        };
+        self.prepare(round.base)?;
+        let window = 2 * self.sim.workers.max(1);
+        let mut flying = VecDeque::new();
+        let mut planned = arrivals.into_iter();
+        loop {
+            while flying.len() < window {
+                let Some((_, client, offer)) = planned.next() else {
+                    break;
+                };
+                flying.push_back((client, self.train(client, &offer)));
+            }
+            let Some((client, answer)) = flying.pop_front() else {
+                break;
+            };
+            self.deliver(client, number, answer, &mut traffic).await?;
+        }
+        if !full || traffic.taken < config.target_clients.into() {
+            self.coordinator.expire_round(&self.task);
+        }
+        // (The engine counts every selected client that sent nothing it took as dropped.)
+        traffic.lost = 0;
+        self.moved_on(number, attempt).await?;
+        self.clock_s += took;
+        self.record(number, attempt, traffic, on_row).await
+    }
+
+    /// An asynchronous task: clients start whenever a training slot is free and arrive in
+    /// order of finishing; a version closes every `buffer_size` updates.
+    async fn versions(
+        &mut self,
+        on_row: &mut (dyn FnMut(&Row) + Send),
+    ) -> Result<(), SimulationError> {
+        let config = self.task.record().config;
+        let (concurrency, buffer) = config.asynchronous.as_ref().map_or((1, 1), |a| {
+            (a.concurrency.max(1) as usize, u64::from(a.buffer_size))
+        });
+        let mut rng = ChaCha12Rng::seed_from_u64(client_seed(self.sim.seed, u64::MAX, 1));
+        let mut flying: BinaryHeap<Arrival> = BinaryHeap::new();
+        let mut busy: HashSet<u64> = HashSet::new();
+        let mut traffic = Traffic::default();
+        // Clients started so far: what each start's dropout is drawn with.
+        let mut starts: u64 = 0;
+        while let Some(round) = self.open_round() {
+            let version = round.number;
+            // Fill the free slots with clients online now.
+            while flying.len() < concurrency {
+                let Some(client) = self.pick(&mut rng, &busy) else {
+                    break;
+                };
+                let device = self.sim.profile.device(self.sim.seed, client);
+                starts += 1;
+                if self.drops_out(client, starts, device.dropout) {
+                    traffic.lost += 1;
+                    continue;
+                }
+                let Some(offer) = self.join(client).await? else {
+                    break; // the engine holds the others back
+                };
+                let examples = self.sizes(&[client]).await?[0];
+                let samples = examples.saturating_mul(config.training.epochs.into());
+                let took = device.round_seconds(self.model_bytes(), samples, self.update_bytes());
+                self.prepare(offer.model)?;
+                traffic.bytes_down += self.model_bytes();
+                busy.insert(client);
+                flying.push(Arrival {
+                    at_s: self.clock_s + took,
+                    client,
+                    round: offer.round,
+                    answer: self.train(client, &offer),
+                });
+            }
+            let Some(next) = flying.pop() else {
+                return Err(SimulationError::Setup(format!(
+                    "no client is online to train version {version}: the federation is too small for its availability profile"
+                )));
+            };
+            busy.remove(&next.client);
+            self.clock_s = self.clock_s.max(next.at_s);
+            self.deliver(next.client, next.round, next.answer, &mut traffic)
+                .await?;
+            let full =
+                self.open_round().map(|r| r.number) != Some(version) || traffic.taken >= buffer;
+            if full {
+                self.moved_on(version, round.attempt).await?;
+                let traffic = std::mem::take(&mut traffic);
+                self.record(version, round.attempt, traffic, on_row).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Up to `n` distinct clients online at the simulated time, drawn with `seed`.
+    fn online(&self, n: usize, seed: u64) -> Vec<u64> {
+        let mut rng = ChaCha12Rng::seed_from_u64(seed);
+        let mut picked = Vec::with_capacity(n);
+        let mut seen = HashSet::new();
+        let n = n.min(self.sim.clients as usize);
+        // Draws with rejection: at most 20 tries a place, so an offline fleet cannot spin.
+        for _ in 0..n.saturating_mul(20) {
+            if picked.len() == n {
+                break;
+            }
+            let client = rng.random_range(0..self.sim.clients);
+            if !seen.insert(client) {
+                continue;
+            }
+            if self
+                .sim
+                .profile
+                .device(self.sim.seed, client)
+                .online_at(self.clock_s)
+            {
+                picked.push(client);
+            }
+        }
+        picked
+    }
+
+    /// A client online now and not training.
+    fn pick(&self, rng: &mut ChaCha12Rng, busy: &HashSet<u64>) -> Option<u64> {
+        (0..64).find_map(|_| {
+            let client = rng.random_range(0..self.sim.clients);
+            let device = self.sim.profile.device(self.sim.seed, client);
+            (!busy.contains(&client) && device.online_at(self.clock_s)).then_some(client)
+        })
+    }
+
+    /// Whether `client` drops out of what it started, `nonce` telling its starts apart.
+    fn drops_out(&self, client: u64, nonce: u64, chance: f64) -> bool {
+        let seed = client_seed(self.sim.seed ^ 0xD20F, client, nonce);
+        chance > 0.0 && ChaCha12Rng::seed_from_u64(seed).random::<f64>() < chance
+    }
+
+    fn model_bytes(&self) -> u64 {
+        self.spec.numel() as u64 * 4
+    }
+
+    /// What an update weighs on the wire, before it is made (the encoding's bound).
+    fn update_bytes(&self) -> u64 {
+        let compression = self.task.record().config.compression;
+        compression.map_or(self.model_bytes(), |c| c.limits(&self.spec).max_bytes)
+    }
+
+    /// Training examples of each of `clients`, asking the workers for those not known yet.
+    async fn sizes(&mut self, clients: &[u64]) -> Result<Vec<u64>, SimulationError> {
+        let unknown: Vec<u64> = clients
+            .iter()
+            .copied()
+            .filter(|c| !self.sizes.contains_key(c))
+            .collect();
+        let per = unknown.len().div_ceil(self.sim.workers.max(1)).max(1);
+        let asked: Vec<_> = unknown
+            .chunks(per)
+            .map(|chunk| {
+                let job = Job::Sizes {
+                    clients: chunk.to_vec(),
+                };
+                (chunk.to_vec(), self.pool.submit(job))
+            })
+            .collect();
+        for (chunk, rx) in asked {
+            let answer = rx
+                .await
+                .unwrap_or_else(|_| Err("a worker went away".into()));
+            match answer?.0 {
+                Reply::Sizes { examples } if examples.len() == chunk.len() => {
+                    self.sizes.extend(chunk.into_iter().zip(examples));
+                }
+                other => return Err(unexpected(other)),
+            }
+        }
+        Ok(clients.iter().map(|c| self.sizes[c]).collect())
+    }
+
+    async fn join(&self, client: u64) -> Result<Option<wire::RoundOffer>, SimulationError> {
+        let joined = self.coordinator.join(&self.task, &client_id(client)).await;
+        match joined {
+            Ok(joined) => Ok(joined.offer),
+            Err(e) if e.code() == ErrorCode::TaskEnded => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes the model the workers train from, once.
+    fn prepare(&mut self, digest: ModelDigest) -> Result<(), SimulationError> {
+        if self.written.insert(digest) {
+            let model = self.store.read_model(&digest)?;
+            let path = self.models_dir.join(format!("{digest}.safetensors"));
+            model
+                .write_file(&path)
+                .map_err(|e| SimulationError::Setup(format!("writing {}: {e}", path.display())))?;
+        }
+        Ok(())
+    }
+
+    fn train(&self, client: u64, offer: &wire::RoundOffer) -> oneshot::Receiver<Answer> {
+        self.pool.submit(Job::Train(TrainJob {
+            client,
+            round: offer.round,
+            model: offer.model,
+            model_kind: offer.model_kind.clone(),
+            training: offer.training.clone(),
+            compression: offer.compression.clone(),
+            trainable: None,
+        }))
+    }
+
+    /// Uploads `client`'s trained update for `round` to the engine, as a deployed client would
+    /// after sealing (here the plaintext goes in as it is).
+    async fn deliver(
+        &mut self,
+        client: u64,
+        round: u64,
+        answer: oneshot::Receiver<Answer>,
+        traffic: &mut Traffic,
+    ) -> Result<(), SimulationError> {
+        let answer = answer
+            .await
+            .unwrap_or_else(|_| Err("a worker went away".into()));
+        let (num_examples, metrics, payload) = match answer {
+            Ok((
+                Reply::Trained {
+                    num_examples,
+                    metrics,
+                    ..
+                },
+                payload,
+            )) => (num_examples, metrics, payload),
+            Ok((Reply::Failed { error }, _)) | Err(error) => {
+                tracing::warn!(client, round, %error, "a virtual client's training failed: it counts as dropped out");
+                traffic.lost += 1;
+                return Ok(());
+            }
+            Ok((other, _)) => return Err(unexpected(other)),
+        };
+        let bytes = payload.len() as u64;
+        let meta = UpdateMeta {
+            num_examples,
+            metrics,
+            contributors: None,
+        };
+        let body = UpdateBody::Opened(Box::new(payload));
+        let uploaded = self
+            .coordinator
+            .upload(self.task.clone(), client_id(client), round, meta, body, ())
+            .await;
+        match uploaded {
+            Ok(_) => {
+                traffic.taken += 1;
+                traffic.bytes_up += bytes;
+                self.updates += 1;
+            }
+            // Refused as a deployed client's update would be (too stale, the round closed):
+            // the engine's answer stands.
+            Err(e) if refused(&e) => {
+                tracing::debug!(client, round, error = %e, "the engine refused a virtual client's update");
+                traffic.lost += 1;
+            }
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    }
+
+    /// Waits until the engine has closed attempt `attempt` of round `number`.
+    async fn moved_on(&self, number: u64, attempt: u32) -> Result<(), SimulationError> {
+        let mut changes = self.task.subscribe();
+        let waited = tokio::time::timeout(ENGINE_WAIT, async {
+            loop {
+                let moved = match self.open_round() {
+                    None => true,
+                    Some(r) => (r.number, r.attempt) != (number, attempt),
+                };
+                if moved || changes.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        waited.await.map_err(|_| {
+            SimulationError::Setup(format!(
+                "the engine did not close round {number} within {} s",
+                ENGINE_WAIT.as_secs()
+            ))
+        })
+    }
+
+    /// The history row of the closed attempt, evaluated when it published.
+    async fn record(
+        &mut self,
+        number: u64,
+        attempt: u32,
+        traffic: Traffic,
+        on_row: &mut (dyn FnMut(&Row) + Send),
+    ) -> Result<(), SimulationError> {
+        let history = self.coordinator.history(&self.task)?;
+        let entry = history
+            .iter()
+            .rev()
+            .find(|r| (r.round, r.attempt) == (number, attempt))
+            .ok_or_else(|| {
+                SimulationError::Setup(format!(
+                    "the engine has no history entry for round {number} attempt {attempt}"
+                ))
+            })?;
+        let evaluation = match (&entry.outcome, entry.model) {
+            (RoundOutcome::Published, Some(model)) => self.evaluate(model).await?,
+            _ => None,
+        };
+        let row = Row {
+            round: number,
+            attempt,
+            outcome: match entry.outcome {
+                RoundOutcome::Published => "published".into(),
+                RoundOutcome::Abandoned { .. } => "abandoned".into(),
+            },
+            sim_time_s: self.clock_s,
+            wall_time_s: self.started.elapsed().as_secs_f64(),
+            participants: entry.participants.len() as u64,
+            dropouts: entry.dropped.len() as u64 + traffic.lost,
+            examples: entry.examples,
+            loss: entry.metrics.loss,
+            eval_loss: evaluation.map(|e| e.0),
+            eval_accuracy: evaluation.map(|e| e.1),
+            epsilon: entry.privacy.as_ref().map(|p| p.epsilon),
+            bytes_down: traffic.bytes_down,
+            bytes_up: traffic.bytes_up,
+        };
+        on_row(&row);
+        self.rows.push(row);
+        Ok(())
+    }
+
+    /// `model`'s loss and accuracy on the evaluation clients' pooled held-out data, split over
+    /// the workers and added up in client order.
+    async fn evaluate(
+        &mut self,
+        model: ModelDigest,
+    ) -> Result<Option<(f64, f64)>, SimulationError> {
+        if self.evaluation_clients.is_empty() {
+            return Ok(None);
+        }
+        self.prepare(model)?;
+        let model_kind = self.task.record().config.model;
+        let per = self
+            .evaluation_clients
+            .len()
+            .div_ceil(self.sim.workers.max(1));
+        let asked: Vec<_> = self
+            .evaluation_clients
+            .chunks(per)
+            .map(|chunk| {
+                self.pool.submit(Job::Evaluate {
+                    model,
+                    model_kind: model_kind.clone(),
+                    clients: chunk.to_vec(),
+                })
+            })
+            .collect();
+        let (mut loss, mut correct, mut examples) = (0.0, 0.0, 0u64);
+        for rx in asked {
+            let answer = rx
+                .await
+                .unwrap_or_else(|_| Err("a worker went away".into()));
+            match answer?.0 {
+                Reply::Evaluated {
+                    loss: l,
+                    accuracy: a,
+                    examples: n,
+                } => {
+                    loss += l * n as f64;
+                    correct += a * n as f64;
+                    examples += n;
+                }
+                other => return Err(unexpected(other)),
+            }
+        }
+        Ok((examples > 0).then(|| (loss / examples as f64, correct / examples as f64)))
+    }
+}
+
+/// A virtual client's id in the engine.
+pub fn client_id(client: u64) -> String {
+    format!("sim-{client}")
+}
+
+fn answer(answer: Answer) -> Result<(Reply, Vec<u8>), SimulationError> {
+    match answer {
+        Ok((Reply::Failed { error }, _)) | Err(error) => Err(SimulationError::Workers(error)),
+        Ok(done) => Ok(done),
+    }
+}
+
+impl From<String> for SimulationError {
+    fn from(e: String) -> Self {
+        SimulationError::Workers(e)
+    }
+}
+
+/// An update the engine refused as it would a deployed client's (too stale, its round closed,
+/// not valid), rather than an engine failure.
+fn refused(e: &ServerError) -> bool {
+    matches!(
+        e,
+        ServerError::Conflict { .. }
+            | ServerError::Invalid { .. }
+            | ServerError::InvalidUpdate(_)
+            | ServerError::Quarantined(_)
+    )
+}
+
+fn unexpected(reply: Reply) -> SimulationError {
+    match reply {
+        Reply::Failed { error } => SimulationError::Workers(error),
+        other => SimulationError::Workers(format!("an unexpected reply: {other:?}")),
+    }
+}

@@ -1,0 +1,94 @@
+//! A simulated federation: the server's round engine in this process, its virtual clients on a
+//! pool of worker processes, and a simulated clock.
+//!
+//! ```text
+//! hora-server simulate ──▶ Coordinator (real modes, strategies, DP) over a MemoryStore,
+//!        │                  acknowledging updates as they fold (Acknowledge::OnFold)
+//!        │                        ▲ join, upload (plaintext: nothing is sealed)
+//!        └──▶ driver ─────────────┘
+//!               │ Train{client, round, model}       ▲ encoded update
+//!               └──▶ workers (hora-client simulate-worker) ──┘
+//! ```
+//!
+//! The engine is the one `hora-server serve` runs; it enters the simulation through one seam,
+//! chosen when the [`Coordinator`](crate::round::Coordinator) opens: an in-process store and no durability waits. Nothing
+//! crosses a network, so there is no TLS, HTTP or sealing between the clients and the engine.
+//!
+//! The driver ([`driver`]) plays the field: each round it samples clients that are online at
+//! the simulated time, joins them through the engine (which selects them), works out from
+//! each client's [`profile::Device`] when its update would arrive, and trains only the clients
+//! whose updates the engine would take — the first `target_clients` to finish within the
+//! deadline — on the workers, folding their updates in the order they would have arrived. A
+//! round the deadline cuts short is expired through the engine, which publishes it or
+//! abandons it as it would any round. An asynchronous (FedBuff) task runs as events on the same
+//! clock: clients start whenever a training slot is free and their updates arrive in order of
+//! finishing, each against the version it started from.
+//!
+//! Determinism: a client's data, device, training and rounding all derive from the seed and
+//! its id, and the engine folds updates in simulated-arrival order (ties by id), whatever
+//! order the workers finish in, so the same seed gives the same model bit for bit with any
+//! number of workers (central DP's noise aside: it is drawn from the operating system).
+
+pub mod cli;
+pub mod driver;
+pub mod history;
+pub mod profile;
+pub mod workers;
+
+use std::ffi::OsString;
+
+pub use driver::{run, Outcome};
+pub use history::Row;
+pub use profile::{Device, Profile};
+
+use crate::error::ServerError;
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct Simulation {
+    /// The task as `POST /admin/v1/tasks` takes it; `initial_model` may be left out, and the
+    /// built-in model's initial weights are then made from the seed. `round_deadline_secs` is
+    /// in simulated seconds.
+    pub task: serde_json::Value,
+    /// How many virtual clients the federation has.
+    pub clients: u64,
+    /// The federation's data, as `hora-client train --data` takes it
+    /// (`synthetic:alpha=1,beta=1`): each client's shard is made by the worker that trains it.
+    pub data: String,
+    pub seed: u64,
+    /// Worker processes (each trains one client at a time on one thread).
+    pub workers: usize,
+    /// The worker's program and arguments (`hora-client simulate-worker`).
+    pub worker_command: Vec<OsString>,
+    pub profile: Profile,
+    /// After each published round, the model is evaluated on the pooled held-out data of this
+    /// many clients (drawn once from the seed); 0: no evaluation.
+    pub evaluate_clients: u64,
+}
+
+/// Why a simulation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimulationError {
+    #[error("{0}")]
+    Setup(String),
+    #[error("simulation workers: {0}")]
+    Workers(String),
+    #[error(transparent)]
+    Engine(#[from] ServerError),
+}
+
+impl From<crate::store::StoreError> for SimulationError {
+    fn from(e: crate::store::StoreError) -> Self {
+        SimulationError::Engine(e.into())
+    }
+}
+
+/// The `hora-client` next to the running program, else the one on `PATH`, as a worker command.
+pub fn default_worker_command() -> Vec<OsString> {
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join("hora-client")))
+        .filter(|p| p.is_file());
+    let program = beside.map_or_else(|| OsString::from("hora-client"), |p| p.into_os_string());
+    vec![program, OsString::from("simulate-worker")]
+}

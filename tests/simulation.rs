@@ -1,0 +1,225 @@
+//! Simulated federations: the server's round engine in this process, virtual clients trained by
+//! real `hora-client simulate-worker` processes on Synthetic(1,1) shards, a simulated clock.
+
+use std::collections::BTreeSet;
+use std::ffi::OsString;
+use std::process::Command;
+
+use hora_client::data::synthetic::{self, SyntheticConfig};
+use hora_server::simulation::{self, Outcome, Simulation};
+
+mod support;
+use support::binary;
+
+fn worker() -> Vec<OsString> {
+    vec![
+        binary("hora-client").into_os_string(),
+        "simulate-worker".into(),
+    ]
+}
+
+/// Logistic regression 60 → 10 on Synthetic(1, 1): `target` clients a round of `clients`.
+fn task(rounds: u64, target: u32, extra: serde_json::Value) -> serde_json::Value {
+    let mut task = serde_json::json!({
+        "id": "sim",
+        "model": {"kind": "builtin", "name": "logreg", "params": {"inputs": 60, "classes": 10}},
+        "rounds": rounds,
+        "min_clients": 2,
+        "target_clients": target,
+        "round_deadline_secs": 600,
+        "training": {"epochs": 1, "batch_size": 10, "learning_rate": 0.05},
+    });
+    for (k, v) in extra.as_object().expect("an object") {
+        task[k] = v.clone();
+    }
+    task
+}
+
+fn simulation_of(
+    task: serde_json::Value,
+    clients: u64,
+    workers: usize,
+    seed: u64,
+    profile: &str,
+) -> Simulation {
+    Simulation {
+        task,
+        clients,
+        data: "synthetic:alpha=1,beta=1".into(),
+        seed,
+        workers,
+        worker_command: worker(),
+        profile: profile.parse().expect("a profile"),
+        evaluate_clients: 40,
+    }
+}
+
+fn run(sim: &Simulation) -> Outcome {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime
+        .block_on(simulation::run(sim, &mut |_| {}))
+        .expect("the simulation runs")
+}
+
+fn simulate(
+    task: serde_json::Value,
+    clients: u64,
+    workers: usize,
+    seed: u64,
+    profile: &str,
+) -> Outcome {
+    run(&simulation_of(task, clients, workers, seed, profile))
+}
+
+#[test]
+fn the_same_seed_gives_the_same_model_bit_for_bit_whatever_the_number_of_workers() {
+    let task = task(3, 8, serde_json::json!({"over_selection": 0.5}));
+    let one = simulate(task.clone(), 60, 1, 7, "heterogeneous:dropout=0.1");
+    let three = simulate(task.clone(), 60, 3, 7, "heterogeneous:dropout=0.1");
+    assert_eq!(one.history.len(), 3, "{:?}", one.history);
+    assert_eq!(
+        one.model.to_safetensors(),
+        three.model.to_safetensors(),
+        "one worker and three trained different models"
+    );
+    let strip = |o: &Outcome| {
+        let rows = o.history.iter();
+        rows.map(|r| {
+            (
+                r.round,
+                r.participants,
+                r.dropouts,
+                r.examples,
+                r.loss,
+                r.eval_accuracy,
+                r.sim_time_s,
+            )
+        })
+        .collect::<Vec<_>>()
+    };
+    assert_eq!(strip(&one), strip(&three));
+    // Another seed is another federation.
+    let other = simulate(task, 60, 2, 8, "heterogeneous:dropout=0.1");
+    assert_ne!(one.model.to_safetensors(), other.model.to_safetensors());
+}
+
+#[test]
+fn a_round_holds_the_first_clients_to_finish_and_counts_the_others_as_dropped() {
+    // 30% of selected clients drop out; 12 are selected for a target of 8.
+    let task = task(4, 8, serde_json::json!({"over_selection": 0.5}));
+    let outcome = simulate(task, 200, 2, 3, "heterogeneous:dropout=0.3");
+    let config = SyntheticConfig::non_iid(1.0, 1.0, 200, 3);
+    let (mut selected, mut dropped) = (0, 0);
+    for record in &outcome.records {
+        let participants: BTreeSet<&String> = record.participants.iter().collect();
+        assert!(participants.len() <= 8, "{record:?}");
+        // The round's examples are its participants' training examples, counted independently.
+        let examples: u64 = participants
+            .iter()
+            .map(|id| {
+                let k: usize = id.strip_prefix("sim-").unwrap().parse().unwrap();
+                synthetic::shard(&config, k).unwrap().train.len() as u64
+            })
+            .sum();
+        assert_eq!(record.examples, examples, "round {}", record.round);
+        selected += participants.len() + record.dropped.len();
+        dropped += record.dropped.len();
+    }
+    // Dropouts, and over-selected clients slower than the target's last: more than 30% of the
+    // selections, but every round published.
+    assert!(dropped * 10 >= selected * 3, "{dropped} of {selected}");
+    assert!(outcome.history.iter().all(|r| r.outcome == "published"));
+    assert_eq!(outcome.history.len(), 4);
+}
+
+#[test]
+fn fedbuff_reaches_the_target_accuracy_sooner_in_simulated_time_on_a_heterogeneous_fleet() {
+    // Devices two orders of magnitude apart: a synchronous round waits for its tenth finisher
+    // (of 13 selected), FedBuff folds whoever finishes, against the version it started from.
+    let target = 0.5;
+    let training = serde_json::json!({"epochs": 3, "batch_size": 10, "learning_rate": 0.05});
+    let sync = task(
+        20,
+        10,
+        serde_json::json!({"over_selection": 0.3, "round_deadline_secs": 120, "training": training}),
+    );
+    let buffered = task(
+        20,
+        10,
+        serde_json::json!({"asynchronous": {"buffer_size": 10, "concurrency": 20}, "training": training}),
+    );
+    let run = |task| {
+        let sim = Simulation {
+            data: "synthetic-iid:".into(),
+            ..simulation_of(task, 300, 2, 11, "heterogeneous:dropout=0.05")
+        };
+        run(&sim)
+    };
+    let (sync, buffered) = (run(sync), run(buffered));
+    let at = |o: &Outcome| simulation::history::time_to_accuracy(&o.history, target);
+    let (s, b) = (at(&sync), at(&buffered));
+    println!(
+        "simulated seconds to accuracy {target}: synchronous {s:?}, FedBuff {b:?}; 20 rounds: {:.1} s and {:.1} s",
+        sync.history.last().unwrap().sim_time_s,
+        buffered.history.last().unwrap().sim_time_s
+    );
+    let (s, b) = (
+        s.expect("synchronous reaches it"),
+        b.expect("FedBuff reaches it"),
+    );
+    assert!(b < s, "FedBuff took {b:.1} s, synchronous rounds {s:.1} s");
+    // Each version holds a buffer of updates.
+    assert!(buffered.history.iter().all(|r| r.participants == 10));
+    assert_eq!(buffered.history.len(), 20);
+}
+
+#[test]
+fn hora_server_simulate_prints_the_table_and_writes_the_history_and_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let task_path = dir.path().join("task.json");
+    std::fs::write(&task_path, task(2, 5, serde_json::json!({})).to_string()).unwrap();
+    let (history, model) = (dir.path().join("h.csv"), dir.path().join("m.safetensors"));
+    let out = Command::new(binary("hora-server"))
+        .arg("simulate")
+        .arg(&task_path)
+        .args([
+            "--clients",
+            "30",
+            "--workers",
+            "2",
+            "--seed",
+            "5",
+            "--evaluate-clients",
+            "10",
+        ])
+        .arg("--history")
+        .arg(&history)
+        .arg("--model")
+        .arg(&model)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("published"), "{stdout}");
+    let csv = std::fs::read_to_string(&history).unwrap();
+    assert_eq!(csv.lines().count(), 3, "{csv}");
+    // The command line and the library are one engine: the same seed, the same model.
+    let library = simulate(task(2, 5, serde_json::json!({})), 30, 1, 5, "uniform");
+    let written = hora_common::model::Model::read_file(&model, &Default::default()).unwrap();
+    assert_eq!(written.to_safetensors(), library.model.to_safetensors());
+
+    // A task the simulation cannot run is refused with what to do.
+    std::fs::write(&task_path, r#"{"id": "x"}"#).unwrap();
+    let out = Command::new(binary("hora-server"))
+        .arg("simulate")
+        .arg(&task_path)
+        .args(["--clients", "3"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("round_deadline_secs"));
+}
