@@ -44,6 +44,7 @@ fn simulation_of(
 ) -> Simulation {
     Simulation {
         task,
+        initial: None,
         clients,
         data: "synthetic:alpha=1,beta=1".into(),
         seed,
@@ -222,4 +223,109 @@ fn hora_server_simulate_prints_the_table_and_writes_the_history_and_the_model() 
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("round_deadline_secs"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulated_federation_publishes_the_models_the_same_federation_deployed_publishes() {
+    let (clients, seed, rounds) = (4u64, 21u64, 3u64);
+    tch::manual_seed(1);
+    let arch = hora_client::network::Architecture::Logreg {
+        inputs: 60,
+        classes: 10,
+    };
+    let initial = hora_client::network::Network::builtin(&arch, tch::Device::Cpu)
+        .unwrap()
+        .weights()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let server = support::Server::start(&dir.path().join("server"));
+    let admin = server.api(support::ADMIN_TOKEN);
+    let digest = admin.upload_model(&initial).await;
+    let mut task = support::task("twin", digest, rounds, 4, 4, 600);
+    task.model = arch.to_kind();
+    task.training = serde_json::from_value(
+        serde_json::json!({"epochs": 1, "batch_size": 10, "learning_rate": 0.05}),
+    )
+    .unwrap();
+    admin.create_task(&task).await;
+
+    // Deployed: four `hora-client train` processes, each on its own Synthetic(1,1) shard and
+    // seeded as the simulation seeds that client.
+    let data = format!("synthetic:alpha=1,beta=1,clients={clients},seed={seed}");
+    let mut deployed = Vec::new();
+    for k in 0..clients {
+        let token: serde_json::Value = admin
+            .ok(admin
+                .request(reqwest::Method::POST, "/admin/v1/enrolments")
+                .json(&serde_json::json!({})))
+            .await;
+        let trainer_seed = hora_common::simulation::client_seed(seed, k, 0) as i64;
+        let child = Command::new(binary("hora-client"))
+            .args([
+                "train",
+                "--server",
+                &server.url,
+                "--task",
+                "twin",
+                "--token",
+            ])
+            .arg(token["token"].as_str().unwrap())
+            .arg("--ca")
+            .arg(&server.ca)
+            .arg("--state-dir")
+            .arg(dir.path().join(format!("client-{k}")))
+            .args(["--data", &data, "--client-index", &k.to_string()])
+            .arg(format!("--seed={trainer_seed}"))
+            .args(["--threads", "1", "--device", "cpu", "--no-progress"])
+            .env("HORA_LOG", "warn")
+            .spawn()
+            .unwrap();
+        deployed.push(child);
+    }
+    let deployed = support::Processes(deployed);
+    let waited = tokio::task::spawn_blocking(move || {
+        let mut deployed = deployed;
+        deployed
+            .0
+            .iter_mut()
+            .map(|c| c.wait().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for status in waited.await.unwrap() {
+        assert!(status.success(), "a deployed client failed: {status}");
+    }
+
+    // Simulated: the same task, data, seeds and initial weights.
+    let sim = Simulation {
+        initial: Some(initial.clone()),
+        data: "synthetic:alpha=1,beta=1".into(),
+        ..simulation_of(
+            serde_json::to_value(&task).unwrap(),
+            clients,
+            2,
+            seed,
+            "uniform",
+        )
+    };
+    let simulated = tokio::task::spawn_blocking(move || run(&sim))
+        .await
+        .unwrap();
+    assert_eq!(simulated.history.len(), rounds as usize);
+    let published = admin.round_model("twin", rounds).await;
+    assert_eq!(published.spec(), simulated.model.spec());
+    let (mut largest, mut moved) = (0f32, 0f32);
+    for ((d, s), i) in published
+        .data()
+        .iter()
+        .zip(simulated.model.data())
+        .zip(initial.data())
+    {
+        largest = largest.max((d - s).abs());
+        moved = moved.max((d - i).abs());
+    }
+    // Updates fold in another order when deployed (whoever uploads first): f32 rounding apart,
+    // the same model (a client seeded otherwise moves it by about 0.03); and one far from where
+    // both started.
+    assert!(largest < 1e-5, "the models differ by up to {largest}");
+    assert!(moved > 1e-2, "training moved no weight more than {moved}");
 }

@@ -62,6 +62,7 @@ pub async fn run(args: SimulateArgs) -> Result<()> {
     });
     let sim = Simulation {
         task,
+        initial: None,
         clients: args.clients,
         data: args.data.clone(),
         seed: args.seed,

@@ -163,7 +163,13 @@ impl<'s> Field<'s> {
             })?;
         object.insert("round_deadline_secs".into(), ENGINE_DEADLINE_SECS.into());
         let store: Arc<Store> = Arc::new(MemoryStore::new()?);
-        if !object.contains_key("initial_model") {
+        if let Some(initial) = &sim.initial {
+            let digest = store.put_model(initial)?;
+            object.insert(
+                "initial_model".into(),
+                serde_json::to_value(digest).unwrap_or_default(),
+            );
+        } else if !object.contains_key("initial_model") {
             let kind = object.get("model").cloned().unwrap_or_default();
             let model_kind = serde_json::from_value(kind).map_err(|e| {
                 SimulationError::Setup(format!("the task's `model` is not a model kind: {e}"))

@@ -46,10 +46,12 @@ use crate::error::ServerError;
 /// What to simulate.
 #[derive(Debug, Clone)]
 pub struct Simulation {
-    /// The task as `POST /admin/v1/tasks` takes it; `initial_model` may be left out, and the
-    /// built-in model's initial weights are then made from the seed. `round_deadline_secs` is
-    /// in simulated seconds.
+    /// The task as `POST /admin/v1/tasks` takes it (`initial_model` may be left out).
+    /// `round_deadline_secs` is in simulated seconds.
     pub task: serde_json::Value,
+    /// The initial weights (then the task's `initial_model` is their digest, or left out);
+    /// `None`: the built-in model's, made from the seed.
+    pub initial: Option<hora_common::model::Model>,
     /// How many virtual clients the federation has.
     pub clients: u64,
     /// The federation's data, as `hora-client train --data` takes it
