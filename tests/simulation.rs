@@ -329,3 +329,44 @@ async fn a_simulated_federation_publishes_the_models_the_same_federation_deploye
     assert!(largest < 1e-5, "the models differ by up to {largest}");
     assert!(moved > 1e-2, "training moved no weight more than {moved}");
 }
+
+#[test]
+fn a_worker_killed_mid_run_costs_at_most_the_client_it_held_and_the_run_finishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let pids = dir.path().join("pids");
+    // Each worker writes its process id, then becomes hora-client (same id).
+    let command = vec![
+        OsString::from("sh"),
+        "-c".into(),
+        r#"echo $$ >> "$0"; exec "$1" simulate-worker"#.into(),
+        pids.clone().into_os_string(),
+        binary("hora-client").into_os_string(),
+    ];
+    let sim = Simulation {
+        worker_command: command,
+        ..simulation_of(task(4, 10, serde_json::json!({})), 60, 3, 2, "uniform")
+    };
+    let mut killed = None;
+    let mut on_row = |row: &simulation::Row| {
+        if row.round == 1 {
+            let text = std::fs::read_to_string(&pids).unwrap();
+            let pid: i32 = text.lines().next().unwrap().trim().parse().unwrap();
+            // SAFETY: kill(2) on a process this test started.
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+            killed = Some(pid);
+        }
+    };
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let outcome = runtime
+        .block_on(simulation::run(&sim, &mut on_row))
+        .expect("the simulation finishes without the worker");
+    assert!(killed.is_some());
+    assert_eq!(outcome.history.len(), 4, "{:?}", outcome.history);
+    assert!(outcome.history.iter().all(|r| r.outcome == "published"));
+    // The dead worker fails the one job it takes next: a client's training (that client's
+    // dropout) or a look-up, which another worker answers.
+    let dropouts: u64 = outcome.history.iter().map(|r| r.dropouts).sum();
+    assert!(dropouts <= 1, "{:?}", outcome.history);
+    assert_eq!(outcome.updates, 40 - dropouts);
+    outcome.model.check_finite().unwrap();
+}

@@ -455,14 +455,11 @@ impl<'s> Field<'s> {
                 let job = Job::Sizes {
                     clients: chunk.to_vec(),
                 };
-                (chunk.to_vec(), self.pool.submit(job))
+                (chunk.to_vec(), self.pool.submit(job.clone()), job)
             })
             .collect();
-        for (chunk, rx) in asked {
-            let answer = rx
-                .await
-                .unwrap_or_else(|_| Err("a worker went away".into()));
-            match answer?.0 {
+        for (chunk, rx, job) in asked {
+            match self.settle(job, rx).await?.0 {
                 Reply::Sizes { examples } if examples.len() == chunk.len() => {
                     self.sizes.extend(chunk.into_iter().zip(examples));
                 }
@@ -470,6 +467,22 @@ impl<'s> Field<'s> {
             }
         }
         Ok(clients.iter().map(|c| self.sizes[c]).collect())
+    }
+
+    /// The answer to `job` (queued as `rx`), asked again of the other workers while the one
+    /// that took it died. (A client's training is not asked again: its worker's death is that
+    /// client's dropout.)
+    async fn settle(&self, job: Job, rx: oneshot::Receiver<Answer>) -> Answer {
+        let mut answer = rx
+            .await
+            .unwrap_or_else(|_| Err("a worker went away".into()));
+        for _ in 0..self.sim.workers {
+            if answer.is_ok() {
+                break;
+            }
+            answer = self.pool.run(job.clone()).await;
+        }
+        answer
     }
 
     async fn join(&self, client: u64) -> Result<Option<wire::RoundOffer>, SimulationError> {
@@ -648,19 +661,17 @@ impl<'s> Field<'s> {
             .evaluation_clients
             .chunks(per)
             .map(|chunk| {
-                self.pool.submit(Job::Evaluate {
+                let job = Job::Evaluate {
                     model,
                     model_kind: model_kind.clone(),
                     clients: chunk.to_vec(),
-                })
+                };
+                (self.pool.submit(job.clone()), job)
             })
             .collect();
         let (mut loss, mut correct, mut examples) = (0.0, 0.0, 0u64);
-        for rx in asked {
-            let answer = rx
-                .await
-                .unwrap_or_else(|_| Err("a worker went away".into()));
-            match answer?.0 {
+        for (rx, job) in asked {
+            match self.settle(job, rx).await?.0 {
                 Reply::Evaluated {
                     loss: l,
                     accuracy: a,
