@@ -29,7 +29,7 @@ DASH_ENV := eval "$$(scripts/setup-dashboard.sh --print-env)"
 PY_INSTALL = (cd python && VIRTUAL_ENV="$$HORA_PACKAGE_ENV" "$$HORA_PACKAGE_PYTHON" -m maturin develop --quiet $(1))
 NEXTEST_PROFILE ?= $(if $(CI),ci,default)
 
-.PHONY: demo dashboard bench-dashboard replicas test bench bench-gpu bench-large bench-replicas bench-updates lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
+.PHONY: demo dashboard bench-dashboard replicas test bench bench-gpu bench-large bench-replicas bench-simulation bench-updates lint deps-check setup python dist dist-test dist-aarch64 dist-test-aarch64
 
 ## Release artefacts of this machine's architecture in dist/: the server's tarball, the client's
 ## tarball with its CPU libtorch beside it ($$ORIGIN), and an abi3 wheel (scripts/dist.sh).
@@ -156,6 +156,14 @@ bench-gpu:
 bench-replicas:
 	@$(TORCH_ENV); $(PG_ENV); cargo build --release -p hora-server --bins && \
 	cargo bench -p hora --bench replicas
+
+## Simulation (benches/simulation.rs; minutes, not part of `make bench`): `hora-server simulate`
+## against Flower's Simulation Runtime on Ray, same task and seeds (Synthetic(1,1), logistic
+## regression, 1,000 clients, 100 a round, 10 rounds): wall time, peak PSS summed over each
+## run's processes, final accuracy; then 100,000 clients against raw training throughput.
+bench-simulation:
+	@$(TORCH_ENV); $(FLOWER_ENV); cargo build --release -p hora-server -p hora-client --bins && \
+	cargo bench -p hora --bench simulation
 
 ## One round of a model past 2 GiB (HORA_LARGE_MODEL_MB, 2200) with 4 clients: transfer
 ## rates against the loopback TLS limit, peak RSS, cut and resumed transfers. Needs about

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs Flower (flwr, the baseline of the round-latency benchmark) into a virtual environment
-# cached outside the checkout, and prints the Python interpreter that runs it.
+# Installs Flower (flwr with its `simulation` extra, which brings Ray: the baseline of the
+# round-latency and simulation benchmarks) into a virtual environment cached outside the
+# checkout, and prints the Python interpreter that runs it.
 #
 # torch is not downloaded again: the environment sees the PyTorch of scripts/setup-libtorch.sh
 # (run first, if needed) through a .pth file naming that environment's site-packages.
@@ -25,17 +26,18 @@ torch_python="$(libtorch_python)"
 
 usable() {
     [ -x "$python" ] && "$python" -c '
-import importlib.metadata as m, sys, torch, flwr
+import importlib.metadata as m, sys, torch, flwr, ray
+from flwr.simulation import run_simulation
 from flwr.server import ServerApp
 from flwr.client import ClientApp
 sys.exit(m.version("flwr") != sys.argv[1])' "$FLWR_VERSION" 2>/dev/null
 }
 
 if [ ! -f "$stamp" ] || ! usable; then
-    log "installing flwr==$FLWR_VERSION into $venv (about 100 MB, a minute, once; torch comes from the libtorch environment)"
+    log "installing flwr[simulation]==$FLWR_VERSION into $venv (about 300 MB with Ray, a minute, once; torch comes from the libtorch environment)"
     rm -f "$stamp"
     venv_seeing "$venv" "$torch_python"
-    "$python" -m pip install --quiet --disable-pip-version-check "flwr==$FLWR_VERSION"
+    "$python" -m pip install --quiet --disable-pip-version-check "flwr[simulation]==$FLWR_VERSION"
     usable || { log "flwr or torch is not importable after the install"; exit 1; }
     touch "$stamp"
     log "done"

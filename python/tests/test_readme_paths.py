@@ -1,4 +1,4 @@
-"""The README's three five-minute paths, run command for command as a newcomer would.
+"""The README's four five-minute paths, run command for command as a newcomer would.
 
 Each path is the README's code blocks marked `<!-- readme-path: NAME run -->` (shell, run in
 order by one bash, as one terminal session) and `<!-- readme-path: NAME file=F -->` (written to
@@ -93,6 +93,19 @@ def kill_group(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.05)
+
+
+def test_the_simulation_path_compares_rounds_with_fedbuff_in_simulated_time(tmp_path):
+    out = run_path("simulate", tmp_path, timeout=300)
+    reached = [float(t) for t in re.findall(r"^accuracy 0.7 first reached at ([0-9.]+) s simulated$", out, re.M)]
+    assert len(reached) == 2, out
+    rounds, fedbuff = reached
+    assert fedbuff < rounds, out
+    for name in ("rounds.csv", "fedbuff.csv"):
+        rows = (tmp_path / name).read_text().splitlines()
+        assert rows[0].startswith("round,attempt,outcome,sim_time_s"), rows[0]
+        assert len(rows) == 21, rows
+    assert (tmp_path / "fedbuff.safetensors").stat().st_size > 2400
 
 
 def test_the_researcher_path_federates_a_pytorch_model(tmp_path):

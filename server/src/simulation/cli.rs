@@ -22,6 +22,9 @@ pub struct SimulateArgs {
     /// The federation's data: each client's shard is made by the worker that trains it.
     #[arg(long, default_value = "synthetic:alpha=1,beta=1")]
     pub data: String,
+    /// The initial weights (safetensors); default: the built-in model's, made from --seed.
+    #[arg(long, value_name = "FILE")]
+    pub initial: Option<PathBuf>,
     /// Seed of the data, the devices, sampling and training: the same seed gives the same model.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -60,9 +63,16 @@ pub async fn run(args: SimulateArgs) -> Result<()> {
     let workers = args.workers.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
+    let initial = match &args.initial {
+        None => None,
+        Some(path) => Some(
+            hora_common::model::Model::read_file(path, &Default::default())
+                .with_context(|| format!("reading the initial model {}", path.display()))?,
+        ),
+    };
     let sim = Simulation {
         task,
-        initial: None,
+        initial,
         clients: args.clients,
         data: args.data.clone(),
         seed: args.seed,
