@@ -47,6 +47,7 @@ fn simulation_of(
         initial: None,
         clients,
         data: "synthetic:alpha=1,beta=1".into(),
+        partition: None,
         seed,
         workers,
         worker_command: worker(),
@@ -369,4 +370,69 @@ fn a_worker_killed_mid_run_costs_at_most_the_client_it_held_and_the_run_finishes
     assert!(dropouts <= 1, "{:?}", outcome.history);
     assert_eq!(outcome.updates, 40 - dropouts);
     outcome.model.check_finite().unwrap();
+}
+
+#[test]
+fn a_csv_dataset_split_by_label_skew_gives_each_round_its_clients_shares() {
+    use hora_client::data::partition::{Partitioner, Plan};
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("points.csv");
+    // Three classes of 4-feature points, by which of three directions a point is nearest.
+    let mut text = String::from("a,b,c,d,label\n");
+    let mut labels = Vec::new();
+    for i in 0..3_000u32 {
+        let x: Vec<f32> = (0..4)
+            .map(|j| ((i * 7 + j * 13) % 17) as f32 / 17.0 - 0.5)
+            .collect();
+        let label = [x[0] + x[1], x[2] - x[1], x[3] - x[0]]
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0;
+        labels.push(label as i64);
+        text.push_str(&format!("{},{},{},{},{label}\n", x[0], x[1], x[2], x[3]));
+    }
+    std::fs::write(&csv, text).unwrap();
+    let mut skewed = task(3, 6, serde_json::json!({}));
+    skewed["model"] = serde_json::json!({"kind": "builtin", "name": "logreg", "params": {"inputs": 4, "classes": 3}});
+    let sim = Simulation {
+        data: csv.display().to_string(),
+        partition: Some("dirichlet:alpha=0.3".into()),
+        ..simulation_of(skewed, 30, 2, 4, "uniform")
+    };
+    let outcome = run(&sim);
+    assert_eq!(outcome.history.len(), 3);
+    // Each round's examples are its participants' training shares: the Dirichlet split of the
+    // file (seeded as the simulation), 80% of each client's share.
+    let plan = Plan::new(Partitioner::Dirichlet { alpha: 0.3 }, &labels, 3, 30, 4).unwrap();
+    for record in &outcome.records {
+        let expected: u64 = record
+            .participants
+            .iter()
+            .map(|id| {
+                let k: usize = id.strip_prefix("sim-").unwrap().parse().unwrap();
+                let n = plan.indices(k).len();
+                // (Dataset::split's rounding, both parts kept non-empty.)
+                let train =
+                    ((0.8 * n as f64).round() as usize).clamp(1.min(n), n.saturating_sub(1).max(1));
+                train as u64
+            })
+            .sum();
+        assert_eq!(record.examples, expected, "round {}", record.round);
+    }
+    // A partition of synthetic data is refused: its generator splits it.
+    let sim = Simulation {
+        partition: Some("iid".into()),
+        ..simulation_of(task(1, 2, serde_json::json!({})), 5, 1, 4, "uniform")
+    };
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let e = runtime
+        .block_on(simulation::run(&sim, &mut |_| {}))
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("split among clients by its generator"),
+        "{e}"
+    );
 }

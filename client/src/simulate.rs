@@ -2,7 +2,8 @@
 //! clients, one [`Job`] at a time, for the engine that started it (`hora-server simulate`).
 //!
 //! A worker keeps no client between jobs. A client's data is made from `(data, seed, client)`
-//! when its job comes (a synthetic shard is generated, never read from anyone else's); the
+//! when its job comes (a synthetic shard is generated, never read from anyone else's; a
+//! dataset is read once per worker and the client's share of it taken by the partitioner); the
 //! trainer is the built-in [`SupervisedTrainer`] a deployed `hora-client train` runs, seeded
 //! from `(seed, client)`; the update is `local − global` encoded as the task's compression says
 //! (rounding drawn from `(seed, client, round)`), with error feedback read from and written to
@@ -22,6 +23,7 @@ use rand_chacha::ChaCha12Rng;
 use tch::Device;
 
 use crate::client::difference;
+use crate::data::partition::{Partitioner, Plan};
 use crate::data::{DataSource, Dataset};
 use crate::error::{ClientError, Result};
 use crate::network::Network;
@@ -31,14 +33,20 @@ use crate::SupervisedTrainer;
 /// Serves jobs from `input` until it closes: the setup frame first, then one reply per job.
 pub fn serve(mut input: impl BufRead, mut output: impl Write) -> Result<()> {
     let (setup, _): (Setup, _) = simulation::read_frame(&mut input).map_err(protocol)?;
-    let mut worker = Worker::new(setup)?;
+    // A setup this worker cannot serve (data it cannot read, say) fails every job with why,
+    // so the engine can say it.
+    let mut worker = Worker::new(setup).map_err(|e| e.to_string());
     loop {
         let (job, _payload): (Job, _) = match simulation::read_frame(&mut input) {
             Ok(frame) => frame,
             Err(FrameError::Closed) => return Ok(()),
             Err(e) => return Err(protocol(e)),
         };
-        let (reply, payload) = match worker.run(job) {
+        let done = match &mut worker {
+            Ok(worker) => worker.run(job),
+            Err(why) => Err(ClientError::Training(why.clone())),
+        };
+        let (reply, payload) = match done {
             Ok(done) => done,
             Err(e) => (
                 Reply::Failed {
@@ -58,6 +66,9 @@ fn protocol(e: FrameError) -> ClientError {
 struct Worker {
     setup: Setup,
     source: DataSource,
+    /// How a dataset that is not synthetic is split; the dataset and its split, once read.
+    partition: Option<Partitioner>,
+    pooled: Option<(Dataset, Plan)>,
     /// The last global model read, by digest (a round's jobs share it).
     model: Option<(ModelDigest, Model)>,
 }
@@ -75,22 +86,30 @@ impl Worker {
             .data
             .parse()
             .map_err(|e| ClientError::Training(format!("--data: {e}")))?;
-        match &mut source {
-            DataSource::Synthetic(config) => {
-                config.clients = usize::try_from(setup.clients).unwrap_or(usize::MAX);
-                config.seed = setup.seed;
-            }
-            _ => {
+        let partition = match (&mut source, &setup.partition) {
+            (DataSource::Synthetic(_), Some(p)) => {
                 return Err(ClientError::Training(format!(
-                    "a simulation partitions synthetic data (synthetic:… or synthetic-iid:…); `{}` is not yet supported",
-                    setup.data
+                    "--partition {p}: synthetic data is split among clients by its generator; partition a dataset (FILE.csv, mnist:DIR) instead"
                 )))
             }
-        }
+            (DataSource::Synthetic(config), None) => {
+                config.clients = usize::try_from(setup.clients).unwrap_or(usize::MAX);
+                config.seed = setup.seed;
+                None
+            }
+            (_, p) => Some(
+                p.as_deref()
+                    .unwrap_or("iid")
+                    .parse::<Partitioner>()
+                    .map_err(|e| ClientError::Training(e.to_string()))?,
+            ),
+        };
         tch::set_num_threads(setup.threads.max(1) as i32);
         Ok(Worker {
             setup,
             source,
+            partition,
+            pooled: None,
             model: None,
         })
     }
@@ -103,10 +122,10 @@ impl Worker {
                 Ok((Reply::Initial, net.weights()?.to_safetensors()))
             }
             Job::Sizes { clients } => {
-                let examples = clients
-                    .iter()
-                    .map(|&c| self.data(c).map(|(train, _)| train.len() as u64))
-                    .collect::<Result<_>>()?;
+                let mut examples = Vec::with_capacity(clients.len());
+                for c in clients {
+                    examples.push(self.data(c)?.0.len() as u64);
+                }
                 Ok((Reply::Sizes { examples }, Vec::new()))
             }
             Job::Train(job) => self.train(job),
@@ -119,7 +138,7 @@ impl Worker {
     }
 
     /// Client `client`'s training and held-out data.
-    fn data(&self, client: u64) -> Result<(Dataset, Option<Dataset>)> {
+    fn data(&mut self, client: u64) -> Result<(Dataset, Option<Dataset>)> {
         if client >= self.setup.clients {
             return Err(ClientError::Training(format!(
                 "client {client} is not in the federation of {} clients",
@@ -127,9 +146,28 @@ impl Worker {
             )));
         }
         let k = usize::try_from(client).map_err(|_| ClientError::Training("client id".into()))?;
-        self.source
-            .load(Some(k), 0.0)
-            .map_err(|e| ClientError::Training(e.to_string()))
+        let Some(partitioner) = self.partition else {
+            return Ok(self.source.load(Some(k), 0.0)?);
+        };
+        if self.pooled.is_none() {
+            // The whole dataset once per worker; each client's share of it when it trains.
+            let (data, _) = self.source.load(None, 0.0)?;
+            let clients = usize::try_from(self.setup.clients).unwrap_or(usize::MAX);
+            let plan = Plan::new(
+                partitioner,
+                &data.labels,
+                data.num_classes,
+                clients,
+                self.setup.seed,
+            )?;
+            self.pooled = Some((data, plan));
+        }
+        let Some((data, plan)) = &self.pooled else {
+            unreachable!("read just above");
+        };
+        let shard = data.subset(&plan.indices(k));
+        let (train, test) = shard.split(0.8, client_seed(self.setup.seed, client, 1))?;
+        Ok((train, Some(test)))
     }
 
     fn global(&mut self, digest: ModelDigest) -> Result<Model> {

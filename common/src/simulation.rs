@@ -42,6 +42,11 @@ pub struct Setup {
     /// The federation's data, as `hora-client train --data` takes it (a synthetic source's
     /// `clients` and `seed` are the simulation's).
     pub data: String,
+    /// How a dataset that is not synthetic is split among the clients (`iid`,
+    /// `dirichlet:alpha=A`, `shards:k=K`, `quantity:sigma=S`); a synthetic one is split by its
+    /// generator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partition: Option<String>,
     /// How many virtual clients the federation has (client ids are `0..clients`).
     pub clients: u64,
     /// The simulation's seed: data, training and rounding all derive from it.

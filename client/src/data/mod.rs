@@ -17,6 +17,9 @@
 //!   one client's shard at a time and deterministically from a seed, so every
 //!   simulated client can build its own shard without seeing anyone else's.
 //!
+//! A simulated federation splits one dataset among its virtual clients with
+//! [`partition`]: IID, Dirichlet label skew, k-class shards, quantity skew.
+//!
 //! All loaders validate their input and report problems as [`DataError`]s that
 //! name the file and the line or byte offset at fault; malformed files never
 //! cause a panic.
@@ -27,6 +30,7 @@
 
 pub mod csv;
 pub mod idx;
+pub mod partition;
 pub mod source;
 pub mod synthetic;
 

@@ -22,6 +22,11 @@ pub struct SimulateArgs {
     /// The federation's data: each client's shard is made by the worker that trains it.
     #[arg(long, default_value = "synthetic:alpha=1,beta=1")]
     pub data: String,
+    /// How a dataset that is not synthetic (FILE.csv, mnist:DIR) is split among the clients:
+    /// iid, dirichlet:alpha=A (label skew), shards:k=K (K classes a client) or quantity:sigma=S
+    /// (log-normal sizes).
+    #[arg(long)]
+    pub partition: Option<String>,
     /// The initial weights (safetensors); default: the built-in model's, made from --seed.
     #[arg(long, value_name = "FILE")]
     pub initial: Option<PathBuf>,
@@ -75,6 +80,7 @@ pub async fn run(args: SimulateArgs) -> Result<()> {
         initial,
         clients: args.clients,
         data: args.data.clone(),
+        partition: args.partition.clone(),
         seed: args.seed,
         workers,
         worker_command: args

@@ -56,6 +56,7 @@ pub async fn run(
     let setup = simulation::Setup {
         protocol: simulation::PROTOCOL,
         data: sim.data.clone(),
+        partition: sim.partition.clone(),
         clients: sim.clients,
         seed: sim.seed,
         models_dir: dir.path().join("models"),

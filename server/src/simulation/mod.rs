@@ -57,6 +57,9 @@ pub struct Simulation {
     /// The federation's data, as `hora-client train --data` takes it
     /// (`synthetic:alpha=1,beta=1`): each client's shard is made by the worker that trains it.
     pub data: String,
+    /// How a dataset that is not synthetic is split among the clients: `iid` (the default),
+    /// `dirichlet:alpha=A`, `shards:k=K` or `quantity:sigma=S`.
+    pub partition: Option<String>,
     pub seed: u64,
     /// Worker processes (each trains one client at a time on one thread).
     pub workers: usize,
