@@ -53,6 +53,7 @@ def main():
     from flwr.simulation import run_simulation
 
     data = os.path.abspath(args.data)
+    torch.manual_seed(args.seed)
 
     class Synthetic(NumPyClient):
         def __init__(self, k):
@@ -60,6 +61,7 @@ def main():
 
         def fit(self, parameters, config):
             torch.set_num_threads(1)
+            torch.manual_seed(args.seed * 1_000_003 + self.k)
             offsets = np.load(os.path.join(data, "offsets.npy"))
             lo, hi = int(offsets[self.k]), int(offsets[self.k + 1])
             x = torch.from_numpy(np.load(os.path.join(data, "features.npy"), mmap_mode="r")[lo:hi].copy())

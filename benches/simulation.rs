@@ -378,6 +378,7 @@ async fn bench() {
                 .arg(dir.path())
                 .args(["--clients", &clients.to_string(), "--per-round", "100"])
                 .args(["--rounds", "10", "--cpus", &workers.to_string()])
+                .args(["--seed", &seed.to_string()])
                 .arg("--initial")
                 .arg(dir.path().join("initial.bin"))
                 .arg("--out")

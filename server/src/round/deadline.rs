@@ -45,8 +45,9 @@ impl Coordinator {
     /// Has `task`'s open round close now, as at its deadline: published with the updates it
     /// holds if they reach `min_clients`, else abandoned and retried. (A simulation's clock,
     /// not the server's, says when its rounds' deadlines pass.)
-    pub fn expire_round(&self, task: &Task) {
-        if let Some(round) = task.current() {
+    /// Only `round` is expired: if the task has moved on, nothing happens.
+    pub fn expire_round(&self, task: &Task, round: &Arc<Round>) {
+        if task.current().is_some_and(|r| Arc::ptr_eq(&r, round)) {
             round.set_deadline(now_ms());
         }
     }

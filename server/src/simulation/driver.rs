@@ -26,6 +26,16 @@ use crate::store::{MemoryStore, Store};
 /// (a week, the longest a task may set).
 const ENGINE_DEADLINE_SECS: u64 = 604_800;
 
+/// Domain tags of the seeds the driver draws with, apart from the workers' streams.
+const SAMPLING: u64 = 0x5A3D_0001;
+const DROPOUTS: u64 = 0x5A3D_0002;
+const STARTS: u64 = 0x5A3D_0003;
+const EVALUATION: u64 = 0x5A3D_0004;
+
+/// Clients a worker evaluates at once (not a function of the workers: the same sums whatever
+/// their number).
+const EVALUATION_CHUNK: usize = 25;
+
 /// How long the driver waits for the engine to move a round on before it gives up.
 const ENGINE_WAIT: Duration = Duration::from_secs(600);
 
@@ -163,31 +173,37 @@ impl<'s> Field<'s> {
                 )
             })?;
         object.insert("round_deadline_secs".into(), ENGINE_DEADLINE_SECS.into());
-        let store: Arc<Store> = Arc::new(MemoryStore::new()?);
-        if let Some(initial) = &sim.initial {
-            let digest = store.put_model(initial)?;
-            object.insert(
-                "initial_model".into(),
-                serde_json::to_value(digest).unwrap_or_default(),
-            );
-        } else if !object.contains_key("initial_model") {
-            let kind = object.get("model").cloned().unwrap_or_default();
-            let model_kind = serde_json::from_value(kind).map_err(|e| {
-                SimulationError::Setup(format!("the task's `model` is not a model kind: {e}"))
-            })?;
-            let job = Job::Initial {
-                model_kind,
-                seed: sim.seed,
-            };
-            let (_, bytes) = answer(pool.run(job).await)?;
-            let initial = Model::from_safetensors(&bytes, &Default::default())
-                .map_err(|e| SimulationError::Workers(format!("the initial model: {e}")))?;
+        let initial = match &sim.initial {
+            Some(initial) => initial.clone(),
+            None if object.contains_key("initial_model") => {
+                return Err(SimulationError::Setup(
+                    "the task names an initial_model, which a simulation cannot fetch: leave it out (the built-in model's initial weights are made from the seed) or give the weights (--initial FILE)".into(),
+                ))
+            }
+            None => {
+                let kind = object.get("model").cloned().unwrap_or_default();
+                let model_kind = serde_json::from_value(kind).map_err(|e| {
+                    SimulationError::Setup(format!("the task's `model` is not a model kind: {e}"))
+                })?;
+                let job = Job::Initial {
+                    model_kind,
+                    seed: sim.seed,
+                };
+                let (_, bytes) = answer(pool.run(job).await)?;
+                Model::from_safetensors(&bytes, &Default::default())
+                    .map_err(|e| SimulationError::Workers(format!("the initial model: {e}")))?
+            }
+        };
+        let (store, digest) = off_runtime(move || {
+            let store: Arc<Store> = Arc::new(MemoryStore::new()?);
             let digest = store.put_model(&initial)?;
-            object.insert(
-                "initial_model".into(),
-                serde_json::to_value(digest).unwrap_or_default(),
-            );
-        }
+            Ok((store, digest))
+        })
+        .await?;
+        object.insert(
+            "initial_model".into(),
+            serde_json::to_value(digest).unwrap_or_default(),
+        );
         let config: wire::CreateTask = serde_json::from_value(json)
             .map_err(|e| SimulationError::Setup(format!("the task: {e}")))?;
         if config.secure_aggregation.is_some() || config.trainable.is_some() {
@@ -205,10 +221,11 @@ impl<'s> Field<'s> {
             Coordinator::open(store.clone(), engine, Arc::new(ServerMetrics::default()))?;
         coordinator.start();
         let id = config.id.clone();
-        coordinator.create_task(config)?;
+        let creating = coordinator.clone();
+        off_runtime(move || Ok(creating.create_task(config)?)).await?;
         let task = coordinator.task(&id)?;
         let spec = task.spec();
-        let mut rng = ChaCha12Rng::seed_from_u64(client_seed(sim.seed, u64::MAX, u64::MAX));
+        let mut rng = ChaCha12Rng::seed_from_u64(client_seed(sim.seed ^ EVALUATION, 0, 0));
         let mut evaluation_clients: Vec<u64> = (0..sim.clients).collect();
         evaluation_clients.shuffle(&mut rng);
         evaluation_clients.truncate(sim.evaluate_clients.min(sim.clients) as usize);
@@ -245,9 +262,10 @@ impl<'s> Field<'s> {
                 }
             }
         }
-        let model = self.store.read_model(&self.task.global_model())?;
+        let (store, digest) = (self.store.clone(), self.task.global_model());
+        let model = off_runtime(move || Ok(store.read_model(&digest)?)).await?;
         Ok(Outcome {
-            records: self.coordinator.history(&self.task)?,
+            records: self.history().await?,
             history: std::mem::take(&mut self.rows),
             model,
             wall_seconds: self.started.elapsed().as_secs_f64(),
@@ -273,7 +291,8 @@ impl<'s> Field<'s> {
         let config = self.task.record().config;
         let (number, attempt) = (round.number, round.attempt);
         let capacity = crate::round::capacity(&config);
-        let candidates = self.online(capacity, client_seed(self.sim.seed, number, attempt.into()));
+        let sampling = client_seed(self.sim.seed ^ SAMPLING, number, attempt.into());
+        let candidates = self.online(capacity, sampling);
         let sizes = self.sizes(&candidates).await?;
         let mut traffic = Traffic::default();
         let mut arrivals = Vec::new();
@@ -293,30 +312,33 @@ impl<'s> Field<'s> {
             }
         }
         arrivals.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        arrivals.truncate(config.target_clients as usize);
-        let full = arrivals.len() >= config.target_clients as usize;
-        let took = match full {
-            true => arrivals.last().map_or(0.0, |a| a.0),
-            false => self.deadline_s,
-        };
-        self.prepare(round.base)?;
-        let window = 2 * self.sim.workers.max(1);
-        let mut flying = VecDeque::new();
-        let mut planned = arrivals.into_iter();
+        self.prepare(round.base).await?;
+        // In order of arrival until the round is full: a client whose update is lost (its
+        // worker failed, the engine refused it) makes room for the next to arrive. No more
+        // clients train than the round can still take (a trained client's state, its error
+        // feedback, has moved on).
+        let target = u64::from(config.target_clients);
+        let window = 2 * self.sim.workers.max(1) as u64;
+        let (mut flying, mut planned) = (VecDeque::new(), arrivals.into_iter());
+        let mut took = self.deadline_s;
         loop {
-            while flying.len() < window {
-                let Some((_, client, offer)) = planned.next() else {
+            while (flying.len() as u64) < window.min(target.saturating_sub(traffic.taken)) {
+                let Some((at, client, offer)) = planned.next() else {
                     break;
                 };
-                flying.push_back((client, self.train(client, &offer)));
+                flying.push_back((at, client, self.train(client, &offer)));
             }
-            let Some((client, answer)) = flying.pop_front() else {
+            let Some((at, client, answer)) = flying.pop_front() else {
                 break;
             };
-            self.deliver(client, number, answer, &mut traffic).await?;
+            if self.deliver(client, number, answer, &mut traffic).await? && traffic.taken >= target
+            {
+                took = at; // full: the engine closes it
+                break;
+            }
         }
-        if !full || traffic.taken < config.target_clients.into() {
-            self.coordinator.expire_round(&self.task);
+        if traffic.taken < target {
+            self.coordinator.expire_round(&self.task, &round);
         }
         // (The engine counts every selected client that sent nothing it took as dropped.)
         traffic.lost = 0;
@@ -335,32 +357,47 @@ impl<'s> Field<'s> {
         let (concurrency, buffer) = config.asynchronous.as_ref().map_or((1, 1), |a| {
             (a.concurrency.max(1) as usize, u64::from(a.buffer_size))
         });
-        let mut rng = ChaCha12Rng::seed_from_u64(client_seed(self.sim.seed, u64::MAX, 1));
+        let mut rng = ChaCha12Rng::seed_from_u64(client_seed(self.sim.seed ^ STARTS, 0, 0));
         let mut flying: BinaryHeap<Arrival> = BinaryHeap::new();
-        let mut busy: HashSet<u64> = HashSet::new();
+        // Clients training now, and those whose update the open version holds (the engine
+        // takes one update a client a version).
+        let (mut busy, mut in_version) = (HashSet::new(), HashSet::new());
         let mut traffic = Traffic::default();
         // Clients started so far: what each start's dropout is drawn with.
         let mut starts: u64 = 0;
+        // Simulated quarters of an hour waited in a row for a client to come online.
+        let mut idle = 0u32;
         while let Some(round) = self.open_round() {
             let version = round.number;
-            // Fill the free slots with clients online now.
-            while flying.len() < concurrency {
-                let Some(client) = self.pick(&mut rng, &busy) else {
+            // Fill the free slots with clients online now (their sizes asked in one go).
+            let mut excluded: HashSet<u64> = busy.union(&in_version).copied().collect();
+            let mut picks = Vec::new();
+            while flying.len() + picks.len() < concurrency {
+                let Some(client) = self.pick(&mut rng, &excluded) else {
                     break;
                 };
+                excluded.insert(client);
+                picks.push(client);
+            }
+            let sizes = self.sizes(&picks).await?;
+            for (client, examples) in picks.into_iter().zip(sizes) {
                 let device = self.sim.profile.device(self.sim.seed, client);
                 starts += 1;
-                if self.drops_out(client, starts, device.dropout) {
+                let samples = examples.saturating_mul(config.training.epochs.into());
+                let took = device.round_seconds(self.model_bytes(), samples, self.update_bytes());
+                // A client that drops out, has nothing to train on, or would hold its training
+                // slot past the deadline (the engine gives the slot to another) sends nothing.
+                if self.drops_out(client, starts, device.dropout)
+                    || examples == 0
+                    || took > self.deadline_s
+                {
                     traffic.lost += 1;
                     continue;
                 }
                 let Some(offer) = self.join(client).await? else {
                     break; // the engine holds the others back
                 };
-                let examples = self.sizes(&[client]).await?[0];
-                let samples = examples.saturating_mul(config.training.epochs.into());
-                let took = device.round_seconds(self.model_bytes(), samples, self.update_bytes());
-                self.prepare(offer.model)?;
+                self.prepare(offer.model).await?;
                 traffic.bytes_down += self.model_bytes();
                 busy.insert(client);
                 flying.push(Arrival {
@@ -371,19 +408,31 @@ impl<'s> Field<'s> {
                 });
             }
             let Some(next) = flying.pop() else {
-                return Err(SimulationError::Setup(format!(
-                    "no client is online to train version {version}: the federation is too small for its availability profile"
-                )));
+                // Nobody online: the clock moves on a quarter of an hour, for a week at most.
+                idle += 1;
+                if idle > 4 * 24 * 7 {
+                    return Err(SimulationError::Setup(format!(
+                        "no client came online to train version {version} in a simulated week: the federation is too small for its availability profile"
+                    )));
+                }
+                self.clock_s += 900.0;
+                continue;
             };
+            idle = 0;
             busy.remove(&next.client);
             self.clock_s = self.clock_s.max(next.at_s);
-            self.deliver(next.client, next.round, next.answer, &mut traffic)
-                .await?;
+            if self
+                .deliver(next.client, next.round, next.answer, &mut traffic)
+                .await?
+            {
+                in_version.insert(next.client);
+            }
             let full =
                 self.open_round().map(|r| r.number) != Some(version) || traffic.taken >= buffer;
             if full {
                 self.moved_on(version, round.attempt).await?;
                 let traffic = std::mem::take(&mut traffic);
+                in_version.clear();
                 self.record(version, round.attempt, traffic, on_row).await?;
             }
         }
@@ -417,18 +466,18 @@ impl<'s> Field<'s> {
         picked
     }
 
-    /// A client online now and not training.
-    fn pick(&self, rng: &mut ChaCha12Rng, busy: &HashSet<u64>) -> Option<u64> {
+    /// A client online now and not `excluded`.
+    fn pick(&self, rng: &mut ChaCha12Rng, excluded: &HashSet<u64>) -> Option<u64> {
         (0..64).find_map(|_| {
             let client = rng.random_range(0..self.sim.clients);
             let device = self.sim.profile.device(self.sim.seed, client);
-            (!busy.contains(&client) && device.online_at(self.clock_s)).then_some(client)
+            (!excluded.contains(&client) && device.online_at(self.clock_s)).then_some(client)
         })
     }
 
     /// Whether `client` drops out of what it started, `nonce` telling its starts apart.
     fn drops_out(&self, client: u64, nonce: u64, chance: f64) -> bool {
-        let seed = client_seed(self.sim.seed ^ 0xD20F, client, nonce);
+        let seed = client_seed(self.sim.seed ^ DROPOUTS, client, nonce);
         chance > 0.0 && ChaCha12Rng::seed_from_u64(seed).random::<f64>() < chance
     }
 
@@ -496,15 +545,27 @@ impl<'s> Field<'s> {
     }
 
     /// Writes the model the workers train from, once.
-    fn prepare(&mut self, digest: ModelDigest) -> Result<(), SimulationError> {
-        if self.written.insert(digest) {
-            let model = self.store.read_model(&digest)?;
-            let path = self.models_dir.join(format!("{digest}.safetensors"));
+    async fn prepare(&mut self, digest: ModelDigest) -> Result<(), SimulationError> {
+        if self.written.contains(&digest) {
+            return Ok(());
+        }
+        let store = self.store.clone();
+        let path = self.models_dir.join(format!("{digest}.safetensors"));
+        off_runtime(move || {
+            let model = store.read_model(&digest)?;
             model
                 .write_file(&path)
-                .map_err(|e| SimulationError::Setup(format!("writing {}: {e}", path.display())))?;
-        }
+                .map_err(|e| SimulationError::Setup(format!("writing {}: {e}", path.display())))
+        })
+        .await?;
+        self.written.insert(digest);
         Ok(())
+    }
+
+    /// The engine's history of the task (read off the runtime: it is the store's).
+    async fn history(&self) -> Result<Vec<wire::RoundRecord>, SimulationError> {
+        let (coordinator, task) = (self.coordinator.clone(), self.task.clone());
+        off_runtime(move || Ok(coordinator.history(&task)?)).await
     }
 
     fn train(&self, client: u64, offer: &wire::RoundOffer) -> oneshot::Receiver<Answer> {
@@ -527,7 +588,7 @@ impl<'s> Field<'s> {
         round: u64,
         answer: oneshot::Receiver<Answer>,
         traffic: &mut Traffic,
-    ) -> Result<(), SimulationError> {
+    ) -> Result<bool, SimulationError> {
         let answer = answer
             .await
             .unwrap_or_else(|_| Err("a worker went away".into()));
@@ -543,7 +604,12 @@ impl<'s> Field<'s> {
             Ok((Reply::Failed { error }, _)) | Err(error) => {
                 tracing::warn!(client, round, %error, "a virtual client's training failed: it counts as dropped out");
                 traffic.lost += 1;
-                return Ok(());
+                if self.pool.alive() == 0 {
+                    return Err(SimulationError::Workers(format!(
+                        "every simulation worker has exited (the last error: {error})"
+                    )));
+                }
+                return Ok(false);
             }
             Ok((other, _)) => return Err(unexpected(other)),
         };
@@ -563,6 +629,7 @@ impl<'s> Field<'s> {
                 traffic.taken += 1;
                 traffic.bytes_up += bytes;
                 self.updates += 1;
+                return Ok(true);
             }
             // Refused as a deployed client's update would be (too stale, the round closed):
             // the engine's answer stands.
@@ -572,7 +639,7 @@ impl<'s> Field<'s> {
             }
             Err(e) => return Err(e.into()),
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Waits until the engine has closed attempt `attempt` of round `number`.
@@ -605,7 +672,7 @@ impl<'s> Field<'s> {
         traffic: Traffic,
         on_row: &mut (dyn FnMut(&Row) + Send),
     ) -> Result<(), SimulationError> {
-        let history = self.coordinator.history(&self.task)?;
+        let history = self.history().await?;
         let entry = history
             .iter()
             .rev()
@@ -652,15 +719,11 @@ impl<'s> Field<'s> {
         if self.evaluation_clients.is_empty() {
             return Ok(None);
         }
-        self.prepare(model)?;
+        self.prepare(model).await?;
         let model_kind = self.task.record().config.model;
-        let per = self
-            .evaluation_clients
-            .len()
-            .div_ceil(self.sim.workers.max(1));
         let asked: Vec<_> = self
             .evaluation_clients
-            .chunks(per)
+            .chunks(EVALUATION_CHUNK)
             .map(|chunk| {
                 let job = Job::Evaluate {
                     model,
@@ -687,6 +750,15 @@ impl<'s> Field<'s> {
         }
         Ok((examples > 0).then(|| (loss / examples as f64, correct / examples as f64)))
     }
+}
+
+/// Runs `work` (store reads, file writes) on a blocking thread, never on the runtime's.
+async fn off_runtime<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, SimulationError> + Send + 'static,
+) -> Result<T, SimulationError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| SimulationError::Setup(format!("a blocking task failed: {e}")))?
 }
 
 /// A virtual client's id in the engine.

@@ -115,7 +115,15 @@ impl Profile {
                     dropout: *dropout,
                 }
             }
-            Profile::Trace(rows) => rows[(client % rows.len() as u64) as usize],
+            Profile::Trace(rows) => {
+                // (A trace gives each device's share of the day online; where in the day it
+                // starts is drawn per client, so the fleet is not offline all at once.)
+                let mut rng = ChaCha12Rng::seed_from_u64(client_seed(seed, client, u64::MAX - 1));
+                Device {
+                    online_from_s: rng.random_range(0.0..DAY_S),
+                    ..rows[(client % rows.len() as u64) as usize]
+                }
+            }
         }
     }
 

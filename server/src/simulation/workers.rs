@@ -132,6 +132,9 @@ fn feed(
         let Ok(pending) = next else {
             break; // the pool is done
         };
+        if pending.answer.is_closed() {
+            continue; // nobody waits for it any more (the run ended, or moved on)
+        }
         let answer = simulation::write_frame(&mut input, &pending.job, &[])
             .and_then(|()| simulation::read_frame::<Reply>(&mut output))
             .map_err(|e| e.to_string());
