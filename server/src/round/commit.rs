@@ -45,7 +45,11 @@ impl Coordinator {
                 _ = task.commit_wanted.notified() => {}
                 _ = self.stopping.cancelled() => return,
             }
-            tokio::time::sleep(self.config.commit_window.max(last)).await;
+            // (Acknowledged as they fold, updates have nothing to wait for together: no window,
+            // not even the timer's tick of a zero-length sleep.)
+            if self.config.acknowledge == super::Acknowledge::Durable {
+                tokio::time::sleep(self.config.commit_window.max(last)).await;
+            }
             let started = Instant::now();
             let Some(round) = task.current() else {
                 continue;
