@@ -12,8 +12,9 @@
 //! - [`data`]: datasets (CSV, MNIST IDX, and the FedProx paper's Synthetic(α, β) generator).
 //! - [`transport`]: HTTPS with retries (exponential backoff, full jitter) for transient
 //!   failures only; [`error`]: what a refusal means and what to do about it.
-//! - [`simulate`]: a worker of a simulated federation (`hora-client simulate-worker`), which
-//!   trains virtual clients for the engine of `hora-server simulate`.
+//! - [`simulate`]: a worker of a simulated federation, which trains virtual clients for the
+//!   engine of `hora-server simulate` (`hora-client simulate-worker`) or of
+//!   `hora.simulation.run` (the user's Python trainer).
 //! - [`state`]: credentials, cached models and the round in progress on the client's disk.
 //! - [`device`]: `auto`/`cpu`/`cuda:N` as the user says it.
 //!
@@ -35,7 +36,6 @@ pub mod error;
 #[cfg(feature = "torch")]
 pub mod network;
 pub mod secure;
-#[cfg(feature = "torch")]
 pub mod simulate;
 pub mod state;
 #[cfg(feature = "torch")]

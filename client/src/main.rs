@@ -933,7 +933,7 @@ fn main() -> ExitCode {
             command: ConfigCommand::Check { json, command },
         } => check(command, json, matches),
         Command::Docs(docs) => docs.run(Cli::command()).map_err(anyhow::Error::msg),
-        Command::SimulateWorker => hora_client::simulate::serve(
+        Command::SimulateWorker => hora_client::simulate::builtin::serve(
             std::io::stdin().lock(),
             std::io::BufWriter::new(std::io::stdout().lock()),
         )

@@ -1,0 +1,268 @@
+//! A worker of a simulated federation: it trains virtual clients, one [`Job`] at a time, for
+//! the engine that started it (`hora-server simulate`, or `hora.simulation.run` from Python).
+//!
+//! A worker keeps no client between jobs. What a client is — its data and the trainer that
+//! trains on it — comes from a [`Population`], made on demand from the client's id: the
+//! built-in one ([`builtin`], `hora-client simulate-worker`) runs the [`SupervisedTrainer`] a
+//! deployed `hora-client train` runs; the Python package's runs the user's `train_fn` or
+//! `TorchTrainer`, as a deployed `hora.Client` would. Everything around training is this
+//! module's, the same for both: the round's global model (read once per round from the
+//! engine's directory), `local − global`, the task's compression (rounding drawn from
+//! `(seed, client, round)`) with error feedback kept in the client's file of the state
+//! directory, and the protocol. So whichever worker trains a client, and however many there
+//! are, the same update comes out.
+//!
+//! The protocol is hora-common's [`simulation`](hora_common::simulation) module.
+//!
+//! [`SupervisedTrainer`]: crate::SupervisedTrainer
+
+#[cfg(feature = "torch")]
+pub mod builtin;
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use hora_common::model::{Limits, Model, ModelDigest};
+use hora_common::simulation::{self, client_seed, FrameError, Job, Reply, Setup, TrainJob};
+use hora_common::wire::ModelKind;
+use rand::SeedableRng;
+use rand_chacha::ChaCha12Rng;
+
+use crate::client::difference;
+use crate::error::{ClientError, Result};
+use crate::trainer::{EvaluateRequest, Evaluation, TrainRequest, Trainer};
+
+/// The virtual clients of a federation, as one worker sees them: any client's data and
+/// trainer, made when a job names the client.
+pub trait Population {
+    /// How many training examples `client` has (the simulated clock's compute time, and the
+    /// weight FedAvg would give it).
+    fn examples(&mut self, client: u64) -> Result<u64>;
+
+    /// A trainer over `client`'s data, for one job.
+    fn trainer(&mut self, client: u64) -> Result<Box<dyn Trainer>>;
+
+    /// The initial weights of a built-in model, made from `seed`.
+    fn initial(&mut self, model_kind: &ModelKind, seed: u64) -> Result<Model> {
+        let _ = seed;
+        Err(ClientError::Training(format!(
+            "this worker cannot make a {model_kind:?} model's initial weights: give the simulation its initial model"
+        )))
+    }
+
+    /// `model` on the held-out data of `clients`: by default, each client's trainer evaluates
+    /// it and the results are weighted by their examples (the pooled mean).
+    fn evaluate(
+        &mut self,
+        model: &Model,
+        model_kind: &ModelKind,
+        clients: &[u64],
+    ) -> Result<Evaluation> {
+        let (mut loss, mut accuracy, mut examples) = (0.0, 0.0, 0u64);
+        for &client in clients {
+            let request = EvaluateRequest {
+                task: "simulation",
+                round: 0,
+                model_kind,
+                module: None,
+            };
+            let Some(e) = self.trainer(client)?.evaluate(model, request)? else {
+                continue;
+            };
+            if e.examples == 0 {
+                continue;
+            }
+            loss += e.loss * e.examples as f64;
+            accuracy += e.accuracy * e.examples as f64;
+            examples += e.examples;
+        }
+        let n = examples.max(1) as f64;
+        Ok(Evaluation {
+            loss: loss / n,
+            accuracy: accuracy / n,
+            examples,
+        })
+    }
+}
+
+/// Serves jobs from `input` until it closes: the setup frame first (`open` makes the
+/// population from it), then one reply per job.
+pub fn serve<P: Population>(
+    mut input: impl BufRead,
+    mut output: impl Write,
+    open: impl FnOnce(&Setup) -> Result<P>,
+) -> Result<()> {
+    let (setup, _): (Setup, _) = simulation::read_frame(&mut input).map_err(protocol)?;
+    // A setup this worker cannot serve (data it cannot read, say) fails every job with why,
+    // so the engine can say it.
+    let mut worker = Worker::new(setup, open).map_err(|e| e.to_string());
+    loop {
+        let (job, _payload): (Job, _) = match simulation::read_frame(&mut input) {
+            Ok(frame) => frame,
+            Err(FrameError::Closed) => return Ok(()),
+            Err(e) => return Err(protocol(e)),
+        };
+        let done = match &mut worker {
+            Ok(worker) => worker.run(job),
+            Err(why) => Err(ClientError::Training(why.clone())),
+        };
+        let (reply, payload) = done.unwrap_or_else(|e| {
+            let error = e.to_string();
+            (Reply::Failed { error }, Vec::new())
+        });
+        simulation::write_frame(&mut output, &reply, &payload).map_err(protocol)?;
+    }
+}
+
+fn protocol(e: FrameError) -> ClientError {
+    ClientError::Protocol(format!("simulation worker: {e}"))
+}
+
+struct Worker<P> {
+    setup: Setup,
+    population: P,
+    /// The last global model read, by digest (a round's jobs share it).
+    model: Option<(ModelDigest, Model)>,
+}
+
+impl<P: Population> Worker<P> {
+    fn new(setup: Setup, open: impl FnOnce(&Setup) -> Result<P>) -> Result<Self> {
+        if setup.protocol != simulation::PROTOCOL {
+            return Err(ClientError::Protocol(format!(
+                "the engine speaks simulation protocol {}, this worker {}: run a worker of the same release as the engine",
+                setup.protocol,
+                simulation::PROTOCOL
+            )));
+        }
+        let population = open(&setup)?;
+        Ok(Worker {
+            setup,
+            population,
+            model: None,
+        })
+    }
+
+    fn run(&mut self, job: Job) -> Result<(Reply, Vec<u8>)> {
+        match job {
+            Job::Initial { model_kind, seed } => {
+                let model = self.population.initial(&model_kind, seed)?;
+                Ok((Reply::Initial, model.to_safetensors()))
+            }
+            Job::Sizes { clients } => {
+                let examples = clients
+                    .into_iter()
+                    .map(|c| self.check(c).and_then(|c| self.population.examples(c)))
+                    .collect::<Result<Vec<u64>>>()?;
+                Ok((Reply::Sizes { examples }, Vec::new()))
+            }
+            Job::Train(job) => self.train(job),
+            Job::Evaluate {
+                model,
+                model_kind,
+                clients,
+            } => {
+                let model = self.global(model)?;
+                for &c in &clients {
+                    self.check(c)?;
+                }
+                let e = self.population.evaluate(&model, &model_kind, &clients)?;
+                let reply = Reply::Evaluated {
+                    loss: e.loss,
+                    accuracy: e.accuracy,
+                    examples: e.examples,
+                };
+                Ok((reply, Vec::new()))
+            }
+        }
+    }
+
+    /// `client`, if the federation has it.
+    fn check(&self, client: u64) -> Result<u64> {
+        match client < self.setup.clients {
+            true => Ok(client),
+            false => Err(ClientError::Training(format!(
+                "client {client} is not in the federation of {} clients",
+                self.setup.clients
+            ))),
+        }
+    }
+
+    fn global(&mut self, digest: ModelDigest) -> Result<Model> {
+        if let Some((d, model)) = &self.model {
+            if *d == digest {
+                return Ok(model.clone());
+            }
+        }
+        let path = self.setup.models_dir.join(format!("{digest}.safetensors"));
+        let model = Model::read_file(&path, &Limits::default())?;
+        if model.digest() != digest {
+            return Err(ClientError::Protocol(format!(
+                "{} does not hold model {digest}",
+                path.display()
+            )));
+        }
+        self.model = Some((digest, model.clone()));
+        Ok(model)
+    }
+
+    fn train(&mut self, job: TrainJob) -> Result<(Reply, Vec<u8>)> {
+        let started = Instant::now();
+        let global = self.global(job.model)?;
+        let mut trainer = self.population.trainer(self.check(job.client)?)?;
+        let outcome = trainer.train(
+            &global,
+            TrainRequest {
+                task: "simulation",
+                round: job.round,
+                config: &job.training,
+                model_kind: &job.model_kind,
+                module: None,
+                trainable: job.trainable.as_deref(),
+                // (Simulated time decides stragglers: training always runs its epochs.)
+                deadline: Instant::now() + Duration::from_secs(365 * 24 * 3600),
+                progress: &mut |_| {},
+            },
+        )?;
+        let local = match &job.trainable {
+            Some(_) => outcome.weights.only(|name| global.tensor(name).is_some()),
+            None => outcome.weights,
+        };
+        let mut delta = difference(&local, &global)?;
+        let payload = match &job.compression {
+            None => delta.to_safetensors(),
+            Some(compression) => {
+                compression
+                    .validate(&delta.spec())
+                    .map_err(|m| ClientError::Protocol(format!("the task's compression: {m}")))?;
+                let residual = self.residual_path(job.client);
+                if compression.error_feedback() {
+                    if let Some(carried) = Model::read_file(&residual, &Limits::default())
+                        .ok()
+                        .filter(|r| r.spec() == delta.spec())
+                    {
+                        let values = delta.data_mut().iter_mut().zip(carried.data());
+                        values.for_each(|(d, r)| *d += r);
+                    }
+                }
+                let mut rng =
+                    ChaCha12Rng::seed_from_u64(client_seed(self.setup.seed, job.client, job.round));
+                let bytes = compression.encode(&mut delta, &mut rng)?;
+                if compression.error_feedback() {
+                    delta.write_file(&residual)?;
+                }
+                bytes
+            }
+        };
+        let reply = Reply::Trained {
+            num_examples: outcome.num_examples,
+            metrics: outcome.metrics,
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        Ok((reply, payload))
+    }
+
+    fn residual_path(&self, client: u64) -> PathBuf {
+        self.setup.state_dir.join(format!("{client}.residual"))
+    }
+}
