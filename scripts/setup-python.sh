@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up what the Python package's build and tests need, cached outside the checkout:
-# a virtual environment with maturin, pytest, pyspark and peft (for the LoRA test; with the
-# transformers and accelerate it needs) (torch and numpy come from the
+# a virtual environment with maturin, pytest, pyspark, peft (for the LoRA test; with the
+# transformers and accelerate it needs) and what hora.simulation uses (pandas, pyarrow,
+# cloudpickle, matplotlib, tqdm) (torch and numpy come from the
 # libtorch environment of scripts/setup-libtorch.sh through a .pth file, not a second
 # download), and a Java runtime for Spark (Debian's openjdk-17-jre-headless, installed with
 # apt-get when `java` is missing).
@@ -18,6 +19,13 @@ PYSPARK_VERSION=4.3.0
 PEFT_VERSION=0.21.2
 TRANSFORMERS_VERSION=5.24.0
 ACCELERATE_VERSION=1.15.0
+# hora.simulation: results as DataFrames, Arrow/Parquet data, the training function shipped to
+# worker processes by value, plots and progress bars.
+PANDAS_VERSION=3.1.1
+PYARROW_VERSION=26.0.1
+CLOUDPICKLE_VERSION=3.1.3
+MATPLOTLIB_VERSION=3.11.2
+TQDM_VERSION=4.70.1
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=scripts/venv-lib.sh
 . "$here/venv-lib.sh"
@@ -26,7 +34,10 @@ python="$venv/bin/python"
 stamp="$venv/.hora-python-ok"
 want="maturin==$MATURIN_VERSION pytest==$PYTEST_VERSION pyspark==$PYSPARK_VERSION"
 # Installed after, without --ignore-installed: what they need of torch is the libtorch one.
-want_over="peft==$PEFT_VERSION transformers==$TRANSFORMERS_VERSION accelerate==$ACCELERATE_VERSION"
+want_over="peft==$PEFT_VERSION transformers==$TRANSFORMERS_VERSION accelerate==$ACCELERATE_VERSION
+pandas==$PANDAS_VERSION pyarrow==$PYARROW_VERSION cloudpickle==$CLOUDPICKLE_VERSION
+matplotlib==$MATPLOTLIB_VERSION tqdm==$TQDM_VERSION"
+want_over="$(echo $want_over)"
 
 log() { echo "setup-python: $*" >&2; }
 
@@ -42,7 +53,7 @@ fi
 
 usable() {
     [ -x "$python" ] && [ -x "$venv/bin/maturin" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want $want_over" ] && "$python" -c '
-import numpy, torch, pytest, pyspark, maturin, peft' 2>/dev/null
+import numpy, torch, pytest, pyspark, maturin, peft, pandas, pyarrow, cloudpickle, matplotlib, tqdm' 2>/dev/null
 }
 
 if ! usable; then
@@ -57,7 +68,7 @@ if ! usable; then
     "$python" -c 'from importlib.metadata import version as v; print("torch==" + v("torch")); print("numpy==" + v("numpy"))' >"$venv/constraints.txt"
     # shellcheck disable=SC2086
     "$python" -m pip install --quiet --disable-pip-version-check --constraint "$venv/constraints.txt" $want_over
-    "$python" -c 'import numpy, torch, pytest, pyspark, maturin, peft' || { log "the environment is not usable after the install"; exit 1; }
+    "$python" -c 'import numpy, torch, pytest, pyspark, maturin, peft, pandas, pyarrow, cloudpickle, matplotlib, tqdm' || { log "the environment is not usable after the install"; exit 1; }
     echo "$want $want_over" >"$stamp"
     log "done"
 fi

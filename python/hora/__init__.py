@@ -8,6 +8,8 @@
 - :mod:`hora.sync` is Horovod's API (``init``, ``DistributedOptimizer``,
   ``broadcast_parameters``, ``allreduce``) on Hora's allreduce ring.
 - :mod:`hora.spark` runs a :mod:`hora.sync` training function on Spark barrier tasks.
+- :mod:`hora.simulation` simulates a federation of virtual clients, trained by your
+  ``train_fn`` or :class:`TorchTrainer`, on the server's round engine, before you deploy it.
 
 Errors are :class:`HoraError` and its subclasses; their messages say what to do.
 """

@@ -66,6 +66,39 @@ def load_state(module: Any, weights: Mapping[str, np.ndarray], what: str) -> Non
     )
 
 
+def checked_train(train_fn: TrainFn) -> TrainFn:
+    """``train_fn`` with its result checked and its weights made float32 arrays (what the Rust
+    core takes)."""
+
+    def call(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> TrainResult:
+        result = train_fn(weights, config)
+        if not isinstance(result, tuple) or len(result) != 3:
+            raise TypeError(
+                "train_fn must return (weights, num_examples, metrics), "
+                f"not {type(result).__name__}"
+            )
+        trained, num_examples, metrics = result
+        return to_numpy(trained), int(num_examples), metrics
+
+    return call
+
+
+def checked_evaluate(evaluate_fn: EvaluateFn) -> EvaluateFn:
+    """``evaluate_fn`` with its result checked."""
+
+    def evaluate(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> EvaluateResult:
+        result = evaluate_fn(weights, config)
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TypeError(
+                "evaluate_fn must return (num_examples, metrics), "
+                f"not {type(result).__name__}"
+            )
+        num_examples, metrics = result
+        return int(num_examples), dict(metrics or {})
+
+    return evaluate
+
+
 class Client:
     """A federated client of one Hora server.
 
@@ -165,33 +198,9 @@ class Client:
         """
         if evaluate_fn is None:
             evaluate_fn = getattr(train_fn, "evaluate_fn", None)
-
-        def call(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> TrainResult:
-            result = train_fn(weights, config)
-            if not isinstance(result, tuple) or len(result) != 3:
-                raise TypeError(
-                    "train_fn must return (weights, num_examples, metrics), "
-                    f"not {type(result).__name__}"
-                )
-            trained, num_examples, metrics = result
-            return to_numpy(trained), int(num_examples), metrics
-
-        evaluate = None
-        if evaluate_fn is not None:
-            chosen = evaluate_fn
-
-            def evaluate(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> EvaluateResult:
-                result = chosen(weights, config)
-                if not isinstance(result, tuple) or len(result) != 2:
-                    raise TypeError(
-                        "evaluate_fn must return (num_examples, metrics), "
-                        f"not {type(result).__name__}"
-                    )
-                num_examples, metrics = result
-                return int(num_examples), dict(metrics or {})
-
+        evaluate = None if evaluate_fn is None else checked_evaluate(evaluate_fn)
         return self._inner.run(
-            task, call, rounds=rounds, on_round=on_round, evaluate_fn=evaluate
+            task, checked_train(train_fn), rounds=rounds, on_round=on_round, evaluate_fn=evaluate
         )
 
     def __repr__(self) -> str:

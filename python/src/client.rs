@@ -114,7 +114,7 @@ impl Client {
 }
 
 /// The Python training function as a [`Trainer`].
-struct PyTrainer {
+pub(crate) struct PyTrainer {
     train_fn: Py<PyAny>,
     /// `evaluate_fn(weights, config) -> (num_examples, metrics)`, for federated evaluation.
     evaluate_fn: Option<Py<PyAny>>,
@@ -203,6 +203,15 @@ impl Trainer for PyTrainer {
 }
 
 impl PyTrainer {
+    /// A trainer of its own (a simulated client's): what the functions raise is in its errors.
+    pub(crate) fn new(train_fn: Py<PyAny>, evaluate_fn: Option<Py<PyAny>>) -> Self {
+        PyTrainer {
+            train_fn,
+            evaluate_fn,
+            failure: Arc::default(),
+        }
+    }
+
     fn call(
         &self,
         py: Python<'_>,

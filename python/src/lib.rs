@@ -9,6 +9,8 @@
 //! - [`client`]: `Client` — a federated client whose training step is a Python callable;
 //! - [`admin`]: `AdminConnection` — the admin API over the same TLS transport;
 //! - [`ring`]: `Ring` and `PendingRing` — the sync ring's collectives over NumPy buffers;
+//! - [`simulation`]: `simulate` and `simulate_worker` — a simulated federation on
+//!   `hora-server`'s round engine, its clients trained by Python;
 //! - here: the exceptions, model and dataset conversions, the runtime.
 //!
 //! Long calls release the GIL and check for Ctrl-C every tenth of a second.
@@ -17,6 +19,7 @@ mod admin;
 mod client;
 mod convert;
 mod ring;
+mod simulation;
 
 use std::future::Future;
 use std::sync::OnceLock;
@@ -163,11 +166,15 @@ fn sync_error(py: Python<'_>, e: CollectiveError) -> PyErr {
     err
 }
 
-/// Logs of the Rust core go to stderr, filtered by `HORA_LOG` (default `info`), as text or, with
-/// `HORA_LOG_FORMAT=json`, JSON.
+/// Logs of the Rust core go to stderr, filtered by `HORA_LOG` (default `info`; a simulated
+/// federation's engine says only its errors, and the simulation its warnings: its rounds are
+/// the history, not log lines), as text or, with `HORA_LOG_FORMAT=json`, JSON.
 fn init_logging() {
     use hora_common::logging::{init, LogFormat};
-    init(LogFormat::from_env(), "info");
+    init(
+        LogFormat::from_env(),
+        "info,hora_server=error,hora_server::simulation=warn",
+    );
 }
 
 #[pymodule]
@@ -183,11 +190,15 @@ fn _hora(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<admin::AdminConnection>()?;
     m.add_class::<ring::Ring>()?;
     m.add_class::<ring::PendingRing>()?;
+    m.add_class::<simulation::Plan>()?;
     m.add_function(wrap_pyfunction!(ring::launch_rank, m)?)?;
     m.add_function(wrap_pyfunction!(ring::torchrun_peers, m)?)?;
     m.add_function(wrap_pyfunction!(ring::sync_job_status, m)?)?;
     m.add_function(wrap_pyfunction!(ring::nccl_probe, m)?)?;
     m.add_function(wrap_pyfunction!(ring::sync_job_finish, m)?)?;
+    m.add_function(wrap_pyfunction!(simulation::simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(simulation::simulate_worker, m)?)?;
+    m.add_function(wrap_pyfunction!(simulation::partition, m)?)?;
     m.add_function(wrap_pyfunction!(convert::encode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::decode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::load_dataset, m)?)?;

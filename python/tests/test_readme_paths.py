@@ -108,6 +108,20 @@ def test_the_simulation_path_compares_rounds_with_fedbuff_in_simulated_time(tmp_
     assert (tmp_path / "fedbuff.safetensors").stat().st_size > 2400
 
 
+def test_the_python_simulation_path_learns_and_keeps_its_model(tmp_path):
+    out = run_path("simulate-python", tmp_path, timeout=300)
+    rows = re.findall(r"^\s+(\d+)\s+(published|abandoned)\s+([0-9.]+)\s+(\d+)\s+([0-9.]+)$", out, re.M)
+    assert [int(r[0]) for r in rows if r[1] == "published"] == list(range(1, 11)), out
+    accuracy = [float(r[4]) for r in rows]
+    assert accuracy[-1] > accuracy[0] + 0.2, out
+    assert (tmp_path / "accuracy.png").stat().st_size > 10_000
+    import torch
+
+    state = torch.load(tmp_path / "model.pt")
+    assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert tuple(state["2.weight"].shape) == (10, 32)
+
+
 def test_the_researcher_path_federates_a_pytorch_model(tmp_path):
     out = run_path("researcher", tmp_path, timeout=200)
     for k in (0, 1):

@@ -149,6 +149,8 @@ struct Field<'s> {
     started: Instant,
     rows: Vec<Row>,
     updates: u64,
+    /// Trainings that failed in a row (the trainer raised; not a worker that died).
+    failing: u64,
 }
 
 impl<'s> Field<'s> {
@@ -246,6 +248,7 @@ impl<'s> Field<'s> {
             started,
             rows: Vec::new(),
             updates: 0,
+            failing: 0,
         })
     }
 
@@ -601,8 +604,23 @@ impl<'s> Field<'s> {
                 },
                 payload,
             )) => (num_examples, metrics, payload),
-            Ok((Reply::Failed { error }, _)) | Err(error) => {
+            Ok((Reply::Failed { error }, _)) => {
+                // A trainer that fails for client after client is a bug, not a fleet's
+                // dropouts: the run stops with what it raised.
+                self.failing += 1;
+                let target = u64::from(self.task.record().config.target_clients.max(1));
+                if self.failing >= target {
+                    return Err(SimulationError::Workers(format!(
+                        "{} virtual clients' trainings failed in a row, the last (client {client}, round {round}) with: {error}",
+                        self.failing
+                    )));
+                }
                 tracing::warn!(client, round, %error, "a virtual client's training failed: it counts as dropped out");
+                traffic.lost += 1;
+                return Ok(false);
+            }
+            Err(error) => {
+                tracing::warn!(client, round, %error, "a virtual client's worker failed: the client counts as dropped out");
                 traffic.lost += 1;
                 if self.pool.alive() == 0 {
                     return Err(SimulationError::Workers(format!(
@@ -626,6 +644,7 @@ impl<'s> Field<'s> {
             .await;
         match uploaded {
             Ok(_) => {
+                self.failing = 0;
                 traffic.taken += 1;
                 traffic.bytes_up += bytes;
                 self.updates += 1;
