@@ -158,12 +158,13 @@ bench-replicas:
 	cargo bench -p hora --bench replicas
 
 ## Simulation (benches/simulation.rs; minutes, not part of `make bench`): `hora-server simulate`
+## and `hora.simulation.run` with a Python train_fn (the release package is installed first)
 ## against Flower's Simulation Runtime on Ray, same task and seeds (Synthetic(1,1), logistic
 ## regression, 1,000 clients, 100 a round, 10 rounds): wall time, peak PSS summed over each
 ## run's processes, final accuracy; then 100,000 clients against raw training throughput.
 bench-simulation:
-	@$(TORCH_ENV); $(FLOWER_ENV); cargo build --release -p hora-server -p hora-client --bins && \
-	cargo bench -p hora --bench simulation
+	@$(TORCH_ENV); $(FLOWER_ENV); $(PY_ENV); cargo build --release -p hora-server -p hora-client --bins && \
+	$(call PY_INSTALL,--release) && cargo bench -p hora --bench simulation
 
 ## One round of a model past 2 GiB (HORA_LARGE_MODEL_MB, 2200) with 4 clients: transfer
 ## rates against the loopback TLS limit, peak RSS, cut and resumed transfers. Needs about

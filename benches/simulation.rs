@@ -16,6 +16,12 @@
 //! (the worker's trainer without the engine, pipes or other processes): engine overhead
 //! = 1 − simulated rate ÷ raw rate, each on one worker (target ≤ 20%).
 //!
+//! Hora runs two ways: `hora-server simulate` with the built-in Rust trainer, and
+//! `hora.simulation.run` from Python with a `train_fn` that is Flower's client's `fit` line for
+//! line (`benches/hora_simulation.py`, with the Python of `HORA_PACKAGE_PYTHON`, which the
+//! Makefile target installs the release package into; without it, that path is skipped). Each
+//! is reported against Flower on its own.
+//!
 //! Knobs: `HORA_BENCH_FLOWER=0` runs Hora alone; `HORA_SIM_SEEDS` (3), `HORA_SIM_CLIENTS`
 //! (1000), `HORA_SIM_SCALE_CLIENTS` (100000; 0 skips the scale run). The release binaries must
 //! be built (the Makefile target does it).
@@ -341,6 +347,36 @@ fn raw_updates_per_s(clients: u64, seed: u64, updates: u64) -> f64 {
     updates as f64 / started.elapsed().as_secs_f64()
 }
 
+/// The arguments the Python paths share: the data, the federation, the initial and final model.
+fn common_args(dir: &Path, clients: u64, seed: u64, out: &Path) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = vec!["--data".into(), dir.into()];
+    for (flag, value) in [
+        ("--clients", clients.to_string()),
+        ("--per-round", "100".into()),
+        ("--rounds", "10".into()),
+        ("--seed", seed.to_string()),
+    ] {
+        args.extend([flag.into(), value.into()]);
+    }
+    args.extend([
+        "--initial".into(),
+        dir.join("initial.bin").into(),
+        "--out".into(),
+        out.into(),
+    ]);
+    args
+}
+
+/// The accuracy of the model a Python path wrote (`weight`, 10 × 60, then `bias`, float32).
+fn read_accuracy(path: &Path, x: &[f32], y: &[i64]) -> f64 {
+    let flat: Vec<f32> = std::fs::read(path)
+        .expect("the run's model")
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    accuracy(&flat[..600], &flat[600..610], x, y)
+}
+
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
 }
@@ -352,7 +388,13 @@ async fn bench() {
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
     let python = flower::wanted();
     let standard = task(100, 10);
-    let (mut hora_rows, mut flower_rows) = (Vec::new(), Vec::new());
+    let hora_python = std::env::var("HORA_PACKAGE_PYTHON").ok();
+    if hora_python.is_none() {
+        println!(
+            "HORA_PACKAGE_PYTHON is not set: the Python path (hora.simulation.run) is skipped"
+        );
+    }
+    let (mut hora_rows, mut flower_rows, mut python_rows) = (Vec::new(), Vec::new(), Vec::new());
     for seed in 0..seeds {
         let dir = tempfile::tempdir().expect("scratch");
         let config = SyntheticConfig::non_iid(1.0, 1.0, clients as usize, seed);
@@ -366,31 +408,34 @@ async fn bench() {
             run.wall_s, run.peak_pss_mib
         );
         hora_rows.push((run.wall_s, run.peak_pss_mib, acc));
+        let (w0, b0) = linear(&start);
+        let init: Vec<u8> = w0.iter().chain(&b0).flat_map(|x| x.to_le_bytes()).collect();
+        std::fs::write(dir.path().join("initial.bin"), init).expect("initial.bin");
+        if let Some(python) = &hora_python {
+            let out = dir.path().join("hora-python.bin");
+            let mut command = Command::new(python);
+            command
+                .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/hora_simulation.py"))
+                .args(common_args(dir.path(), clients, seed, &out))
+                .args(["--workers", &workers.to_string()]);
+            let run = measure(command);
+            let acc = read_accuracy(&out, &test_x, &test_y);
+            println!(
+                "seed {seed}: hora.simulation (Python train_fn) {:7.2} s  peak PSS {:7.1} MiB  accuracy {acc:.4}",
+                run.wall_s, run.peak_pss_mib
+            );
+            python_rows.push((run.wall_s, run.peak_pss_mib, acc));
+        }
         if let Some(python) = &python {
-            let (w0, b0) = linear(&start);
-            let init: Vec<u8> = w0.iter().chain(&b0).flat_map(|x| x.to_le_bytes()).collect();
-            std::fs::write(dir.path().join("initial.bin"), init).expect("initial.bin");
             let out = dir.path().join("flower.bin");
             let mut command = Command::new(python);
             command
                 .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/flower_simulation.py"))
-                .arg("--data")
-                .arg(dir.path())
-                .args(["--clients", &clients.to_string(), "--per-round", "100"])
-                .args(["--rounds", "10", "--cpus", &workers.to_string()])
-                .args(["--seed", &seed.to_string()])
-                .arg("--initial")
-                .arg(dir.path().join("initial.bin"))
-                .arg("--out")
-                .arg(&out)
+                .args(common_args(dir.path(), clients, seed, &out))
+                .args(["--cpus", &workers.to_string()])
                 .env("RAY_DEDUP_LOGS", "0");
             let run = measure(command);
-            let flat: Vec<f32> = std::fs::read(&out)
-                .expect("flower's model")
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            let acc = accuracy(&flat[..600], &flat[600..610], &test_x, &test_y);
+            let acc = read_accuracy(&out, &test_x, &test_y);
             println!(
                 "seed {seed}: flower {:7.2} s  peak PSS {:7.1} MiB  accuracy {acc:.4}",
                 run.wall_s, run.peak_pss_mib
@@ -407,6 +452,14 @@ async fn bench() {
         col(&hora_rows, 1),
         col(&hora_rows, 2)
     );
+    if !python_rows.is_empty() {
+        println!(
+            "hora.simulation (Python train_fn, {workers} workers), mean of {seeds} seeds: {:.2} s, {:.1} MiB, accuracy {:.4}",
+            col(&python_rows, 0),
+            col(&python_rows, 1),
+            col(&python_rows, 2)
+        );
+    }
     if !flower_rows.is_empty() {
         println!(
             "flower (Simulation Runtime, Ray, {workers} CPUs), mean of {seeds} seeds: {:.2} s, {:.1} MiB, accuracy {:.4}",
@@ -414,12 +467,20 @@ async fn bench() {
             col(&flower_rows, 1),
             col(&flower_rows, 2)
         );
-        println!(
-            "RESULT simulation hora/flower: wall {:.3} (target <= 0.2), memory {:.3} (target <= 0.25), accuracy {:+.4} (target within 0.02)",
-            col(&hora_rows, 0) / col(&flower_rows, 0),
-            col(&hora_rows, 1) / col(&flower_rows, 1),
-            col(&hora_rows, 2) - col(&flower_rows, 2)
-        );
+        for (path, rows) in [
+            ("hora-server simulate", &hora_rows),
+            ("hora.simulation, Python train_fn", &python_rows),
+        ] {
+            if rows.is_empty() {
+                continue;
+            }
+            println!(
+                "RESULT simulation hora/flower ({path}): wall {:.3} (target <= 0.2), memory {:.3} (target <= 0.25), accuracy {:+.4} (target within 0.02)",
+                col(rows, 0) / col(&flower_rows, 0),
+                col(rows, 1) / col(&flower_rows, 1),
+                col(rows, 2) - col(&flower_rows, 2)
+            );
+        }
     }
     if scale == 0 {
         return;

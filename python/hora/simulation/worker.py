@@ -31,12 +31,21 @@ def client_seed(seed: int, client: int, round: int) -> int:
     return int(np.random.SeedSequence([int(seed), int(client), int(round)]).generate_state(1)[0])
 
 
-def _seed_everything(seed: int) -> None:
+def _seed_everything(seed: int, threads: int) -> None:
+    """Seeds Python's, NumPy's and torch's generators, and holds torch (imported by the user's
+    code at any point) to the worker's threads: workers share the cores, and a result must not
+    depend on how many threads added it up."""
     random.seed(seed)
     np.random.seed(seed)
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.manual_seed(seed)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        # (The CPU generator directly: torch.manual_seed also queues CUDA's seeding, with a
+        # traceback each time, until CUDA starts.)
+        torch.random.default_generator.manual_seed(seed)
+        if torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(seed)
 
 
 class Population:
@@ -48,6 +57,7 @@ class Population:
         from .data import bind
 
         self.seed = int(setup["seed"])
+        self.threads = max(1, int(setup.get("threads", 1)))
         self.spec = spec
         self.checked_train, self.checked_evaluate = checked_train, checked_evaluate
         self.data = bind(spec["data"], int(setup["clients"]), self.seed)
@@ -71,13 +81,13 @@ class Population:
         else:
             train, evaluate = self.spec["train_fn"], None
         evaluate = self.spec.get("evaluate_fn") or evaluate
-        seed, worker = self.seed, self
+        seed, threads, worker = self.seed, self.threads, self
 
         def config_of(config: Dict[str, Any]) -> Dict[str, Any]:
             return dict(config, client=client, data=shard)
 
         def train_fn(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> Any:
-            _seed_everything(client_seed(seed, client, int(config.get("round", 0))))
+            _seed_everything(client_seed(seed, client, int(config.get("round", 0))), threads)
             try:
                 return worker.checked_train(train)(weights, config_of(config))
             except Exception:
@@ -85,7 +95,7 @@ class Population:
                 raise
 
         def evaluate_fn(weights: Dict[str, np.ndarray], config: Dict[str, Any]) -> Any:
-            _seed_everything(client_seed(seed, client, 1 << 32))
+            _seed_everything(client_seed(seed, client, 1 << 32), threads)
             return worker.checked_evaluate(evaluate)(weights, config_of(config))
 
         return train_fn, (evaluate_fn if evaluate is not None else None)
@@ -98,6 +108,10 @@ class Population:
 
 
 def main() -> None:
+    # One thread for whatever numerical library the user's code starts (the engine asks for
+    # one: workers share the cores), before any of them is imported.
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[name] = "1"
     # The engine's pipes, then standard input from nowhere and output to standard error.
     engine_in, engine_out = os.dup(0), os.dup(1)
     nowhere = os.open(os.devnull, os.O_RDONLY)
@@ -117,9 +131,6 @@ def main() -> None:
             # functions and data, by value where they cannot be imported.
             sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]
             spec = pickle.load(f)
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            torch.set_num_threads(max(1, int(setup.get("threads", 1))))
         return Population(spec, setup)
 
     _hora.simulate_worker(open_population, engine_in, engine_out)

@@ -1,0 +1,96 @@
+"""The simulation benchmark's Python path: the same federation as `flower_simulation.py`, run by
+`hora.simulation.run` with a Python `train_fn` (the one Flower's clients run, line for line).
+
+`benches/simulation.rs` runs this with the Python of the package `hora` (`make
+bench-simulation` installs its release build):
+
+    python benches/hora_simulation.py --data DIR --clients 1000 --per-round 100 \
+        --rounds 10 --initial DIR/initial.bin --out DIR/hora-python.bin [--workers 2]
+
+DIR is the Rust benchmark's: `features.npy`, `labels.npy` and `offsets.npy` (client k's rows are
+offsets[k]..offsets[k+1]), memory-mapped by the workers, each taking its client's rows as its
+job comes (`data=` a function of the client). Prints one line, `RESULT {json}`, with the wall
+time of `run`.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+
+def read_linear(path):
+    flat = np.fromfile(path, dtype=np.float32)
+    return {"weight": flat[:600].reshape(10, 60).copy(), "bias": flat[600:610].copy()}
+
+
+class Shards:
+    """Client k's training rows, from the memory-mapped arrays (opened once per worker)."""
+
+    def __init__(self, data):
+        self.data = data
+        self.arrays = None
+
+    def __getstate__(self):
+        return {"data": self.data, "arrays": None}
+
+    def __call__(self, k):
+        from hora.simulation import Shard
+
+        if self.arrays is None:
+            load = lambda name: np.load(os.path.join(self.data, name), mmap_mode="r")
+            self.arrays = load("offsets.npy"), load("features.npy"), load("labels.npy")
+        offsets, x, y = self.arrays
+        lo, hi = int(offsets[k]), int(offsets[k + 1])
+        return Shard(k, (np.array(x[lo:hi]), np.array(y[lo:hi])), None)
+
+
+def fit(weights, config):
+    """Flower's client's fit: one epoch of SGD at 0.05, batches of 10, on cross-entropy."""
+    import torch
+
+    x, y = (torch.from_numpy(a) for a in config["data"].train)
+    model = torch.nn.Linear(60, 10)
+    with torch.no_grad():
+        model.weight.copy_(torch.from_numpy(weights["weight"]))
+        model.bias.copy_(torch.from_numpy(weights["bias"]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    order = torch.randperm(len(y))
+    for start in range(0, len(y), 10):
+        idx = order[start : start + 10]
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+    return {"weight": model.weight.detach(), "bias": model.bias.detach()}, len(y), {"loss": float(loss.detach())}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", required=True)
+    p.add_argument("--clients", type=int, required=True)
+    p.add_argument("--per-round", type=int, required=True)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--initial", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--workers", type=int, default=os.cpu_count())
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    from hora.simulation import run
+
+    task = {"id": "bench", "rounds": args.rounds, "min_clients": 1, "target_clients": args.per_round,
+            "round_deadline_secs": 600, "training": {"epochs": 1, "batch_size": 10, "learning_rate": 0.05}}
+    started = time.perf_counter()
+    result = run(task, args.clients, model=read_linear(args.initial), data=Shards(os.path.abspath(args.data)),
+                 train_fn=fit, workers=args.workers, seed=args.seed, progress=False)
+    wall = time.perf_counter() - started
+    model = result.model
+    np.concatenate([model["weight"].ravel(), model["bias"].ravel()]).astype(np.float32).tofile(args.out)
+    print("RESULT " + json.dumps({"wall_seconds": wall, "updates": result.updates}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
