@@ -53,6 +53,7 @@ fn simulation_of(
         worker_command: worker(),
         profile: profile.parse().expect("a profile"),
         evaluate_clients: 40,
+        checkpoint: None,
     }
 }
 
@@ -434,5 +435,145 @@ fn a_csv_dataset_split_by_label_skew_gives_each_round_its_clients_shares() {
         e.to_string()
             .contains("split among clients by its generator"),
         "{e}"
+    );
+}
+
+/// `hora-server simulate TASK --clients 12 --seed SEED …` with `extra` arguments.
+fn simulate_command(task: &std::path::Path, seed: u64, extra: &[&std::ffi::OsStr]) -> Command {
+    let mut command = Command::new(binary("hora-server"));
+    command
+        .arg("simulate")
+        .arg(task)
+        .args([
+            "--clients",
+            "12",
+            "--workers",
+            "2",
+            "--seed",
+            &seed.to_string(),
+        ])
+        .args([
+            "--profile",
+            "heterogeneous:dropout=0.2",
+            "--evaluate-clients",
+            "6",
+        ])
+        .args(extra);
+    command
+}
+
+/// The history without its wall-clock column (the one thing a resumed run may not repeat).
+fn simulated_history(path: &std::path::Path) -> Vec<String> {
+    let csv = std::fs::read_to_string(path).unwrap();
+    csv.lines()
+        .map(|line| {
+            let mut fields: Vec<&str> = line.split(',').collect();
+            fields.remove(4); // wall_time_s
+            fields.join(",")
+        })
+        .collect()
+}
+
+#[test]
+fn a_simulation_killed_mid_run_resumes_from_its_checkpoint_to_the_same_model() {
+    use std::io::BufRead;
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path();
+    // Top-k compression: each client's error-feedback residual carries over between its rounds,
+    // so a resumed run must have every client's state as it was.
+    let extra = serde_json::json!({
+        "compression": {"values": "int8", "top_k": 0.2},
+        "round_deadline_secs": 60,
+    });
+    std::fs::write(path.join("task.json"), task(6, 4, extra).to_string()).unwrap();
+    let arg = |s: &str| std::ffi::OsStr::from_bytes(s.as_bytes()).to_owned();
+    let file = |name: &str| path.join(name).into_os_string();
+    let finish = |checkpoint: Option<&str>, tag: &str| {
+        let mut extra = vec![arg("--history"), file(&format!("{tag}.csv"))];
+        extra.extend([arg("--model"), file(&format!("{tag}.safetensors"))]);
+        if let Some(c) = checkpoint {
+            extra.extend([arg("--checkpoint"), file(c)]);
+        }
+        let refs: Vec<&std::ffi::OsStr> = extra.iter().map(|a| a.as_os_str()).collect();
+        let out = simulate_command(&path.join("task.json"), 9, &refs)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+    finish(None, "plain");
+    finish(Some("uninterrupted"), "uninterrupted");
+
+    // Killed once the third round's row is out, then the same command again.
+    let checkpoint = [arg("--checkpoint"), file("killed")];
+    let refs: Vec<&std::ffi::OsStr> = checkpoint.iter().map(|a| a.as_os_str()).collect();
+    let mut child = simulate_command(&path.join("task.json"), 9, &refs)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    loop {
+        let line = lines
+            .next()
+            .expect("a row of round 3 before the end")
+            .unwrap();
+        seen.push(line.clone());
+        let mut words = line.split_whitespace();
+        if words.next() == Some("3") && words.nth(1).is_some_and(|o| o == "published") {
+            break;
+        }
+        assert!(!line.starts_with("done"), "{seen:?}");
+    }
+    // SAFETY: kill(2) of the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    let _ = child.wait();
+    let resumed = finish(Some("killed"), "killed");
+    // It went on from a checkpoint, not from the start.
+    assert!(
+        !resumed.lines().any(|l| l.trim_start().starts_with("1 ")),
+        "{resumed}"
+    );
+
+    let model = |tag: &str| {
+        let file = path.join(format!("{tag}.safetensors"));
+        hora_common::model::Model::read_file(&file, &Default::default())
+            .unwrap()
+            .digest()
+    };
+    assert_eq!(
+        model("uninterrupted"),
+        model("plain"),
+        "a checkpoint changes nothing"
+    );
+    assert_eq!(model("killed"), model("uninterrupted"), "the resumed model");
+    let history = simulated_history(&path.join("uninterrupted.csv"));
+    assert_eq!(
+        history.len(),
+        1 + history
+            .iter()
+            .filter(|l| l.contains(",published,") || l.contains(",abandoned,"))
+            .count()
+    );
+    assert!(history.len() >= 7, "{history:?}");
+    assert_eq!(simulated_history(&path.join("killed.csv")), history);
+    assert_eq!(simulated_history(&path.join("plain.csv")), history);
+
+    // A checkpoint is its simulation's own: another seed is refused, saying so.
+    let out = simulate_command(&path.join("task.json"), 10, &refs)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("checkpoint of another simulation"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }

@@ -26,14 +26,17 @@ use crate::convert::{dict_to_model, model_to_dict};
 use crate::{runtime, HoraError};
 
 /// simulate(task, clients, worker_command, data, partition=None, seed=0, workers=1,
-///          profile="uniform", evaluate_clients=0, initial=None, on_row=None) -> dict
+///          profile="uniform", evaluate_clients=0, initial=None, on_row=None,
+///          checkpoint=None) -> dict
 /// --
 ///
 /// Runs a simulated federation to the end of its task (`task`: CreateTask as JSON text, its
 /// deadline in simulated seconds). `on_row(row)` is called with each round's row as it closes.
+/// With `checkpoint` (a folder), a checkpoint is kept there after every round and the run
+/// resumes from the one it holds.
 /// Returns `{"history": [row, ...], "model": {name: ndarray}, "wall_seconds", "updates"}`.
 #[pyfunction]
-#[pyo3(signature = (task, clients, worker_command, data, partition=None, seed=0, workers=1, profile="uniform", evaluate_clients=0, initial=None, on_row=None))]
+#[pyo3(signature = (task, clients, worker_command, data, partition=None, seed=0, workers=1, profile="uniform", evaluate_clients=0, initial=None, on_row=None, checkpoint=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn simulate(
     py: Python<'_>,
@@ -48,6 +51,7 @@ pub(crate) fn simulate(
     evaluate_clients: u64,
     initial: Option<Bound<'_, PyDict>>,
     on_row: Option<Py<PyAny>>,
+    checkpoint: Option<std::path::PathBuf>,
 ) -> PyResult<Py<PyDict>> {
     let value = |e: String| pyo3::exceptions::PyValueError::new_err(e);
     let task: serde_json::Value =
@@ -65,6 +69,7 @@ pub(crate) fn simulate(
         worker_command: worker_command.into_iter().map(Into::into).collect(),
         profile,
         evaluate_clients,
+        checkpoint,
     };
     let (rows, mut incoming) = tokio::sync::mpsc::unbounded_channel::<Row>();
     let mut handle = runtime().spawn(async move {

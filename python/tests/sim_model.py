@@ -20,6 +20,12 @@ class Softmax(torch.nn.Module):
         return self.linear(x)
 
 
+def initial() -> Softmax:
+    """The federation's initial model, the same in every process."""
+    torch.manual_seed(7)
+    return Softmax()
+
+
 def blobs(n: int = 2400, seed: int = 0):
     """Four Gaussian classes in 16 dimensions, well apart."""
     rng = np.random.default_rng(seed)

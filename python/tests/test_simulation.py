@@ -3,6 +3,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -12,18 +20,13 @@ import torch
 
 import hora
 from hora.simulation import Partition, Shard, run
-from sim_model import Softmax, blobs, torch_trainer
+from sim_model import Softmax, blobs, initial, torch_trainer
 
 TASK = {
     "rounds": 4,
     "target_clients": 5,
     "training": {"epochs": 1, "batch_size": 16, "learning_rate": 0.1},
 }
-
-
-def initial() -> Softmax:
-    torch.manual_seed(7)
-    return Softmax()
 
 
 def test_a_torch_trainer_federation_learns_the_same_model_on_one_worker_or_two():
@@ -147,3 +150,46 @@ def test_what_cannot_be_simulated_is_refused_before_any_worker_starts():
     with pytest.raises(ValueError, match="partitioner `zipf`"):
         run(TASK, 10, model={"w": np.zeros(2, np.float32)}, data=Partition(blobs(n=50), "zipf"),
             train_fn=failing, progress=False)
+
+
+RESUMED = {**TASK, "rounds": 6, "compression": {"values": "int8", "top_k": 0.25}}
+
+
+def resumable(checkpoint: Path):
+    return run(RESUMED, 30, model=initial(), data=Partition(blobs(), "dirichlet:alpha=0.5"),
+               trainer=torch_trainer, workers=2, seed=4, evaluate_clients=5, progress=False,
+               checkpoint=checkpoint)
+
+
+def test_a_simulation_killed_mid_run_resumes_from_its_checkpoint_to_the_same_model(tmp_path):
+    whole = resumable(tmp_path / "whole")
+    # The same run in a process of its own, SIGKILLed once two rounds are in its checkpoint.
+    script = (
+        "import sys; sys.path[:0] = sys.argv[2:]\n"
+        "from test_simulation import resumable\n"
+        "from pathlib import Path\n"
+        "resumable(Path(sys.argv[1]))\n"
+    )
+    killed = tmp_path / "killed"
+    here = str(Path(__file__).parent)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(killed), here, *sys.path],
+                            start_new_session=True, stderr=subprocess.DEVNULL)
+    saved = killed / "checkpoint" / "driver.json"
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline:
+            if saved.exists() and len(json.loads(saved.read_text())["rows"]) >= 2:
+                break
+            assert proc.poll() is None, "the run ended before it was killed"
+            time.sleep(0.05)
+        else:
+            pytest.fail("no checkpoint of two rounds within two minutes")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    resumed = resumable(killed)
+    for name in whole.model:
+        assert np.array_equal(whole.model[name], resumed.model[name]), name
+    columns = [c for c in whole.history.columns if c != "wall_time_s"]
+    pd.testing.assert_frame_equal(whole.history[columns], resumed.history[columns])
+    assert len(whole.history) >= 6

@@ -249,7 +249,13 @@ impl<P: Population> Worker<P> {
                     ChaCha12Rng::seed_from_u64(client_seed(self.setup.seed, job.client, job.round));
                 let bytes = compression.encode(&mut delta, &mut rng)?;
                 if compression.error_feedback() {
-                    delta.write_file(&residual)?;
+                    // Replaced by rename, never changed in place: a simulation's checkpoint
+                    // links the file it had.
+                    let next = residual.with_extension("residual.next");
+                    delta.write_file(&next)?;
+                    std::fs::rename(&next, &residual).map_err(|e| {
+                        ClientError::Training(format!("keeping {}: {e}", residual.display()))
+                    })?;
                 }
                 bytes
             }

@@ -28,13 +28,15 @@ trainers, no Python.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
 import numpy as np
 
@@ -123,6 +125,7 @@ def run(
     seed: int = 0,
     evaluate_clients: int = 0,
     progress: bool = True,
+    checkpoint: Optional[Union[str, "os.PathLike[str]"]] = None,
 ) -> Result:
     """Simulates a federation of ``clients`` virtual clients to the end of ``task``.
 
@@ -152,6 +155,11 @@ def run(
         evaluate_clients: after each published round, the model is evaluated on this many
             clients' held-out data (drawn once from the seed); 0: none.
         progress: show a progress bar (tqdm).
+        checkpoint: a folder: a checkpoint is kept there after every round (the engine's
+            state, the clients' and the history), and a run given a folder that holds one
+            resumes from it, to the same model as an uninterrupted run. Resume with the same
+            arguments (another task, federation, seed or profile is refused). Synchronous
+            tasks only.
 
     Returns:
         a :class:`Result`.
@@ -176,7 +184,7 @@ def run(
     clients = int(clients)
     initial = to_numpy(model.state_dict() if hasattr(model, "state_dict") else model)
     workers = int(workers or os.cpu_count() or 1)
-    with tempfile.TemporaryDirectory(prefix="hora-simulation-") as scratch:
+    with _scratch(checkpoint) as scratch:
         if isinstance(data, Partition):
             data = data.written(scratch)
             data.plan(clients, seed)  # here first: a split that cannot be made fails now
@@ -193,6 +201,7 @@ def run(
                 json.dumps(body), clients, command, spec_path, seed=seed, workers=workers,
                 profile=profile, evaluate_clients=evaluate_clients, initial=initial,
                 on_row=bar.row if bar else None,
+                checkpoint=None if checkpoint is None else os.fspath(checkpoint),
             )
         finally:
             if bar:
@@ -204,6 +213,23 @@ def run(
     for column in ("loss", "eval_loss", "eval_accuracy", "epsilon"):
         history[column] = pd.to_numeric(history[column]).astype("float64")  # None: NaN
     return Result(history, dict(done["model"]), float(done["wall_seconds"]), int(done["updates"]), rows)
+
+
+@contextlib.contextmanager
+def _scratch(checkpoint: Optional[Union[str, "os.PathLike[str]"]]) -> Iterator[str]:
+    """Where the workers' functions and data are written: a temporary folder, or, with a
+    checkpoint, the same folder inside it every time (the engine knows the data by its path)."""
+    if checkpoint is None:
+        with tempfile.TemporaryDirectory(prefix="hora-simulation-") as scratch:
+            yield scratch
+        return
+    scratch = os.path.join(os.fspath(checkpoint), "python")
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(scratch)
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _task(task: Union[Mapping[str, Any], str, "os.PathLike[str]"]) -> Dict[str, Any]:

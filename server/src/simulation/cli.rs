@@ -52,6 +52,10 @@ pub struct SimulateArgs {
     /// Write the final model here (safetensors).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Keep a checkpoint in this folder after every round, and resume from the one it holds:
+    /// run the same command again after an interruption (synchronous tasks).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: Option<PathBuf>,
     /// The worker's command (default: the hora-client beside this program, else on PATH,
     /// with `simulate-worker`).
     #[arg(long, num_args = 1.., value_name = "PROGRAM [ARG]...")]
@@ -89,6 +93,7 @@ pub async fn run(args: SimulateArgs) -> Result<()> {
             .unwrap_or_else(super::default_worker_command),
         profile,
         evaluate_clients: args.evaluate_clients,
+        checkpoint: args.checkpoint.clone(),
     };
     println!(
         "simulating {} clients of {} on {workers} workers, seed {}, profile {}",

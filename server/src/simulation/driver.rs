@@ -2,7 +2,7 @@
 //! update arrives when — on a simulated clock. See the [module](super) for the picture.
 
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha12Rng;
 use tokio::sync::oneshot;
 
+use super::checkpoint::{self, Saved};
 use super::history::Row;
 use super::workers::{Answer, Pool};
 use super::{Simulation, SimulationError};
@@ -59,34 +60,66 @@ pub async fn run(
     on_row: &mut (dyn FnMut(&Row) + Send),
 ) -> Result<Outcome, SimulationError> {
     let started = Instant::now();
-    let dir = tempfile::Builder::new()
-        .prefix("hora-simulation-")
-        .tempdir()
-        .map_err(|e| SimulationError::Setup(format!("making a scratch directory: {e}")))?;
+    let made = |what: &Path, e: std::io::Error| {
+        SimulationError::Setup(format!("making {}: {e}", what.display()))
+    };
+    if sim.clients == 0 {
+        return Err(SimulationError::Setup(
+            "--clients must be at least 1".into(),
+        ));
+    }
+    // Where the workers find the models and the clients keep their state: a scratch folder,
+    // or the checkpoint folder's `live` (made anew: the checkpoint holds what carries over).
+    let scratch = match &sim.checkpoint {
+        Some(_) => None,
+        None => Some(
+            tempfile::Builder::new()
+                .prefix("hora-simulation-")
+                .tempdir()
+                .map_err(|e| made(&std::env::temp_dir(), e))?,
+        ),
+    };
+    let work = match (&sim.checkpoint, &scratch) {
+        (Some(dir), _) => dir.join("live"),
+        (None, scratch) => scratch
+            .as_ref()
+            .map_or_else(PathBuf::new, |d| d.path().into()),
+    };
     let setup = simulation::Setup {
         protocol: simulation::PROTOCOL,
         data: sim.data.clone(),
         partition: sim.partition.clone(),
         clients: sim.clients,
         seed: sim.seed,
-        models_dir: dir.path().join("models"),
-        state_dir: dir.path().join("clients"),
+        models_dir: work.join("models"),
+        state_dir: work.join("clients"),
         threads: 1,
     };
-    for d in [&setup.models_dir, &setup.state_dir] {
-        std::fs::create_dir_all(d)
-            .map_err(|e| SimulationError::Setup(format!("making {}: {e}", d.display())))?;
-    }
-    if sim.clients == 0 {
-        return Err(SimulationError::Setup(
-            "--clients must be at least 1".into(),
-        ));
-    }
+    let (checkpoint, fingerprint) = (sim.checkpoint.clone(), checkpoint::fingerprint(sim));
+    let (models, clients) = (setup.models_dir.clone(), setup.state_dir.clone());
+    let resumed = off_runtime(move || {
+        if checkpoint.is_some() && work.exists() {
+            std::fs::remove_dir_all(&work).map_err(|e| made(&work, e))?;
+        }
+        for d in [&models, &clients] {
+            std::fs::create_dir_all(d).map_err(|e| made(d, e))?;
+        }
+        let Some(dir) = checkpoint else {
+            return Ok(None);
+        };
+        let found = checkpoint::find(&dir, &fingerprint)?;
+        if found.is_some() {
+            checkpoint::restore_clients(&dir, &clients)?;
+        }
+        Ok(found)
+    })
+    .await?;
     let pool =
         Pool::start(&sim.worker_command, sim.workers, &setup).map_err(SimulationError::Workers)?;
-    let mut field = Field::open(sim, pool, setup.models_dir, started).await?;
+    let mut field = Field::open(sim, pool, &setup, started, resumed).await?;
     let outcome = field.run(on_row).await;
     field.coordinator.stop().await;
+    drop(scratch);
     outcome
 }
 
@@ -136,6 +169,10 @@ struct Field<'s> {
     pool: Pool,
     coordinator: Arc<Coordinator>,
     store: Arc<Store>,
+    /// The same store, as itself: what a checkpoint saves.
+    memory: Arc<MemoryStore>,
+    /// The clients' state folder (a checkpoint links its files).
+    clients_dir: PathBuf,
     task: Arc<Task>,
     /// The simulated deadline of a round (an asynchronous slot's, unused).
     deadline_s: f64,
@@ -154,12 +191,14 @@ struct Field<'s> {
 }
 
 impl<'s> Field<'s> {
-    /// The engine over an in-process store, and the task created in it.
+    /// The engine over an in-process store, and the task created in it (or, resuming, the
+    /// checkpoint's store, whose task the engine recovers as after a restart).
     async fn open(
         sim: &'s Simulation,
         pool: Pool,
-        models_dir: PathBuf,
+        setup: &simulation::Setup,
         started: Instant,
+        resumed: Option<(MemoryStore, Saved)>,
     ) -> Result<Field<'s>, SimulationError> {
         let mut json = sim.task.clone();
         let object = json
@@ -175,44 +214,30 @@ impl<'s> Field<'s> {
                 )
             })?;
         object.insert("round_deadline_secs".into(), ENGINE_DEADLINE_SECS.into());
-        let initial = match &sim.initial {
-            Some(initial) => initial.clone(),
-            None if object.contains_key("initial_model") => {
-                return Err(SimulationError::Setup(
-                    "the task names an initial_model, which a simulation cannot fetch: leave it out (the built-in model's initial weights are made from the seed) or give the weights (--initial FILE)".into(),
-                ))
-            }
+        let id = object
+            .get("id")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| SimulationError::Setup("the task needs an id".into()))?
+            .to_string();
+        let (memory, saved) = match resumed {
+            Some((store, saved)) => (Arc::new(store), Some(saved)),
             None => {
-                let kind = object.get("model").cloned().unwrap_or_default();
-                let model_kind = serde_json::from_value(kind).map_err(|e| {
-                    SimulationError::Setup(format!("the task's `model` is not a model kind: {e}"))
-                })?;
-                let job = Job::Initial {
-                    model_kind,
-                    seed: sim.seed,
-                };
-                let (_, bytes) = answer(pool.run(job).await)?;
-                Model::from_safetensors(&bytes, &Default::default())
-                    .map_err(|e| SimulationError::Workers(format!("the initial model: {e}")))?
+                let initial = Self::initial(sim, &pool, object).await?;
+                let memory = off_runtime(move || {
+                    let store = Arc::new(MemoryStore::new()?);
+                    let digest = (store.clone() as Arc<Store>).put_model(&initial)?;
+                    Ok((store, digest))
+                })
+                .await;
+                let (memory, digest) = memory?;
+                object.insert(
+                    "initial_model".into(),
+                    serde_json::to_value(digest).unwrap_or_default(),
+                );
+                (memory, None)
             }
         };
-        let (store, digest) = off_runtime(move || {
-            let store: Arc<Store> = Arc::new(MemoryStore::new()?);
-            let digest = store.put_model(&initial)?;
-            Ok((store, digest))
-        })
-        .await?;
-        object.insert(
-            "initial_model".into(),
-            serde_json::to_value(digest).unwrap_or_default(),
-        );
-        let config: wire::CreateTask = serde_json::from_value(json)
-            .map_err(|e| SimulationError::Setup(format!("the task: {e}")))?;
-        if config.secure_aggregation.is_some() || config.trainable.is_some() {
-            return Err(SimulationError::Setup(
-                "this release simulates plain and asynchronous tasks: secure aggregation and part-of-a-model tasks are not simulated yet".into(),
-            ));
-        }
+        let store: Arc<Store> = memory.clone();
         let engine = CoordinatorConfig {
             commit_window: Duration::ZERO,
             acknowledge: Acknowledge::OnFold,
@@ -222,25 +247,41 @@ impl<'s> Field<'s> {
         let coordinator =
             Coordinator::open(store.clone(), engine, Arc::new(ServerMetrics::default()))?;
         coordinator.start();
-        let id = config.id.clone();
-        let creating = coordinator.clone();
-        off_runtime(move || Ok(creating.create_task(config)?)).await?;
+        if saved.is_none() {
+            let config: wire::CreateTask = serde_json::from_value(json)
+                .map_err(|e| SimulationError::Setup(format!("the task: {e}")))?;
+            let creating = coordinator.clone();
+            off_runtime(move || Ok(creating.create_task(config)?)).await?;
+        }
         let task = coordinator.task(&id)?;
+        let config = task.record().config;
+        if config.secure_aggregation.is_some() || config.trainable.is_some() {
+            return Err(SimulationError::Setup(
+                "this release simulates plain and asynchronous tasks: secure aggregation and part-of-a-model tasks are not simulated yet".into(),
+            ));
+        }
+        if config.asynchronous.is_some() && sim.checkpoint.is_some() {
+            return Err(SimulationError::Setup(
+                "checkpoints are kept for synchronous tasks only in this release: simulate this asynchronous (FedBuff) task without --checkpoint".into(),
+            ));
+        }
         let spec = task.spec();
         let mut rng = ChaCha12Rng::seed_from_u64(client_seed(sim.seed ^ EVALUATION, 0, 0));
         let mut evaluation_clients: Vec<u64> = (0..sim.clients).collect();
         evaluation_clients.shuffle(&mut rng);
         evaluation_clients.truncate(sim.evaluate_clients.min(sim.clients) as usize);
         evaluation_clients.sort_unstable();
-        Ok(Field {
+        let mut field = Field {
             sim,
             pool,
             coordinator,
             store,
+            memory,
+            clients_dir: setup.state_dir.clone(),
             task,
             deadline_s,
             spec,
-            models_dir,
+            models_dir: setup.models_dir.clone(),
             written: HashSet::new(),
             sizes: HashMap::new(),
             evaluation_clients,
@@ -249,7 +290,66 @@ impl<'s> Field<'s> {
             rows: Vec::new(),
             updates: 0,
             failing: 0,
-        })
+        };
+        if let Some(saved) = saved {
+            tracing::info!(
+                rounds = saved.rows.len(),
+                sim_time_s = saved.clock_s,
+                "resuming the simulation from its checkpoint"
+            );
+            field.clock_s = saved.clock_s;
+            field.started = started
+                .checked_sub(Duration::from_secs_f64(saved.wall_s.max(0.0)))
+                .unwrap_or(started);
+            field.rows = saved.rows;
+            field.updates = saved.updates;
+            field.failing = saved.failing;
+        }
+        Ok(field)
+    }
+
+    /// The initial model: the simulation's, else the built-in model's made from the seed.
+    async fn initial(
+        sim: &Simulation,
+        pool: &Pool,
+        task: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Model, SimulationError> {
+        if let Some(initial) = &sim.initial {
+            return Ok(initial.clone());
+        }
+        if task.contains_key("initial_model") {
+            return Err(SimulationError::Setup(
+                "the task names an initial_model, which a simulation cannot fetch: leave it out (the built-in model's initial weights are made from the seed) or give the weights (--initial FILE)".into(),
+            ));
+        }
+        let kind = task.get("model").cloned().unwrap_or_default();
+        let model_kind = serde_json::from_value(kind).map_err(|e| {
+            SimulationError::Setup(format!("the task's `model` is not a model kind: {e}"))
+        })?;
+        let job = Job::Initial {
+            model_kind,
+            seed: sim.seed,
+        };
+        let (_, bytes) = answer(pool.run(job).await)?;
+        Model::from_safetensors(&bytes, &Default::default())
+            .map_err(|e| SimulationError::Workers(format!("the initial model: {e}")))
+    }
+
+    /// Writes the checkpoint of this moment, between rounds (with `--checkpoint`).
+    async fn checkpoint(&self) -> Result<(), SimulationError> {
+        let Some(dir) = self.sim.checkpoint.clone() else {
+            return Ok(());
+        };
+        let saved = Saved {
+            fingerprint: checkpoint::fingerprint(self.sim),
+            clock_s: self.clock_s,
+            wall_s: self.started.elapsed().as_secs_f64(),
+            rows: self.rows.clone(),
+            updates: self.updates,
+            failing: self.failing,
+        };
+        let (memory, clients) = (self.memory.clone(), self.clients_dir.clone());
+        off_runtime(move || checkpoint::write(&dir, &memory, &clients, &saved)).await
     }
 
     async fn run(
@@ -262,6 +362,7 @@ impl<'s> Field<'s> {
             false => {
                 while let Some(round) = self.open_round() {
                     self.round(round, on_row).await?;
+                    self.checkpoint().await?;
                 }
             }
         }

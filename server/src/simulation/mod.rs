@@ -29,6 +29,7 @@
 //! order the workers finish in, so the same seed gives the same model bit for bit with any
 //! number of workers (central DP's noise aside: it is drawn from the operating system).
 
+pub mod checkpoint;
 pub mod cli;
 pub mod driver;
 pub mod history;
@@ -69,6 +70,9 @@ pub struct Simulation {
     /// After each published round, the model is evaluated on the pooled held-out data of this
     /// many clients (drawn once from the seed); 0: no evaluation.
     pub evaluate_clients: u64,
+    /// Keep a checkpoint in this folder after every round, and resume from the one it holds
+    /// (synchronous tasks; see [`checkpoint`]).
+    pub checkpoint: Option<std::path::PathBuf>,
 }
 
 /// Why a simulation could not run.

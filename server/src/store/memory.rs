@@ -6,6 +6,7 @@
 //! when dropped ([`DirBlobs::scratch`]: written by rename, without fsync).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hora_common::model::ModelDigest;
@@ -76,6 +77,105 @@ impl MemoryStore {
     fn records(&self) -> MutexGuard<'_, Records> {
         lock(&self.records)
     }
+
+    /// Writes everything the store holds into the new folder `dir`, as it is at one moment: the
+    /// records as JSON, the blobs hard-linked (a blob is written once, by rename, and never
+    /// changed; copied where linking fails). [`MemoryStore::load`] reads it back. A simulation's
+    /// checkpoint is made of this.
+    pub fn save(&self, dir: &Path) -> Result<(), StoreError> {
+        // Under the records' lock, so that no blob a record names goes before it is linked.
+        let records = self.records();
+        let image = Image {
+            tasks: records.tasks.clone(),
+            open_rounds: records.open_rounds.clone(),
+            history: records
+                .history
+                .iter()
+                .map(|(task, rounds)| {
+                    let entries = rounds.iter().map(|(&(round, attempt), record)| Entry {
+                        round,
+                        attempt,
+                        record: record.clone(),
+                    });
+                    (task.clone(), entries.collect())
+                })
+                .collect(),
+            clients: records.clients.clone(),
+            enrolments: records.enrolments.clone(),
+            sync_jobs: records.sync_jobs.clone(),
+            secagg: records.secagg.clone(),
+            meta: records.meta.clone(),
+        };
+        link_tree(self._scratch.path(), &dir.join("blobs"))?;
+        drop(records);
+        let path = dir.join("records.json");
+        std::fs::write(&path, json(&image)).map_err(io(&path))
+    }
+
+    /// A store holding what [`MemoryStore::save`] wrote into `dir`.
+    pub fn load(dir: &Path) -> Result<Self, StoreError> {
+        let path = dir.join("records.json");
+        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        let image: Image = decode(&path.display().to_string(), &bytes)?;
+        let store = MemoryStore::new()?;
+        link_tree(&dir.join("blobs"), store._scratch.path())?;
+        *store.records() = Records {
+            tasks: image.tasks,
+            open_rounds: image.open_rounds,
+            history: image
+                .history
+                .into_iter()
+                .map(|(task, rounds)| {
+                    let keyed = rounds.into_iter().map(|e| ((e.round, e.attempt), e.record));
+                    (task, keyed.collect())
+                })
+                .collect(),
+            clients: image.clients,
+            enrolments: image.enrolments,
+            sync_jobs: image.sync_jobs,
+            secagg: image.secagg,
+            meta: image.meta,
+        };
+        Ok(store)
+    }
+}
+
+/// The records of a [`MemoryStore`] as [`MemoryStore::save`] writes them.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Image {
+    tasks: BTreeMap<String, TaskRecord>,
+    open_rounds: BTreeMap<String, OpenRoundRecord>,
+    /// Each task's attempts, in order.
+    history: BTreeMap<String, Vec<Entry>>,
+    clients: BTreeMap<String, ClientRecord>,
+    enrolments: BTreeMap<String, EnrolmentRecord>,
+    sync_jobs: BTreeMap<String, SyncJobRecord>,
+    secagg: BTreeMap<String, Vec<u8>>,
+    meta: BTreeMap<String, String>,
+}
+
+/// One attempt of a task's history, with its key.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Entry {
+    round: u64,
+    attempt: u32,
+    record: RoundRecord,
+}
+
+/// Every file under `from` hard-linked (else copied) to the same place under `to`.
+fn link_tree(from: &Path, to: &Path) -> Result<(), StoreError> {
+    std::fs::create_dir_all(to).map_err(io(to))?;
+    for entry in std::fs::read_dir(from).map_err(io(from))? {
+        let entry = entry.map_err(io(from))?;
+        let (source, target) = (entry.path(), to.join(entry.file_name()));
+        let kind = entry.file_type().map_err(io(&source))?;
+        if kind.is_dir() {
+            link_tree(&source, &target)?;
+        } else if kind.is_file() && std::fs::hard_link(&source, &target).is_err() {
+            std::fs::copy(&source, &target).map_err(io(&target))?;
+        }
+    }
+    Ok(())
 }
 
 impl Durable for MemoryStore {
