@@ -19,30 +19,17 @@ the weight, 10 × 60, then the bias, float32); the final ones are written to `--
 layout. Prints one line, `RESULT {json}`, with the wall time of `run_simulation`.
 """
 
-import argparse
 import json
 import os
 import time
 
 import numpy as np
 
-
-def read_linear(path):
-    flat = np.fromfile(path, dtype=np.float32)
-    return [flat[:600].reshape(10, 60).copy(), flat[600:610].copy()]
+from simulation_args import arguments, read_linear, write_linear
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
-    p.add_argument("--clients", type=int, required=True)
-    p.add_argument("--per-round", type=int, required=True)
-    p.add_argument("--rounds", type=int, required=True)
-    p.add_argument("--initial", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--cpus", type=int, default=os.cpu_count())
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = arguments("--cpus", os.cpu_count())
 
     import flwr
     import torch
@@ -102,7 +89,7 @@ def main():
             min_fit_clients=args.per_round,
             min_evaluate_clients=0,
             min_available_clients=args.clients,
-            initial_parameters=ndarrays_to_parameters(read_linear(args.initial)),
+            initial_parameters=ndarrays_to_parameters(list(read_linear(args.initial))),
         )
         return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=args.rounds))
 
@@ -117,8 +104,7 @@ def main():
         },
     )
     wall = time.perf_counter() - started
-    weight, bias = final["weights"]
-    np.concatenate([weight.astype(np.float32).ravel(), bias.astype(np.float32).ravel()]).tofile(args.out)
+    write_linear(args.out, *final["weights"])
     print("RESULT " + json.dumps({"wall_seconds": wall, "flwr": flwr.__version__}), flush=True)
 
 

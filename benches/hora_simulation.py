@@ -13,17 +13,13 @@ job comes (`data=` a function of the client). Prints one line, `RESULT {json}`, 
 time of `run`.
 """
 
-import argparse
 import json
 import os
 import time
 
 import numpy as np
 
-
-def read_linear(path):
-    flat = np.fromfile(path, dtype=np.float32)
-    return {"weight": flat[:600].reshape(10, 60).copy(), "bias": flat[600:610].copy()}
+from simulation_args import arguments, read_linear, write_linear
 
 
 class Shards:
@@ -68,27 +64,18 @@ def fit(weights, config):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
-    p.add_argument("--clients", type=int, required=True)
-    p.add_argument("--per-round", type=int, required=True)
-    p.add_argument("--rounds", type=int, required=True)
-    p.add_argument("--initial", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--workers", type=int, default=os.cpu_count())
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = arguments("--workers", os.cpu_count())
 
     from hora.simulation import run
 
     task = {"id": "bench", "rounds": args.rounds, "min_clients": 1, "target_clients": args.per_round,
             "round_deadline_secs": 600, "training": {"epochs": 1, "batch_size": 10, "learning_rate": 0.05}}
     started = time.perf_counter()
-    result = run(task, args.clients, model=read_linear(args.initial), data=Shards(os.path.abspath(args.data)),
+    weight, bias = read_linear(args.initial)
+    result = run(task, args.clients, model={"weight": weight, "bias": bias}, data=Shards(os.path.abspath(args.data)),
                  train_fn=fit, workers=args.workers, seed=args.seed, progress=False)
     wall = time.perf_counter() - started
-    model = result.model
-    np.concatenate([model["weight"].ravel(), model["bias"].ravel()]).astype(np.float32).tofile(args.out)
+    write_linear(args.out, result.model["weight"], result.model["bias"])
     print("RESULT " + json.dumps({"wall_seconds": wall, "updates": result.updates}), flush=True)
 
 
