@@ -111,9 +111,11 @@ pub enum Reply {
         /// Seconds the training took on the worker (wall time, not simulated).
         seconds: f64,
     },
+    /// The examples' mean loss and accuracy: either is None where the trainer gave none (or
+    /// no finite value).
     Evaluated {
-        loss: f64,
-        accuracy: f64,
+        loss: Option<f64>,
+        accuracy: Option<f64>,
         examples: u64,
     },
     /// The job failed; the worker goes on with the next. A failed training counts as the
@@ -121,6 +123,26 @@ pub enum Reply {
     Failed {
         error: String,
     },
+}
+
+/// An example-weighted mean of the finite values given.
+#[derive(Default)]
+pub struct Mean {
+    sum: f64,
+    weight: u64,
+}
+
+impl Mean {
+    pub fn add(&mut self, value: f64, examples: u64) {
+        if value.is_finite() && examples > 0 {
+            self.sum += value * examples as f64;
+            self.weight += examples;
+        }
+    }
+
+    pub fn value(&self) -> Option<f64> {
+        (self.weight > 0).then(|| self.sum / self.weight as f64)
+    }
 }
 
 /// A frame's first line.

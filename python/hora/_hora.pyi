@@ -165,7 +165,9 @@ def simulate(
     evaluate_clients: int = ...,
     initial: Optional[Dict[str, np.ndarray]] = ...,
     on_row: Optional[Callable[[Dict[str, Any]], None]] = ...,
+    checkpoint: Optional[str] = ...,
 ) -> Dict[str, Any]: ...
+def claim_checkpoint(dir: str) -> None: ...
 def simulate_worker(open: Callable[[Dict[str, Any]], Any], input_fd: int, output_fd: int) -> None: ...
 
 class Plan:

@@ -198,6 +198,7 @@ fn _hora(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ring::sync_job_finish, m)?)?;
     m.add_function(wrap_pyfunction!(simulation::simulate, m)?)?;
     m.add_function(wrap_pyfunction!(simulation::simulate_worker, m)?)?;
+    m.add_function(wrap_pyfunction!(simulation::claim_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(simulation::partition, m)?)?;
     m.add_function(wrap_pyfunction!(convert::encode_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert::decode_model, m)?)?;

@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{BorrowedFd, RawFd};
 use std::time::Duration;
 
 use hora_client::simulate::{serve, Population};
@@ -72,9 +72,11 @@ pub(crate) fn simulate(
         checkpoint,
     };
     let (rows, mut incoming) = tokio::sync::mpsc::unbounded_channel::<Row>();
+    let cancel = hora_server::simulation::CancellationToken::new();
+    let stop = cancel.clone();
     let mut handle = runtime().spawn(async move {
         let mut send = |row: &Row| drop(rows.send(row.clone()));
-        hora_server::simulation::run(&sim, &mut send).await
+        hora_server::simulation::run_until(&sim, &mut send, stop).await
     });
     enum Step {
         Row(Row),
@@ -109,8 +111,9 @@ pub(crate) fn simulate(
             }
         };
         if let Err(e) = called {
-            // Ctrl-C, or the callback raised: the run stops (its workers with it).
-            handle.abort();
+            // Ctrl-C, or the callback raised: the run stops, its engine and workers with it.
+            cancel.cancel();
+            py.detach(|| drop(runtime().block_on(handle)));
             return Err(e);
         }
     };
@@ -126,11 +129,21 @@ pub(crate) fn simulate(
     Ok(out.unbind())
 }
 
+/// claim_checkpoint(dir)
+/// --
+///
+/// Makes `dir` a simulation's checkpoint folder (as `simulate` would), or raises `HoraError`
+/// when it holds other files: the Python half puts its scratch files in it first.
+#[pyfunction]
+pub(crate) fn claim_checkpoint(dir: std::path::PathBuf) -> PyResult<()> {
+    hora_server::simulation::checkpoint::claim(&dir).map_err(|e| HoraError::new_err(e.to_string()))
+}
+
 /// simulate_worker(open, input_fd, output_fd)
 /// --
 ///
-/// Serves a simulation's engine on `input_fd` and `output_fd` (this worker's; they are closed
-/// when it returns) until the engine closes its side. `open(setup)` is called with the setup
+/// Serves a simulation's engine on `input_fd` and `output_fd` (copies of them: the caller
+/// keeps its own) until the engine closes its side. `open(setup)` is called with the setup
 /// (a dict) and returns the population: an object with `examples(client) -> int` and
 /// `trainer(client) -> (train_fn, evaluate_fn or None)`.
 #[pyfunction]
@@ -145,9 +158,17 @@ pub(crate) fn simulate_worker(
             "simulate_worker needs two distinct open file descriptors",
         ));
     }
-    // SAFETY: the caller hands us two descriptors it opened for this worker (os.dup) and does
-    // not use or close them again; each File owns and closes its own.
-    let (input, output) = unsafe { (File::from_raw_fd(input_fd), File::from_raw_fd(output_fd)) };
+    // Copies of the caller's descriptors, which stay the caller's to close.
+    let owned = |fd: RawFd| -> PyResult<File> {
+        // SAFETY: the descriptor is only borrowed for the duplication (an fd that is not open
+        // fails it with EBADF, which is an error here, not undefined behaviour).
+        let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+        let copy = borrowed.try_clone_to_owned().map_err(|e| {
+            pyo3::exceptions::PyValueError::new_err(format!("file descriptor {fd}: {e}"))
+        })?;
+        Ok(File::from(copy))
+    };
+    let (input, output) = (owned(input_fd)?, owned(output_fd)?);
     let served = py.detach(|| {
         serve(BufReader::new(input), BufWriter::new(output), |setup| {
             PyPopulation::open(open, setup)

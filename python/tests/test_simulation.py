@@ -141,7 +141,7 @@ def test_a_train_fn_that_fails_for_every_client_stops_the_run_with_its_error():
             train_fn=failing, workers=1, progress=False)
 
 
-def test_what_cannot_be_simulated_is_refused_before_any_worker_starts():
+def test_what_cannot_be_simulated_is_refused_saying_why():
     data = Partition(blobs(n=50), "iid")
     with pytest.raises(ValueError, match="50 samples cannot be split among 100 clients"):
         run(TASK, 100, model={"w": np.zeros(2, np.float32)}, data=data, train_fn=failing, progress=False)
@@ -155,10 +155,19 @@ def test_what_cannot_be_simulated_is_refused_before_any_worker_starts():
 RESUMED = {**TASK, "rounds": 6, "compression": {"values": "int8", "top_k": 0.25}}
 
 
-def resumable(checkpoint: Path):
+def resumable(checkpoint: Path, on_round=None):
     return run(RESUMED, 30, model=initial(), data=Partition(blobs(), "dirichlet:alpha=0.5"),
                trainer=torch_trainer, workers=2, seed=4, evaluate_clients=5, progress=False,
-               checkpoint=checkpoint)
+               checkpoint=checkpoint, on_round=on_round)
+
+
+def saved_rounds(checkpoint: Path) -> int:
+    """The rounds in the checkpoint's driver state (0 while there is none); it is replaced by
+    rename, so a read may fall between two checkpoints."""
+    try:
+        return len(json.loads((checkpoint / "checkpoint" / "driver.json").read_text())["rows"])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
 
 
 def test_a_simulation_killed_mid_run_resumes_from_its_checkpoint_to_the_same_model(tmp_path):
@@ -174,11 +183,10 @@ def test_a_simulation_killed_mid_run_resumes_from_its_checkpoint_to_the_same_mod
     here = str(Path(__file__).parent)
     proc = subprocess.Popen([sys.executable, "-c", script, str(killed), here, *sys.path],
                             start_new_session=True, stderr=subprocess.DEVNULL)
-    saved = killed / "checkpoint" / "driver.json"
     deadline = time.time() + 120
     try:
         while time.time() < deadline:
-            if saved.exists() and len(json.loads(saved.read_text())["rows"]) >= 2:
+            if saved_rounds(killed) >= 2:
                 break
             assert proc.poll() is None, "the run ended before it was killed"
             time.sleep(0.05)
@@ -187,9 +195,32 @@ def test_a_simulation_killed_mid_run_resumes_from_its_checkpoint_to_the_same_mod
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    resumed = resumable(killed)
+    kept = saved_rounds(killed)
+    assert kept >= 2
+    seen = []
+    resumed = resumable(killed, on_round=seen.append)
+    # It went on from the checkpoint: the rows it kept were not run again.
+    assert seen and len(seen) == len(resumed.history) - kept, (kept, seen)
+    assert (seen[0]["round"], seen[0]["attempt"]) == tuple(resumed.history.iloc[kept][["round", "attempt"]])
     for name in whole.model:
         assert np.array_equal(whole.model[name], resumed.model[name]), name
     columns = [c for c in whole.history.columns if c != "wall_time_s"]
     pd.testing.assert_frame_equal(whole.history[columns], resumed.history[columns])
     assert len(whole.history) >= 6
+
+
+def test_a_folder_of_other_files_is_not_taken_for_checkpoints_and_an_evaluation_may_lack_a_metric(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    data = Partition(blobs(n=200), "iid")
+    with pytest.raises(hora.HoraError, match="not a simulation's checkpoint"):
+        run(TASK, 10, model=initial(), data=data, trainer=torch_trainer, progress=False,
+            checkpoint=tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+    def loss_only(weights, config):
+        return len(config["data"].test[1]), {"loss": 1.5}
+
+    result = run({**TASK, "rounds": 1}, 10, model=initial(), data=data, trainer=torch_trainer,
+                 evaluate_fn=loss_only, evaluate_clients=4, progress=False)
+    assert result.history["eval_loss"].tolist() == [1.5]
+    assert result.history["eval_accuracy"].isna().all()

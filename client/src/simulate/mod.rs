@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use hora_common::model::{Limits, Model, ModelDigest};
-use hora_common::simulation::{self, client_seed, FrameError, Job, Reply, Setup, TrainJob};
+use hora_common::simulation::{self, client_seed, FrameError, Job, Mean, Reply, Setup, TrainJob};
 use hora_common::wire::ModelKind;
 use rand::SeedableRng;
 use rand_chacha::ChaCha12Rng;
@@ -52,14 +52,15 @@ pub trait Population {
     }
 
     /// `model` on the held-out data of `clients`: by default, each client's trainer evaluates
-    /// it and the results are weighted by their examples (the pooled mean).
+    /// it and the results are weighted by their examples (the pooled mean; a metric a client
+    /// gives no finite value of is NaN in the [`Evaluation`] and left out of the mean).
     fn evaluate(
         &mut self,
         model: &Model,
         model_kind: &ModelKind,
         clients: &[u64],
     ) -> Result<Evaluation> {
-        let (mut loss, mut accuracy, mut examples) = (0.0, 0.0, 0u64);
+        let (mut loss, mut accuracy, mut examples) = (Mean::default(), Mean::default(), 0u64);
         for &client in clients {
             let request = EvaluateRequest {
                 task: "simulation",
@@ -70,17 +71,13 @@ pub trait Population {
             let Some(e) = self.trainer(client)?.evaluate(model, request)? else {
                 continue;
             };
-            if e.examples == 0 {
-                continue;
-            }
-            loss += e.loss * e.examples as f64;
-            accuracy += e.accuracy * e.examples as f64;
+            loss.add(e.loss, e.examples);
+            accuracy.add(e.accuracy, e.examples);
             examples += e.examples;
         }
-        let n = examples.max(1) as f64;
         Ok(Evaluation {
-            loss: loss / n,
-            accuracy: accuracy / n,
+            loss: loss.value().unwrap_or(f64::NAN),
+            accuracy: accuracy.value().unwrap_or(f64::NAN),
             examples,
         })
     }
@@ -167,9 +164,10 @@ impl<P: Population> Worker<P> {
                     self.check(c)?;
                 }
                 let e = self.population.evaluate(&model, &model_kind, &clients)?;
+                let finite = |v: f64| v.is_finite().then_some(v);
                 let reply = Reply::Evaluated {
-                    loss: e.loss,
-                    accuracy: e.accuracy,
+                    loss: finite(e.loss),
+                    accuracy: finite(e.accuracy),
                     examples: e.examples,
                 };
                 Ok((reply, Vec::new()))

@@ -29,6 +29,7 @@ trainers, no Python.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pickle
@@ -126,6 +127,7 @@ def run(
     evaluate_clients: int = 0,
     progress: bool = True,
     checkpoint: Optional[Union[str, "os.PathLike[str]"]] = None,
+    on_round: Optional[Callable[[Dict[str, Any]], None]] = None,
 ) -> Result:
     """Simulates a federation of ``clients`` virtual clients to the end of ``task``.
 
@@ -155,11 +157,14 @@ def run(
         evaluate_clients: after each published round, the model is evaluated on this many
             clients' held-out data (drawn once from the seed); 0: none.
         progress: show a progress bar (tqdm).
+        on_round: called with each round's row (a dict of the history's columns) as the round
+            closes; an exception it raises stops the run and propagates.
         checkpoint: a folder: a checkpoint is kept there after every round (the engine's
             state, the clients' and the history), and a run given a folder that holds one
             resumes from it, to the same model as an uninterrupted run. Resume with the same
-            arguments (another task, federation, seed or profile is refused). Synchronous
-            tasks only.
+            arguments: another task, federation, seed, profile, dataset, partition or training
+            code is refused. The folder must be new, empty or one of Hora's checkpoint folders
+            (what is in it is replaced). Synchronous tasks only.
 
     Returns:
         a :class:`Result`.
@@ -188,19 +193,25 @@ def run(
         if isinstance(data, Partition):
             data = data.written(scratch)
             data.plan(clients, seed)  # here first: a split that cannot be made fails now
-        spec_path = os.path.join(scratch, "spec.pickle")
-        _write_spec(spec_path, {"data": data, "train_fn": train_fn, "trainer": trainer,
-                                "evaluate_fn": evaluate_fn})
+        spec_path = _write_spec(scratch, {"data": data, "train_fn": train_fn, "trainer": trainer,
+                                          "evaluate_fn": evaluate_fn})
         # (The package's own directory first: the worker imports this `hora`, wherever it is.)
         package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {package!r}); "
                    "from hora.simulation.worker import main; main()"]
         bar = _progress(progress, int(body.get("rounds", 0)))
+
+        def row(r: Dict[str, Any]) -> None:
+            if bar:
+                bar.row(r)
+            if on_round is not None:
+                on_round(r)
+
         try:
             done = _hora.simulate(
                 json.dumps(body), clients, command, spec_path, seed=seed, workers=workers,
                 profile=profile, evaluate_clients=evaluate_clients, initial=initial,
-                on_row=bar.row if bar else None,
+                on_row=row,
                 checkpoint=None if checkpoint is None else os.fspath(checkpoint),
             )
         finally:
@@ -223,6 +234,7 @@ def _scratch(checkpoint: Optional[Union[str, "os.PathLike[str]"]]) -> Iterator[s
         with tempfile.TemporaryDirectory(prefix="hora-simulation-") as scratch:
             yield scratch
         return
+    _hora.claim_checkpoint(os.fspath(checkpoint))
     scratch = os.path.join(os.fspath(checkpoint), "python")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
@@ -249,16 +261,27 @@ def _task(task: Union[Mapping[str, Any], str, "os.PathLike[str]"]) -> Dict[str, 
     return body
 
 
-def _write_spec(path: str, spec: Dict[str, Any]) -> None:
-    """The workers' import path, then the functions and data: by value where they cannot be
-    imported by name (a notebook's or a script's own), with cloudpickle."""
+def _write_spec(scratch: str, spec: Dict[str, Any]) -> str:
+    """Writes the workers' import path, then the functions and data (by value where they cannot
+    be imported by name: a notebook's or a script's own, with cloudpickle) into `scratch`; its
+    path. The file is named by a digest of what it holds and of the data files beside it, so a
+    checkpoint, which knows the run's data by that name, refuses to resume with other data or
+    other training code."""
     try:
         import cloudpickle
     except ImportError:  # pragma: no cover - cloudpickle is a dependency of hora[simulation]
         cloudpickle = pickle
+    code = cloudpickle.dumps(spec)
+    body = pickle.dumps([p for p in sys.path if p]) + code
+    digest = hashlib.sha256(code)
+    for name in sorted(os.listdir(scratch)):
+        with open(os.path.join(scratch, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    path = os.path.join(scratch, f"spec-{digest.hexdigest()[:16]}.pickle")
     with open(path, "wb") as f:
-        pickle.dump([p for p in sys.path if p], f)
-        cloudpickle.dump(spec, f)
+        f.write(body)
+    return path
 
 
 class _Bar:

@@ -9,9 +9,9 @@ split is made once per process from the labels, the seed and the number of clien
 split ``hora-server simulate --partition`` makes of the same labels and seed); a client's
 :class:`Shard` is cut from it when that client trains, never every client's at once.
 
-Before the run, the dataset is written once to the run's directory (arrays as ``.npy``, tables
-as Parquet) and every worker maps it from there, so the operating system holds one copy however
-many workers read it.
+Before the run, the dataset is written once to the run's directory: arrays as ``.npy``, which
+every worker maps (the operating system holds one copy however many workers read it), and
+tables as Parquet, which each worker reads once (a copy a worker).
 """
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ class Shard:
 
 
 def rows(data: Any) -> int:
-    """The number of examples in ``data``: a tuple of arrays (their first axis), a table, or
-    anything with a length."""
-    if isinstance(data, (tuple, list)) and data and hasattr(data[0], "shape"):
-        return int(len(data[0]))
-    if hasattr(data, "num_rows"):
+    """The number of examples in ``data``: a table's rows, the length of the first of a tuple of
+    columns (arrays or lists) or of a mapping's first column, else ``len(data)``."""
+    if hasattr(data, "num_rows"):  # an Arrow table
         return int(data.num_rows)
+    if isinstance(data, tuple) and data and all(hasattr(c, "__len__") for c in data):
+        return int(len(data[0]))
+    if isinstance(data, dict) and data:
+        return int(len(next(iter(data.values()))))
     return int(len(data))
 
 
@@ -131,6 +133,13 @@ class Partition:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
+            names = list(self.data.columns) if self.kind == "pandas" else list(self.data.column_names)
+            unnamed = [n for n in names if not isinstance(n, str)]
+            if unnamed:
+                raise ValueError(
+                    f"the table's columns {unnamed[:5]} are not named by strings, which Parquet "
+                    "needs: name them (frame.columns = [str(c) for c in frame.columns])"
+                )
             table = self.data if self.kind == "arrow" else pa.Table.from_pandas(self.data, preserve_index=False)
             path = directory / "data.parquet"
             pq.write_table(table, path)
@@ -179,6 +188,10 @@ class Partition:
         column = table[spec]
         return column.to_numpy() if hasattr(column, "to_numpy") else np.asarray(column)
 
+    def _rows(self) -> int:
+        table = self._read()
+        return rows(table) if isinstance(table, tuple) else int(len(table))
+
     def groups(self) -> int:
         """How many clients a natural partition makes (the ``by`` column's distinct values)."""
         return int(len(np.unique(self._column("by", self.by))))
@@ -196,6 +209,10 @@ class Partition:
                     "leave clients= out, or give it that number"
                 )
             self._plan = _Natural(groups, clients)
+        elif self.partitioner.split(":", 1)[0] in ("iid", "quantity"):
+            # (Splits that do not look at labels: the table needs no label column.)
+            codes = np.zeros(self._rows(), dtype=np.int64)
+            self._plan = _hora.partition(self.partitioner, codes, 1, clients, seed)
         else:
             labels = self._column("label", self.label)
             if labels.dtype.kind in "iu" and (len(labels) == 0 or labels.min() >= 0):

@@ -1,5 +1,5 @@
-"""A worker process of a simulated federation (``python -m hora.simulation.worker``, started by
-:func:`hora.simulation.run`): it trains the virtual clients the engine sends it, one at a time,
+"""A worker process of a simulated federation (``hora.simulation.worker.main``, which
+:func:`hora.simulation.run` starts in a Python of its own): it trains the virtual clients the engine sends it, one at a time,
 with the user's ``train_fn`` or ``trainer``.
 
 The protocol with the engine, the global model, ``local − global``, compression and error
@@ -133,7 +133,11 @@ def main() -> None:
             spec = pickle.load(f)
         return Population(spec, setup)
 
-    _hora.simulate_worker(open_population, engine_in, engine_out)
+    try:
+        _hora.simulate_worker(open_population, engine_in, engine_out)
+    finally:
+        os.close(engine_in)
+        os.close(engine_out)
 
 
 if __name__ == "__main__":

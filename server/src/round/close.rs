@@ -186,18 +186,10 @@ impl Coordinator {
             }
         }
         drop(acc);
-        task.bump();
-        match next {
-            // Runs on one of the runtime's blocking threads, which can spawn.
-            Some(next) => self.watch(task.clone(), next),
-            None => self.metrics.round_sum_bytes(&task.id, 0),
-        }
-        if tally.abandon.is_none() {
-            self.evaluations_moved(task, std::mem::take(&mut tally.evaluations));
-        }
         // The attempt failed because clients it selected sent nothing: a strike each (so one
         // that keeps taking a place and starving rounds is quarantined). The close is durable
-        // already; a strike that cannot be written is logged and lost.
+        // already; a strike that cannot be written is logged and lost. Before the change is
+        // announced: whoever sees the next round sees the strikes too.
         if let Some(reason) = &tally.abandon {
             for client in &tally.struck {
                 let why = format!(
@@ -206,6 +198,15 @@ impl Coordinator {
                 );
                 self.strike(client, Some(&why));
             }
+        }
+        task.bump();
+        match next {
+            // Runs on one of the runtime's blocking threads, which can spawn.
+            Some(next) => self.watch(task.clone(), next),
+            None => self.metrics.round_sum_bytes(&task.id, 0),
+        }
+        if tally.abandon.is_none() {
+            self.evaluations_moved(task, std::mem::take(&mut tally.evaluations));
         }
         // Off the publish → wake-up path: pollers already know of the next round.
         if tally.abandon.is_none() {

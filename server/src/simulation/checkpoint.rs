@@ -13,13 +13,13 @@
 //! A checkpoint belongs to one simulation: resuming with another task, federation, data, seed
 //! or profile is refused.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use super::history::Row;
 use super::{Simulation, SimulationError};
-use crate::store::MemoryStore;
+use crate::store::{link_tree, MemoryStore, RoundLog};
 
 /// The driver's state at a round's end.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -62,6 +62,7 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> SimulationError + '_ {
 pub fn find(
     dir: &Path,
     expected: &serde_json::Value,
+    live: &Path,
 ) -> Result<Option<(MemoryStore, Saved)>, SimulationError> {
     let (current, previous, next) = (
         dir.join("checkpoint"),
@@ -93,13 +94,48 @@ pub fn find(
             dir.display()
         )));
     }
-    let store = MemoryStore::load(&current.join("store"))?;
+    let store = MemoryStore::load(&current.join("store"), live)?;
+    // The round left open runs on with the engine's whole deadline from now, not from when it
+    // opened before the interruption (the simulated clock, not the engine's, ends rounds).
+    let task = expected["task"]["id"].as_str().unwrap_or_default();
+    if let Some(mut open) = store.open_round(task)? {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        open.deadline_unix_ms = now + open.deadline_unix_ms.saturating_sub(open.opened_unix_ms);
+        open.opened_unix_ms = now;
+        store.put_open_round(task, &open)?;
+    }
     Ok(Some((store, saved)))
 }
 
 /// The clients' state of `dir`'s checkpoint, linked into `clients` (the run's state folder).
 pub fn restore_clients(dir: &Path, clients: &Path) -> Result<(), SimulationError> {
-    link_files(&dir.join("checkpoint").join("clients"), clients)
+    Ok(link_tree(&dir.join("checkpoint").join("clients"), clients)?)
+}
+
+/// What marks a folder as a simulation's checkpoint folder.
+const MARK: &str = "hora-simulation-checkpoint";
+
+/// Makes `dir` a checkpoint folder, unless it holds something else: a simulation removes and
+/// replaces what is in it, so it takes only a new or empty folder, or one of its own.
+pub fn claim(dir: &Path) -> Result<(), SimulationError> {
+    let mark = dir.join(MARK);
+    if mark.exists() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    if std::fs::read_dir(dir).map_err(io(dir))?.next().is_some() {
+        return Err(setup(format!(
+            "{} holds files that are not a simulation's checkpoint: give a new or empty folder to keep checkpoints in",
+            dir.display()
+        )));
+    }
+    std::fs::write(
+        &mark,
+        "a Hora simulation's checkpoints; hora-server simulate --checkpoint\n",
+    )
+    .map_err(io(&mark))
 }
 
 /// Writes the checkpoint of this moment into `dir`, replacing the last.
@@ -119,7 +155,7 @@ pub fn write(
     }
     std::fs::create_dir_all(&next).map_err(io(&next))?;
     store.save(&next.join("store"))?;
-    link_files(clients, &next.join("clients"))?;
+    link_tree(clients, &next.join("clients"))?;
     let json = serde_json::to_vec(saved).map_err(|e| setup(format!("checkpoint: {e}")))?;
     let path = next.join("driver.json");
     std::fs::write(&path, json).map_err(io(&path))?;
@@ -129,28 +165,6 @@ pub fn write(
     std::fs::rename(&next, &current).map_err(io(&next))?;
     if previous.exists() {
         std::fs::remove_dir_all(&previous).map_err(io(&previous))?;
-    }
-    Ok(())
-}
-
-/// Every file of `from` hard-linked (else copied) into `to`.
-fn link_files(from: &Path, to: &Path) -> Result<(), SimulationError> {
-    std::fs::create_dir_all(to).map_err(io(to))?;
-    if !from.exists() {
-        return Ok(());
-    }
-    for entry in std::fs::read_dir(from).map_err(io(from))? {
-        let entry = entry.map_err(io(from))?;
-        let (source, target): (PathBuf, PathBuf) = (entry.path(), to.join(entry.file_name()));
-        if !entry.file_type().map_err(io(&source))?.is_file() {
-            continue;
-        }
-        if target.exists() {
-            std::fs::remove_file(&target).map_err(io(&target))?;
-        }
-        if std::fs::hard_link(&source, &target).is_err() {
-            std::fs::copy(&source, &target).map_err(io(&target))?;
-        }
     }
     Ok(())
 }

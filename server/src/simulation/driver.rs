@@ -7,12 +7,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hora_common::model::{Model, ModelDigest, ModelSpec};
-use hora_common::simulation::{self, client_seed, Job, Reply, TrainJob};
+use hora_common::simulation::{self, client_seed, Job, Mean, Reply, TrainJob};
 use hora_common::wire::{self, ErrorCode, RoundOutcome, TaskState, UpdateMeta};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha12Rng;
 use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
 
 use super::checkpoint::{self, Saved};
 use super::history::Row;
@@ -59,13 +60,23 @@ pub async fn run(
     sim: &Simulation,
     on_row: &mut (dyn FnMut(&Row) + Send),
 ) -> Result<Outcome, SimulationError> {
+    run_until(sim, on_row, CancellationToken::new()).await
+}
+
+/// [`run`], stopped (the engine stopped, the workers killed) with
+/// [`SimulationError::Cancelled`] once `cancel` is cancelled.
+pub async fn run_until(
+    sim: &Simulation,
+    on_row: &mut (dyn FnMut(&Row) + Send),
+    cancel: CancellationToken,
+) -> Result<Outcome, SimulationError> {
     let started = Instant::now();
     let made = |what: &Path, e: std::io::Error| {
         SimulationError::Setup(format!("making {}: {e}", what.display()))
     };
     if sim.clients == 0 {
         return Err(SimulationError::Setup(
-            "--clients must be at least 1".into(),
+            "a federation needs at least one client (--clients)".into(),
         ));
     }
     // Where the workers find the models and the clients keep their state: a scratch folder,
@@ -81,9 +92,8 @@ pub async fn run(
     };
     let work = match (&sim.checkpoint, &scratch) {
         (Some(dir), _) => dir.join("live"),
-        (None, scratch) => scratch
-            .as_ref()
-            .map_or_else(PathBuf::new, |d| d.path().into()),
+        (None, Some(scratch)) => scratch.path().to_path_buf(),
+        (None, None) => unreachable!("a scratch folder is made where there is no checkpoint"),
     };
     let setup = simulation::Setup {
         protocol: simulation::PROTOCOL,
@@ -97,9 +107,13 @@ pub async fn run(
     };
     let (checkpoint, fingerprint) = (sim.checkpoint.clone(), checkpoint::fingerprint(sim));
     let (models, clients) = (setup.models_dir.clone(), setup.state_dir.clone());
+    let live = work.clone();
     let resumed = off_runtime(move || {
-        if checkpoint.is_some() && work.exists() {
-            std::fs::remove_dir_all(&work).map_err(|e| made(&work, e))?;
+        if let Some(dir) = &checkpoint {
+            checkpoint::claim(dir)?;
+            if work.exists() {
+                std::fs::remove_dir_all(&work).map_err(|e| made(&work, e))?;
+            }
         }
         for d in [&models, &clients] {
             std::fs::create_dir_all(d).map_err(|e| made(d, e))?;
@@ -107,7 +121,7 @@ pub async fn run(
         let Some(dir) = checkpoint else {
             return Ok(None);
         };
-        let found = checkpoint::find(&dir, &fingerprint)?;
+        let found = checkpoint::find(&dir, &fingerprint, &work)?;
         if found.is_some() {
             checkpoint::restore_clients(&dir, &clients)?;
         }
@@ -116,8 +130,13 @@ pub async fn run(
     .await?;
     let pool =
         Pool::start(&sim.worker_command, sim.workers, &setup).map_err(SimulationError::Workers)?;
-    let mut field = Field::open(sim, pool, &setup, started, resumed).await?;
-    let outcome = field.run(on_row).await;
+    // (The engine's store lives beside the workers' files: a checkpoint links its blobs.)
+    let store_dir = sim.checkpoint.as_ref().map(|_| live);
+    let mut field = Field::open(sim, pool, &setup, started, resumed, store_dir).await?;
+    let outcome = tokio::select! {
+        outcome = field.run(on_row) => outcome,
+        () = cancel.cancelled() => Err(SimulationError::Cancelled),
+    };
     field.coordinator.stop().await;
     drop(scratch);
     outcome
@@ -199,6 +218,7 @@ impl<'s> Field<'s> {
         setup: &simulation::Setup,
         started: Instant,
         resumed: Option<(MemoryStore, Saved)>,
+        store_dir: Option<PathBuf>,
     ) -> Result<Field<'s>, SimulationError> {
         let mut json = sim.task.clone();
         let object = json
@@ -214,6 +234,18 @@ impl<'s> Field<'s> {
                 )
             })?;
         object.insert("round_deadline_secs".into(), ENGINE_DEADLINE_SECS.into());
+        // Refused before anything starts.
+        let set = |key: &str| object.get(key).is_some_and(|v| !v.is_null());
+        if set("secure_aggregation") || set("trainable") {
+            return Err(SimulationError::Setup(
+                "this release simulates plain and asynchronous tasks: secure aggregation and part-of-a-model tasks are not simulated yet".into(),
+            ));
+        }
+        if set("asynchronous") && sim.checkpoint.is_some() {
+            return Err(SimulationError::Setup(
+                "checkpoints are kept for synchronous tasks only in this release: simulate this asynchronous (FedBuff) task without a checkpoint folder".into(),
+            ));
+        }
         let id = object
             .get("id")
             .and_then(|v| v.as_str())
@@ -224,7 +256,10 @@ impl<'s> Field<'s> {
             None => {
                 let initial = Self::initial(sim, &pool, object).await?;
                 let memory = off_runtime(move || {
-                    let store = Arc::new(MemoryStore::new()?);
+                    let store = Arc::new(match &store_dir {
+                        Some(dir) => MemoryStore::new_in(dir)?,
+                        None => MemoryStore::new()?,
+                    });
                     let digest = (store.clone() as Arc<Store>).put_model(&initial)?;
                     Ok((store, digest))
                 })
@@ -254,17 +289,6 @@ impl<'s> Field<'s> {
             off_runtime(move || Ok(creating.create_task(config)?)).await?;
         }
         let task = coordinator.task(&id)?;
-        let config = task.record().config;
-        if config.secure_aggregation.is_some() || config.trainable.is_some() {
-            return Err(SimulationError::Setup(
-                "this release simulates plain and asynchronous tasks: secure aggregation and part-of-a-model tasks are not simulated yet".into(),
-            ));
-        }
-        if config.asynchronous.is_some() && sim.checkpoint.is_some() {
-            return Err(SimulationError::Setup(
-                "checkpoints are kept for synchronous tasks only in this release: simulate this asynchronous (FedBuff) task without --checkpoint".into(),
-            ));
-        }
         let spec = task.spec();
         let mut rng = ChaCha12Rng::seed_from_u64(client_seed(sim.seed ^ EVALUATION, 0, 0));
         let mut evaluation_clients: Vec<u64> = (0..sim.clients).collect();
@@ -802,9 +826,9 @@ impl<'s> Field<'s> {
                     "the engine has no history entry for round {number} attempt {attempt}"
                 ))
             })?;
-        let evaluation = match (&entry.outcome, entry.model) {
+        let (eval_loss, eval_accuracy) = match (&entry.outcome, entry.model) {
             (RoundOutcome::Published, Some(model)) => self.evaluate(model).await?,
-            _ => None,
+            _ => (None, None),
         };
         let row = Row {
             round: number,
@@ -819,8 +843,8 @@ impl<'s> Field<'s> {
             dropouts: entry.dropped.len() as u64 + traffic.lost,
             examples: entry.examples,
             loss: entry.metrics.loss,
-            eval_loss: evaluation.map(|e| e.0),
-            eval_accuracy: evaluation.map(|e| e.1),
+            eval_loss,
+            eval_accuracy,
             epsilon: entry.privacy.as_ref().map(|p| p.epsilon),
             bytes_down: traffic.bytes_down,
             bytes_up: traffic.bytes_up,
@@ -835,9 +859,9 @@ impl<'s> Field<'s> {
     async fn evaluate(
         &mut self,
         model: ModelDigest,
-    ) -> Result<Option<(f64, f64)>, SimulationError> {
+    ) -> Result<(Option<f64>, Option<f64>), SimulationError> {
         if self.evaluation_clients.is_empty() {
-            return Ok(None);
+            return Ok((None, None));
         }
         self.prepare(model).await?;
         let model_kind = self.task.record().config.model;
@@ -853,7 +877,7 @@ impl<'s> Field<'s> {
                 (self.pool.submit(job.clone()), job)
             })
             .collect();
-        let (mut loss, mut correct, mut examples) = (0.0, 0.0, 0u64);
+        let (mut loss, mut accuracy) = (Mean::default(), Mean::default());
         for (rx, job) in asked {
             match self.settle(job, rx).await?.0 {
                 Reply::Evaluated {
@@ -861,14 +885,13 @@ impl<'s> Field<'s> {
                     accuracy: a,
                     examples: n,
                 } => {
-                    loss += l * n as f64;
-                    correct += a * n as f64;
-                    examples += n;
+                    loss.add(l.unwrap_or(f64::NAN), n);
+                    accuracy.add(a.unwrap_or(f64::NAN), n);
                 }
                 other => return Err(unexpected(other)),
             }
         }
-        Ok((examples > 0).then(|| (loss / examples as f64, correct / examples as f64)))
+        Ok((loss.value(), accuracy.value()))
     }
 }
 

@@ -38,9 +38,11 @@ pub mod workers;
 
 use std::ffi::OsString;
 
-pub use driver::{run, Outcome};
+pub use driver::{run, run_until, Outcome};
 pub use history::Row;
 pub use profile::{Device, Profile};
+/// What stops a [`run_until`].
+pub use tokio_util::sync::CancellationToken;
 
 use crate::error::ServerError;
 
@@ -84,6 +86,8 @@ pub enum SimulationError {
     Workers(String),
     #[error(transparent)]
     Engine(#[from] ServerError),
+    #[error("the simulation was stopped")]
+    Cancelled,
 }
 
 impl From<crate::store::StoreError> for SimulationError {

@@ -5,11 +5,11 @@
 //! feeds it jobs from the pool's one queue and hands back its replies. A worker that dies, or
 //! answers nonsense, fails the job it held (the engine counts that client as dropped out) and
 //! leaves the pool; the others carry on. Dropping the pool closes every worker's input, and the
-//! workers exit.
+//! workers exit; one still busy with a job (the run was cancelled) is killed.
 
 use std::ffi::OsString;
 use std::io::{BufReader, BufWriter};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -31,6 +31,8 @@ pub struct Pool {
     threads: Vec<JoinHandle<()>>,
     /// Each worker's process id (0 once it is gone).
     pids: Vec<Arc<Mutex<u32>>>,
+    /// Each worker's process, to kill when the pool goes with a job still running.
+    children: Vec<Arc<Mutex<Child>>>,
 }
 
 impl Pool {
@@ -43,9 +45,10 @@ impl Pool {
             queue: Some(queue),
             threads: Vec::new(),
             pids: Vec::new(),
+            children: Vec::new(),
         };
         for index in 0..workers.max(1) {
-            let child = Command::new(program)
+            let mut child = Command::new(program)
                 .args(args)
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
@@ -59,10 +62,13 @@ impl Pool {
                 })?;
             let pid = Arc::new(Mutex::new(child.id()));
             pool.pids.push(pid.clone());
+            let pipes = (child.stdin.take(), child.stdout.take());
+            let child = Arc::new(Mutex::new(child));
+            pool.children.push(child.clone());
             let (jobs, setup) = (jobs.clone(), setup.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("hora-sim-worker-{index}"))
-                .spawn(move || feed(index, child, &setup, &jobs, &pid))
+                .spawn(move || feed(index, &child, pipes, &setup, &jobs, &pid))
                 .map_err(|e| format!("starting a worker's thread: {e}"))?;
             pool.threads.push(thread);
         }
@@ -94,17 +100,19 @@ impl Pool {
 
     /// How many workers are still running.
     pub fn alive(&self) -> usize {
-        self.pids
-            .iter()
-            .filter(|p| *p.lock().unwrap_or_else(|e| e.into_inner()) != 0)
-            .count()
+        self.pids.iter().filter(|p| *lock(p) != 0).count()
     }
 }
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        // Closing the queue ends each thread's loop, which closes its worker's input.
+        // Closing the queue ends each idle thread's loop, which closes its worker's input; a
+        // worker still on a job is killed (nobody waits for its answer), which ends its
+        // thread's read. (A child already reaped is not signalled: std keeps its status.)
         self.queue = None;
+        for child in &self.children {
+            let _ = lock(child).kill();
+        }
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
@@ -114,12 +122,13 @@ impl Drop for Pool {
 /// One worker's thread: the setup, then jobs from the queue until it closes or the worker fails.
 fn feed(
     index: usize,
-    mut child: Child,
+    child: &Mutex<Child>,
+    pipes: (Option<ChildStdin>, Option<ChildStdout>),
     setup: &Setup,
     jobs: &Mutex<mpsc::Receiver<Box<Pending>>>,
     pid: &Mutex<u32>,
 ) {
-    let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+    let (Some(stdin), Some(stdout)) = pipes else {
         return;
     };
     let (mut input, mut output) = (BufWriter::new(stdin), BufReader::new(stdout));
@@ -128,7 +137,7 @@ fn feed(
         .map(|e| e.to_string());
     while failed.is_none() {
         // (The lock is held only while waiting for the next job, never across a job.)
-        let next = jobs.lock().unwrap_or_else(|e| e.into_inner()).recv();
+        let next = lock(jobs).recv();
         let Ok(pending) = next else {
             break; // the pool is done
         };
@@ -144,10 +153,15 @@ fn feed(
         let _ = pending.answer.send(answer);
     }
     drop(input);
+    let mut child = lock(child);
     if let Some(why) = failed {
         tracing::warn!(worker = index, error = %why, "a simulation worker failed; its clients count as dropped out and the others go on");
         let _ = child.kill();
     }
     let _ = child.wait();
-    *pid.lock().unwrap_or_else(|e| e.into_inner()) = 0;
+    *lock(pid) = 0;
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

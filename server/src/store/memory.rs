@@ -44,10 +44,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl MemoryStore {
     /// An empty store; its scratch directory is created under the system's temporary directory.
     pub fn new() -> Result<Self, StoreError> {
+        Self::new_in(&std::env::temp_dir())
+    }
+
+    /// An empty store whose scratch directory is created under `parent`.
+    pub fn new_in(parent: &Path) -> Result<Self, StoreError> {
         let scratch = tempfile::Builder::new()
             .prefix("hora-memory-store-")
-            .tempdir()
-            .map_err(io(&std::env::temp_dir()))?;
+            .tempdir_in(parent)
+            .map_err(io(parent))?;
         Ok(MemoryStore {
             records: Mutex::default(),
             blobs: DirBlobs::scratch(scratch.path())?,
@@ -85,11 +90,20 @@ impl MemoryStore {
     pub fn save(&self, dir: &Path) -> Result<(), StoreError> {
         // Under the records' lock, so that no blob a record names goes before it is linked.
         let records = self.records();
+        let Records {
+            tasks,
+            open_rounds,
+            history,
+            clients,
+            enrolments,
+            sync_jobs,
+            secagg,
+            meta,
+        } = &*records;
         let image = Image {
-            tasks: records.tasks.clone(),
-            open_rounds: records.open_rounds.clone(),
-            history: records
-                .history
+            tasks: tasks.clone(),
+            open_rounds: open_rounds.clone(),
+            history: history
                 .iter()
                 .map(|(task, rounds)| {
                     let entries = rounds.iter().map(|(&(round, attempt), record)| Entry {
@@ -100,11 +114,11 @@ impl MemoryStore {
                     (task.clone(), entries.collect())
                 })
                 .collect(),
-            clients: records.clients.clone(),
-            enrolments: records.enrolments.clone(),
-            sync_jobs: records.sync_jobs.clone(),
-            secagg: records.secagg.clone(),
-            meta: records.meta.clone(),
+            clients: clients.clone(),
+            enrolments: enrolments.clone(),
+            sync_jobs: sync_jobs.clone(),
+            secagg: secagg.clone(),
+            meta: meta.clone(),
         };
         link_tree(self._scratch.path(), &dir.join("blobs"))?;
         drop(records);
@@ -112,12 +126,13 @@ impl MemoryStore {
         std::fs::write(&path, json(&image)).map_err(io(&path))
     }
 
-    /// A store holding what [`MemoryStore::save`] wrote into `dir`.
-    pub fn load(dir: &Path) -> Result<Self, StoreError> {
+    /// A store holding what [`MemoryStore::save`] wrote into `dir`, its scratch directory
+    /// under `parent` (where linking the blobs from `dir` is cheapest: the same file system).
+    pub fn load(dir: &Path, parent: &Path) -> Result<Self, StoreError> {
         let path = dir.join("records.json");
         let bytes = std::fs::read(&path).map_err(io(&path))?;
         let image: Image = decode(&path.display().to_string(), &bytes)?;
-        let store = MemoryStore::new()?;
+        let store = MemoryStore::new_in(parent)?;
         link_tree(&dir.join("blobs"), store._scratch.path())?;
         *store.records() = Records {
             tasks: image.tasks,
@@ -162,8 +177,9 @@ struct Entry {
     record: RoundRecord,
 }
 
-/// Every file under `from` hard-linked (else copied) to the same place under `to`.
-fn link_tree(from: &Path, to: &Path) -> Result<(), StoreError> {
+/// Every file under `from` hard-linked (else copied) to the same place under `to`, a new
+/// folder. A file that goes meanwhile (a pruned model) is left out.
+pub fn link_tree(from: &Path, to: &Path) -> Result<(), StoreError> {
     std::fs::create_dir_all(to).map_err(io(to))?;
     for entry in std::fs::read_dir(from).map_err(io(from))? {
         let entry = entry.map_err(io(from))?;
@@ -172,7 +188,10 @@ fn link_tree(from: &Path, to: &Path) -> Result<(), StoreError> {
         if kind.is_dir() {
             link_tree(&source, &target)?;
         } else if kind.is_file() && std::fs::hard_link(&source, &target).is_err() {
-            std::fs::copy(&source, &target).map_err(io(&target))?;
+            match std::fs::copy(&source, &target) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && !source.exists() => {}
+                done => drop(done.map_err(io(&target))?),
+            }
         }
     }
     Ok(())

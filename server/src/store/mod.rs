@@ -63,7 +63,7 @@ mod sled;
 pub use self::blobs::{BlobKind, BlobLocation, BlobRetry, BlobStore, Blobs, DirBlobs, ObjectBlobs};
 pub use self::files::le_words;
 pub(crate) use self::files::short_or_carried;
-pub use self::memory::MemoryStore;
+pub use self::memory::{link_tree, MemoryStore};
 pub use self::postgres::PostgresStore;
 pub use self::records::*;
 pub use self::sled::SledStore;
