@@ -21,7 +21,8 @@ TRANSFORMERS_VERSION=5.24.0
 ACCELERATE_VERSION=1.15.0
 # hora.simulation: results as DataFrames, Arrow/Parquet data, the training function shipped to
 # worker processes by value, plots and progress bars.
-PANDAS_VERSION=3.1.1
+# (pandas 2: PySpark 4.3 warns that it does not fully support pandas 3.)
+PANDAS_VERSION=2.3.3
 PYARROW_VERSION=26.0.1
 CLOUDPICKLE_VERSION=3.1.3
 MATPLOTLIB_VERSION=3.11.2
