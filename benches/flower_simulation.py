@@ -12,7 +12,8 @@ benchmark as NumPy arrays: `features.npy` (every client's training samples, floa
 client memory-maps them and takes its own rows, as a Hora worker generates only its own shard.
 
 The model is logistic regression 60 → 10 (`torch.nn.Linear`), trained as Hora's built-in trainer
-trains it: one epoch of SGD (learning rate 0.05, batches of 10, reshuffled) on cross-entropy;
+trains it (`simulation_common.train_linear`: one epoch of SGD at 0.05, batches of 10,
+reshuffled, on cross-entropy);
 the server is Flower's FedAvg (weighted by examples) sampling `per-round` clients a round, with
 Ray's default backend giving each client one CPU. The initial weights are Hora's (`initial.bin`:
 the weight, 10 × 60, then the bias, float32); the final ones are written to `--out` in the same
@@ -25,7 +26,7 @@ import time
 
 import numpy as np
 
-from simulation_args import arguments, read_linear, write_linear
+from simulation_common import arguments, read_linear, train_linear, write_linear
 
 
 def main():
@@ -51,22 +52,10 @@ def main():
             torch.manual_seed(args.seed * 1_000_003 + self.k)
             offsets = np.load(os.path.join(data, "offsets.npy"))
             lo, hi = int(offsets[self.k]), int(offsets[self.k + 1])
-            x = torch.from_numpy(np.load(os.path.join(data, "features.npy"), mmap_mode="r")[lo:hi].copy())
-            y = torch.from_numpy(np.load(os.path.join(data, "labels.npy"), mmap_mode="r")[lo:hi].copy())
-            model = torch.nn.Linear(60, 10)
-            with torch.no_grad():
-                model.weight.copy_(torch.from_numpy(parameters[0]))
-                model.bias.copy_(torch.from_numpy(parameters[1]))
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            order = torch.randperm(len(y))
-            for start in range(0, len(y), 10):
-                idx = order[start : start + 10]
-                opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
-                loss.backward()
-                opt.step()
-            weights = [model.weight.detach().numpy().copy(), model.bias.detach().numpy().copy()]
-            return weights, len(y), {"loss": float(loss)}
+            x = np.load(os.path.join(data, "features.npy"), mmap_mode="r")[lo:hi]
+            y = np.load(os.path.join(data, "labels.npy"), mmap_mode="r")[lo:hi]
+            weight, bias, loss = train_linear(x, y, parameters[0], parameters[1])
+            return [weight, bias], len(y), {"loss": loss}
 
     def client_fn(context: Context):
         return Synthetic(int(context.node_config["partition-id"])).to_client()

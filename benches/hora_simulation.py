@@ -1,5 +1,6 @@
 """The simulation benchmark's Python path: the same federation as `flower_simulation.py`, run by
-`hora.simulation.run` with a Python `train_fn` (the one Flower's clients run, line for line).
+`hora.simulation.run` with a Python `train_fn` (the training Flower's clients run: the same
+`simulation_common.train_linear`).
 
 `benches/simulation.rs` runs this with the Python of the package `hora` (`make
 bench-simulation` installs its release build):
@@ -19,7 +20,7 @@ import time
 
 import numpy as np
 
-from simulation_args import arguments, read_linear, write_linear
+from simulation_common import arguments, read_linear, train_linear, write_linear
 
 
 class Shards:
@@ -44,23 +45,10 @@ class Shards:
 
 
 def fit(weights, config):
-    """Flower's client's fit: one epoch of SGD at 0.05, batches of 10, on cross-entropy."""
-    import torch
-
-    x, y = (torch.from_numpy(a) for a in config["data"].train)
-    model = torch.nn.Linear(60, 10)
-    with torch.no_grad():
-        model.weight.copy_(torch.from_numpy(weights["weight"]))
-        model.bias.copy_(torch.from_numpy(weights["bias"]))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    order = torch.randperm(len(y))
-    for start in range(0, len(y), 10):
-        idx = order[start : start + 10]
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
-        loss.backward()
-        opt.step()
-    return {"weight": model.weight.detach(), "bias": model.bias.detach()}, len(y), {"loss": float(loss.detach())}
+    """Flower's client's fit: the same `train_linear` on the client's rows."""
+    x, y = config["data"].train
+    weight, bias, loss = train_linear(x, y, weights["weight"], weights["bias"])
+    return {"weight": weight, "bias": bias}, len(y), {"loss": loss}
 
 
 def main():

@@ -17,10 +17,10 @@
 //! = 1 − simulated rate ÷ raw rate, each on one worker (target ≤ 20%).
 //!
 //! Hora runs two ways: `hora-server simulate` with the built-in Rust trainer, and
-//! `hora.simulation.run` from Python with a `train_fn` that is Flower's client's `fit` line for
-//! line (`benches/hora_simulation.py`, with the Python of `HORA_PACKAGE_PYTHON`, which the
-//! Makefile target installs the release package into; without it, that path is skipped). Each
-//! is reported against Flower on its own.
+//! `hora.simulation.run` from Python with a `train_fn` that runs Flower's client's very training
+//! (`benches/simulation_common.py`), in `benches/hora_simulation.py`, with the Python of
+//! `HORA_PACKAGE_PYTHON`, which the Makefile target installs the release package into (without
+//! it, that path is skipped). Each is reported against Flower on its own.
 //!
 //! Knobs: `HORA_BENCH_FLOWER=0` runs Hora alone; `HORA_SIM_SEEDS` (3), `HORA_SIM_CLIENTS`
 //! (1000), `HORA_SIM_SCALE_CLIENTS` (100000; 0 skips the scale run). The release binaries must

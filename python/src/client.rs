@@ -137,15 +137,9 @@ impl Trainer for PyTrainer {
         Python::attach(|py| {
             let outcome = self.call(py, global, &request);
             outcome.map_err(|e| {
-                let message = format!(
-                    "the training function raised {}",
-                    e.value(py)
-                        .repr()
-                        .map(|r| r.to_string())
-                        .unwrap_or_else(|_| "an exception".into())
-                );
+                let error = raised("the training function", &e);
                 self.failure.lock().unwrap().get_or_insert(e);
-                ClientError::Training(message)
+                error
             })
         })
         .map(|mut outcome| {
@@ -190,15 +184,7 @@ impl Trainer for PyTrainer {
                 examples: num_examples,
             }))
         })
-        .map_err(|e: PyErr| {
-            let message = Python::attach(|py| {
-                e.value(py)
-                    .repr()
-                    .map(|r| r.to_string())
-                    .unwrap_or_else(|_| "an exception".into())
-            });
-            ClientError::Training(format!("the evaluation function raised {message}"))
-        })
+        .map_err(|e: PyErr| raised("the evaluation function", &e))
     }
 }
 
@@ -273,6 +259,17 @@ impl PyTrainer {
             stopped_early: false,
         })
     }
+}
+
+/// What a Python call made while `doing` something raised, as a training error.
+pub(crate) fn raised(doing: &str, e: &PyErr) -> ClientError {
+    let message = Python::attach(|py| {
+        e.value(py)
+            .repr()
+            .map(|r| r.to_string())
+            .unwrap_or_else(|_| "an exception".into())
+    });
+    ClientError::Training(format!("{doing} raised {message}"))
 }
 
 /// A serde value as the Python object `json.loads` would make of it.

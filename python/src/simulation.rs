@@ -15,13 +15,12 @@ use std::time::Duration;
 
 use hora_client::simulate::{serve, Population};
 use hora_client::trainer::Trainer;
-use hora_client::ClientError;
 use hora_common::simulation::Setup;
 use hora_server::simulation::{Profile, Row, Simulation};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::client::{json_value, PyTrainer};
+use crate::client::{json_value, raised, PyTrainer};
 use crate::convert::{dict_to_model, model_to_dict};
 use crate::{runtime, HoraError};
 
@@ -189,7 +188,7 @@ impl PyPopulation {
             let population = open.call1(py, (setup,))?;
             Ok(PyPopulation { population })
         })
-        .map_err(|e: PyErr| raised("opening the simulation's population", e))
+        .map_err(|e: PyErr| raised("opening the simulation's population", &e))
     }
 }
 
@@ -199,7 +198,7 @@ impl Population for PyPopulation {
             let n = self.population.call_method1(py, "examples", (client,))?;
             n.extract::<u64>(py)
         })
-        .map_err(|e| raised("counting a client's examples", e))
+        .map_err(|e| raised("counting a client's examples", &e))
     }
 
     fn trainer(&mut self, client: u64) -> hora_client::Result<Box<dyn Trainer>> {
@@ -208,19 +207,8 @@ impl Population for PyPopulation {
             let (train, evaluate): (Py<PyAny>, Option<Py<PyAny>>) = made.extract(py)?;
             Ok(Box::new(PyTrainer::new(train, evaluate)) as Box<dyn Trainer>)
         })
-        .map_err(|e| raised("making a client's trainer", e))
+        .map_err(|e| raised("making a client's trainer", &e))
     }
-}
-
-/// What a Python call raised, as the worker's error for the job.
-fn raised(doing: &str, e: PyErr) -> ClientError {
-    let message = Python::attach(|py| {
-        e.value(py)
-            .repr()
-            .map(|r| r.to_string())
-            .unwrap_or_else(|_| "an exception".into())
-    });
-    ClientError::Training(format!("{doing} raised {message}"))
 }
 
 /// A dataset's split among a federation's clients (`partition`): client `k`'s samples are

@@ -816,11 +816,11 @@ impl<'s> Field<'s> {
         traffic: Traffic,
         on_row: &mut (dyn FnMut(&Row) + Send),
     ) -> Result<(), SimulationError> {
-        let history = self.history().await?;
-        let entry = history
+        let (store, task) = (self.store.clone(), self.task.id.clone());
+        let attempts = off_runtime(move || Ok(store.round_attempts(&task, number)?)).await?;
+        let entry = attempts
             .iter()
-            .rev()
-            .find(|r| (r.round, r.attempt) == (number, attempt))
+            .find(|r| r.attempt == attempt)
             .ok_or_else(|| {
                 SimulationError::Setup(format!(
                     "the engine has no history entry for round {number} attempt {attempt}"
