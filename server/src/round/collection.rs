@@ -271,6 +271,11 @@ pub trait Collection: Send + Sync {
         round.deadline()
     }
 
+    /// Brings [`Collection::next_deadline`] to now (see [`Coordinator::expire_round`]).
+    fn expire(&self, round: &Round) {
+        round.set_deadline(now_ms());
+    }
+
     /// Changes that move [`Collection::next_deadline`] early (a stage that closed).
     fn changes(&self) -> Option<watch::Receiver<u64>> {
         None

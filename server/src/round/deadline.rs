@@ -42,13 +42,14 @@ impl Coordinator {
         round.wake.notify_one();
     }
 
-    /// Has `task`'s open round close now, as at its deadline: published with the updates it
-    /// holds if they reach `min_clients`, else abandoned and retried. (A simulation's clock,
-    /// not the server's, says when its rounds' deadlines pass.)
+    /// Has `task`'s open round reach its deadline now: a plain round closes, published with
+    /// the updates it holds if they reach `min_clients`, else abandoned and retried; a round
+    /// with stages (secure aggregation) closes the stage it is in, with whoever is in. (A
+    /// simulation's clock, not the server's, says when its rounds' deadlines pass.)
     /// Only `round` is expired: if the task has moved on, nothing happens.
     pub fn expire_round(&self, task: &Task, round: &Arc<Round>) {
         if task.current().is_some_and(|r| Arc::ptr_eq(&r, round)) {
-            round.set_deadline(now_ms());
+            round.collection.expire(round);
         }
     }
 

@@ -431,6 +431,12 @@ impl Coordinator {
         });
     }
 
+    /// Ends round `round`'s evaluation now, as its deadline would end it (a simulation's clock,
+    /// not the server's, says when that passes); nothing if it has ended already. Blocking.
+    pub fn expire_evaluation(&self, task: &Task, round: u64) -> Result<(), ServerError> {
+        self.end_evaluation_at_deadline(task, round)
+    }
+
     /// Blocking.
     fn end_evaluation_at_deadline(&self, task: &Task, round: u64) -> Result<(), ServerError> {
         let writing = lock(&task.writing);

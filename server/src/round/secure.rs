@@ -133,6 +133,10 @@ impl Collection for SecureCollection {
         self.0.deadline()
     }
 
+    fn expire(&self, _: &Round) {
+        self.0.expire_stage();
+    }
+
     fn changes(&self) -> Option<watch::Receiver<u64>> {
         Some(self.0.changed.subscribe())
     }

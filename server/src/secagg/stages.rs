@@ -37,6 +37,17 @@ impl SecAggRound {
         self.close_stage(store, &mut inner)
     }
 
+    /// Brings the current stage's deadline to now; the round's watcher closes it.
+    pub fn expire_stage(&self) {
+        let mut inner = lock(&self.inner);
+        if inner.stage == Stage::Ended {
+            return;
+        }
+        inner.deadline_unix_ms = inner.deadline_unix_ms.min(now_ms());
+        drop(inner);
+        self.changed.send_modify(|v| *v += 1);
+    }
+
     /// Ends the current stage with whoever is in, and opens the next (or ends the attempt).
     pub(super) fn close_stage(
         &self,
