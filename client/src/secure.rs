@@ -170,11 +170,7 @@ impl Client {
             dir: self.config.state_dir.clone(),
             message: "has no identity key, which secure aggregation needs: enrol this client again with a new token".into(),
         })?;
-        let quantiser = Quantiser {
-            clip: secure.clip,
-            scale: secure.scale,
-            max_weight: secure.max_weight,
-        };
+        let quantiser = Quantiser::offered(secure);
         quantiser.check(1)?;
         let downloading = Instant::now();
         let (start, module) = self.round_inputs(task, offer).await?;
@@ -250,15 +246,13 @@ impl Client {
         report.num_examples = outcome.num_examples;
         report.metrics = outcome.metrics;
         let mut rng = rand_chacha::ChaCha20Rng::from_rng(&mut rand::rng());
-        let input = match secure.evaluation {
-            Some(_) => quantiser.encode_with_evaluation(
-                delta.data(),
-                outcome.num_examples,
-                evaluation.as_ref(),
-                &mut rng,
-            ),
-            None => quantiser.encode(delta.data(), outcome.num_examples, &mut rng),
-        };
+        let input = quantiser.input(
+            secure,
+            delta.data(),
+            outcome.num_examples,
+            evaluation.as_ref(),
+            &mut rng,
+        );
         let clipped = delta
             .data()
             .iter()

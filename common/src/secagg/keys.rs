@@ -42,6 +42,14 @@ impl Identity {
             .map_err(|e| SecAggError::Malformed(format!("not an Ed25519 PKCS#8 key: {e}")))
     }
 
+    /// The identity whose Ed25519 private key is `seed` (a simulated client's, made from the
+    /// simulation's seed; a deployed client's comes from [`Identity::generate`]).
+    pub fn from_seed(seed: &[u8; 32]) -> Result<Identity, SecAggError> {
+        Ed25519KeyPair::from_seed_unchecked(seed)
+            .map(Identity)
+            .map_err(|e| SecAggError::Malformed(format!("not an Ed25519 seed: {e}")))
+    }
+
     /// The public key registered with the server (32 bytes).
     pub fn public_key(&self) -> [u8; 32] {
         let mut out = [0u8; 32];

@@ -16,7 +16,7 @@
 use rand_chacha::rand_core::RngCore;
 
 use super::SecAggError;
-use crate::wire::{EvaluationReport, EvaluationSums};
+use crate::wire::{EvaluationReport, EvaluationSums, SecAggOffer};
 
 /// In a task with federated evaluation, each client's input carries its evaluation of the
 /// model the round trains from in six slots before the weight, so the server learns only the
@@ -69,6 +69,32 @@ impl Quantiser {
             scale,
             max_weight,
         })
+    }
+
+    /// The quantiser a round's offer names (check it before use: [`Quantiser::check`]).
+    pub fn offered(offer: &SecAggOffer) -> Quantiser {
+        Quantiser {
+            clip: offer.clip,
+            scale: offer.scale,
+            max_weight: offer.max_weight,
+        }
+    }
+
+    /// A client's input to the round `offer` describes: [`Quantiser::encode`], with the
+    /// evaluation slots (zeros without an `evaluation`) when the round carries federated
+    /// evaluation.
+    pub fn input(
+        &self,
+        offer: &SecAggOffer,
+        delta: &[f32],
+        examples: u64,
+        evaluation: Option<&EvaluationReport>,
+        rng: &mut impl RngCore,
+    ) -> Vec<u32> {
+        match offer.evaluation {
+            Some(_) => self.encode_with_evaluation(delta, examples, evaluation, rng),
+            None => self.encode(delta, examples, rng),
+        }
     }
 
     /// Checks parameters received from a server: the per-client bound must keep `clients`
