@@ -176,6 +176,7 @@ impl Server {
                     config.request_timeout,
                 ),
                 acknowledge: Acknowledge::Durable,
+                graph_seed: None,
             },
             metrics.clone(),
         )

@@ -379,6 +379,7 @@ pub fn for_new_attempt(
     now: u64,
     previous: Option<&Arc<dyn Collection>>,
     sharing: Option<Sharing>,
+    graph_seed: Option<u64>,
 ) -> Result<(Arc<dyn Collection>, u64), ServerError> {
     let deadline = now + record.config.round_deadline_secs * 1000;
     if let Some(config) = &record.config.asynchronous {
@@ -392,7 +393,7 @@ pub fn for_new_attempt(
     Ok(match &record.config.secure_aggregation {
         Some(config) => {
             let s = super::secure::SecureCollection::new(
-                record, config, number, attempt, now, sharing,
+                record, config, number, attempt, now, sharing, graph_seed,
             )?;
             // Under secure aggregation the round's deadline is when masked inputs are due.
             let deadline = s.round().latest_input_deadline_unix_ms;

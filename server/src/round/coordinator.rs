@@ -45,6 +45,10 @@ pub struct CoordinatorConfig {
     pub replica: String,
     /// When an update (or a selection) is acknowledged.
     pub acknowledge: Acknowledge,
+    /// Where secure aggregation's neighbour graphs come from: `None`, the operating system's
+    /// generator (a server); `Some(seed)`, the seed mixed with each attempt's task, round and
+    /// attempt, so that a run repeats (a simulated federation).
+    pub graph_seed: Option<u64>,
 }
 
 /// When the engine acknowledges an update or a selection: the one seam through which a
@@ -87,6 +91,7 @@ impl Default for CoordinatorConfig {
             role: super::Role::Leader,
             replica: "local".into(),
             acknowledge: Acknowledge::Durable,
+            graph_seed: None,
         }
     }
 }
@@ -341,8 +346,15 @@ impl Coordinator {
         previous: Option<&Arc<dyn Collection>>,
     ) -> Result<Arc<Round>, ServerError> {
         let now = now_ms();
-        let (collection, deadline) =
-            collection::for_new_attempt(record, number, attempt, now, previous, self.sharing())?;
+        let (collection, deadline) = collection::for_new_attempt(
+            record,
+            number,
+            attempt,
+            now,
+            previous,
+            self.sharing(),
+            self.config.graph_seed,
+        )?;
         // A retried attempt may keep the key its clients sealed their updates to.
         let key = match collection.attempt_key(number) {
             Some(key) => key,

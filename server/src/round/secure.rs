@@ -37,6 +37,7 @@ impl SecureCollection {
         attempt: u32,
         now: u64,
         sharing: Option<Sharing>,
+        graph_seed: Option<u64>,
     ) -> Result<Self, ServerError> {
         Ok(SecureCollection(Arc::new(SecAggRound::new(
             hora_common::secagg::Context::new(&record.config.id, number, attempt),
@@ -48,6 +49,7 @@ impl SecureCollection {
             record.spec.numel(),
             evaluation(record, number),
             sharing,
+            graph_seed,
         )?)))
     }
 

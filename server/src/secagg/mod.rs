@@ -250,6 +250,21 @@ fn stage_closed(stage: Stage, now: Stage) -> ServerError {
     )
 }
 
+/// The neighbour graph's seed of the attempt `ctx`, from a seed of the caller's
+/// ([`CoordinatorConfig::graph_seed`](crate::round::CoordinatorConfig::graph_seed)).
+fn derived_graph_seed(seed: u64, ctx: &hora_common::secagg::Context) -> [u8; 32] {
+    let mut digest = ring::digest::Context::new(&ring::digest::SHA256);
+    digest.update(b"hora secagg graph seed");
+    digest.update(&seed.to_le_bytes());
+    digest.update(&(ctx.task.len() as u64).to_le_bytes());
+    digest.update(ctx.task.as_bytes());
+    digest.update(&ctx.round.to_le_bytes());
+    digest.update(&ctx.attempt.to_le_bytes());
+    let mut out = [0u8; 32];
+    out.copy_from_slice(digest.finish().as_ref());
+    out
+}
+
 fn key(task: &str, kind: &str, client: &str) -> String {
     format!("{task}\0{kind}\0{client}")
 }
@@ -267,11 +282,20 @@ impl SecAggRound {
         numel: usize,
         evaluation: Option<SecAggEvaluation>,
         sharing: Option<Sharing>,
+        graph_seed: Option<u64>,
     ) -> Result<SecAggRound, ServerError> {
-        let mut seed = [0u8; 32];
-        ring::rand::SystemRandom::new()
-            .fill(&mut seed)
-            .map_err(|_| ServerError::internal("the system random number generator failed"))?;
+        let seed = match graph_seed {
+            Some(seed) => derived_graph_seed(seed, &ctx),
+            None => {
+                let mut seed = [0u8; 32];
+                ring::rand::SystemRandom::new()
+                    .fill(&mut seed)
+                    .map_err(|_| {
+                        ServerError::internal("the system random number generator failed")
+                    })?;
+                seed
+            }
+        };
         let quantiser = quantiser_for(&config, capacity)?;
         let stage_ms = config.stage_secs * 1000;
         Ok(SecAggRound {
@@ -336,6 +360,7 @@ impl SecAggRound {
             numel,
             evaluation,
             sharing,
+            None, // (the stored attempt's seed replaces it)
         )?;
         let task = round.ctx.task.clone();
         let state = store
