@@ -136,6 +136,162 @@ fn a_round_holds_the_first_clients_to_finish_and_counts_the_others_as_dropped() 
 }
 
 #[test]
+fn secure_aggregation_with_30_percent_dropouts_publishes_the_survivors_fedavg() {
+    // Ten clients a round, each told to drop out with chance 0.3 after sharing its keys: the
+    // engine must remove the masks the dropped clients agreed with their neighbours. The same
+    // federation without secure aggregation takes the same survivors' updates in the clear, so
+    // its FedAvg is what the unmasked sums must give (up to the quantisation's rounding).
+    let (rounds, profile) = (3, "heterogeneous:dropout=0.3");
+    let secure = serde_json::json!({"min_clients": 3,
+        "secure_aggregation": {"clip": 5.0, "max_weight": 100_000}});
+    let masked = simulate(task(rounds, 10, secure), 100, 2, 5, profile);
+    // (Without the adaptive bounds on weights and norms, which masked updates cannot have.)
+    let clear = serde_json::json!({"min_clients": 3, "update_bounds":
+        {"adaptive_norm_factor": null, "adaptive_weight_factor": null}});
+    let plain = simulate(task(rounds, 10, clear), 100, 2, 5, profile);
+    assert_eq!(masked.history.len() as u64, rounds, "{:?}", masked.history);
+    assert!(
+        masked.history.iter().all(|r| r.outcome == "published"),
+        "{:?}",
+        masked.history
+    );
+    let (mut selected, mut dropped) = (0, 0);
+    for (m, p) in masked.records.iter().zip(&plain.records) {
+        let set = |ids: &[String]| ids.iter().cloned().collect::<BTreeSet<_>>();
+        assert_eq!(
+            set(&m.participants),
+            set(&p.participants),
+            "round {}",
+            m.round
+        );
+        assert_eq!(set(&m.dropped), set(&p.dropped), "round {}", m.round);
+        assert_eq!(m.examples, p.examples, "round {}", m.round);
+        selected += m.participants.len() + m.dropped.len();
+        dropped += m.dropped.len();
+    }
+    assert!(
+        dropped * 100 >= selected * 15 && dropped * 100 <= selected * 45,
+        "{dropped} of {selected} dropped out"
+    );
+    let (m, p) = (masked.model.data(), plain.model.data());
+    let worst = m
+        .iter()
+        .zip(p)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst < 1e-3,
+        "the masked federation's model is {worst} from the plain one's"
+    );
+    assert_ne!(m, p, "quantised sums cannot be the plain sums bit for bit");
+    let accuracy = |o: &Outcome| o.history.last().and_then(|r| r.eval_accuracy).unwrap();
+    assert!((accuracy(&masked) - accuracy(&plain)).abs() < 0.01);
+
+    // Twenty a round: SecAgg+'s sparse neighbour graph (14 neighbours each), drawn from the
+    // seed, so the same attempts publish or are abandoned with one worker or two.
+    let sparse = serde_json::json!({"min_clients": 3, "evaluation": {"clients": 5},
+        "secure_aggregation": {"clip": 5.0, "max_weight": 100_000}});
+    let runs: Vec<Outcome> = [1, 2]
+        .into_iter()
+        .map(|workers| {
+            simulate(
+                task(2, 20, sparse.clone()),
+                100,
+                workers,
+                9,
+                "heterogeneous:dropout=0.1",
+            )
+        })
+        .collect();
+    assert_eq!(
+        runs[0].model.to_safetensors(),
+        runs[1].model.to_safetensors()
+    );
+    assert_eq!(runs[0].history.len(), runs[1].history.len());
+    for (a, b) in runs[0].history.iter().zip(&runs[1].history) {
+        assert_eq!(
+            (a.round, a.attempt, &a.outcome, a.participants, a.dropouts),
+            (b.round, b.attempt, &b.outcome, b.participants, b.dropouts)
+        );
+        assert_eq!(
+            (a.federated_loss, a.federated_accuracy),
+            (b.federated_loss, b.federated_accuracy)
+        );
+    }
+    // Round 2's clients evaluated round 1's model inside their masked inputs.
+    let first = runs[0]
+        .history
+        .iter()
+        .find(|r| r.round == 1 && r.outcome == "published");
+    assert!(
+        first.and_then(|r| r.federated_accuracy).is_some(),
+        "{:?}",
+        runs[0].history
+    );
+}
+
+#[test]
+fn a_task_that_trains_part_of_its_model_changes_only_that_part_and_its_clients_evaluate_it() {
+    tch::manual_seed(11);
+    let arch = hora_client::network::Architecture::Logreg {
+        inputs: 60,
+        classes: 10,
+    };
+    let network = hora_client::network::Network::builtin(&arch, tch::Device::Cpu).unwrap();
+    let initial = network.weights().unwrap();
+    let part = task(
+        3,
+        4,
+        serde_json::json!({"trainable": ["*.bias"],
+        "evaluation": {"every": 2, "clients": 5, "held_out": true}}),
+    );
+    let mut sim = simulation_of(part, 40, 2, 3, "uniform");
+    sim.initial = Some(initial.clone());
+    let outcome = run(&sim);
+    assert!(outcome.history.iter().all(|r| r.outcome == "published"));
+    // The outcome is the whole model: the frozen weight as it was, the bias trained.
+    assert_eq!(outcome.model.spec(), initial.spec());
+    let tensor = |m: &hora_common::model::Model, name: &str| m.tensor(name).unwrap().to_vec();
+    assert_eq!(
+        tensor(&outcome.model, "linear.weight"),
+        tensor(&initial, "linear.weight")
+    );
+    assert_ne!(
+        tensor(&outcome.model, "linear.bias"),
+        tensor(&initial, "linear.bias")
+    );
+    // Each update carried the trainable part only: 10 values a client.
+    assert!(outcome
+        .history
+        .iter()
+        .all(|r| r.bytes_up < r.participants * 200));
+    // The engine's federated evaluation: every second round and the last, five clients each
+    // (evaluating the whole model: the part with its base), in the history and the rows.
+    let evaluated: Vec<u64> = outcome
+        .records
+        .iter()
+        .filter_map(|r| r.evaluation.map(|_| r.round))
+        .collect();
+    assert_eq!(evaluated, [2, 3], "{:?}", outcome.records);
+    for (record, row) in outcome.records.iter().zip(&outcome.history) {
+        match record.evaluation {
+            Some(e) => {
+                assert_eq!(e.clients, 5, "round {}", record.round);
+                let accuracy = row.federated_accuracy.expect("a federated accuracy");
+                assert_eq!(Some(accuracy), e.accuracy);
+                // Five clients' held-out data against the pooled forty's: the same model.
+                let pooled = row.eval_accuracy.unwrap();
+                assert!(
+                    (accuracy - pooled).abs() < 0.25,
+                    "{accuracy} against {pooled}"
+                );
+            }
+            None => assert_eq!((row.federated_loss, row.federated_accuracy), (None, None)),
+        }
+    }
+}
+
+#[test]
 fn fedbuff_reaches_the_target_accuracy_sooner_in_simulated_time_on_a_heterogeneous_fleet() {
     // Devices two orders of magnitude apart: a synchronous round waits for its tenth finisher
     // (of 13 selected), FedBuff folds whoever finishes, against the version it started from.

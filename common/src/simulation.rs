@@ -26,7 +26,7 @@ use crate::model::ModelDigest;
 use crate::wire::{Metrics, ModelKind, TrainingConfig};
 
 /// The protocol's version: an engine and a worker of different versions refuse each other.
-pub const PROTOCOL: u32 = 1;
+pub const PROTOCOL: u32 = 2;
 
 /// The longest header line a frame may have.
 pub const MAX_HEADER_BYTES: usize = 1 << 20;
@@ -72,6 +72,9 @@ pub enum Job {
     /// Evaluate `model` on these clients' held-out data, pooled.
     Evaluate {
         model: ModelDigest,
+        /// For a task that trains part of its model: the frozen base `model` completes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        frozen_base: Option<ModelDigest>,
         model_kind: ModelKind,
         clients: Vec<u64>,
     },
@@ -89,9 +92,10 @@ pub struct TrainJob {
     pub training: TrainingConfig,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<Compression>,
-    /// For a task that trains part of its model: the tensors the update carries.
+    /// For a task that trains part of its model: the frozen base `model` (the trainable part)
+    /// completes. The client trains the whole model and the update carries the part.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub trainable: Option<Vec<String>>,
+    pub frozen_base: Option<ModelDigest>,
 }
 
 /// A worker's answer to a [`Job`].

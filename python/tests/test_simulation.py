@@ -84,6 +84,28 @@ def hospitals(n: int = 700, seed: int = 1) -> pd.DataFrame:
     return frame
 
 
+def test_secure_aggregation_with_dropouts_publishes_what_the_clear_federation_publishes():
+    # Each client drops out with chance 0.3 after sharing its keys; the same federation in the
+    # clear (no adaptive bounds, which masked updates cannot have) takes the same survivors.
+    task = {**TASK, "rounds": 3, "target_clients": 8, "min_clients": 3}
+    clear = {**task, "update_bounds": {"adaptive_norm_factor": None, "adaptive_weight_factor": None}}
+    secure = {**task, "secure_aggregation": {"clip": 5.0, "max_weight": 100000}}
+    data = Partition(blobs(), "dirichlet:alpha=0.5")
+    masked, plain = [
+        run(t, 30, model=initial(), data=data, trainer=torch_trainer, workers=2, seed=6,
+            profile="heterogeneous:dropout=0.3", evaluate_clients=10, progress=False)
+        for t in (secure, clear)
+    ]
+    assert (masked.history["outcome"] == "published").all(), masked.history
+    for column in ("participants", "dropouts", "examples", "sim_time_s"):
+        assert list(masked.history[column]) == list(plain.history[column]), column
+    assert masked.history["dropouts"].sum() > 0
+    for name in plain.model:
+        np.testing.assert_allclose(masked.model[name], plain.model[name], atol=1e-3, err_msg=name)
+    # The server never saw a client's loss: only the sum of the masked updates.
+    assert masked.history["loss"].isna().all() and plain.history["loss"].notna().all()
+
+
 def test_a_natural_partition_is_one_client_per_hospital_and_the_engine_publishes_their_fedavg(tmp_path):
     frame = hospitals()
     names = sorted(frame["hospital"].unique())

@@ -29,7 +29,7 @@ use hora_common::wire::ModelKind;
 use rand::SeedableRng;
 use rand_chacha::ChaCha12Rng;
 
-use crate::client::difference;
+use crate::client::Start;
 use crate::error::{ClientError, Result};
 use crate::trainer::{EvaluateRequest, Evaluation, TrainRequest, Trainer};
 
@@ -119,9 +119,12 @@ fn protocol(e: FrameError) -> ClientError {
 struct Worker<P> {
     setup: Setup,
     population: P,
-    /// The last global model read, by digest (a round's jobs share it).
-    model: Option<(ModelDigest, Model)>,
+    /// The models read last, by digest (a round's jobs share its model and frozen base).
+    models: Vec<(ModelDigest, Model)>,
 }
+
+/// Models a worker keeps read: a round's, and the frozen base of a part-of-a-model task.
+const MODELS_KEPT: usize = 2;
 
 impl<P: Population> Worker<P> {
     fn new(setup: Setup, open: impl FnOnce(&Setup) -> Result<P>) -> Result<Self> {
@@ -136,7 +139,7 @@ impl<P: Population> Worker<P> {
         Ok(Worker {
             setup,
             population,
-            model: None,
+            models: Vec::new(),
         })
     }
 
@@ -156,14 +159,17 @@ impl<P: Population> Worker<P> {
             Job::Train(job) => self.train(job),
             Job::Evaluate {
                 model,
+                frozen_base,
                 model_kind,
                 clients,
             } => {
-                let model = self.global(model)?;
+                let start = self.start(model, frozen_base)?;
                 for &c in &clients {
                     self.check(c)?;
                 }
-                let e = self.population.evaluate(&model, &model_kind, &clients)?;
+                let e = self
+                    .population
+                    .evaluate(start.model(), &model_kind, &clients)?;
                 let finite = |v: f64| v.is_finite().then_some(v);
                 let reply = Reply::Evaluated {
                     loss: finite(e.loss),
@@ -186,11 +192,28 @@ impl<P: Population> Worker<P> {
         }
     }
 
-    fn global(&mut self, digest: ModelDigest) -> Result<Model> {
-        if let Some((d, model)) = &self.model {
-            if *d == digest {
-                return Ok(model.clone());
-            }
+    /// What a round trains from: `model`, completed by `frozen_base` for a task that trains
+    /// part of its model (as a deployed client completes it).
+    fn start(&mut self, model: ModelDigest, frozen_base: Option<ModelDigest>) -> Result<Start> {
+        let global = self.read(model)?;
+        let whole = match frozen_base {
+            Some(base) => Some(Model::merge(&self.read(base)?, &global).map_err(|e| {
+                ClientError::Protocol(format!(
+                    "the task's frozen base and its model do not make one model: {e}"
+                ))
+            })?),
+            None => None,
+        };
+        Ok(Start { global, whole })
+    }
+
+    fn read(&mut self, digest: ModelDigest) -> Result<Model> {
+        if let Some(i) = self.models.iter().position(|(d, _)| *d == digest) {
+            // (The most recent last: a round's model and its frozen base both stay.)
+            let kept = self.models.remove(i);
+            let model = kept.1.clone();
+            self.models.push(kept);
+            return Ok(model);
         }
         let path = self.setup.models_dir.join(format!("{digest}.safetensors"));
         let model = Model::read_file(&path, &Limits::default())?;
@@ -200,33 +223,33 @@ impl<P: Population> Worker<P> {
                 path.display()
             )));
         }
-        self.model = Some((digest, model.clone()));
+        if self.models.len() == MODELS_KEPT {
+            self.models.remove(0);
+        }
+        self.models.push((digest, model.clone()));
         Ok(model)
     }
 
     fn train(&mut self, job: TrainJob) -> Result<(Reply, Vec<u8>)> {
         let started = Instant::now();
-        let global = self.global(job.model)?;
+        let start = self.start(job.model, job.frozen_base)?;
+        let trainable = start.trainable();
         let mut trainer = self.population.trainer(self.check(job.client)?)?;
         let outcome = trainer.train(
-            &global,
+            start.model(),
             TrainRequest {
                 task: "simulation",
                 round: job.round,
                 config: &job.training,
                 model_kind: &job.model_kind,
                 module: None,
-                trainable: job.trainable.as_deref(),
+                trainable: trainable.as_deref(),
                 // (Simulated time decides stragglers: training always runs its epochs.)
                 deadline: Instant::now() + Duration::from_secs(365 * 24 * 3600),
                 progress: &mut |_| {},
             },
         )?;
-        let local = match &job.trainable {
-            Some(_) => outcome.weights.only(|name| global.tensor(name).is_some()),
-            None => outcome.weights,
-        };
-        let mut delta = difference(&local, &global)?;
+        let mut delta = start.delta(&outcome.weights)?;
         let payload = match &job.compression {
             None => delta.to_safetensors(),
             Some(compression) => {

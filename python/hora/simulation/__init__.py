@@ -51,6 +51,7 @@ __all__ = ["Partition", "Result", "Shard", "run"]
 COLUMNS = [
     "round", "attempt", "outcome", "sim_time_s", "wall_time_s", "participants", "dropouts",
     "examples", "loss", "eval_loss", "eval_accuracy", "epsilon", "bytes_down", "bytes_up",
+    "federated_loss", "federated_accuracy",
 ]
 
 
@@ -221,7 +222,8 @@ def run(
     import pandas as pd
 
     history = pd.DataFrame(rows, columns=COLUMNS)
-    for column in ("loss", "eval_loss", "eval_accuracy", "epsilon"):
+    numeric = ("loss", "eval_loss", "eval_accuracy", "epsilon", "federated_loss", "federated_accuracy")
+    for column in numeric:
         history[column] = pd.to_numeric(history[column]).astype("float64")  # None: NaN
     return Result(history, dict(done["model"]), float(done["wall_seconds"]), int(done["updates"]), rows)
 

@@ -28,6 +28,12 @@ use crate::store::{MemoryStore, Store};
 /// (a week, the longest a task may set).
 const ENGINE_DEADLINE_SECS: u64 = 604_800;
 
+mod federated;
+mod secure;
+
+/// The engine's time for every secure-aggregation stage (a day, the longest a task may set).
+const ENGINE_STAGE_SECS: u64 = 86_400;
+
 /// Domain tags of the seeds the driver draws with, apart from the workers' streams.
 const SAMPLING: u64 = 0x5A3D_0001;
 const DROPOUTS: u64 = 0x5A3D_0002;
@@ -46,7 +52,8 @@ const ENGINE_WAIT: Duration = Duration::from_secs(600);
 pub struct Outcome {
     /// One row per round attempt (asynchronous: per version).
     pub history: Vec<Row>,
-    /// The task's last published model.
+    /// The task's last published model (whole: with its frozen base, for a task that trains
+    /// part of its model).
     pub model: Model,
     pub wall_seconds: f64,
     /// Updates the engine took.
@@ -234,13 +241,25 @@ impl<'s> Field<'s> {
                 )
             })?;
         object.insert("round_deadline_secs".into(), ENGINE_DEADLINE_SECS.into());
+        // Stages close when their clients are in, or as the simulated clock says: never by the
+        // engine's clock.
+        if let Some(secure) = object
+            .get_mut("secure_aggregation")
+            .and_then(|v| v.as_object_mut())
+        {
+            secure.insert("stage_secs".into(), ENGINE_STAGE_SECS.into());
+        }
+        // The same for an evaluation's deadline: the driver ends it.
+        if let Some(deadline) = object
+            .get_mut("evaluation")
+            .and_then(|v| v.as_object_mut())
+            .and_then(|e| e.get_mut("deadline_secs"))
+            .filter(|d| !d.is_null())
+        {
+            *deadline = ENGINE_DEADLINE_SECS.into();
+        }
         // Refused before anything starts.
         let set = |key: &str| object.get(key).is_some_and(|v| !v.is_null());
-        if set("secure_aggregation") || set("trainable") {
-            return Err(SimulationError::Setup(
-                "this release simulates plain and asynchronous tasks: secure aggregation and part-of-a-model tasks are not simulated yet".into(),
-            ));
-        }
         if set("asynchronous") && sim.checkpoint.is_some() {
             return Err(SimulationError::Setup(
                 "checkpoints are kept for synchronous tasks only in this release: simulate this asynchronous (FedBuff) task without a checkpoint folder".into(),
@@ -277,6 +296,7 @@ impl<'s> Field<'s> {
             commit_window: Duration::ZERO,
             acknowledge: Acknowledge::OnFold,
             durability_timeout: ENGINE_WAIT,
+            graph_seed: Some(sim.seed),
             ..CoordinatorConfig::default()
         };
         let coordinator =
@@ -384,14 +404,32 @@ impl<'s> Field<'s> {
         match asynchronous {
             true => self.versions(on_row).await?,
             false => {
+                let secure = self.task.record().config.secure_aggregation.is_some();
                 while let Some(round) = self.open_round() {
-                    self.round(round, on_row).await?;
+                    match secure {
+                        true => self.secure_round(round, on_row).await?,
+                        false => self.round(round, on_row).await?,
+                    }
                     self.checkpoint().await?;
                 }
             }
         }
-        let (store, digest) = (self.store.clone(), self.task.global_model());
-        let model = off_runtime(move || Ok(store.read_model(&digest)?)).await?;
+        // (The whole model, for a task that trains part of it.)
+        let (store, digest, base) = (
+            self.store.clone(),
+            self.task.global_model(),
+            self.frozen_base(),
+        );
+        let model = off_runtime(move || {
+            let part = store.read_model(&digest)?;
+            match base {
+                None => Ok(part),
+                Some(base) => Model::merge(&store.read_model(&base)?, &part).map_err(|e| {
+                    SimulationError::Setup(format!("the published part and its base: {e}"))
+                }),
+            }
+        })
+        .await?;
         Ok(Outcome {
             records: self.history().await?,
             history: std::mem::take(&mut self.rows),
@@ -673,21 +711,29 @@ impl<'s> Field<'s> {
     }
 
     /// Writes the model the workers train from, once.
+    /// (With the task's frozen base, for a task that trains part of its model.)
     async fn prepare(&mut self, digest: ModelDigest) -> Result<(), SimulationError> {
-        if self.written.contains(&digest) {
-            return Ok(());
+        for digest in [Some(digest), self.frozen_base()].into_iter().flatten() {
+            if self.written.contains(&digest) {
+                continue;
+            }
+            let store = self.store.clone();
+            let path = self.models_dir.join(format!("{digest}.safetensors"));
+            off_runtime(move || {
+                let model = store.read_model(&digest)?;
+                model
+                    .write_file(&path)
+                    .map_err(|e| SimulationError::Setup(format!("writing {}: {e}", path.display())))
+            })
+            .await?;
+            self.written.insert(digest);
         }
-        let store = self.store.clone();
-        let path = self.models_dir.join(format!("{digest}.safetensors"));
-        off_runtime(move || {
-            let model = store.read_model(&digest)?;
-            model
-                .write_file(&path)
-                .map_err(|e| SimulationError::Setup(format!("writing {}: {e}", path.display())))
-        })
-        .await?;
-        self.written.insert(digest);
         Ok(())
+    }
+
+    /// The frozen base of a task that trains part of its model.
+    fn frozen_base(&self) -> Option<ModelDigest> {
+        self.task.record().part.map(|p| p.base)
     }
 
     /// The engine's history of the task (read off the runtime: it is the store's).
@@ -704,7 +750,7 @@ impl<'s> Field<'s> {
             model_kind: offer.model_kind.clone(),
             training: offer.training.clone(),
             compression: offer.compression.clone(),
-            trainable: None,
+            frozen_base: offer.frozen_base,
         }))
     }
 
@@ -717,44 +763,10 @@ impl<'s> Field<'s> {
         answer: oneshot::Receiver<Answer>,
         traffic: &mut Traffic,
     ) -> Result<bool, SimulationError> {
-        let answer = answer
-            .await
-            .unwrap_or_else(|_| Err("a worker went away".into()));
-        let (num_examples, metrics, payload) = match answer {
-            Ok((
-                Reply::Trained {
-                    num_examples,
-                    metrics,
-                    ..
-                },
-                payload,
-            )) => (num_examples, metrics, payload),
-            Ok((Reply::Failed { error }, _)) => {
-                // A trainer that fails for client after client is a bug, not a fleet's
-                // dropouts: the run stops with what it raised.
-                self.failing += 1;
-                let target = u64::from(self.task.record().config.target_clients.max(1));
-                if self.failing >= target {
-                    return Err(SimulationError::Workers(format!(
-                        "{} virtual clients' trainings failed in a row, the last (client {client}, round {round}) with: {error}",
-                        self.failing
-                    )));
-                }
-                tracing::warn!(client, round, %error, "a virtual client's training failed: it counts as dropped out");
-                traffic.lost += 1;
-                return Ok(false);
-            }
-            Err(error) => {
-                tracing::warn!(client, round, %error, "a virtual client's worker failed: the client counts as dropped out");
-                traffic.lost += 1;
-                if self.pool.alive() == 0 {
-                    return Err(SimulationError::Workers(format!(
-                        "every simulation worker has exited (the last error: {error})"
-                    )));
-                }
-                return Ok(false);
-            }
-            Ok((other, _)) => return Err(unexpected(other)),
+        let Some((num_examples, metrics, payload)) =
+            self.trained(client, round, answer, traffic).await?
+        else {
+            return Ok(false);
         };
         let bytes = payload.len() as u64;
         let meta = UpdateMeta {
@@ -784,6 +796,57 @@ impl<'s> Field<'s> {
             Err(e) => return Err(e.into()),
         }
         Ok(false)
+    }
+
+    /// What `client`'s training for `round` made (examples, metrics, the encoded update), or
+    /// None if it failed (the client counts as dropped out). Trainings that fail for client
+    /// after client, or workers that have all exited, stop the run.
+    async fn trained(
+        &mut self,
+        client: u64,
+        round: u64,
+        answer: oneshot::Receiver<Answer>,
+        traffic: &mut Traffic,
+    ) -> Result<Option<(u64, wire::Metrics, Vec<u8>)>, SimulationError> {
+        let answer = answer
+            .await
+            .unwrap_or_else(|_| Err("a worker went away".into()));
+        match answer {
+            Ok((
+                Reply::Trained {
+                    num_examples,
+                    metrics,
+                    ..
+                },
+                payload,
+            )) => Ok(Some((num_examples, metrics, payload))),
+            Ok((Reply::Failed { error }, _)) => {
+                // A trainer that fails for client after client is a bug, not a fleet's
+                // dropouts: the run stops with what it raised.
+                self.failing += 1;
+                let target = u64::from(self.task.record().config.target_clients.max(1));
+                if self.failing >= target {
+                    return Err(SimulationError::Workers(format!(
+                        "{} virtual clients' trainings failed in a row, the last (client {client}, round {round}) with: {error}",
+                        self.failing
+                    )));
+                }
+                tracing::warn!(client, round, %error, "a virtual client's training failed: it counts as dropped out");
+                traffic.lost += 1;
+                Ok(None)
+            }
+            Err(error) => {
+                tracing::warn!(client, round, %error, "a virtual client's worker failed: the client counts as dropped out");
+                traffic.lost += 1;
+                if self.pool.alive() == 0 {
+                    return Err(SimulationError::Workers(format!(
+                        "every simulation worker has exited (the last error: {error})"
+                    )));
+                }
+                Ok(None)
+            }
+            Ok((other, _)) => Err(unexpected(other)),
+        }
     }
 
     /// Waits until the engine has closed attempt `attempt` of round `number`.
@@ -816,6 +879,7 @@ impl<'s> Field<'s> {
         traffic: Traffic,
         on_row: &mut (dyn FnMut(&Row) + Send),
     ) -> Result<(), SimulationError> {
+        self.federated_evaluation(number).await?;
         let (store, task) = (self.store.clone(), self.task.id.clone());
         let attempts = off_runtime(move || Ok(store.round_attempts(&task, number)?)).await?;
         let entry = attempts
@@ -845,13 +909,15 @@ impl<'s> Field<'s> {
             loss: entry.metrics.loss,
             eval_loss,
             eval_accuracy,
+            federated_loss: entry.evaluation.and_then(|e| e.loss),
+            federated_accuracy: entry.evaluation.and_then(|e| e.accuracy),
             epsilon: entry.privacy.as_ref().map(|p| p.epsilon),
             bytes_down: traffic.bytes_down,
             bytes_up: traffic.bytes_up,
         };
         on_row(&row);
         self.rows.push(row);
-        Ok(())
+        self.carried_into_rows(number).await
     }
 
     /// `model`'s loss and accuracy on the evaluation clients' pooled held-out data, split over
@@ -864,13 +930,14 @@ impl<'s> Field<'s> {
             return Ok((None, None));
         }
         self.prepare(model).await?;
-        let model_kind = self.task.record().config.model;
+        let (model_kind, frozen_base) = (self.task.record().config.model, self.frozen_base());
         let asked: Vec<_> = self
             .evaluation_clients
             .chunks(EVALUATION_CHUNK)
             .map(|chunk| {
                 let job = Job::Evaluate {
                     model,
+                    frozen_base,
                     model_kind: model_kind.clone(),
                     clients: chunk.to_vec(),
                 };

@@ -27,6 +27,12 @@ pub struct Row {
     /// The published model on the evaluation clients' pooled held-out data.
     pub eval_loss: Option<f64>,
     pub eval_accuracy: Option<f64>,
+    /// The task's federated evaluation of the published model (`evaluation` in the task): the
+    /// reporting clients' example-weighted loss and accuracy on their own held-out data.
+    #[serde(default)]
+    pub federated_loss: Option<f64>,
+    #[serde(default)]
+    pub federated_accuracy: Option<f64>,
     /// Under central differential privacy: ε spent once this round was published.
     pub epsilon: Option<f64>,
     /// Bytes the round's clients downloaded (the model) and uploaded (their updates).
@@ -80,12 +86,12 @@ impl Row {
 
 /// `rows` as CSV, with a header line.
 pub fn csv(rows: &[Row]) -> String {
-    let mut out = String::from("round,attempt,outcome,sim_time_s,wall_time_s,participants,dropouts,examples,loss,eval_loss,eval_accuracy,epsilon,bytes_down,bytes_up\n");
+    let mut out = String::from("round,attempt,outcome,sim_time_s,wall_time_s,participants,dropouts,examples,loss,eval_loss,eval_accuracy,epsilon,bytes_down,bytes_up,federated_loss,federated_accuracy\n");
     let cell = |v: Option<f64>| v.map_or_else(String::new, |v| v.to_string());
     for r in rows {
         let _ = writeln!(
             out,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             r.round,
             r.attempt,
             r.outcome,
@@ -99,7 +105,9 @@ pub fn csv(rows: &[Row]) -> String {
             cell(r.eval_accuracy),
             cell(r.epsilon),
             r.bytes_down,
-            r.bytes_up
+            r.bytes_up,
+            cell(r.federated_loss),
+            cell(r.federated_accuracy)
         );
     }
     out
