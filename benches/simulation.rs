@@ -301,8 +301,7 @@ fn hora(
         .arg("--model")
         .arg(&model_path)
         .arg("--worker-command")
-        .arg(binary("hora-client"))
-        .arg("simulate-worker");
+        .arg(binary("hora-simulate-worker"));
     if let Some(initial) = initial {
         initial.write_file(&initial_path).expect("initial model");
         command.arg("--initial").arg(&initial_path);

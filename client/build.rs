@@ -5,5 +5,6 @@ mod libtorch_rpath;
 
 fn main() {
     commit::emit();
-    libtorch_rpath::emit();
+    // (`hora-simulate-worker` trains on one CPU thread: no CUDA.)
+    libtorch_rpath::emit_cuda_for(&["bin=hora-client", "benches"]);
 }

@@ -124,6 +124,11 @@ extras "$bin" "$stage/$client"
 # The launcher of synchronous jobs (no libtorch, nothing to bundle).
 cp "$built/hora-run" "$stage/$client/bin/"
 "$strip" --strip-debug "$stage/$client/bin/hora-run"
+# The simulation's worker (`hora-server simulate` finds it on PATH): it links libtorch without
+# CUDA, so the libraries bundled for hora-client are all it needs.
+cp "$built/hora-simulate-worker" "$stage/$client/bin/"
+"$strip" --strip-debug "$stage/$client/bin/hora-simulate-worker"
+"$patchelf" --set-rpath '$ORIGIN/../lib' "$stage/$client/bin/hora-simulate-worker"
 
 for name in "$server" "$client"; do
     tar -C "$stage" -czf "$out/$name.tar.gz" "$name"

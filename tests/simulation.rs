@@ -1,5 +1,5 @@
 //! Simulated federations: the server's round engine in this process, virtual clients trained by
-//! real `hora-client simulate-worker` processes on Synthetic(1,1) shards, a simulated clock.
+//! real `hora-simulate-worker` processes on Synthetic(1,1) shards, a simulated clock.
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -12,10 +12,7 @@ mod support;
 use support::binary;
 
 fn worker() -> Vec<OsString> {
-    vec![
-        binary("hora-client").into_os_string(),
-        "simulate-worker".into(),
-    ]
+    vec![binary("hora-simulate-worker").into_os_string()]
 }
 
 /// Logistic regression 60 → 10 on Synthetic(1, 1): `target` clients a round of `clients`.
@@ -492,13 +489,13 @@ async fn a_simulated_federation_publishes_the_models_the_same_federation_deploye
 fn a_worker_killed_mid_run_costs_at_most_the_client_it_held_and_the_run_finishes() {
     let dir = tempfile::tempdir().unwrap();
     let pids = dir.path().join("pids");
-    // Each worker writes its process id, then becomes hora-client (same id).
+    // Each worker writes its process id, then becomes hora-simulate-worker (same id).
     let command = vec![
         OsString::from("sh"),
         "-c".into(),
-        r#"echo $$ >> "$0"; exec "$1" simulate-worker"#.into(),
+        r#"echo $$ >> "$0"; exec "$1""#.into(),
         pids.clone().into_os_string(),
-        binary("hora-client").into_os_string(),
+        binary("hora-simulate-worker").into_os_string(),
     ];
     let sim = Simulation {
         worker_command: command,

@@ -13,7 +13,7 @@
 //! - [`transport`]: HTTPS with retries (exponential backoff, full jitter) for transient
 //!   failures only; [`error`]: what a refusal means and what to do about it.
 //! - [`simulate`]: a worker of a simulated federation, which trains virtual clients for the
-//!   engine of `hora-server simulate` (`hora-client simulate-worker`) or of
+//!   engine of `hora-server simulate` (`hora-simulate-worker`) or of
 //!   `hora.simulation.run` (the user's Python trainer).
 //! - [`state`]: credentials, cached models and the round in progress on the client's disk.
 //! - [`device`]: `auto`/`cpu`/`cuda:N` as the user says it.

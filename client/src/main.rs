@@ -70,10 +70,6 @@ enum Command {
     },
     #[command(flatten)]
     Docs(layers::DocsCommand),
-    /// Train virtual clients for a simulated federation (`hora-server simulate` starts these
-    /// and speaks to them over standard input and output).
-    #[command(hide = true)]
-    SimulateWorker,
 }
 
 #[derive(Subcommand)]
@@ -933,11 +929,6 @@ fn main() -> ExitCode {
             command: ConfigCommand::Check { json, command },
         } => check(command, json, matches),
         Command::Docs(docs) => docs.run(Cli::command()).map_err(anyhow::Error::msg),
-        Command::SimulateWorker => hora_client::simulate::builtin::serve(
-            std::io::stdin().lock(),
-            std::io::BufWriter::new(std::io::stdout().lock()),
-        )
-        .map_err(anyhow::Error::from),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

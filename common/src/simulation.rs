@@ -1,7 +1,7 @@
 //! What a simulated federation's engine and its workers say to each other.
 //!
 //! A simulation (`hora-server simulate`) runs the server's round engine in one process and its
-//! virtual clients on a pool of workers (`hora-client simulate-worker` processes). A worker holds
+//! virtual clients on a pool of workers (`hora-simulate-worker` processes). A worker holds
 //! no client: each [`Job`] names the client it trains for, the worker builds that client's data
 //! from `(data, seed, client)`, trains from the round's global model, and answers with the
 //! encoded update, exactly what a deployed client would seal and upload.

@@ -1,4 +1,4 @@
-//! The built-in population (`hora-client simulate-worker`): a client's data is made from
+//! The built-in population (`hora-simulate-worker`): a client's data is made from
 //! `(data, seed, client)` when its job comes (a synthetic shard is generated, never read from
 //! anyone else's; a dataset is read once per worker and the client's share of it taken by the
 //! partitioner), and its trainer is the [`SupervisedTrainer`] a deployed `hora-client train`

@@ -3,7 +3,7 @@
 //!
 //! A worker keeps no client between jobs. What a client is — its data and the trainer that
 //! trains on it — comes from a [`Population`], made on demand from the client's id: the
-//! built-in one ([`builtin`], `hora-client simulate-worker`) runs the [`SupervisedTrainer`] a
+//! built-in one ([`builtin`], `hora-simulate-worker`) runs the [`SupervisedTrainer`] a
 //! deployed `hora-client train` runs; the Python package's runs the user's `train_fn` or
 //! `TorchTrainer`, as a deployed `hora.Client` would. Everything around training is this
 //! module's, the same for both: the round's global model (read once per round from the

@@ -56,8 +56,8 @@ pub struct SimulateArgs {
     /// run the same command again after an interruption (synchronous tasks).
     #[arg(long, value_name = "DIR")]
     pub checkpoint: Option<PathBuf>,
-    /// The worker's command (default: the hora-client beside this program, else on PATH,
-    /// with `simulate-worker`).
+    /// The worker's command (default: the hora-simulate-worker beside this program, else on
+    /// PATH).
     #[arg(long, num_args = 1.., value_name = "PROGRAM [ARG]...")]
     pub worker_command: Option<Vec<OsString>>,
 }

@@ -7,7 +7,7 @@
 //!        │                        ▲ join, upload (plaintext: nothing is sealed)
 //!        └──▶ driver ─────────────┘
 //!               │ Train{client, round, model}       ▲ encoded update
-//!               └──▶ workers (hora-client simulate-worker) ──┘
+//!               └──▶ workers (hora-simulate-worker) ──┘
 //! ```
 //!
 //! The engine is the one `hora-server serve` runs; it enters the simulation through one seam,
@@ -66,7 +66,7 @@ pub struct Simulation {
     pub seed: u64,
     /// Worker processes (each trains one client at a time on one thread).
     pub workers: usize,
-    /// The worker's program and arguments (`hora-client simulate-worker`).
+    /// The worker's program and arguments (`hora-simulate-worker`).
     pub worker_command: Vec<OsString>,
     pub profile: Profile,
     /// After each published round, the model is evaluated on the pooled held-out data of this
@@ -96,12 +96,13 @@ impl From<crate::store::StoreError> for SimulationError {
     }
 }
 
-/// The `hora-client` next to the running program, else the one on `PATH`, as a worker command.
+/// The `hora-simulate-worker` next to the running program, else the one on `PATH`, as a worker
+/// command.
 pub fn default_worker_command() -> Vec<OsString> {
+    const WORKER: &str = "hora-simulate-worker";
     let beside = std::env::current_exe()
         .ok()
-        .and_then(|exe| exe.parent().map(|d| d.join("hora-client")))
+        .and_then(|exe| exe.parent().map(|d| d.join(WORKER)))
         .filter(|p| p.is_file());
-    let program = beside.map_or_else(|| OsString::from("hora-client"), |p| p.into_os_string());
-    vec![program, OsString::from("simulate-worker")]
+    vec![beside.map_or_else(|| OsString::from(WORKER), |p| p.into_os_string())]
 }

@@ -1,6 +1,6 @@
 //! The pool of worker processes a simulation's virtual clients train on.
 //!
-//! Each worker is a `hora-client simulate-worker` process (or any command that speaks
+//! Each worker is a `hora-simulate-worker` process (or any command that speaks
 //! hora-common's [`simulation`](hora_common::simulation) protocol) with a thread of ours that
 //! feeds it jobs from the pool's one queue and hands back its replies. A worker that dies, or
 //! answers nonsense, fails the job it held (the engine counts that client as dropped out) and
