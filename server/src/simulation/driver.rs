@@ -179,6 +179,17 @@ impl Ord for Arrival {
     }
 }
 
+/// A client the engine selected for a synchronous attempt.
+struct Selected {
+    client: u64,
+    examples: u64,
+    offer: wire::RoundOffer,
+    /// Simulated seconds from the attempt's start until its update would arrive.
+    took_s: f64,
+    /// Whether it drops out of the attempt (the profile's draw).
+    drops_out: bool,
+}
+
 /// What the round's clients sent, for its row.
 #[derive(Default)]
 struct Traffic {
@@ -456,25 +467,12 @@ impl<'s> Field<'s> {
     ) -> Result<(), SimulationError> {
         let config = self.task.record().config;
         let (number, attempt) = (round.number, round.attempt);
-        let capacity = crate::round::capacity(&config);
-        let sampling = client_seed(self.sim.seed ^ SAMPLING, number, attempt.into());
-        let candidates = self.online(capacity, sampling);
-        let sizes = self.sizes(&candidates).await?;
+        let candidates = self.candidates(&round).await?;
         let mut traffic = Traffic::default();
         let mut arrivals = Vec::new();
-        for (&client, examples) in candidates.iter().zip(sizes) {
-            let Some(offer) = self.join(client).await? else {
-                continue;
-            };
-            let device = self.sim.profile.device(self.sim.seed, client);
-            traffic.bytes_down += self.model_bytes();
-            if self.drops_out(client, number << 16 | u64::from(attempt), device.dropout) {
-                continue;
-            }
-            let samples = examples.saturating_mul(config.training.epochs.into());
-            let took = device.round_seconds(self.model_bytes(), samples, self.update_bytes());
-            if took <= self.deadline_s {
-                arrivals.push((took, client, offer));
+        for s in self.select(&round, candidates, &mut traffic).await? {
+            if !s.drops_out && s.took_s <= self.deadline_s {
+                arrivals.push((s.took_s, s.client, s.offer));
             }
         }
         arrivals.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
@@ -603,6 +601,45 @@ impl<'s> Field<'s> {
             }
         }
         Ok(())
+    }
+
+    /// The clients online for attempt `round` (drawn from the seed, the round and the attempt),
+    /// as many as it selects, with their training examples.
+    async fn candidates(&mut self, round: &Round) -> Result<Vec<(u64, u64)>, SimulationError> {
+        let capacity = crate::round::capacity(&self.task.record().config);
+        let sampling = client_seed(self.sim.seed ^ SAMPLING, round.number, round.attempt.into());
+        let clients = self.online(capacity, sampling);
+        let sizes = self.sizes(&clients).await?;
+        Ok(clients.into_iter().zip(sizes).collect())
+    }
+
+    /// Joins `candidates` to attempt `round` through the engine: those it selects, each with
+    /// its download counted, its dropout drawn and its update's arrival worked out.
+    async fn select(
+        &mut self,
+        round: &Round,
+        candidates: Vec<(u64, u64)>,
+        traffic: &mut Traffic,
+    ) -> Result<Vec<Selected>, SimulationError> {
+        let epochs = u64::from(self.task.record().config.training.epochs);
+        let nonce = round.number << 16 | u64::from(round.attempt);
+        let mut selected = Vec::with_capacity(candidates.len());
+        for (client, examples) in candidates {
+            let Some(offer) = self.join(client).await? else {
+                continue;
+            };
+            traffic.bytes_down += self.model_bytes();
+            let device = self.sim.profile.device(self.sim.seed, client);
+            let samples = examples.saturating_mul(epochs);
+            selected.push(Selected {
+                client,
+                examples,
+                offer,
+                took_s: device.round_seconds(self.model_bytes(), samples, self.update_bytes()),
+                drops_out: self.drops_out(client, nonce, device.dropout),
+            });
+        }
+        Ok(selected)
     }
 
     /// Up to `n` distinct clients online at the simulated time, drawn with `seed`.

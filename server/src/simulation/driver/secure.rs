@@ -26,7 +26,7 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::{ChaCha12Rng, ChaCha20Rng};
 use tokio::sync::oneshot;
 
-use super::{client_id, off_runtime, Field, Traffic, ENGINE_WAIT, SAMPLING};
+use super::{client_id, off_runtime, Field, Traffic, ENGINE_WAIT};
 use crate::error::ServerError;
 use crate::round::Round;
 use crate::secagg::{Outcome, SecAggRound, Stage};
@@ -55,29 +55,19 @@ impl Field<'_> {
         round: Arc<Round>,
         on_row: &mut (dyn FnMut(&super::Row) + Send),
     ) -> Result<(), SimulationError> {
-        let config = self.task.record().config;
         let (number, attempt) = (round.number, round.attempt);
-        let sampling = client_seed(self.sim.seed ^ SAMPLING, number, attempt.into());
-        let candidates = self.online(crate::round::capacity(&config), sampling);
-        let sizes = self.sizes(&candidates).await?;
-        self.enrol(&candidates).await?;
+        let candidates = self.candidates(&round).await?;
+        self.enrol(candidates.iter().map(|c| c.0).collect()).await?;
         let mut traffic = Traffic::default();
         let mut members = Vec::new();
-        for (&client, examples) in candidates.iter().zip(sizes) {
-            let Some(offer) = self.join(client).await? else {
-                continue;
-            };
-            traffic.bytes_down += self.model_bytes();
-            let device = self.sim.profile.device(self.sim.seed, client);
-            let samples = examples.saturating_mul(config.training.epochs.into());
-            let took = device.round_seconds(self.model_bytes(), samples, self.update_bytes());
-            let gone = self.drops_out(client, number << 16 | u64::from(attempt), device.dropout);
+        for s in self.select(&round, candidates, &mut traffic).await? {
             let ctx = Context::new(&self.task.id, number, attempt);
+            let arrives = !s.drops_out && s.examples > 0 && s.took_s <= self.deadline_s;
             members.push(Member {
-                client,
-                session: ClientSession::new(ctx, &client_id(client)).map_err(secagg)?,
-                arrives_s: (!gone && examples > 0 && took <= self.deadline_s).then_some(took),
-                offer,
+                client: s.client,
+                session: ClientSession::new(ctx, &client_id(s.client)).map_err(secagg)?,
+                arrives_s: arrives.then_some(s.took_s),
+                offer: s.offer,
             });
         }
         let offer = members
@@ -188,8 +178,8 @@ impl Field<'_> {
     }
 
     /// Registers the identity keys of `clients` that have none yet, as enrolment does.
-    async fn enrol(&self, clients: &[u64]) -> Result<(), SimulationError> {
-        let (store, seed, clients) = (self.store.clone(), self.sim.seed, clients.to_vec());
+    async fn enrol(&self, clients: Vec<u64>) -> Result<(), SimulationError> {
+        let (store, seed) = (self.store.clone(), self.sim.seed);
         off_runtime(move || {
             for client in clients {
                 let key = hex_key(&identity(seed, client)?);
