@@ -504,6 +504,20 @@ impl<'s> Field<'s> {
         if traffic.taken < target {
             self.coordinator.expire_round(&self.task, &round);
         }
+        self.attempt_ended(number, attempt, took, traffic, on_row)
+            .await
+    }
+
+    /// Once a synchronous attempt that took `took` simulated seconds is over in the field:
+    /// waits for the engine to close it, moves the clock on, and records its row.
+    async fn attempt_ended(
+        &mut self,
+        number: u64,
+        attempt: u32,
+        took: f64,
+        mut traffic: Traffic,
+        on_row: &mut (dyn FnMut(&Row) + Send),
+    ) -> Result<(), SimulationError> {
         // (The engine counts every selected client that sent nothing it took as dropped.)
         traffic.lost = 0;
         self.moved_on(number, attempt).await?;

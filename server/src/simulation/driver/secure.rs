@@ -81,12 +81,8 @@ impl Field<'_> {
                 self.deadline_s
             }
         };
-        // (The engine counts every selected client whose masked input is not in the sum as
-        // dropped.)
-        traffic.lost = 0;
-        self.moved_on(number, attempt).await?;
-        self.clock_s += took;
-        self.record(number, attempt, traffic, on_row).await
+        self.attempt_ended(number, attempt, took, traffic, on_row)
+            .await
     }
 
     /// The four stages for `members`; how long the round took (simulated seconds).
